@@ -1,0 +1,20 @@
+//! Generates the tonic/prost code from `proto/`. protoc comes from `PROTOC` if set, otherwise the
+//! vendored binary, so a fresh machine needs no system protoc.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::var_os("PROTOC").is_none() {
+        let protoc = protoc_bin_vendored::protoc_bin_path()?;
+        // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
+        unsafe { std::env::set_var("PROTOC", protoc) };
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let files = ["lunakv/master.proto"].map(|f| root.join(f));
+    for f in &files {
+        println!("cargo:rerun-if-changed={}", f.display());
+    }
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .compile_protos(&files, &[root])?;
+    Ok(())
+}

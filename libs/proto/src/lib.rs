@@ -1,0 +1,21 @@
+//! # lunakv-proto
+//!
+//! The wire contract between lunakv's services: the generated gRPC code for `proto/*.proto`, the
+//! Mooncake-compatible [`ErrorCode`]s carried in per-item results, and the key rules every side
+//! enforces. Used by the master (server), and by the client library, the store-client and the
+//! CLI (clients). Kept slim on purpose: no business logic lives here.
+
+mod codes;
+mod keys;
+
+pub use codes::ErrorCode;
+pub use keys::{KeyError, MAX_KEY_LEN, validate_key};
+
+/// Generated code for `proto/lunakv/master.proto`.
+pub mod master {
+    #![allow(clippy::all, rust_2018_idioms)]
+    tonic::include_proto!("lunakv.master.v1");
+}
+
+/// Re-exported so that users of the generated clients need not depend on tonic directly.
+pub use tonic;
