@@ -1,1 +1,364 @@
-//! placeholder
+//! # lunakv-tests
+//!
+//! Workspace-level end-to-end tests. They start the real binaries (`lunakv-master`,
+//! `lunakv-store`, `lunakv`) on loopback with ephemeral ports, read the addresses each one
+//! prints once bound, and drive them through the client library and the CLI. This crate's
+//! library is the harness; the tests live in `tests/tests/`.
+//!
+//! The binaries must be built first (`make test` does `cargo build --bins`).
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lunakv_client::{ClientOptions, StoreClient};
+
+/// Directory holding the workspace's binaries (next to the test executable's `deps/`).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().expect("deps dir").parent().expect("profile dir").to_path_buf();
+    dir
+}
+
+/// Path of one of the workspace's binaries; panics with the fix when it is not built.
+pub fn bin(name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: build the binaries first (`cargo build --bins`, or `make test`)",
+        p.display()
+    );
+    p
+}
+
+/// A running child process whose output is captured line by line.
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    lines: Arc<Mutex<Vec<String>>>,
+    rx: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    /// Spawns `bin` with `args` and `env`; stdout and stderr are captured (and echoed to stderr
+    /// with a prefix so a failing test shows what the service said).
+    pub fn spawn(bin_name: &str, args: &[String], env: &[(&str, &str)]) -> Proc {
+        let mut cmd = Command::new(bin(bin_name));
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {bin_name}: {e}"));
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::channel();
+        for stream in [
+            Box::new(child.stdout.take().expect("stdout")) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().expect("stderr")),
+        ] {
+            let lines = lines.clone();
+            let tx = tx.clone();
+            let tag = bin_name.to_owned();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    if std::env::var_os("LUNAKV_TEST_ECHO").is_some() {
+                        eprintln!("[{tag}] {line}");
+                    }
+                    lines.lock().expect("lines").push(line.clone());
+                    let _ = tx.send(line);
+                }
+            });
+        }
+        Proc {
+            name: bin_name.to_owned(),
+            child: Some(child),
+            lines,
+            rx,
+        }
+    }
+
+    /// Waits for a line containing `needle` and returns it.
+    pub fn wait_for_line(&self, needle: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        {
+            let seen = self.lines.lock().expect("lines");
+            if let Some(l) = seen.iter().find(|l| l.contains(needle)) {
+                return l.clone();
+            }
+        }
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(l) if l.contains(needle) => return l,
+                Ok(_) => {}
+                Err(_) => panic!(
+                    "{} did not print '{needle}' within {timeout:?}; output so far:\n{}",
+                    self.name,
+                    self.output()
+                ),
+            }
+        }
+    }
+
+    /// Everything the process printed so far.
+    pub fn output(&self) -> String {
+        self.lines.lock().expect("lines").join("\n")
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then wait up to `timeout` for a clean exit; returns the exit code.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<i32> {
+        let mut c = self.child.take()?;
+        // SAFETY: kill(2) on our own, not yet reaped, child.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                return st.code();
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Parses `key=value` tokens of a "listening" line.
+pub fn fields(line: &str) -> HashMap<String, String> {
+    line.split_whitespace()
+        .filter_map(|t| t.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.trim_matches(|c| c == '"' || c == ',').to_owned()))
+        .collect()
+}
+
+fn addr(line: &str, key: &str) -> SocketAddr {
+    let f = fields(line);
+    f.get(key)
+        .unwrap_or_else(|| panic!("no {key}= in '{line}'"))
+        .parse()
+        .unwrap_or_else(|e| panic!("bad {key} in '{line}': {e}"))
+}
+
+/// A `lunakv-master` on loopback with ephemeral ports and its own data dir.
+pub struct Master {
+    pub proc: Proc,
+    pub rpc: SocketAddr,
+    pub admin: SocketAddr,
+    pub data_dir: PathBuf,
+    extra: Vec<String>,
+}
+
+impl Master {
+    pub fn start(data_dir: &Path, extra: &[&str]) -> Master {
+        Self::start_with(data_dir, extra.iter().map(|s| s.to_string()).collect(), 0)
+    }
+
+    fn start_with(data_dir: &Path, extra: Vec<String>, rpc_port: u16) -> Master {
+        let mut args = vec![
+            "--rpc_address=127.0.0.1".to_owned(),
+            format!("--rpc_port={rpc_port}"),
+            "--metrics_port=0".to_owned(),
+            format!("--data_dir={}", data_dir.display()),
+        ];
+        args.extend(extra.iter().cloned());
+        let proc = Proc::spawn("lunakv-master", &args, &[]);
+        let line = proc.wait_for_line("listening", Duration::from_secs(20));
+        Master {
+            rpc: addr(&line, "rpc"),
+            admin: addr(&line, "admin"),
+            proc,
+            data_dir: data_dir.to_path_buf(),
+            extra,
+        }
+    }
+
+    /// kill -9 and start again on the same rpc port and data dir.
+    pub fn restart(&mut self) {
+        self.proc.kill9();
+        let port = self.rpc.port();
+        // The port can linger briefly; retry the bind a few times.
+        let next = Self::start_with(&self.data_dir, self.extra.clone(), port);
+        *self = next;
+    }
+
+    pub fn addr(&self) -> String {
+        self.rpc.to_string()
+    }
+
+    /// GET on the admin port; returns (status, body).
+    pub fn http_get(&self, path: &str) -> (u16, String) {
+        http_get(self.admin, path)
+    }
+
+    /// The value of an unlabelled metric from /metrics.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        let (_, body) = self.http_get("/metrics");
+        body.lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|l| {
+                let (n, v) = l.split_once(' ')?;
+                (n == name).then(|| v.trim().parse().ok())?
+            })
+    }
+}
+
+/// A `lunakv-store` owning a DRAM segment.
+pub struct Store {
+    pub proc: Proc,
+    pub transfer: SocketAddr,
+    pub admin: Option<SocketAddr>,
+}
+
+impl Store {
+    pub fn start(master: &str, size: &str, extra: &[&str]) -> Store {
+        let mut args = vec![
+            format!("--master_server_address={master}"),
+            "--host=127.0.0.1".to_owned(),
+            "--port=0".to_owned(),
+            "--metrics_port=0".to_owned(),
+            format!("--global_segment_size={size}"),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let proc = Proc::spawn("lunakv-store", &args, &[]);
+        let line = proc.wait_for_line("listening", Duration::from_secs(20));
+        let f = fields(&line);
+        Store {
+            transfer: addr(&line, "transfer"),
+            admin: f.get("admin").and_then(|a| a.parse().ok()),
+            proc,
+        }
+    }
+
+    /// The segment name the master knows this store by.
+    pub fn segment_name(&self) -> String {
+        self.transfer.to_string()
+    }
+}
+
+/// A requester (standalone-store mode) talking to `master`.
+pub fn requester(master: &str) -> StoreClient {
+    StoreClient::connect(ClientOptions {
+        master_server_address: master.to_owned(),
+        ..ClientOptions::default()
+    })
+    .expect("connect requester")
+}
+
+/// Same, with shared memory off so bytes move over tcp.
+pub fn tcp_requester(master: &str) -> StoreClient {
+    StoreClient::connect(ClientOptions {
+        master_server_address: master.to_owned(),
+        enable_shm: false,
+        ..ClientOptions::default()
+    })
+    .expect("connect requester")
+}
+
+/// An embedded-mode client contributing `size` bytes.
+pub fn embedded(master: &str, size: u64) -> StoreClient {
+    StoreClient::connect(ClientOptions {
+        master_server_address: master.to_owned(),
+        global_segment_size: size,
+        ..ClientOptions::default()
+    })
+    .expect("connect embedded client")
+}
+
+/// Deterministic pseudo-random bytes for `seed`, so every test compares real content.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Minimal HTTP/1.1 GET, enough for the admin endpoints.
+pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect admin");
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("send");
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).expect("read");
+    let text = String::from_utf8_lossy(&buf).to_string();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = match text.split_once("\r\n\r\n") {
+        Some((head, body)) if head.to_ascii_lowercase().contains("transfer-encoding: chunked") => dechunk(body),
+        Some((_, body)) => body.to_owned(),
+        None => String::new(),
+    };
+    (status, body)
+}
+
+fn dechunk(body: &str) -> String {
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || tail.len() < n {
+            break;
+        }
+        out.push_str(&tail[..n]);
+        rest = tail[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// Polls `f` until it returns Some or `timeout` passes.
+pub fn wait_until<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,1 +1,33 @@
-//! placeholder
+//! # lunakv-client
+//!
+//! The engine-side store API: what vLLM's `MooncakeStoreConnector` (through the Python module)
+//! and the `lunakv` CLI call to put and get KV-cache objects in the pool.
+//!
+//! - [`StoreClient`] talks to the master for placement and metadata and moves bytes with
+//!   `lunakv-transfer`, never through gRPC. It is blocking by design: engines call it from worker
+//!   threads (Python releases the GIL around it), so it owns a small tokio runtime for its RPCs.
+//! - The two modes of the seed: **embedded** (`global_segment_size > 0`: the client hosts a
+//!   segment of its own DRAM, served in-process) and **standalone-store** (`== 0`: a pure
+//!   requester against a `lunakv-store`'s pool).
+//! - [`SegmentHost`] mounts a segment with the master, pings, re-mounts with its inventory when
+//!   the master restarted, and unmounts on close. `lunakv-store` is a `SegmentHost` plus flags.
+//!
+//! Gets skip the master when the client already knows the object's generation and location
+//! (see docs/ARCHITECTURE.md, "The generation, and why gets skip the master").
+
+mod cache;
+mod error;
+mod host;
+mod location;
+mod options;
+mod store;
+
+pub use error::ClientError;
+pub use host::{HostOptions, SegmentHost};
+pub use location::{Location, ReplicaLocation};
+pub use lunakv_proto::ErrorCode;
+pub use options::{ClientOptions, Mode, ReplicateConfig};
+pub use store::StoreClient;
+
+/// Result alias for the client API.
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;

@@ -1,0 +1,85 @@
+//! Typed client errors. Callers branch on them in Rust; the Python surface maps them to
+//! Mooncake's negative codes with [`ClientError::code`].
+
+use lunakv_proto::ErrorCode;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The pool has no room even after eviction (upstream -200; vLLM pauses puts on it).
+    #[error("no space in the pool for '{key}' ({size} bytes): {message}")]
+    NoAvailableHandle {
+        key: String,
+        size: u64,
+        message: String,
+    },
+    #[error("object '{0}' not found")]
+    ObjectNotFound(String),
+    #[error("object '{0}' already exists: objects are immutable, remove it first")]
+    ObjectAlreadyExists(String),
+    #[error("object '{0}' is leased by a reader: retry after the lease expires or pass force")]
+    ObjectHasLease(String),
+    #[error("invalid key: {0}")]
+    InvalidKey(#[from] lunakv_proto::KeyError),
+    #[error("invalid argument: {0}")]
+    InvalidParams(String),
+    #[error("buffer of {have} bytes is too small for object '{key}' of {need} bytes")]
+    BufferTooSmall { key: String, need: u64, have: u64 },
+    #[error("transfer failed for '{key}': {source}")]
+    Transfer {
+        key: String,
+        #[source]
+        source: lunakv_transfer::TransferError,
+    },
+    #[error("master at {addr} unreachable or failed: {message}")]
+    Rpc { addr: String, message: String },
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("the client is closed")]
+    Closed,
+    /// Any other code the master returned for one item.
+    #[error("master answered {code} for '{key}': {message}")]
+    Master {
+        key: String,
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+impl ClientError {
+    /// Mooncake's error code for this error, as the Python API returns it.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ClientError::NoAvailableHandle { .. } => ErrorCode::NoAvailableHandle,
+            ClientError::ObjectNotFound(_) => ErrorCode::ObjectNotFound,
+            ClientError::ObjectAlreadyExists(_) => ErrorCode::ObjectAlreadyExists,
+            ClientError::ObjectHasLease(_) => ErrorCode::ObjectHasLease,
+            ClientError::InvalidKey(_) => ErrorCode::InvalidKey,
+            ClientError::InvalidParams(_) | ClientError::Config(_) => ErrorCode::InvalidParams,
+            ClientError::BufferTooSmall { .. } => ErrorCode::BufferOverflow,
+            ClientError::Transfer { .. } => ErrorCode::TransferFail,
+            ClientError::Rpc { .. } | ClientError::Closed => ErrorCode::RpcFail,
+            ClientError::Master { code, .. } => *code,
+        }
+    }
+
+    /// Builds the error for a per-item code from the master.
+    pub(crate) fn from_item(key: &str, size: u64, code: i32, message: &str) -> ClientError {
+        match ErrorCode::from_i32(code) {
+            ErrorCode::NoAvailableHandle => ClientError::NoAvailableHandle {
+                key: key.to_owned(),
+                size,
+                message: message.to_owned(),
+            },
+            ErrorCode::ObjectNotFound | ErrorCode::ReplicaIsNotReady => {
+                ClientError::ObjectNotFound(key.to_owned())
+            }
+            ErrorCode::ObjectAlreadyExists => ClientError::ObjectAlreadyExists(key.to_owned()),
+            ErrorCode::ObjectHasLease => ClientError::ObjectHasLease(key.to_owned()),
+            code => ClientError::Master {
+                key: key.to_owned(),
+                code,
+                message: message.to_owned(),
+            },
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! Hosting a segment: serve it, mount it with the master, keep the master informed.
+//!
+//! Shared by `lunakv-store` (a standalone owner of a big DRAM pool) and by [`crate::StoreClient`]
+//! in embedded mode, so both behave the same across master restarts: when a Ping answers
+//! `remount_required`, the host mounts again with its inventory and the master rebuilds its index
+//! without losing an object whose bytes survive.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lunakv_proto::master as pb;
+use lunakv_proto::master::master_client::MasterClient;
+use lunakv_transfer::{SegmentInfo, SegmentServer, SegmentServerConfig};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+
+use crate::ClientError;
+
+/// Most keys reported per Ping; the rest wait for the next one.
+const TOUCHED_KEYS_PER_PING: usize = 10_000;
+
+/// How to host a segment.
+#[derive(Debug, Clone)]
+pub struct HostOptions {
+    pub master_server_address: String,
+    pub client_id: String,
+    pub cluster_id: String,
+    /// Address the transfer listener binds (port 0 for an ephemeral port).
+    pub bind: SocketAddr,
+    /// Host to advertise in the segment name when it differs from the bind address.
+    pub advertise_host: Option<String>,
+    pub size: u64,
+    /// Unix socket that offers the memfd to same-host requesters (None = tcp only).
+    pub shm_socket: Option<PathBuf>,
+    pub protocol: String,
+    pub enable_offload: bool,
+    pub ping_interval: Duration,
+    pub rpc_timeout: Duration,
+}
+
+/// A mounted, served segment with its heartbeat.
+pub struct SegmentHost {
+    server: Arc<SegmentServer>,
+    info: SegmentInfo,
+    client_id: String,
+    master: MasterClient<Channel>,
+    master_addr: String,
+    stop: watch::Sender<bool>,
+    heartbeat: Option<JoinHandle<()>>,
+    rpc_timeout: Duration,
+}
+
+impl SegmentHost {
+    /// Starts serving the segment and mounts it. Fails if the master is unreachable or refuses
+    /// the mount (for example a cluster_id mismatch), with the master's message.
+    pub async fn start(opts: HostOptions) -> Result<SegmentHost, ClientError> {
+        let master = connect_master(&opts.master_server_address, opts.rpc_timeout).await?;
+        let server = SegmentServer::start(SegmentServerConfig {
+            bind: opts.bind,
+            size: opts.size,
+            shm_socket: opts.shm_socket.clone(),
+            advertise_host: opts.advertise_host.clone(),
+        })
+        .map_err(|e| ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind)))?;
+        let server = Arc::new(server);
+        let info = server.info();
+        let mounter = Mounter {
+            master: master.clone(),
+            master_addr: opts.master_server_address.clone(),
+            client_id: opts.client_id.clone(),
+            cluster_id: opts.cluster_id.clone(),
+            protocol: opts.protocol.clone(),
+            enable_offload: opts.enable_offload,
+            server: Some(server.clone()),
+        };
+        mounter.mount().await?;
+        let (stop, stop_rx) = watch::channel(false);
+        let heartbeat = tokio::spawn(heartbeat(mounter, opts.ping_interval, stop_rx));
+        Ok(SegmentHost {
+            server,
+            info,
+            client_id: opts.client_id,
+            master,
+            master_addr: opts.master_server_address,
+            stop,
+            heartbeat: Some(heartbeat),
+            rpc_timeout: opts.rpc_timeout,
+        })
+    }
+
+    pub fn info(&self) -> &SegmentInfo {
+        &self.info
+    }
+
+    pub fn server(&self) -> &SegmentServer {
+        &self.server
+    }
+
+    pub fn client_id(&self) -> &str {
+        &self.client_id
+    }
+
+    /// Graceful stop: unmount (the master drops this segment's replicas at once instead of after
+    /// client_ttl), then close the listeners.
+    pub async fn shutdown(mut self) -> Result<(), ClientError> {
+        let _ = self.stop.send(true);
+        if let Some(h) = self.heartbeat.take() {
+            let _ = h.await;
+        }
+        let mut master = self.master.clone();
+        let req = pb::UnmountSegmentRequest {
+            client_id: self.client_id.clone(),
+            segment_name: self.info.name.clone(),
+        };
+        let res = tokio::time::timeout(self.rpc_timeout, master.unmount_segment(req)).await;
+        self.server.shutdown();
+        match res {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(status)) => Err(rpc_error(&self.master_addr, &status)),
+            Err(_) => Err(ClientError::Rpc {
+                addr: self.master_addr.clone(),
+                message: "unmount timed out".to_owned(),
+            }),
+        }
+    }
+}
+
+impl Drop for SegmentHost {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        self.server.shutdown();
+    }
+}
+
+/// Mounts (and re-mounts) a segment; also drives the heartbeat of a pure requester, which has
+/// no segment.
+pub(crate) struct Mounter {
+    pub(crate) master: MasterClient<Channel>,
+    pub(crate) master_addr: String,
+    pub(crate) client_id: String,
+    pub(crate) cluster_id: String,
+    pub(crate) protocol: String,
+    pub(crate) enable_offload: bool,
+    pub(crate) server: Option<Arc<SegmentServer>>,
+}
+
+impl Mounter {
+    async fn mount(&self) -> Result<(), ClientError> {
+        let Some(server) = &self.server else {
+            return Ok(());
+        };
+        let info = server.info();
+        let inventory: Vec<pb::InventoryItem> = server
+            .inventory()
+            .into_iter()
+            .map(|e| pb::InventoryItem {
+                key: e.key,
+                offset: e.offset,
+                size: e.size,
+                generation: e.generation,
+            })
+            .collect();
+        let n = inventory.len();
+        let req = pb::MountSegmentRequest {
+            client_id: self.client_id.clone(),
+            cluster_id: self.cluster_id.clone(),
+            segment: Some(descriptor(&info, &self.protocol, self.enable_offload)),
+            inventory,
+        };
+        let resp = self
+            .master
+            .clone()
+            .mount_segment(req)
+            .await
+            .map_err(|s| rpc_error(&self.master_addr, &s))?
+            .into_inner();
+        tracing::info!(
+            segment = %info.name,
+            size = info.size,
+            inventory = n,
+            accepted = resp.accepted_objects,
+            rejected = resp.rejected_generations.len(),
+            "segment mounted"
+        );
+        Ok(())
+    }
+}
+
+pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut healthy = true;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        if *stop.borrow() {
+            return;
+        }
+        let touched = m
+            .server
+            .as_ref()
+            .map(|s| s.take_touched_keys(TOUCHED_KEYS_PER_PING))
+            .unwrap_or_default();
+        let req = pb::PingRequest {
+            client_id: m.client_id.clone(),
+            touched_keys: touched,
+        };
+        match tokio::time::timeout(every * 3, m.master.clone().ping(req)).await {
+            Ok(Ok(resp)) => {
+                if !healthy {
+                    tracing::info!(master = %m.master_addr, "master reachable again");
+                    healthy = true;
+                }
+                if resp.into_inner().remount_required && m.server.is_some() {
+                    tracing::warn!(master = %m.master_addr, "master does not know this client (restarted?): mounting again with inventory");
+                    if let Err(e) = m.mount().await {
+                        tracing::warn!(error = %e, "re-mount failed; retrying on the next ping");
+                    }
+                }
+            }
+            Ok(Err(status)) => {
+                if healthy {
+                    tracing::warn!(master = %m.master_addr, error = %status.message(), "ping failed; will keep trying");
+                    healthy = false;
+                }
+            }
+            Err(_) => {
+                if healthy {
+                    tracing::warn!(master = %m.master_addr, "ping timed out; will keep trying");
+                    healthy = false;
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn descriptor(info: &SegmentInfo, protocol: &str, enable_offload: bool) -> pb::SegmentDescriptor {
+    pb::SegmentDescriptor {
+        name: info.name.clone(),
+        transfer_endpoint: info.transfer_endpoint.clone(),
+        size: info.size,
+        host_id: info.host_id.clone(),
+        shm_socket: info.shm_socket.clone().unwrap_or_default(),
+        protocol: protocol.to_owned(),
+        enable_offload,
+    }
+}
+
+pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<MasterClient<Channel>, ClientError> {
+    let uri = if addr.contains("://") {
+        addr.to_owned()
+    } else {
+        format!("http://{addr}")
+    };
+    let endpoint = Channel::from_shared(uri).map_err(|e| ClientError::Config(format!(
+        "master_server_address '{addr}' is not a valid address ({e}): use host:port, e.g. \"127.0.0.1:50051\""
+    )))?;
+    let channel = endpoint
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(3).min(timeout))
+        .timeout(timeout)
+        .connect()
+        .await
+        .map_err(|e| ClientError::Rpc {
+            addr: addr.to_owned(),
+            message: format!("cannot connect ({}): is lunakv-master running there?", source_chain(&e)),
+        })?;
+    Ok(MasterClient::new(channel).max_decoding_message_size(256 << 20))
+}
+
+pub(crate) fn rpc_error(addr: &str, status: &tonic::Status) -> ClientError {
+    ClientError::Rpc {
+        addr: addr.to_owned(),
+        message: format!("{:?}: {}", status.code(), status.message()),
+    }
+}
+
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

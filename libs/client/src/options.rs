@@ -1,0 +1,94 @@
+//! Client options: what `setup` needs, from a struct or from mooncake_config.json.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::ClientError;
+
+/// The two topologies of the seed document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The client contributes `global_segment_size` bytes of its own DRAM, served in-process.
+    Embedded,
+    /// A pure requester against a `lunakv-store`'s pool (`global_segment_size == 0`).
+    StandaloneStore,
+}
+
+/// Everything a [`crate::StoreClient`] needs. Field names follow mooncake_config.json.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// host:port of the master's gRPC endpoint.
+    pub master_server_address: String,
+    /// Address this client's segment listener binds and advertises (embedded mode).
+    pub local_hostname: String,
+    pub global_segment_size: u64,
+    /// Upstream registers a staging buffer of this size with its transfer engine. lunakv moves
+    /// bytes straight between caller buffers and segments, so it is only validated (> 0).
+    pub local_buffer_size: u64,
+    pub protocol: String,
+    /// Use shared memory for segments on this host (default true; `LUNAKV_DISABLE_SHM=1` or
+    /// `"enable_shm": false` turn it off).
+    pub enable_shm: bool,
+    /// Segment name ("host:port") that puts should land on first (MOONCAKE_PREFERRED_SEGMENT).
+    pub preferred_segment: Option<String>,
+    pub cluster_id: String,
+    pub rpc_timeout: Duration,
+    pub location_cache_capacity: usize,
+    /// Directory for the embedded segment's shm socket (default: the system temp dir).
+    pub shm_dir: Option<PathBuf>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            master_server_address: "127.0.0.1:50051".to_owned(),
+            local_hostname: "127.0.0.1".to_owned(),
+            global_segment_size: 0,
+            local_buffer_size: 64 << 20,
+            protocol: "tcp".to_owned(),
+            enable_shm: true,
+            preferred_segment: None,
+            cluster_id: "mooncake_cluster".to_owned(),
+            rpc_timeout: Duration::from_secs(10),
+            location_cache_capacity: 1 << 20,
+            shm_dir: None,
+        }
+    }
+}
+
+impl ClientOptions {
+    pub fn mode(&self) -> Mode {
+        if self.global_segment_size > 0 {
+            Mode::Embedded
+        } else {
+            Mode::StandaloneStore
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ClientError> {
+        if self.local_buffer_size == 0 {
+            return Err(ClientError::Config("local_buffer_size must be > 0".to_owned()));
+        }
+        if self.master_server_address.is_empty() {
+            return Err(ClientError::Config(
+                "master_server_address is empty: set it to the master's host:port, e.g. \"127.0.0.1:50051\"".to_owned(),
+            ));
+        }
+        if self.protocol != "tcp" {
+            return Err(ClientError::Config(format!(
+                "protocol '{}' is not available in this build: use \"tcp\" (same-host segments use shared memory automatically)",
+                self.protocol
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// How many copies to place and where; mirrors upstream's `ReplicateConfig`.
+#[derive(Debug, Clone, Default)]
+pub struct ReplicateConfig {
+    pub replica_num: u32,
+    pub preferred_segment: Option<String>,
+    pub with_soft_pin: bool,
+    pub with_hard_pin: bool,
+}

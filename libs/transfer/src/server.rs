@@ -1,0 +1,513 @@
+//! The segment owner's side: a memfd segment, its entry table, a tcp listener and (optionally)
+//! a unix socket for same-host requesters. One std thread per connection: a connection is a
+//! long-lived pooled stream from one requester thread, and blocking I/O straight between the
+//! socket and the mmap is the fastest thing on a small box.
+
+use std::collections::HashMap;
+use std::io::{self, BufReader, IoSlice, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::mem::Mapping;
+use crate::table::{PinId, PinResult, Table};
+use crate::wire::{self, Op, Request, Response, Status};
+use crate::{Entry, SegmentInfo, SegmentServerConfig, SegmentStats, TransferError, host_id, tune_socket};
+
+/// How long a WRITE waits for readers of the entries it overwrites before writing anyway.
+const OVERWRITE_PIN_WAIT: Duration = Duration::from_secs(5);
+/// Most pins one unix connection may hold (bounds memory a misbehaving peer can take).
+const MAX_PINS_PER_CONN: usize = 1 << 16;
+/// Buffer for request headers: pipelined small requests are parsed from one read.
+const READ_BUF: usize = 16 * 1024;
+
+#[derive(Default)]
+struct Counters {
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    reads: AtomicU64,
+    writes: AtomicU64,
+}
+
+enum Live {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+struct Shared {
+    mem: Mapping,
+    table: Table,
+    counters: Counters,
+    stopping: AtomicBool,
+    /// Clones of every open connection, so shutdown can unblock their threads.
+    conns: Mutex<HashMap<u64, Live>>,
+    next_conn: AtomicU64,
+}
+
+/// Owns a memfd-backed segment plus its entry table and serves it over tcp (and a unix socket
+/// for shm). Stops on [`SegmentServer::shutdown`] or drop.
+pub struct SegmentServer {
+    shared: Arc<Shared>,
+    local_addr: SocketAddr,
+    info: SegmentInfo,
+    unix_path: Option<PathBuf>,
+    acceptors: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl SegmentServer {
+    /// Creates the segment and binds exactly `cfg.bind` (and `cfg.shm_socket` if set).
+    pub fn start(cfg: SegmentServerConfig) -> Result<SegmentServer, TransferError> {
+        if cfg.size == 0 {
+            return Err(TransferError::InvalidArgument(
+                "segment size is 0; a pure requester does not start a SegmentServer".into(),
+            ));
+        }
+        let mem = Mapping::create(cfg.size).map_err(|e| {
+            TransferError::InvalidArgument(format!(
+                "cannot create a {} byte memfd segment: {e}; lower the segment size or raise memory limits",
+                cfg.size
+            ))
+        })?;
+        let listener = TcpListener::bind(cfg.bind).map_err(|e| TransferError::Connect {
+            endpoint: format!("bind {}", cfg.bind),
+            source: e,
+        })?;
+        let local_addr = listener.local_addr().map_err(|e| TransferError::Io(cfg.bind.to_string(), e))?;
+        let unix = match &cfg.shm_socket {
+            Some(path) => {
+                // A socket file left by a previous run would make bind fail with EADDRINUSE.
+                if std::fs::symlink_metadata(path).is_ok_and(|m| {
+                    use std::os::unix::fs::FileTypeExt;
+                    m.file_type().is_socket()
+                }) {
+                    let _ = std::fs::remove_file(path);
+                }
+                Some(UnixListener::bind(path).map_err(|e| TransferError::ShmUnavailable(format!(
+                    "cannot bind shm socket {}: {e}; pick a writable path or disable shm",
+                    path.display()
+                )))?)
+            }
+            None => None,
+        };
+        let host = cfg.advertise_host.clone().unwrap_or_else(|| local_addr.ip().to_string());
+        let endpoint = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{}", local_addr.port())
+        } else {
+            format!("{host}:{}", local_addr.port())
+        };
+        let info = SegmentInfo {
+            name: endpoint.clone(),
+            transfer_endpoint: endpoint,
+            size: cfg.size,
+            host_id: host_id(),
+            shm_socket: cfg.shm_socket.as_ref().map(|p| p.display().to_string()),
+        };
+        let shared = Arc::new(Shared {
+            mem,
+            table: Table::default(),
+            counters: Counters::default(),
+            stopping: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(0),
+        });
+        let mut acceptors = Vec::new();
+        let s = shared.clone();
+        acceptors.push(spawn("lunakv-seg-accept", move || accept_tcp(s, listener))?);
+        if let Some(unix) = unix {
+            let s = shared.clone();
+            acceptors.push(spawn("lunakv-seg-shm", move || accept_unix(s, unix))?);
+        }
+        tracing::info!(addr = %local_addr, size = cfg.size, shm = ?cfg.shm_socket, "segment server started");
+        Ok(SegmentServer {
+            shared,
+            local_addr,
+            info,
+            unix_path: cfg.shm_socket,
+            acceptors: Mutex::new(acceptors),
+        })
+    }
+
+    /// The bound tcp address (the real port when `bind` had port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// What to register with the master.
+    pub fn info(&self) -> SegmentInfo {
+        self.info.clone()
+    }
+
+    /// Committed entries, in offset order (reported to a restarted master).
+    pub fn inventory(&self) -> Vec<Entry> {
+        self.shared.table.inventory()
+    }
+
+    /// Up to `max` distinct keys read since the last call (the rest stay for the next call).
+    pub fn take_touched_keys(&self, max: usize) -> Vec<String> {
+        self.shared.table.take_touched_keys(max)
+    }
+
+    pub fn stats(&self) -> SegmentStats {
+        let c = &self.shared.counters;
+        let (entries, used_bytes) = self.shared.table.counts();
+        SegmentStats {
+            bytes_read: c.bytes_read.load(Ordering::Relaxed),
+            bytes_written: c.bytes_written.load(Ordering::Relaxed),
+            reads: c.reads.load(Ordering::Relaxed),
+            writes: c.writes.load(Ordering::Relaxed),
+            entries,
+            used_bytes,
+        }
+    }
+
+    /// Stops the listeners and closes every connection (their pins are released). Idempotent.
+    pub fn shutdown(&self) {
+        if self.shared.stopping.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // Wake the blocking accept calls; they see `stopping` and return.
+        let wake = if self.local_addr.ip().is_unspecified() {
+            SocketAddr::new(
+                if self.local_addr.is_ipv4() {
+                    std::net::Ipv4Addr::LOCALHOST.into()
+                } else {
+                    std::net::Ipv6Addr::LOCALHOST.into()
+                },
+                self.local_addr.port(),
+            )
+        } else {
+            self.local_addr
+        };
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        if let Some(p) = &self.unix_path {
+            let _ = UnixStream::connect(p);
+        }
+        for h in self.acceptors.lock().drain(..) {
+            let _ = h.join();
+        }
+        for (_, c) in self.shared.conns.lock().drain() {
+            let _ = match c {
+                Live::Tcp(s) => s.shutdown(Shutdown::Both),
+                Live::Unix(s) => s.shutdown(Shutdown::Both),
+            };
+        }
+        if let Some(p) = &self.unix_path {
+            let _ = std::fs::remove_file(p);
+        }
+        tracing::info!(addr = %self.local_addr, "segment server stopped");
+    }
+}
+
+impl Drop for SegmentServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, TransferError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map_err(|e| TransferError::Io(format!("spawning {name}"), e))
+}
+
+fn accept_tcp(shared: Arc<Shared>, listener: TcpListener) {
+    for conn in listener.incoming() {
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        match conn {
+            Ok(stream) => {
+                tune_socket(&stream);
+                let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+                let Ok(clone) = stream.try_clone() else { continue };
+                shared.conns.lock().insert(id, Live::Tcp(clone));
+                let s = shared.clone();
+                let r = std::thread::Builder::new()
+                    .name("lunakv-seg-tcp".into())
+                    .spawn(move || {
+                        run_conn(&s, stream, false);
+                        s.conns.lock().remove(&id);
+                    });
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "cannot spawn a connection thread; dropping the connection");
+                    shared.conns.lock().remove(&id);
+                }
+            }
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn accept_unix(shared: Arc<Shared>, listener: UnixListener) {
+    for conn in listener.incoming() {
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        match conn {
+            Ok(stream) => {
+                let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+                let Ok(clone) = stream.try_clone() else { continue };
+                shared.conns.lock().insert(id, Live::Unix(clone));
+                let s = shared.clone();
+                let r = std::thread::Builder::new()
+                    .name("lunakv-seg-shm".into())
+                    .spawn(move || {
+                        run_conn(&s, stream, true);
+                        s.conns.lock().remove(&id);
+                    });
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "cannot spawn a connection thread; dropping the connection");
+                    shared.conns.lock().remove(&id);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept on the shm socket failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+/// A connected stream either listener hands out.
+trait Stream: Read + Write + AsFd + Sized {
+    fn clone_stream(&self) -> io::Result<Self>;
+}
+impl Stream for TcpStream {
+    fn clone_stream(&self) -> io::Result<Self> {
+        self.try_clone()
+    }
+}
+impl Stream for UnixStream {
+    fn clone_stream(&self) -> io::Result<Self> {
+        self.try_clone()
+    }
+}
+
+/// Why a connection ends: a clean close, or something to log.
+enum End {
+    Closed,
+    Io(io::Error),
+    Garbage(String),
+}
+
+impl From<io::Error> for End {
+    fn from(e: io::Error) -> End {
+        End::Io(e)
+    }
+}
+
+fn run_conn<S: Stream>(shared: &Shared, stream: S, unix: bool) {
+    let mut pins: Vec<(u64, u64, u64, PinId)> = Vec::new();
+    let end = match stream.clone_stream() {
+        Ok(r) => serve(shared, BufReader::with_capacity(READ_BUF, r), stream, unix, &mut pins),
+        Err(e) => End::Io(e),
+    };
+    // A connection that dies releases its pins, so FREE never waits on a crashed reader.
+    for (_, _, _, pin) in pins {
+        shared.table.unpin(pin);
+    }
+    match end {
+        End::Closed => {}
+        End::Io(e) => tracing::debug!(error = %e, "transfer connection closed"),
+        End::Garbage(why) => tracing::warn!(%why, "closing a transfer connection that sent a bad frame"),
+    }
+}
+
+fn reply<W: Write>(w: &mut W, status: Status, value: u64, msg: &str) -> io::Result<()> {
+    let hdr = Response {
+        status,
+        value,
+        len: msg.len() as u64,
+    }
+    .encode();
+    if msg.is_empty() {
+        w.write_all(&hdr)
+    } else {
+        crate::vio::write_all_gather(w, &[&hdr, msg.as_bytes()], &[])
+    }
+}
+
+fn serve<S: Stream>(
+    shared: &Shared,
+    mut rd: BufReader<S>,
+    mut wr: S,
+    unix: bool,
+    pins: &mut Vec<(u64, u64, u64, PinId)>,
+) -> End {
+    let size = shared.mem.len();
+    let mut key_buf: Vec<u8> = Vec::with_capacity(256);
+    let mut free_buf: Vec<u8> = Vec::new();
+    loop {
+        let mut hdr = [0u8; wire::REQ_LEN];
+        // EOF before the first byte of a frame is a clean close; inside a frame it is truncation.
+        match rd.read(&mut hdr[..1]) {
+            Ok(0) => return End::Closed,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return End::Io(e),
+        }
+        if let Err(e) = rd.read_exact(&mut hdr[1..]) {
+            return End::Garbage(format!("truncated header: {e}"));
+        }
+        let req = match Request::decode(&hdr) {
+            Ok(r) => r,
+            Err(why) => return End::Garbage(why),
+        };
+        let shm_only = matches!(req.op, Op::Attach | Op::Pin | Op::Unpin | Op::Commit);
+        if shm_only && !unix {
+            return End::Garbage(format!("{:?} is only valid on the shm unix socket", req.op));
+        }
+        match req.op {
+            Op::Write | Op::Commit => {
+                let key_len = req.key_len as usize;
+                if key_len > wire::MAX_KEY_LEN {
+                    return End::Garbage(format!("key length {key_len} > {}", wire::MAX_KEY_LEN));
+                }
+                key_buf.resize(key_len, 0);
+                rd.read_exact(&mut key_buf)?;
+                let payload = if req.op == Op::Write { req.len } else { 0 };
+                if req.len == 0 {
+                    reply(&mut wr, Status::BadRequest, 0, "zero-length object")?;
+                    continue;
+                }
+                let Some((off, len)) = shared.mem.check(req.offset, req.len) else {
+                    if payload > size {
+                        // Cannot be a real object of this segment: a garbage length.
+                        return End::Garbage(format!("write length {} > segment size {size}", req.len));
+                    }
+                    crate::vio::discard(&mut rd, payload)?;
+                    reply(&mut wr, Status::OutOfBounds, size, "range outside the segment")?;
+                    continue;
+                };
+                if req.op == Op::Write {
+                    shared.table.invalidate_range(req.offset, req.len, OVERWRITE_PIN_WAIT);
+                    // SAFETY: [off, off+len) was bounds-checked against the mapping, and the
+                    // entries there were just retired and their readers waited for, so nothing
+                    // else reads this range through a reference while we fill it. The slice
+                    // lives only for this read_exact.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(shared.mem.ptr_at(off), len) };
+                    rd.read_exact(dst)?;
+                }
+                let Ok(key) = std::str::from_utf8(&key_buf) else {
+                    reply(&mut wr, Status::BadRequest, 0, "key is not UTF-8")?;
+                    continue;
+                };
+                shared.table.commit(req.generation, key.to_owned(), req.offset, req.len);
+                shared.counters.writes.fetch_add(1, Ordering::Relaxed);
+                shared.counters.bytes_written.fetch_add(req.len, Ordering::Relaxed);
+                reply(&mut wr, Status::Ok, 0, "")?;
+            }
+            Op::Read | Op::Pin => {
+                if req.len == 0 {
+                    reply(&mut wr, Status::BadRequest, 0, "zero-length read")?;
+                    continue;
+                }
+                let Some((off, len)) = shared.mem.check(req.offset, req.len) else {
+                    reply(&mut wr, Status::OutOfBounds, size, "range outside the segment")?;
+                    continue;
+                };
+                if req.op == Op::Pin && pins.len() >= MAX_PINS_PER_CONN {
+                    reply(&mut wr, Status::BadRequest, 0, "too many pins on one connection")?;
+                    continue;
+                }
+                let pin = match shared.table.pin(req.generation, req.offset, req.len) {
+                    PinResult::Pinned(p) => p,
+                    PinResult::Stale => {
+                        reply(&mut wr, Status::Stale, 0, "")?;
+                        continue;
+                    }
+                };
+                shared.counters.reads.fetch_add(1, Ordering::Relaxed);
+                shared.counters.bytes_read.fetch_add(req.len, Ordering::Relaxed);
+                if req.op == Op::Pin {
+                    pins.push((req.generation, req.offset, req.len, pin));
+                    reply(&mut wr, Status::Ok, 0, "")?;
+                    continue;
+                }
+                let hdr = Response {
+                    status: Status::Ok,
+                    value: 0,
+                    len: req.len,
+                }
+                .encode();
+                // SAFETY: the range is bounds-checked and the entry is pinned, so no WRITE or
+                // FREE reuses it until we unpin; the slice only lives for this writev.
+                let body = unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(off), len) };
+                let r = crate::vio::write_all_gather(&mut wr, &[&hdr, body], &[]);
+                shared.table.unpin(pin);
+                r?;
+            }
+            Op::Unpin => {
+                if let Some(i) = pins
+                    .iter()
+                    .position(|&(g, o, l, _)| (g, o, l) == (req.generation, req.offset, req.len))
+                {
+                    let (_, _, _, pin) = pins.swap_remove(i);
+                    shared.table.unpin(pin);
+                }
+            }
+            Op::Free => {
+                let count = req.key_len;
+                if count > wire::MAX_FREE_ITEMS {
+                    return End::Garbage(format!("FREE of {count} items > {}", wire::MAX_FREE_ITEMS));
+                }
+                free_buf.resize(count as usize * 16, 0);
+                rd.read_exact(&mut free_buf)?;
+                let items: Vec<(u64, u64)> = free_buf
+                    .chunks_exact(16)
+                    .map(|c| {
+                        let (g, o) = c.split_at(8);
+                        (
+                            u64::from_le_bytes(g.try_into().unwrap_or_default()),
+                            u64::from_le_bytes(o.try_into().unwrap_or_default()),
+                        )
+                    })
+                    .collect();
+                if shared.table.free(&items, Duration::from_millis(u64::from(req.aux))) {
+                    reply(&mut wr, Status::Ok, 0, "")?;
+                } else {
+                    reply(&mut wr, Status::Timeout, 0, "entries dropped but readers still hold pins")?;
+                }
+            }
+            Op::Attach => {
+                send_fd(&wr, shared)?;
+            }
+        }
+    }
+}
+
+/// ATTACH: the response header travels with the memfd in SCM_RIGHTS.
+fn send_fd<S: AsFd>(sock: &S, shared: &Shared) -> io::Result<()> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
+    let hdr = Response {
+        status: Status::Ok,
+        value: shared.mem.len(),
+        len: 0,
+    }
+    .encode();
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut cmsg = SendAncillaryBuffer::new(&mut space);
+    let fds = [shared.mem.fd().as_fd()];
+    if !cmsg.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(io::Error::other("ancillary buffer too small for one fd"));
+    }
+    let sent = sendmsg(sock, &[IoSlice::new(&hdr)], &mut cmsg, SendFlags::NOSIGNAL)?;
+    if sent < hdr.len() {
+        // The fd went with the first byte; the rest of the header follows as plain data.
+        let mut w = sock.as_fd().try_clone_to_owned().map(std::fs::File::from)?;
+        w.write_all(&hdr[sent..])?;
+    }
+    Ok(())
+}

@@ -1,0 +1,233 @@
+//! The entry table: which generation lives at which range, and who is reading it.
+//!
+//! Live entries never overlap (a write removes every live entry it overlaps), so a `BTreeMap`
+//! keyed by offset finds overlaps with one predecessor lookup plus a range scan. An entry removed
+//! while pinned stays in `entries` (not live) until its last pin drops, so FREE and overwriting
+//! writes can wait for readers that are still copying its bytes.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::Entry;
+
+struct Rec {
+    generation: u64,
+    key: String,
+    offset: u64,
+    len: u64,
+    pins: u32,
+    live: bool,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Internal entry id -> record. Ids (not generations) name pins so a re-put of the same
+    /// generation cannot be unpinned by the previous entry's reader.
+    entries: HashMap<u64, Rec>,
+    /// Live entries only.
+    by_gen: HashMap<u64, u64>,
+    /// Live entries only: offset -> id.
+    by_offset: BTreeMap<u64, u64>,
+    next_id: u64,
+    used: u64,
+    /// Ids of entries read since the last `take_touched_keys`.
+    touched: HashSet<u64>,
+}
+
+/// A pin on an entry; hand it back to [`Table::unpin`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PinId(u64);
+
+pub(crate) enum PinResult {
+    Pinned(PinId),
+    Stale,
+}
+
+#[derive(Default)]
+pub(crate) struct Table {
+    inner: Mutex<Inner>,
+    unpinned: Condvar,
+}
+
+impl Inner {
+    /// Makes an entry not live; returns its id if it is still pinned (someone must wait).
+    fn retire(&mut self, id: u64) -> Option<u64> {
+        let rec = self.entries.get_mut(&id)?;
+        if !rec.live {
+            return (rec.pins > 0).then_some(id);
+        }
+        rec.live = false;
+        self.used -= rec.len;
+        if self.by_gen.get(&rec.generation) == Some(&id) {
+            self.by_gen.remove(&rec.generation);
+        }
+        self.by_offset.remove(&rec.offset);
+        if rec.pins == 0 {
+            self.entries.remove(&id);
+            None
+        } else {
+            Some(id)
+        }
+    }
+
+    /// Ids of live entries overlapping `[offset, end)`.
+    fn overlapping(&self, offset: u64, end: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        if let Some((_, &id)) = self.by_offset.range(..offset).next_back() {
+            let r = &self.entries[&id];
+            if r.offset + r.len > offset {
+                out.push(id);
+            }
+        }
+        out.extend(self.by_offset.range(offset..end).map(|(_, &id)| id));
+        out
+    }
+}
+
+impl Table {
+    /// Pins the entry `(generation, offset, len)` if it exists exactly; records the read.
+    pub(crate) fn pin(&self, generation: u64, offset: u64, len: u64) -> PinResult {
+        let mut g = self.inner.lock();
+        let Some(&id) = g.by_gen.get(&generation) else {
+            return PinResult::Stale;
+        };
+        let Some(rec) = g.entries.get_mut(&id) else {
+            return PinResult::Stale;
+        };
+        if rec.offset != offset || rec.len != len {
+            return PinResult::Stale;
+        }
+        rec.pins += 1;
+        g.touched.insert(id);
+        PinResult::Pinned(PinId(id))
+    }
+
+    pub(crate) fn unpin(&self, pin: PinId) {
+        let mut g = self.inner.lock();
+        let Some(rec) = g.entries.get_mut(&pin.0) else {
+            return;
+        };
+        rec.pins = rec.pins.saturating_sub(1);
+        if rec.pins == 0 && !rec.live {
+            g.entries.remove(&pin.0);
+            drop(g);
+            self.unpinned.notify_all();
+        }
+    }
+
+    /// Called before bytes land in `[offset, offset+len)`: retires every live entry there (new
+    /// reads answer STALE) and waits up to `wait` for readers still copying them.
+    pub(crate) fn invalidate_range(&self, offset: u64, len: u64, wait: Duration) {
+        let mut g = self.inner.lock();
+        let ids = g.overlapping(offset, offset + len);
+        let pinned: Vec<u64> = ids.into_iter().filter_map(|id| g.retire(id)).collect();
+        if !pinned.is_empty() {
+            self.wait_gone(&mut g, &pinned, Instant::now() + wait);
+        }
+    }
+
+    /// Records a committed entry, retiring anything it overlaps (a no-op when the WRITE path
+    /// already invalidated; the shm COMMIT path relies on it).
+    pub(crate) fn commit(&self, generation: u64, key: String, offset: u64, len: u64) {
+        let mut g = self.inner.lock();
+        for id in g.overlapping(offset, offset + len) {
+            g.retire(id);
+        }
+        if let Some(&old) = g.by_gen.get(&generation) {
+            g.retire(old);
+        }
+        let id = g.next_id;
+        g.next_id += 1;
+        g.entries.insert(
+            id,
+            Rec {
+                generation,
+                key,
+                offset,
+                len,
+                pins: 0,
+                live: true,
+            },
+        );
+        g.by_gen.insert(generation, id);
+        g.by_offset.insert(offset, id);
+        g.used += len;
+    }
+
+    /// FREE: drops the entries `(generation, offset)` and waits until their pins are gone.
+    /// Returns false if `timeout` elapsed with pins still held (the entries are dropped anyway).
+    pub(crate) fn free(&self, items: &[(u64, u64)], timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut g = self.inner.lock();
+        let mut pinned = Vec::new();
+        for &(generation, offset) in items {
+            let Some(&id) = g.by_gen.get(&generation) else { continue };
+            if g.entries[&id].offset != offset {
+                continue;
+            }
+            if let Some(id) = g.retire(id) {
+                pinned.push(id);
+            }
+        }
+        pinned.is_empty() || self.wait_gone(&mut g, &pinned, deadline)
+    }
+
+    fn wait_gone(&self, g: &mut parking_lot::MutexGuard<'_, Inner>, ids: &[u64], deadline: Instant) -> bool {
+        loop {
+            if ids.iter().all(|id| !g.entries.contains_key(id)) {
+                return true;
+            }
+            if self.unpinned.wait_until(g, deadline).timed_out() {
+                return ids.iter().all(|id| !g.entries.contains_key(id));
+            }
+        }
+    }
+
+    pub(crate) fn inventory(&self) -> Vec<Entry> {
+        let g = self.inner.lock();
+        g.by_offset
+            .values()
+            .map(|id| {
+                let r = &g.entries[id];
+                Entry {
+                    key: r.key.clone(),
+                    offset: r.offset,
+                    size: r.len,
+                    generation: r.generation,
+                }
+            })
+            .collect()
+    }
+
+    pub(crate) fn take_touched_keys(&self, max: usize) -> Vec<String> {
+        let mut g = self.inner.lock();
+        let mut keys: Vec<String> = Vec::new();
+        let mut seen = HashSet::new();
+        let mut taken = Vec::new();
+        for &id in g.touched.iter() {
+            if keys.len() >= max {
+                break;
+            }
+            taken.push(id);
+            // Entries freed since the read are skipped: the master already forgot them.
+            if let Some(r) = g.entries.get(&id).filter(|r| r.live)
+                && seen.insert(r.key.as_str())
+            {
+                keys.push(r.key.clone());
+            }
+        }
+        drop(seen);
+        for id in taken {
+            g.touched.remove(&id);
+        }
+        keys
+    }
+
+    /// (entries, used bytes)
+    pub(crate) fn counts(&self) -> (u64, u64) {
+        let g = self.inner.lock();
+        (g.by_gen.len() as u64, g.used)
+    }
+}

@@ -1,0 +1,212 @@
+//! The transfer wire format, shared by the tcp listener and the unix (shm) socket.
+//!
+//! Every frame is little-endian and fixed-size so both sides parse it from a stack buffer
+//! without allocating. A request is a [`REQ_LEN`]-byte header, then (for `WRITE`/`COMMIT`)
+//! `key_len` key bytes, then (for `WRITE`) `len` payload bytes, or (for `FREE`) `count`
+//! 16-byte `(generation, offset)` pairs. A response is a [`RESP_LEN`]-byte header followed by
+//! `len` bytes: the object for an OK `READ`, a UTF-8 message for an error status.
+//!
+//! It is public so tests (and future non-Rust peers) can speak it directly.
+
+/// First four bytes of every frame ("LKV1" read as a little-endian u32).
+pub const MAGIC: u32 = u32::from_le_bytes(*b"LKV1");
+/// Request header length in bytes.
+pub const REQ_LEN: usize = 40;
+/// Response header length in bytes.
+pub const RESP_LEN: usize = 24;
+/// Longest key accepted; longer keys close the connection (a peer bug or garbage).
+pub const MAX_KEY_LEN: usize = 4096;
+/// Most `(generation, offset)` pairs in one `FREE`.
+pub const MAX_FREE_ITEMS: u32 = 1 << 20;
+/// Longest error message a response may carry.
+pub const MAX_MSG_LEN: u64 = 64 * 1024;
+
+/// Request operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    /// `WRITE(gen, key, offset, len)` + key + payload; answers OK once the entry is committed.
+    Write = 1,
+    /// `READ(gen, offset, len)`; answers OK + the bytes, or STALE.
+    Read = 2,
+    /// `FREE` of `count` pairs, waiting up to `aux` ms for pins; answers OK or TIMEOUT.
+    Free = 3,
+    /// Unix socket only: answers OK (value = segment size) with the memfd in SCM_RIGHTS.
+    Attach = 4,
+    /// Unix socket only: `PIN(gen, offset, len)`; answers OK or STALE. Pins die with the connection.
+    Pin = 5,
+    /// Unix socket only: `UNPIN(gen, offset, len)`; no response (saves a round trip per get).
+    Unpin = 6,
+    /// Unix socket only: `COMMIT(gen, key, offset, len)` + key, after the requester's memcpy.
+    Commit = 7,
+}
+
+impl Op {
+    /// Parses an op byte; `None` for garbage.
+    pub fn from_u8(v: u8) -> Option<Op> {
+        Some(match v {
+            1 => Op::Write,
+            2 => Op::Read,
+            3 => Op::Free,
+            4 => Op::Attach,
+            5 => Op::Pin,
+            6 => Op::Unpin,
+            7 => Op::Commit,
+            _ => return None,
+        })
+    }
+}
+
+/// Response statuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Status {
+    Ok = 0,
+    /// No entry with that generation/offset/len: evicted, removed or overwritten.
+    Stale = 1,
+    /// The range is outside the segment; `value` carries the segment size.
+    OutOfBounds = 2,
+    /// A well-formed but invalid request (zero length, op not allowed on this socket...).
+    BadRequest = 3,
+    /// FREE waited its whole budget for pins to drop.
+    Timeout = 4,
+}
+
+impl Status {
+    /// Parses a status byte; `None` for garbage.
+    pub fn from_u8(v: u8) -> Option<Status> {
+        Some(match v {
+            0 => Status::Ok,
+            1 => Status::Stale,
+            2 => Status::OutOfBounds,
+            3 => Status::BadRequest,
+            4 => Status::Timeout,
+            _ => return None,
+        })
+    }
+}
+
+/// A request header. `key_len` doubles as the item count of `FREE`, `aux` as its timeout in ms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    pub op: Op,
+    pub generation: u64,
+    pub offset: u64,
+    pub len: u64,
+    pub key_len: u32,
+    pub aux: u32,
+}
+
+impl Request {
+    /// Encodes into a stack buffer.
+    pub fn encode(&self) -> [u8; REQ_LEN] {
+        let mut b = [0u8; REQ_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4] = self.op as u8;
+        b[8..16].copy_from_slice(&self.generation.to_le_bytes());
+        b[16..24].copy_from_slice(&self.offset.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..36].copy_from_slice(&self.key_len.to_le_bytes());
+        b[36..40].copy_from_slice(&self.aux.to_le_bytes());
+        b
+    }
+
+    /// Decodes a header; `Err` names what is wrong (the caller closes the connection).
+    pub fn decode(b: &[u8; REQ_LEN]) -> Result<Request, String> {
+        let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        if magic != MAGIC {
+            return Err(format!("bad magic {magic:#010x}"));
+        }
+        let op = Op::from_u8(b[4]).ok_or_else(|| format!("bad op {}", b[4]))?;
+        Ok(Request {
+            op,
+            generation: le_u64(&b[8..16]),
+            offset: le_u64(&b[16..24]),
+            len: le_u64(&b[24..32]),
+            key_len: le_u32(&b[32..36]),
+            aux: le_u32(&b[36..40]),
+        })
+    }
+}
+
+/// A response header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Response {
+    pub status: Status,
+    /// Op-specific: segment size for ATTACH and OUT_OF_BOUNDS.
+    pub value: u64,
+    /// Bytes that follow: the object for OK READ, a message for errors.
+    pub len: u64,
+}
+
+impl Response {
+    /// Encodes into a stack buffer.
+    pub fn encode(&self) -> [u8; RESP_LEN] {
+        let mut b = [0u8; RESP_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4] = self.status as u8;
+        b[8..16].copy_from_slice(&self.value.to_le_bytes());
+        b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes a header; `Err` names what is wrong.
+    pub fn decode(b: &[u8; RESP_LEN]) -> Result<Response, String> {
+        let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        if magic != MAGIC {
+            return Err(format!("bad response magic {magic:#010x}"));
+        }
+        let status = Status::from_u8(b[4]).ok_or_else(|| format!("bad status {}", b[4]))?;
+        Ok(Response {
+            status,
+            value: le_u64(&b[8..16]),
+            len: le_u64(&b[16..24]),
+        })
+    }
+}
+
+fn le_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(b);
+    u64::from_le_bytes(a)
+}
+
+fn le_u32(b: &[u8]) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(b);
+    u32::from_le_bytes(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_round_trips_and_rejects_garbage() {
+        let r = Request {
+            op: Op::Write,
+            generation: 7 << 32 | 3,
+            offset: 4096,
+            len: 65536,
+            key_len: 5,
+            aux: 9,
+        };
+        assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+        let mut bad = r.encode();
+        bad[0] = b'X';
+        assert!(Request::decode(&bad).unwrap_err().contains("magic"));
+        let mut bad = r.encode();
+        bad[4] = 99;
+        assert!(Request::decode(&bad).unwrap_err().contains("op"));
+    }
+
+    #[test]
+    fn response_round_trips() {
+        let r = Response {
+            status: Status::OutOfBounds,
+            value: 1 << 30,
+            len: 12,
+        };
+        assert_eq!(Response::decode(&r.encode()).unwrap(), r);
+    }
+}
