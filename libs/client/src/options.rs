@@ -92,3 +92,35 @@ pub struct ReplicateConfig {
     pub with_soft_pin: bool,
     pub with_hard_pin: bool,
 }
+
+impl ClientOptions {
+    /// Builds options from a loaded, validated mooncake_config.json. The protocol must be tcp:
+    /// lunakv never falls back silently from what the file asks for.
+    pub fn from_mooncake_config(cfg: &lunakv_config::MooncakeConfig) -> Result<ClientOptions, ClientError> {
+        let master = cfg
+            .master_addr()
+            .map_err(|e| ClientError::Config(e.to_string()))?;
+        let local_hostname = if cfg.local_hostname.is_empty() {
+            "127.0.0.1".to_owned()
+        } else {
+            // "host:port" forms appear in upstream configs; the segment listener picks its own port.
+            cfg.local_hostname
+                .rsplit_once(':')
+                .filter(|(_, p)| p.parse::<u16>().is_ok() && !cfg.local_hostname.ends_with(']'))
+                .map(|(h, _)| h.to_owned())
+                .unwrap_or_else(|| cfg.local_hostname.clone())
+        };
+        let opts = ClientOptions {
+            master_server_address: master.to_string(),
+            local_hostname,
+            global_segment_size: cfg.global_segment_size,
+            local_buffer_size: cfg.local_buffer_size,
+            protocol: cfg.protocol.as_str().to_owned(),
+            enable_shm: cfg.enable_shm,
+            preferred_segment: cfg.preferred_segment.clone(),
+            ..ClientOptions::default()
+        };
+        opts.validate()?;
+        Ok(opts)
+    }
+}

@@ -366,10 +366,11 @@ impl StoreClient {
         validate_key(key)?;
         for attempt in 0..READ_ATTEMPTS {
             let loc = self.resolve(key, attempt > 0)?;
+            let have: u64 = dst.iter().map(|d| d.len() as u64).sum();
             let mut trimmed = trim(dst, loc.size).ok_or_else(|| ClientError::BufferTooSmall {
                 key: key.to_owned(),
                 need: loc.size,
-                have: dst.iter().map(|d| d.len() as u64).sum(),
+                have,
             })?;
             match self.read_replicas(key, &loc, &mut trimmed) {
                 Ok(()) => return Ok(loc.size),
@@ -415,11 +416,12 @@ impl StoreClient {
                     continue;
                 }
                 let Some(loc) = &locs[i] else { continue };
+                let have: u64 = dst.iter().map(|d| d.len() as u64).sum();
                 let Some(trimmed) = trim(dst, loc.size) else {
                     results[i] = Some(Err(ClientError::BufferTooSmall {
                         key: keys[i].to_owned(),
                         need: loc.size,
-                        have: dst.iter().map(|d| d.len() as u64).sum(),
+                        have,
                     }));
                     continue;
                 };

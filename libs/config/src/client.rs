@@ -118,7 +118,9 @@ impl std::str::FromStr for Mode {
         match s {
             "embedded" => Ok(Mode::Embedded),
             "standalone-store" => Ok(Mode::StandaloneStore),
-            _ => Err(ConfigError::UnknownMode { mode: s.to_string() }),
+            _ => Err(ConfigError::UnknownMode {
+                mode: s.to_string(),
+            }),
         }
     }
 }
@@ -169,16 +171,28 @@ impl Default for MooncakeConfig {
 impl MooncakeConfig {
     /// `MOONCAKE_CONFIG_PATH` -> [`load`](Self::load). Unset or empty:
     /// `The environment variable 'MOONCAKE_CONFIG_PATH' is not set.`
-    pub fn load_from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Loaded<Self>, ConfigError> {
-        let path = get(env, CONFIG_PATH_ENV).ok_or(ConfigError::EnvNotSet { var: CONFIG_PATH_ENV })?;
+    pub fn load_from_env(
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Loaded<Self>, ConfigError> {
+        let path = get(env, CONFIG_PATH_ENV).ok_or(ConfigError::EnvNotSet {
+            var: CONFIG_PATH_ENV,
+        })?;
         Self::load(Path::new(&path), env)
     }
 
     /// Reads and parses `path`, applies the environment overrides, validates.
-    pub fn load(path: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Loaded<Self>, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Io { path: path.to_path_buf(), source })?;
-        let Loaded { mut config, mut warnings } = Self::from_json_str(&text, &path.display().to_string())?;
+    pub fn load(
+        path: &Path,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Loaded<Self>, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let Loaded {
+            mut config,
+            mut warnings,
+        } = Self::from_json_str(&text, &path.display().to_string())?;
         config.apply_env(env, &mut warnings)?;
         warnings.extend(config.validate()?);
         Ok(Loaded { config, warnings })
@@ -194,7 +208,10 @@ impl MooncakeConfig {
     pub fn from_json_str(text: &str, origin: &str) -> Result<Loaded<Self>, ConfigError> {
         let value: Value = serde_json::from_str(text).map_err(|e| json_error(origin, &e))?;
         let Value::Object(map) = value else {
-            return Err(ConfigError::NotAnObject { origin: origin.to_string(), found: json_kind(&value) });
+            return Err(ConfigError::NotAnObject {
+                origin: origin.to_string(),
+                found: json_kind(&value),
+            });
         };
         Self::from_map(&map, origin)
     }
@@ -208,8 +225,16 @@ impl MooncakeConfig {
         }
         let strings: [(&str, &mut String, &'static str); 5] = [
             ("local_hostname", &mut c.local_hostname, "\"10.0.0.5\""),
-            ("metadata_server", &mut c.metadata_server, "\"P2PHANDSHAKE\""),
-            ("master_server_address", &mut c.master_server_address, "\"127.0.0.1:50051\""),
+            (
+                "metadata_server",
+                &mut c.metadata_server,
+                "\"P2PHANDSHAKE\"",
+            ),
+            (
+                "master_server_address",
+                &mut c.master_server_address,
+                "\"127.0.0.1:50051\"",
+            ),
             ("device_name", &mut c.device_name, "\"\""),
             ("tenant_id", &mut c.tenant_id, "\"default\""),
         ];
@@ -247,7 +272,10 @@ impl MooncakeConfig {
                 });
             }
         }
-        Ok(Loaded { config: c, warnings })
+        Ok(Loaded {
+            config: c,
+            warnings,
+        })
     }
 
     /// Applies the environment overrides (see the module docs for the list and precedence).
@@ -258,27 +286,41 @@ impl MooncakeConfig {
         warnings: &mut Vec<ConfigWarning>,
     ) -> Result<(), ConfigError> {
         let defaults = MooncakeConfig::default();
-        let mut set_string = |var: &'static str, field: &'static str, slot: &mut String, default: &str| {
-            if let Some(v) = get(env, var) {
-                if *slot != v && *slot != default {
-                    warnings.push(ConfigWarning::EnvOverride {
-                        var,
-                        field,
-                        file_value: slot.clone(),
-                        env_value: v.clone(),
-                    });
+        let mut set_string =
+            |var: &'static str, field: &'static str, slot: &mut String, default: &str| {
+                if let Some(v) = get(env, var) {
+                    if *slot != v && *slot != default {
+                        warnings.push(ConfigWarning::EnvOverride {
+                            var,
+                            field,
+                            file_value: slot.clone(),
+                            env_value: v.clone(),
+                        });
+                    }
+                    *slot = v;
                 }
-                *slot = v;
-            }
-        };
-        set_string("MOONCAKE_MASTER", "master_server_address", &mut self.master_server_address, "");
-        set_string("MOONCAKE_TE_META_DATA_SERVER", "metadata_server", &mut self.metadata_server, "");
+            };
+        set_string(
+            "MOONCAKE_MASTER",
+            "master_server_address",
+            &mut self.master_server_address,
+            "",
+        );
+        set_string(
+            "MOONCAKE_TE_META_DATA_SERVER",
+            "metadata_server",
+            &mut self.metadata_server,
+            "",
+        );
         set_string("MOONCAKE_DEVICE", "device_name", &mut self.device_name, "");
         // local_hostname: the Mooncake variables, else the file, else VLLM_HOST_IP.
         let file_hostname = std::mem::take(&mut self.local_hostname);
-        let from_env = ["MOONCAKE_REQUESTER_LOCAL_HOSTNAME", "MOONCAKE_LOCAL_HOSTNAME"]
-            .into_iter()
-            .find_map(|var| get(env, var).map(|v| (var, v)));
+        let from_env = [
+            "MOONCAKE_REQUESTER_LOCAL_HOSTNAME",
+            "MOONCAKE_LOCAL_HOSTNAME",
+        ]
+        .into_iter()
+        .find_map(|var| get(env, var).map(|v| (var, v)));
         self.local_hostname = match from_env {
             Some((var, env_value)) => {
                 if !file_hostname.is_empty() && file_hostname != env_value {
@@ -295,11 +337,24 @@ impl MooncakeConfig {
             None => get(env, "VLLM_HOST_IP").unwrap_or_default(),
         };
         for (var, field, slot, default) in [
-            ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "global_segment_size", &mut self.global_segment_size, defaults.global_segment_size),
-            ("MOONCAKE_LOCAL_BUFFER_SIZE", "local_buffer_size", &mut self.local_buffer_size, defaults.local_buffer_size),
+            (
+                "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+                "global_segment_size",
+                &mut self.global_segment_size,
+                defaults.global_segment_size,
+            ),
+            (
+                "MOONCAKE_LOCAL_BUFFER_SIZE",
+                "local_buffer_size",
+                &mut self.local_buffer_size,
+                defaults.local_buffer_size,
+            ),
         ] {
             if let Some(v) = get(env, var) {
-                let n = parse_size(&v).map_err(|error| ConfigError::InvalidSize { field: var.to_string(), error })?;
+                let n = parse_size(&v).map_err(|error| ConfigError::InvalidSize {
+                    field: var.to_string(),
+                    error,
+                })?;
                 if *slot != n && *slot != default {
                     warnings.push(ConfigWarning::EnvOverride {
                         var,
@@ -353,7 +408,9 @@ impl MooncakeConfig {
         }
         // 3, 4.
         match self.mode {
-            Mode::Embedded if self.global_segment_size == 0 => return Err(ConfigError::EmbeddedRequiresSegment),
+            Mode::Embedded if self.global_segment_size == 0 => {
+                return Err(ConfigError::EmbeddedRequiresSegment);
+            }
             Mode::StandaloneStore if self.global_segment_size != 0 => {
                 return Err(ConfigError::StandaloneRequiresNoSegment {
                     global_segment_size: self.global_segment_size,
@@ -376,7 +433,9 @@ impl MooncakeConfig {
             Mode::Embedded if self.enable_offload && self.preferred_segment.is_none() => {
                 warnings.push(ConfigWarning::EmbeddedOffloadWithoutPreferredSegment)
             }
-            Mode::StandaloneStore if !self.enable_offload => warnings.push(ConfigWarning::StandaloneWithoutOffload),
+            Mode::StandaloneStore if !self.enable_offload => {
+                warnings.push(ConfigWarning::StandaloneWithoutOffload)
+            }
             _ => {}
         }
         if !self.metadata_server.is_empty() && self.metadata_server != P2P_HANDSHAKE {
@@ -431,7 +490,13 @@ fn json_error(origin: &str, e: &serde_json::Error) -> ConfigError {
     if truncated {
         message.push_str(" (the file ends early: is it empty or truncated?)");
     }
-    ConfigError::Json { origin: origin.to_string(), line: e.line(), column: e.column(), message, truncated }
+    ConfigError::Json {
+        origin: origin.to_string(),
+        line: e.line(),
+        column: e.column(),
+        message,
+        truncated,
+    }
 }
 
 fn json_kind(v: &Value) -> String {
@@ -445,7 +510,11 @@ fn json_kind(v: &Value) -> String {
     }
 }
 
-fn string_field(map: &Map<String, Value>, key: &str, example: &'static str) -> Result<Option<String>, ConfigError> {
+fn string_field(
+    map: &Map<String, Value>,
+    key: &str,
+    example: &'static str,
+) -> Result<Option<String>, ConfigError> {
     match map.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
@@ -459,7 +528,10 @@ fn string_field(map: &Map<String, Value>, key: &str, example: &'static str) -> R
 }
 
 fn size_field(map: &Map<String, Value>, key: &str) -> Result<Option<u64>, ConfigError> {
-    let invalid = |error| ConfigError::InvalidSize { field: key.to_string(), error };
+    let invalid = |error| ConfigError::InvalidSize {
+        field: key.to_string(),
+        error,
+    };
     match map.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => size_from_json_number(n).map(Some).map_err(invalid),
@@ -477,7 +549,10 @@ fn bool_field(map: &Map<String, Value>, key: &str) -> Result<Option<bool>, Confi
     match map.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(other) => Err(ConfigError::NotABool { field: key.to_string(), value: other.to_string() }),
+        Some(other) => Err(ConfigError::NotABool {
+            field: key.to_string(),
+            value: other.to_string(),
+        }),
     }
 }
 

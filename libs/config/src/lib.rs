@@ -205,7 +205,11 @@ pub enum ConfigWarning {
 impl fmt::Display for ConfigWarning {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::UnknownKey { origin, key, did_you_mean } => {
+            Self::UnknownKey {
+                origin,
+                key,
+                did_you_mean,
+            } => {
                 write!(f, "{origin}: unknown key \"{key}\" is ignored")?;
                 match did_you_mean {
                     Some(k) => write!(f, "; did you mean \"{k}\"?"),
@@ -216,7 +220,12 @@ impl fmt::Display for ConfigWarning {
                 f,
                 "\"{key}\" is ignored: for an SSD tier use \"mode\": \"standalone-store\" with \"enable_offload\": true, and enable offload on the master and the store-client too"
             ),
-            Self::EnvOverride { var, field, file_value, env_value } => write!(
+            Self::EnvOverride {
+                var,
+                field,
+                file_value,
+                env_value,
+            } => write!(
                 f,
                 "{var}={env_value} overrides {field} \"{file_value}\" from the config file"
             ),
@@ -262,7 +271,10 @@ impl Protocol {
         match value.trim().to_ascii_lowercase().as_str() {
             "tcp" => Ok(Protocol::Tcp),
             "rdma" => Ok(Protocol::Rdma),
-            _ => Err(ConfigError::UnknownProtocol { field: field.to_string(), value: value.to_string() }),
+            _ => Err(ConfigError::UnknownProtocol {
+                field: field.to_string(),
+                value: value.to_string(),
+            }),
         }
     }
 }
@@ -315,13 +327,17 @@ impl HostPort {
             return Err(bad("it must be a single address"));
         }
         let (host, port) = if let Some(rest) = v.strip_prefix('[') {
-            let (h, p) = rest.split_once("]:").ok_or_else(|| bad("write an IPv6 host as [addr]:port"))?;
+            let (h, p) = rest
+                .split_once("]:")
+                .ok_or_else(|| bad("write an IPv6 host as [addr]:port"))?;
             if h.parse::<Ipv6Addr>().is_err() {
                 return Err(bad("the part in brackets is not an IPv6 address"));
             }
             (h, p)
         } else {
-            let (h, p) = v.rsplit_once(':').ok_or_else(|| bad("the port is missing"))?;
+            let (h, p) = v
+                .rsplit_once(':')
+                .ok_or_else(|| bad("the port is missing"))?;
             if h.contains(':') {
                 return Err(bad("write an IPv6 host in brackets, [addr]:port"));
             }
@@ -330,11 +346,16 @@ impl HostPort {
         if host.is_empty() {
             return Err(bad("the host is missing"));
         }
-        let port: u16 = port.parse().map_err(|_| bad("the port must be a number from 1 to 65535"))?;
+        let port: u16 = port
+            .parse()
+            .map_err(|_| bad("the port must be a number from 1 to 65535"))?;
         if port == 0 {
             return Err(bad("the port must be a number from 1 to 65535"));
         }
-        Ok(HostPort { host: host.to_string(), port })
+        Ok(HostPort {
+            host: host.to_string(),
+            port,
+        })
     }
 
     /// Parses a master address. `etcd://...` (and any other `scheme://`) is
@@ -358,13 +379,36 @@ mod tests {
     #[test]
     fn host_port_parses() {
         let hp = |v| HostPort::parse("f", v, "127.0.0.1:1");
-        assert_eq!(hp("127.0.0.1:50051").unwrap(), HostPort { host: "127.0.0.1".into(), port: 50051 });
-        assert_eq!(hp(" master.svc:50051 ").unwrap().to_string(), "master.svc:50051");
+        assert_eq!(
+            hp("127.0.0.1:50051").unwrap(),
+            HostPort {
+                host: "127.0.0.1".into(),
+                port: 50051
+            }
+        );
+        assert_eq!(
+            hp(" master.svc:50051 ").unwrap().to_string(),
+            "master.svc:50051"
+        );
         let v6 = hp("[::1]:50052").unwrap();
         assert_eq!(v6.host, "::1");
         assert_eq!(v6.to_string(), "[::1]:50052");
-        for bad in ["", "host", "host:", ":50051", "host:0", "host:70000", "host:x", "::1:5", "[nope]:5", "a:1;b:2"] {
-            assert!(matches!(hp(bad), Err(ConfigError::InvalidAddress { .. })), "{bad:?}");
+        for bad in [
+            "",
+            "host",
+            "host:",
+            ":50051",
+            "host:0",
+            "host:70000",
+            "host:x",
+            "::1:5",
+            "[nope]:5",
+            "a:1;b:2",
+        ] {
+            assert!(
+                matches!(hp(bad), Err(ConfigError::InvalidAddress { .. })),
+                "{bad:?}"
+            );
         }
         assert_eq!(
             hp("host").unwrap_err().to_string(),
@@ -374,13 +418,17 @@ mod tests {
 
     #[test]
     fn master_schemes_not_supported_yet() {
-        let e = HostPort::parse_master("master_server_address", "etcd://h1:2379;h2:2379").unwrap_err();
+        let e =
+            HostPort::parse_master("master_server_address", "etcd://h1:2379;h2:2379").unwrap_err();
         assert!(matches!(&e, ConfigError::UnsupportedAddress { scheme, .. } if scheme == "etcd"));
         assert_eq!(
             e.to_string(),
             "master_server_address 'etcd://h1:2379;h2:2379': etcd:// addresses are not supported yet (etcd/HA master discovery comes in a later release); use host:port, e.g. \"127.0.0.1:50051\""
         );
-        assert_eq!(HostPort::parse_master("m", "10.0.0.1:50051").unwrap().port, 50051);
+        assert_eq!(
+            HostPort::parse_master("m", "10.0.0.1:50051").unwrap().port,
+            50051
+        );
     }
 
     #[test]

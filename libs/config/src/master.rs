@@ -1,1 +1,826 @@
-//! (in progress)
+//! The master's configuration: Mooncake's `mooncake_master` flags and llm-d's `master.yaml` keys,
+//! under upstream's names, plus lunakv's own (`data_dir`, `enable_offload`).
+//!
+//! Layers, lowest first: built-in defaults < `master.yaml` (`--config`) < environment
+//! (`LUNAKV_MASTER_<KEY>`, e.g. `LUNAKV_MASTER_RPC_PORT=50052`) < command-line flags. Every layer
+//! speaks the same key names. A key nobody knows is an error naming it and the closest valid
+//! keys; keys upstream has but lunakv does not implement (HA, the HTTP metadata server, ...) are
+//! accepted and reported back as warnings for the caller to log. [`MasterConfig::validate`] then
+//! checks ranges with messages that name the field, the value and the fix.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_yaml::{Mapping, Value};
+
+/// Prefix of the environment variables that set master keys.
+pub const ENV_PREFIX: &str = "LUNAKV_MASTER_";
+
+/// The master's settings. Durations carry their unit in the name, as upstream's do.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MasterConfig {
+    /// gRPC port (upstream `--rpc_port`, alias `--port`).
+    pub rpc_port: u16,
+    /// Address both listeners bind. lunakv defaults to loopback, where upstream binds 0.0.0.0:
+    /// the master API has no authentication, so exposing it must be a deliberate choice
+    /// (set `0.0.0.0` in a pod, where the network policy is the boundary).
+    pub rpc_address: String,
+    /// Admin and Prometheus HTTP port.
+    pub metrics_port: u16,
+    /// Lease granted by GetReplicaList / ExistKey, in milliseconds (llm-d's master.yaml: 5000).
+    pub default_kv_lease_ttl: u64,
+    /// Soft-pin duration for puts that ask for one, in milliseconds.
+    pub default_kv_soft_pin_ttl: u64,
+    /// Upper bound on any soft pin, in milliseconds.
+    pub max_kv_soft_pin_ttl: u64,
+    /// Share of total capacity freed by one eviction pass.
+    pub eviction_ratio: f64,
+    /// Usage share at which background eviction starts.
+    pub eviction_high_watermark_ratio: f64,
+    /// Seconds without a Ping after which a client is declared dead.
+    pub client_ttl: u64,
+    /// Cluster name; mounts from another cluster are refused.
+    pub cluster_id: String,
+    /// Seconds after which a put started and never ended stops holding its key.
+    pub put_start_discard_timeout_sec: u64,
+    /// Seconds after which the space of such a put is given back (it may still be written
+    /// until then).
+    pub put_start_release_timeout_sec: u64,
+    /// lunakv: directory of the embedded metadata file (`meta.redb`).
+    pub data_dir: PathBuf,
+    /// Accepted for compatibility; the SSD tier comes in a later issue.
+    pub enable_offload: bool,
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        MasterConfig {
+            rpc_port: 50051,
+            rpc_address: "127.0.0.1".to_string(),
+            metrics_port: 9003,
+            default_kv_lease_ttl: 5000,
+            default_kv_soft_pin_ttl: 1_800_000,
+            max_kv_soft_pin_ttl: 86_400_000,
+            eviction_ratio: 0.05,
+            eviction_high_watermark_ratio: 0.95,
+            client_ttl: 10,
+            cluster_id: "mooncake_cluster".to_string(),
+            put_start_discard_timeout_sec: 30,
+            put_start_release_timeout_sec: 600,
+            data_dir: PathBuf::from("./lunakv-master-data"),
+            enable_offload: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Str,
+    Num,
+    Bool,
+}
+
+/// Keys lunakv implements, with the type a string from env or a flag is parsed as.
+const KEYS: &[(&str, Kind)] = &[
+    ("rpc_port", Kind::Num),
+    ("rpc_address", Kind::Str),
+    ("metrics_port", Kind::Num),
+    ("default_kv_lease_ttl", Kind::Num),
+    ("default_kv_soft_pin_ttl", Kind::Num),
+    ("max_kv_soft_pin_ttl", Kind::Num),
+    ("eviction_ratio", Kind::Num),
+    ("eviction_high_watermark_ratio", Kind::Num),
+    ("client_ttl", Kind::Num),
+    ("cluster_id", Kind::Str),
+    ("put_start_discard_timeout_sec", Kind::Num),
+    ("put_start_release_timeout_sec", Kind::Num),
+    ("data_dir", Kind::Str),
+    ("enable_offload", Kind::Bool),
+];
+
+/// Upstream master keys lunakv accepts and ignores (with a warning): the features behind them
+/// are other issues (HA, SSD offload) or are replaced (the HTTP metadata server: lunakv's master
+/// keeps segment metadata itself).
+pub const IGNORED_KEYS: &[&str] = &[
+    "http_metadata_server_port",
+    "http_metadata_server_host",
+    "enable_http_metadata_server",
+    "root_fs_dir",
+    "enable_ha",
+    "ha_backend_type",
+    "etcd_endpoints",
+    "enable_metric_reporting",
+    "rpc_thread_num",
+    "rpc_conn_timeout_seconds",
+    "rpc_enable_tcp_no_delay",
+    "memory_allocator",
+    "allocation_strategy",
+    "enable_snapshot",
+    "snapshot_interval_seconds",
+    "global_file_segment_size",
+    "offload_on_evict",
+    "promotion_on_hit",
+    "offloading_queue_limit",
+];
+
+/// A master configuration error. Messages name the key, the value and the fix.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum MasterConfigError {
+    #[error("cannot read master config {path}: {message}")]
+    Read { path: String, message: String },
+    #[error("master config {path} is not valid YAML: {message}")]
+    Parse { path: String, message: String },
+    #[error("master config {path} must be a mapping of key: value, got {got}")]
+    NotAMapping { path: String, got: String },
+    #[error("unknown master config key {key:?} in {source_name}{}", did_you_mean(.suggestions))]
+    UnknownKey {
+        key: String,
+        source_name: String,
+        suggestions: Vec<String>,
+    },
+    #[error("{key} = {value:?} (from {source_name}) is not a valid {expected}: {fix}")]
+    BadValue {
+        key: String,
+        value: String,
+        source_name: String,
+        expected: String,
+        fix: String,
+    },
+    #[error("{field} = {value} is invalid: {fix}")]
+    Invalid {
+        field: &'static str,
+        value: String,
+        fix: String,
+    },
+}
+
+fn did_you_mean(s: &[String]) -> String {
+    if s.is_empty() {
+        format!("; valid keys: {}", valid_keys().join(", "))
+    } else {
+        format!("; did you mean {}?", s.join(" or "))
+    }
+}
+
+fn valid_keys() -> Vec<&'static str> {
+    KEYS.iter().map(|(k, _)| *k).collect()
+}
+
+/// A loaded configuration and the warnings the caller should log.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedMasterConfig {
+    pub config: MasterConfig,
+    pub warnings: Vec<String>,
+}
+
+/// Where configuration comes from; each later layer overrides the earlier ones.
+#[derive(Debug, Clone, Default)]
+pub struct MasterConfigSources {
+    /// `--config master.yaml`.
+    pub file: Option<PathBuf>,
+    /// Command-line values by key name (`("rpc_port", "50052")`).
+    pub flags: Vec<(String, String)>,
+}
+
+impl MasterConfig {
+    /// Loads and validates the layered configuration. `env` reads one environment variable
+    /// (production passes [`crate::process_env`]; tests pass a map) and is asked for
+    /// `LUNAKV_MASTER_<KEY>` of every known key.
+    pub fn load(
+        sources: &MasterConfigSources,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<LoadedMasterConfig, MasterConfigError> {
+        let mut merged = Mapping::new();
+        let mut warnings = Vec::new();
+        if let Some(path) = &sources.file {
+            let text = std::fs::read_to_string(path).map_err(|e| MasterConfigError::Read {
+                path: path.display().to_string(),
+                message: e.to_string(),
+            })?;
+            let layer = parse_yaml(path, &text)?;
+            merge(
+                &mut merged,
+                layer,
+                &path.display().to_string(),
+                &mut warnings,
+            )?;
+        }
+        let mut env_layer = Mapping::new();
+        // Only names lunakv knows are looked up, so unrelated LUNAKV_MASTER_* variables (the
+        // CLI's, say) are never mistaken for typos.
+        let names = KEYS
+            .iter()
+            .map(|(k, _)| *k)
+            .chain(IGNORED_KEYS.iter().copied());
+        for key in names {
+            let var = format!("{ENV_PREFIX}{}", key.to_ascii_uppercase());
+            if let Some(value) = env(&var).filter(|v| !v.is_empty()) {
+                let source = format!("environment variable {var}");
+                env_layer.insert(Value::String(key.to_string()), typed(key, &value, &source)?);
+            }
+        }
+        merge(&mut merged, env_layer, "the environment", &mut warnings)?;
+        let mut flag_layer = Mapping::new();
+        for (key, value) in &sources.flags {
+            let source = format!("flag --{key}");
+            flag_layer.insert(Value::String(key.clone()), typed(key, value, &source)?);
+        }
+        merge(&mut merged, flag_layer, "the command line", &mut warnings)?;
+
+        let config: MasterConfig =
+            serde_yaml::from_value(Value::Mapping(merged.clone())).map_err(|e| {
+                // Keys are checked already, so this is a type error; find which key for the message.
+                bad_value_from_serde(&merged, &e.to_string())
+            })?;
+        config.validate()?;
+        if config.enable_offload {
+            warnings.push(
+                "enable_offload = true is accepted but the SSD tier is not implemented yet; \
+                 objects stay in DRAM"
+                    .to_string(),
+            );
+        }
+        Ok(LoadedMasterConfig { config, warnings })
+    }
+
+    /// Checks every value; the first failure is returned.
+    pub fn validate(&self) -> Result<(), MasterConfigError> {
+        check_ratio("eviction_ratio", self.eviction_ratio, "0.05")?;
+        check_ratio(
+            "eviction_high_watermark_ratio",
+            self.eviction_high_watermark_ratio,
+            "0.95",
+        )?;
+        check_positive(
+            "default_kv_lease_ttl",
+            self.default_kv_lease_ttl,
+            "ms",
+            "5000",
+        )?;
+        check_positive(
+            "default_kv_soft_pin_ttl",
+            self.default_kv_soft_pin_ttl,
+            "ms",
+            "1800000",
+        )?;
+        check_positive(
+            "max_kv_soft_pin_ttl",
+            self.max_kv_soft_pin_ttl,
+            "ms",
+            "86400000",
+        )?;
+        if self.max_kv_soft_pin_ttl < self.default_kv_soft_pin_ttl {
+            return Err(MasterConfigError::Invalid {
+                field: "max_kv_soft_pin_ttl",
+                value: self.max_kv_soft_pin_ttl.to_string(),
+                fix: format!(
+                    "it must be >= default_kv_soft_pin_ttl ({}); raise it or lower the default",
+                    self.default_kv_soft_pin_ttl
+                ),
+            });
+        }
+        check_positive("client_ttl", self.client_ttl, "s", "10")?;
+        check_positive(
+            "put_start_discard_timeout_sec",
+            self.put_start_discard_timeout_sec,
+            "s",
+            "30",
+        )?;
+        check_positive(
+            "put_start_release_timeout_sec",
+            self.put_start_release_timeout_sec,
+            "s",
+            "600",
+        )?;
+        if self.put_start_release_timeout_sec < self.put_start_discard_timeout_sec {
+            return Err(MasterConfigError::Invalid {
+                field: "put_start_release_timeout_sec",
+                value: self.put_start_release_timeout_sec.to_string(),
+                fix: format!(
+                    "it must be >= put_start_discard_timeout_sec ({}): space is released only \
+                     after the put is discarded",
+                    self.put_start_discard_timeout_sec
+                ),
+            });
+        }
+        if self.rpc_address.parse::<std::net::IpAddr>().is_err() {
+            return Err(MasterConfigError::Invalid {
+                field: "rpc_address",
+                value: format!("{:?}", self.rpc_address),
+                fix: "give an IP address to bind, e.g. 127.0.0.1 (this host only) or 0.0.0.0 \
+                      (every interface)"
+                    .to_string(),
+            });
+        }
+        if self.rpc_port != 0 && self.rpc_port == self.metrics_port {
+            return Err(MasterConfigError::Invalid {
+                field: "metrics_port",
+                value: self.metrics_port.to_string(),
+                fix: format!(
+                    "it equals rpc_port ({}); give the admin/metrics listener its own port \
+                     (default 9003)",
+                    self.rpc_port
+                ),
+            });
+        }
+        if self.cluster_id.trim().is_empty() {
+            return Err(MasterConfigError::Invalid {
+                field: "cluster_id",
+                value: format!("{:?}", self.cluster_id),
+                fix: "name the cluster (default \"mooncake_cluster\"); clients mount with the \
+                      same id"
+                    .to_string(),
+            });
+        }
+        if self.data_dir.as_os_str().is_empty() {
+            return Err(MasterConfigError::Invalid {
+                field: "data_dir",
+                value: "\"\"".to_string(),
+                fix: "give a directory for the master's metadata file, e.g. \
+                      ./lunakv-master-data"
+                    .to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `put_start_discard_timeout_sec` as a duration.
+    pub fn put_start_discard_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.put_start_discard_timeout_sec)
+    }
+}
+
+fn check_ratio(field: &'static str, v: f64, default: &str) -> Result<(), MasterConfigError> {
+    if v.is_finite() && v > 0.0 && v <= 1.0 {
+        return Ok(());
+    }
+    Err(MasterConfigError::Invalid {
+        field,
+        value: v.to_string(),
+        fix: format!("it must be a ratio in (0, 1], e.g. {default}"),
+    })
+}
+
+fn check_positive(
+    field: &'static str,
+    v: u64,
+    unit: &str,
+    default: &str,
+) -> Result<(), MasterConfigError> {
+    if v > 0 {
+        return Ok(());
+    }
+    Err(MasterConfigError::Invalid {
+        field,
+        value: v.to_string(),
+        fix: format!("it must be > 0 {unit} (default {default})"),
+    })
+}
+
+fn parse_yaml(path: &Path, text: &str) -> Result<Mapping, MasterConfigError> {
+    let value: Value = serde_yaml::from_str(text).map_err(|e| MasterConfigError::Parse {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })?;
+    match value {
+        Value::Mapping(m) => Ok(m),
+        // An empty file is an empty configuration.
+        Value::Null => Ok(Mapping::new()),
+        other => Err(MasterConfigError::NotAMapping {
+            path: path.display().to_string(),
+            got: describe(&other).to_string(),
+        }),
+    }
+}
+
+fn describe(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Sequence(_) => "a list",
+        Value::Mapping(_) => "a mapping",
+        Value::Tagged(_) => "a tagged value",
+    }
+}
+
+/// Merges `layer` over `into`, dropping ignored keys (with a warning) and refusing unknown ones.
+fn merge(
+    into: &mut Mapping,
+    layer: Mapping,
+    source_name: &str,
+    warnings: &mut Vec<String>,
+) -> Result<(), MasterConfigError> {
+    for (k, v) in layer {
+        let key = match &k {
+            Value::String(s) => s.clone(),
+            other => {
+                return Err(MasterConfigError::UnknownKey {
+                    key: format!("{other:?}"),
+                    source_name: source_name.to_string(),
+                    suggestions: Vec::new(),
+                });
+            }
+        };
+        if IGNORED_KEYS.contains(&key.as_str()) {
+            warnings.push(format!(
+                "{key} (from {source_name}) is an upstream Mooncake setting lunakv does not \
+                 implement; ignored"
+            ));
+            continue;
+        }
+        if !KEYS.iter().any(|(name, _)| *name == key) {
+            return Err(MasterConfigError::UnknownKey {
+                suggestions: suggest(&key),
+                key,
+                source_name: source_name.to_string(),
+            });
+        }
+        into.insert(k, v);
+    }
+    Ok(())
+}
+
+/// Turns a string from env or a flag into the YAML value its key expects.
+fn typed(key: &str, raw: &str, source: &str) -> Result<Value, MasterConfigError> {
+    let kind = KEYS.iter().find(|(k, _)| *k == key).map(|(_, kind)| *kind);
+    let bad = |expected: &str, fix: &str| MasterConfigError::BadValue {
+        key: key.to_string(),
+        value: raw.to_string(),
+        source_name: source.to_string(),
+        expected: expected.to_string(),
+        fix: fix.to_string(),
+    };
+    match kind {
+        // Unknown and ignored keys are sorted out by merge(); keep the text.
+        None | Some(Kind::Str) => Ok(Value::String(raw.to_string())),
+        Some(Kind::Bool) => match raw.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" => Ok(Value::Bool(true)),
+            "false" | "0" => Ok(Value::Bool(false)),
+            _ => Err(bad("boolean", "write true or false")),
+        },
+        Some(Kind::Num) => {
+            let t = raw.trim();
+            if let Ok(n) = t.parse::<u64>() {
+                Ok(Value::Number(n.into()))
+            } else if let Ok(f) = t.parse::<f64>() {
+                Ok(Value::Number(f.into()))
+            } else {
+                Err(bad("number", "write a plain number such as 5000 or 0.95"))
+            }
+        }
+    }
+}
+
+fn bad_value_from_serde(merged: &Mapping, message: &str) -> MasterConfigError {
+    // serde_yaml does not always name the field; find it by deserializing one key at a time.
+    let culprit = merged.iter().find(|(k, v)| {
+        let mut one = Mapping::new();
+        one.insert((*k).clone(), (*v).clone());
+        serde_yaml::from_value::<MasterConfig>(Value::Mapping(one)).is_err()
+    });
+    let show = |v: &Value| serde_yaml::to_string(v).unwrap_or_default().trim().to_string();
+    let Some((Value::String(key), value)) = culprit else {
+        return MasterConfigError::BadValue {
+            key: "(unknown)".to_string(),
+            value: String::new(),
+            source_name: "the merged configuration".to_string(),
+            expected: "configuration".to_string(),
+            fix: message.to_string(),
+        };
+    };
+    let default = serde_yaml::to_value(MasterConfig::default())
+        .ok()
+        .and_then(|d| d.get(key.as_str()).map(show))
+        .unwrap_or_default();
+    let detail = message.split(" at line").next().unwrap_or(message);
+    MasterConfigError::BadValue {
+        key: key.clone(),
+        value: show(value),
+        source_name: "the merged configuration".to_string(),
+        expected: format!("value ({detail})"),
+        fix: format!("use a value like the default, {default}"),
+    }
+}
+
+/// Valid keys closest to `key` by edit distance (at most 3 edits, or sharing a word), best first.
+fn suggest(key: &str) -> Vec<String> {
+    let mut scored: BTreeMap<usize, Vec<&str>> = BTreeMap::new();
+    for (name, _) in KEYS {
+        let d = edit_distance(key, name);
+        let shares_word = key
+            .split('_')
+            .filter(|w| w.len() >= 4)
+            .any(|w| name.split('_').any(|n| n == w));
+        if d <= 3 || shares_word {
+            scored.entry(d).or_default().push(name);
+        }
+    }
+    scored
+        .into_values()
+        .flatten()
+        .take(3)
+        .map(str::to_string)
+        .collect()
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let cost = usize::from(ca != *cb);
+            cur[j + 1] = (prev[j] + cost).min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_flags(flags: &[(&str, &str)]) -> Result<LoadedMasterConfig, MasterConfigError> {
+        MasterConfig::load(
+            &MasterConfigSources {
+                flags: flags
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                ..Default::default()
+            },
+            &no_env,
+        )
+    }
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    fn load_file(path: PathBuf) -> Result<LoadedMasterConfig, MasterConfigError> {
+        MasterConfig::load(
+            &MasterConfigSources {
+                file: Some(path),
+                ..Default::default()
+            },
+            &no_env,
+        )
+    }
+
+    fn invalid_field(r: Result<LoadedMasterConfig, MasterConfigError>) -> &'static str {
+        match r {
+            Err(MasterConfigError::Invalid { field, .. }) => field,
+            other => panic!("expected a validation error, got {other:?}"),
+        }
+    }
+
+    fn yaml(text: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("master.yaml");
+        std::fs::write(&path, text).expect("write");
+        (dir, path)
+    }
+
+    #[test]
+    fn defaults_match_upstream_and_llm_d() {
+        let c = MasterConfig::default();
+        assert_eq!(c.rpc_port, 50051);
+        assert_eq!(c.metrics_port, 9003);
+        assert_eq!(c.rpc_address, "127.0.0.1");
+        assert_eq!(c.default_kv_lease_ttl, 5000);
+        assert_eq!(c.default_kv_soft_pin_ttl, 1_800_000);
+        assert_eq!(c.eviction_ratio, 0.05);
+        assert_eq!(c.eviction_high_watermark_ratio, 0.95);
+        assert_eq!(c.client_ttl, 10);
+        assert_eq!(c.cluster_id, "mooncake_cluster");
+        assert_eq!(c.put_start_discard_timeout_sec, 30);
+        assert_eq!(c.put_start_release_timeout_sec, 600);
+        assert!(!c.enable_offload);
+        c.validate().expect("defaults are valid");
+        let loaded = MasterConfig::load(&MasterConfigSources::default(), &no_env).expect("load");
+        assert_eq!(loaded.config, c);
+        assert!(loaded.warnings.is_empty());
+    }
+
+    #[test]
+    fn llm_d_master_yaml_loads_with_warnings_for_ignored_keys() {
+        let (_d, path) = yaml(
+            "rpc_port: 50051\nmetrics_port: 9003\nhttp_metadata_server_port: 8080\n\
+             default_kv_lease_ttl: 5000\ndefault_kv_soft_pin_ttl: 1800000\neviction_ratio: 0.05\n\
+             eviction_high_watermark_ratio: 0.95\nroot_fs_dir: /data/mooncake-offload\n\
+             cluster_id: mooncake_cluster\nenable_ha: false\netcd_endpoints: \"h1:2379;h2:2379\"\n",
+        );
+        let loaded = load_file(path).expect("load");
+        assert_eq!(loaded.config, MasterConfig::default());
+        assert_eq!(loaded.warnings.len(), 4, "{:?}", loaded.warnings);
+        assert!(loaded.warnings[0].contains("http_metadata_server_port"));
+    }
+
+    #[test]
+    fn layers_file_then_env_then_flags() {
+        let (_d, path) = yaml("rpc_port: 1000\nmetrics_port: 1001\nclient_ttl: 3\n");
+        let env = |name: &str| match name {
+            "LUNAKV_MASTER_METRICS_PORT" => Some("2001".to_string()),
+            "LUNAKV_MASTER_CLIENT_TTL" => Some("4".to_string()),
+            "LUNAKV_MASTER_ADDR" => Some("ignored".to_string()),
+            _ => None,
+        };
+        let loaded = MasterConfig::load(
+            &MasterConfigSources {
+                file: Some(path),
+                flags: vec![("client_ttl".into(), "5".into())],
+            },
+            &env,
+        )
+        .expect("load");
+        assert_eq!(loaded.config.rpc_port, 1000, "file beats default");
+        assert_eq!(loaded.config.metrics_port, 2001, "env beats file");
+        assert_eq!(loaded.config.client_ttl, 5, "flag beats env");
+    }
+
+    #[test]
+    fn string_keys_stay_strings_from_env_and_flags() {
+        let c = load_flags(&[("cluster_id", "123"), ("enable_offload", "true")])
+            .expect("load")
+            .config;
+        assert_eq!(c.cluster_id, "123");
+        assert!(c.enable_offload);
+    }
+
+    #[test]
+    fn unknown_key_is_an_error_with_suggestions() {
+        let (_d, path) = yaml("rpc_prot: 50051\n");
+        let err = load_file(path).expect_err("unknown key");
+        let msg = err.to_string();
+        assert!(msg.contains("\"rpc_prot\""), "{msg}");
+        assert!(msg.contains("did you mean rpc_port"), "{msg}");
+        let env = |name: &str| (name == "LUNAKV_MASTER_EVICTION_RATIO").then(|| "lots".to_string());
+        let err =
+            MasterConfig::load(&MasterConfigSources::default(), &env).expect_err("bad env value");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("LUNAKV_MASTER_EVICTION_RATIO") && msg.contains("lots"),
+            "{msg}"
+        );
+        let err = load_flags(&[("zzz", "1")]).expect_err("unknown");
+        assert!(err.to_string().contains("valid keys: rpc_port"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_key_value_and_source() {
+        let err = load_flags(&[("rpc_port", "fifty")]).expect_err("bad number");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("rpc_port") && msg.contains("fifty") && msg.contains("--rpc_port"),
+            "{msg}"
+        );
+        let err = load_flags(&[("enable_offload", "\"false\"")]).expect_err("bad bool");
+        assert!(err.to_string().contains("write true or false"), "{err}");
+        let err = load_flags(&[("rpc_port", "70000")]).expect_err("port out of range");
+        assert!(err.to_string().contains("rpc_port"), "{err}");
+        let (_d, path) = yaml("client_ttl: [1]\n");
+        let err = load_file(path).expect_err("type error");
+        assert!(err.to_string().contains("client_ttl"), "{err}");
+    }
+
+    #[test]
+    fn malformed_and_non_mapping_files_are_errors() {
+        let (_d, path) = yaml("rpc_port: [\n");
+        let err = load_file(path.clone()).expect_err("bad yaml");
+        assert!(matches!(err, MasterConfigError::Parse { .. }), "{err}");
+        std::fs::write(&path, "- a\n- b\n").expect("write");
+        let err = load_file(path.clone()).expect_err("list");
+        assert!(err.to_string().contains("must be a mapping"), "{err}");
+        std::fs::write(&path, "").expect("write");
+        load_file(path).expect("an empty file is the defaults");
+        let err = load_file(PathBuf::from("/nonexistent/master.yaml")).expect_err("missing file");
+        assert!(
+            err.to_string().contains("/nonexistent/master.yaml"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn ratios_must_be_in_zero_one() {
+        for bad in ["0", "1.5", "-0.1", "NaN"] {
+            assert_eq!(
+                invalid_field(load_flags(&[("eviction_ratio", bad)])),
+                "eviction_ratio"
+            );
+            assert_eq!(
+                invalid_field(load_flags(&[("eviction_high_watermark_ratio", bad)])),
+                "eviction_high_watermark_ratio"
+            );
+        }
+        load_flags(&[
+            ("eviction_ratio", "1"),
+            ("eviction_high_watermark_ratio", "1.0"),
+        ])
+        .expect("1 is allowed");
+        let msg = load_flags(&[("eviction_ratio", "0")])
+            .expect_err("zero")
+            .to_string();
+        assert!(
+            msg.contains("eviction_ratio = 0") && msg.contains("(0, 1]"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn ttls_must_be_positive() {
+        for field in [
+            "default_kv_lease_ttl",
+            "default_kv_soft_pin_ttl",
+            "client_ttl",
+            "put_start_discard_timeout_sec",
+        ] {
+            assert_eq!(invalid_field(load_flags(&[(field, "0")])), field);
+        }
+        // max_kv_soft_pin_ttl = 0 is caught either as non-positive or below the default.
+        assert_eq!(
+            invalid_field(load_flags(&[("max_kv_soft_pin_ttl", "0")])),
+            "max_kv_soft_pin_ttl"
+        );
+        assert_eq!(
+            invalid_field(load_flags(&[
+                ("put_start_release_timeout_sec", "0"),
+                ("put_start_discard_timeout_sec", "1")
+            ])),
+            "put_start_release_timeout_sec"
+        );
+    }
+
+    #[test]
+    fn soft_pin_max_must_cover_default() {
+        let msg = load_flags(&[("max_kv_soft_pin_ttl", "1000")])
+            .expect_err("max < default")
+            .to_string();
+        assert!(
+            msg.contains("max_kv_soft_pin_ttl = 1000") && msg.contains("1800000"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn release_timeout_must_cover_discard_timeout() {
+        assert_eq!(
+            invalid_field(load_flags(&[
+                ("put_start_discard_timeout_sec", "60"),
+                ("put_start_release_timeout_sec", "30")
+            ])),
+            "put_start_release_timeout_sec"
+        );
+        load_flags(&[
+            ("put_start_discard_timeout_sec", "1"),
+            ("put_start_release_timeout_sec", "1"),
+        ])
+        .expect("equal is fine");
+    }
+
+    #[test]
+    fn ports_and_address_are_checked() {
+        assert_eq!(
+            invalid_field(load_flags(&[
+                ("rpc_port", "7000"),
+                ("metrics_port", "7000")
+            ])),
+            "metrics_port"
+        );
+        load_flags(&[("rpc_port", "0"), ("metrics_port", "0")]).expect("ephemeral ports for tests");
+        let msg = load_flags(&[("rpc_address", "localhost:1")])
+            .expect_err("not an ip")
+            .to_string();
+        assert!(
+            msg.contains("rpc_address") && msg.contains("0.0.0.0"),
+            "{msg}"
+        );
+        load_flags(&[("rpc_address", "::1")]).expect("ipv6");
+    }
+
+    #[test]
+    fn cluster_id_and_data_dir_must_be_set() {
+        assert_eq!(
+            invalid_field(load_flags(&[("cluster_id", " ")])),
+            "cluster_id"
+        );
+        assert_eq!(invalid_field(load_flags(&[("data_dir", "")])), "data_dir");
+    }
+
+    #[test]
+    fn offload_is_accepted_with_a_warning() {
+        let loaded = load_flags(&[("enable_offload", "true")]).expect("load");
+        assert!(loaded.warnings.iter().any(|w| w.contains("enable_offload")));
+    }
+
+    #[test]
+    fn suggestions_are_close_keys() {
+        assert_eq!(suggest("client_tll"), vec!["client_ttl".to_string()]);
+        assert!(suggest("lease_ttl").contains(&"default_kv_lease_ttl".to_string()));
+        assert!(suggest("qqqq").is_empty());
+    }
+}

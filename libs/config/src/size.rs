@@ -24,8 +24,7 @@ const GIB: u64 = 1 << 30;
 const TIB: u64 = 1 << 40;
 
 /// Examples appended to every size error, so the fix is on the same line as the problem.
-pub const SIZE_EXAMPLES: &str =
-    "write a byte count or a number with a unit, e.g. 4294967296, \"80GB\" (= 80 GiB), \"4 GB\", \"512MiB\"";
+pub const SIZE_EXAMPLES: &str = "write a byte count or a number with a unit, e.g. 4294967296, \"80GB\" (= 80 GiB), \"4 GB\", \"512MiB\"";
 
 /// Why a size was refused. `Display` names the value and gives valid examples.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,16 +53,21 @@ impl fmt::Display for SizeError {
         let value = &self.value;
         match &self.kind {
             SizeErrorKind::Empty => write!(f, "invalid size {value}: it is empty; ")?,
-            SizeErrorKind::Negative => write!(f, "invalid size {value}: sizes cannot be negative; ")?,
+            SizeErrorKind::Negative => {
+                write!(f, "invalid size {value}: sizes cannot be negative; ")?
+            }
             SizeErrorKind::BadNumber => write!(f, "invalid size {value}: not a number; ")?,
             SizeErrorKind::UnknownUnit(unit) => write!(
                 f,
                 "invalid size {value}: unknown unit \"{unit}\" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; all powers of 1024); "
             )?,
-            SizeErrorKind::TooLarge => write!(f, "invalid size {value}: larger than 2^64-1 bytes; ")?,
-            SizeErrorKind::Fractional => {
-                write!(f, "invalid size {value}: a byte count must be a whole number; ")?
+            SizeErrorKind::TooLarge => {
+                write!(f, "invalid size {value}: larger than 2^64-1 bytes; ")?
             }
+            SizeErrorKind::Fractional => write!(
+                f,
+                "invalid size {value}: a byte count must be a whole number; "
+            )?,
         }
         f.write_str(SIZE_EXAMPLES)
     }
@@ -75,7 +79,10 @@ impl std::error::Error for SizeError {}
 ///
 /// Also usable directly as a clap `value_parser`.
 pub fn parse_size(input: &str) -> Result<u64, SizeError> {
-    let err = |kind| SizeError { value: format!("\"{input}\""), kind };
+    let err = |kind| SizeError {
+        value: format!("\"{input}\""),
+        kind,
+    };
     let s = input.trim();
     if s.is_empty() {
         return Err(err(SizeErrorKind::Empty));
@@ -83,7 +90,9 @@ pub fn parse_size(input: &str) -> Result<u64, SizeError> {
     if s.starts_with('-') {
         return Err(err(SizeErrorKind::Negative));
     }
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (number, unit) = (&s[..split], s[split..].trim());
     let multiplier = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
@@ -105,7 +114,10 @@ fn scale_decimal(number: &str, multiplier: u64) -> Result<u64, SizeErrorKind> {
         None => (number, ""),
     };
     let all_digits = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
-    if (int_part.is_empty() && frac_part.is_empty()) || !all_digits(int_part) || !all_digits(frac_part) {
+    if (int_part.is_empty() && frac_part.is_empty())
+        || !all_digits(int_part)
+        || !all_digits(frac_part)
+    {
         return Err(SizeErrorKind::BadNumber);
     }
     let mut whole: u128 = 0;
@@ -117,7 +129,9 @@ fn scale_decimal(number: &str, multiplier: u64) -> Result<u64, SizeErrorKind> {
     }
     let mut total = whole * u128::from(multiplier);
     // The fraction only matters up to 1/multiplier; 20 digits is below any unit's resolution.
-    let frac = frac_part.get(..frac_part.len().min(20)).unwrap_or(frac_part);
+    let frac = frac_part
+        .get(..frac_part.len().min(20))
+        .unwrap_or(frac_part);
     if !frac.is_empty() {
         let mut num: u128 = 0;
         let mut den: u128 = 1;
@@ -135,7 +149,10 @@ pub fn size_from_json_number(n: &serde_json::Number) -> Result<u64, SizeError> {
     if let Some(v) = n.as_u64() {
         return Ok(v);
     }
-    let err = |kind| SizeError { value: n.to_string(), kind };
+    let err = |kind| SizeError {
+        value: n.to_string(),
+        kind,
+    };
     if n.as_i64().is_some() {
         return Err(err(SizeErrorKind::Negative));
     }
@@ -150,8 +167,9 @@ pub fn size_from_json_number(n: &serde_json::Number) -> Result<u64, SizeError> {
 /// Renders bytes for humans and logs: the largest binary unit that divides exactly
 /// (`"4GiB"`, `"1536MiB"`, `"100B"`). The output parses back with [`parse_size`].
 pub fn format_size(bytes: u64) -> String {
+    // Every unit is a power of two, so `bytes & (m - 1) == 0` means "divides exactly".
     for (unit, m) in [("TiB", TIB), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB)] {
-        if bytes != 0 && bytes % m == 0 {
+        if bytes != 0 && bytes & (m - 1) == 0 {
             return format!("{}{unit}", bytes / m);
         }
     }
@@ -184,14 +202,20 @@ impl de::Visitor<'_> for SizeVisitor {
 
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
         u64::try_from(v).map_err(|_| {
-            E::custom(SizeError { value: v.to_string(), kind: SizeErrorKind::Negative })
+            E::custom(SizeError {
+                value: v.to_string(),
+                kind: SizeErrorKind::Negative,
+            })
         })
     }
 
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<u64, E> {
         match serde_json::Number::from_f64(v) {
             Some(n) => size_from_json_number(&n).map_err(E::custom),
-            None => Err(E::custom(SizeError { value: v.to_string(), kind: SizeErrorKind::BadNumber })),
+            None => Err(E::custom(SizeError {
+                value: v.to_string(),
+                kind: SizeErrorKind::BadNumber,
+            })),
         }
     }
 
@@ -258,7 +282,10 @@ mod tests {
             ("4e9", SizeErrorKind::UnknownUnit("e9".into())),
             ("18446744073709551616", SizeErrorKind::TooLarge),
             ("16777216TB", SizeErrorKind::TooLarge),
-            ("99999999999999999999999999999999999999999", SizeErrorKind::TooLarge),
+            (
+                "99999999999999999999999999999999999999999",
+                SizeErrorKind::TooLarge,
+            ),
         ];
         for (input, kind) in table {
             let err = parse_size(input).expect_err(input);
@@ -289,10 +316,22 @@ mod tests {
         let n = |s: &str| serde_json::from_str::<serde_json::Number>(s).unwrap();
         assert_eq!(size_from_json_number(&n("4294967296")), Ok(4 << 30));
         assert_eq!(size_from_json_number(&n("4e9")), Ok(4_000_000_000));
-        assert_eq!(size_from_json_number(&n("-1")).unwrap_err().kind, SizeErrorKind::Negative);
-        assert_eq!(size_from_json_number(&n("-1.5")).unwrap_err().kind, SizeErrorKind::Negative);
-        assert_eq!(size_from_json_number(&n("1.5")).unwrap_err().kind, SizeErrorKind::Fractional);
-        assert_eq!(size_from_json_number(&n("1e30")).unwrap_err().kind, SizeErrorKind::TooLarge);
+        assert_eq!(
+            size_from_json_number(&n("-1")).unwrap_err().kind,
+            SizeErrorKind::Negative
+        );
+        assert_eq!(
+            size_from_json_number(&n("-1.5")).unwrap_err().kind,
+            SizeErrorKind::Negative
+        );
+        assert_eq!(
+            size_from_json_number(&n("1.5")).unwrap_err().kind,
+            SizeErrorKind::Fractional
+        );
+        assert_eq!(
+            size_from_json_number(&n("1e30")).unwrap_err().kind,
+            SizeErrorKind::TooLarge
+        );
     }
 
     #[derive(Debug, serde::Deserialize, serde::Serialize, PartialEq)]
@@ -311,18 +350,30 @@ mod tests {
         let e = get(r#"{"size": "80XB"}"#).unwrap_err().to_string();
         assert!(e.contains("invalid size \"80XB\": unknown unit"), "{e}");
         let e = get(r#"{"size": -5}"#).unwrap_err().to_string();
-        assert!(e.contains("invalid size -5: sizes cannot be negative"), "{e}");
+        assert!(
+            e.contains("invalid size -5: sizes cannot be negative"),
+            "{e}"
+        );
         let e = get(r#"{"size": true}"#).unwrap_err().to_string();
         assert!(e.contains("expected a size in bytes"), "{e}");
         // Through YAML too (the master's config file).
         let y: Holder = serde_yaml::from_str("size: 40GB").unwrap();
         assert_eq!(y.size, 40 << 30);
-        assert_eq!(serde_json::to_string(&Holder { size: 5 }).unwrap(), r#"{"size":5}"#);
+        assert_eq!(
+            serde_json::to_string(&Holder { size: 5 }).unwrap(),
+            r#"{"size":5}"#
+        );
     }
 
     #[test]
     fn format_round_trips() {
-        for (bytes, text) in [(4u64 << 30, "4GiB"), (1536 << 20, "1536MiB"), (100, "100B"), (0, "0B"), (2 << 40, "2TiB")] {
+        for (bytes, text) in [
+            (4u64 << 30, "4GiB"),
+            (1536 << 20, "1536MiB"),
+            (100, "100B"),
+            (0, "0B"),
+            (2 << 40, "2TiB"),
+        ] {
             assert_eq!(format_size(bytes), text);
             assert_eq!(parse_size(text), Ok(bytes));
         }

@@ -1,1 +1,246 @@
-//! (in progress)
+//! `StoreConfig`: the flags of the standalone store-client `lunakv-store`.
+//!
+//! Flag names and defaults are Mooncake `mooncake_client`'s, so llm-d's DaemonSet arguments work
+//! unchanged: `--master_server_address=...:50051 --host=$(POD_IP) --port=50052
+//! --global_segment_size=40GB --enable_offload=true --metadata_server=P2PHANDSHAKE`
+//! (its `--protocol=rdma` is refused with a clear message until the RDMA issue lands).
+//!
+//! `StoreConfig` is a clap [`Args`](clap::Args) struct; the binary flattens it into its parser:
+//! ```ignore
+//! #[derive(clap::Parser)]
+//! struct Cli { #[command(flatten)] store: lunakv_config::StoreConfig }
+//! let mut cfg = Cli::parse().store;
+//! let mut warnings = cfg.apply_env(&lunakv_config::process_env)?;
+//! warnings.extend(cfg.validate()?);
+//! ```
+//! Booleans take gflags' `--flag=value` form (`--enable_offload=true`, `=false`, `=1`, `=no`) as
+//! well as a bare `--enable_offload`. Underscore names are canonical; dashed aliases are accepted.
+//!
+//! Environment (read through [`apply_env`](StoreConfig::apply_env), upstream's names):
+//! `MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`, `MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`. They are kept for
+//! the SSD tier, which is a later issue: `--enable_offload` is accepted with a warning.
+
+use std::path::PathBuf;
+
+use clap::ArgAction;
+use clap::builder::BoolishValueParser;
+
+use crate::size::parse_size;
+use crate::{ConfigError, ConfigWarning, HostPort, Protocol};
+
+pub const DEFAULT_MASTER_SERVER_ADDRESS: &str = "127.0.0.1:50051";
+/// lunakv binds loopback by default. Upstream's transfer listeners open `0.0.0.0` and `[::]` whatever
+/// `--host` says, which exposes the pool's memory to the network; lunakv binds exactly `--host`,
+/// so a default that is safe on a laptop is loopback. Deployments pass `--host=$(POD_IP)`.
+pub const DEFAULT_HOST: &str = "127.0.0.1";
+/// The transfer port (upstream's default). 0 = ephemeral, for tests.
+pub const DEFAULT_PORT: u16 = 50052;
+/// Upstream `mooncake_client`'s default, spelled as upstream spells it.
+pub const DEFAULT_GLOBAL_SEGMENT_SIZE: &str = "4 GB";
+pub const DEFAULT_METADATA_SERVER: &str = "P2PHANDSHAKE";
+pub const DEFAULT_CLUSTER_ID: &str = "mooncake_cluster";
+/// Admin HTTP (/metrics, /health) of the store-client; the master's is 9003. 0 = ephemeral.
+pub const DEFAULT_METRICS_PORT: u16 = 9004;
+/// Upstream's default for MOONCAKE_OFFLOAD_FILE_STORAGE_PATH.
+pub const DEFAULT_OFFLOAD_FILE_STORAGE_PATH: &str = "/data/file_storage";
+/// Upstream's default for MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES: 2 TB (binary, as all sizes here).
+pub const DEFAULT_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES: u64 = 2 << 40;
+
+/// The store-client's configuration (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct StoreConfig {
+    /// The master's host:port.
+    #[arg(long = "master_server_address", alias = "master-server-address", default_value = DEFAULT_MASTER_SERVER_ADDRESS)]
+    pub master_server_address: String,
+
+    /// Address the transfer listener binds and advertises (exactly this address; default loopback).
+    #[arg(long = "host", default_value = DEFAULT_HOST)]
+    pub host: String,
+
+    /// Transfer port; 0 picks a free one.
+    #[arg(long = "port", default_value_t = DEFAULT_PORT)]
+    pub port: u16,
+
+    /// DRAM this store serves: bytes or "40GB" (= 40 GiB).
+    #[arg(long = "global_segment_size", alias = "global-segment-size", default_value = DEFAULT_GLOBAL_SEGMENT_SIZE, value_parser = parse_size)]
+    pub global_segment_size: u64,
+
+    /// Transfer protocol: tcp (rdma needs the `rdma` build feature).
+    #[arg(long = "protocol", default_value = "tcp", value_parser = parse_protocol)]
+    pub protocol: Protocol,
+
+    /// Transfer metadata server; lunakv's master hosts the metadata, so only P2PHANDSHAKE applies.
+    #[arg(long = "metadata_server", alias = "metadata-server", default_value = DEFAULT_METADATA_SERVER)]
+    pub metadata_server: String,
+
+    /// SSD offload tier (accepted; not implemented yet). `--enable_offload=true|false`.
+    #[arg(
+        long = "enable_offload", alias = "enable-offload", default_value = "false",
+        action = ArgAction::Set, num_args = 0..=1, require_equals = true,
+        default_missing_value = "true", value_parser = BoolishValueParser::new()
+    )]
+    pub enable_offload: bool,
+
+    /// HA cluster id (upstream's default), used in metadata key names.
+    #[arg(long = "cluster_id", alias = "cluster-id", default_value = DEFAULT_CLUSTER_ID)]
+    pub cluster_id: String,
+
+    /// Unix socket for same-host requesters (memfd passing). Default: see `shm_socket_path`.
+    #[arg(long = "shm_socket", alias = "shm-socket")]
+    pub shm_socket: Option<PathBuf>,
+
+    /// Serve same-host requesters through shared memory. `--enable_shm=false` forces tcp.
+    #[arg(
+        long = "enable_shm", alias = "enable-shm", default_value = "true",
+        action = ArgAction::Set, num_args = 0..=1, require_equals = true,
+        default_missing_value = "true", value_parser = BoolishValueParser::new()
+    )]
+    pub enable_shm: bool,
+
+    /// Admin HTTP port for /metrics and /health; 0 picks a free one.
+    #[arg(long = "metrics_port", alias = "metrics-port", default_value_t = DEFAULT_METRICS_PORT)]
+    pub metrics_port: u16,
+
+    /// MOONCAKE_OFFLOAD_FILE_STORAGE_PATH (env only, as upstream).
+    #[arg(skip = PathBuf::from(DEFAULT_OFFLOAD_FILE_STORAGE_PATH))]
+    pub offload_file_storage_path: PathBuf,
+
+    /// MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES (env only, as upstream).
+    #[arg(skip = DEFAULT_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES)]
+    pub offload_total_size_limit_bytes: u64,
+}
+
+fn parse_protocol(s: &str) -> Result<Protocol, ConfigError> {
+    Protocol::parse_for("protocol", s)
+}
+
+impl Default for StoreConfig {
+    /// The same values as running `lunakv-store` with no flags.
+    fn default() -> Self {
+        StoreConfig {
+            master_server_address: DEFAULT_MASTER_SERVER_ADDRESS.to_string(),
+            host: DEFAULT_HOST.to_string(),
+            port: DEFAULT_PORT,
+            global_segment_size: 4 << 30,
+            protocol: Protocol::Tcp,
+            metadata_server: DEFAULT_METADATA_SERVER.to_string(),
+            enable_offload: false,
+            cluster_id: DEFAULT_CLUSTER_ID.to_string(),
+            shm_socket: None,
+            enable_shm: true,
+            metrics_port: DEFAULT_METRICS_PORT,
+            offload_file_storage_path: PathBuf::from(DEFAULT_OFFLOAD_FILE_STORAGE_PATH),
+            offload_total_size_limit_bytes: DEFAULT_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// Reads `MOONCAKE_OFFLOAD_FILE_STORAGE_PATH` and `MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`
+    /// (a byte count; size strings like "500GB" are accepted too). No warnings yet; the `Vec` is
+    /// there so callers handle env and validation warnings the same way.
+    pub fn apply_env(
+        &mut self,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Vec<ConfigWarning>, ConfigError> {
+        let get = |var: &str| env(var).filter(|v| !v.is_empty());
+        if let Some(p) = get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH") {
+            self.offload_file_storage_path = PathBuf::from(p);
+        }
+        if let Some(v) = get("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES") {
+            self.offload_total_size_limit_bytes =
+                parse_size(&v).map_err(|error| ConfigError::InvalidSize {
+                    field: "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES".to_string(),
+                    error,
+                })?;
+        }
+        Ok(Vec::new())
+    }
+
+    /// Checks, in this order: master address, host, global_segment_size, protocol, ports,
+    /// cluster_id. Warnings: offload not implemented, metadata server ignored.
+    pub fn validate(&self) -> Result<Vec<ConfigWarning>, ConfigError> {
+        self.master_addr()?;
+        let host = self.host.trim();
+        if host.is_empty() {
+            return Err(ConfigError::Missing {
+                field: "--host".to_string(),
+                fix: "give the address to bind and advertise, e.g. --host=127.0.0.1 or --host=$(POD_IP)".to_string(),
+            });
+        }
+        if host.contains(char::is_whitespace)
+            || (host.contains(':') && host.parse::<std::net::Ipv6Addr>().is_err())
+        {
+            return Err(ConfigError::Invalid {
+                field: "--host".to_string(),
+                value: self.host.clone(),
+                reason: "a host is a name or an IP address, without a port".to_string(),
+                fix: "write e.g. --host=10.0.0.5 --port=50052".to_string(),
+            });
+        }
+        if self.global_segment_size == 0 {
+            return Err(ConfigError::Invalid {
+                field: "--global_segment_size".to_string(),
+                value: "0".to_string(),
+                reason: "a store-client must serve some memory".to_string(),
+                fix: "give the DRAM to serve, e.g. --global_segment_size=40GB".to_string(),
+            });
+        }
+        if self.protocol == Protocol::Rdma {
+            return Err(ConfigError::RdmaUnsupported {
+                field: "--protocol".to_string(),
+                value: self.protocol.to_string(),
+            });
+        }
+        if self.port != 0 && self.port == self.metrics_port {
+            return Err(ConfigError::Invalid {
+                field: "--metrics_port".to_string(),
+                value: self.metrics_port.to_string(),
+                reason: "it is also the transfer --port".to_string(),
+                fix: format!(
+                    "use another port, e.g. --metrics_port={DEFAULT_METRICS_PORT}, or 0 for a free one"
+                ),
+            });
+        }
+        if self.cluster_id.trim().is_empty() {
+            return Err(ConfigError::Missing {
+                field: "--cluster_id".to_string(),
+                fix: format!("omit it for the default ({DEFAULT_CLUSTER_ID}) or give a name"),
+            });
+        }
+        let mut warnings = Vec::new();
+        if self.enable_offload {
+            warnings.push(ConfigWarning::OffloadNotImplemented);
+        }
+        if !self.metadata_server.is_empty() && self.metadata_server != crate::client::P2P_HANDSHAKE
+        {
+            warnings.push(ConfigWarning::MetadataServerIgnored {
+                field: "--metadata_server",
+                value: self.metadata_server.clone(),
+            });
+        }
+        Ok(warnings)
+    }
+
+    /// The master's address (`etcd://` is refused as not supported yet).
+    pub fn master_addr(&self) -> Result<HostPort, ConfigError> {
+        HostPort::parse_master("--master_server_address", &self.master_server_address)
+    }
+
+    /// The unix socket path for same-host requesters: `--shm_socket` if given, else
+    /// `$XDG_RUNTIME_DIR/lunakv-store-<port>.sock`, else `/tmp/lunakv-store-<port>.sock`.
+    /// `bound_port` is the transfer port actually bound (so `--port=0` gets a unique name).
+    pub fn shm_socket_path(
+        &self,
+        bound_port: u16,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> PathBuf {
+        if let Some(p) = &self.shm_socket {
+            return p.clone();
+        }
+        let dir = env("XDG_RUNTIME_DIR")
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| "/tmp".to_string());
+        PathBuf::from(dir).join(format!("lunakv-store-{bound_port}.sock"))
+    }
+}

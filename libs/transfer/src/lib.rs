@@ -1,30 +1,92 @@
-//! lunakv-transfer: the data path (stub API, implementation in progress).
+//! lunakv-transfer: the data path of lunakv, the layer that moves object bytes.
+//!
+//! Two halves:
+//! - [`SegmentServer`]: run by a segment owner (`lunakv-store`, or an engine in embedded mode).
+//!   It owns a memfd-backed segment and its *entry table* (`generation -> (key, offset, len)`)
+//!   and serves it over tcp, plus a unix socket that hands same-host requesters the memfd.
+//! - [`TransferEngine`]: used by requesters (`lunakv-client`, the `lunakv` CLI and bench, later
+//!   the Python bindings and P/D transfers) to write and read objects, and by the master to
+//!   `FREE` entries before it reuses their ranges.
+//!
+//! Why this shape (see docs/ARCHITECTURE.md): the per-get hot path never calls the master. A
+//! read names `(generation, offset, len)`; the owner serves it only if that exact entry exists,
+//! pinning it while the bytes are copied, else answers [`TransferError::Stale`] and the caller
+//! asks the master again. Frees go through the owner, so a range is never rewritten under a reader.
+//!
+//! Transports implement [`Transport`]: tcp everywhere, shm when the target is on this host
+//! (equal [`host_id`]) and offers a socket. An RDMA transport (feature `rdma`, later) slots in
+//! the same way. Everything is blocking std I/O on std threads: on small boxes that beats an
+//! async runtime for bulk copies, and the hot paths do not allocate per request.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-/// Identifies this machine: equal values mean same host, so shm is allowed.
+use parking_lot::Mutex;
+
+mod mem;
+mod server;
+mod shm;
+mod table;
+mod tcp;
+mod vio;
+pub mod wire;
+
+pub use server::SegmentServer;
+pub use shm::ShmTransport;
+pub use tcp::TcpTransport;
+
+/// Socket buffer size for transfer connections: a 4 MiB object fits in flight at once.
+const SOCKET_BUFFER: usize = 4 << 20;
+
+/// Identifies this machine: the kernel boot id plus the hostname. Equal values mean the same
+/// host (and kernel), so a memfd passed over a unix socket is usable and shm is allowed.
 pub fn host_id() -> String {
-    String::new()
+    static ID: OnceLock<String> = OnceLock::new();
+    ID.get_or_init(|| {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        let uname = rustix::system::uname();
+        let host = uname.nodename().to_string_lossy().into_owned();
+        format!("{boot}@{host}")
+    })
+    .clone()
+}
+
+/// TCP_NODELAY (requests are small and latency-bound) and large buffers (bulk objects).
+pub(crate) fn tune_socket(s: &std::net::TcpStream) {
+    let _ = s.set_nodelay(true);
+    if std::env::var("XBUF").is_ok() { return; }
+    let _ = rustix::net::sockopt::set_socket_send_buffer_size(s, SOCKET_BUFFER);
+    let _ = rustix::net::sockopt::set_socket_recv_buffer_size(s, SOCKET_BUFFER);
 }
 
 /// How a [`SegmentServer`] is started.
 #[derive(Debug, Clone)]
 pub struct SegmentServerConfig {
+    /// Exactly the address the tcp listener binds (port 0 picks a free port).
     pub bind: SocketAddr,
+    /// Segment bytes (a sparse memfd: pages are only allocated when written).
     pub size: u64,
+    /// Unix socket path offering shm to same-host requesters; `None` offers tcp only.
     pub shm_socket: Option<PathBuf>,
+    /// Host used in the advertised name/endpoint; defaults to the bound ip.
     pub advertise_host: Option<String>,
 }
 
 /// What a segment owner tells the master about its segment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SegmentInfo {
+    /// Segment name, `host:port`.
     pub name: String,
+    /// Where requesters connect over tcp, `host:port`.
     pub transfer_endpoint: String,
     pub size: u64,
+    /// [`host_id`] of the owner.
     pub host_id: String,
+    /// Unix socket path for shm, if offered.
     pub shm_socket: Option<String>,
 }
 
@@ -40,75 +102,73 @@ pub struct Entry {
 /// Counters of a segment server.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SegmentStats {
+    /// Bytes served to readers (tcp READ and shm PIN).
     pub bytes_read: u64,
+    /// Bytes committed by writers (tcp WRITE and shm COMMIT).
     pub bytes_written: u64,
     pub reads: u64,
     pub writes: u64,
+    /// Committed entries now.
     pub entries: u64,
+    /// Sum of committed entry sizes.
     pub used_bytes: u64,
-}
-
-/// Owns a segment and serves it.
-pub struct SegmentServer {
-    _p: (),
-}
-
-impl SegmentServer {
-    pub fn start(_cfg: SegmentServerConfig) -> Result<SegmentServer, TransferError> {
-        Err(TransferError::Protocol("not implemented yet".into()))
-    }
-    pub fn local_addr(&self) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], 0))
-    }
-    pub fn info(&self) -> SegmentInfo {
-        SegmentInfo {
-            name: String::new(),
-            transfer_endpoint: String::new(),
-            size: 0,
-            host_id: String::new(),
-            shm_socket: None,
-        }
-    }
-    pub fn inventory(&self) -> Vec<Entry> {
-        Vec::new()
-    }
-    pub fn take_touched_keys(&self, _max: usize) -> Vec<String> {
-        Vec::new()
-    }
-    pub fn stats(&self) -> SegmentStats {
-        SegmentStats::default()
-    }
-    pub fn shutdown(&self) {}
 }
 
 /// Engine options.
 #[derive(Debug, Clone)]
 pub struct TransferOptions {
+    /// Use shm for same-host targets. `LUNAKV_DISABLE_SHM=1` forces false (benchmarks use it
+    /// for their cross-process tcp rows).
     pub enable_shm: bool,
+    /// Connections a batch spreads one peer's requests over.
     pub conns_per_peer: usize,
+    /// Bound on connecting and on every blocking send/receive.
     pub io_timeout: Duration,
+}
+
+/// True when `LUNAKV_DISABLE_SHM` is set to 1/true/yes.
+fn shm_disabled_by_env() -> bool {
+    std::env::var("LUNAKV_DISABLE_SHM")
+        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
+        .unwrap_or(false)
 }
 
 impl Default for TransferOptions {
     fn default() -> Self {
         TransferOptions {
-            enable_shm: true,
+            enable_shm: !shm_disabled_by_env(),
             conns_per_peer: 4,
             io_timeout: Duration::from_secs(10),
         }
     }
 }
 
-/// Where a transfer goes.
+/// Where a transfer goes: one segment, as registered with the master.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Target {
+    /// tcp `host:port` of the owner.
     pub endpoint: String,
+    /// Owner's [`host_id`]; equal to ours means shm is possible.
     pub host_id: String,
+    /// Owner's unix socket for shm, if offered.
     pub shm_socket: Option<String>,
+    /// Segment size; ranges past it are refused before anything is sent.
     pub size: u64,
 }
 
-/// One request of a batch.
+impl From<&SegmentInfo> for Target {
+    fn from(i: &SegmentInfo) -> Target {
+        Target {
+            endpoint: i.transfer_endpoint.clone(),
+            host_id: i.host_id.clone(),
+            shm_socket: i.shm_socket.clone(),
+            size: i.size,
+        }
+    }
+}
+
+/// One request of a [`TransferEngine::batch`].
+#[derive(Debug)]
 pub enum TransferRequest<'a> {
     Read {
         target: &'a Target,
@@ -128,75 +188,347 @@ pub enum TransferRequest<'a> {
 /// Errors of the data path.
 #[derive(Debug, thiserror::Error)]
 pub enum TransferError {
-    #[error("generation {generation} is stale")]
+    /// The owner has no entry with this generation/offset/len: it was evicted, removed or
+    /// overwritten. Drop the cached location and ask the master.
+    #[error(
+        "generation {generation} is stale at the owner (evicted, removed or overwritten); ask the master for the current location"
+    )]
     Stale { generation: u64 },
-    #[error("range out of bounds: offset {offset} + len {len} > segment size {size}")]
+    #[error(
+        "range [{offset}, {offset}+{len}) is outside the {size} byte segment; the location is wrong or the segment was remounted smaller"
+    )]
     OutOfBounds { offset: u64, len: u64, size: u64 },
-    #[error("cannot connect to {endpoint}: {source}")]
+    #[error(
+        "cannot connect to {endpoint}: {source}; check the segment owner is running and reachable at that address"
+    )]
     Connect {
         endpoint: String,
         #[source]
         source: std::io::Error,
     },
-    #[error("i/o error with {0}: {1}")]
+    /// I/O failure on an established connection: `(endpoint, error)`.
+    #[error(
+        "i/o error talking to {0}: {1}; the owner may have restarted or died, retry or ask the master"
+    )]
     Io(String, #[source] std::io::Error),
-    #[error("protocol error: {0}")]
+    #[error("transfer protocol error: {0}; peer and local lunakv versions may differ")]
     Protocol(String),
-    #[error("timed out")]
+    /// A socket operation exceeded `TransferOptions::io_timeout`, or FREE waited its whole budget
+    /// for readers' pins (the entries are dropped regardless).
+    #[error(
+        "transfer timed out; the peer is overloaded or stuck (raise TransferOptions.io_timeout), or FREE waited too long for pinned readers"
+    )]
     Timeout,
     #[error("shm unavailable: {0}")]
     ShmUnavailable(String),
-    #[error("invalid argument: {0}")]
+    /// The request itself is invalid (zero length, key too long, refused by the owner).
+    #[error("invalid transfer request: {0}")]
     InvalidArgument(String),
 }
 
-/// A way to move bytes to and from a segment.
-pub trait Transport: Send + Sync {
-    fn name(&self) -> &'static str;
+impl TransferError {
+    /// A copy for fanning one connection failure out to every request that was riding on it
+    /// (`std::io::Error` is not `Clone`).
+    pub fn duplicate(&self) -> TransferError {
+        match self {
+            TransferError::Stale { generation } => TransferError::Stale {
+                generation: *generation,
+            },
+            TransferError::OutOfBounds { offset, len, size } => TransferError::OutOfBounds {
+                offset: *offset,
+                len: *len,
+                size: *size,
+            },
+            TransferError::Connect { endpoint, source } => TransferError::Connect {
+                endpoint: endpoint.clone(),
+                source: std::io::Error::new(source.kind(), source.to_string()),
+            },
+            TransferError::Io(ep, e) => {
+                TransferError::Io(ep.clone(), std::io::Error::new(e.kind(), e.to_string()))
+            }
+            TransferError::Protocol(m) => TransferError::Protocol(m.clone()),
+            TransferError::Timeout => TransferError::Timeout,
+            TransferError::ShmUnavailable(m) => TransferError::ShmUnavailable(m.clone()),
+            TransferError::InvalidArgument(m) => TransferError::InvalidArgument(m.clone()),
+        }
+    }
 }
 
-/// Moves bytes between caller buffers and segments.
+/// A way to move bytes to and from a segment. tcp and shm implement it; an RDMA transport
+/// implements the same three calls.
+pub trait Transport: Send + Sync {
+    /// Short name for logs and metrics ("tcp", "shm").
+    fn name(&self) -> &'static str;
+    /// Stores the concatenation of `src` at `offset` as entry `generation` named `key`.
+    fn write(
+        &self,
+        t: &Target,
+        generation: u64,
+        key: &str,
+        offset: u64,
+        src: &[&[u8]],
+    ) -> Result<(), TransferError>;
+    /// Fills `dst` in order from entry `(generation, offset, total dst len)`.
+    fn read(
+        &self,
+        t: &Target,
+        generation: u64,
+        offset: u64,
+        dst: &mut [&mut [u8]],
+    ) -> Result<(), TransferError>;
+    /// Runs requests that all go to `t`, results in order. The default runs them one by one;
+    /// transports that can pipeline override it.
+    fn submit(
+        &self,
+        t: &Target,
+        reqs: &mut [&mut TransferRequest<'_>],
+    ) -> Vec<Result<(), TransferError>> {
+        reqs.iter_mut()
+            .map(|r| match &mut **r {
+                TransferRequest::Write {
+                    generation,
+                    key,
+                    offset,
+                    src,
+                    ..
+                } => self.write(t, *generation, key, *offset, src),
+                TransferRequest::Read {
+                    generation,
+                    offset,
+                    dst,
+                    ..
+                } => self.read(t, *generation, *offset, dst),
+            })
+            .collect()
+    }
+}
+
+/// A batch is split into units of at least this many bytes per connection; below that a thread
+/// costs more than it saves on a small box.
+const MIN_UNIT_BYTES: u64 = 512 * 1024;
+/// How long a failed shm attach sends a target to tcp before trying shm again.
+const SHM_RETRY_AFTER: Duration = Duration::from_secs(10);
+
+/// Moves bytes between caller buffers and segments. `Send + Sync`: one engine per process,
+/// shared by every thread; it pools tcp connections per endpoint and caches shm attachments.
 pub struct TransferEngine {
-    _opts: TransferOptions,
+    enable_shm: bool,
+    tcp: TcpTransport,
+    shm: ShmTransport,
+    /// shm sockets whose attach failed, and when: they go over tcp for a while.
+    shm_failed: Mutex<std::collections::HashMap<String, Instant>>,
 }
 
 impl TransferEngine {
     pub fn new(opts: TransferOptions) -> TransferEngine {
-        TransferEngine { _opts: opts }
+        TransferEngine {
+            enable_shm: opts.enable_shm && !shm_disabled_by_env(),
+            tcp: TcpTransport::new(opts.conns_per_peer, opts.io_timeout),
+            shm: ShmTransport::new(opts.conns_per_peer, opts.io_timeout),
+            shm_failed: Mutex::new(std::collections::HashMap::new()),
+        }
     }
+
+    /// True if requests to `t` go over shm: shm enabled, same host, socket offered, and no
+    /// recent attach failure.
+    pub fn uses_shm(&self, t: &Target) -> bool {
+        let Some(path) = t.shm_socket.as_deref() else {
+            return false;
+        };
+        if !self.enable_shm || t.host_id != host_id() {
+            return false;
+        }
+        let mut failed = self.shm_failed.lock();
+        match failed.get(path) {
+            Some(at) if at.elapsed() < SHM_RETRY_AFTER => false,
+            Some(_) => {
+                failed.remove(path);
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// The transport for a batch unit: shm only if the segment attaches (cached after the
+    /// first time), so a batch never fails just because shm is unusable.
+    fn pick(&self, t: &Target) -> &dyn Transport {
+        if !self.uses_shm(t) {
+            return &self.tcp;
+        }
+        match self.shm.probe(t) {
+            Ok(()) => &self.shm,
+            Err(e) => {
+                tracing::warn!(endpoint = %t.endpoint, error = %e, "shm unavailable, falling back to tcp");
+                if let Some(p) = &t.shm_socket {
+                    self.shm_failed.lock().insert(p.clone(), Instant::now());
+                }
+                &self.tcp
+            }
+        }
+    }
+
+    /// Runs `op` on the chosen transport; if shm turns out unusable, remembers that and uses tcp.
+    fn route<R>(
+        &self,
+        t: &Target,
+        mut op: impl FnMut(&dyn Transport) -> Result<R, TransferError>,
+    ) -> Result<R, TransferError> {
+        if !self.uses_shm(t) {
+            return op(&self.tcp);
+        }
+        match op(&self.shm) {
+            Err(TransferError::ShmUnavailable(why)) => {
+                tracing::warn!(endpoint = %t.endpoint, %why, "shm unavailable, falling back to tcp");
+                if let Some(p) = &t.shm_socket {
+                    self.shm_failed.lock().insert(p.clone(), Instant::now());
+                }
+                op(&self.tcp)
+            }
+            r => r,
+        }
+    }
+
+    /// Writes the concatenation of `src` (scatter-gather: one piece per layer is fine) at
+    /// `offset` of `t`'s segment, recorded as entry `generation` for `key`.
     pub fn write(
         &self,
-        _t: &Target,
-        _generation: u64,
-        _key: &str,
-        _offset: u64,
-        _src: &[&[u8]],
+        t: &Target,
+        generation: u64,
+        key: &str,
+        offset: u64,
+        src: &[&[u8]],
     ) -> Result<(), TransferError> {
-        Err(TransferError::Protocol("not implemented yet".into()))
+        self.route(t, |tr| tr.write(t, generation, key, offset, src))
     }
+
+    /// Reads entry `(generation, offset, total len of dst)` into the `dst` pieces, in order.
     pub fn read(
         &self,
-        _t: &Target,
-        _generation: u64,
-        _offset: u64,
-        _dst: &mut [&mut [u8]],
+        t: &Target,
+        generation: u64,
+        offset: u64,
+        dst: &mut [&mut [u8]],
     ) -> Result<(), TransferError> {
-        Err(TransferError::Protocol("not implemented yet".into()))
+        self.route(t, |tr| tr.read(t, generation, offset, dst))
     }
+
+    /// Runs many requests; results in request order. Requests are grouped per target, each
+    /// group pipelined on up to `conns_per_peer` connections, all groups in parallel.
     pub fn batch(&self, reqs: &mut [TransferRequest<'_>]) -> Vec<Result<(), TransferError>> {
-        reqs.iter()
-            .map(|_| Err(TransferError::Protocol("not implemented yet".into())))
+        // Group by target (few peers per batch: linear search beats hashing).
+        let mut groups: Vec<(&Target, Vec<(usize, &mut TransferRequest<'_>)>)> = Vec::new();
+        for (i, r) in reqs.iter_mut().enumerate() {
+            let t: &Target = match r {
+                TransferRequest::Read { target, .. } | TransferRequest::Write { target, .. } => {
+                    target
+                }
+            };
+            match groups.iter_mut().find(|(g, _)| *g == t) {
+                Some((_, v)) => v.push((i, r)),
+                None => groups.push((t, vec![(i, r)])),
+            }
+        }
+        // Split each group into units, one connection (and thread) each.
+        let mut units: Vec<(&Target, Vec<(usize, &mut TransferRequest<'_>)>)> = Vec::new();
+        for (t, v) in groups {
+            let bytes: u64 = v.iter().map(|(_, r)| r.len()).sum();
+            let n = (self.tcp.conns_per_peer() as u64)
+                .min(bytes.div_ceil(MIN_UNIT_BYTES))
+                .min(v.len() as u64)
+                .max(1) as usize;
+            let per = v.len().div_ceil(n);
+            let mut v = v;
+            while v.len() > per {
+                let rest = v.split_off(per);
+                units.push((t, v));
+                v = rest;
+            }
+            units.push((t, v));
+        }
+        let mut results: Vec<Option<Result<(), TransferError>>> =
+            (0..reqs_len(&units)).map(|_| None).collect();
+        let run_unit = |t: &Target,
+                        v: &mut Vec<(usize, &mut TransferRequest<'_>)>|
+         -> Vec<(usize, Result<(), TransferError>)> {
+            let idx: Vec<usize> = v.iter().map(|(i, _)| *i).collect();
+            let mut rs: Vec<&mut TransferRequest<'_>> =
+                v.iter_mut().map(|(_, r)| &mut **r).collect();
+            let out = self.pick(t).submit(t, &mut rs);
+            idx.into_iter().zip(out).collect()
+        };
+        let mut collected: Vec<(usize, Result<(), TransferError>)> = Vec::new();
+        if units.len() == 1 {
+            let (t, mut v) = units.pop().unwrap_or_else(|| unreachable!());
+            collected = run_unit(t, &mut v);
+        } else if !units.is_empty() {
+            std::thread::scope(|s| {
+                let mut first = None;
+                let mut handles = Vec::new();
+                for (t, mut v) in units {
+                    if first.is_none() {
+                        first = Some((t, v));
+                        continue;
+                    }
+                    handles.push(s.spawn(move || run_unit(t, &mut v)));
+                }
+                if let Some((t, mut v)) = first {
+                    collected.extend(run_unit(t, &mut v));
+                }
+                for h in handles {
+                    match h.join() {
+                        Ok(r) => collected.extend(r),
+                        Err(p) => std::panic::resume_unwind(p),
+                    }
+                }
+            });
+        }
+        for (i, r) in collected {
+            results[i] = Some(r);
+        }
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(TransferError::Protocol(
+                        "a batch request got no result".into(),
+                    ))
+                })
+            })
             .collect()
     }
+
+    /// FREE: asks the owner at `endpoint` to drop entries `(generation, offset)`; returns once it
+    /// has, after their readers' pins are released. `Err(Timeout)` if pins outlived `timeout`
+    /// (the entries are dropped anyway). Used by the master before reusing a range.
     pub fn free(
         &self,
-        _endpoint: &str,
-        _items: &[(u64, u64)],
-        _timeout: Duration,
+        endpoint: &str,
+        items: &[(u64, u64)],
+        timeout: Duration,
     ) -> Result<(), TransferError> {
-        Err(TransferError::Protocol("not implemented yet".into()))
+        self.tcp.free(endpoint, items, timeout)
     }
-    pub fn uses_shm(&self, _t: &Target) -> bool {
-        false
+}
+
+fn reqs_len(units: &[(&Target, Vec<(usize, &mut TransferRequest<'_>)>)]) -> usize {
+    units
+        .iter()
+        .flat_map(|(_, v)| v.iter().map(|(i, _)| i + 1))
+        .max()
+        .unwrap_or(0)
+}
+
+impl TransferRequest<'_> {
+    /// Payload bytes of this request.
+    pub fn len(&self) -> u64 {
+        match self {
+            TransferRequest::Read { dst, .. } => dst.iter().map(|d| d.len() as u64).sum(),
+            TransferRequest::Write { src, .. } => src.iter().map(|d| d.len() as u64).sum(),
+        }
+    }
+
+    /// True if the request moves no bytes (it will be refused).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }

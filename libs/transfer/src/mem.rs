@@ -34,7 +34,9 @@ impl Mapping {
         let len = usize::try_from(size)
             .ok()
             .filter(|&l| l > 0)
-            .ok_or_else(|| std::io::Error::other(format!("cannot map a segment of {size} bytes")))?;
+            .ok_or_else(|| {
+                std::io::Error::other(format!("cannot map a segment of {size} bytes"))
+            })?;
         // SAFETY: a fresh mapping chosen by the kernel (null hint), so it aliases nothing; the fd
         // is a memfd at least `len` bytes long (ftruncate'd by its creator). MAP_NORESERVE keeps
         // a large, mostly empty segment from being charged up front.
@@ -48,7 +50,8 @@ impl Mapping {
                 0,
             )?
         };
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| std::io::Error::other("mmap returned null"))?;
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| std::io::Error::other("mmap returned null"))?;
         Ok(Mapping { ptr, len, fd })
     }
 

@@ -19,7 +19,9 @@ use parking_lot::Mutex;
 use crate::mem::Mapping;
 use crate::table::{PinId, PinResult, Table};
 use crate::wire::{self, Op, Request, Response, Status};
-use crate::{Entry, SegmentInfo, SegmentServerConfig, SegmentStats, TransferError, host_id, tune_socket};
+use crate::{
+    Entry, SegmentInfo, SegmentServerConfig, SegmentStats, TransferError, host_id, tune_socket,
+};
 
 /// How long a WRITE waits for readers of the entries it overwrites before writing anyway.
 const OVERWRITE_PIN_WAIT: Duration = Duration::from_secs(5);
@@ -79,7 +81,9 @@ impl SegmentServer {
             endpoint: format!("bind {}", cfg.bind),
             source: e,
         })?;
-        let local_addr = listener.local_addr().map_err(|e| TransferError::Io(cfg.bind.to_string(), e))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|e| TransferError::Io(cfg.bind.to_string(), e))?;
         let unix = match &cfg.shm_socket {
             Some(path) => {
                 // A socket file left by a previous run would make bind fail with EADDRINUSE.
@@ -89,14 +93,19 @@ impl SegmentServer {
                 }) {
                     let _ = std::fs::remove_file(path);
                 }
-                Some(UnixListener::bind(path).map_err(|e| TransferError::ShmUnavailable(format!(
-                    "cannot bind shm socket {}: {e}; pick a writable path or disable shm",
-                    path.display()
-                )))?)
+                Some(UnixListener::bind(path).map_err(|e| {
+                    TransferError::ShmUnavailable(format!(
+                        "cannot bind shm socket {}: {e}; pick a writable path or disable shm",
+                        path.display()
+                    ))
+                })?)
             }
             None => None,
         };
-        let host = cfg.advertise_host.clone().unwrap_or_else(|| local_addr.ip().to_string());
+        let host = cfg
+            .advertise_host
+            .clone()
+            .unwrap_or_else(|| local_addr.ip().to_string());
         let endpoint = if host.contains(':') && !host.starts_with('[') {
             format!("[{host}]:{}", local_addr.port())
         } else {
@@ -227,7 +236,9 @@ fn accept_tcp(shared: Arc<Shared>, listener: TcpListener) {
             Ok(stream) => {
                 tune_socket(&stream);
                 let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-                let Ok(clone) = stream.try_clone() else { continue };
+                let Ok(clone) = stream.try_clone() else {
+                    continue;
+                };
                 shared.conns.lock().insert(id, Live::Tcp(clone));
                 let s = shared.clone();
                 let r = std::thread::Builder::new()
@@ -258,7 +269,9 @@ fn accept_unix(shared: Arc<Shared>, listener: UnixListener) {
         match conn {
             Ok(stream) => {
                 let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-                let Ok(clone) = stream.try_clone() else { continue };
+                let Ok(clone) = stream.try_clone() else {
+                    continue;
+                };
                 shared.conns.lock().insert(id, Live::Unix(clone));
                 let s = shared.clone();
                 let r = std::thread::Builder::new()
@@ -311,7 +324,15 @@ impl From<io::Error> for End {
 fn run_conn<S: Stream>(shared: &Shared, stream: S, unix: bool) {
     let mut pins: Vec<(u64, u64, u64, PinId)> = Vec::new();
     let end = match stream.clone_stream() {
-        Ok(r) => serve(shared, BufReader::with_capacity(READ_BUF, r), stream, unix, &mut pins),
+        Ok(r) => serve(
+            shared,
+            BufReader::with_capacity(READ_BUF, r),
+            stream,
+            unix,
+            &mut pins,
+        )
+        .err()
+        .unwrap_or(End::Closed),
         Err(e) => End::Io(e),
     };
     // A connection that dies releases its pins, so FREE never waits on a crashed reader.
@@ -321,7 +342,9 @@ fn run_conn<S: Stream>(shared: &Shared, stream: S, unix: bool) {
     match end {
         End::Closed => {}
         End::Io(e) => tracing::debug!(error = %e, "transfer connection closed"),
-        End::Garbage(why) => tracing::warn!(%why, "closing a transfer connection that sent a bad frame"),
+        End::Garbage(why) => {
+            tracing::warn!(%why, "closing a transfer connection that sent a bad frame")
+        }
     }
 }
 
@@ -345,7 +368,7 @@ fn serve<S: Stream>(
     mut wr: S,
     unix: bool,
     pins: &mut Vec<(u64, u64, u64, PinId)>,
-) -> End {
+) -> Result<(), End> {
     let size = shared.mem.len();
     let mut key_buf: Vec<u8> = Vec::with_capacity(256);
     let mut free_buf: Vec<u8> = Vec::new();
@@ -353,27 +376,33 @@ fn serve<S: Stream>(
         let mut hdr = [0u8; wire::REQ_LEN];
         // EOF before the first byte of a frame is a clean close; inside a frame it is truncation.
         match rd.read(&mut hdr[..1]) {
-            Ok(0) => return End::Closed,
+            Ok(0) => return Err(End::Closed),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return End::Io(e),
+            Err(e) => return Err(End::Io(e)),
         }
         if let Err(e) = rd.read_exact(&mut hdr[1..]) {
-            return End::Garbage(format!("truncated header: {e}"));
+            return Err(End::Garbage(format!("truncated header: {e}")));
         }
         let req = match Request::decode(&hdr) {
             Ok(r) => r,
-            Err(why) => return End::Garbage(why),
+            Err(why) => return Err(End::Garbage(why)),
         };
         let shm_only = matches!(req.op, Op::Attach | Op::Pin | Op::Unpin | Op::Commit);
         if shm_only && !unix {
-            return End::Garbage(format!("{:?} is only valid on the shm unix socket", req.op));
+            return Err(End::Garbage(format!(
+                "{:?} is only valid on the shm unix socket",
+                req.op
+            )));
         }
         match req.op {
             Op::Write | Op::Commit => {
                 let key_len = req.key_len as usize;
                 if key_len > wire::MAX_KEY_LEN {
-                    return End::Garbage(format!("key length {key_len} > {}", wire::MAX_KEY_LEN));
+                    return Err(End::Garbage(format!(
+                        "key length {key_len} > {}",
+                        wire::MAX_KEY_LEN
+                    )));
                 }
                 key_buf.resize(key_len, 0);
                 rd.read_exact(&mut key_buf)?;
@@ -385,28 +414,44 @@ fn serve<S: Stream>(
                 let Some((off, len)) = shared.mem.check(req.offset, req.len) else {
                     if payload > size {
                         // Cannot be a real object of this segment: a garbage length.
-                        return End::Garbage(format!("write length {} > segment size {size}", req.len));
+                        return Err(End::Garbage(format!(
+                            "write length {} > segment size {size}",
+                            req.len
+                        )));
                     }
                     crate::vio::discard(&mut rd, payload)?;
-                    reply(&mut wr, Status::OutOfBounds, size, "range outside the segment")?;
+                    reply(
+                        &mut wr,
+                        Status::OutOfBounds,
+                        size,
+                        "range outside the segment",
+                    )?;
                     continue;
                 };
                 if req.op == Op::Write {
-                    shared.table.invalidate_range(req.offset, req.len, OVERWRITE_PIN_WAIT);
+                    shared
+                        .table
+                        .invalidate_range(req.offset, req.len, OVERWRITE_PIN_WAIT);
                     // SAFETY: [off, off+len) was bounds-checked against the mapping, and the
                     // entries there were just retired and their readers waited for, so nothing
                     // else reads this range through a reference while we fill it. The slice
                     // lives only for this read_exact.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(shared.mem.ptr_at(off), len) };
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(shared.mem.ptr_at(off), len) };
                     rd.read_exact(dst)?;
                 }
                 let Ok(key) = std::str::from_utf8(&key_buf) else {
                     reply(&mut wr, Status::BadRequest, 0, "key is not UTF-8")?;
                     continue;
                 };
-                shared.table.commit(req.generation, key.to_owned(), req.offset, req.len);
+                shared
+                    .table
+                    .commit(req.generation, key.to_owned(), req.offset, req.len);
                 shared.counters.writes.fetch_add(1, Ordering::Relaxed);
-                shared.counters.bytes_written.fetch_add(req.len, Ordering::Relaxed);
+                shared
+                    .counters
+                    .bytes_written
+                    .fetch_add(req.len, Ordering::Relaxed);
                 reply(&mut wr, Status::Ok, 0, "")?;
             }
             Op::Read | Op::Pin => {
@@ -415,11 +460,21 @@ fn serve<S: Stream>(
                     continue;
                 }
                 let Some((off, len)) = shared.mem.check(req.offset, req.len) else {
-                    reply(&mut wr, Status::OutOfBounds, size, "range outside the segment")?;
+                    reply(
+                        &mut wr,
+                        Status::OutOfBounds,
+                        size,
+                        "range outside the segment",
+                    )?;
                     continue;
                 };
                 if req.op == Op::Pin && pins.len() >= MAX_PINS_PER_CONN {
-                    reply(&mut wr, Status::BadRequest, 0, "too many pins on one connection")?;
+                    reply(
+                        &mut wr,
+                        Status::BadRequest,
+                        0,
+                        "too many pins on one connection",
+                    )?;
                     continue;
                 }
                 let pin = match shared.table.pin(req.generation, req.offset, req.len) {
@@ -430,7 +485,10 @@ fn serve<S: Stream>(
                     }
                 };
                 shared.counters.reads.fetch_add(1, Ordering::Relaxed);
-                shared.counters.bytes_read.fetch_add(req.len, Ordering::Relaxed);
+                shared
+                    .counters
+                    .bytes_read
+                    .fetch_add(req.len, Ordering::Relaxed);
                 if req.op == Op::Pin {
                     pins.push((req.generation, req.offset, req.len, pin));
                     reply(&mut wr, Status::Ok, 0, "")?;
@@ -461,7 +519,10 @@ fn serve<S: Stream>(
             Op::Free => {
                 let count = req.key_len;
                 if count > wire::MAX_FREE_ITEMS {
-                    return End::Garbage(format!("FREE of {count} items > {}", wire::MAX_FREE_ITEMS));
+                    return Err(End::Garbage(format!(
+                        "FREE of {count} items > {}",
+                        wire::MAX_FREE_ITEMS
+                    )));
                 }
                 free_buf.resize(count as usize * 16, 0);
                 rd.read_exact(&mut free_buf)?;
@@ -475,10 +536,18 @@ fn serve<S: Stream>(
                         )
                     })
                     .collect();
-                if shared.table.free(&items, Duration::from_millis(u64::from(req.aux))) {
+                if shared
+                    .table
+                    .free(&items, Duration::from_millis(u64::from(req.aux)))
+                {
                     reply(&mut wr, Status::Ok, 0, "")?;
                 } else {
-                    reply(&mut wr, Status::Timeout, 0, "entries dropped but readers still hold pins")?;
+                    reply(
+                        &mut wr,
+                        Status::Timeout,
+                        0,
+                        "entries dropped but readers still hold pins",
+                    )?;
                 }
             }
             Op::Attach => {

@@ -163,7 +163,9 @@ impl Table {
         let mut g = self.inner.lock();
         let mut pinned = Vec::new();
         for &(generation, offset) in items {
-            let Some(&id) = g.by_gen.get(&generation) else { continue };
+            let Some(&id) = g.by_gen.get(&generation) else {
+                continue;
+            };
             if g.entries[&id].offset != offset {
                 continue;
             }
@@ -174,7 +176,12 @@ impl Table {
         pinned.is_empty() || self.wait_gone(&mut g, &pinned, deadline)
     }
 
-    fn wait_gone(&self, g: &mut parking_lot::MutexGuard<'_, Inner>, ids: &[u64], deadline: Instant) -> bool {
+    fn wait_gone(
+        &self,
+        g: &mut parking_lot::MutexGuard<'_, Inner>,
+        ids: &[u64],
+        deadline: Instant,
+    ) -> bool {
         loop {
             if ids.iter().all(|id| !g.entries.contains_key(id)) {
                 return true;

@@ -7,10 +7,20 @@ use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 const IOV_BATCH: usize = 64;
 
 /// Writes `head` pieces then `body` pieces, all of them, with as few `writev` calls as possible.
-pub(crate) fn write_all_gather<W: Write>(w: &mut W, head: &[&[u8]], body: &[&[u8]]) -> io::Result<()> {
+pub(crate) fn write_all_gather<W: Write>(
+    w: &mut W,
+    head: &[&[u8]],
+    body: &[&[u8]],
+) -> io::Result<()> {
     // Cursor: index into the virtual concatenation head ++ body, and bytes already sent of it.
     let total = head.len() + body.len();
-    let piece = |i: usize| -> &[u8] { if i < head.len() { head[i] } else { body[i - head.len()] } };
+    let piece = |i: usize| -> &[u8] {
+        if i < head.len() {
+            head[i]
+        } else {
+            body[i - head.len()]
+        }
+    };
     let mut idx = 0usize;
     let mut done_in_piece = 0usize;
     loop {
@@ -25,7 +35,11 @@ pub(crate) fn write_all_gather<W: Write>(w: &mut W, head: &[&[u8]], body: &[&[u8
         let mut n = 0;
         let mut j = idx;
         while j < total && n < IOV_BATCH {
-            let p = if j == idx { &piece(j)[done_in_piece..] } else { piece(j) };
+            let p = if j == idx {
+                &piece(j)[done_in_piece..]
+            } else {
+                piece(j)
+            };
             if !p.is_empty() {
                 iov[n] = IoSlice::new(p);
                 n += 1;
@@ -67,7 +81,8 @@ pub(crate) fn read_exact_scatter<R: Read>(r: &mut R, dst: &mut [&mut [u8]]) -> i
         }
         let got = {
             let (first, rest) = dst[idx..].split_at_mut(1);
-            let mut iov: [IoSliceMut<'_>; IOV_BATCH] = std::array::from_fn(|_| IoSliceMut::new(&mut []));
+            let mut iov: [IoSliceMut<'_>; IOV_BATCH] =
+                std::array::from_fn(|_| IoSliceMut::new(&mut []));
             iov[0] = IoSliceMut::new(&mut first[0][done_in_piece..]);
             let mut n = 1;
             for p in rest.iter_mut() {
@@ -123,7 +138,10 @@ mod tests {
         let body: Vec<&[u8]> = data.iter().map(|v| v.as_slice()).collect();
         let mut out = Vec::new();
         write_all_gather(&mut out, &head, &body).unwrap();
-        let expect: Vec<u8> = std::iter::once(b"hd".to_vec()).chain(data.clone()).flatten().collect();
+        let expect: Vec<u8> = std::iter::once(b"hd".to_vec())
+            .chain(data.clone())
+            .flatten()
+            .collect();
         assert_eq!(out, expect);
 
         let mut bufs: Vec<Vec<u8>> = data.iter().map(|v| vec![0u8; v.len()]).collect();

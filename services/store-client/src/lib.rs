@@ -1,1 +1,143 @@
-//! placeholder
+//! # lunakv-store
+//!
+//! The standalone store-client (upstream's `mooncake_client`): owns a DRAM segment of
+//! `--global_segment_size`, serves it on `--port` (50052) through the transfer library, mounts it
+//! with the master, pings, and unmounts on a graceful stop. Engines in standalone-store mode are
+//! pure requesters against it, so the pool survives engine restarts.
+//!
+//! The segment logic itself is [`lunakv_client::SegmentHost`], shared with embedded-mode
+//! engines; this crate adds the flags, the admin HTTP endpoint (/metrics, /health) and the
+//! lifecycle.
+
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lunakv_client::{ClientError, HostOptions, SegmentHost};
+use lunakv_config::StoreConfig;
+use prometheus::{IntGauge, Registry};
+
+mod admin;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("--host '{0}' is not an IP address: the transfer listener binds exactly this address; pass this node's IP, e.g. --host=127.0.0.1")]
+    BadHost(String),
+    #[error("cannot bind the admin port {addr}: {source}; pick another --metrics_port (0 = any free port)")]
+    AdminBind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Segment(#[from] ClientError),
+}
+
+/// Serves until `shutdown` resolves, then unmounts and stops. Prints one line once bound:
+/// `lunakv-store listening transfer=IP:PORT admin=IP:PORT segment=NAME size=BYTES`.
+pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Result<(), StoreError> {
+    let ip: IpAddr = cfg.host.parse().map_err(|_| StoreError::BadHost(cfg.host.clone()))?;
+    let client_id = format!("store-{}", uuid_like());
+    let env = lunakv_config::process_env;
+    let shm_socket = cfg.enable_shm.then(|| {
+        if cfg.port == 0 && cfg.shm_socket.is_none() {
+            // An ephemeral port is unknown until bound; keep the socket name unique anyway.
+            let dir = cfg.shm_socket_path(0, &env);
+            dir.with_file_name(format!("lunakv-store-{}.sock", uuid_like()))
+        } else {
+            cfg.shm_socket_path(cfg.port, &env)
+        }
+    });
+    let host = SegmentHost::start(HostOptions {
+        master_server_address: cfg.master_server_address.clone(),
+        client_id,
+        cluster_id: cfg.cluster_id.clone(),
+        bind: SocketAddr::new(ip, cfg.port),
+        advertise_host: None,
+        size: cfg.global_segment_size,
+        shm_socket,
+        protocol: cfg.protocol.as_str().to_owned(),
+        enable_offload: cfg.enable_offload,
+        ping_interval: Duration::from_secs(1),
+        rpc_timeout: Duration::from_secs(10),
+    })
+    .await?;
+    let host = Arc::new(host);
+
+    let metrics = Metrics::new();
+    let admin_addr = SocketAddr::new(ip, cfg.metrics_port);
+    let listener = tokio::net::TcpListener::bind(admin_addr)
+        .await
+        .map_err(|source| StoreError::AdminBind {
+            addr: admin_addr,
+            source,
+        })?;
+    let admin_addr = listener.local_addr().map_err(|source| StoreError::AdminBind {
+        addr: admin_addr,
+        source,
+    })?;
+    let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
+    let admin = tokio::spawn(admin::serve(listener, host.clone(), metrics, async {
+        let _ = admin_stopped.await;
+    }));
+
+    let info = host.info().clone();
+    println!(
+        "lunakv-store listening transfer={} admin={} segment={} size={}",
+        info.transfer_endpoint, admin_addr, info.name, info.size
+    );
+    tracing::info!(segment = %info.name, size = info.size, shm = ?info.shm_socket, "serving");
+
+    shutdown.await;
+    tracing::info!("shutting down: unmounting the segment");
+    let _ = stop_admin.send(());
+    let _ = admin.await;
+    match Arc::try_unwrap(host) {
+        Ok(h) => h.shutdown().await?,
+        Err(_) => tracing::warn!("segment still referenced at shutdown; the master will expire it after client_ttl"),
+    }
+    Ok(())
+}
+
+/// Gauges refreshed from the segment's counters at each scrape.
+#[derive(Clone)]
+pub(crate) struct Metrics {
+    pub(crate) registry: Registry,
+    pub(crate) capacity: IntGauge,
+    pub(crate) used: IntGauge,
+    pub(crate) objects: IntGauge,
+    pub(crate) bytes_read: IntGauge,
+    pub(crate) bytes_written: IntGauge,
+    pub(crate) reads: IntGauge,
+    pub(crate) writes: IntGauge,
+}
+
+impl Metrics {
+    fn new() -> Metrics {
+        let registry = Registry::new();
+        let g = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("static metric definition");
+            registry.register(Box::new(g.clone())).expect("unique metric name");
+            g
+        };
+        Metrics {
+            capacity: g("lunakv_store_segment_capacity_bytes", "Bytes of DRAM this store serves"),
+            used: g("lunakv_store_segment_used_bytes", "Bytes held by committed objects"),
+            objects: g("lunakv_store_objects", "Objects whose bytes this store holds"),
+            bytes_read: g("lunakv_store_transfer_read_bytes_total", "Bytes served to readers"),
+            bytes_written: g("lunakv_store_transfer_written_bytes_total", "Bytes received from writers"),
+            reads: g("lunakv_store_transfer_reads_total", "Read requests served"),
+            writes: g("lunakv_store_transfer_writes_total", "Write requests served"),
+            registry,
+        }
+    }
+}
+
+fn uuid_like() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!("{:x}-{:x}", std::process::id(), now)
+}

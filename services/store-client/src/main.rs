@@ -1,1 +1,45 @@
-fn main() {}
+//! `lunakv-store`: parse flags (Mooncake `mooncake_client` names), start telemetry, serve the
+//! segment, and unmount on SIGTERM/SIGINT.
+
+use anyhow::Context;
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(name = "lunakv-store", version, about = "lunakv store-client: owns and serves a DRAM segment of the pool")]
+struct Cli {
+    #[command(flatten)]
+    store: lunakv_config::StoreConfig,
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut cfg = Cli::parse().store;
+    lunakv_telemetry::init("lunakv-store");
+    let mut warnings = cfg.apply_env(&lunakv_config::process_env)?;
+    warnings.extend(cfg.validate()?);
+    for w in &warnings {
+        tracing::warn!("{w}");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    rt.block_on(lunakv_store::serve(cfg, shutdown_signal()))?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM; stopping on Ctrl-C only");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

@@ -1,0 +1,299 @@
+//! lunakv-store flags: upstream names and defaults, gflags-style booleans, every check.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use clap::Parser;
+use lunakv_config::{ConfigError, ConfigWarning, HostPort, Protocol, StoreConfig};
+
+const GIB: u64 = 1 << 30;
+
+#[derive(Parser, Debug)]
+struct Cli {
+    #[command(flatten)]
+    store: StoreConfig,
+}
+
+fn parse(args: &[&str]) -> Result<StoreConfig, clap::Error> {
+    Cli::try_parse_from(std::iter::once("lunakv-store").chain(args.iter().copied()))
+        .map(|c| c.store)
+}
+
+fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let map: HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |k| map.get(k).cloned()
+}
+
+#[test]
+fn no_flags_equals_default() {
+    let c = parse(&[]).unwrap();
+    assert_eq!(c, StoreConfig::default());
+    assert_eq!(c.master_server_address, "127.0.0.1:50051");
+    assert_eq!(c.host, "127.0.0.1");
+    assert_eq!(c.port, 50052);
+    assert_eq!(c.global_segment_size, 4 * GIB);
+    assert_eq!(c.protocol, Protocol::Tcp);
+    assert_eq!(c.metadata_server, "P2PHANDSHAKE");
+    assert!(!c.enable_offload);
+    assert_eq!(c.cluster_id, "mooncake_cluster");
+    assert_eq!(c.shm_socket, None);
+    assert!(c.enable_shm);
+    assert_eq!(c.metrics_port, 9004);
+    assert_eq!(
+        c.offload_file_storage_path,
+        PathBuf::from("/data/file_storage")
+    );
+    assert_eq!(c.offload_total_size_limit_bytes, 2 << 40);
+    assert_eq!(c.validate().unwrap(), vec![]);
+}
+
+#[test]
+fn llm_d_daemonset_args_with_tcp() {
+    let c = parse(&[
+        "--master_server_address=mooncake-master-store.mooncake.svc.cluster.local:50051",
+        "--host=10.1.2.3",
+        "--port=50052",
+        "--protocol=tcp",
+        "--global_segment_size=40GB",
+        "--enable_offload=true",
+        "--metadata_server=P2PHANDSHAKE",
+    ])
+    .unwrap();
+    assert_eq!(c.host, "10.1.2.3");
+    assert_eq!(c.global_segment_size, 40 * GIB);
+    assert!(c.enable_offload);
+    assert_eq!(c.master_addr().unwrap().port, 50051);
+    assert_eq!(
+        c.validate().unwrap(),
+        vec![ConfigWarning::OffloadNotImplemented]
+    );
+}
+
+#[test]
+fn space_separated_values_and_size_spellings() {
+    let c = parse(&[
+        "--port",
+        "0",
+        "--global_segment_size",
+        "4 GB",
+        "--metrics_port",
+        "0",
+    ])
+    .unwrap();
+    assert_eq!(
+        (c.port, c.global_segment_size, c.metrics_port),
+        (0, 4 * GIB, 0)
+    );
+    assert_eq!(
+        parse(&["--global_segment_size=512MiB"])
+            .unwrap()
+            .global_segment_size,
+        512 << 20
+    );
+    assert_eq!(
+        parse(&["--global_segment_size=1073741824"])
+            .unwrap()
+            .global_segment_size,
+        GIB
+    );
+    // Dashed aliases.
+    assert_eq!(
+        parse(&["--global-segment-size=1GB"])
+            .unwrap()
+            .global_segment_size,
+        GIB
+    );
+}
+
+#[test]
+fn gflags_style_booleans() {
+    let off = |args: &[&str]| parse(args).unwrap().enable_offload;
+    assert!(off(&["--enable_offload"]));
+    assert!(off(&["--enable_offload=true"]));
+    assert!(off(&["--enable_offload=1"]));
+    assert!(off(&["--enable_offload=yes"]));
+    assert!(!off(&["--enable_offload=false"]));
+    assert!(!off(&["--enable_offload=0"]));
+    assert!(!parse(&["--enable_shm=false"]).unwrap().enable_shm);
+    assert!(parse(&["--enable_shm"]).unwrap().enable_shm);
+    // gflags booleans never take a separate value.
+    assert!(parse(&["--enable_offload", "false"]).is_err());
+    let e = parse(&["--enable_offload=maybe"]).unwrap_err().to_string();
+    assert!(e.contains("maybe"), "{e}");
+}
+
+#[test]
+fn bad_flag_values_are_explained() {
+    let e = parse(&["--global_segment_size=40XB"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("invalid size \"40XB\": unknown unit \"XB\""),
+        "{e}"
+    );
+    assert!(e.contains("--global_segment_size"), "{e}");
+    let e = parse(&["--protocol=ib"]).unwrap_err().to_string();
+    assert!(
+        e.contains("protocol 'ib' is not a known protocol; use \"tcp\""),
+        "{e}"
+    );
+    assert!(parse(&["--port=70000"]).is_err());
+}
+
+#[test]
+fn rdma_is_refused_clearly() {
+    let c = parse(&["--protocol=rdma"]).unwrap();
+    let e = c.validate().unwrap_err();
+    assert!(matches!(e, ConfigError::RdmaUnsupported { .. }));
+    assert_eq!(
+        e.to_string(),
+        "--protocol 'rdma': RDMA needs a lunakv build with the `rdma` feature and an RDMA device, and neither exists here; use \"tcp\" (same-host peers still get shared memory)"
+    );
+}
+
+#[test]
+fn zero_segment_is_refused() {
+    let e = parse(&["--global_segment_size=0"])
+        .unwrap()
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "--global_segment_size '0' is invalid: a store-client must serve some memory; give the DRAM to serve, e.g. --global_segment_size=40GB"
+    );
+}
+
+#[test]
+fn host_checks() {
+    let e = parse(&["--host="]).unwrap().validate().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "--host is not set: give the address to bind and advertise, e.g. --host=127.0.0.1 or --host=$(POD_IP)"
+    );
+    let e = parse(&["--host=10.0.0.5:50052"])
+        .unwrap()
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "--host '10.0.0.5:50052' is invalid: a host is a name or an IP address, without a port; write e.g. --host=10.0.0.5 --port=50052"
+    );
+    assert!(parse(&["--host=::1"]).unwrap().validate().is_ok());
+    assert!(
+        parse(&["--host=store-0.store.svc"])
+            .unwrap()
+            .validate()
+            .is_ok()
+    );
+}
+
+#[test]
+fn master_address_checks() {
+    let e = parse(&["--master_server_address=etcd://10.0.0.1:2379"])
+        .unwrap()
+        .validate()
+        .unwrap_err();
+    assert!(matches!(e, ConfigError::UnsupportedAddress { .. }));
+    assert!(e.to_string().starts_with(
+        "--master_server_address 'etcd://10.0.0.1:2379': etcd:// addresses are not supported yet"
+    ));
+    let e = parse(&["--master_server_address=10.0.0.1"])
+        .unwrap()
+        .validate()
+        .unwrap_err();
+    assert!(matches!(e, ConfigError::InvalidAddress { .. }), "{e}");
+    assert_eq!(
+        parse(&["--master_server_address=[::1]:50051"])
+            .unwrap()
+            .master_addr()
+            .unwrap(),
+        HostPort {
+            host: "::1".into(),
+            port: 50051
+        }
+    );
+}
+
+#[test]
+fn port_clash_and_cluster_id() {
+    let e = parse(&["--port=9004"]).unwrap().validate().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "--metrics_port '9004' is invalid: it is also the transfer --port; use another port, e.g. --metrics_port=9004, or 0 for a free one"
+    );
+    assert!(
+        parse(&["--port=0", "--metrics_port=0"])
+            .unwrap()
+            .validate()
+            .is_ok()
+    );
+    let e = parse(&["--cluster_id="]).unwrap().validate().unwrap_err();
+    assert!(matches!(&e, ConfigError::Missing { field, .. } if field == "--cluster_id"));
+}
+
+#[test]
+fn metadata_server_other_than_p2p_warns() {
+    let w = parse(&["--metadata_server=http://10.0.0.1:8080/metadata"])
+        .unwrap()
+        .validate()
+        .unwrap();
+    assert_eq!(
+        w,
+        vec![ConfigWarning::MetadataServerIgnored {
+            field: "--metadata_server",
+            value: "http://10.0.0.1:8080/metadata".into()
+        }]
+    );
+}
+
+#[test]
+fn offload_env() {
+    let mut c = StoreConfig::default();
+    let w = c
+        .apply_env(&env_of(&[
+            (
+                "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH",
+                "/data/mooncake-offload",
+            ),
+            ("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", "536870912000"),
+        ]))
+        .unwrap();
+    assert!(w.is_empty());
+    assert_eq!(
+        c.offload_file_storage_path,
+        PathBuf::from("/data/mooncake-offload")
+    );
+    assert_eq!(c.offload_total_size_limit_bytes, 536_870_912_000);
+    let e = c
+        .apply_env(&env_of(&[(
+            "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES",
+            "big",
+        )]))
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES: invalid size \"big\""),
+        "{e}"
+    );
+}
+
+#[test]
+fn shm_socket_path() {
+    let c = StoreConfig::default();
+    assert_eq!(
+        c.shm_socket_path(50052, &|_| None),
+        PathBuf::from("/tmp/lunakv-store-50052.sock")
+    );
+    assert_eq!(
+        c.shm_socket_path(41234, &env_of(&[("XDG_RUNTIME_DIR", "/run/user/1000")])),
+        PathBuf::from("/run/user/1000/lunakv-store-41234.sock")
+    );
+    let c = parse(&["--shm_socket=/dev/shm/x.sock"]).unwrap();
+    assert_eq!(
+        c.shm_socket_path(1, &|_| None),
+        PathBuf::from("/dev/shm/x.sock")
+    );
+}

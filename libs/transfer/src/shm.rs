@@ -1,0 +1,270 @@
+//! The shm transport for requesters on the owner's host: ATTACH once per connection receives the
+//! segment's memfd over SCM_RIGHTS; a get is PIN (one round trip) + memcpy + UNPIN (no answer);
+//! a put is memcpy + COMMIT (one round trip). Bytes never cross a socket.
+
+use std::collections::HashMap;
+use std::io::{self, IoSliceMut};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::mem::{Mapping, copy_in, copy_out};
+use crate::tcp::{breaks_conn, check_request, io_err, recv_status, total_len};
+use crate::vio::write_all_gather;
+use crate::wire::{self, Op, Request, Response, Status};
+use crate::{Target, TransferError, Transport};
+
+/// One attached segment: our mapping of the owner's memfd plus pooled unix connections.
+struct Attachment {
+    map: Mapping,
+    /// (st_dev, st_ino) of the memfd: a new connection whose ATTACH returns another memfd means
+    /// the owner restarted behind the same socket path, and this mapping is obsolete.
+    ident: (u64, u64),
+    idle: Mutex<Vec<UnixStream>>,
+}
+
+/// The shm transport; attachments are cached per unix socket path.
+pub struct ShmTransport {
+    attachments: RwLock<HashMap<String, Arc<Attachment>>>,
+    conns_per_peer: usize,
+    io_timeout: Duration,
+}
+
+fn fd_ident(fd: &OwnedFd) -> io::Result<(u64, u64)> {
+    let st = rustix::fs::fstat(fd)?;
+    Ok((st.st_dev as u64, st.st_ino as u64))
+}
+
+fn unavailable(path: &str, e: impl std::fmt::Display) -> TransferError {
+    TransferError::ShmUnavailable(format!(
+        "cannot attach segment over {path}: {e}; check the owner runs on this host and the path is reachable, or set LUNAKV_DISABLE_SHM=1"
+    ))
+}
+
+impl ShmTransport {
+    pub fn new(conns_per_peer: usize, io_timeout: Duration) -> ShmTransport {
+        ShmTransport {
+            attachments: RwLock::new(HashMap::new()),
+            conns_per_peer: conns_per_peer.max(1),
+            io_timeout,
+        }
+    }
+
+    /// Connects and ATTACHes: returns the stream and the memfd with its size.
+    fn connect(&self, path: &str) -> Result<(UnixStream, OwnedFd, u64), TransferError> {
+        use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
+        let s = UnixStream::connect(path).map_err(|e| unavailable(path, e))?;
+        s.set_read_timeout(Some(self.io_timeout))
+            .map_err(|e| unavailable(path, e))?;
+        s.set_write_timeout(Some(self.io_timeout))
+            .map_err(|e| unavailable(path, e))?;
+        let req = Request {
+            op: Op::Attach,
+            generation: 0,
+            offset: 0,
+            len: 0,
+            key_len: 0,
+            aux: 0,
+        }
+        .encode();
+        write_all_gather(&mut &s, &[&req], &[]).map_err(|e| unavailable(path, e))?;
+        let mut hdr = [0u8; wire::RESP_LEN];
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut cmsg = RecvAncillaryBuffer::new(&mut space);
+        let got = recvmsg(
+            &s,
+            &mut [IoSliceMut::new(&mut hdr)],
+            &mut cmsg,
+            RecvFlags::CMSG_CLOEXEC,
+        )
+        .map_err(|e| unavailable(path, e))?
+        .bytes;
+        let mut fd = None;
+        for msg in cmsg.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = msg {
+                for f in fds {
+                    // Keep the first; any extra fds are closed as they drop.
+                    fd.get_or_insert(f);
+                }
+            }
+        }
+        if got == 0 {
+            return Err(unavailable(path, "connection closed during ATTACH"));
+        }
+        if got < hdr.len() {
+            io::Read::read_exact(&mut &s, &mut hdr[got..]).map_err(|e| unavailable(path, e))?;
+        }
+        let resp = Response::decode(&hdr).map_err(|e| unavailable(path, e))?;
+        if resp.status != Status::Ok {
+            return Err(unavailable(
+                path,
+                format!("ATTACH answered {:?}", resp.status),
+            ));
+        }
+        let fd = fd.ok_or_else(|| unavailable(path, "ATTACH carried no file descriptor"))?;
+        Ok((s, fd, resp.value))
+    }
+
+    fn attachment(&self, path: &str) -> Result<Arc<Attachment>, TransferError> {
+        if let Some(a) = self.attachments.read().get(path) {
+            return Ok(a.clone());
+        }
+        let (s, fd, size) = self.connect(path)?;
+        let ident = fd_ident(&fd).map_err(|e| unavailable(path, e))?;
+        let map = Mapping::map(fd, size).map_err(|e| unavailable(path, e))?;
+        let a = Arc::new(Attachment {
+            map,
+            ident,
+            idle: Mutex::new(vec![s]),
+        });
+        let mut w = self.attachments.write();
+        // Another thread may have attached meanwhile; keep one mapping per segment.
+        Ok(w.entry(path.to_string()).or_insert(a).clone())
+    }
+
+    /// Attaches `t`'s segment if not yet attached.
+    pub(crate) fn probe(&self, t: &Target) -> Result<(), TransferError> {
+        let path = t.shm_socket.as_deref().ok_or_else(|| {
+            TransferError::ShmUnavailable(format!("{} offers no shm socket", t.endpoint))
+        })?;
+        self.attachment(path).map(|_| ())
+    }
+
+    /// Drops a cached attachment (owner restarted or went away); the next call re-attaches.
+    fn forget(&self, path: &str, a: &Arc<Attachment>) {
+        let mut w = self.attachments.write();
+        if w.get(path).is_some_and(|cur| Arc::ptr_eq(cur, a)) {
+            w.remove(path);
+        }
+    }
+
+    fn checkout(&self, path: &str, a: &Attachment) -> Result<UnixStream, TransferError> {
+        if let Some(s) = a.idle.lock().pop() {
+            return Ok(s);
+        }
+        let (s, fd, _) = self.connect(path)?;
+        let ident = fd_ident(&fd).map_err(|e| unavailable(path, e))?;
+        if ident != a.ident {
+            return Err(TransferError::ShmUnavailable(format!(
+                "the segment behind {path} was replaced (owner restarted); re-attaching"
+            )));
+        }
+        Ok(s)
+    }
+
+    fn checkin(&self, a: &Attachment, s: UnixStream) {
+        let mut idle = a.idle.lock();
+        if idle.len() < self.conns_per_peer * 4 {
+            idle.push(s);
+        }
+    }
+
+    /// Runs `f` with the attachment and a connection. A broken connection or a replaced segment
+    /// drops the cached attachment and retries once against a fresh one.
+    fn run(
+        &self,
+        t: &Target,
+        mut f: impl FnMut(&Attachment, &mut UnixStream) -> Result<(), TransferError>,
+    ) -> Result<(), TransferError> {
+        let path = t.shm_socket.as_deref().ok_or_else(|| {
+            TransferError::ShmUnavailable(format!("{} offers no shm socket", t.endpoint))
+        })?;
+        let mut retried = false;
+        loop {
+            let a = self.attachment(path)?;
+            let r = self.checkout(path, &a).and_then(|mut s| {
+                let r = f(&a, &mut s);
+                if !matches!(&r, Err(e) if breaks_conn(e)) {
+                    self.checkin(&a, s);
+                }
+                r
+            });
+            match r {
+                Err(TransferError::ShmUnavailable(_) | TransferError::Io(..)) if !retried => {
+                    self.forget(path, &a);
+                    retried = true;
+                }
+                r => return r,
+            }
+        }
+    }
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn write(
+        &self,
+        t: &Target,
+        generation: u64,
+        key: &str,
+        offset: u64,
+        src: &[&[u8]],
+    ) -> Result<(), TransferError> {
+        let len = total_len(src.iter().map(|s| s.len()));
+        check_request(t, Some(key), offset, len)?;
+        let path = t.shm_socket.as_deref().unwrap_or_default();
+        self.run(t, |a, s| {
+            let Some((off, _)) = a.map.check(offset, len) else {
+                return Err(TransferError::OutOfBounds {
+                    offset,
+                    len,
+                    size: a.map.len(),
+                });
+            };
+            copy_in(&a.map, off, src);
+            let hdr = Request {
+                op: Op::Commit,
+                generation,
+                offset,
+                len,
+                key_len: key.len() as u32,
+                aux: 0,
+            }
+            .encode();
+            write_all_gather(s, &[&hdr, key.as_bytes()], &[]).map_err(|e| io_err(path, e))?;
+            recv_status(s, path, generation, offset, len).map(|_| ())
+        })
+    }
+
+    fn read(
+        &self,
+        t: &Target,
+        generation: u64,
+        offset: u64,
+        dst: &mut [&mut [u8]],
+    ) -> Result<(), TransferError> {
+        let len = total_len(dst.iter().map(|s| s.len()));
+        check_request(t, None, offset, len)?;
+        let path = t.shm_socket.as_deref().unwrap_or_default();
+        self.run(t, |a, s| {
+            let Some((off, _)) = a.map.check(offset, len) else {
+                return Err(TransferError::OutOfBounds {
+                    offset,
+                    len,
+                    size: a.map.len(),
+                });
+            };
+            let mut req = Request {
+                op: Op::Pin,
+                generation,
+                offset,
+                len,
+                key_len: 0,
+                aux: 0,
+            };
+            write_all_gather(s, &[&req.encode()], &[]).map_err(|e| io_err(path, e))?;
+            recv_status(s, path, generation, offset, len)?;
+            copy_out(&a.map, off, dst);
+            // UNPIN has no answer: the next request on this connection is ordered after it, and
+            // if the connection dies the owner drops the pin anyway.
+            req.op = Op::Unpin;
+            write_all_gather(s, &[&req.encode()], &[]).map_err(|e| io_err(path, e))
+        })
+    }
+}

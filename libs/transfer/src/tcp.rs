@@ -1,0 +1,487 @@
+//! The tcp transport: pooled blocking connections per endpoint; a get is one request header out
+//! and the object read straight into the caller's buffers, a put is one `writev` of header, key
+//! and the caller's pieces.
+
+use std::collections::HashMap;
+use std::io::{self, Read};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::vio::{read_exact_scatter, write_all_gather};
+use crate::wire::{self, Op, Request, Response, Status};
+use crate::{Target, TransferError, TransferRequest, Transport, tune_socket};
+
+/// How many requests of one kind go out on a connection before their answers are read. Bounded
+/// so unread answers always fit the socket buffers (no deadlock with a blocking peer).
+const PIPELINE_DEPTH: usize = 64;
+
+/// One pooled connection to a segment server.
+pub(crate) struct TcpConn {
+    stream: TcpStream,
+}
+
+/// Maps an I/O error on an established connection to the error callers branch on.
+pub(crate) fn io_err(endpoint: &str, e: io::Error) -> TransferError {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => TransferError::Timeout,
+        _ => TransferError::Io(endpoint.to_string(), e),
+    }
+}
+
+/// True if the connection can no longer be trusted (stream position unknown).
+pub(crate) fn breaks_conn(e: &TransferError) -> bool {
+    matches!(
+        e,
+        TransferError::Io(..)
+            | TransferError::Timeout
+            | TransferError::Protocol(_)
+            | TransferError::Connect { .. }
+    )
+}
+
+/// Reads a response header; maps error statuses (reading their message) to request-level errors.
+/// `Ok(len)` is the payload length of an OK answer.
+pub(crate) fn recv_status<R: Read>(
+    r: &mut R,
+    endpoint: &str,
+    generation: u64,
+    offset: u64,
+    len: u64,
+) -> Result<u64, TransferError> {
+    let mut hdr = [0u8; wire::RESP_LEN];
+    r.read_exact(&mut hdr).map_err(|e| io_err(endpoint, e))?;
+    let resp = Response::decode(&hdr)
+        .map_err(|why| TransferError::Protocol(format!("{endpoint}: {why}")))?;
+    if resp.status == Status::Ok {
+        return Ok(resp.len);
+    }
+    if resp.len > wire::MAX_MSG_LEN {
+        return Err(TransferError::Protocol(format!(
+            "{endpoint}: error message of {} bytes",
+            resp.len
+        )));
+    }
+    let mut msg = vec![0u8; resp.len as usize];
+    r.read_exact(&mut msg).map_err(|e| io_err(endpoint, e))?;
+    let msg = String::from_utf8_lossy(&msg);
+    Err(match resp.status {
+        Status::Stale => TransferError::Stale { generation },
+        Status::OutOfBounds => TransferError::OutOfBounds {
+            offset,
+            len,
+            size: resp.value,
+        },
+        Status::Timeout => TransferError::Timeout,
+        _ => TransferError::InvalidArgument(format!("{endpoint} refused the request: {msg}")),
+    })
+}
+
+/// Client-side checks shared by every transport, so bad requests never reach the wire.
+pub(crate) fn check_request(
+    t: &Target,
+    key: Option<&str>,
+    offset: u64,
+    len: u64,
+) -> Result<(), TransferError> {
+    if len == 0 {
+        return Err(TransferError::InvalidArgument(
+            "zero-length transfer; objects have at least one byte".into(),
+        ));
+    }
+    if let Some(k) = key
+        && k.len() > wire::MAX_KEY_LEN
+    {
+        return Err(TransferError::InvalidArgument(format!(
+            "key of {} bytes exceeds the {} byte limit",
+            k.len(),
+            wire::MAX_KEY_LEN
+        )));
+    }
+    match offset.checked_add(len) {
+        Some(end) if end <= t.size => Ok(()),
+        _ => Err(TransferError::OutOfBounds {
+            offset,
+            len,
+            size: t.size,
+        }),
+    }
+}
+
+pub(crate) fn total_len(pieces: impl IntoIterator<Item = usize>) -> u64 {
+    pieces.into_iter().map(|l| l as u64).sum()
+}
+
+impl TcpConn {
+    fn send_write(
+        &mut self,
+        generation: u64,
+        key: &str,
+        offset: u64,
+        src: &[&[u8]],
+        len: u64,
+    ) -> io::Result<()> {
+        let hdr = Request {
+            op: Op::Write,
+            generation,
+            offset,
+            len,
+            key_len: key.len() as u32,
+            aux: 0,
+        }
+        .encode();
+        write_all_gather(&mut self.stream, &[&hdr, key.as_bytes()], src)
+    }
+
+    fn send_read(&mut self, generation: u64, offset: u64, len: u64) -> io::Result<()> {
+        let hdr = Request {
+            op: Op::Read,
+            generation,
+            offset,
+            len,
+            key_len: 0,
+            aux: 0,
+        }
+        .encode();
+        write_all_gather(&mut self.stream, &[&hdr], &[])
+    }
+
+    fn recv_read(
+        &mut self,
+        endpoint: &str,
+        generation: u64,
+        offset: u64,
+        dst: &mut [&mut [u8]],
+        len: u64,
+    ) -> Result<(), TransferError> {
+        let got = recv_status(&mut self.stream, endpoint, generation, offset, len)?;
+        if got != len {
+            return Err(TransferError::Protocol(format!(
+                "{endpoint} answered {got} bytes for a {len} byte read"
+            )));
+        }
+        read_exact_scatter(&mut self.stream, dst).map_err(|e| io_err(endpoint, e))
+    }
+}
+
+#[derive(Default)]
+struct Pool {
+    idle: Mutex<Vec<TcpConn>>,
+}
+
+/// The tcp transport, with a connection pool per endpoint.
+pub struct TcpTransport {
+    pools: RwLock<HashMap<String, Arc<Pool>>>,
+    conns_per_peer: usize,
+    io_timeout: Duration,
+}
+
+impl TcpTransport {
+    pub fn new(conns_per_peer: usize, io_timeout: Duration) -> TcpTransport {
+        TcpTransport {
+            pools: RwLock::new(HashMap::new()),
+            conns_per_peer: conns_per_peer.max(1),
+            io_timeout,
+        }
+    }
+
+    pub(crate) fn conns_per_peer(&self) -> usize {
+        self.conns_per_peer
+    }
+
+    fn pool(&self, endpoint: &str) -> Arc<Pool> {
+        if let Some(p) = self.pools.read().get(endpoint) {
+            return p.clone();
+        }
+        self.pools
+            .write()
+            .entry(endpoint.to_string())
+            .or_default()
+            .clone()
+    }
+
+    fn connect(&self, endpoint: &str) -> Result<TcpConn, TransferError> {
+        let cerr = |source: io::Error| TransferError::Connect {
+            endpoint: endpoint.to_string(),
+            source,
+        };
+        let mut last = io::Error::new(io::ErrorKind::NotFound, "endpoint resolved to no address");
+        for addr in endpoint.to_socket_addrs().map_err(cerr)? {
+            match TcpStream::connect_timeout(&addr, self.io_timeout) {
+                Ok(stream) => {
+                    tune_socket(&stream);
+                    stream
+                        .set_read_timeout(Some(self.io_timeout))
+                        .map_err(cerr)?;
+                    stream
+                        .set_write_timeout(Some(self.io_timeout))
+                        .map_err(cerr)?;
+                    return Ok(TcpConn { stream });
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(cerr(last))
+    }
+
+    /// A pooled connection (`true` if reused) or a new one.
+    fn checkout(&self, pool: &Pool, endpoint: &str) -> Result<(TcpConn, bool), TransferError> {
+        if let Some(c) = pool.idle.lock().pop() {
+            return Ok((c, true));
+        }
+        Ok((self.connect(endpoint)?, false))
+    }
+
+    fn checkin(&self, pool: &Pool, c: TcpConn) {
+        let mut idle = pool.idle.lock();
+        // Keep enough for bursts from several threads; beyond that, close.
+        if idle.len() < self.conns_per_peer * 4 {
+            idle.push(c);
+        }
+    }
+
+    /// Runs `f` on a pooled connection. A reused connection that fails with an I/O error was
+    /// most likely closed by a restarted peer, so the request is retried once on a fresh one
+    /// (both ops are idempotent: same bytes, same generation).
+    fn with_conn(
+        &self,
+        endpoint: &str,
+        mut f: impl FnMut(&mut TcpConn) -> Result<(), TransferError>,
+    ) -> Result<(), TransferError> {
+        let pool = self.pool(endpoint);
+        let (mut c, reused) = self.checkout(&pool, endpoint)?;
+        let mut r = f(&mut c);
+        if reused && matches!(r, Err(TransferError::Io(..))) {
+            c = self.connect(endpoint)?;
+            r = f(&mut c);
+        }
+        match &r {
+            Err(e) if breaks_conn(e) => {}
+            _ => self.checkin(&pool, c),
+        }
+        r
+    }
+
+    /// FREE `(generation, offset)` pairs on the owner at `endpoint`, waiting up to `timeout`.
+    pub fn free(
+        &self,
+        endpoint: &str,
+        items: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<(), TransferError> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let mut body = Vec::with_capacity(items.len() * 16);
+        for &(g, o) in items {
+            body.extend_from_slice(&g.to_le_bytes());
+            body.extend_from_slice(&o.to_le_bytes());
+        }
+        for chunk in body.chunks(wire::MAX_FREE_ITEMS as usize * 16) {
+            let hdr = Request {
+                op: Op::Free,
+                generation: 0,
+                offset: 0,
+                len: 0,
+                key_len: (chunk.len() / 16) as u32,
+                aux: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
+            }
+            .encode();
+            self.with_conn(endpoint, |c| {
+                // The owner may legitimately wait `timeout` for pins before answering.
+                let wait = self.io_timeout + timeout;
+                c.stream
+                    .set_read_timeout(Some(wait))
+                    .map_err(|e| io_err(endpoint, e))?;
+                write_all_gather(&mut c.stream, &[&hdr, chunk], &[])
+                    .map_err(|e| io_err(endpoint, e))?;
+                let r = recv_status(&mut c.stream, endpoint, 0, 0, 0).map(|_| ());
+                c.stream
+                    .set_read_timeout(Some(self.io_timeout))
+                    .map_err(|e| io_err(endpoint, e))?;
+                r
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Requests to one endpoint, pipelined on one connection. Answers arrive in request order.
+    fn pipeline(
+        &self,
+        t: &Target,
+        reqs: &mut [&mut TransferRequest<'_>],
+    ) -> Vec<Result<(), TransferError>> {
+        let endpoint = t.endpoint.as_str();
+        let mut out: Vec<Option<Result<(), TransferError>>> =
+            (0..reqs.len()).map(|_| None).collect();
+        let pool = self.pool(endpoint);
+        let mut conn = match self.checkout(&pool, endpoint) {
+            Ok((c, _)) => c,
+            Err(e) => return fail_all(out, &e),
+        };
+        let mut i = 0;
+        while i < reqs.len() {
+            let is_read = matches!(reqs[i], TransferRequest::Read { .. });
+            let mut j = i;
+            while j < reqs.len()
+                && j - i < PIPELINE_DEPTH
+                && matches!(reqs[j], TransferRequest::Read { .. }) == is_read
+            {
+                j += 1;
+            }
+            // Send the run. Requests failing local checks are answered here and not sent.
+            let mut sent = [false; PIPELINE_DEPTH];
+            for k in i..j {
+                let r = match &*reqs[k] {
+                    TransferRequest::Write {
+                        generation,
+                        key,
+                        offset,
+                        src,
+                        ..
+                    } => {
+                        let len = total_len(src.iter().map(|s| s.len()));
+                        check_request(t, Some(key), *offset, len).and_then(|()| {
+                            conn.send_write(*generation, key, *offset, src, len)
+                                .map_err(|e| io_err(endpoint, e))
+                        })
+                    }
+                    TransferRequest::Read {
+                        generation,
+                        offset,
+                        dst,
+                        ..
+                    } => {
+                        let len = total_len(dst.iter().map(|s| s.len()));
+                        check_request(t, None, *offset, len).and_then(|()| {
+                            conn.send_read(*generation, *offset, len)
+                                .map_err(|e| io_err(endpoint, e))
+                        })
+                    }
+                };
+                match r {
+                    Ok(()) => sent[k - i] = true,
+                    Err(e) if breaks_conn(&e) => return fail_all(out, &e),
+                    Err(e) => out[k] = Some(Err(e)),
+                }
+            }
+            for k in i..j {
+                if !sent[k - i] {
+                    continue;
+                }
+                let r = match &mut *reqs[k] {
+                    TransferRequest::Write {
+                        generation,
+                        offset,
+                        src,
+                        ..
+                    } => {
+                        let len = total_len(src.iter().map(|s| s.len()));
+                        recv_status(&mut conn.stream, endpoint, *generation, *offset, len)
+                            .map(|_| ())
+                    }
+                    TransferRequest::Read {
+                        generation,
+                        offset,
+                        dst,
+                        ..
+                    } => {
+                        let len = total_len(dst.iter().map(|s| s.len()));
+                        conn.recv_read(endpoint, *generation, *offset, dst, len)
+                    }
+                };
+                if let Err(e) = &r
+                    && breaks_conn(e)
+                {
+                    return fail_all(out, e);
+                }
+                out[k] = Some(r);
+            }
+            i = j;
+        }
+        self.checkin(&pool, conn);
+        out.into_iter().map(|r| r.unwrap_or(Ok(()))).collect()
+    }
+}
+
+/// Fills every unanswered slot with a copy of `e` (the connection died under them).
+fn fail_all(
+    out: Vec<Option<Result<(), TransferError>>>,
+    e: &TransferError,
+) -> Vec<Result<(), TransferError>> {
+    out.into_iter()
+        .map(|r| match r {
+            Some(r) => r,
+            None => Err(e.duplicate()),
+        })
+        .collect()
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn write(
+        &self,
+        t: &Target,
+        generation: u64,
+        key: &str,
+        offset: u64,
+        src: &[&[u8]],
+    ) -> Result<(), TransferError> {
+        let len = total_len(src.iter().map(|s| s.len()));
+        check_request(t, Some(key), offset, len)?;
+        let ep = t.endpoint.as_str();
+        self.with_conn(ep, |c| {
+            c.send_write(generation, key, offset, src, len)
+                .map_err(|e| io_err(ep, e))?;
+            recv_status(&mut c.stream, ep, generation, offset, len).map(|_| ())
+        })
+    }
+
+    fn read(
+        &self,
+        t: &Target,
+        generation: u64,
+        offset: u64,
+        dst: &mut [&mut [u8]],
+    ) -> Result<(), TransferError> {
+        let len = total_len(dst.iter().map(|s| s.len()));
+        check_request(t, None, offset, len)?;
+        let ep = t.endpoint.as_str();
+        self.with_conn(ep, |c| {
+            c.send_read(generation, offset, len)
+                .map_err(|e| io_err(ep, e))?;
+            c.recv_read(ep, generation, offset, dst, len)
+        })
+    }
+
+    fn submit(
+        &self,
+        t: &Target,
+        reqs: &mut [&mut TransferRequest<'_>],
+    ) -> Vec<Result<(), TransferError>> {
+        if reqs.len() == 1 {
+            // No pipelining to gain; take the retrying single-op path.
+            return vec![match &mut *reqs[0] {
+                TransferRequest::Write {
+                    generation,
+                    key,
+                    offset,
+                    src,
+                    ..
+                } => self.write(t, *generation, key, *offset, src),
+                TransferRequest::Read {
+                    generation,
+                    offset,
+                    dst,
+                    ..
+                } => self.read(t, *generation, *offset, dst),
+            }];
+        }
+        self.pipeline(t, reqs)
+    }
+}

@@ -1,0 +1,1109 @@
+//! The master's state and rules, free of gRPC: segment registry, object index, leases, pins,
+//! eviction, zombie puts and client liveness. The gRPC and HTTP edges call into [`MasterCore`].
+//!
+//! Locks: the object index is split into [`SHARDS`] shards, each a `parking_lot::Mutex`; segments
+//! and clients have one mutex each. Order: a shard, then segments, then clients; no lock is held
+//! across an `.await`. A removed object leaves the index at once, but its ranges go back to the
+//! allocator only after the owner acknowledged the FREE ([`MasterCore::release`]).
+
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use lunakv_proto::ErrorCode;
+use parking_lot::Mutex;
+use rand::seq::SliceRandom;
+
+use crate::alloc::{OffsetAllocator, align_up};
+use crate::metrics::Metrics;
+use crate::notifier::OwnerNotifier;
+
+/// Number of object-index shards.
+pub const SHARDS: usize = 64;
+
+/// Timing and policy knobs, as durations (tests use milliseconds).
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    pub cluster_id: String,
+    pub lease_ttl: Duration,
+    pub soft_pin_ttl: Duration,
+    pub max_soft_pin_ttl: Duration,
+    pub eviction_ratio: f64,
+    pub high_watermark: f64,
+    pub client_ttl: Duration,
+    pub put_discard_timeout: Duration,
+    pub put_release_timeout: Duration,
+    /// How long an owner has to acknowledge a FREE before the range is freed anyway.
+    pub free_timeout: Duration,
+}
+
+impl CoreConfig {
+    pub fn from_master(c: &lunakv_config::master::MasterConfig) -> CoreConfig {
+        CoreConfig {
+            cluster_id: c.cluster_id.clone(),
+            lease_ttl: Duration::from_millis(c.default_kv_lease_ttl),
+            soft_pin_ttl: Duration::from_millis(c.default_kv_soft_pin_ttl),
+            max_soft_pin_ttl: Duration::from_millis(c.max_kv_soft_pin_ttl),
+            eviction_ratio: c.eviction_ratio,
+            high_watermark: c.eviction_high_watermark_ratio,
+            client_ttl: Duration::from_secs(c.client_ttl),
+            put_discard_timeout: Duration::from_secs(c.put_start_discard_timeout_sec),
+            put_release_timeout: Duration::from_secs(c.put_start_release_timeout_sec),
+            free_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        CoreConfig::from_master(&lunakv_config::master::MasterConfig::default())
+    }
+}
+
+/// What a peer needs to reach a segment (the domain form of `SegmentDescriptor`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SegmentDesc {
+    pub name: String,
+    pub transfer_endpoint: String,
+    pub size: u64,
+    pub host_id: String,
+    pub shm_socket: String,
+    pub protocol: String,
+    pub enable_offload: bool,
+}
+
+/// One object a segment already holds, reported at mount.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InventoryItem {
+    pub key: String,
+    pub offset: u64,
+    pub size: u64,
+    pub generation: u64,
+}
+
+/// Placement options of a put.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PutOptions {
+    pub replica_num: u32,
+    pub preferred_segment: Option<String>,
+    pub soft_pin: bool,
+    pub hard_pin: bool,
+}
+
+/// A per-item failure: a Mooncake code and a message for humans.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl OpError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> OpError {
+        OpError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// A replica as clients see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaView {
+    pub segment: SegmentDesc,
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// Where an object is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    pub generation: u64,
+    pub size: u64,
+    pub replicas: Vec<ReplicaView>,
+    pub lease_ttl: Duration,
+}
+
+/// Object lifecycle in the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum ObjectState {
+    Processing,
+    Complete,
+}
+
+/// Errors that are not per-item: they become a `tonic::Status`.
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error(
+        "cluster_id mismatch: this master serves cluster {ours:?} but the mount says {theirs:?}; \
+         start the client with cluster_id {ours:?} or point it at the master of {theirs:?}"
+    )]
+    ClusterMismatch { ours: String, theirs: String },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("segment {0:?} is not mounted")]
+    SegmentNotFound(String),
+}
+
+#[derive(Debug, Clone)]
+struct ReplicaLoc {
+    segment: String,
+    mount_id: u64,
+    offset: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Object {
+    generation: u64,
+    size: u64,
+    replicas: Vec<ReplicaLoc>,
+    state: ObjectState,
+    client_id: String,
+    put_start: Instant,
+    lease_until: Option<Instant>,
+    soft_pin_until: Option<Instant>,
+    hard_pinned: bool,
+    last_access: Instant,
+}
+
+impl Object {
+    fn leased(&self, now: Instant) -> bool {
+        self.lease_until.is_some_and(|t| t > now)
+    }
+
+    fn soft_pinned(&self, now: Instant) -> bool {
+        self.soft_pin_until.is_some_and(|t| t > now)
+    }
+}
+
+struct Segment {
+    desc: SegmentDesc,
+    client_id: String,
+    mount_id: u64,
+    alloc: OffsetAllocator,
+}
+
+struct ClientEntry {
+    last_seen: Instant,
+    segments: BTreeSet<String>,
+}
+
+/// A range waiting for its owner's acknowledgement before it returns to the allocator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingFree {
+    pub endpoint: String,
+    pub segment: String,
+    pub mount_id: u64,
+    pub generation: u64,
+    pub offset: u64,
+}
+
+/// A segment as the admin view shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SegmentInfo {
+    pub name: String,
+    pub transfer_endpoint: String,
+    pub client_id: String,
+    pub size: u64,
+    pub used: u64,
+    pub objects: u64,
+    pub last_ping_ms_ago: u64,
+    pub host_id: String,
+}
+
+/// One object as the admin view shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ObjectInfo {
+    pub key: String,
+    pub generation: u64,
+    pub size: u64,
+    pub state: ObjectState,
+    pub client_id: String,
+    pub replicas: Vec<ReplicaInfo>,
+    pub lease_remaining_ms: u64,
+    pub soft_pinned: bool,
+    pub hard_pinned: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReplicaInfo {
+    pub segment: String,
+    pub transfer_endpoint: String,
+    pub offset: u64,
+}
+
+/// Result of a mount.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MountOutcome {
+    pub accepted: u64,
+    pub rejected_generations: Vec<u64>,
+    /// Replicas of older copies displaced by the inventory: free them through their owners.
+    pub displaced: Vec<PendingFree>,
+}
+
+/// The master's state. Shared as `Arc<MasterCore>` by the edges and the background tasks.
+pub struct MasterCore {
+    cfg: CoreConfig,
+    epoch: u32,
+    counter: AtomicU64,
+    next_mount_id: AtomicU64,
+    shards: Vec<Mutex<HashMap<String, Object>>>,
+    hasher: std::collections::hash_map::RandomState,
+    segments: Mutex<HashMap<String, Segment>>,
+    clients: Mutex<HashMap<String, ClientEntry>>,
+    /// Ranges of discarded puts, freed once their release deadline passes.
+    quarantine: Mutex<Vec<(Instant, Vec<PendingFree>)>>,
+    eviction_lock: tokio::sync::Mutex<()>,
+    notifier: Arc<dyn OwnerNotifier>,
+    pub metrics: Metrics,
+}
+
+impl MasterCore {
+    /// A core for `epoch` (the high 32 bits of every generation it hands out).
+    pub fn new(cfg: CoreConfig, epoch: u32, notifier: Arc<dyn OwnerNotifier>) -> MasterCore {
+        MasterCore {
+            cfg,
+            epoch,
+            counter: AtomicU64::new(1),
+            next_mount_id: AtomicU64::new(1),
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: std::collections::hash_map::RandomState::new(),
+            segments: Mutex::new(HashMap::new()),
+            clients: Mutex::new(HashMap::new()),
+            quarantine: Mutex::new(Vec::new()),
+            eviction_lock: tokio::sync::Mutex::new(()),
+            notifier,
+            metrics: Metrics::new(),
+        }
+    }
+
+    pub fn config(&self) -> &CoreConfig {
+        &self.cfg
+    }
+
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Object>> {
+        let mut h = self.hasher.build_hasher();
+        key.hash(&mut h);
+        &self.shards[(h.finish() as usize) % SHARDS]
+    }
+
+    fn next_generation(&self) -> Result<u64, OpError> {
+        let c = self.counter.fetch_add(1, Ordering::Relaxed);
+        if c > u64::from(u32::MAX) {
+            return Err(OpError::new(
+                ErrorCode::InternalError,
+                "generation counter exhausted for this epoch: restart the master",
+            ));
+        }
+        Ok((u64::from(self.epoch) << 32) | c)
+    }
+
+    // === segments and clients ===
+
+    /// Mounts a segment for `client_id`, indexing the objects its inventory reports. A segment
+    /// of the same name mounted before is replaced (its replicas are dropped).
+    pub fn mount(
+        &self,
+        client_id: &str,
+        cluster_id: &str,
+        desc: SegmentDesc,
+        inventory: Vec<InventoryItem>,
+    ) -> Result<MountOutcome, CoreError> {
+        if cluster_id != self.cfg.cluster_id {
+            return Err(CoreError::ClusterMismatch {
+                ours: self.cfg.cluster_id.clone(),
+                theirs: cluster_id.to_string(),
+            });
+        }
+        let mount_id = self.next_mount_id.fetch_add(1, Ordering::Relaxed);
+        let name = desc.name.clone();
+        let replaced = {
+            let mut segs = self.segments.lock();
+            let old = segs.insert(
+                name.clone(),
+                Segment {
+                    alloc: OffsetAllocator::new(desc.size),
+                    desc: desc.clone(),
+                    client_id: client_id.to_string(),
+                    mount_id,
+                },
+            );
+            old.map(|o| (o.client_id, o.mount_id))
+        };
+        if let Some((old_client, old_mount)) = replaced {
+            tracing::info!(segment = %name, %old_client, "segment mounted again; dropping its old replicas");
+            if let Some(c) = self.clients.lock().get_mut(&old_client) {
+                c.segments.remove(&name);
+            }
+            self.drop_replicas(&name, old_mount);
+        }
+        {
+            let mut clients = self.clients.lock();
+            let c = clients
+                .entry(client_id.to_string())
+                .or_insert_with(|| ClientEntry {
+                    last_seen: Instant::now(),
+                    segments: BTreeSet::new(),
+                });
+            c.last_seen = Instant::now();
+            c.segments.insert(name.clone());
+        }
+        let mut out = MountOutcome::default();
+        for item in inventory {
+            match self.index_inventory_item(client_id, &desc, mount_id, &item) {
+                Ok(displaced) => {
+                    out.accepted += 1;
+                    out.displaced.extend(displaced);
+                }
+                Err(reason) => {
+                    tracing::warn!(segment = %name, key = %item.key, generation = item.generation, %reason, "inventory entry rejected");
+                    out.rejected_generations.push(item.generation);
+                }
+            }
+        }
+        tracing::info!(segment = %name, client_id, size = desc.size, accepted = out.accepted, rejected = out.rejected_generations.len(), "segment mounted");
+        Ok(out)
+    }
+
+    fn index_inventory_item(
+        &self,
+        client_id: &str,
+        desc: &SegmentDesc,
+        mount_id: u64,
+        item: &InventoryItem,
+    ) -> Result<Vec<PendingFree>, String> {
+        lunakv_proto::validate_key(&item.key).map_err(|e| e.to_string())?;
+        if item.size == 0 {
+            return Err("size 0".into());
+        }
+        let now = Instant::now();
+        let mut shard = self.shard(&item.key).lock();
+        let mut displaced = Vec::new();
+        if let Some(existing) = shard.get(&item.key) {
+            if existing.generation > item.generation {
+                return Err(format!(
+                    "a newer copy (generation {}) is indexed",
+                    existing.generation
+                ));
+            }
+            if existing.generation == item.generation
+                && existing.replicas.iter().any(|r| r.segment == desc.name)
+            {
+                return Err("this segment already holds a replica of it".into());
+            }
+            if existing.generation == item.generation && existing.size != item.size {
+                return Err(format!(
+                    "size {} differs from the indexed replica's {}",
+                    item.size, existing.size
+                ));
+            }
+        }
+        {
+            let mut segs = self.segments.lock();
+            let seg = segs
+                .get_mut(&desc.name)
+                .filter(|s| s.mount_id == mount_id)
+                .ok_or("segment unmounted during mount")?;
+            seg.alloc
+                .reserve(item.offset, item.size)
+                .map_err(|e| e.to_string())?;
+        }
+        let loc = ReplicaLoc {
+            segment: desc.name.clone(),
+            mount_id,
+            offset: item.offset,
+        };
+        match shard.get_mut(&item.key) {
+            Some(existing) if existing.generation == item.generation => {
+                existing.replicas.push(loc);
+            }
+            Some(existing) => {
+                // An older copy: the inventory's is newer, so it wins.
+                displaced = self.pending_frees(existing);
+                *existing = Object {
+                    generation: item.generation,
+                    size: item.size,
+                    replicas: vec![loc],
+                    state: ObjectState::Complete,
+                    client_id: client_id.to_string(),
+                    put_start: now,
+                    lease_until: None,
+                    soft_pin_until: None,
+                    hard_pinned: false,
+                    last_access: now,
+                };
+            }
+            None => {
+                shard.insert(
+                    item.key.clone(),
+                    Object {
+                        generation: item.generation,
+                        size: item.size,
+                        replicas: vec![loc],
+                        state: ObjectState::Complete,
+                        client_id: client_id.to_string(),
+                        put_start: now,
+                        lease_until: None,
+                        soft_pin_until: None,
+                        hard_pinned: false,
+                        last_access: now,
+                    },
+                );
+            }
+        }
+        Ok(displaced)
+    }
+
+    /// Unmounts a segment: its replicas are dropped (objects left without one disappear).
+    /// Returns the number of objects that disappeared.
+    pub fn unmount(&self, segment_name: &str) -> Result<u64, CoreError> {
+        let seg = self
+            .segments
+            .lock()
+            .remove(segment_name)
+            .ok_or_else(|| CoreError::SegmentNotFound(segment_name.to_string()))?;
+        if let Some(c) = self.clients.lock().get_mut(&seg.client_id) {
+            c.segments.remove(segment_name);
+        }
+        let dropped = self.drop_replicas(segment_name, seg.mount_id);
+        tracing::info!(segment = segment_name, dropped, "segment unmounted");
+        Ok(dropped)
+    }
+
+    fn drop_replicas(&self, segment: &str, mount_id: u64) -> u64 {
+        let mut dropped = 0;
+        for shard in &self.shards {
+            shard.lock().retain(|_, o| {
+                o.replicas
+                    .retain(|r| !(r.segment == segment && r.mount_id == mount_id));
+                let keep = !o.replicas.is_empty();
+                if !keep {
+                    dropped += 1;
+                }
+                keep
+            });
+        }
+        dropped
+    }
+
+    /// A client's liveness signal. Returns `true` ("remount required") when the client was not
+    /// known (the master restarted or declared it dead); it is known from then on.
+    pub fn ping(&self, client_id: &str, touched_keys: &[String]) -> bool {
+        let now = Instant::now();
+        let remount = {
+            let mut clients = self.clients.lock();
+            match clients.get_mut(client_id) {
+                Some(c) => {
+                    c.last_seen = now;
+                    false
+                }
+                None => {
+                    clients.insert(
+                        client_id.to_string(),
+                        ClientEntry {
+                            last_seen: now,
+                            segments: BTreeSet::new(),
+                        },
+                    );
+                    true
+                }
+            }
+        };
+        for key in touched_keys {
+            if let Some(o) = self.shard(key).lock().get_mut(key) {
+                o.last_access = now;
+            }
+        }
+        remount
+    }
+
+    /// Declares clients silent for `client_ttl` dead and unmounts their segments. Returns the
+    /// clients removed, each with the segments unmounted.
+    pub fn expire_clients(&self) -> Vec<(String, Vec<String>)> {
+        let now = Instant::now();
+        let dead: Vec<(String, BTreeSet<String>)> = {
+            let mut clients = self.clients.lock();
+            let ids: Vec<String> = clients
+                .iter()
+                .filter(|(_, c)| now.duration_since(c.last_seen) >= self.cfg.client_ttl)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| clients.remove(&id).map(|c| (id, c.segments)))
+                .collect()
+        };
+        let mut out = Vec::new();
+        for (id, segs) in dead {
+            tracing::warn!(client_id = %id, segments = segs.len(), ttl_s = self.cfg.client_ttl.as_secs_f64(), "client silent past client_ttl; unmounting its segments");
+            let mut unmounted = Vec::new();
+            for s in segs {
+                let owned = self
+                    .segments
+                    .lock()
+                    .get(&s)
+                    .is_some_and(|seg| seg.client_id == id);
+                // A concurrent unmount may have won; that is fine.
+                if owned && self.unmount(&s).is_ok() {
+                    unmounted.push(s);
+                }
+            }
+            out.push((id, unmounted));
+        }
+        out
+    }
+
+    // === puts ===
+
+    /// Starts a put: places `replica_num` replicas on distinct segments, evicting once if
+    /// nothing fits. The object is invisible until [`Self::put_end`].
+    pub async fn put_start(
+        &self,
+        client_id: &str,
+        key: &str,
+        size: u64,
+        opts: &PutOptions,
+    ) -> Result<(u64, Vec<ReplicaView>), OpError> {
+        match self.try_place(client_id, key, size, opts) {
+            Err(e) if e.code == ErrorCode::NoAvailableHandle => {}
+            other => return other,
+        }
+        if self.total_capacity() > 0 {
+            let need = align_up(size)
+                .unwrap_or(u64::MAX)
+                .saturating_mul(u64::from(opts.replica_num.max(1)));
+            self.evict(need).await;
+        }
+        let r = self.try_place(client_id, key, size, opts);
+        if matches!(&r, Err(e) if e.code == ErrorCode::NoAvailableHandle) {
+            self.metrics.put_start_alloc_failures_total.inc();
+        }
+        r
+    }
+
+    fn try_place(
+        &self,
+        client_id: &str,
+        key: &str,
+        size: u64,
+        opts: &PutOptions,
+    ) -> Result<(u64, Vec<ReplicaView>), OpError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key).lock();
+        if let Some(o) = shard.get(key) {
+            let what = match o.state {
+                ObjectState::Complete => "exists",
+                ObjectState::Processing => "is being put",
+            };
+            return Err(OpError::new(
+                ErrorCode::ObjectAlreadyExists,
+                format!("key {key:?} {what} (generation {})", o.generation),
+            ));
+        }
+        let mut segs = self.segments.lock();
+        if segs.is_empty() {
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                "no segment is mounted: start a store-client or an embedded client with \
+                 global_segment_size > 0",
+            ));
+        }
+        let len = align_up(size).unwrap_or(u64::MAX);
+        let mut order: Vec<&String> = segs
+            .iter()
+            .filter(|(_, s)| s.alloc.largest_free() >= len)
+            .map(|(n, _)| n)
+            .collect();
+        order.shuffle(&mut rand::rng());
+        if let Some(p) = &opts.preferred_segment
+            && let Some(pos) = order.iter().position(|n| *n == p)
+        {
+            let pref = order.remove(pos);
+            order.insert(0, pref);
+        }
+        let wanted = (opts.replica_num.max(1) as usize).min(segs.len());
+        if order.len() < wanted {
+            let largest = segs.values().map(|s| s.alloc.largest_free()).max();
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                format!(
+                    "no room for {size} bytes x {wanted} replica(s): largest free range is {} \
+                     bytes",
+                    largest.unwrap_or(0)
+                ),
+            ));
+        }
+        let chosen: Vec<String> = order.into_iter().take(wanted).cloned().collect();
+        let mut replicas = Vec::with_capacity(wanted);
+        let mut views = Vec::with_capacity(wanted);
+        for name in &chosen {
+            let Some(seg) = segs.get_mut(name) else {
+                continue;
+            };
+            // largest_free >= len was checked under this same lock, so best fit succeeds.
+            let Some(offset) = seg.alloc.allocate(size) else {
+                continue;
+            };
+            replicas.push(ReplicaLoc {
+                segment: name.clone(),
+                mount_id: seg.mount_id,
+                offset,
+            });
+            views.push(ReplicaView {
+                segment: seg.desc.clone(),
+                offset,
+                size,
+            });
+        }
+        drop(segs);
+        let generation = self.next_generation()?;
+        let soft_ttl = self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl);
+        shard.insert(
+            key.to_string(),
+            Object {
+                generation,
+                size,
+                replicas,
+                state: ObjectState::Processing,
+                client_id: client_id.to_string(),
+                put_start: now,
+                lease_until: None,
+                soft_pin_until: opts.soft_pin.then(|| now + soft_ttl),
+                hard_pinned: opts.hard_pin,
+                last_access: now,
+            },
+        );
+        Ok((generation, views))
+    }
+
+    /// Publishes a put: from now on gets and exists see it.
+    pub fn put_end(&self, key: &str) -> Result<(), OpError> {
+        let mut shard = self.shard(key).lock();
+        let o = shard
+            .get_mut(key)
+            .ok_or_else(|| not_found(key, "no put in progress"))?;
+        o.state = ObjectState::Complete;
+        o.last_access = Instant::now();
+        Ok(())
+    }
+
+    /// Abandons a put in progress; its ranges are freed through their owners.
+    pub async fn put_revoke(&self, key: &str) -> Result<(), OpError> {
+        let frees = {
+            let mut shard = self.shard(key).lock();
+            match shard.get(key) {
+                None => return Err(not_found(key, "no put in progress")),
+                Some(o) if o.state == ObjectState::Complete => {
+                    return Err(OpError::new(
+                        ErrorCode::InvalidWrite,
+                        format!("key {key:?} is complete; remove it instead of revoking"),
+                    ));
+                }
+                Some(_) => {}
+            }
+            let o = shard.remove(key);
+            o.map(|o| self.pending_frees(&o)).unwrap_or_default()
+        };
+        self.release(frees).await;
+        Ok(())
+    }
+
+    // === reads ===
+
+    /// The location of a complete object; grants (extends) a lease on it.
+    pub fn get_replica_list(&self, key: &str) -> Result<Location, OpError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key).lock();
+        let o = shard
+            .get_mut(key)
+            .ok_or_else(|| not_found(key, "not found"))?;
+        if o.state != ObjectState::Complete {
+            return Err(not_found(key, "its put has not ended yet"));
+        }
+        let lease_until = now + self.cfg.lease_ttl;
+        o.lease_until = Some(o.lease_until.map_or(lease_until, |t| t.max(lease_until)));
+        o.last_access = now;
+        if o.soft_pin_until.is_some() {
+            o.soft_pin_until = Some(now + self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl));
+        }
+        let segs = self.segments.lock();
+        let replicas = o
+            .replicas
+            .iter()
+            .filter_map(|r| {
+                segs.get(&r.segment)
+                    .filter(|s| s.mount_id == r.mount_id)
+                    .map(|s| ReplicaView {
+                        segment: s.desc.clone(),
+                        offset: r.offset,
+                        size: o.size,
+                    })
+            })
+            .collect();
+        Ok(Location {
+            generation: o.generation,
+            size: o.size,
+            replicas,
+            lease_ttl: self.cfg.lease_ttl,
+        })
+    }
+
+    // === removal ===
+
+    /// Removes an object. A leased object (-706) or a put in progress (-703) is kept unless
+    /// `force`. Answers after the owners acknowledged the FREE (or timed out).
+    pub async fn remove(&self, key: &str, force: bool) -> Result<(), OpError> {
+        let frees = {
+            let mut shard = self.shard(key).lock();
+            let o = shard
+                .get(key)
+                .ok_or_else(|| not_found(key, "not found"))?;
+            let now = Instant::now();
+            if !force && o.state == ObjectState::Processing {
+                return Err(OpError::new(
+                    ErrorCode::ReplicaIsNotReady,
+                    format!("key {key:?} is being put; retry after PutEnd or use force"),
+                ));
+            }
+            if !force && o.leased(now) {
+                return Err(OpError::new(
+                    ErrorCode::ObjectHasLease,
+                    format!(
+                        "key {key:?} is leased to a reader for up to {} ms more; retry later or \
+                         use force",
+                        o.lease_until
+                            .map_or(0, |t| t.saturating_duration_since(now).as_millis())
+                    ),
+                ));
+            }
+            let o = shard.remove(key);
+            o.map(|o| self.pending_frees(&o)).unwrap_or_default()
+        };
+        self.release(frees).await;
+        Ok(())
+    }
+
+    /// Removes every complete, unleased object (with `force`: every object). Returns how many.
+    pub async fn remove_all(&self, force: bool) -> u64 {
+        let now = Instant::now();
+        let mut frees = Vec::new();
+        let mut removed = 0;
+        for shard in &self.shards {
+            let mut shard = shard.lock();
+            let keys: Vec<String> = shard
+                .iter()
+                .filter(|(_, o)| {
+                    force || (o.state == ObjectState::Complete && !o.leased(now))
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in keys {
+                if let Some(o) = shard.remove(&k) {
+                    frees.extend(self.pending_frees(&o));
+                    removed += 1;
+                }
+            }
+        }
+        self.release(frees).await;
+        removed
+    }
+
+    fn pending_frees(&self, o: &Object) -> Vec<PendingFree> {
+        let segs = self.segments.lock();
+        o.replicas
+            .iter()
+            .filter_map(|r| {
+                segs.get(&r.segment)
+                    .filter(|s| s.mount_id == r.mount_id)
+                    .map(|s| PendingFree {
+                        endpoint: s.desc.transfer_endpoint.clone(),
+                        segment: r.segment.clone(),
+                        mount_id: r.mount_id,
+                        generation: o.generation,
+                        offset: r.offset,
+                    })
+            })
+            .collect()
+    }
+
+    /// Asks each owner (in parallel, one call per owner) to drop the entries, then returns the
+    /// ranges to their allocators. An owner that does not answer within `free_timeout` is
+    /// logged and its ranges are freed anyway (it is dead or about to be declared dead).
+    pub async fn release(&self, frees: Vec<PendingFree>) {
+        if frees.is_empty() {
+            return;
+        }
+        let mut by_owner: HashMap<String, Vec<(u64, u64)>> = HashMap::new();
+        for f in &frees {
+            by_owner
+                .entry(f.endpoint.clone())
+                .or_default()
+                .push((f.generation, f.offset));
+        }
+        let timeout = self.cfg.free_timeout;
+        let calls = by_owner.into_iter().map(|(endpoint, entries)| {
+            let notifier = self.notifier.clone();
+            async move {
+                let r = tokio::time::timeout(
+                    timeout + Duration::from_millis(500),
+                    notifier.free(&endpoint, &entries, timeout),
+                )
+                .await;
+                match r {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::warn!(%endpoint, entries = entries.len(), error = %e, "owner did not acknowledge FREE; freeing the ranges anyway"),
+                    Err(_) => tracing::warn!(%endpoint, entries = entries.len(), "FREE timed out; freeing the ranges anyway"),
+                }
+            }
+        });
+        futures_join_all(calls).await;
+        let mut segs = self.segments.lock();
+        for f in frees {
+            if let Some(seg) = segs
+                .get_mut(&f.segment)
+                .filter(|s| s.mount_id == f.mount_id)
+            {
+                seg.alloc.free(f.offset);
+            }
+        }
+    }
+
+    // === eviction and sweeps ===
+
+    /// Allocated share of total capacity, in [0, 1].
+    pub fn usage_ratio(&self) -> f64 {
+        let (used, cap) = self.usage();
+        if cap == 0 { 0.0 } else { used as f64 / cap as f64 }
+    }
+
+    /// Evicts if usage is at or above the high watermark. Returns keys evicted.
+    pub async fn evict_if_needed(&self) -> u64 {
+        if self.total_capacity() > 0 && self.usage_ratio() >= self.cfg.high_watermark {
+            self.evict(0).await
+        } else {
+            0
+        }
+    }
+
+    /// Evicts at least `max(eviction_ratio * capacity, min_bytes)` bytes if it can: complete,
+    /// unleased, unpinned objects, least recently used first; soft-pinned ones only after all
+    /// others; hard-pinned, leased and in-progress ones never. Returns keys evicted.
+    pub async fn evict(&self, min_bytes: u64) -> u64 {
+        let _guard = self.eviction_lock.lock().await;
+        let now = Instant::now();
+        let target =
+            ((self.total_capacity() as f64 * self.cfg.eviction_ratio) as u64).max(min_bytes);
+        // (soft pinned, last access, key, generation, bytes)
+        let mut candidates: Vec<(bool, Instant, String, u64, u64)> = Vec::new();
+        for shard in &self.shards {
+            for (k, o) in shard.lock().iter() {
+                if o.state == ObjectState::Complete && !o.leased(now) && !o.hard_pinned {
+                    let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
+                    candidates.push((o.soft_pinned(now), o.last_access, k.clone(), o.generation, bytes));
+                }
+            }
+        }
+        candidates.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        let mut freed = 0u64;
+        let mut evicted = 0u64;
+        let mut frees = Vec::new();
+        for (_, _, key, generation, bytes) in candidates {
+            if freed >= target {
+                break;
+            }
+            let mut shard = self.shard(&key).lock();
+            // Re-check: a reader may have leased it since the scan.
+            let still = shard.get(&key).is_some_and(|o| {
+                o.generation == generation
+                    && o.state == ObjectState::Complete
+                    && !o.leased(Instant::now())
+                    && !o.hard_pinned
+            });
+            if !still {
+                continue;
+            }
+            if let Some(o) = shard.remove(&key) {
+                frees.extend(self.pending_frees(&o));
+                freed += bytes;
+                evicted += 1;
+            }
+        }
+        if evicted > 0 {
+            tracing::debug!(evicted, freed, target, "eviction pass");
+            self.metrics.evicted_key_count.inc_by(evicted);
+            self.metrics.successful_evictions_total.inc();
+        }
+        self.release(frees).await;
+        evicted
+    }
+
+    /// Drops puts started more than `put_discard_timeout` ago and never ended (their keys become
+    /// free at once), and frees the ranges of those whose release deadline has passed.
+    /// Returns the number of puts discarded.
+    pub async fn sweep_puts(&self) -> u64 {
+        let now = Instant::now();
+        let mut discarded = 0;
+        for shard in &self.shards {
+            let mut shard = shard.lock();
+            let stale: Vec<String> = shard
+                .iter()
+                .filter(|(_, o)| {
+                    o.state == ObjectState::Processing
+                        && now.duration_since(o.put_start) >= self.cfg.put_discard_timeout
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in stale {
+                if let Some(o) = shard.remove(&k) {
+                    tracing::warn!(key = %k, client_id = %o.client_id, generation = o.generation, "put never ended; discarded");
+                    let frees = self.pending_frees(&o);
+                    // The writer may still be copying into these ranges: they stay allocated
+                    // until put_start + put_release_timeout.
+                    self.quarantine
+                        .lock()
+                        .push((o.put_start + self.cfg.put_release_timeout, frees));
+                    discarded += 1;
+                }
+            }
+        }
+        let due: Vec<PendingFree> = {
+            let mut q = self.quarantine.lock();
+            let (due, keep): (Vec<_>, Vec<_>) = q.drain(..).partition(|(t, _)| *t <= now);
+            *q = keep;
+            due.into_iter().flat_map(|(_, f)| f).collect()
+        };
+        self.release(due).await;
+        discarded
+    }
+
+    // === views ===
+
+    fn usage(&self) -> (u64, u64) {
+        let segs = self.segments.lock();
+        segs.values().fold((0, 0), |(u, c), s| {
+            (u + s.alloc.used(), c + s.alloc.capacity())
+        })
+    }
+
+    pub fn total_capacity(&self) -> u64 {
+        self.usage().1
+    }
+
+    pub fn allocated_bytes(&self) -> u64 {
+        self.usage().0
+    }
+
+    pub fn key_count(&self) -> u64 {
+        self.shards.iter().map(|s| s.lock().len() as u64).sum()
+    }
+
+    pub fn active_clients(&self) -> u64 {
+        self.clients.lock().len() as u64
+    }
+
+    /// Refreshes the gauges from the current state (before a scrape).
+    pub fn refresh_gauges(&self) {
+        let (used, cap) = self.usage();
+        let m = &self.metrics;
+        m.allocated_bytes.set(i64::try_from(used).unwrap_or(i64::MAX));
+        m.total_capacity_bytes
+            .set(i64::try_from(cap).unwrap_or(i64::MAX));
+        m.key_count
+            .set(i64::try_from(self.key_count()).unwrap_or(i64::MAX));
+        m.active_clients
+            .set(i64::try_from(self.active_clients()).unwrap_or(i64::MAX));
+    }
+
+    pub fn segments(&self) -> Vec<SegmentInfo> {
+        let now = Instant::now();
+        let last_seen: HashMap<String, Instant> = self
+            .clients
+            .lock()
+            .iter()
+            .map(|(id, c)| (id.clone(), c.last_seen))
+            .collect();
+        let segs = self.segments.lock();
+        let mut out: Vec<SegmentInfo> = segs
+            .values()
+            .map(|s| SegmentInfo {
+                name: s.desc.name.clone(),
+                transfer_endpoint: s.desc.transfer_endpoint.clone(),
+                client_id: s.client_id.clone(),
+                size: s.desc.size,
+                used: s.alloc.used(),
+                objects: s.alloc.allocations() as u64,
+                last_ping_ms_ago: last_seen
+                    .get(&s.client_id)
+                    .map_or(0, |t| now.duration_since(*t).as_millis() as u64),
+                host_id: s.desc.host_id.clone(),
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    pub fn segment_desc(&self, name: &str) -> Option<SegmentDesc> {
+        self.segments.lock().get(name).map(|s| s.desc.clone())
+    }
+
+    /// An object's metadata, without granting a lease (admin view).
+    pub fn query_key(&self, key: &str) -> Option<ObjectInfo> {
+        let now = Instant::now();
+        let shard = self.shard(key).lock();
+        let o = shard.get(key)?;
+        let segs = self.segments.lock();
+        Some(ObjectInfo {
+            key: key.to_string(),
+            generation: o.generation,
+            size: o.size,
+            state: o.state,
+            client_id: o.client_id.clone(),
+            replicas: o
+                .replicas
+                .iter()
+                .map(|r| ReplicaInfo {
+                    segment: r.segment.clone(),
+                    transfer_endpoint: segs
+                        .get(&r.segment)
+                        .map(|s| s.desc.transfer_endpoint.clone())
+                        .unwrap_or_default(),
+                    offset: r.offset,
+                })
+                .collect(),
+            lease_remaining_ms: o
+                .lease_until
+                .map_or(0, |t| t.saturating_duration_since(now).as_millis() as u64),
+            soft_pinned: o.soft_pinned(now),
+            hard_pinned: o.hard_pinned,
+        })
+    }
+}
+
+fn not_found(key: &str, why: &str) -> OpError {
+    OpError::new(ErrorCode::ObjectNotFound, format!("key {key:?}: {why}"))
+}
+
+/// Runs futures concurrently and waits for all (a tiny `join_all` without the futures crate).
+async fn futures_join_all<F>(futs: impl IntoIterator<Item = F>)
+where
+    F: std::future::Future<Output = ()>,
+{
+    let mut set: Vec<std::pin::Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
+    std::future::poll_fn(|cx| {
+        set.retain_mut(|f| f.as_mut().poll(cx).is_pending());
+        if set.is_empty() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+}
+
+#[cfg(test)]
+#[path = "core_tests.rs"]
+mod tests;

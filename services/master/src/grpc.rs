@@ -1,0 +1,548 @@
+//! The gRPC edge: converts prost messages into validated domain types (`TryFrom`), calls
+//! [`MasterCore`], and converts back. Per-item failures travel as Mooncake codes inside the
+//! responses; only whole-call failures become a `tonic::Status`, in [`to_status`].
+
+use std::sync::Arc;
+
+use lunakv_meta::MetaStore;
+use lunakv_proto::ErrorCode;
+use lunakv_proto::master as pb;
+use tokio::sync::Notify;
+use tonic::{Request, Response, Status};
+
+use crate::core::{
+    CoreError, InventoryItem, Location, MasterCore, OpError, PutOptions, ReplicaView, SegmentDesc,
+};
+use crate::metrics::Rpc;
+use crate::persist::{self, PersistError};
+
+/// Whole-call failures of the gRPC edge.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Core(#[from] CoreError),
+    #[error(transparent)]
+    Persist(#[from] PersistError),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+/// The one place internal errors become gRPC statuses.
+pub fn to_status(e: ServiceError) -> Status {
+    match &e {
+        ServiceError::Core(CoreError::ClusterMismatch { .. }) => {
+            Status::failed_precondition(e.to_string())
+        }
+        ServiceError::Core(CoreError::SegmentNotFound(_)) => Status::not_found(e.to_string()),
+        ServiceError::Core(CoreError::InvalidArgument(_)) | ServiceError::Invalid(_) => {
+            Status::invalid_argument(e.to_string())
+        }
+        ServiceError::Persist(_) => Status::internal(e.to_string()),
+    }
+}
+
+// === domain conversions ===
+
+impl TryFrom<pb::SegmentDescriptor> for SegmentDesc {
+    type Error = ServiceError;
+
+    fn try_from(d: pb::SegmentDescriptor) -> Result<Self, Self::Error> {
+        if d.name.is_empty() {
+            return Err(ServiceError::Invalid(
+                "segment.name is empty: name the segment by its transfer endpoint, host:port"
+                    .into(),
+            ));
+        }
+        if d.size == 0 {
+            return Err(ServiceError::Invalid(format!(
+                "segment {:?} has size 0: a pure requester (global_segment_size 0) does not \
+                 mount; just Ping",
+                d.name
+            )));
+        }
+        let transfer_endpoint = if d.transfer_endpoint.is_empty() {
+            d.name.clone()
+        } else {
+            d.transfer_endpoint
+        };
+        Ok(SegmentDesc {
+            name: d.name,
+            transfer_endpoint,
+            size: d.size,
+            host_id: d.host_id,
+            shm_socket: d.shm_socket,
+            protocol: d.protocol,
+            enable_offload: d.enable_offload,
+        })
+    }
+}
+
+impl From<&SegmentDesc> for pb::SegmentDescriptor {
+    fn from(d: &SegmentDesc) -> Self {
+        pb::SegmentDescriptor {
+            name: d.name.clone(),
+            transfer_endpoint: d.transfer_endpoint.clone(),
+            size: d.size,
+            host_id: d.host_id.clone(),
+            shm_socket: d.shm_socket.clone(),
+            protocol: d.protocol.clone(),
+            enable_offload: d.enable_offload,
+        }
+    }
+}
+
+impl From<pb::InventoryItem> for InventoryItem {
+    fn from(i: pb::InventoryItem) -> Self {
+        InventoryItem {
+            key: i.key,
+            offset: i.offset,
+            size: i.size,
+            generation: i.generation,
+        }
+    }
+}
+
+impl From<Option<pb::ReplicateConfig>> for PutOptions {
+    fn from(c: Option<pb::ReplicateConfig>) -> Self {
+        let c = c.unwrap_or_default();
+        PutOptions {
+            // 0 (the proto default) means "one replica", as upstream's default config.
+            replica_num: c.replica_num.max(1),
+            preferred_segment: Some(c.preferred_segment).filter(|s| !s.is_empty()),
+            soft_pin: c.with_soft_pin,
+            hard_pin: c.with_hard_pin,
+        }
+    }
+}
+
+fn replica(r: &ReplicaView) -> pb::Replica {
+    pb::Replica {
+        segment: Some((&r.segment).into()),
+        offset: r.offset,
+        size: r.size,
+        kind: pb::ReplicaKind::Memory as i32,
+    }
+}
+
+fn location(r: Result<Location, OpError>) -> pb::ObjectLocation {
+    match r {
+        Ok(l) => pb::ObjectLocation {
+            code: 0,
+            message: String::new(),
+            generation: l.generation,
+            size: l.size,
+            replicas: l.replicas.iter().map(replica).collect(),
+            lease_ttl_ms: l.lease_ttl.as_millis() as u64,
+        },
+        Err(e) => pb::ObjectLocation {
+            code: e.code.as_i32(),
+            message: e.message,
+            ..Default::default()
+        },
+    }
+}
+
+fn key_result(r: Result<(), OpError>) -> pb::KeyResult {
+    match r {
+        Ok(()) => pb::KeyResult::default(),
+        Err(e) => pb::KeyResult {
+            code: e.code.as_i32(),
+            message: e.message,
+        },
+    }
+}
+
+fn check_key(key: &str) -> Result<(), OpError> {
+    lunakv_proto::validate_key(key).map_err(|e| OpError::new(ErrorCode::InvalidKey, e.to_string()))
+}
+
+/// A validated put request item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutItem {
+    pub key: String,
+    pub size: u64,
+}
+
+impl TryFrom<(String, u64)> for PutItem {
+    type Error = OpError;
+
+    fn try_from((key, size): (String, u64)) -> Result<Self, OpError> {
+        check_key(&key)?;
+        if size == 0 {
+            return Err(OpError::new(
+                ErrorCode::InvalidParams,
+                format!("key {key:?}: size 0 cannot be stored; put at least one byte"),
+            ));
+        }
+        Ok(PutItem { key, size })
+    }
+}
+
+// === the service ===
+
+/// Implements `lunakv.master.v1.Master` over a [`MasterCore`].
+#[derive(Clone)]
+pub struct MasterService {
+    core: Arc<MasterCore>,
+    meta: Arc<dyn MetaStore>,
+    /// Woken on PutEnd so the eviction task checks the watermark promptly.
+    put_end: Arc<Notify>,
+}
+
+impl MasterService {
+    pub fn new(core: Arc<MasterCore>, meta: Arc<dyn MetaStore>, put_end: Arc<Notify>) -> Self {
+        MasterService {
+            core,
+            meta,
+            put_end,
+        }
+    }
+
+    async fn put_start_one(
+        &self,
+        client_id: &str,
+        key: String,
+        size: u64,
+        opts: &PutOptions,
+    ) -> pb::PutStartResponse {
+        let r = match PutItem::try_from((key, size)) {
+            Ok(item) => {
+                self.core
+                    .put_start(client_id, &item.key, item.size, opts)
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok((generation, replicas)) => pb::PutStartResponse {
+                code: 0,
+                message: String::new(),
+                generation,
+                replicas: replicas.iter().map(replica).collect(),
+            },
+            Err(e) => pb::PutStartResponse {
+                code: e.code.as_i32(),
+                message: e.message,
+                ..Default::default()
+            },
+        }
+    }
+
+    fn put_end_one(&self, key: &str) -> pb::KeyResult {
+        let r = check_key(key).and_then(|()| self.core.put_end(key));
+        if r.is_ok() {
+            self.put_end.notify_one();
+        }
+        key_result(r)
+    }
+
+    async fn put_revoke_one(&self, key: &str) -> pb::KeyResult {
+        let r = match check_key(key) {
+            Ok(()) => self.core.put_revoke(key).await,
+            Err(e) => Err(e),
+        };
+        key_result(r)
+    }
+
+    fn get_one(&self, key: &str) -> pb::ObjectLocation {
+        location(check_key(key).and_then(|()| self.core.get_replica_list(key)))
+    }
+
+    async fn remove_one(&self, key: &str, force: bool) -> pb::KeyResult {
+        let r = match check_key(key) {
+            Ok(()) => self.core.remove(key, force).await,
+            Err(e) => Err(e),
+        };
+        key_result(r)
+    }
+
+    fn done<T>(&self, rpc: Rpc, failed: bool, body: T) -> Result<Response<T>, Status> {
+        self.core.metrics.record(rpc, failed);
+        Ok(Response::new(body))
+    }
+
+    fn fail<T>(&self, rpc: Rpc, e: ServiceError) -> Result<Response<T>, Status> {
+        self.core.metrics.record(rpc, true);
+        Err(to_status(e))
+    }
+}
+
+fn any_failed<'a>(codes: impl IntoIterator<Item = &'a i32>) -> bool {
+    codes.into_iter().any(|c| *c != 0)
+}
+
+#[tonic::async_trait]
+impl pb::master_server::Master for MasterService {
+    async fn mount_segment(
+        &self,
+        request: Request<pb::MountSegmentRequest>,
+    ) -> Result<Response<pb::MountSegmentResponse>, Status> {
+        let req = request.into_inner();
+        let result: Result<pb::MountSegmentResponse, ServiceError> = async {
+            let desc: SegmentDesc = req
+                .segment
+                .ok_or_else(|| ServiceError::Invalid("segment is missing".into()))?
+                .try_into()?;
+            let inventory = req.inventory.into_iter().map(InventoryItem::from).collect();
+            let out = self
+                .core
+                .mount(&req.client_id, &req.cluster_id, desc.clone(), inventory)?;
+            if !out.displaced.is_empty() {
+                let core = self.core.clone();
+                let displaced = out.displaced.clone();
+                tokio::spawn(async move { core.release(displaced).await });
+            }
+            persist::save_segment(self.meta.as_ref(), &desc).await?;
+            Ok(pb::MountSegmentResponse {
+                accepted_objects: out.accepted,
+                rejected_generations: out.rejected_generations,
+            })
+        }
+        .await;
+        match result {
+            Ok(r) => self.done(Rpc::MountSegment, false, r),
+            Err(e) => self.fail(Rpc::MountSegment, e),
+        }
+    }
+
+    async fn unmount_segment(
+        &self,
+        request: Request<pb::UnmountSegmentRequest>,
+    ) -> Result<Response<pb::UnmountSegmentResponse>, Status> {
+        let req = request.into_inner();
+        let result: Result<u64, ServiceError> = async {
+            let dropped = self.core.unmount(&req.segment_name)?;
+            persist::forget_segment(self.meta.as_ref(), &req.segment_name).await?;
+            Ok(dropped)
+        }
+        .await;
+        match result {
+            Ok(dropped_objects) => self.done(
+                Rpc::UnmountSegment,
+                false,
+                pb::UnmountSegmentResponse { dropped_objects },
+            ),
+            Err(e) => self.fail(Rpc::UnmountSegment, e),
+        }
+    }
+
+    async fn ping(
+        &self,
+        request: Request<pb::PingRequest>,
+    ) -> Result<Response<pb::PingResponse>, Status> {
+        let req = request.into_inner();
+        if req.client_id.is_empty() {
+            return self.fail(
+                Rpc::Ping,
+                ServiceError::Invalid("client_id is empty: send the id used at mount".into()),
+            );
+        }
+        let remount_required = self.core.ping(&req.client_id, &req.touched_keys);
+        self.done(
+            Rpc::Ping,
+            false,
+            pb::PingResponse {
+                remount_required,
+                view_version: u64::from(self.core.epoch()),
+            },
+        )
+    }
+
+    async fn put_start(
+        &self,
+        request: Request<pb::PutStartRequest>,
+    ) -> Result<Response<pb::PutStartResponse>, Status> {
+        let req = request.into_inner();
+        let opts = PutOptions::from(req.config);
+        let r = self
+            .put_start_one(&req.client_id, req.key, req.size, &opts)
+            .await;
+        self.done(Rpc::PutStart, r.code != 0, r)
+    }
+
+    async fn batch_put_start(
+        &self,
+        request: Request<pb::BatchPutStartRequest>,
+    ) -> Result<Response<pb::BatchPutStartResponse>, Status> {
+        let req = request.into_inner();
+        let opts = PutOptions::from(req.config);
+        let mut results = Vec::with_capacity(req.items.len());
+        for item in req.items {
+            results.push(
+                self.put_start_one(&req.client_id, item.key, item.size, &opts)
+                    .await,
+            );
+        }
+        let failed = any_failed(results.iter().map(|r| &r.code));
+        self.done(
+            Rpc::BatchPutStart,
+            failed,
+            pb::BatchPutStartResponse { results },
+        )
+    }
+
+    async fn put_end(
+        &self,
+        request: Request<pb::PutEndRequest>,
+    ) -> Result<Response<pb::KeyResult>, Status> {
+        let r = self.put_end_one(&request.into_inner().key);
+        self.done(Rpc::PutEnd, r.code != 0, r)
+    }
+
+    async fn batch_put_end(
+        &self,
+        request: Request<pb::BatchKeysRequest>,
+    ) -> Result<Response<pb::BatchKeyResults>, Status> {
+        let results: Vec<_> = request
+            .into_inner()
+            .keys
+            .iter()
+            .map(|k| self.put_end_one(k))
+            .collect();
+        let failed = any_failed(results.iter().map(|r| &r.code));
+        self.done(Rpc::BatchPutEnd, failed, pb::BatchKeyResults { results })
+    }
+
+    async fn put_revoke(
+        &self,
+        request: Request<pb::PutRevokeRequest>,
+    ) -> Result<Response<pb::KeyResult>, Status> {
+        let r = self.put_revoke_one(&request.into_inner().key).await;
+        self.done(Rpc::PutRevoke, r.code != 0, r)
+    }
+
+    async fn batch_put_revoke(
+        &self,
+        request: Request<pb::BatchKeysRequest>,
+    ) -> Result<Response<pb::BatchKeyResults>, Status> {
+        let mut results = Vec::new();
+        for k in &request.into_inner().keys {
+            results.push(self.put_revoke_one(k).await);
+        }
+        let failed = any_failed(results.iter().map(|r| &r.code));
+        self.done(Rpc::BatchPutRevoke, failed, pb::BatchKeyResults { results })
+    }
+
+    async fn get_replica_list(
+        &self,
+        request: Request<pb::GetReplicaListRequest>,
+    ) -> Result<Response<pb::ObjectLocation>, Status> {
+        let r = self.get_one(&request.into_inner().key);
+        self.done(Rpc::GetReplicaList, r.code != 0, r)
+    }
+
+    async fn batch_get_replica_list(
+        &self,
+        request: Request<pb::BatchGetReplicaListRequest>,
+    ) -> Result<Response<pb::BatchObjectLocations>, Status> {
+        let results: Vec<_> = request
+            .into_inner()
+            .keys
+            .iter()
+            .map(|k| self.get_one(k))
+            .collect();
+        let failed = any_failed(results.iter().map(|r| &r.code));
+        self.done(
+            Rpc::BatchGetReplicaList,
+            failed,
+            pb::BatchObjectLocations { results },
+        )
+    }
+
+    async fn exist_key(
+        &self,
+        request: Request<pb::ExistKeyRequest>,
+    ) -> Result<Response<pb::ObjectLocation>, Status> {
+        // Like upstream, existence grants a lease too (the caller is about to read).
+        let r = self.get_one(&request.into_inner().key);
+        // A miss is an answer, not a failure.
+        let failed = r.code != 0 && r.code != ErrorCode::ObjectNotFound.as_i32();
+        self.done(Rpc::ExistKey, failed, r)
+    }
+
+    async fn batch_exist_key(
+        &self,
+        request: Request<pb::BatchExistKeyRequest>,
+    ) -> Result<Response<pb::BatchObjectLocations>, Status> {
+        let results: Vec<_> = request
+            .into_inner()
+            .keys
+            .iter()
+            .map(|k| self.get_one(k))
+            .collect();
+        let failed = results
+            .iter()
+            .any(|r| r.code != 0 && r.code != ErrorCode::ObjectNotFound.as_i32());
+        self.done(
+            Rpc::BatchExistKey,
+            failed,
+            pb::BatchObjectLocations { results },
+        )
+    }
+
+    async fn remove(
+        &self,
+        request: Request<pb::RemoveRequest>,
+    ) -> Result<Response<pb::KeyResult>, Status> {
+        let req = request.into_inner();
+        let r = self.remove_one(&req.key, req.force).await;
+        self.done(Rpc::Remove, r.code != 0, r)
+    }
+
+    async fn batch_remove(
+        &self,
+        request: Request<pb::BatchRemoveRequest>,
+    ) -> Result<Response<pb::BatchKeyResults>, Status> {
+        let req = request.into_inner();
+        let mut results = Vec::with_capacity(req.keys.len());
+        for k in &req.keys {
+            results.push(self.remove_one(k, req.force).await);
+        }
+        let failed = any_failed(results.iter().map(|r| &r.code));
+        self.done(Rpc::BatchRemove, failed, pb::BatchKeyResults { results })
+    }
+
+    async fn remove_all(
+        &self,
+        request: Request<pb::RemoveAllRequest>,
+    ) -> Result<Response<pb::RemoveAllResponse>, Status> {
+        let removed = self.core.remove_all(request.into_inner().force).await;
+        self.done(
+            Rpc::RemoveAll,
+            false,
+            pb::RemoveAllResponse {
+                code: 0,
+                message: String::new(),
+                removed,
+            },
+        )
+    }
+
+    async fn get_cluster_status(
+        &self,
+        _request: Request<pb::GetClusterStatusRequest>,
+    ) -> Result<Response<pb::ClusterStatus>, Status> {
+        let core = &self.core;
+        let segments = core
+            .segments()
+            .into_iter()
+            .map(|s| pb::SegmentStatus {
+                segment: core.segment_desc(&s.name).as_ref().map(Into::into),
+                client_id: s.client_id,
+                used_bytes: s.used,
+                object_count: s.objects,
+                last_ping_ms_ago: s.last_ping_ms_ago,
+            })
+            .collect();
+        Ok(Response::new(pb::ClusterStatus {
+            cluster_id: core.config().cluster_id.clone(),
+            segments,
+            total_capacity_bytes: core.total_capacity(),
+            allocated_bytes: core.allocated_bytes(),
+            key_count: core.key_count(),
+            active_clients: core.active_clients(),
+            evicted_key_count: core.metrics.evicted_key_count.get(),
+            master_version: env!("CARGO_PKG_VERSION").to_string(),
+        }))
+    }
+}

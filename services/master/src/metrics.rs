@@ -1,0 +1,167 @@
+//! The master's Prometheus metrics, under Mooncake's names, in a registry owned by one master
+//! (not global), so several masters can run in one test process.
+
+use prometheus::{IntCounter, IntGauge, Opts, Registry};
+
+/// The RPCs counted as `master_<rpc>_requests_total` / `master_<rpc>_failures_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rpc {
+    PutStart,
+    BatchPutStart,
+    PutEnd,
+    BatchPutEnd,
+    PutRevoke,
+    BatchPutRevoke,
+    GetReplicaList,
+    BatchGetReplicaList,
+    ExistKey,
+    BatchExistKey,
+    Remove,
+    BatchRemove,
+    RemoveAll,
+    MountSegment,
+    UnmountSegment,
+    Ping,
+}
+
+impl Rpc {
+    pub const ALL: [Rpc; 16] = [
+        Rpc::PutStart,
+        Rpc::BatchPutStart,
+        Rpc::PutEnd,
+        Rpc::BatchPutEnd,
+        Rpc::PutRevoke,
+        Rpc::BatchPutRevoke,
+        Rpc::GetReplicaList,
+        Rpc::BatchGetReplicaList,
+        Rpc::ExistKey,
+        Rpc::BatchExistKey,
+        Rpc::Remove,
+        Rpc::BatchRemove,
+        Rpc::RemoveAll,
+        Rpc::MountSegment,
+        Rpc::UnmountSegment,
+        Rpc::Ping,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Rpc::PutStart => "put_start",
+            Rpc::BatchPutStart => "batch_put_start",
+            Rpc::PutEnd => "put_end",
+            Rpc::BatchPutEnd => "batch_put_end",
+            Rpc::PutRevoke => "put_revoke",
+            Rpc::BatchPutRevoke => "batch_put_revoke",
+            Rpc::GetReplicaList => "get_replica_list",
+            Rpc::BatchGetReplicaList => "batch_get_replica_list",
+            Rpc::ExistKey => "exist_key",
+            Rpc::BatchExistKey => "batch_exist_key",
+            Rpc::Remove => "remove",
+            Rpc::BatchRemove => "batch_remove",
+            Rpc::RemoveAll => "remove_all",
+            Rpc::MountSegment => "mount_segment",
+            Rpc::UnmountSegment => "unmount_segment",
+            Rpc::Ping => "ping",
+        }
+    }
+}
+
+/// Every metric the master exports.
+pub struct Metrics {
+    pub registry: Registry,
+    pub allocated_bytes: IntGauge,
+    pub total_capacity_bytes: IntGauge,
+    pub key_count: IntGauge,
+    pub active_clients: IntGauge,
+    /// Keys removed by eviction since start.
+    pub evicted_key_count: IntCounter,
+    /// Eviction passes that freed at least one key.
+    pub successful_evictions_total: IntCounter,
+    /// PutStarts that found no room even after eviction.
+    pub put_start_alloc_failures_total: IntCounter,
+    requests: Vec<(IntCounter, IntCounter)>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::with_opts(Opts::new(name, help)).expect("static metric definition");
+    r.register(Box::new(g.clone()))
+        .expect("metric names are unique within a fresh registry");
+    g
+}
+
+fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::with_opts(Opts::new(name, help)).expect("static metric definition");
+    r.register(Box::new(c.clone()))
+        .expect("metric names are unique within a fresh registry");
+    c
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        let requests = Rpc::ALL
+            .iter()
+            .map(|rpc| {
+                let n = rpc.name();
+                (
+                    counter(
+                        &r,
+                        &format!("master_{n}_requests_total"),
+                        &format!("{n} calls received"),
+                    ),
+                    counter(
+                        &r,
+                        &format!("master_{n}_failures_total"),
+                        &format!("{n} calls that failed (or had a failed item)"),
+                    ),
+                )
+            })
+            .collect();
+        Metrics {
+            allocated_bytes: gauge(&r, "master_allocated_bytes", "Bytes allocated in segments"),
+            total_capacity_bytes: gauge(
+                &r,
+                "master_total_capacity_bytes",
+                "Bytes of all mounted segments",
+            ),
+            key_count: gauge(&r, "master_key_count", "Objects in the index"),
+            active_clients: gauge(&r, "master_active_clients", "Clients that ping"),
+            evicted_key_count: counter(&r, "master_evicted_key_count", "Keys evicted"),
+            successful_evictions_total: counter(
+                &r,
+                "master_successful_evictions_total",
+                "Eviction passes that freed space",
+            ),
+            put_start_alloc_failures_total: counter(
+                &r,
+                "master_put_start_alloc_failures_total",
+                "PutStarts with no room even after eviction",
+            ),
+            requests,
+            registry: r,
+        }
+    }
+
+    /// Counts one call of `rpc`, failed or not.
+    pub fn record(&self, rpc: Rpc, failed: bool) {
+        let idx = Rpc::ALL.iter().position(|r| *r == rpc).unwrap_or(0);
+        if let Some((req, fail)) = self.requests.get(idx) {
+            req.inc();
+            if failed {
+                fail.inc();
+            }
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

@@ -1,0 +1,105 @@
+//! How the master asks a segment owner to drop entries before their ranges are reused
+//! ("frees go through the owner", docs/ARCHITECTURE.md).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+
+/// Tells an owner to drop `(generation, offset)` entries. `Ok` means the owner acknowledged
+/// (every entry is gone and no reader holds it); an error means it could not be reached in time.
+#[async_trait]
+pub trait OwnerNotifier: Send + Sync + 'static {
+    async fn free(
+        &self,
+        endpoint: &str,
+        entries: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<(), String>;
+}
+
+/// The production notifier: a FREE frame over the transfer library (a blocking call, run on
+/// the blocking pool).
+pub struct TransferNotifier {
+    engine: Arc<lunakv_transfer::TransferEngine>,
+}
+
+impl TransferNotifier {
+    pub fn new() -> TransferNotifier {
+        TransferNotifier {
+            engine: Arc::new(lunakv_transfer::TransferEngine::new(
+                lunakv_transfer::TransferOptions::default(),
+            )),
+        }
+    }
+}
+
+impl Default for TransferNotifier {
+    fn default() -> Self {
+        TransferNotifier::new()
+    }
+}
+
+#[async_trait]
+impl OwnerNotifier for TransferNotifier {
+    async fn free(
+        &self,
+        endpoint: &str,
+        entries: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<(), String> {
+        let engine = self.engine.clone();
+        let endpoint = endpoint.to_string();
+        let entries = entries.to_vec();
+        tokio::task::spawn_blocking(move || engine.free(&endpoint, &entries, timeout))
+            .await
+            .map_err(|e| format!("free task failed: {e}"))?
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// One call seen by a [`RecordingNotifier`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FreeCall {
+    pub endpoint: String,
+    pub entries: Vec<(u64, u64)>,
+}
+
+/// A notifier for tests: records every call and answers `Ok`, or an error for endpoints listed
+/// in `unreachable`.
+#[derive(Default)]
+pub struct RecordingNotifier {
+    pub calls: Mutex<Vec<FreeCall>>,
+    pub unreachable: Mutex<Vec<String>>,
+}
+
+impl RecordingNotifier {
+    /// Every `(generation, offset)` freed so far, over all endpoints.
+    pub fn freed(&self) -> Vec<(u64, u64)> {
+        self.calls
+            .lock()
+            .iter()
+            .flat_map(|c| c.entries.iter().copied())
+            .collect()
+    }
+}
+
+#[async_trait]
+impl OwnerNotifier for RecordingNotifier {
+    async fn free(
+        &self,
+        endpoint: &str,
+        entries: &[(u64, u64)],
+        _timeout: Duration,
+    ) -> Result<(), String> {
+        self.calls.lock().push(FreeCall {
+            endpoint: endpoint.to_string(),
+            entries: entries.to_vec(),
+        });
+        if self.unreachable.lock().iter().any(|e| e == endpoint) {
+            return Err(format!("{endpoint} unreachable (test)"));
+        }
+        Ok(())
+    }
+}

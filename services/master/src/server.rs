@@ -1,0 +1,331 @@
+//! Wiring: opens the MetaStore, builds the core, binds (or takes) the listeners, prints the
+//! `listening` line, runs gRPC + admin HTTP + background tasks, and drains on shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lunakv_config::master::MasterConfig;
+use lunakv_meta::{MetaError, MetaStore, RedbMetaStore};
+use lunakv_proto::master::master_server::MasterServer;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+
+use crate::core::{CoreConfig, MasterCore};
+use crate::grpc::MasterService;
+use crate::notifier::{OwnerNotifier, TransferNotifier};
+use crate::persist::{self, PersistError};
+
+/// File name of the embedded metadata store inside `data_dir`.
+pub const META_FILE: &str = "meta.redb";
+
+/// How long in-flight requests get to finish after a shutdown signal.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(10);
+
+/// Why the master could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot bind the {what} listener on {addr}: {source}; pick a free port or another address")]
+    Bind {
+        what: &'static str,
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    #[error(transparent)]
+    Persist(#[from] PersistError),
+    #[error("the {what} server failed: {message}")]
+    Server { what: &'static str, message: String },
+}
+
+/// The two listeners of a master. Bind them yourself (tests: port 0) or with [`Listeners::bind`].
+#[derive(Debug)]
+pub struct Listeners {
+    pub rpc: TcpListener,
+    pub admin: TcpListener,
+}
+
+impl Listeners {
+    /// Binds `rpc_address:rpc_port` and `rpc_address:metrics_port` exactly (no wildcard).
+    pub async fn bind(cfg: &MasterConfig) -> Result<Listeners, ServeError> {
+        let bind = |what: &'static str, port: u16| {
+            let addr = format!("{}:{port}", cfg.rpc_address);
+            async move {
+                let a: SocketAddr = (cfg.rpc_address.parse::<std::net::IpAddr>().map_err(|e| {
+                    ServeError::Bind {
+                        what,
+                        addr: addr.clone(),
+                        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+                    }
+                })?, port)
+                    .into();
+                TcpListener::bind(a)
+                    .await
+                    .map_err(|source| ServeError::Bind { what, addr, source })
+            }
+        };
+        Ok(Listeners {
+            rpc: bind("rpc", cfg.rpc_port).await?,
+            admin: bind("admin/metrics", cfg.metrics_port).await?,
+        })
+    }
+}
+
+/// A master whose state is open but which does not serve yet.
+pub struct Master {
+    cfg: MasterConfig,
+    core: Arc<MasterCore>,
+    meta: Arc<dyn MetaStore>,
+    tick: Duration,
+}
+
+impl Master {
+    /// Opens `data_dir/meta.redb`, checks the cluster id, bumps the epoch; frees go to owners
+    /// through the transfer library.
+    pub async fn open(cfg: MasterConfig) -> Result<Master, ServeError> {
+        let path: PathBuf = cfg.data_dir.join(META_FILE);
+        let meta = tokio::task::spawn_blocking(move || RedbMetaStore::open(path))
+            .await
+            .map_err(|e| ServeError::Server {
+                what: "meta store",
+                message: e.to_string(),
+            })??;
+        Master::open_with(cfg, Arc::new(meta), Arc::new(TransferNotifier::new())).await
+    }
+
+    /// Like [`Master::open`] with an explicit store and notifier.
+    pub async fn open_with(
+        cfg: MasterConfig,
+        meta: Arc<dyn MetaStore>,
+        notifier: Arc<dyn OwnerNotifier>,
+    ) -> Result<Master, ServeError> {
+        let core_cfg = CoreConfig::from_master(&cfg);
+        Master::with_core_config(cfg, core_cfg, meta, notifier).await
+    }
+
+    /// Full control: the core's durations may be shorter than the config's whole seconds
+    /// (tests use milliseconds).
+    pub async fn with_core_config(
+        cfg: MasterConfig,
+        core_cfg: CoreConfig,
+        meta: Arc<dyn MetaStore>,
+        notifier: Arc<dyn OwnerNotifier>,
+    ) -> Result<Master, ServeError> {
+        persist::check_cluster_id(
+            meta.as_ref(),
+            &cfg.cluster_id,
+            &cfg.data_dir.display().to_string(),
+        )
+        .await?;
+        let epoch = persist::bump_epoch(meta.as_ref()).await?;
+        let known = persist::known_segments(meta.as_ref()).await?;
+        tracing::info!(
+            epoch,
+            cluster_id = %cfg.cluster_id,
+            known_segments = known.len(),
+            "master state opened; owners remount with their inventories on their next ping"
+        );
+        let core = Arc::new(MasterCore::new(core_cfg, epoch, notifier));
+        Ok(Master {
+            cfg,
+            core,
+            meta,
+            tick: Duration::from_millis(100),
+        })
+    }
+
+    /// How often the background tasks run (default 100 ms).
+    pub fn with_tick(mut self, tick: Duration) -> Master {
+        self.tick = tick;
+        self
+    }
+
+    pub fn core(&self) -> &Arc<MasterCore> {
+        &self.core
+    }
+
+    /// Serves until `shutdown` resolves, then drains (at most [`DRAIN_GRACE`]).
+    pub async fn run(
+        self,
+        listeners: Listeners,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        let rpc_addr = local_addr(&listeners.rpc, "rpc")?;
+        let admin_addr = local_addr(&listeners.admin, "admin/metrics")?;
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let put_end = Arc::new(Notify::new());
+
+        let svc = MasterService::new(self.core.clone(), self.meta.clone(), put_end.clone());
+        let mut rx = stop_rx.clone();
+        let grpc = tokio::spawn(
+            tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .add_service(MasterServer::new(svc))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listeners.rpc),
+                    async move {
+                        let _ = rx.changed().await;
+                    },
+                ),
+        );
+        let mut rx = stop_rx.clone();
+        let admin = tokio::spawn(
+            axum::serve(listeners.admin, crate::admin::router(self.core.clone()))
+                .with_graceful_shutdown(async move {
+                    let _ = rx.changed().await;
+                })
+                .into_future(),
+        );
+        let background = tokio::spawn(background(
+            self.core.clone(),
+            self.meta.clone(),
+            put_end,
+            self.tick,
+            stop_rx,
+        ));
+
+        println!("lunakv-master listening rpc={rpc_addr} admin={admin_addr}");
+        tracing::info!(%rpc_addr, %admin_addr, cluster_id = %self.cfg.cluster_id, "lunakv-master serving");
+
+        shutdown.await;
+        tracing::info!("shutting down: draining in-flight requests");
+        let _ = stop_tx.send(true);
+        let drained = tokio::time::timeout(DRAIN_GRACE, async {
+            let g = grpc.await;
+            let a = admin.await;
+            let _ = background.await;
+            (g, a)
+        })
+        .await;
+        match drained {
+            Err(_) => {
+                tracing::warn!(grace_s = DRAIN_GRACE.as_secs(), "drain timed out; exiting");
+                Ok(())
+            }
+            Ok((g, a)) => {
+                flatten("rpc", g.map(|r| r.map_err(|e| e.to_string())))?;
+                flatten("admin/metrics", a.map(|r| r.map_err(|e| e.to_string())))?;
+                tracing::info!("lunakv-master stopped");
+                Ok(())
+            }
+        }
+    }
+}
+
+fn flatten(
+    what: &'static str,
+    r: Result<Result<(), String>, tokio::task::JoinError>,
+) -> Result<(), ServeError> {
+    match r {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(message)) => Err(ServeError::Server { what, message }),
+        Err(e) => Err(ServeError::Server {
+            what,
+            message: e.to_string(),
+        }),
+    }
+}
+
+fn local_addr(l: &TcpListener, what: &'static str) -> Result<SocketAddr, ServeError> {
+    l.local_addr().map_err(|source| ServeError::Bind {
+        what,
+        addr: "(bound listener)".into(),
+        source,
+    })
+}
+
+/// Eviction at the watermark, zombie puts and client liveness, every `tick` (and on PutEnd).
+async fn background(
+    core: Arc<MasterCore>,
+    meta: Arc<dyn MetaStore>,
+    put_end: Arc<Notify>,
+    tick: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut interval = tokio::time::interval(tick);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = interval.tick() => {
+                core.sweep_puts().await;
+                for (_client, segments) in core.expire_clients() {
+                    for s in segments {
+                        if let Err(e) = persist::forget_segment(meta.as_ref(), &s).await {
+                            tracing::warn!(segment = %s, error = %e, "cannot forget segment in meta store");
+                        }
+                    }
+                }
+                core.evict_if_needed().await;
+            }
+            _ = put_end.notified() => {
+                core.evict_if_needed().await;
+            }
+        }
+    }
+}
+
+/// Opens the master from `cfg` and serves on `listeners` until `shutdown` resolves.
+pub async fn serve(
+    cfg: MasterConfig,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    Master::open(cfg).await?.run(listeners, shutdown).await
+}
+
+/// A master running in the background (for tests and embedding).
+pub struct RunningMaster {
+    pub rpc_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub core: Arc<MasterCore>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), ServeError>>,
+}
+
+impl RunningMaster {
+    /// `http://rpc_addr`, for `MasterClient::connect`.
+    pub fn rpc_url(&self) -> String {
+        format!("http://{}", self.rpc_addr)
+    }
+
+    /// Stops the master and waits for it to drain.
+    pub async fn shutdown(mut self) -> Result<(), ServeError> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        (&mut self.task).await.map_err(|e| ServeError::Server {
+            what: "master",
+            message: e.to_string(),
+        })?
+    }
+}
+
+/// Binds `cfg`'s addresses (port 0 = any free port) and runs `master` in a task.
+pub async fn start_master(master: Master) -> Result<RunningMaster, ServeError> {
+    let listeners = Listeners::bind(&master.cfg).await?;
+    let rpc_addr = local_addr(&listeners.rpc, "rpc")?;
+    let admin_addr = local_addr(&listeners.admin, "admin/metrics")?;
+    let core = master.core.clone();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(master.run(listeners, async move {
+        let _ = rx.await;
+    }));
+    Ok(RunningMaster {
+        rpc_addr,
+        admin_addr,
+        core,
+        stop: Some(tx),
+        task,
+    })
+}
+
+/// [`Master::open`] + [`start_master`].
+pub async fn start(cfg: MasterConfig) -> Result<RunningMaster, ServeError> {
+    start_master(Master::open(cfg).await?).await
+}

@@ -1,0 +1,50 @@
+//! The store-client's admin HTTP: /metrics (Prometheus text) and /health.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use lunakv_client::SegmentHost;
+
+use crate::Metrics;
+
+#[derive(Clone)]
+struct AdminState {
+    host: Arc<SegmentHost>,
+    metrics: Metrics,
+}
+
+pub(crate) async fn serve(
+    listener: tokio::net::TcpListener,
+    host: Arc<SegmentHost>,
+    metrics: Metrics,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    let app = Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/health", get(|| async { "OK" }))
+        .with_state(AdminState { host, metrics });
+    if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+        tracing::error!(error = %e, "admin server stopped");
+    }
+}
+
+async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
+    let st = s.host.server().stats();
+    let m = &s.metrics;
+    m.capacity.set(s.host.info().size as i64);
+    m.used.set(st.used_bytes as i64);
+    m.objects.set(st.entries as i64);
+    m.bytes_read.set(st.bytes_read as i64);
+    m.bytes_written.set(st.bytes_written as i64);
+    m.reads.set(st.reads as i64);
+    m.writes.set(st.writes as i64);
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        lunakv_telemetry::render(&m.registry),
+    )
+}

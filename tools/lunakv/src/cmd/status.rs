@@ -1,0 +1,256 @@
+//! `lunakv status`: the master's GetClusterStatus, as a table or one JSON object.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use lunakv_proto::ErrorCode;
+use lunakv_proto::master as pb;
+use lunakv_proto::master::master_client::MasterClient;
+use lunakv_proto::tonic::transport::Channel;
+use serde::Serialize;
+
+use crate::error::Coded;
+use crate::output::{human_bytes, print_json};
+use crate::target::Target;
+
+pub fn run(t: &Target, json: bool) -> anyhow::Result<ExitCode> {
+    let s = fetch_blocking(&t.master)?;
+    if json {
+        print_json(&StatusJson::from_proto(&t.master, &s))?;
+    } else {
+        print!("{}", render(&t.master, &s));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One GetClusterStatus call on a runtime of its own. Callers must not be inside a runtime
+/// (the rest of the CLI is synchronous, so none is).
+pub fn fetch_blocking(master: &str) -> anyhow::Result<pb::ClusterStatus> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(fetch(master))
+}
+
+async fn fetch(master: &str) -> anyhow::Result<pb::ClusterStatus> {
+    let unreachable = |detail: String| {
+        Coded::new(
+            ErrorCode::RpcFail,
+            format!(
+                "master at {master} unreachable: {detail}; is lunakv-master running there? (set --master, MOONCAKE_MASTER or --config)"
+            ),
+        )
+    };
+    let channel = Channel::from_shared(format!("http://{master}"))
+        .map_err(|e| Coded::new(ErrorCode::InvalidParams, format!("bad master address '{master}': {e}")))?
+        .connect_timeout(Duration::from_secs(3))
+        .timeout(Duration::from_secs(10))
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .map_err(|e| unreachable(error_chain(&e)))?;
+    let resp = MasterClient::new(channel)
+        .get_cluster_status(pb::GetClusterStatusRequest {})
+        .await
+        .map_err(|s| {
+            Coded::new(
+                ErrorCode::RpcFail,
+                format!("master at {master} failed GetClusterStatus: {:?}: {}", s.code(), s.message()),
+            )
+        })?;
+    Ok(resp.into_inner())
+}
+
+/// "transport error: tcp connect error: Connection refused" rather than just the outer layer.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let next = c.to_string();
+        if !s.contains(&next) {
+            s.push_str(": ");
+            s.push_str(&next);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+#[derive(Debug, Serialize)]
+struct StatusJson {
+    ok: bool,
+    master: String,
+    master_version: String,
+    cluster_id: String,
+    capacity_bytes: u64,
+    used_bytes: u64,
+    keys: u64,
+    clients: u64,
+    evicted_keys: u64,
+    segments: Vec<SegmentJson>,
+}
+
+#[derive(Debug, Serialize)]
+struct SegmentJson {
+    name: String,
+    transfer_endpoint: String,
+    client_id: String,
+    size_bytes: u64,
+    used_bytes: u64,
+    objects: u64,
+    last_ping_ms_ago: u64,
+    protocol: String,
+    shm: bool,
+}
+
+impl StatusJson {
+    fn from_proto(master: &str, s: &pb::ClusterStatus) -> StatusJson {
+        StatusJson {
+            ok: true,
+            master: master.to_owned(),
+            master_version: s.master_version.clone(),
+            cluster_id: s.cluster_id.clone(),
+            capacity_bytes: s.total_capacity_bytes,
+            used_bytes: s.allocated_bytes,
+            keys: s.key_count,
+            clients: s.active_clients,
+            evicted_keys: s.evicted_key_count,
+            segments: s
+                .segments
+                .iter()
+                .map(|g| {
+                    let d = g.segment.clone().unwrap_or_default();
+                    SegmentJson {
+                        name: d.name,
+                        transfer_endpoint: d.transfer_endpoint,
+                        client_id: g.client_id.clone(),
+                        size_bytes: d.size,
+                        used_bytes: g.used_bytes,
+                        objects: g.object_count,
+                        last_ping_ms_ago: g.last_ping_ms_ago,
+                        protocol: d.protocol,
+                        shm: !d.shm_socket.is_empty(),
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+fn percent(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 * 100.0 / whole as f64
+    }
+}
+
+fn render(master: &str, s: &pb::ClusterStatus) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let version = if s.master_version.is_empty() {
+        String::new()
+    } else {
+        format!("  version {}", s.master_version)
+    };
+    let _ = writeln!(o, "master    {master}  cluster {}{version}", s.cluster_id);
+    let _ = writeln!(
+        o,
+        "capacity  {}  used {} ({:.1}%)  keys {}  clients {}  evicted {}",
+        human_bytes(s.total_capacity_bytes),
+        human_bytes(s.allocated_bytes),
+        percent(s.allocated_bytes, s.total_capacity_bytes),
+        s.key_count,
+        s.active_clients,
+        s.evicted_key_count
+    );
+    if s.segments.is_empty() {
+        let _ = writeln!(o, "segments  none mounted (start lunakv-store, or an embedded client)");
+        return o;
+    }
+    let rows: Vec<[String; 6]> = s
+        .segments
+        .iter()
+        .map(|g| {
+            let d = g.segment.clone().unwrap_or_default();
+            [
+                d.name,
+                human_bytes(d.size),
+                format!("{} ({:.1}%)", human_bytes(g.used_bytes), percent(g.used_bytes, d.size)),
+                g.object_count.to_string(),
+                format!("{:.1} s ago", g.last_ping_ms_ago as f64 / 1000.0),
+                g.client_id.clone(),
+            ]
+        })
+        .collect();
+    let head = ["SEGMENT", "SIZE", "USED", "OBJECTS", "LAST PING", "CLIENT"];
+    let mut width: Vec<usize> = head.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (w, c) in width.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let _ = writeln!(o);
+    let line = |cells: &[String]| {
+        cells
+            .iter()
+            .zip(&width)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_owned()
+    };
+    let _ = writeln!(o, "{}", line(&head.map(String::from)));
+    for r in &rows {
+        let _ = writeln!(o, "{}", line(r));
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> pb::ClusterStatus {
+        pb::ClusterStatus {
+            cluster_id: "mooncake_cluster".into(),
+            segments: vec![pb::SegmentStatus {
+                segment: Some(pb::SegmentDescriptor {
+                    name: "127.0.0.1:50052".into(),
+                    transfer_endpoint: "127.0.0.1:50052".into(),
+                    size: 1 << 30,
+                    shm_socket: "/tmp/s.sock".into(),
+                    protocol: "tcp".into(),
+                    ..Default::default()
+                }),
+                client_id: "c1".into(),
+                used_bytes: 64 << 20,
+                object_count: 3,
+                last_ping_ms_ago: 420,
+            }],
+            total_capacity_bytes: 1 << 30,
+            allocated_bytes: 64 << 20,
+            key_count: 3,
+            active_clients: 2,
+            evicted_key_count: 0,
+            master_version: "0.1.0".into(),
+        }
+    }
+
+    #[test]
+    fn text_names_every_figure() {
+        let t = render("127.0.0.1:50051", &sample());
+        for want in ["127.0.0.1:50052", "1.0 GiB", "64.0 MiB (6.2%)", "keys 3", "clients 2", "0.4 s ago"] {
+            assert!(t.contains(want), "missing {want} in:\n{t}");
+        }
+    }
+
+    #[test]
+    fn json_has_the_totals_and_segments() {
+        let v = serde_json::to_value(StatusJson::from_proto("m:1", &sample())).expect("json");
+        assert_eq!(v["ok"], true);
+        assert_eq!(v["capacity_bytes"], 1u64 << 30);
+        assert_eq!(v["keys"], 3);
+        assert_eq!(v["segments"][0]["objects"], 3);
+        assert_eq!(v["segments"][0]["shm"], true);
+    }
+}
