@@ -626,6 +626,55 @@ impl StoreClient {
             .collect()
     }
 
+    /// Every replica of each object as the master reports it, disk tiers included
+    /// ([`Location`] keeps memory replicas only). One master round trip; backs the Python
+    /// `batch_get_replica_desc`, which vLLM probes for the tier an object lives in.
+    pub fn batch_replicas(&self, keys: &[&str]) -> Vec<Result<Vec<pb::Replica>>> {
+        if self.check_open().is_err() {
+            return keys.iter().map(|_| Err(ClientError::Closed)).collect();
+        }
+        let mut out: Vec<Option<Result<Vec<pb::Replica>>>> = (0..keys.len()).map(|_| None).collect();
+        let mut ask = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            match validate_key(k) {
+                Ok(()) => ask.push(i),
+                Err(e) => out[i] = Some(Err(e.into())),
+            }
+        }
+        if !ask.is_empty() {
+            let req = pb::BatchGetReplicaListRequest {
+                client_id: self.client_id.clone(),
+                keys: ask.iter().map(|&i| keys[i].to_owned()).collect(),
+            };
+            match self.rpc(|mut m| async move { m.batch_get_replica_list(req).await }) {
+                Err(e) => {
+                    let msg = e.to_string();
+                    for &i in &ask {
+                        out[i] = Some(Err(ClientError::Rpc {
+                            addr: self.opts.master_server_address.clone(),
+                            message: msg.clone(),
+                        }));
+                    }
+                }
+                Ok(resp) => {
+                    for (n, &i) in ask.iter().enumerate() {
+                        out[i] = Some(match resp.results.get(n) {
+                            Some(l) if l.code == 0 => Ok(l.replicas.clone()),
+                            Some(l) => Err(ClientError::from_item(keys[i], l.size, l.code, &l.message)),
+                            None => Err(ClientError::Rpc {
+                                addr: self.opts.master_server_address.clone(),
+                                message: "master answered fewer results than keys".to_owned(),
+                            }),
+                        });
+                    }
+                }
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or(Err(ClientError::Closed)))
+            .collect()
+    }
+
     /// The object's size in bytes (asks the master: sizes are cheap and must not be stale).
     pub fn get_size(&self, key: &str) -> Result<u64> {
         self.check_open()?;

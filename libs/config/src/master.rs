@@ -482,7 +482,12 @@ fn bad_value_from_serde(merged: &Mapping, message: &str) -> MasterConfigError {
         one.insert((*k).clone(), (*v).clone());
         serde_yaml::from_value::<MasterConfig>(Value::Mapping(one)).is_err()
     });
-    let show = |v: &Value| serde_yaml::to_string(v).unwrap_or_default().trim().to_string();
+    let show = |v: &Value| {
+        serde_yaml::to_string(v)
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
     let Some((Value::String(key), value)) = culprit else {
         return MasterConfigError::BadValue {
             key: "(unknown)".to_string(),

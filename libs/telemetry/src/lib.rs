@@ -56,7 +56,10 @@ mod tests {
         registry.register(Box::new(c.clone())).expect("register");
         c.inc_by(3);
         let text = render(&registry);
-        assert!(text.contains("# HELP demo_requests_total Demo requests"), "{text}");
+        assert!(
+            text.contains("# HELP demo_requests_total Demo requests"),
+            "{text}"
+        );
         assert!(text.contains("demo_requests_total 3"), "{text}");
     }
 

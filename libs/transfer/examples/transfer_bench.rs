@@ -8,7 +8,9 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use lunakv_transfer::{SegmentServer, SegmentServerConfig, Target, TransferEngine, TransferOptions, TransferRequest};
+use lunakv_transfer::{
+    SegmentServer, SegmentServerConfig, Target, TransferEngine, TransferOptions, TransferRequest,
+};
 
 const SEG: u64 = 1 << 30;
 
@@ -22,7 +24,12 @@ fn serve() {
     })
     .unwrap();
     let i = s.info();
-    println!("{} {} {}", i.transfer_endpoint, i.host_id, i.shm_socket.unwrap());
+    println!(
+        "{} {} {}",
+        i.transfer_endpoint,
+        i.host_id,
+        i.shm_socket.unwrap()
+    );
     std::io::stdout().flush().unwrap();
     // Serve until the parent closes our stdin.
     let mut sink = String::new();
@@ -56,7 +63,11 @@ fn row(name: &str, size: usize, secs: f64, mut op: impl FnMut()) {
 }
 
 fn human(n: usize) -> String {
-    if n >= 1 << 20 { format!("{} MiB", n >> 20) } else { format!("{} KiB", n >> 10) }
+    if n >= 1 << 20 {
+        format!("{} MiB", n >> 20)
+    } else {
+        format!("{} KiB", n >> 10)
+    }
 }
 
 /// Raw loopback TCP: a thread answers each 1-byte request with `size` bytes from a buffer.
@@ -96,7 +107,9 @@ fn main() {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
     let parts: Vec<&str> = line.split_whitespace().collect();
     let target = Target {
         endpoint: parts[0].to_string(),
@@ -118,10 +131,8 @@ fn main() {
         let mut dst = vec![0u8; size];
         row("memcpy", size, secs, || dst.copy_from_slice(&src));
         raw_tcp(size, secs);
-        let mut generation = 1u64 << 32;
         for (name, e) in [("tcp", &tcp), ("shm", &shm)] {
-            generation += 1;
-            let g = generation;
+            let g = (size as u64) << 8 | u64::from(name == "shm");
             e.write(&target, g, "obj", 0, &[&src]).unwrap();
             row(&format!("{name} get"), size, secs, || {
                 e.read(&target, g, 0, &mut [&mut dst[..]]).unwrap();
@@ -134,7 +145,8 @@ fn main() {
             let n = 32usize;
             let gens: Vec<u64> = (0..n as u64).map(|i| (g << 8) + i).collect();
             for (i, gg) in gens.iter().enumerate() {
-                e.write(&target, *gg, "b", (i * size) as u64, &[&src]).unwrap();
+                e.write(&target, *gg, "b", (i * size) as u64, &[&src])
+                    .unwrap();
             }
             let mut bufs = vec![vec![0u8; size]; n];
             row(&format!("{name} batch get x32"), size * n, secs, || {

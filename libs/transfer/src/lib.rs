@@ -58,7 +58,6 @@ pub fn host_id() -> String {
 /// TCP_NODELAY (requests are small and latency-bound) and large buffers (bulk objects).
 pub(crate) fn tune_socket(s: &std::net::TcpStream) {
     let _ = s.set_nodelay(true);
-    if std::env::var("XBUF").is_ok() { return; }
     let _ = rustix::net::sockopt::set_socket_send_buffer_size(s, SOCKET_BUFFER);
     let _ = rustix::net::sockopt::set_socket_recv_buffer_size(s, SOCKET_BUFFER);
 }
@@ -206,6 +205,15 @@ pub enum TransferError {
         #[source]
         source: std::io::Error,
     },
+    /// A listener could not bind its configured address.
+    #[error(
+        "cannot bind {addr}: {source}; the address is in use or not local to this host, pick another port/host"
+    )]
+    Bind {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
     /// I/O failure on an established connection: `(endpoint, error)`.
     #[error(
         "i/o error talking to {0}: {1}; the owner may have restarted or died, retry or ask the master"
@@ -241,6 +249,10 @@ impl TransferError {
             },
             TransferError::Connect { endpoint, source } => TransferError::Connect {
                 endpoint: endpoint.clone(),
+                source: std::io::Error::new(source.kind(), source.to_string()),
+            },
+            TransferError::Bind { addr, source } => TransferError::Bind {
+                addr: addr.clone(),
                 source: std::io::Error::new(source.kind(), source.to_string()),
             },
             TransferError::Io(ep, e) => {
@@ -509,6 +521,14 @@ impl TransferEngine {
         self.tcp.free(endpoint, items, timeout)
     }
 }
+
+// Compile-time check: one engine and one server are shared by many threads.
+const _: () = {
+    const fn is<T: Send + Sync>() {}
+    is::<TransferEngine>();
+    is::<SegmentServer>();
+    is::<TransferError>();
+};
 
 fn reqs_len(units: &[(&Target, Vec<(usize, &mut TransferRequest<'_>)>)]) -> usize {
     units

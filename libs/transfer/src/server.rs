@@ -25,6 +25,9 @@ use crate::{
 
 /// How long a WRITE waits for readers of the entries it overwrites before writing anyway.
 const OVERWRITE_PIN_WAIT: Duration = Duration::from_secs(5);
+/// A reader that stops draining its socket this long is cut off, so its pin (held during the
+/// send) cannot block FREE forever. Idle pooled connections have no read timeout.
+const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// Most pins one unix connection may hold (bounds memory a misbehaving peer can take).
 const MAX_PINS_PER_CONN: usize = 1 << 16;
 /// Buffer for request headers: pipelined small requests are parsed from one read.
@@ -77,8 +80,8 @@ impl SegmentServer {
                 cfg.size
             ))
         })?;
-        let listener = TcpListener::bind(cfg.bind).map_err(|e| TransferError::Connect {
-            endpoint: format!("bind {}", cfg.bind),
+        let listener = TcpListener::bind(cfg.bind).map_err(|e| TransferError::Bind {
+            addr: cfg.bind.to_string(),
             source: e,
         })?;
         let local_addr = listener
@@ -235,21 +238,9 @@ fn accept_tcp(shared: Arc<Shared>, listener: TcpListener) {
         match conn {
             Ok(stream) => {
                 tune_socket(&stream);
-                let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-                let Ok(clone) = stream.try_clone() else {
-                    continue;
-                };
-                shared.conns.lock().insert(id, Live::Tcp(clone));
-                let s = shared.clone();
-                let r = std::thread::Builder::new()
-                    .name("lunakv-seg-tcp".into())
-                    .spawn(move || {
-                        run_conn(&s, stream, false);
-                        s.conns.lock().remove(&id);
-                    });
-                if let Err(e) = r {
-                    tracing::warn!(error = %e, "cannot spawn a connection thread; dropping the connection");
-                    shared.conns.lock().remove(&id);
+                let _ = stream.set_write_timeout(Some(SEND_TIMEOUT));
+                if let Ok(clone) = stream.try_clone() {
+                    spawn_conn(&shared, stream, Live::Tcp(clone), false);
                 }
             }
             Err(e) => {
@@ -268,21 +259,9 @@ fn accept_unix(shared: Arc<Shared>, listener: UnixListener) {
         }
         match conn {
             Ok(stream) => {
-                let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-                let Ok(clone) = stream.try_clone() else {
-                    continue;
-                };
-                shared.conns.lock().insert(id, Live::Unix(clone));
-                let s = shared.clone();
-                let r = std::thread::Builder::new()
-                    .name("lunakv-seg-shm".into())
-                    .spawn(move || {
-                        run_conn(&s, stream, true);
-                        s.conns.lock().remove(&id);
-                    });
-                if let Err(e) = r {
-                    tracing::warn!(error = %e, "cannot spawn a connection thread; dropping the connection");
-                    shared.conns.lock().remove(&id);
+                let _ = stream.set_write_timeout(Some(SEND_TIMEOUT));
+                if let Ok(clone) = stream.try_clone() {
+                    spawn_conn(&shared, stream, Live::Unix(clone), true);
                 }
             }
             Err(e) => {
@@ -290,6 +269,30 @@ fn accept_unix(shared: Arc<Shared>, listener: UnixListener) {
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
+    }
+}
+
+/// Registers the connection (so shutdown can close it) and serves it on its own thread.
+fn spawn_conn<S: Stream + Send + 'static>(shared: &Arc<Shared>, stream: S, live: Live, unix: bool) {
+    let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    shared.conns.lock().insert(id, live);
+    let s = shared.clone();
+    let r = std::thread::Builder::new()
+        .name(
+            if unix {
+                "lunakv-seg-shm"
+            } else {
+                "lunakv-seg-tcp"
+            }
+            .into(),
+        )
+        .spawn(move || {
+            run_conn(&s, stream, unix);
+            s.conns.lock().remove(&id);
+        });
+    if let Err(e) = r {
+        tracing::warn!(error = %e, "cannot spawn a connection thread; dropping the connection");
+        shared.conns.lock().remove(&id);
     }
 }
 

@@ -17,7 +17,11 @@ pub enum ReserveError {
     #[error("offset {offset} is not a multiple of {ALIGN}")]
     Unaligned { offset: u64 },
     #[error("range {offset}+{len} ends beyond the segment's {capacity} usable bytes")]
-    OutOfRange { offset: u64, len: u64, capacity: u64 },
+    OutOfRange {
+        offset: u64,
+        len: u64,
+        capacity: u64,
+    },
     #[error("range {offset}+{len} overlaps an allocated range")]
     Overlap { offset: u64, len: u64 },
     #[error("size 0 cannot be reserved")]
@@ -107,7 +111,7 @@ impl OffsetAllocator {
         if size == 0 {
             return Err(ReserveError::Empty);
         }
-        if offset % ALIGN != 0 {
+        if !offset.is_multiple_of(ALIGN) {
             return Err(ReserveError::Unaligned { offset });
         }
         let len = align_up(size).unwrap_or(u64::MAX);
@@ -171,7 +175,11 @@ mod tests {
         assert_eq!(a.allocate(65), Some(64));
         assert_eq!(a.used(), 64 + 128);
         assert_eq!(a.allocate(0), None);
-        assert_eq!(a.allocate(960), None, "no room for the whole segment any more");
+        assert_eq!(
+            a.allocate(960),
+            None,
+            "no room for the whole segment any more"
+        );
         assert_eq!(a.largest_free(), 960 - 192);
     }
 
@@ -237,9 +245,18 @@ mod tests {
                 len: 128
             })
         );
-        assert!(matches!(a.reserve(65, 1), Err(ReserveError::Unaligned { .. })));
-        assert!(matches!(a.reserve(64 * 9, 128), Err(ReserveError::OutOfRange { .. })));
-        assert!(matches!(a.reserve(u64::MAX - 63, 64), Err(ReserveError::OutOfRange { .. })));
+        assert!(matches!(
+            a.reserve(65, 1),
+            Err(ReserveError::Unaligned { .. })
+        ));
+        assert!(matches!(
+            a.reserve(64 * 9, 128),
+            Err(ReserveError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            a.reserve(u64::MAX - 63, 64),
+            Err(ReserveError::OutOfRange { .. })
+        ));
         assert_eq!(a.reserve(64, 0), Err(ReserveError::Empty));
         // Remaining holes: [64,128) and [256,576). Best fit still works around reservations.
         assert_eq!(a.allocate(64), Some(64));

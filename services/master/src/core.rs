@@ -7,7 +7,7 @@
 //! allocator only after the owner acknowledged the FREE ([`MasterCore::release`]).
 
 use std::collections::{BTreeSet, HashMap};
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -287,9 +287,7 @@ impl MasterCore {
     }
 
     fn shard(&self, key: &str) -> &Mutex<HashMap<String, Object>> {
-        let mut h = self.hasher.build_hasher();
-        key.hash(&mut h);
-        &self.shards[(h.finish() as usize) % SHARDS]
+        &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
     }
 
     fn next_generation(&self) -> Result<u64, OpError> {
@@ -759,9 +757,7 @@ impl MasterCore {
     pub async fn remove(&self, key: &str, force: bool) -> Result<(), OpError> {
         let frees = {
             let mut shard = self.shard(key).lock();
-            let o = shard
-                .get(key)
-                .ok_or_else(|| not_found(key, "not found"))?;
+            let o = shard.get(key).ok_or_else(|| not_found(key, "not found"))?;
             let now = Instant::now();
             if !force && o.state == ObjectState::Processing {
                 return Err(OpError::new(
@@ -796,9 +792,7 @@ impl MasterCore {
             let mut shard = shard.lock();
             let keys: Vec<String> = shard
                 .iter()
-                .filter(|(_, o)| {
-                    force || (o.state == ObjectState::Complete && !o.leased(now))
-                })
+                .filter(|(_, o)| force || (o.state == ObjectState::Complete && !o.leased(now)))
                 .map(|(k, _)| k.clone())
                 .collect();
             for k in keys {
@@ -877,7 +871,11 @@ impl MasterCore {
     /// Allocated share of total capacity, in [0, 1].
     pub fn usage_ratio(&self) -> f64 {
         let (used, cap) = self.usage();
-        if cap == 0 { 0.0 } else { used as f64 / cap as f64 }
+        if cap == 0 {
+            0.0
+        } else {
+            used as f64 / cap as f64
+        }
     }
 
     /// Evicts if usage is at or above the high watermark. Returns keys evicted.
@@ -903,11 +901,17 @@ impl MasterCore {
             for (k, o) in shard.lock().iter() {
                 if o.state == ObjectState::Complete && !o.leased(now) && !o.hard_pinned {
                     let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
-                    candidates.push((o.soft_pinned(now), o.last_access, k.clone(), o.generation, bytes));
+                    candidates.push((
+                        o.soft_pinned(now),
+                        o.last_access,
+                        k.clone(),
+                        o.generation,
+                        bytes,
+                    ));
                 }
             }
         }
-        candidates.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        candidates.sort_by_key(|c| (c.0, c.1));
         let mut freed = 0u64;
         let mut evicted = 0u64;
         let mut frees = Vec::new();
@@ -1009,7 +1013,8 @@ impl MasterCore {
     pub fn refresh_gauges(&self) {
         let (used, cap) = self.usage();
         let m = &self.metrics;
-        m.allocated_bytes.set(i64::try_from(used).unwrap_or(i64::MAX));
+        m.allocated_bytes
+            .set(i64::try_from(used).unwrap_or(i64::MAX));
         m.total_capacity_bytes
             .set(i64::try_from(cap).unwrap_or(i64::MAX));
         m.key_count

@@ -1,1 +1,135 @@
-fn main() {}
+//! `lunakv-master`: parse flags, load the layered config, init telemetry, serve until
+//! SIGTERM/SIGINT, drain.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use lunakv_master::{Listeners, MasterConfig, MasterConfigSources};
+
+/// The lunakv master: placement and metadata for the KV-cache pool (Mooncake-compatible flags).
+#[derive(Debug, Parser)]
+#[command(name = "lunakv-master", version)]
+struct Cli {
+    /// master.yaml (llm-d's keys); flags override it, environment LUNAKV_MASTER_<KEY> sits between.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// gRPC port [default: 50051].
+    #[arg(long = "rpc_port", visible_alias = "port")]
+    rpc_port: Option<u16>,
+    /// Address both listeners bind [default: 127.0.0.1; upstream binds 0.0.0.0].
+    #[arg(long = "rpc_address")]
+    rpc_address: Option<String>,
+    /// Admin + Prometheus HTTP port [default: 9003].
+    #[arg(long = "metrics_port")]
+    metrics_port: Option<u16>,
+    /// Lease granted on reads, ms [default: 5000].
+    #[arg(long = "default_kv_lease_ttl")]
+    default_kv_lease_ttl: Option<u64>,
+    /// Soft pin duration, ms [default: 1800000].
+    #[arg(long = "default_kv_soft_pin_ttl")]
+    default_kv_soft_pin_ttl: Option<u64>,
+    /// Longest soft pin, ms [default: 86400000].
+    #[arg(long = "max_kv_soft_pin_ttl")]
+    max_kv_soft_pin_ttl: Option<u64>,
+    /// Share of capacity one eviction pass frees [default: 0.05].
+    #[arg(long = "eviction_ratio")]
+    eviction_ratio: Option<f64>,
+    /// Usage share that starts eviction [default: 0.95].
+    #[arg(long = "eviction_high_watermark_ratio")]
+    eviction_high_watermark_ratio: Option<f64>,
+    /// Seconds of silence before a client is declared dead [default: 10].
+    #[arg(long = "client_ttl")]
+    client_ttl: Option<u64>,
+    /// Cluster name [default: mooncake_cluster].
+    #[arg(long = "cluster_id")]
+    cluster_id: Option<String>,
+    /// Seconds before a put never ended stops holding its key [default: 30].
+    #[arg(long = "put_start_discard_timeout_sec")]
+    put_start_discard_timeout_sec: Option<u64>,
+    /// Seconds before such a put's space is reused [default: 600].
+    #[arg(long = "put_start_release_timeout_sec")]
+    put_start_release_timeout_sec: Option<u64>,
+    /// Directory of the embedded metadata file [default: ./lunakv-master-data].
+    #[arg(long = "data_dir")]
+    data_dir: Option<PathBuf>,
+    /// Accepted for compatibility (the SSD tier comes later).
+    #[arg(long = "enable_offload")]
+    enable_offload: Option<bool>,
+}
+
+impl Cli {
+    fn flags(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let mut add = |k: &str, v: Option<String>| {
+            if let Some(v) = v {
+                out.push((k.to_string(), v));
+            }
+        };
+        let s = |v: &Option<u64>| v.map(|v| v.to_string());
+        add("rpc_port", self.rpc_port.map(|v| v.to_string()));
+        add("rpc_address", self.rpc_address.clone());
+        add("metrics_port", self.metrics_port.map(|v| v.to_string()));
+        add("default_kv_lease_ttl", s(&self.default_kv_lease_ttl));
+        add("default_kv_soft_pin_ttl", s(&self.default_kv_soft_pin_ttl));
+        add("max_kv_soft_pin_ttl", s(&self.max_kv_soft_pin_ttl));
+        add("eviction_ratio", self.eviction_ratio.map(|v| v.to_string()));
+        let wm = self.eviction_high_watermark_ratio.map(|v| v.to_string());
+        add("eviction_high_watermark_ratio", wm);
+        add("client_ttl", s(&self.client_ttl));
+        add("cluster_id", self.cluster_id.clone());
+        add(
+            "put_start_discard_timeout_sec",
+            s(&self.put_start_discard_timeout_sec),
+        );
+        add(
+            "put_start_release_timeout_sec",
+            s(&self.put_start_release_timeout_sec),
+        );
+        add(
+            "data_dir",
+            self.data_dir.as_ref().map(|p| p.display().to_string()),
+        );
+        add("enable_offload", self.enable_offload.map(|v| v.to_string()));
+        out
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => tokio::select! {
+                _ = ctrl_c => {},
+                _ = term.recv() => {},
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the master");
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    lunakv_telemetry::init("lunakv-master");
+    let sources = MasterConfigSources {
+        file: cli.config.clone(),
+        flags: cli.flags(),
+    };
+    let loaded = MasterConfig::load(&sources, &lunakv_config::process_env)
+        .context("invalid master configuration")?;
+    for w in &loaded.warnings {
+        tracing::warn!("{w}");
+    }
+    let cfg = loaded.config;
+    let listeners = Listeners::bind(&cfg).await?;
+    lunakv_master::serve(cfg, listeners, shutdown_signal()).await?;
+    Ok(())
+}

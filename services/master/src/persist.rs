@@ -132,9 +132,15 @@ mod tests {
             .await
             .expect_err("mismatch")
             .to_string();
-        assert!(msg.contains("\"a\"") && msg.contains("\"b\"") && msg.contains("--cluster_id a"), "{msg}");
+        assert!(
+            msg.contains("\"a\"") && msg.contains("\"b\"") && msg.contains("--cluster_id a"),
+            "{msg}"
+        );
         s.put(EPOCH_KEY, b"x").await.expect("put");
-        assert!(matches!(bump_epoch(&s).await, Err(PersistError::Corrupt { .. })));
+        assert!(matches!(
+            bump_epoch(&s).await,
+            Err(PersistError::Corrupt { .. })
+        ));
     }
 
     #[tokio::test]

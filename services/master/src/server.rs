@@ -28,7 +28,9 @@ pub const DRAIN_GRACE: Duration = Duration::from_secs(10);
 /// Why the master could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    #[error("cannot bind the {what} listener on {addr}: {source}; pick a free port or another address")]
+    #[error(
+        "cannot bind the {what} listener on {addr}: {source}; pick a free port or another address"
+    )]
     Bind {
         what: &'static str,
         addr: String,
@@ -56,13 +58,16 @@ impl Listeners {
         let bind = |what: &'static str, port: u16| {
             let addr = format!("{}:{port}", cfg.rpc_address);
             async move {
-                let a: SocketAddr = (cfg.rpc_address.parse::<std::net::IpAddr>().map_err(|e| {
-                    ServeError::Bind {
-                        what,
-                        addr: addr.clone(),
-                        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
-                    }
-                })?, port)
+                let a: SocketAddr = (
+                    cfg.rpc_address
+                        .parse::<std::net::IpAddr>()
+                        .map_err(|e| ServeError::Bind {
+                            what,
+                            addr: addr.clone(),
+                            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+                        })?,
+                    port,
+                )
                     .into();
                 TcpListener::bind(a)
                     .await

@@ -165,7 +165,10 @@ mod tests {
             Command::Rm { key, force } => assert!(key == "k1" && force),
             c => panic!("{c:?}"),
         }
-        assert!(matches!(parse(&["exists", "k"]).command, Command::Exists { .. }));
+        assert!(matches!(
+            parse(&["exists", "k"]).command,
+            Command::Exists { .. }
+        ));
         // put needs a source: refusing beats silently reading stdin.
         assert!(Cli::try_parse_from(["lunakv", "put", "k"]).is_err());
         assert!(Cli::try_parse_from(["lunakv"]).is_err());
@@ -173,11 +176,22 @@ mod tests {
 
     #[test]
     fn up_defaults_and_mooncake_spellings() {
-        let Command::Up(u) = parse(&["up"]).command else { panic!("up") };
-        assert_eq!((u.rpc_port, u.metrics_port, u.store_port, u.store_metrics_port), (50051, 9003, 50052, 9004));
+        let Command::Up(u) = parse(&["up"]).command else {
+            panic!("up")
+        };
+        assert_eq!(
+            (
+                u.rpc_port,
+                u.metrics_port,
+                u.store_port,
+                u.store_metrics_port
+            ),
+            (50051, 9003, 50052, 9004)
+        );
         assert_eq!(u.segment_size, "1GB");
         assert_eq!(u.run_dir, PathBuf::from(".lunakv-run"));
-        let Command::Up(u) = parse(&["up", "--rpc_port=0", "--global_segment_size", "2GB"]).command else {
+        let Command::Up(u) = parse(&["up", "--rpc_port=0", "--global_segment_size", "2GB"]).command
+        else {
             panic!("up")
         };
         assert_eq!(u.rpc_port, 0);
@@ -188,14 +202,22 @@ mod tests {
     fn bench_flags() {
         let a = parse(&["bench", "--json", "--quick"]);
         assert!(a.json);
-        let Command::Bench(b) = a.command else { panic!("bench") };
+        let Command::Bench(b) = a.command else {
+            panic!("bench")
+        };
         assert!(b.quick);
         assert_eq!(b.mib_per_row, None);
     }
 
     #[test]
     fn hidden_sink_takes_a_port() {
-        assert!(matches!(parse(&["__tcp-sink", "0"]).command, Command::TcpSink { port: 0 }));
-        assert!(matches!(parse(&["__tcp-sink"]).command, Command::TcpSink { port: 0 }));
+        assert!(matches!(
+            parse(&["__tcp-sink", "0"]).command,
+            Command::TcpSink { port: 0 }
+        ));
+        assert!(matches!(
+            parse(&["__tcp-sink"]).command,
+            Command::TcpSink { port: 0 }
+        ));
     }
 }

@@ -38,19 +38,17 @@ fn main() -> ExitCode {
     }
     let json = cli.json;
     let result = match cli.command {
-        Command::Status => target::resolve_cli(&cli.master, &cli.config)
-            .and_then(|t| cmd::status::run(&t, json)),
-        Command::Put { key, file } => {
-            target::resolve_cli(&cli.master, &cli.config).and_then(|t| cmd::kv::put(&t, &key, &file, json))
+        Command::Status => {
+            target::resolve_cli(&cli.master, &cli.config).and_then(|t| cmd::status::run(&t, json))
         }
+        Command::Put { key, file } => target::resolve_cli(&cli.master, &cli.config)
+            .and_then(|t| cmd::kv::put(&t, &key, &file, json)),
         Command::Get { key, file } => target::resolve_cli(&cli.master, &cli.config)
             .and_then(|t| cmd::kv::get(&t, &key, file.as_deref(), json)),
-        Command::Exists { key } => {
-            target::resolve_cli(&cli.master, &cli.config).and_then(|t| cmd::kv::exists(&t, &key, json))
-        }
-        Command::Rm { key, force } => {
-            target::resolve_cli(&cli.master, &cli.config).and_then(|t| cmd::kv::rm(&t, &key, force, json))
-        }
+        Command::Exists { key } => target::resolve_cli(&cli.master, &cli.config)
+            .and_then(|t| cmd::kv::exists(&t, &key, json)),
+        Command::Rm { key, force } => target::resolve_cli(&cli.master, &cli.config)
+            .and_then(|t| cmd::kv::rm(&t, &key, force, json)),
         Command::Up(a) => cmd::up::run(&a, json),
         Command::Bench(a) => cmd::bench::run(&a, json),
         Command::TcpSink { port } => cmd::bench::limits::tcp_sink(port),

@@ -83,8 +83,12 @@ impl Stack {
     pub fn start(o: &StackOptions) -> anyhow::Result<Stack> {
         let master_bin = service_bin(&o.bin_dir, MASTER_BIN)?;
         let store_bin = service_bin(&o.bin_dir, STORE_BIN)?;
-        std::fs::create_dir_all(&o.data_dir)
-            .with_context(|| format!("cannot create the master's data dir {}", o.data_dir.display()))?;
+        std::fs::create_dir_all(&o.data_dir).with_context(|| {
+            format!(
+                "cannot create the master's data dir {}",
+                o.data_dir.display()
+            )
+        })?;
         let master = Service::spawn(
             "master",
             &master_bin,
@@ -125,7 +129,10 @@ impl Stack {
         // here rather than on the first put.
         std::thread::sleep(Duration::from_millis(100));
         if let Some(st) = store.try_exit() {
-            bail!("{STORE_BIN} exited with {st} right after starting; its last output:\n{}", store.tail());
+            bail!(
+                "{STORE_BIN} exited with {st} right after starting; its last output:\n{}",
+                store.tail()
+            );
         }
         Ok(Stack {
             master,
@@ -141,7 +148,11 @@ impl Stack {
     pub fn check_alive(&mut self) -> anyhow::Result<()> {
         for s in [&mut self.store, &mut self.master] {
             if let Some(st) = s.try_exit() {
-                bail!("{} exited unexpectedly with {st}; its last output:\n{}", s.bin_name, s.tail());
+                bail!(
+                    "{} exited unexpectedly with {st}; its last output:\n{}",
+                    s.bin_name,
+                    s.tail()
+                );
             }
         }
         Ok(())
@@ -193,7 +204,10 @@ impl Service {
         default_log: Option<&str>,
         required_key: &'static str,
     ) -> anyhow::Result<Service> {
-        let bin_name = bin.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let bin_name = bin
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let mut cmd = Command::new(bin);
         cmd.args(args)
             .stdin(Stdio::null())
@@ -224,7 +238,10 @@ impl Service {
         let (tx, rx) = mpsc::channel();
         let streams: [(Box<dyn Read + Send>, bool); 2] = [
             (Box::new(child.stdout.take().context("child stdout")?), true),
-            (Box::new(child.stderr.take().context("child stderr")?), false),
+            (
+                Box::new(child.stderr.take().context("child stderr")?),
+                false,
+            ),
         ];
         for (stream, is_stdout) in streams {
             let tail = tail.clone();
@@ -298,11 +315,18 @@ impl Service {
 
     /// The last lines the child printed.
     pub fn tail(&self) -> String {
-        let t = self.tail.lock().map(|t| t.iter().cloned().collect::<Vec<_>>()).unwrap_or_default();
+        let t = self
+            .tail
+            .lock()
+            .map(|t| t.iter().cloned().collect::<Vec<_>>())
+            .unwrap_or_default();
         if t.is_empty() {
             "  (nothing)".to_owned()
         } else {
-            t.iter().map(|l| format!("  {l}")).collect::<Vec<_>>().join("\n")
+            t.iter()
+                .map(|l| format!("  {l}"))
+                .collect::<Vec<_>>()
+                .join("\n")
         }
     }
 
@@ -324,7 +348,10 @@ impl Service {
         let _ = self.child.kill();
         let st = self.child.wait().context("waiting for a killed child")?;
         self.exited = Some(st);
-        bail!("{} did not exit within {STOP_GRACE:?} of SIGTERM and was killed", self.bin_name)
+        bail!(
+            "{} did not exit within {STOP_GRACE:?} of SIGTERM and was killed",
+            self.bin_name
+        )
     }
 }
 
@@ -364,10 +391,30 @@ fn forward(
             if t.len() == TAIL_LINES {
                 t.pop_front();
             }
-            t.push_back(line);
+            // Error reports are read as plain text; the colours were for a terminal.
+            t.push_back(strip_ansi(&line));
         }
     }
     let _ = tx.send(Event::Closed);
+}
+
+/// Drops ANSI CSI sequences (`ESC [ ... letter`), which tracing adds even on pipes.
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' && chars.peek() == Some(&'[') {
+            chars.next();
+            for n in chars.by_ref() {
+                if n.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// `key=value` tokens of a line; quotes and trailing commas around values are dropped.
@@ -376,8 +423,10 @@ pub fn listening_fields(line: &str) -> HashMap<String, String> {
         .filter_map(|t| t.split_once('='))
         .map(|(k, v)| {
             (
-                k.trim_matches(|c: char| !c.is_ascii_alphanumeric() && c != '_').to_owned(),
-                v.trim_matches(|c| c == '"' || c == ',' || c == '\'').to_owned(),
+                k.trim_matches(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+                    .to_owned(),
+                v.trim_matches(|c| c == '"' || c == ',' || c == '\'')
+                    .to_owned(),
             )
         })
         .filter(|(k, v)| !k.is_empty() && !v.is_empty())
@@ -390,12 +439,24 @@ mod tests {
 
     #[test]
     fn parses_listening_lines() {
-        let f = listening_fields("lunakv-master listening rpc=127.0.0.1:50051 admin=127.0.0.1:9003");
+        let f =
+            listening_fields("lunakv-master listening rpc=127.0.0.1:50051 admin=127.0.0.1:9003");
         assert_eq!(f["rpc"], "127.0.0.1:50051");
         assert_eq!(f["admin"], "127.0.0.1:9003");
-        let f = listening_fields("INFO store listening transfer=\"127.0.0.1:41234\", admin=127.0.0.1:0");
+        let f = listening_fields(
+            "INFO store listening transfer=\"127.0.0.1:41234\", admin=127.0.0.1:0",
+        );
         assert_eq!(f["transfer"], "127.0.0.1:41234");
         assert!(listening_fields("listening").is_empty());
+    }
+
+    #[test]
+    fn strips_colours_from_kept_lines() {
+        assert_eq!(
+            strip_ansi("\x1b[2mts\x1b[0m \x1b[32m INFO\x1b[0m up"),
+            "ts  INFO up"
+        );
+        assert_eq!(strip_ansi("plain"), "plain");
     }
 
     #[test]
@@ -403,7 +464,10 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let err = service_bin(dir.path(), MASTER_BIN).expect_err("missing");
         let msg = err.to_string();
-        assert!(msg.contains(&dir.path().join(MASTER_BIN).display().to_string()), "{msg}");
+        assert!(
+            msg.contains(&dir.path().join(MASTER_BIN).display().to_string()),
+            "{msg}"
+        );
         assert!(msg.contains("cargo build"), "{msg}");
     }
 }

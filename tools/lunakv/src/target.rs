@@ -47,7 +47,11 @@ pub struct Target {
 
 /// [`resolve`] with the real process environment.
 pub fn resolve_cli(master: &Option<String>, config: &Option<PathBuf>) -> anyhow::Result<Target> {
-    resolve(master.as_deref(), config.as_deref(), &lunakv_config::process_env)
+    resolve(
+        master.as_deref(),
+        config.as_deref(),
+        &lunakv_config::process_env,
+    )
 }
 
 pub fn resolve(
@@ -62,7 +66,9 @@ pub fn resolve(
     // stale MOONCAKE_CONFIG_PATH does not break `lunakv --master X status`.
     let config_path = match config_flag {
         Some(p) => Some(p.to_path_buf()),
-        None if master_flag.is_none() && env_master.is_none() => env(CONFIG_PATH_ENV).map(PathBuf::from),
+        None if master_flag.is_none() && env_master.is_none() => {
+            env(CONFIG_PATH_ENV).map(PathBuf::from)
+        }
         None => None,
     };
     let config = config_path.as_deref().map(load_config).transpose()?;
@@ -82,8 +88,12 @@ pub fn resolve(
         .map_err(|e| Coded::new(ErrorCode::InvalidParams, e.to_string()))?
         .to_string();
 
-    let shm_off = env("LUNAKV_DISABLE_SHM")
-        .is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
+    let shm_off = env("LUNAKV_DISABLE_SHM").is_some_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on"
+        )
+    });
     let enable_shm = !shm_off && config.as_ref().is_none_or(|c| c.enable_shm);
     Ok(Target {
         master,
@@ -112,8 +122,11 @@ mod tests {
 
     use super::*;
 
-    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         move |k| m.get(k).cloned()
     }
 
@@ -158,28 +171,48 @@ mod tests {
     fn config_without_address_falls_back_to_default() {
         let f = config_file(r#"{"mode": "standalone-store", "global_segment_size": 0}"#);
         let t = resolve(None, Some(f.path()), &env_of(&[])).expect("resolves");
-        assert_eq!((t.master.as_str(), t.origin), (DEFAULT_MASTER, Origin::Default));
+        assert_eq!(
+            (t.master.as_str(), t.origin),
+            (DEFAULT_MASTER, Origin::Default)
+        );
     }
 
     #[test]
     fn stale_config_env_is_ignored_when_the_address_is_known() {
-        let env = env_of(&[(CONFIG_PATH_ENV, "/nonexistent/mooncake.json"), ("MOONCAKE_MASTER", "10.0.0.2:2")]);
-        assert_eq!(resolve(None, None, &env).expect("resolves").master, "10.0.0.2:2");
+        let env = env_of(&[
+            (CONFIG_PATH_ENV, "/nonexistent/mooncake.json"),
+            ("MOONCAKE_MASTER", "10.0.0.2:2"),
+        ]);
+        assert_eq!(
+            resolve(None, None, &env).expect("resolves").master,
+            "10.0.0.2:2"
+        );
         // ...but an explicit --config that cannot be read is an error naming the file.
-        let err = resolve(None, Some(Path::new("/nonexistent/mooncake.json")), &env_of(&[]))
-            .expect_err("missing file");
-        assert!(err.to_string().contains("/nonexistent/mooncake.json"), "{err}");
+        let err = resolve(
+            None,
+            Some(Path::new("/nonexistent/mooncake.json")),
+            &env_of(&[]),
+        )
+        .expect_err("missing file");
+        assert!(
+            err.to_string().contains("/nonexistent/mooncake.json"),
+            "{err}"
+        );
     }
 
     #[test]
     fn bad_addresses_and_files_name_their_source() {
-        let err = resolve(None, None, &env_of(&[("MOONCAKE_MASTER", "nohost")])).expect_err("no port");
+        let err =
+            resolve(None, None, &env_of(&[("MOONCAKE_MASTER", "nohost")])).expect_err("no port");
         assert!(err.to_string().contains("MOONCAKE_MASTER"), "{err}");
         let err = resolve(Some("etcd://10.0.0.1:2379"), None, &env_of(&[])).expect_err("etcd");
         assert!(err.to_string().contains("--master"), "{err}");
         let f = config_file("{\"master_server_address\": ");
         let err = resolve(None, Some(f.path()), &env_of(&[])).expect_err("truncated");
-        assert!(err.to_string().contains(&f.path().display().to_string()), "{err}");
+        assert!(
+            err.to_string().contains(&f.path().display().to_string()),
+            "{err}"
+        );
         assert_eq!(crate::error::code_of(&err), ErrorCode::InvalidParams);
     }
 

@@ -32,8 +32,9 @@ fn read_input(file: &str) -> anyhow::Result<Vec<u8>> {
             .read_to_end(&mut buf)
             .map_err(|e| Coded::new(ErrorCode::InvalidParams, format!("cannot read stdin: {e}")))?;
     } else {
-        buf = std::fs::read(file)
-            .map_err(|e| Coded::new(ErrorCode::InvalidParams, format!("cannot read {file}: {e}")))?;
+        buf = std::fs::read(file).map_err(|e| {
+            Coded::new(ErrorCode::InvalidParams, format!("cannot read {file}: {e}"))
+        })?;
     }
     Ok(buf)
 }
@@ -57,8 +58,12 @@ pub fn get(t: &Target, key: &str, file: Option<&str>, json: bool) -> anyhow::Res
     client.close()?;
     match file {
         Some(path) if path != "-" => {
-            std::fs::write(path, &value)
-                .map_err(|e| Coded::new(ErrorCode::InvalidParams, format!("cannot write {path}: {e}")))?;
+            std::fs::write(path, &value).map_err(|e| {
+                Coded::new(
+                    ErrorCode::InvalidParams,
+                    format!("cannot write {path}: {e}"),
+                )
+            })?;
             if json {
                 print_json(&json!({"ok": true, "key": key, "size": value.len(), "file": path}))?;
             } else {
@@ -95,12 +100,26 @@ pub fn exists(t: &Target, key: &str, json: bool) -> anyhow::Result<ExitCode> {
     } else {
         println!("{}", if present { "yes" } else { "no" });
     }
-    Ok(if present { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if present {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 pub fn rm(t: &Target, key: &str, force: bool, json: bool) -> anyhow::Result<ExitCode> {
     let client = connect(t)?;
-    client.remove(key, force)?;
+    match client.remove(key, force) {
+        // Any get or exists (this CLI's too) leases the object for a few seconds.
+        Err(e) if e.code() == ErrorCode::ObjectHasLease => {
+            return Err(Coded::new(
+                ErrorCode::ObjectHasLease,
+                format!("{e}; `lunakv rm {key} --force` removes it now"),
+            )
+            .into());
+        }
+        r => r?,
+    }
     client.close()?;
     if json {
         print_json(&json!({"ok": true, "key": key, "removed": true}))?;

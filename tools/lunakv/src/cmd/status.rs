@@ -26,7 +26,9 @@ pub fn run(t: &Target, json: bool) -> anyhow::Result<ExitCode> {
 /// One GetClusterStatus call on a runtime of its own. Callers must not be inside a runtime
 /// (the rest of the CLI is synchronous, so none is).
 pub fn fetch_blocking(master: &str) -> anyhow::Result<pb::ClusterStatus> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(fetch(master))
 }
 
@@ -40,7 +42,12 @@ async fn fetch(master: &str) -> anyhow::Result<pb::ClusterStatus> {
         )
     };
     let channel = Channel::from_shared(format!("http://{master}"))
-        .map_err(|e| Coded::new(ErrorCode::InvalidParams, format!("bad master address '{master}': {e}")))?
+        .map_err(|e| {
+            Coded::new(
+                ErrorCode::InvalidParams,
+                format!("bad master address '{master}': {e}"),
+            )
+        })?
         .connect_timeout(Duration::from_secs(3))
         .timeout(Duration::from_secs(10))
         .tcp_nodelay(true)
@@ -53,7 +60,11 @@ async fn fetch(master: &str) -> anyhow::Result<pb::ClusterStatus> {
         .map_err(|s| {
             Coded::new(
                 ErrorCode::RpcFail,
-                format!("master at {master} failed GetClusterStatus: {:?}: {}", s.code(), s.message()),
+                format!(
+                    "master at {master} failed GetClusterStatus: {:?}: {}",
+                    s.code(),
+                    s.message()
+                ),
             )
         })?;
     Ok(resp.into_inner())
@@ -163,7 +174,10 @@ fn render(master: &str, s: &pb::ClusterStatus) -> String {
         s.evicted_key_count
     );
     if s.segments.is_empty() {
-        let _ = writeln!(o, "segments  none mounted (start lunakv-store, or an embedded client)");
+        let _ = writeln!(
+            o,
+            "segments  none mounted (start lunakv-store, or an embedded client)"
+        );
         return o;
     }
     let rows: Vec<[String; 6]> = s
@@ -174,7 +188,11 @@ fn render(master: &str, s: &pb::ClusterStatus) -> String {
             [
                 d.name,
                 human_bytes(d.size),
-                format!("{} ({:.1}%)", human_bytes(g.used_bytes), percent(g.used_bytes, d.size)),
+                format!(
+                    "{} ({:.1}%)",
+                    human_bytes(g.used_bytes),
+                    percent(g.used_bytes, d.size)
+                ),
                 g.object_count.to_string(),
                 format!("{:.1} s ago", g.last_ping_ms_ago as f64 / 1000.0),
                 g.client_id.clone(),
@@ -239,7 +257,14 @@ mod tests {
     #[test]
     fn text_names_every_figure() {
         let t = render("127.0.0.1:50051", &sample());
-        for want in ["127.0.0.1:50052", "1.0 GiB", "64.0 MiB (6.2%)", "keys 3", "clients 2", "0.4 s ago"] {
+        for want in [
+            "127.0.0.1:50052",
+            "1.0 GiB",
+            "64.0 MiB (6.2%)",
+            "keys 3",
+            "clients 2",
+            "0.4 s ago",
+        ] {
             assert!(t.contains(want), "missing {want} in:\n{t}");
         }
     }

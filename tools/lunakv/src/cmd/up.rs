@@ -51,7 +51,10 @@ pub fn run(a: &UpArgs, json: bool) -> anyhow::Result<ExitCode> {
         .map_err(|e| Coded::new(ErrorCode::InvalidParams, format!("--segment-size: {e}")))?;
     std::fs::create_dir_all(&a.run_dir)
         .with_context(|| format!("cannot create the run dir {}", a.run_dir.display()))?;
-    let data_dir = a.data_dir.clone().unwrap_or_else(|| a.run_dir.join("master"));
+    let data_dir = a
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| a.run_dir.join("master"));
     let mut stack = Stack::start(&StackOptions {
         bin_dir: bin_dir(a.bin_dir.as_deref())?,
         rpc_port: a.rpc_port,
@@ -69,7 +72,10 @@ pub fn run(a: &UpArgs, json: bool) -> anyhow::Result<ExitCode> {
     std::fs::write(&config_path, format!("{config_text}\n"))
         .with_context(|| format!("cannot write {}", config_path.display()))?;
     let config_abs = std::fs::canonicalize(&config_path).unwrap_or(config_path.clone());
-    let metrics = stack.master_admin.as_ref().map(|a| format!("http://{a}/metrics"));
+    let metrics = stack
+        .master_admin
+        .as_ref()
+        .map(|a| format!("http://{a}/metrics"));
 
     if json {
         print_json(&serde_json::json!({
@@ -87,7 +93,14 @@ pub fn run(a: &UpArgs, json: bool) -> anyhow::Result<ExitCode> {
             "config": config,
         }))?;
     } else {
-        print_banner(&stack, a, &data_dir, &config_text, &config_abs, metrics.as_deref());
+        print_banner(
+            &stack,
+            a,
+            &data_dir,
+            &config_text,
+            &config_abs,
+            metrics.as_deref(),
+        );
     }
 
     let outcome = wait_for_stop(&mut stack);
@@ -100,8 +113,19 @@ pub fn run(a: &UpArgs, json: bool) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_banner(stack: &Stack, a: &UpArgs, data_dir: &Path, config_text: &str, config_path: &Path, metrics: Option<&str>) {
-    let admin = |x: &Option<String>| x.as_ref().map(|a| format!("  admin http://{a}")).unwrap_or_default();
+fn print_banner(
+    stack: &Stack,
+    a: &UpArgs,
+    data_dir: &Path,
+    config_text: &str,
+    config_path: &Path,
+    metrics: Option<&str>,
+) {
+    let admin = |x: &Option<String>| {
+        x.as_ref()
+            .map(|a| format!("  admin http://{a}"))
+            .unwrap_or_default()
+    };
     println!(
         "lunakv-master  rpc {}{}  data {}  (pid {})",
         stack.master_rpc,
@@ -117,7 +141,10 @@ fn print_banner(stack: &Stack, a: &UpArgs, data_dir: &Path, config_text: &str, c
         stack.store.pid()
     );
     println!();
-    println!("mooncake_config.json for an engine (written to {}):", config_path.display());
+    println!(
+        "mooncake_config.json for an engine (written to {}):",
+        config_path.display()
+    );
     println!("{config_text}");
     println!();
     println!("  export MOONCAKE_CONFIG_PATH={}", config_path.display());
@@ -131,7 +158,9 @@ fn print_banner(stack: &Stack, a: &UpArgs, data_dir: &Path, config_text: &str, c
 /// Blocks until SIGINT/SIGTERM/SIGHUP (Ok) or a child dies (Err naming it).
 fn wait_for_stop(stack: &mut Stack) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         let mut int = signal(SignalKind::interrupt())?;
         let mut term = signal(SignalKind::terminate())?;
@@ -154,7 +183,8 @@ mod tests {
 
     #[test]
     fn engine_config_is_a_valid_standalone_config() {
-        let text = serde_json::to_string(&EngineConfig::standalone("127.0.0.1:50051")).expect("json");
+        let text =
+            serde_json::to_string(&EngineConfig::standalone("127.0.0.1:50051")).expect("json");
         let loaded = lunakv_config::MooncakeConfig::from_json_str(&text, "up").expect("parses");
         let c = loaded.config;
         assert_eq!(c.mode, lunakv_config::Mode::StandaloneStore);

@@ -74,7 +74,8 @@ impl Loopback {
 /// `lunakv __tcp-sink` child process.
 pub fn loopback(bytes: u64, reps: usize, pings: usize) -> anyhow::Result<Loopback> {
     let sink = Sink::spawn()?;
-    let mut s = TcpStream::connect(&sink.addr).with_context(|| format!("cannot connect to the tcp sink at {}", sink.addr))?;
+    let mut s = TcpStream::connect(&sink.addr)
+        .with_context(|| format!("cannot connect to the tcp sink at {}", sink.addr))?;
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
     let chunk = vec![0x3cu8; STREAM_CHUNK];
@@ -104,7 +105,10 @@ pub fn loopback(bytes: u64, reps: usize, pings: usize) -> anyhow::Result<Loopbac
     }
     drop(s);
     sink.stop();
-    Ok(Loopback { stream_gbps, ping_us })
+    Ok(Loopback {
+        stream_gbps,
+        ping_us,
+    })
 }
 
 fn stream_once(s: &mut TcpStream, chunk: &[u8], bytes: u64) -> anyhow::Result<()> {
@@ -119,7 +123,8 @@ fn stream_once(s: &mut TcpStream, chunk: &[u8], bytes: u64) -> anyhow::Result<()
     }
     // The sink acks after it has read every byte: the time covers delivery, not just queueing.
     let mut ack = [0u8; 1];
-    s.read_exact(&mut ack).context("the tcp sink did not acknowledge the stream")?;
+    s.read_exact(&mut ack)
+        .context("the tcp sink did not acknowledge the stream")?;
     if ack[0] != ACK {
         bail!("the tcp sink answered {:#x} instead of its ack", ack[0]);
     }
@@ -147,7 +152,9 @@ impl Sink {
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().context("sink stdout")?;
         let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).context("reading the tcp sink's address")?;
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .context("reading the tcp sink's address")?;
         let addr = crate::stack::listening_fields(&line).remove("addr");
         match addr {
             Some(addr) => Ok(Sink { child, stdin, addr }),
@@ -177,7 +184,8 @@ impl Drop for Sink {
 /// connections one at a time: `S` + u64 len = read and discard len bytes then ack one byte;
 /// `E` + u64 count = echo `count` 64-byte messages. Exits when its stdin closes.
 pub fn tcp_sink(port: u16) -> anyhow::Result<ExitCode> {
-    let listener = TcpListener::bind(("127.0.0.1", port)).with_context(|| format!("cannot bind 127.0.0.1:{port}"))?;
+    let listener = TcpListener::bind(("127.0.0.1", port))
+        .with_context(|| format!("cannot bind 127.0.0.1:{port}"))?;
     println!("listening addr={}", listener.local_addr()?);
     std::io::stdout().flush()?;
     std::thread::spawn(|| {

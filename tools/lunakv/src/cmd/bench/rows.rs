@@ -73,8 +73,13 @@ impl Plan {
     }
 
     fn passes(&self, calls_per_pass: usize, batch: usize) -> usize {
-        let want = if batch == 1 { self.min_single_calls } else { self.min_batch_calls };
-        want.div_ceil(calls_per_pass.max(1)).clamp(1, self.max_passes)
+        let want = if batch == 1 {
+            self.min_single_calls
+        } else {
+            self.min_batch_calls
+        };
+        want.div_ceil(calls_per_pass.max(1))
+            .clamp(1, self.max_passes)
     }
 
     /// Segment bytes a row needs at once (one pass of the largest size, batched).
@@ -116,7 +121,11 @@ impl Row {
         let objects = lat_s.len() * batch;
         let bytes = (objects * size) as u64;
         lat_s.sort_by(f64::total_cmp);
-        let mode = if batch == 1 { "single".to_owned() } else { format!("batch{batch}") };
+        let mode = if batch == 1 {
+            "single".to_owned()
+        } else {
+            format!("batch{batch}")
+        };
         Row {
             name: format!("{}_{op}_{}_{mode}", t.name(), size_tag(size)),
             transport: t.name(),
@@ -128,8 +137,16 @@ impl Row {
             objects,
             bytes,
             seconds,
-            gbps: if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
-            ops_per_sec: if seconds > 0.0 { objects as f64 / seconds } else { 0.0 },
+            gbps: if seconds > 0.0 {
+                bytes as f64 / seconds / 1e9
+            } else {
+                0.0
+            },
+            ops_per_sec: if seconds > 0.0 {
+                objects as f64 / seconds
+            } else {
+                0.0
+            },
             p50_us: percentile(&lat_s, 50.0) * 1e6,
             p99_us: percentile(&lat_s, 99.0) * 1e6,
         }
@@ -138,7 +155,7 @@ impl Row {
 
 /// `64k`, `1m`, `4m`.
 pub fn size_tag(size: usize) -> String {
-    if size >= 1 << 20 && size % (1 << 20) == 0 {
+    if size >= 1 << 20 && size.is_multiple_of(1 << 20) {
         format!("{}m", size >> 20)
     } else {
         format!("{}k", size >> 10)
@@ -146,7 +163,12 @@ pub fn size_tag(size: usize) -> String {
 }
 
 /// Runs every row of one transport against the master at `master`.
-pub fn run_transport(master: &str, t: Transport, plan: &Plan, progress: &Progress) -> anyhow::Result<Vec<Row>> {
+pub fn run_transport(
+    master: &str,
+    t: Transport,
+    plan: &Plan,
+    progress: &Progress,
+) -> anyhow::Result<Vec<Row>> {
     let connect = |role: &str| {
         StoreClient::connect(ClientOptions {
             master_server_address: master.to_owned(),
@@ -205,8 +227,15 @@ impl Workload {
         let size = self.size;
         let n = plan.objects(size, batch);
         let passes = plan.passes(n / batch, batch);
-        let label = format!("{} {} {}", t.name(), size_tag(size), if batch == 1 { "single" } else { "batch32" });
-        let key = |pass: usize, i: usize| format!("bench/{}/{}/b{batch}/p{pass}/{i}", t.name(), size_tag(size));
+        let label = format!(
+            "{} {} {}",
+            t.name(),
+            size_tag(size),
+            if batch == 1 { "single" } else { "batch32" }
+        );
+        let key = |pass: usize, i: usize| {
+            format!("bench/{}/{}/b{batch}/p{pass}/{i}", t.name(), size_tag(size))
+        };
 
         // Puts: every pass stores new objects; all but the last pass are removed untimed.
         let mut put_lat = Vec::new();
@@ -279,11 +308,18 @@ impl Workload {
                     }
                 }
                 for (j, k) in chunk.iter().enumerate() {
-                    verify(k, &self.dst[j], &self.pattern, stamp(size, last, c * batch + j))?;
+                    verify(
+                        k,
+                        &self.dst[j],
+                        &self.pattern,
+                        stamp(size, last, c * batch + j),
+                    )?;
                 }
             }
         }
-        writer.remove_all(true).context("removing the row's objects")?;
+        writer
+            .remove_all(true)
+            .context("removing the row's objects")?;
         Ok((
             Row::new(t, "put", size, batch, put_lat),
             Row::new(t, "get", size, batch, get_lat),
@@ -315,7 +351,8 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 /// Per-object marker written at both ends of a value, so a get that returns another object
 /// (or another pass's) is caught.
 fn stamp(size: usize, pass: usize, i: usize) -> [u8; 8] {
-    (0x6c75_6e61_0000_0000u64 ^ ((pass as u64) << 40) ^ ((size as u64) << 20) ^ i as u64).to_le_bytes()
+    (0x6c75_6e61_0000_0000u64 ^ ((pass as u64) << 40) ^ ((size as u64) << 20) ^ i as u64)
+        .to_le_bytes()
 }
 
 fn apply_stamp(buf: &mut [u8], s: [u8; 8]) {

@@ -1,0 +1,68 @@
+//! # lunakv-python
+//!
+//! The native half of the `lunakv` wheel: the Python module `mooncake._lunakv`, re-exported by
+//! `python/mooncake/store.py` as `mooncake.store`, so that vLLM's `MooncakeStoreConnector`
+//! (`from mooncake.store import MooncakeDistributedStore, ReplicateConfig`) runs unchanged on
+//! lunakv. Every method is a thin wrapper over the blocking [`lunakv_client::StoreClient`].
+//!
+//! ## Conventions (upstream Mooncake's, kept exactly)
+//! - Status results are ints: `0` ok, Mooncake's negative error codes on failure
+//!   ([`lunakv_client::ClientError::code`]): -200 pool full, -704 not found, -600 bad
+//!   arguments, -900 master unreachable. Reads return the bytes read. Batch calls return one
+//!   result per key. `get` returns `b""` when the object is missing.
+//! - No call raises for a store failure: `setup` against a dead master returns non-zero, every
+//!   call before `setup` or after `close` returns -600 (`b""`, `[-600, ...]`). Only wrong Python
+//!   argument *types* raise `TypeError`, as pybind11 does upstream.
+//! - Buffers are caller memory addressed by raw integer pointers (numpy `ctypes.data`, torch
+//!   `data_ptr()`). The caller promises that each `(ptr, size)` range is valid, and not freed or
+//!   resized, for the duration of the call, as upstream requires. The module rejects what it can
+//!   check with -600: a null pointer, a negative size, a range that wraps the address space, and
+//!   destination ranges that overlap each other.
+//!
+//! ## Threads and safety
+//! Every `StoreClient` call runs with the GIL released (`Python::detach`), so vLLM's sending and
+//! receiving threads and the model loop run in parallel. Every call also runs under
+//! `catch_unwind`: a Rust panic is logged and answered with -1 (INTERNAL_ERROR) instead of
+//! unwinding into the interpreter.
+//!
+//! ## Logging
+//! Rust-side warnings and errors (why a `setup` failed, a refused config) go to stderr through
+//! `tracing`, filtered by `LUNAKV_LOG`, else `RUST_LOG`, default `warn`.
+//!
+//! ## Layout for more modules
+//! `mooncake.engine.TransferEngine` is not provided yet (it needs raw registered-memory transfers
+//! from `lunakv-transfer`). It will be a second pyclass registered in [`_lunakv`] and re-exported
+//! by a `python/mooncake/engine.py`, next to `store.py`.
+
+mod mem;
+mod store;
+mod types;
+
+use pyo3::prelude::*;
+
+/// The native module `mooncake._lunakv`.
+#[pymodule]
+fn _lunakv(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<store::MooncakeDistributedStore>()?;
+    m.add_class::<types::ReplicateConfig>()?;
+    m.add_class::<types::ReplicaDescriptor>()?;
+    Ok(())
+}
+
+/// Installs a stderr `tracing` subscriber unless the host process already has one.
+fn init_logging() {
+    let filter = ["LUNAKV_LOG", "RUST_LOG"]
+        .into_iter()
+        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| "warn".to_owned());
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // Err means a subscriber is already installed: keep it.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

@@ -1,0 +1,75 @@
+//! Caller memory given as integer pointers: validation, and the one place slices are made.
+
+use lunakv_client::ErrorCode;
+
+/// Mooncake's INVALID_PARAMS, the answer to any argument this module refuses.
+pub const INVALID_PARAMS: i64 = ErrorCode::InvalidParams as i64;
+
+/// A checked `(ptr, len)` range of caller memory. Holding one promises nothing about the memory
+/// itself; only [`Range::slice`] and [`Range::slice_mut`] turn it into a slice.
+#[derive(Debug, Clone, Copy)]
+pub struct Range {
+    pub ptr: usize,
+    pub len: usize,
+}
+
+impl Range {
+    /// Checks what can be checked about a Python `(ptr, size)` pair: a non-null pointer, a
+    /// non-negative size no larger than `isize::MAX`, and no wrap past the end of the address
+    /// space. `Err` carries the reason for the log.
+    pub fn new(ptr: i128, size: i128) -> Result<Range, String> {
+        if ptr <= 0 || ptr > usize::MAX as i128 {
+            return Err(format!("buffer pointer {ptr:#x} is not a valid address"));
+        }
+        if size < 0 || size > isize::MAX as i128 {
+            return Err(format!("buffer size {size} is negative or too large"));
+        }
+        let (ptr, len) = (ptr as usize, size as usize);
+        if ptr.checked_add(len).is_none() {
+            return Err(format!("buffer {ptr:#x}+{len} wraps the address space"));
+        }
+        Ok(Range { ptr, len })
+    }
+
+    /// Checks parallel pointer and size lists (one object's pieces).
+    pub fn list(ptrs: &[i128], sizes: &[i128]) -> Result<Vec<Range>, String> {
+        if ptrs.len() != sizes.len() {
+            return Err(format!(
+                "{} buffer pointers but {} sizes: pass one size per pointer",
+                ptrs.len(),
+                sizes.len()
+            ));
+        }
+        ptrs.iter().zip(sizes).map(|(&p, &s)| Range::new(p, s)).collect()
+    }
+
+    /// # Safety
+    /// The caller of the Python method promised that `ptr..ptr+len` is readable memory that
+    /// stays valid and unmodified by others for the duration of the call (upstream's contract).
+    pub unsafe fn slice<'a>(self) -> &'a [u8] {
+        // SAFETY: `ptr` is non-null (checked in `new`), `u8` needs no alignment, `len` is at
+        // most isize::MAX without wrapping, and the caller vouches for validity as documented.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+
+    /// # Safety
+    /// As [`Range::slice`], and the memory must be writable and not referenced by any other
+    /// live slice: [`disjoint`] checks the latter across one call's destinations.
+    pub unsafe fn slice_mut<'a>(self) -> &'a mut [u8] {
+        // SAFETY: as in `slice`; exclusivity among this call's destinations is checked by
+        // `disjoint` before any `slice_mut` is made, and the caller promises no one else
+        // writes the memory during the call.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len) }
+    }
+}
+
+/// True when no two non-empty ranges overlap (destinations must be exclusive).
+pub fn disjoint<'a>(ranges: impl IntoIterator<Item = &'a Range>) -> bool {
+    let mut v: Vec<(usize, usize)> = ranges
+        .into_iter()
+        .filter(|r| r.len > 0)
+        .map(|r| (r.ptr, r.ptr + r.len))
+        .collect();
+    v.sort_unstable();
+    v.windows(2).all(|w| w[0].1 <= w[1].0)
+}

@@ -1,0 +1,148 @@
+//! `ReplicateConfig` and `ReplicaDescriptor`, the value classes of `mooncake.store`.
+
+use lunakv_proto::master::{Replica, ReplicaKind};
+use pyo3::prelude::*;
+
+/// Where and how to place an object's replicas; vLLM builds one per put. Attribute names and
+/// defaults are upstream's. lunakv acts on `replica_num`, `preferred_segment` (else the first of
+/// `preferred_segments`), `with_soft_pin` and `with_hard_pin`; the others are accepted and kept
+/// so that code setting them keeps working.
+#[pyclass(module = "mooncake.store", get_all, set_all)]
+#[derive(Debug, Clone)]
+pub struct ReplicateConfig {
+    pub replica_num: usize,
+    pub preferred_segment: String,
+    pub preferred_segments: Vec<String>,
+    /// Per-key routing groups (upstream: Optional[List[str]]); accepted, not used yet.
+    pub group_ids: Option<Vec<String>>,
+    pub with_soft_pin: bool,
+    pub with_hard_pin: bool,
+    pub soft_pin_ttl_ms: Option<u64>,
+    pub prefer_alloc_in_same_node: bool,
+    pub nof_replica_num: usize,
+    pub dfs_replica_num: usize,
+}
+
+impl Default for ReplicateConfig {
+    fn default() -> Self {
+        ReplicateConfig {
+            replica_num: 1,
+            preferred_segment: String::new(),
+            preferred_segments: Vec::new(),
+            group_ids: None,
+            with_soft_pin: false,
+            with_hard_pin: false,
+            soft_pin_ttl_ms: None,
+            prefer_alloc_in_same_node: false,
+            nof_replica_num: 0,
+            dfs_replica_num: 0,
+        }
+    }
+}
+
+#[pymethods]
+impl ReplicateConfig {
+    #[new]
+    fn py_new() -> Self {
+        Self::default()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ReplicateConfig(replica_num={}, preferred_segment={:?}, preferred_segments={:?}, group_ids={:?}, with_soft_pin={}, with_hard_pin={})",
+            self.replica_num,
+            self.preferred_segment,
+            self.preferred_segments,
+            self.group_ids,
+            if self.with_soft_pin { "True" } else { "False" },
+            if self.with_hard_pin { "True" } else { "False" },
+        )
+    }
+
+    fn __str__(&self) -> String {
+        self.__repr__()
+    }
+}
+
+impl ReplicateConfig {
+    /// The client's config. `replica_num` 0 means 1, as upstream's allocator treats it.
+    pub fn to_client(&self) -> lunakv_client::ReplicateConfig {
+        let preferred = Some(self.preferred_segment.clone())
+            .filter(|s| !s.is_empty())
+            .or_else(|| self.preferred_segments.iter().find(|s| !s.is_empty()).cloned());
+        lunakv_client::ReplicateConfig {
+            replica_num: u32::try_from(self.replica_num.max(1)).unwrap_or(u32::MAX),
+            preferred_segment: preferred,
+            with_soft_pin: self.with_soft_pin,
+            with_hard_pin: self.with_hard_pin,
+        }
+    }
+}
+
+/// One replica of an object, as `batch_get_replica_desc` returns it. vLLM probes
+/// `is_memory_replica()` / `is_disk_replica()` / `is_local_disk_replica()` to learn the tier.
+#[pyclass(module = "mooncake.store", frozen, get_all)]
+#[derive(Debug, Clone)]
+pub struct ReplicaDescriptor {
+    /// "MEMORY", "DISK" or "LOCAL_DISK".
+    pub kind: String,
+    /// Upstream's ReplicaStatus name; the master only reports complete replicas.
+    pub status: String,
+    /// The segment ("host:port") that holds the replica.
+    pub segment_name: String,
+    /// Where that segment's owner serves transfers.
+    pub transport_endpoint: String,
+    pub offset: u64,
+    pub size: u64,
+}
+
+#[pymethods]
+impl ReplicaDescriptor {
+    fn is_memory_replica(&self) -> bool {
+        self.kind == "MEMORY"
+    }
+
+    fn is_disk_replica(&self) -> bool {
+        self.kind == "DISK"
+    }
+
+    fn is_local_disk_replica(&self) -> bool {
+        self.kind == "LOCAL_DISK"
+    }
+
+    /// NVMe-oF replicas do not exist in lunakv.
+    fn is_nof_replica(&self) -> bool {
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ReplicaDescriptor(kind={}, status={}, segment_name={:?}, offset={}, size={})",
+            self.kind, self.status, self.segment_name, self.offset, self.size
+        )
+    }
+}
+
+impl From<&Replica> for ReplicaDescriptor {
+    fn from(r: &Replica) -> Self {
+        let kind = match ReplicaKind::try_from(r.kind) {
+            Ok(ReplicaKind::Memory) => "MEMORY",
+            Ok(ReplicaKind::Disk) => "DISK",
+            Ok(ReplicaKind::LocalDisk) => "LOCAL_DISK",
+            Err(_) => "UNKNOWN",
+        };
+        let (segment_name, transport_endpoint) = r
+            .segment
+            .as_ref()
+            .map(|s| (s.name.clone(), s.transfer_endpoint.clone()))
+            .unwrap_or_default();
+        ReplicaDescriptor {
+            kind: kind.to_owned(),
+            status: "COMPLETE".to_owned(),
+            segment_name,
+            transport_endpoint,
+            offset: r.offset,
+            size: r.size,
+        }
+    }
+}

@@ -1,0 +1,525 @@
+//! Unit tests of the core: placement, leases, eviction order, zombie puts, liveness, inventory
+//! rebuild and frees through owners, without gRPC.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lunakv_proto::ErrorCode;
+
+use super::*;
+use crate::notifier::RecordingNotifier;
+
+const BLOCK: u64 = 64;
+
+fn cfg() -> CoreConfig {
+    CoreConfig {
+        cluster_id: "c".into(),
+        lease_ttl: Duration::from_secs(60),
+        ..CoreConfig::default()
+    }
+}
+
+fn new_core(cfg: CoreConfig) -> (Arc<MasterCore>, Arc<RecordingNotifier>) {
+    let n = Arc::new(RecordingNotifier::default());
+    (Arc::new(MasterCore::new(cfg, 7, n.clone())), n)
+}
+
+fn desc(name: &str, size: u64) -> SegmentDesc {
+    SegmentDesc {
+        name: name.into(),
+        transfer_endpoint: format!("ep-{name}"),
+        size,
+        host_id: "h".into(),
+        shm_socket: String::new(),
+        protocol: "tcp".into(),
+        enable_offload: false,
+    }
+}
+
+fn mount(core: &MasterCore, client: &str, name: &str, size: u64) {
+    core.mount(client, "c", desc(name, size), vec![])
+        .expect("mount");
+}
+
+fn opts(n: u32) -> PutOptions {
+    PutOptions {
+        replica_num: n,
+        ..PutOptions::default()
+    }
+}
+
+async fn put(core: &MasterCore, key: &str, size: u64, o: &PutOptions) -> u64 {
+    let (g, _) = core.put_start("cl", key, size, o).await.expect("put_start");
+    core.put_end(key).expect("put_end");
+    g
+}
+
+fn code<T: std::fmt::Debug>(r: Result<T, OpError>) -> ErrorCode {
+    r.expect_err("expected an error").code
+}
+
+#[tokio::test]
+async fn replicas_land_on_distinct_segments_preferred_first() {
+    let (core, _) = new_core(cfg());
+    for s in ["a:1", "b:1", "c:1"] {
+        mount(&core, "cl", s, 1 << 20);
+    }
+    let (g, reps) = core.put_start("cl", "k", 100, &opts(3)).await.expect("put");
+    assert_eq!(g >> 32, 7, "generation carries the epoch");
+    let mut names: Vec<_> = reps.iter().map(|r| r.segment.name.clone()).collect();
+    names.sort();
+    assert_eq!(names, ["a:1", "b:1", "c:1"]);
+    let (_, reps) = core
+        .put_start("cl", "k2", 100, &opts(5))
+        .await
+        .expect("more replicas than segments");
+    assert_eq!(reps.len(), 3);
+    for i in 0..10 {
+        let o = PutOptions {
+            replica_num: 1,
+            preferred_segment: Some("b:1".into()),
+            ..Default::default()
+        };
+        let (_, reps) = core
+            .put_start("cl", &format!("p{i}"), 100, &o)
+            .await
+            .expect("put");
+        assert_eq!(reps[0].segment.name, "b:1");
+        assert_eq!(reps[0].segment.transfer_endpoint, "ep-b:1");
+    }
+}
+
+#[tokio::test]
+async fn put_start_errors() {
+    let (core, _) = new_core(cfg());
+    assert_eq!(
+        code(core.put_start("cl", "k", 10, &opts(1)).await),
+        ErrorCode::NoAvailableHandle,
+        "no segment mounted"
+    );
+    mount(&core, "cl", "a:1", BLOCK * 4);
+    core.put_start("cl", "k", 10, &opts(1)).await.expect("put");
+    assert_eq!(
+        code(core.put_start("cl", "k", 10, &opts(1)).await),
+        ErrorCode::ObjectAlreadyExists,
+        "in progress"
+    );
+    core.put_end("k").expect("end");
+    assert_eq!(
+        code(core.put_start("cl", "k", 10, &opts(1)).await),
+        ErrorCode::ObjectAlreadyExists,
+        "complete"
+    );
+    let err = core
+        .put_start("cl", "big", BLOCK * 5, &opts(1))
+        .await
+        .expect_err("too big");
+    assert_eq!(err.code, ErrorCode::NoAvailableHandle);
+    assert!(
+        err.message.contains("largest free range"),
+        "{}",
+        err.message
+    );
+    // The first failure (nothing mounted) counts too.
+    assert_eq!(core.metrics.put_start_alloc_failures_total.get(), 2);
+}
+
+#[tokio::test]
+async fn objects_are_visible_only_after_put_end_and_reads_grant_leases() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "a:1", 1 << 20);
+    let (g, _) = core.put_start("cl", "k", 100, &opts(1)).await.expect("put");
+    assert_eq!(code(core.get_replica_list("k")), ErrorCode::ObjectNotFound);
+    assert_eq!(
+        code(core.get_replica_list("nope")),
+        ErrorCode::ObjectNotFound
+    );
+    core.put_end("k").expect("end");
+    let loc = core.get_replica_list("k").expect("get");
+    assert_eq!((loc.generation, loc.size, loc.replicas.len()), (g, 100, 1));
+    assert_eq!(loc.lease_ttl, Duration::from_secs(60));
+    assert!(core.query_key("k").expect("exists").lease_remaining_ms > 50_000);
+    assert_eq!(code(core.put_end("nope")), ErrorCode::ObjectNotFound);
+}
+
+#[tokio::test]
+async fn remove_respects_leases_and_frees_through_the_owner() {
+    let (core, notifier) = new_core(cfg());
+    mount(&core, "cl", "a:1", 1 << 20);
+    let g = put(&core, "k", 100, &opts(1)).await;
+    core.get_replica_list("k").expect("lease");
+    assert_eq!(
+        code(core.remove("k", false).await),
+        ErrorCode::ObjectHasLease
+    );
+    assert!(notifier.freed().is_empty());
+    core.remove("k", true).await.expect("forced");
+    assert_eq!(notifier.freed(), vec![(g, 0)]);
+    assert_eq!(notifier.calls.lock()[0].endpoint, "ep-a:1");
+    assert_eq!(core.allocated_bytes(), 0, "range returned after the ack");
+    assert_eq!(
+        code(core.remove("k", false).await),
+        ErrorCode::ObjectNotFound
+    );
+
+    core.put_start("cl", "p", 10, &opts(1)).await.expect("put");
+    assert_eq!(
+        code(core.remove("p", false).await),
+        ErrorCode::ReplicaIsNotReady
+    );
+    core.remove("p", true)
+        .await
+        .expect("forced removal of a put in progress");
+}
+
+#[tokio::test]
+async fn unreachable_owner_is_freed_anyway() {
+    let (core, notifier) = new_core(cfg());
+    mount(&core, "cl", "a:1", 1 << 20);
+    notifier.unreachable.lock().push("ep-a:1".into());
+    put(&core, "k", 100, &opts(1)).await;
+    core.remove("k", false).await.expect("remove");
+    assert_eq!(core.allocated_bytes(), 0);
+}
+
+#[tokio::test]
+async fn put_revoke_frees_and_refuses_complete_objects() {
+    let (core, notifier) = new_core(cfg());
+    mount(&core, "cl", "a:1", 1 << 20);
+    let (g, _) = core.put_start("cl", "k", 100, &opts(1)).await.expect("put");
+    core.put_revoke("k").await.expect("revoke");
+    assert_eq!(notifier.freed(), vec![(g, 0)]);
+    assert_eq!(core.key_count(), 0);
+    put(&core, "k", 100, &opts(1)).await;
+    assert_eq!(code(core.put_revoke("k").await), ErrorCode::InvalidWrite);
+    assert_eq!(code(core.put_revoke("x").await), ErrorCode::ObjectNotFound);
+}
+
+/// Ten 10-block objects fill a 100-block segment.
+async fn full_segment(core: &MasterCore) {
+    mount(core, "cl", "a:1", BLOCK * 100);
+    for i in 0..10 {
+        let o = PutOptions {
+            replica_num: 1,
+            soft_pin: i == 2,
+            hard_pin: i == 1,
+            ..Default::default()
+        };
+        put(core, &format!("k{i}"), BLOCK * 10, &o).await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(core.usage_ratio(), 1.0);
+}
+
+fn present(core: &MasterCore) -> Vec<String> {
+    let mut v: Vec<String> = (0..10)
+        .map(|i| format!("k{i}"))
+        .filter(|k| core.query_key(k).is_some())
+        .collect();
+    v.sort();
+    v
+}
+
+#[tokio::test]
+async fn eviction_takes_lru_first_soft_pins_last_and_never_leased_or_hard_pinned() {
+    let (core, notifier) = new_core(CoreConfig {
+        eviction_ratio: 0.1,
+        ..cfg()
+    });
+    full_segment(&core).await;
+    core.get_replica_list("k0").expect("lease k0");
+    // k3 touched through a Ping: it becomes the most recently used.
+    core.ping("cl", &["k3".to_string()]);
+
+    assert_eq!(core.evict(0).await, 1, "10% = one object");
+    assert!(
+        core.query_key("k4").is_none(),
+        "oldest unleased, unpinned goes first"
+    );
+    assert_eq!(notifier.freed().len(), 1);
+
+    assert_eq!(core.evict(BLOCK * 50).await, 5);
+    assert_eq!(
+        present(&core),
+        ["k0", "k1", "k2", "k3"],
+        "k3 was touched last"
+    );
+    core.evict(BLOCK * 10).await;
+    assert_eq!(
+        present(&core),
+        ["k0", "k1", "k2"],
+        "soft pin only after all others"
+    );
+    core.evict(BLOCK * 10).await;
+    assert_eq!(
+        present(&core),
+        ["k0", "k1"],
+        "soft pin evicted when nothing else is left"
+    );
+    assert_eq!(
+        core.evict(BLOCK * 100).await,
+        0,
+        "leased and hard-pinned never"
+    );
+    assert_eq!(present(&core), ["k0", "k1"]);
+    assert_eq!(core.metrics.evicted_key_count.get(), 8);
+    assert_eq!(core.metrics.successful_evictions_total.get(), 4);
+}
+
+#[tokio::test]
+async fn in_progress_puts_are_never_evicted() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "a:1", BLOCK * 10);
+    core.put_start("cl", "p", BLOCK * 10, &opts(1))
+        .await
+        .expect("put");
+    assert_eq!(core.evict(BLOCK * 10).await, 0);
+    assert_eq!(
+        code(core.put_start("cl", "q", BLOCK, &opts(1)).await),
+        ErrorCode::NoAvailableHandle
+    );
+}
+
+#[tokio::test]
+async fn put_start_evicts_inline_when_full() {
+    let (core, _) = new_core(cfg());
+    full_segment(&core).await;
+    core.put_start("cl", "new", BLOCK * 10, &opts(1))
+        .await
+        .expect("placed after eviction");
+    assert!(core.query_key("k0").is_none(), "LRU victim");
+    assert_eq!(core.metrics.put_start_alloc_failures_total.get(), 0);
+}
+
+#[tokio::test]
+async fn watermark_triggers_background_eviction() {
+    let (core, _) = new_core(CoreConfig {
+        high_watermark: 0.5,
+        eviction_ratio: 0.2,
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    for i in 0..4 {
+        put(&core, &format!("k{i}"), BLOCK * 10, &opts(1)).await;
+    }
+    assert_eq!(
+        core.evict_if_needed().await,
+        0,
+        "40% is below the watermark"
+    );
+    put(&core, "k4", BLOCK * 10, &opts(1)).await;
+    assert_eq!(core.evict_if_needed().await, 2, "50% reached: evict 20%");
+}
+
+#[tokio::test]
+async fn puts_never_ended_are_discarded_then_released() {
+    let (core, notifier) = new_core(CoreConfig {
+        put_discard_timeout: Duration::from_millis(100),
+        put_release_timeout: Duration::from_millis(300),
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", 1 << 20);
+    let (g, _) = core.put_start("cl", "z", 100, &opts(1)).await.expect("put");
+    assert_eq!(core.sweep_puts().await, 0, "not yet");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(core.sweep_puts().await, 1);
+    assert!(core.query_key("z").is_none());
+    assert_eq!(
+        core.allocated_bytes(),
+        128,
+        "the writer may still be copying"
+    );
+    core.put_start("cl", "z", 100, &opts(1))
+        .await
+        .expect("the key is free again");
+    core.put_end("z").expect("end");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    core.sweep_puts().await;
+    assert!(notifier.freed().contains(&(g, 0)));
+    assert_eq!(
+        core.allocated_bytes(),
+        128,
+        "only the new put's range is left"
+    );
+}
+
+#[tokio::test]
+async fn silent_clients_lose_their_segments() {
+    let (core, _) = new_core(CoreConfig {
+        client_ttl: Duration::from_millis(200),
+        ..cfg()
+    });
+    mount(&core, "alive", "a:1", 1 << 20);
+    mount(&core, "dead", "b:1", 1 << 20);
+    put(&core, "both", 100, &opts(2)).await;
+    let o = PutOptions {
+        preferred_segment: Some("b:1".into()),
+        ..opts(1)
+    };
+    put(&core, "only-b", 100, &o).await;
+    assert!(!core.ping("alive", &[]), "known client");
+    assert!(core.ping("stranger", &[]), "unknown client must remount");
+    assert!(!core.ping("stranger", &[]), "known after its first ping");
+    assert_eq!(core.active_clients(), 3);
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        core.ping("alive", &[]);
+    }
+    let dead = core.expire_clients();
+    let mut ids: Vec<_> = dead.iter().map(|(c, _)| c.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["dead", "stranger"]);
+    assert_eq!(core.segments().len(), 1);
+    assert!(core.query_key("only-b").is_none(), "no replica left");
+    assert_eq!(
+        core.get_replica_list("both").expect("kept").replicas.len(),
+        1
+    );
+    assert!(core.ping("dead", &[]), "a dead client is told to remount");
+}
+
+#[tokio::test]
+async fn unmount_drops_replicas() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "a:1", 1 << 20);
+    put(&core, "k", 100, &opts(1)).await;
+    assert_eq!(core.unmount("a:1").expect("unmount"), 1);
+    assert!(core.query_key("k").is_none());
+    assert!(matches!(
+        core.unmount("a:1"),
+        Err(CoreError::SegmentNotFound(_))
+    ));
+    assert_eq!(core.total_capacity(), 0);
+}
+
+fn item(key: &str, offset: u64, size: u64, generation: u64) -> InventoryItem {
+    InventoryItem {
+        key: key.into(),
+        offset,
+        size,
+        generation,
+    }
+}
+
+#[tokio::test]
+async fn mount_with_inventory_rebuilds_the_index() {
+    let (core, _) = new_core(cfg());
+    let old = 3u64 << 32;
+    let out = core
+        .mount(
+            "cl",
+            "c",
+            desc("a:1", BLOCK * 10),
+            vec![
+                item("k1", 0, 100, old | 1),
+                item("k2", BLOCK * 2, 64, old | 2),
+                item("overlap", BLOCK, 100, old | 3),
+                item("beyond", BLOCK * 9, 200, old | 4),
+                item("", BLOCK * 5, 1, old | 5),
+                item("zero", BLOCK * 6, 0, old | 6),
+                item("unaligned", 1, 1, old | 7),
+            ],
+        )
+        .expect("mount");
+    assert_eq!(out.accepted, 2);
+    assert_eq!(
+        out.rejected_generations,
+        vec![old | 3, old | 4, old | 5, old | 6, old | 7]
+    );
+    let loc = core.get_replica_list("k1").expect("rebuilt");
+    assert_eq!(
+        (loc.generation, loc.size, loc.replicas[0].offset),
+        (old | 1, 100, 0)
+    );
+    assert_eq!(core.allocated_bytes(), BLOCK * 3);
+    // New puts never overlap rebuilt ranges.
+    let (_, reps) = core.put_start("cl", "n", 64, &opts(1)).await.expect("put");
+    assert_eq!(reps[0].offset, BLOCK * 3);
+}
+
+#[tokio::test]
+async fn inventory_keeps_the_newer_generation_and_merges_replicas() {
+    let (core, notifier) = new_core(cfg());
+    core.mount(
+        "c1",
+        "c",
+        desc("a:1", 1 << 20),
+        vec![item("k", 0, 10, 5), item("m", 64, 10, 9)],
+    )
+    .expect("mount a");
+    let out = core
+        .mount(
+            "c2",
+            "c",
+            desc("b:1", 1 << 20),
+            vec![
+                item("k", 0, 10, 6),
+                item("m", 0, 10, 8),
+                item("s", 64, 10, 1),
+            ],
+        )
+        .expect("mount b");
+    assert_eq!(out.accepted, 2, "k (newer) and s");
+    assert_eq!(out.rejected_generations, vec![8], "m: a newer copy exists");
+    assert_eq!(out.displaced.len(), 1, "the old k on a:1 must be freed");
+    core.release(out.displaced).await;
+    assert_eq!(notifier.freed(), vec![(5, 0)]);
+    let k = core.get_replica_list("k").expect("k");
+    assert_eq!(
+        (k.generation, k.replicas[0].segment.name.as_str()),
+        (6, "b:1")
+    );
+    // A third owner with the same generation of k: a second replica.
+    core.mount("c3", "c", desc("c:1", 1 << 20), vec![item("k", 128, 10, 6)])
+        .expect("mount c");
+    assert_eq!(core.get_replica_list("k").expect("k").replicas.len(), 2);
+}
+
+#[tokio::test]
+async fn cluster_id_mismatch_names_both_values() {
+    let (core, _) = new_core(cfg());
+    let err = core
+        .mount("cl", "other", desc("a:1", 100), vec![])
+        .expect_err("mismatch");
+    let msg = err.to_string();
+    assert!(msg.contains("\"c\"") && msg.contains("\"other\""), "{msg}");
+    assert!(msg.contains("cluster_id"), "{msg}");
+}
+
+#[tokio::test]
+async fn remounting_a_segment_replaces_it() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "a:1", 1 << 20);
+    put(&core, "k", 100, &opts(1)).await;
+    mount(&core, "cl2", "a:1", 1 << 20);
+    assert!(core.query_key("k").is_none(), "the old memory is gone");
+    assert_eq!(core.allocated_bytes(), 0);
+    assert_eq!(core.segments()[0].client_id, "cl2");
+}
+
+#[tokio::test]
+async fn remove_all_skips_leased_unless_forced() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "a:1", 1 << 20);
+    for k in ["a", "b", "c"] {
+        put(&core, k, 10, &opts(1)).await;
+    }
+    core.put_start("cl", "p", 10, &opts(1)).await.expect("put");
+    core.get_replica_list("a").expect("lease");
+    assert_eq!(core.remove_all(false).await, 2);
+    assert_eq!(core.remove_all(true).await, 2, "leased a and in-progress p");
+    assert_eq!(core.key_count(), 0);
+    assert_eq!(core.allocated_bytes(), 0);
+}
+
+#[tokio::test]
+async fn gauges_reflect_state() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "a:1", BLOCK * 10);
+    put(&core, "k", 1, &opts(1)).await;
+    core.refresh_gauges();
+    assert_eq!(core.metrics.allocated_bytes.get(), 64);
+    assert_eq!(core.metrics.total_capacity_bytes.get(), 640);
+    assert_eq!(core.metrics.key_count.get(), 1);
+    assert_eq!(core.metrics.active_clients.get(), 1);
+}
