@@ -1,0 +1,766 @@
+//! `MooncakeDistributedStore`: upstream's Python class over [`StoreClient`].
+
+use std::net::{IpAddr, ToSocketAddrs};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+
+use lunakv_client::{ClientError, ClientOptions, ErrorCode, StoreClient};
+use parking_lot::RwLock;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::mem::{INVALID_PARAMS, Range, disjoint};
+use crate::types::{ReplicaDescriptor, ReplicateConfig};
+
+/// Answer of a call whose Rust side panicked (the panic is logged, never propagated).
+const INTERNAL_ERROR: i64 = ErrorCode::InternalError as i64;
+/// Upstream's setup defaults (16 MiB each).
+const DEFAULT_SETUP_SIZE: i128 = 16 << 20;
+/// A key that never exists; `health_check` asks the master about it.
+const HEALTH_KEY: &str = "__lunakv_health_check__";
+
+fn code(e: &ClientError) -> i64 {
+    i64::from(e.code().as_i32())
+}
+
+/// Runs `f` with the GIL released and any panic turned into `on_panic`.
+fn detached<T, F>(py: Python<'_>, on_panic: T, f: F) -> T
+where
+    T: Send,
+    F: FnOnce() -> T + Send,
+{
+    py.detach(move || match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(_) => {
+            tracing::error!("lunakv: internal error (a panic, reported above); the call returns INTERNAL_ERROR");
+            on_panic
+        }
+    })
+}
+
+/// What `setup` needs, from its positional form or from its config-dict form.
+struct SetupArgs {
+    local_hostname: String,
+    global_segment_size: i128,
+    local_buffer_size: i128,
+    protocol: String,
+    master_server_addr: String,
+}
+
+/// The store client handle vLLM's `MooncakeStoreConnector` drives. Thread-safe: vLLM calls it
+/// from its sending and receiving threads at once.
+#[pyclass(module = "mooncake.store", frozen)]
+pub struct MooncakeDistributedStore {
+    client: RwLock<Option<Arc<StoreClient>>>,
+    hostname: RwLock<String>,
+}
+
+impl MooncakeDistributedStore {
+    fn client(&self) -> Option<Arc<StoreClient>> {
+        self.client.read().clone()
+    }
+
+    /// Builds the options, connects (GIL released) and installs the client. Returns 0 or a
+    /// negative code; the reason goes to the log.
+    fn connect(&self, py: Python<'_>, a: SetupArgs) -> i64 {
+        let opts = match options(&a) {
+            Ok(o) => o,
+            Err(msg) => {
+                tracing::error!("lunakv: setup refused: {msg}");
+                return INVALID_PARAMS;
+            }
+        };
+        self.install(py, opts)
+    }
+
+    fn install(&self, py: Python<'_>, opts: ClientOptions) -> i64 {
+        // A second setup replaces the first client, as upstream re-creates its client.
+        if let Some(old) = self.client.write().take() {
+            detached(py, (), move || drop(old.close()));
+        }
+        let hostname = opts.local_hostname.clone();
+        let connected = detached(py, Err(None), move || StoreClient::connect(opts).map_err(Some));
+        match connected {
+            Ok(c) => {
+                *self.hostname.write() = c.segment_name().unwrap_or(hostname);
+                *self.client.write() = Some(Arc::new(c));
+                0
+            }
+            Err(Some(e)) => {
+                tracing::error!("lunakv: setup failed: {e}");
+                code(&e)
+            }
+            Err(None) => INTERNAL_ERROR,
+        }
+    }
+
+    /// Puts objects given as lists of caller ranges; one result per key.
+    fn put_ranges(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ranges: Vec<Result<Vec<Range>, String>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i64> {
+        let n = keys.len();
+        let Some(c) = self.client() else {
+            return vec![INVALID_PARAMS; n];
+        };
+        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
+        detached(py, vec![INTERNAL_ERROR; n], move || {
+            let mut out = vec![INVALID_PARAMS; n];
+            let mut items = Vec::with_capacity(n);
+            let mut idx = Vec::with_capacity(n);
+            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
+                match r {
+                    // SAFETY: the caller promised these ranges are valid readable memory for
+                    // the duration of this call (module docs); they were checked by Range::new.
+                    Ok(parts) => {
+                        items.push((key.as_str(), parts.iter().map(|p| unsafe { p.slice() }).collect()));
+                        idx.push(i);
+                    }
+                    Err(msg) => tracing::error!("lunakv: put of '{key}' refused: {msg}"),
+                }
+            }
+            for (i, r) in idx.into_iter().zip(c.batch_put(&items, &cfg)) {
+                out[i] = match r {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        tracing::debug!("lunakv: put failed: {e}");
+                        code(&e)
+                    }
+                };
+            }
+            out
+        })
+    }
+
+    /// Reads objects into lists of caller ranges; one result (bytes read, or a code) per key.
+    fn get_ranges(&self, py: Python<'_>, keys: Vec<String>, ranges: Vec<Result<Vec<Range>, String>>) -> Vec<i64> {
+        let n = keys.len();
+        let Some(c) = self.client() else {
+            return vec![INVALID_PARAMS; n];
+        };
+        if !disjoint(ranges.iter().flatten().flatten()) {
+            tracing::error!("lunakv: get refused: destination buffers overlap each other");
+            return vec![INVALID_PARAMS; n];
+        }
+        detached(py, vec![INTERNAL_ERROR; n], move || {
+            let mut out = vec![INVALID_PARAMS; n];
+            let mut ks = Vec::with_capacity(n);
+            let mut dsts: Vec<Vec<&mut [u8]>> = Vec::with_capacity(n);
+            let mut idx = Vec::with_capacity(n);
+            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
+                match r {
+                    // SAFETY: the caller promised these ranges are valid writable memory for the
+                    // duration of this call; `disjoint` above proved no two of them overlap.
+                    Ok(parts) => {
+                        ks.push(key.as_str());
+                        dsts.push(parts.iter().map(|p| unsafe { p.slice_mut() }).collect());
+                        idx.push(i);
+                    }
+                    Err(msg) => tracing::error!("lunakv: get of '{key}' refused: {msg}"),
+                }
+            }
+            let results = if ks.len() == 1 {
+                vec![c.get_into_parts(ks[0], &mut dsts[0])]
+            } else {
+                c.batch_get_into(&ks, &mut dsts)
+            };
+            for (i, r) in idx.into_iter().zip(results) {
+                out[i] = match r {
+                    Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
+                    Err(e) => {
+                        tracing::debug!("lunakv: get failed: {e}");
+                        code(&e)
+                    }
+                };
+            }
+            out
+        })
+    }
+
+    /// One status per key from a per-key client call (exists, remove).
+    fn per_key<T, F, M>(&self, py: Python<'_>, keys: Vec<String>, call: F, map: M) -> Vec<i64>
+    where
+        F: FnOnce(&StoreClient, &[&str]) -> Vec<Result<T, ClientError>> + Send,
+        M: Fn(T) -> i64 + Send,
+        T: Send,
+    {
+        let n = keys.len();
+        let Some(c) = self.client() else {
+            return vec![INVALID_PARAMS; n];
+        };
+        detached(py, vec![INTERNAL_ERROR; n], move || {
+            let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+            call(&c, &ks)
+                .into_iter()
+                .map(|r| match r {
+                    Ok(v) => map(v),
+                    Err(e) => code(&e),
+                })
+                .collect()
+        })
+    }
+
+    fn replicas(&self, py: Python<'_>, keys: Vec<String>) -> Vec<(String, Vec<ReplicaDescriptor>)> {
+        let Some(c) = self.client() else {
+            return Vec::new();
+        };
+        detached(py, Vec::new(), move || {
+            let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let found = c.batch_replicas(&ks);
+            keys.iter()
+                .zip(found)
+                .filter_map(|(k, r)| match r {
+                    Ok(reps) => Some((k.clone(), reps.iter().map(ReplicaDescriptor::from).collect())),
+                    Err(e) => {
+                        tracing::debug!("lunakv: replica query for '{k}' failed: {e}");
+                        None
+                    }
+                })
+                .collect()
+        })
+    }
+}
+
+#[pymethods]
+impl MooncakeDistributedStore {
+    #[new]
+    fn py_new() -> Self {
+        MooncakeDistributedStore {
+            client: RwLock::new(None),
+            hostname: RwLock::new(String::new()),
+        }
+    }
+
+    /// Connects to the master; in embedded mode (`global_segment_size > 0`) also serves this
+    /// process's segment. Returns 0, or a negative code (the reason is logged). Also accepts
+    /// upstream's single config-dict form: `setup({"local_hostname": ..., ...})`.
+    #[pyo3(signature = (
+        local_hostname,
+        metadata_server = None,
+        global_segment_size = DEFAULT_SETUP_SIZE,
+        local_buffer_size = DEFAULT_SETUP_SIZE,
+        protocol = None,
+        rdma_devices = None,
+        master_server_addr = None,
+        engine = None,
+        enable_ssd_offload = false,
+        ssd_offload_path = None,
+        tenant_id = None,
+        enable_client_http_server = false,
+        client_http_port = 9300,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn setup(
+        &self,
+        py: Python<'_>,
+        local_hostname: &Bound<'_, PyAny>,
+        metadata_server: Option<String>,
+        global_segment_size: i128,
+        local_buffer_size: i128,
+        protocol: Option<String>,
+        rdma_devices: Option<String>,
+        master_server_addr: Option<String>,
+        engine: Option<&Bound<'_, PyAny>>,
+        enable_ssd_offload: bool,
+        ssd_offload_path: Option<String>,
+        tenant_id: Option<String>,
+        enable_client_http_server: bool,
+        client_http_port: i64,
+    ) -> PyResult<i64> {
+        // Accepted for signature compatibility. lunakv's master is its own metadata service,
+        // transfers need no device list, and the SSD tier is configured on lunakv-store.
+        let _ = (metadata_server, rdma_devices, engine, ssd_offload_path, tenant_id);
+        let _ = (enable_client_http_server, client_http_port);
+        if enable_ssd_offload {
+            tracing::warn!(
+                "lunakv: enable_ssd_offload is ignored; run lunakv-store with --enable_offload for the SSD tier"
+            );
+        }
+        if let Ok(dict) = local_hostname.cast::<PyDict>() {
+            return Ok(match setup_args_from_dict(dict) {
+                Ok(a) => self.connect(py, a),
+                Err(msg) => {
+                    tracing::error!("lunakv: setup refused: {msg}");
+                    INVALID_PARAMS
+                }
+            });
+        }
+        let a = SetupArgs {
+            local_hostname: local_hostname.extract()?,
+            global_segment_size,
+            local_buffer_size,
+            protocol: protocol.unwrap_or_else(|| "tcp".to_owned()),
+            master_server_addr: master_server_addr.unwrap_or_else(|| "127.0.0.1:50051".to_owned()),
+        };
+        Ok(self.connect(py, a))
+    }
+
+    /// lunakv extension: setup from the mooncake_config.json named by `MOONCAKE_CONFIG_PATH`,
+    /// with the environment overrides vLLM and Mooncake honour (MOONCAKE_MASTER,
+    /// MOONCAKE_LOCAL_HOSTNAME, MOONCAKE_PREFERRED_SEGMENT, ...). Returns 0 or a negative code.
+    fn setup_from_env(&self, py: Python<'_>) -> i64 {
+        let loaded = match lunakv_config::MooncakeConfig::load_from_env(&lunakv_config::process_env) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("lunakv: setup_from_env: {e}");
+                return INVALID_PARAMS;
+            }
+        };
+        for w in &loaded.warnings {
+            tracing::warn!("lunakv: {w}");
+        }
+        match ClientOptions::from_mooncake_config(&loaded.config) {
+            Ok(opts) => self.install(py, opts),
+            Err(e) => {
+                tracing::error!("lunakv: setup_from_env: {e}");
+                code(&e)
+            }
+        }
+    }
+
+    /// This client's address: its segment ("host:port") in embedded mode, else the hostname
+    /// given to setup.
+    fn get_hostname(&self) -> String {
+        self.hostname.read().clone()
+    }
+
+    /// 0 healthy, 1 not set up or closed, 2 master unreachable (upstream's values).
+    fn health_check(&self, py: Python<'_>) -> i64 {
+        let Some(c) = self.client() else { return 1 };
+        detached(py, 2, move || match c.exists(HEALTH_KEY) {
+            Ok(_) => 0,
+            Err(ClientError::Closed) => 1,
+            Err(_) => 2,
+        })
+    }
+
+    // === buffers ===
+
+    /// Records a caller buffer. Returns 0, or -600 for a bad pointer/size or an overlap.
+    #[pyo3(signature = (buffer_ptr, size))]
+    fn register_buffer(&self, py: Python<'_>, buffer_ptr: i128, size: i128) -> i64 {
+        let Some(c) = self.client() else { return INVALID_PARAMS };
+        let r = match Range::new(buffer_ptr, size) {
+            Ok(r) => r,
+            Err(msg) => {
+                tracing::error!("lunakv: register_buffer refused: {msg}");
+                return INVALID_PARAMS;
+            }
+        };
+        detached(py, INTERNAL_ERROR, move || match c.register_buffer(r.ptr, r.len) {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!("lunakv: register_buffer: {e}");
+                code(&e)
+            }
+        })
+    }
+
+    #[pyo3(signature = (buffer_ptr))]
+    fn unregister_buffer(&self, py: Python<'_>, buffer_ptr: i128) -> i64 {
+        let Some(c) = self.client() else { return INVALID_PARAMS };
+        let Ok(ptr) = usize::try_from(buffer_ptr) else {
+            return INVALID_PARAMS;
+        };
+        detached(py, INTERNAL_ERROR, move || match c.unregister_buffer(ptr) {
+            Ok(()) => 0,
+            Err(e) => code(&e),
+        })
+    }
+
+    // === bytes in, bytes out ===
+
+    /// Stores `value` (bytes, bytearray, memoryview, a numpy array: anything `bytes()` takes).
+    #[pyo3(signature = (key, value, config = None))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: String,
+        value: &Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i64 {
+        let Ok(bytes) = as_bytes(value) else {
+            tracing::error!("lunakv: put of '{key}' refused: the value is not bytes-like");
+            return INVALID_PARAMS;
+        };
+        let Some(c) = self.client() else { return INVALID_PARAMS };
+        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
+        let data = bytes.as_bytes();
+        detached(py, INTERNAL_ERROR, move || {
+            match c.put_parts(&key, &[data], &cfg) {
+                Ok(()) => 0,
+                Err(e) => code(&e),
+            }
+        })
+    }
+
+    /// Stores several values; 0 if all were stored, else the first failure's code.
+    #[pyo3(signature = (keys, values, config = None))]
+    fn put_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i64 {
+        if keys.len() != values.len() {
+            tracing::error!("lunakv: put_batch refused: {} keys but {} values", keys.len(), values.len());
+            return INVALID_PARAMS;
+        }
+        let Ok(owned) = values.iter().map(as_bytes).collect::<PyResult<Vec<_>>>() else {
+            tracing::error!("lunakv: put_batch refused: a value is not bytes-like");
+            return INVALID_PARAMS;
+        };
+        let Some(c) = self.client() else { return INVALID_PARAMS };
+        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
+        let data: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
+        detached(py, INTERNAL_ERROR, move || {
+            let items: Vec<(&str, Vec<&[u8]>)> = keys.iter().map(String::as_str).zip(data.iter().map(|d| vec![*d])).collect();
+            c.batch_put(&items, &cfg)
+                .into_iter()
+                .find_map(|r| r.err())
+                .map_or(0, |e| code(&e))
+        })
+    }
+
+    /// The object's bytes, or `b""` if it is missing or the read failed.
+    fn get<'py>(&self, py: Python<'py>, key: String) -> Bound<'py, PyBytes> {
+        let got = match self.client() {
+            None => None,
+            Some(c) => detached(py, None, move || match c.get(&key) {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    tracing::debug!("lunakv: get failed: {e}");
+                    None
+                }
+            }),
+        };
+        PyBytes::new(py, got.as_deref().unwrap_or_default())
+    }
+
+    /// One `bytes` per key (`b""` for each missing one).
+    fn get_batch<'py>(&self, py: Python<'py>, keys: Vec<String>) -> Vec<Bound<'py, PyBytes>> {
+        let n = keys.len();
+        let got: Vec<Option<Vec<u8>>> = match self.client() {
+            None => vec![None; n],
+            Some(c) => detached(py, vec![None; n], move || {
+                let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+                c.batch_get(&ks).into_iter().map(Result::ok).collect()
+            }),
+        };
+        got.iter()
+            .map(|v| PyBytes::new(py, v.as_deref().unwrap_or_default()))
+            .collect()
+    }
+
+    // === caller buffers by pointer ===
+
+    /// Stores `size` bytes at `buffer_ptr`. Returns 0 or a negative code.
+    #[pyo3(signature = (key, buffer_ptr, size, config = None))]
+    fn put_from(
+        &self,
+        py: Python<'_>,
+        key: String,
+        buffer_ptr: i128,
+        size: i128,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i64 {
+        let r = Range::new(buffer_ptr, size).map(|r| vec![r]);
+        self.put_ranges(py, vec![key], vec![r], config)[0]
+    }
+
+    /// Reads the object into `buffer_ptr` (capacity `size`). Returns the bytes read, or a
+    /// negative code (-704 missing, -10 buffer too small, -600 bad pointer/size).
+    #[pyo3(signature = (key, buffer_ptr, size))]
+    fn get_into(&self, py: Python<'_>, key: String, buffer_ptr: i128, size: i128) -> i64 {
+        let r = Range::new(buffer_ptr, size).map(|r| vec![r]);
+        self.get_ranges(py, vec![key], vec![r])[0]
+    }
+
+    #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None))]
+    fn batch_put_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<i128>,
+        sizes: Vec<i128>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i64> {
+        match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
+            Some(r) => self.put_ranges(py, keys, r, config),
+            None => vec![INVALID_PARAMS; keys.len()],
+        }
+    }
+
+    #[pyo3(signature = (keys, buffer_ptrs, sizes))]
+    fn batch_get_into(&self, py: Python<'_>, keys: Vec<String>, buffer_ptrs: Vec<i128>, sizes: Vec<i128>) -> Vec<i64> {
+        match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
+            Some(r) => self.get_ranges(py, keys, r),
+            None => vec![INVALID_PARAMS; keys.len()],
+        }
+    }
+
+    /// vLLM's save path: object `i` is the concatenation of the pieces
+    /// `all_buffer_ptrs[i][j]` / `all_sizes[i][j]` (one per layer). One result per key.
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, config = None))]
+    fn batch_put_from_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<i128>>,
+        all_sizes: Vec<Vec<i128>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i64> {
+        match multi_ranges(keys.len(), &all_buffer_ptrs, &all_sizes) {
+            Some(r) => self.put_ranges(py, keys, r, config),
+            None => vec![INVALID_PARAMS; keys.len()],
+        }
+    }
+
+    /// vLLM's load path: scatters object `i` over its pieces in order. Returns the bytes read
+    /// per key, or a negative code. `prefer_alloc_in_same_node` is accepted (lunakv always
+    /// prefers a same-host replica).
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node = false))]
+    fn batch_get_into_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<i128>>,
+        all_sizes: Vec<Vec<i128>>,
+        prefer_alloc_in_same_node: bool,
+    ) -> Vec<i64> {
+        let _ = prefer_alloc_in_same_node;
+        match multi_ranges(keys.len(), &all_buffer_ptrs, &all_sizes) {
+            Some(r) => self.get_ranges(py, keys, r),
+            None => vec![INVALID_PARAMS; keys.len()],
+        }
+    }
+
+    // === metadata ===
+
+    /// 1 if the object exists, 0 if not, a negative code on failure.
+    fn is_exist(&self, py: Python<'_>, key: String) -> i64 {
+        self.batch_is_exist(py, vec![key])[0]
+    }
+
+    /// One of 1 / 0 / negative code per key (vLLM treats anything but 1 as missing).
+    fn batch_is_exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
+        self.per_key(py, keys, |c, ks| c.batch_exists(ks), i64::from)
+    }
+
+    /// The object's size in bytes, or a negative code.
+    fn get_size(&self, py: Python<'_>, key: String) -> i64 {
+        let Some(c) = self.client() else { return INVALID_PARAMS };
+        detached(py, INTERNAL_ERROR, move || match c.get_size(&key) {
+            Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
+            Err(e) => code(&e),
+        })
+    }
+
+    #[pyo3(signature = (key, force = false))]
+    fn remove(&self, py: Python<'_>, key: String, force: bool) -> i64 {
+        self.batch_remove(py, vec![key], force)[0]
+    }
+
+    #[pyo3(signature = (keys, force = false))]
+    fn batch_remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i64> {
+        self.per_key(py, keys, move |c, ks| c.batch_remove(ks, force), |()| 0)
+    }
+
+    /// Removes every object (leased ones too with `force`). Returns how many, or a negative code.
+    #[pyo3(signature = (force = false))]
+    fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
+        let Some(c) = self.client() else { return INVALID_PARAMS };
+        detached(py, INTERNAL_ERROR, move || match c.remove_all(force) {
+            Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
+            Err(e) => code(&e),
+        })
+    }
+
+    /// The replicas of one object (empty if it is missing).
+    fn get_replica_desc(&self, py: Python<'_>, key: String) -> Vec<ReplicaDescriptor> {
+        self.replicas(py, vec![key])
+            .pop()
+            .map(|(_, r)| r)
+            .unwrap_or_default()
+    }
+
+    /// `{key: [ReplicaDescriptor, ...]}` for the keys that exist (missing keys are absent,
+    /// as upstream).
+    fn batch_get_replica_desc<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, reps) in self.replicas(py, keys) {
+            d.set_item(k, reps)?;
+        }
+        Ok(d)
+    }
+
+    /// Stops the client (in embedded mode, unmounts its segment). Returns 0 or a negative code;
+    /// later calls return -600 until the next setup. Idempotent.
+    fn close(&self, py: Python<'_>) -> i64 {
+        let Some(c) = self.client.write().take() else { return 0 };
+        detached(py, INTERNAL_ERROR, move || {
+            let r = match c.close() {
+                Ok(()) => 0,
+                Err(e) => {
+                    tracing::warn!("lunakv: close: {e}");
+                    code(&e)
+                }
+            };
+            // Drop the last reference (and the client's runtime) without the GIL.
+            drop(c);
+            r
+        })
+    }
+}
+
+/// `value` as `bytes`: itself when it is `bytes` (no copy), else `bytes(value)`.
+fn as_bytes<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    if let Ok(b) = value.cast::<PyBytes>() {
+        return Ok(b.clone());
+    }
+    if value.is_instance_of::<pyo3::types::PyString>() {
+        return Err(pyo3::exceptions::PyTypeError::new_err("str is not bytes-like"));
+    }
+    let b = value.py().get_type::<PyBytes>().call1((value,))?;
+    Ok(b.cast_into::<PyBytes>()?)
+}
+
+/// Per-key single ranges; None when the list lengths disagree.
+fn single_ranges(n: usize, ptrs: &[i128], sizes: &[i128]) -> Option<Vec<Result<Vec<Range>, String>>> {
+    if ptrs.len() != n || sizes.len() != n {
+        tracing::error!(
+            "lunakv: refused: {n} keys, {} pointers, {} sizes: pass one of each per key",
+            ptrs.len(),
+            sizes.len()
+        );
+        return None;
+    }
+    Some(
+        ptrs.iter()
+            .zip(sizes)
+            .map(|(&p, &s)| Range::new(p, s).map(|r| vec![r]))
+            .collect(),
+    )
+}
+
+/// Per-key lists of ranges; None when the outer list lengths disagree.
+fn multi_ranges(n: usize, ptrs: &[Vec<i128>], sizes: &[Vec<i128>]) -> Option<Vec<Result<Vec<Range>, String>>> {
+    if ptrs.len() != n || sizes.len() != n {
+        tracing::error!(
+            "lunakv: refused: {n} keys, {} pointer lists, {} size lists: pass one of each per key",
+            ptrs.len(),
+            sizes.len()
+        );
+        return None;
+    }
+    Some(ptrs.iter().zip(sizes).map(|(p, s)| Range::list(p, s)).collect())
+}
+
+fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, String> {
+    let get = |k: &str| -> Result<Option<String>, String> {
+        match d.get_item(k) {
+            Ok(Some(v)) if !v.is_none() => v
+                .str()
+                .map(|s| Some(s.to_string()))
+                .map_err(|e| format!("config key '{k}': {e}")),
+            Ok(_) => Ok(None),
+            Err(e) => Err(format!("config key '{k}': {e}")),
+        }
+    };
+    let size = |k: &str| -> Result<i128, String> {
+        match get(k)? {
+            None => Ok(DEFAULT_SETUP_SIZE),
+            Some(s) => lunakv_config::parse_size(&s)
+                .map(i128::from)
+                .map_err(|e| format!("config key '{k}': {e}")),
+        }
+    };
+    Ok(SetupArgs {
+        local_hostname: get("local_hostname")?.unwrap_or_default(),
+        global_segment_size: size("global_segment_size")?,
+        local_buffer_size: size("local_buffer_size")?,
+        protocol: get("protocol")?.unwrap_or_else(|| "tcp".to_owned()),
+        master_server_addr: get("master_server_addr")?
+            .or(get("master_server_address")?)
+            .unwrap_or_else(|| "127.0.0.1:50051".to_owned()),
+    })
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// `ClientOptions` from setup's arguments plus the environment lunakv honours.
+fn options(a: &SetupArgs) -> Result<ClientOptions, String> {
+    let global_segment_size = u64::try_from(a.global_segment_size)
+        .map_err(|_| format!("global_segment_size {} must be >= 0", a.global_segment_size))?;
+    let local_buffer_size = u64::try_from(a.local_buffer_size)
+        .map_err(|_| format!("local_buffer_size {} must be >= 0", a.local_buffer_size))?;
+    let defaults = ClientOptions::default();
+    let host = Some(a.local_hostname.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| env("MOONCAKE_REQUESTER_LOCAL_HOSTNAME"))
+        .or_else(|| env("MOONCAKE_LOCAL_HOSTNAME"))
+        .or_else(|| env("VLLM_HOST_IP"))
+        .ok_or("local_hostname is empty (and MOONCAKE_LOCAL_HOSTNAME / VLLM_HOST_IP are unset): pass this host's IP")?;
+    let local_hostname = if global_segment_size > 0 {
+        resolve_ip(&host)?.to_string()
+    } else {
+        strip_port(&host).to_owned()
+    };
+    let enable_shm = match env("LUNAKV_DISABLE_SHM").map(|v| v.to_ascii_lowercase()) {
+        None => true,
+        Some(v) if matches!(v.as_str(), "0" | "false" | "no" | "off") => true,
+        Some(_) => false,
+    };
+    Ok(ClientOptions {
+        master_server_address: a.master_server_addr.trim().to_owned(),
+        local_hostname,
+        global_segment_size,
+        // Upstream allows 0 ("pure server"); lunakv has no staging buffer, so any value works.
+        local_buffer_size: if local_buffer_size == 0 {
+            defaults.local_buffer_size
+        } else {
+            local_buffer_size
+        },
+        protocol: a.protocol.trim().to_ascii_lowercase(),
+        enable_shm,
+        preferred_segment: env("MOONCAKE_PREFERRED_SEGMENT"),
+        ..defaults
+    })
+}
+
+/// "host", "host:port", "[v6]:port" -> the host part.
+fn strip_port(host: &str) -> &str {
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match host.rsplit_once(':') {
+        Some((h, p)) if !h.contains(':') && p.parse::<u16>().is_ok() => h,
+        _ => host,
+    }
+}
+
+/// The IP embedded mode binds its segment to: the address itself, or the name resolved
+/// (IPv4 preferred).
+fn resolve_ip(host: &str) -> Result<IpAddr, String> {
+    let h = strip_port(host);
+    if let Ok(ip) = h.parse::<IpAddr>() {
+        return Ok(ip);
+    }
+    let addrs: Vec<IpAddr> = (h, 0)
+        .to_socket_addrs()
+        .map_err(|e| format!("local_hostname '{host}' does not resolve ({e}): pass this host's IP"))?
+        .map(|s| s.ip())
+        .collect();
+    addrs
+        .iter()
+        .find(|ip| ip.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("local_hostname '{host}' resolves to no address: pass this host's IP"))
+}
