@@ -21,8 +21,11 @@ use lunakv_client::{ClientOptions, StoreClient};
 /// Directory holding the workspace's binaries (next to the test executable's `deps/`).
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    let dir = exe.parent().expect("deps dir").parent().expect("profile dir").to_path_buf();
-    dir
+    exe.parent()
+        .expect("deps dir")
+        .parent()
+        .expect("profile dir")
+        .to_path_buf()
 }
 
 /// Path of one of the workspace's binaries; panics with the fix when it is not built.
@@ -53,11 +56,16 @@ impl Proc {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()));
+        cmd.env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        );
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {bin_name}: {e}"));
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {bin_name}: {e}"));
         let lines = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = mpsc::channel();
         for stream in [
@@ -163,7 +171,12 @@ impl Drop for Proc {
 pub fn fields(line: &str) -> HashMap<String, String> {
     line.split_whitespace()
         .filter_map(|t| t.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.trim_matches(|c| c == '"' || c == ',').to_owned()))
+        .map(|(k, v)| {
+            (
+                k.to_owned(),
+                v.trim_matches(|c| c == '"' || c == ',').to_owned(),
+            )
+        })
         .collect()
 }
 
@@ -229,12 +242,10 @@ impl Master {
     /// The value of an unlabelled metric from /metrics.
     pub fn metric(&self, name: &str) -> Option<f64> {
         let (_, body) = self.http_get("/metrics");
-        body.lines()
-            .filter(|l| !l.starts_with('#'))
-            .find_map(|l| {
-                let (n, v) = l.split_once(' ')?;
-                (n == name).then(|| v.trim().parse().ok())?
-            })
+        body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+            let (n, v) = l.split_once(' ')?;
+            (n == name).then(|| v.trim().parse().ok())?
+        })
     }
 }
 
@@ -316,9 +327,14 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 /// Minimal HTTP/1.1 GET, enough for the admin endpoints.
 pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect admin");
+    let mut s =
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect admin");
     s.set_read_timeout(Some(Duration::from_secs(10))).ok();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("send");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send");
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).expect("read");
     let text = String::from_utf8_lossy(&buf).to_string();
@@ -328,7 +344,13 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
     let body = match text.split_once("\r\n\r\n") {
-        Some((head, body)) if head.to_ascii_lowercase().contains("transfer-encoding: chunked") => dechunk(body),
+        Some((head, body))
+            if head
+                .to_ascii_lowercase()
+                .contains("transfer-encoding: chunked") =>
+        {
+            dechunk(body)
+        }
         Some((_, body)) => body.to_owned(),
         None => String::new(),
     };

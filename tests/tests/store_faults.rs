@@ -30,18 +30,32 @@ fn eviction_under_pressure_never_takes_leased_objects() {
         let k = format!("churn-{i}");
         match c.put(&k, &pattern(1000 + i, obj)) {
             Ok(()) => written.push((k, 1000 + i)),
-            Err(e) => assert_eq!(e.code(), ErrorCode::NoAvailableHandle, "unexpected put error {e}"),
+            Err(e) => assert_eq!(
+                e.code(),
+                ErrorCode::NoAvailableHandle,
+                "unexpected put error {e}"
+            ),
         }
     }
-    assert!(written.len() > 20, "pressure should have been relieved by eviction, only {} puts landed", written.len());
-    let evicted = m.metric("master_evicted_key_count").expect("evicted metric");
+    assert!(
+        written.len() > 20,
+        "pressure should have been relieved by eviction, only {} puts landed",
+        written.len()
+    );
+    let evicted = m
+        .metric("master_evicted_key_count")
+        .expect("evicted metric");
     assert!(evicted > 0.0, "nothing was evicted");
     assert!(m.metric("master_successful_evictions_total").unwrap_or(0.0) > 0.0);
 
     // Every leased object survived with its bytes; every object still present is intact.
     let reader = requester(&m.addr());
     for (i, k) in leased.iter().enumerate() {
-        assert_eq!(reader.get(k).expect("leased object kept"), pattern(i as u64, obj), "{k}");
+        assert_eq!(
+            reader.get(k).expect("leased object kept"),
+            pattern(i as u64, obj),
+            "{k}"
+        );
     }
     let mut present = 0;
     for (k, seed) in &written {
@@ -104,7 +118,11 @@ fn master_restart_on_embedded_metadata_keeps_objects() {
         let (_, body) = m.http_get("/get_all_segments");
         (m.metric("master_key_count") == Some(20.0)).then_some(body)
     });
-    assert!(back.is_some(), "index not rebuilt; master said:\n{}", m.proc.output());
+    assert!(
+        back.is_some(),
+        "index not rebuilt; master said:\n{}",
+        m.proc.output()
+    );
 
     let fresh = tcp_requester(&m.addr());
     for (i, v) in values.iter().enumerate() {
@@ -112,7 +130,9 @@ fn master_restart_on_embedded_metadata_keeps_objects() {
     }
     // New puts after the restart never collide with objects from before it.
     for i in 0..20 {
-        fresh.put(&format!("new-{i}"), &pattern(500 + i, 50_000)).expect("put after restart");
+        fresh
+            .put(&format!("new-{i}"), &pattern(500 + i, 50_000))
+            .expect("put after restart");
     }
     for (i, v) in values.iter().enumerate() {
         assert_eq!(&c.get(&format!("keep-{i}")).expect("old client"), v);
@@ -141,8 +161,20 @@ fn bad_input_gets_clear_errors_and_service_continues() {
     assert_eq!(e.code(), ErrorCode::ObjectNotFound);
     let mut small = [0u8; 3];
     c.put("four", b"four").expect("put");
-    let e = c.get_into("four", &mut small).expect_err("buffer too small");
-    assert!(matches!(e, ClientError::BufferTooSmall { need: 4, have: 3, .. }), "{e}");
+    let e = c
+        .get_into("four", &mut small)
+        .expect_err("buffer too small");
+    assert!(
+        matches!(
+            e,
+            ClientError::BufferTooSmall {
+                need: 4,
+                have: 3,
+                ..
+            }
+        ),
+        "{e}"
+    );
 
     // Garbage on the transfer port and on the master's gRPC port.
     for addr in [store.transfer, m.rpc] {
@@ -157,10 +189,19 @@ fn bad_input_gets_clear_errors_and_service_continues() {
         let mut s = TcpStream::connect(store.transfer).expect("connect");
         s.write_all(&[1, 0, 0]).expect("partial");
     }
-    assert!(store.proc.alive(), "store died on garbage:\n{}", store.proc.output());
+    assert!(
+        store.proc.alive(),
+        "store died on garbage:\n{}",
+        store.proc.output()
+    );
     let other = tcp_requester(&m.addr());
-    other.put("still-here", &pattern(3, 70_000)).expect("put after garbage");
-    assert_eq!(c.get("still-here").expect("get after garbage"), pattern(3, 70_000));
+    other
+        .put("still-here", &pattern(3, 70_000))
+        .expect("put after garbage");
+    assert_eq!(
+        c.get("still-here").expect("get after garbage"),
+        pattern(3, 70_000)
+    );
     assert_eq!(other.get("four").expect("tcp get"), b"four");
 
     // Preferred segment that does not exist: placed elsewhere, not refused.
@@ -168,5 +209,6 @@ fn bad_input_gets_clear_errors_and_service_continues() {
         preferred_segment: Some("10.255.255.1:1".into()),
         ..Default::default()
     };
-    c.put_parts("elsewhere", &[b"abc"], &cfg).expect("placed on an existing segment");
+    c.put_parts("elsewhere", &[b"abc"], &cfg)
+        .expect("placed on an existing segment");
 }

@@ -40,7 +40,10 @@ impl Range {
                 sizes.len()
             ));
         }
-        ptrs.iter().zip(sizes).map(|(&p, &s)| Range::new(p, s)).collect()
+        ptrs.iter()
+            .zip(sizes)
+            .map(|(&p, &s)| Range::new(p, s))
+            .collect()
     }
 
     /// # Safety

@@ -32,7 +32,9 @@ where
     py.detach(move || match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(_) => {
-            tracing::error!("lunakv: internal error (a panic, reported above); the call returns INTERNAL_ERROR");
+            tracing::error!(
+                "lunakv: internal error (a panic, reported above); the call returns INTERNAL_ERROR"
+            );
             on_panic
         }
     })
@@ -79,7 +81,9 @@ impl MooncakeDistributedStore {
             detached(py, (), move || drop(old.close()));
         }
         let hostname = opts.local_hostname.clone();
-        let connected = detached(py, Err(None), move || StoreClient::connect(opts).map_err(Some));
+        let connected = detached(py, Err(None), move || {
+            StoreClient::connect(opts).map_err(Some)
+        });
         match connected {
             Ok(c) => {
                 *self.hostname.write() = c.segment_name().unwrap_or(hostname);
@@ -116,7 +120,10 @@ impl MooncakeDistributedStore {
                     // SAFETY: the caller promised these ranges are valid readable memory for
                     // the duration of this call (module docs); they were checked by Range::new.
                     Ok(parts) => {
-                        items.push((key.as_str(), parts.iter().map(|p| unsafe { p.slice() }).collect()));
+                        items.push((
+                            key.as_str(),
+                            parts.iter().map(|p| unsafe { p.slice() }).collect(),
+                        ));
                         idx.push(i);
                     }
                     Err(msg) => tracing::error!("lunakv: put of '{key}' refused: {msg}"),
@@ -136,7 +143,12 @@ impl MooncakeDistributedStore {
     }
 
     /// Reads objects into lists of caller ranges; one result (bytes read, or a code) per key.
-    fn get_ranges(&self, py: Python<'_>, keys: Vec<String>, ranges: Vec<Result<Vec<Range>, String>>) -> Vec<i64> {
+    fn get_ranges(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ranges: Vec<Result<Vec<Range>, String>>,
+    ) -> Vec<i64> {
         let n = keys.len();
         let Some(c) = self.client() else {
             return vec![INVALID_PARAMS; n];
@@ -213,7 +225,10 @@ impl MooncakeDistributedStore {
             keys.iter()
                 .zip(found)
                 .filter_map(|(k, r)| match r {
-                    Ok(reps) => Some((k.clone(), reps.iter().map(ReplicaDescriptor::from).collect())),
+                    Ok(reps) => Some((
+                        k.clone(),
+                        reps.iter().map(ReplicaDescriptor::from).collect(),
+                    )),
                     Err(e) => {
                         tracing::debug!("lunakv: replica query for '{k}' failed: {e}");
                         None
@@ -272,7 +287,13 @@ impl MooncakeDistributedStore {
     ) -> PyResult<i64> {
         // Accepted for signature compatibility. lunakv's master is its own metadata service,
         // transfers need no device list, and the SSD tier is configured on lunakv-store.
-        let _ = (metadata_server, rdma_devices, engine, ssd_offload_path, tenant_id);
+        let _ = (
+            metadata_server,
+            rdma_devices,
+            engine,
+            ssd_offload_path,
+            tenant_id,
+        );
         let _ = (enable_client_http_server, client_http_port);
         if enable_ssd_offload {
             tracing::warn!(
@@ -302,7 +323,8 @@ impl MooncakeDistributedStore {
     /// with the environment overrides vLLM and Mooncake honour (MOONCAKE_MASTER,
     /// MOONCAKE_LOCAL_HOSTNAME, MOONCAKE_PREFERRED_SEGMENT, ...). Returns 0 or a negative code.
     fn setup_from_env(&self, py: Python<'_>) -> i64 {
-        let loaded = match lunakv_config::MooncakeConfig::load_from_env(&lunakv_config::process_env) {
+        let loaded = match lunakv_config::MooncakeConfig::load_from_env(&lunakv_config::process_env)
+        {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!("lunakv: setup_from_env: {e}");
@@ -342,7 +364,9 @@ impl MooncakeDistributedStore {
     /// Records a caller buffer. Returns 0, or -600 for a bad pointer/size or an overlap.
     #[pyo3(signature = (buffer_ptr, size))]
     fn register_buffer(&self, py: Python<'_>, buffer_ptr: i128, size: i128) -> i64 {
-        let Some(c) = self.client() else { return INVALID_PARAMS };
+        let Some(c) = self.client() else {
+            return INVALID_PARAMS;
+        };
         let r = match Range::new(buffer_ptr, size) {
             Ok(r) => r,
             Err(msg) => {
@@ -350,18 +374,22 @@ impl MooncakeDistributedStore {
                 return INVALID_PARAMS;
             }
         };
-        detached(py, INTERNAL_ERROR, move || match c.register_buffer(r.ptr, r.len) {
-            Ok(()) => 0,
-            Err(e) => {
-                tracing::error!("lunakv: register_buffer: {e}");
-                code(&e)
+        detached(py, INTERNAL_ERROR, move || {
+            match c.register_buffer(r.ptr, r.len) {
+                Ok(()) => 0,
+                Err(e) => {
+                    tracing::error!("lunakv: register_buffer: {e}");
+                    code(&e)
+                }
             }
         })
     }
 
     #[pyo3(signature = (buffer_ptr))]
     fn unregister_buffer(&self, py: Python<'_>, buffer_ptr: i128) -> i64 {
-        let Some(c) = self.client() else { return INVALID_PARAMS };
+        let Some(c) = self.client() else {
+            return INVALID_PARAMS;
+        };
         let Ok(ptr) = usize::try_from(buffer_ptr) else {
             return INVALID_PARAMS;
         };
@@ -386,7 +414,9 @@ impl MooncakeDistributedStore {
             tracing::error!("lunakv: put of '{key}' refused: the value is not bytes-like");
             return INVALID_PARAMS;
         };
-        let Some(c) = self.client() else { return INVALID_PARAMS };
+        let Some(c) = self.client() else {
+            return INVALID_PARAMS;
+        };
         let cfg = config.map(|c| c.to_client()).unwrap_or_default();
         let data = bytes.as_bytes();
         detached(py, INTERNAL_ERROR, move || {
@@ -407,18 +437,28 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i64 {
         if keys.len() != values.len() {
-            tracing::error!("lunakv: put_batch refused: {} keys but {} values", keys.len(), values.len());
+            tracing::error!(
+                "lunakv: put_batch refused: {} keys but {} values",
+                keys.len(),
+                values.len()
+            );
             return INVALID_PARAMS;
         }
         let Ok(owned) = values.iter().map(as_bytes).collect::<PyResult<Vec<_>>>() else {
             tracing::error!("lunakv: put_batch refused: a value is not bytes-like");
             return INVALID_PARAMS;
         };
-        let Some(c) = self.client() else { return INVALID_PARAMS };
+        let Some(c) = self.client() else {
+            return INVALID_PARAMS;
+        };
         let cfg = config.map(|c| c.to_client()).unwrap_or_default();
         let data: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
         detached(py, INTERNAL_ERROR, move || {
-            let items: Vec<(&str, Vec<&[u8]>)> = keys.iter().map(String::as_str).zip(data.iter().map(|d| vec![*d])).collect();
+            let items: Vec<(&str, Vec<&[u8]>)> = keys
+                .iter()
+                .map(String::as_str)
+                .zip(data.iter().map(|d| vec![*d]))
+                .collect();
             c.batch_put(&items, &cfg)
                 .into_iter()
                 .find_map(|r| r.err())
@@ -496,7 +536,13 @@ impl MooncakeDistributedStore {
     }
 
     #[pyo3(signature = (keys, buffer_ptrs, sizes))]
-    fn batch_get_into(&self, py: Python<'_>, keys: Vec<String>, buffer_ptrs: Vec<i128>, sizes: Vec<i128>) -> Vec<i64> {
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<i128>,
+        sizes: Vec<i128>,
+    ) -> Vec<i64> {
         match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
             Some(r) => self.get_ranges(py, keys, r),
             None => vec![INVALID_PARAMS; keys.len()],
@@ -553,7 +599,9 @@ impl MooncakeDistributedStore {
 
     /// The object's size in bytes, or a negative code.
     fn get_size(&self, py: Python<'_>, key: String) -> i64 {
-        let Some(c) = self.client() else { return INVALID_PARAMS };
+        let Some(c) = self.client() else {
+            return INVALID_PARAMS;
+        };
         detached(py, INTERNAL_ERROR, move || match c.get_size(&key) {
             Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
             Err(e) => code(&e),
@@ -573,7 +621,9 @@ impl MooncakeDistributedStore {
     /// Removes every object (leased ones too with `force`). Returns how many, or a negative code.
     #[pyo3(signature = (force = false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
-        let Some(c) = self.client() else { return INVALID_PARAMS };
+        let Some(c) = self.client() else {
+            return INVALID_PARAMS;
+        };
         detached(py, INTERNAL_ERROR, move || match c.remove_all(force) {
             Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
             Err(e) => code(&e),
@@ -590,7 +640,11 @@ impl MooncakeDistributedStore {
 
     /// `{key: [ReplicaDescriptor, ...]}` for the keys that exist (missing keys are absent,
     /// as upstream).
-    fn batch_get_replica_desc<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Bound<'py, PyDict>> {
+    fn batch_get_replica_desc<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         for (k, reps) in self.replicas(py, keys) {
             d.set_item(k, reps)?;
@@ -601,7 +655,9 @@ impl MooncakeDistributedStore {
     /// Stops the client (in embedded mode, unmounts its segment). Returns 0 or a negative code;
     /// later calls return -600 until the next setup. Idempotent.
     fn close(&self, py: Python<'_>) -> i64 {
-        let Some(c) = self.client.write().take() else { return 0 };
+        let Some(c) = self.client.write().take() else {
+            return 0;
+        };
         detached(py, INTERNAL_ERROR, move || {
             let r = match c.close() {
                 Ok(()) => 0,
@@ -623,14 +679,20 @@ fn as_bytes<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
         return Ok(b.clone());
     }
     if value.is_instance_of::<pyo3::types::PyString>() {
-        return Err(pyo3::exceptions::PyTypeError::new_err("str is not bytes-like"));
+        return Err(pyo3::exceptions::PyTypeError::new_err(
+            "str is not bytes-like",
+        ));
     }
     let b = value.py().get_type::<PyBytes>().call1((value,))?;
     Ok(b.cast_into::<PyBytes>()?)
 }
 
 /// Per-key single ranges; None when the list lengths disagree.
-fn single_ranges(n: usize, ptrs: &[i128], sizes: &[i128]) -> Option<Vec<Result<Vec<Range>, String>>> {
+fn single_ranges(
+    n: usize,
+    ptrs: &[i128],
+    sizes: &[i128],
+) -> Option<Vec<Result<Vec<Range>, String>>> {
     if ptrs.len() != n || sizes.len() != n {
         tracing::error!(
             "lunakv: refused: {n} keys, {} pointers, {} sizes: pass one of each per key",
@@ -648,7 +710,11 @@ fn single_ranges(n: usize, ptrs: &[i128], sizes: &[i128]) -> Option<Vec<Result<V
 }
 
 /// Per-key lists of ranges; None when the outer list lengths disagree.
-fn multi_ranges(n: usize, ptrs: &[Vec<i128>], sizes: &[Vec<i128>]) -> Option<Vec<Result<Vec<Range>, String>>> {
+fn multi_ranges(
+    n: usize,
+    ptrs: &[Vec<i128>],
+    sizes: &[Vec<i128>],
+) -> Option<Vec<Result<Vec<Range>, String>>> {
     if ptrs.len() != n || sizes.len() != n {
         tracing::error!(
             "lunakv: refused: {n} keys, {} pointer lists, {} size lists: pass one of each per key",
@@ -657,7 +723,12 @@ fn multi_ranges(n: usize, ptrs: &[Vec<i128>], sizes: &[Vec<i128>]) -> Option<Vec
         );
         return None;
     }
-    Some(ptrs.iter().zip(sizes).map(|(p, s)| Range::list(p, s)).collect())
+    Some(
+        ptrs.iter()
+            .zip(sizes)
+            .map(|(p, s)| Range::list(p, s))
+            .collect(),
+    )
 }
 
 fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, String> {
@@ -754,7 +825,9 @@ fn resolve_ip(host: &str) -> Result<IpAddr, String> {
     }
     let addrs: Vec<IpAddr> = (h, 0)
         .to_socket_addrs()
-        .map_err(|e| format!("local_hostname '{host}' does not resolve ({e}): pass this host's IP"))?
+        .map_err(|e| {
+            format!("local_hostname '{host}' does not resolve ({e}): pass this host's IP")
+        })?
         .map(|s| s.ip())
         .collect();
     addrs
@@ -762,5 +835,7 @@ fn resolve_ip(host: &str) -> Result<IpAddr, String> {
         .find(|ip| ip.is_ipv4())
         .or(addrs.first())
         .copied()
-        .ok_or_else(|| format!("local_hostname '{host}' resolves to no address: pass this host's IP"))
+        .ok_or_else(|| {
+            format!("local_hostname '{host}' resolves to no address: pass this host's IP")
+        })
 }

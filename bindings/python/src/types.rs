@@ -69,7 +69,12 @@ impl ReplicateConfig {
     pub fn to_client(&self) -> lunakv_client::ReplicateConfig {
         let preferred = Some(self.preferred_segment.clone())
             .filter(|s| !s.is_empty())
-            .or_else(|| self.preferred_segments.iter().find(|s| !s.is_empty()).cloned());
+            .or_else(|| {
+                self.preferred_segments
+                    .iter()
+                    .find(|s| !s.is_empty())
+                    .cloned()
+            });
         lunakv_client::ReplicateConfig {
             replica_num: u32::try_from(self.replica_num.max(1)).unwrap_or(u32::MAX),
             preferred_segment: preferred,

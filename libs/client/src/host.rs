@@ -64,7 +64,9 @@ impl SegmentHost {
             shm_socket: opts.shm_socket.clone(),
             advertise_host: opts.advertise_host.clone(),
         })
-        .map_err(|e| ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind)))?;
+        .map_err(|e| {
+            ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind))
+        })?;
         let server = Arc::new(server);
         let info = server.info();
         let mounter = Mounter {
@@ -239,7 +241,11 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
     }
 }
 
-pub(crate) fn descriptor(info: &SegmentInfo, protocol: &str, enable_offload: bool) -> pb::SegmentDescriptor {
+pub(crate) fn descriptor(
+    info: &SegmentInfo,
+    protocol: &str,
+    enable_offload: bool,
+) -> pb::SegmentDescriptor {
     pb::SegmentDescriptor {
         name: info.name.clone(),
         transfer_endpoint: info.transfer_endpoint.clone(),
@@ -251,7 +257,10 @@ pub(crate) fn descriptor(info: &SegmentInfo, protocol: &str, enable_offload: boo
     }
 }
 
-pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<MasterClient<Channel>, ClientError> {
+pub(crate) async fn connect_master(
+    addr: &str,
+    timeout: Duration,
+) -> Result<MasterClient<Channel>, ClientError> {
     let uri = if addr.contains("://") {
         addr.to_owned()
     } else {
@@ -268,7 +277,10 @@ pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Mast
         .await
         .map_err(|e| ClientError::Rpc {
             addr: addr.to_owned(),
-            message: format!("cannot connect ({}): is lunakv-master running there?", source_chain(&e)),
+            message: format!(
+                "cannot connect ({}): is lunakv-master running there?",
+                source_chain(&e)
+            ),
         })?;
     Ok(MasterClient::new(channel).max_decoding_message_size(256 << 20))
 }

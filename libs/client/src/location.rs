@@ -60,7 +60,11 @@ impl Location {
         Self::build(resp.generation, size, &resp.replicas)
     }
 
-    pub(crate) fn build(generation: u64, size: u64, replicas: &[pb::Replica]) -> Result<Location, String> {
+    pub(crate) fn build(
+        generation: u64,
+        size: u64,
+        replicas: &[pb::Replica],
+    ) -> Result<Location, String> {
         let replicas = replicas
             .iter()
             .filter(|r| r.kind == pb::ReplicaKind::Memory as i32)

@@ -67,7 +67,9 @@ impl ClientOptions {
 
     pub fn validate(&self) -> Result<(), ClientError> {
         if self.local_buffer_size == 0 {
-            return Err(ClientError::Config("local_buffer_size must be > 0".to_owned()));
+            return Err(ClientError::Config(
+                "local_buffer_size must be > 0".to_owned(),
+            ));
         }
         if self.master_server_address.is_empty() {
             return Err(ClientError::Config(
@@ -96,7 +98,9 @@ pub struct ReplicateConfig {
 impl ClientOptions {
     /// Builds options from a loaded, validated mooncake_config.json. The protocol must be tcp:
     /// lunakv never falls back silently from what the file asks for.
-    pub fn from_mooncake_config(cfg: &lunakv_config::MooncakeConfig) -> Result<ClientOptions, ClientError> {
+    pub fn from_mooncake_config(
+        cfg: &lunakv_config::MooncakeConfig,
+    ) -> Result<ClientOptions, ClientError> {
         let master = cfg
             .master_addr()
             .map_err(|e| ClientError::Config(e.to_string()))?;

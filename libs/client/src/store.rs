@@ -49,7 +49,10 @@ impl StoreClient {
             .build()
             .map_err(|e| ClientError::Config(format!("cannot start the client runtime: {e}")))?;
         let client_id = uuid::Uuid::new_v4().to_string();
-        let master = rt.block_on(host::connect_master(&opts.master_server_address, opts.rpc_timeout))?;
+        let master = rt.block_on(host::connect_master(
+            &opts.master_server_address,
+            opts.rpc_timeout,
+        ))?;
 
         let host = if opts.mode() == Mode::Embedded {
             let ip: IpAddr = opts.local_hostname.parse().map_err(|_| {
@@ -139,7 +142,11 @@ impl StoreClient {
     }
 
     /// Puts many objects: one BatchPutStart, all bytes in one transfer batch, one BatchPutEnd.
-    pub fn batch_put(&self, items: &[(&str, Vec<&[u8]>)], cfg: &ReplicateConfig) -> Vec<Result<()>> {
+    pub fn batch_put(
+        &self,
+        items: &[(&str, Vec<&[u8]>)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<()>> {
         let mut results: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
         if self.check_open().is_err() {
             return items.iter().map(|_| Err(ClientError::Closed)).collect();
@@ -203,7 +210,9 @@ impl StoreClient {
                     addr: self.opts.master_server_address.clone(),
                     message: "master answered fewer results than items".to_owned(),
                 }),
-                Some(p) if p.code != 0 => Err(ClientError::from_item(key, *size, p.code, &p.message)),
+                Some(p) if p.code != 0 => {
+                    Err(ClientError::from_item(key, *size, p.code, &p.message))
+                }
                 Some(p) => Location::from_put(p, *size).map_err(|m| ClientError::Rpc {
                     addr: self.opts.master_server_address.clone(),
                     message: format!("bad placement for '{key}': {m}"),
@@ -488,7 +497,11 @@ impl StoreClient {
             }
             Ok(resp) => {
                 for (n, &i) in misses.iter().enumerate() {
-                    match resp.results.get(n).map(|l| self.accept_location(keys[i], l)) {
+                    match resp
+                        .results
+                        .get(n)
+                        .map(|l| self.accept_location(keys[i], l))
+                    {
                         Some(Ok(l)) => locs[i] = Some(l),
                         Some(Err(e)) => results[i] = Some(Err(e)),
                         None => {
@@ -526,7 +539,9 @@ impl StoreClient {
             message: format!("bad location for '{key}': {m}"),
         })?;
         self.cache.insert(key, loc);
-        self.cache.get(key).ok_or_else(|| ClientError::ObjectNotFound(key.to_owned()))
+        self.cache
+            .get(key)
+            .ok_or_else(|| ClientError::ObjectNotFound(key.to_owned()))
     }
 
     /// Same-host replicas first: they are one memcpy away.
@@ -537,7 +552,12 @@ impl StoreClient {
             .unwrap_or(0)
     }
 
-    fn read_replicas(&self, key: &str, loc: &Location, dst: &mut [&mut [u8]]) -> std::result::Result<(), ReadError> {
+    fn read_replicas(
+        &self,
+        key: &str,
+        loc: &Location,
+        dst: &mut [&mut [u8]],
+    ) -> std::result::Result<(), ReadError> {
         let first = self.preferred_replica(loc);
         let order = std::iter::once(first).chain((0..loc.replicas.len()).filter(|&i| i != first));
         let mut last = None;
@@ -566,7 +586,9 @@ impl StoreClient {
     // === metadata ===
 
     pub fn exists(&self, key: &str) -> Result<bool> {
-        self.batch_exists(&[key]).pop().unwrap_or(Err(ClientError::Closed))
+        self.batch_exists(&[key])
+            .pop()
+            .unwrap_or(Err(ClientError::Closed))
     }
 
     /// Like upstream, existence grants a lease; the answer also warms the location cache so the
@@ -633,7 +655,8 @@ impl StoreClient {
         if self.check_open().is_err() {
             return keys.iter().map(|_| Err(ClientError::Closed)).collect();
         }
-        let mut out: Vec<Option<Result<Vec<pb::Replica>>>> = (0..keys.len()).map(|_| None).collect();
+        let mut out: Vec<Option<Result<Vec<pb::Replica>>>> =
+            (0..keys.len()).map(|_| None).collect();
         let mut ask = Vec::new();
         for (i, k) in keys.iter().enumerate() {
             match validate_key(k) {
@@ -660,7 +683,9 @@ impl StoreClient {
                     for (n, &i) in ask.iter().enumerate() {
                         out[i] = Some(match resp.results.get(n) {
                             Some(l) if l.code == 0 => Ok(l.replicas.clone()),
-                            Some(l) => Err(ClientError::from_item(keys[i], l.size, l.code, &l.message)),
+                            Some(l) => {
+                                Err(ClientError::from_item(keys[i], l.size, l.code, &l.message))
+                            }
                             None => Err(ClientError::Rpc {
                                 addr: self.opts.master_server_address.clone(),
                                 message: "master answered fewer results than keys".to_owned(),
@@ -769,7 +794,9 @@ impl StoreClient {
         }
         let mut b = self.buffers.lock();
         let end = ptr.checked_add(len).ok_or_else(|| {
-            ClientError::InvalidParams(format!("register_buffer(ptr={ptr:#x}, size={len}) wraps the address space"))
+            ClientError::InvalidParams(format!(
+                "register_buffer(ptr={ptr:#x}, size={len}) wraps the address space"
+            ))
         })?;
         if let Some((&p, &l)) = b.range(..end).next_back()
             && p + l > ptr

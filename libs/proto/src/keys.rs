@@ -8,7 +8,9 @@ pub const MAX_KEY_LEN: usize = 4096;
 pub enum KeyError {
     #[error("key is empty: give every object a non-empty key")]
     Empty,
-    #[error("key is {len} bytes, longer than the limit of {max} bytes: shorten it (hash long names)")]
+    #[error(
+        "key is {len} bytes, longer than the limit of {max} bytes: shorten it (hash long names)"
+    )]
     TooLong { len: usize, max: usize },
     #[error("key contains a NUL byte at offset {at}: keys must be printable text")]
     Nul { at: usize },
@@ -39,7 +41,9 @@ mod tests {
     fn rejects_empty_long_and_nul_keys() {
         assert_eq!(validate_key(""), Err(KeyError::Empty));
         let long = "k".repeat(MAX_KEY_LEN + 1);
-        assert!(matches!(validate_key(&long), Err(KeyError::TooLong { len, .. }) if len == MAX_KEY_LEN + 1));
+        assert!(
+            matches!(validate_key(&long), Err(KeyError::TooLong { len, .. }) if len == MAX_KEY_LEN + 1)
+        );
         assert_eq!(validate_key("a\0b"), Err(KeyError::Nul { at: 1 }));
         assert!(validate_key("Llama@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@abcd").is_ok());
         assert!(validate_key(&"k".repeat(MAX_KEY_LEN)).is_ok());

@@ -28,7 +28,10 @@ pub(crate) async fn serve(
         .route("/metrics", get(metrics_text))
         .route("/health", get(|| async { "OK" }))
         .with_state(AdminState { host, metrics });
-    if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+    if let Err(e) = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+    {
         tracing::error!(error = %e, "admin server stopped");
     }
 }

@@ -22,9 +22,13 @@ mod admin;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("--host '{0}' is not an IP address: the transfer listener binds exactly this address; pass this node's IP, e.g. --host=127.0.0.1")]
+    #[error(
+        "--host '{0}' is not an IP address: the transfer listener binds exactly this address; pass this node's IP, e.g. --host=127.0.0.1"
+    )]
     BadHost(String),
-    #[error("cannot bind the admin port {addr}: {source}; pick another --metrics_port (0 = any free port)")]
+    #[error(
+        "cannot bind the admin port {addr}: {source}; pick another --metrics_port (0 = any free port)"
+    )]
     AdminBind {
         addr: SocketAddr,
         #[source]
@@ -37,7 +41,10 @@ pub enum StoreError {
 /// Serves until `shutdown` resolves, then unmounts and stops. Prints one line once bound:
 /// `lunakv-store listening transfer=IP:PORT admin=IP:PORT segment=NAME size=BYTES`.
 pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Result<(), StoreError> {
-    let ip: IpAddr = cfg.host.parse().map_err(|_| StoreError::BadHost(cfg.host.clone()))?;
+    let ip: IpAddr = cfg
+        .host
+        .parse()
+        .map_err(|_| StoreError::BadHost(cfg.host.clone()))?;
     let client_id = format!("store-{}", uuid_like());
     let env = lunakv_config::process_env;
     let shm_socket = cfg.enable_shm.then(|| {
@@ -73,10 +80,12 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
             addr: admin_addr,
             source,
         })?;
-    let admin_addr = listener.local_addr().map_err(|source| StoreError::AdminBind {
-        addr: admin_addr,
-        source,
-    })?;
+    let admin_addr = listener
+        .local_addr()
+        .map_err(|source| StoreError::AdminBind {
+            addr: admin_addr,
+            source,
+        })?;
     let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
     let admin = tokio::spawn(admin::serve(listener, host.clone(), metrics, async {
         let _ = admin_stopped.await;
@@ -95,7 +104,9 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
     let _ = admin.await;
     match Arc::try_unwrap(host) {
         Ok(h) => h.shutdown().await?,
-        Err(_) => tracing::warn!("segment still referenced at shutdown; the master will expire it after client_ttl"),
+        Err(_) => tracing::warn!(
+            "segment still referenced at shutdown; the master will expire it after client_ttl"
+        ),
     }
     Ok(())
 }
@@ -118,17 +129,37 @@ impl Metrics {
         let registry = Registry::new();
         let g = |name: &str, help: &str| {
             let g = IntGauge::new(name, help).expect("static metric definition");
-            registry.register(Box::new(g.clone())).expect("unique metric name");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric name");
             g
         };
         Metrics {
-            capacity: g("lunakv_store_segment_capacity_bytes", "Bytes of DRAM this store serves"),
-            used: g("lunakv_store_segment_used_bytes", "Bytes held by committed objects"),
-            objects: g("lunakv_store_objects", "Objects whose bytes this store holds"),
-            bytes_read: g("lunakv_store_transfer_read_bytes_total", "Bytes served to readers"),
-            bytes_written: g("lunakv_store_transfer_written_bytes_total", "Bytes received from writers"),
+            capacity: g(
+                "lunakv_store_segment_capacity_bytes",
+                "Bytes of DRAM this store serves",
+            ),
+            used: g(
+                "lunakv_store_segment_used_bytes",
+                "Bytes held by committed objects",
+            ),
+            objects: g(
+                "lunakv_store_objects",
+                "Objects whose bytes this store holds",
+            ),
+            bytes_read: g(
+                "lunakv_store_transfer_read_bytes_total",
+                "Bytes served to readers",
+            ),
+            bytes_written: g(
+                "lunakv_store_transfer_written_bytes_total",
+                "Bytes received from writers",
+            ),
             reads: g("lunakv_store_transfer_reads_total", "Read requests served"),
-            writes: g("lunakv_store_transfer_writes_total", "Write requests served"),
+            writes: g(
+                "lunakv_store_transfer_writes_total",
+                "Write requests served",
+            ),
             registry,
         }
     }

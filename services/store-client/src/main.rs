@@ -5,7 +5,11 @@ use anyhow::Context;
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "lunakv-store", version, about = "lunakv store-client: owns and serves a DRAM segment of the pool")]
+#[command(
+    name = "lunakv-store",
+    version,
+    about = "lunakv store-client: owns and serves a DRAM segment of the pool"
+)]
 struct Cli {
     #[command(flatten)]
     store: lunakv_config::StoreConfig,
