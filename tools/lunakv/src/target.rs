@@ -102,17 +102,15 @@ pub fn resolve(
     })
 }
 
-/// Parses the file without validating its mode or sizes: the CLI is a pure requester whatever
-/// the file says about the engine, and only needs the address.
+/// Loads and validates the file exactly as an engine's connector would (vLLM's mode and size
+/// checks, lunakv's stricter ones), so pointing the CLI at an engine's mooncake_config.json also
+/// checks it. The CLI itself then acts as a pure requester whatever the mode.
 fn load_config(path: &Path) -> anyhow::Result<MooncakeConfig> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        Coded::new(
-            ErrorCode::InvalidParams,
-            format!("cannot read config file {}: {e}", path.display()),
-        )
-    })?;
-    let loaded = MooncakeConfig::from_json_str(&text, &path.display().to_string())
-        .map_err(|e| Coded::new(ErrorCode::InvalidParams, e.to_string()))?;
+    let loaded = MooncakeConfig::load(path, &|_: &str| None::<String>)
+        .map_err(|e| Coded::new(ErrorCode::InvalidParams, format!("{}: {e}", path.display())))?;
+    for w in &loaded.warnings {
+        eprintln!("lunakv: warning: {w}");
+    }
     Ok(loaded.config)
 }
 

@@ -273,7 +273,8 @@ fn build_report(
 }
 
 const LEGEND: &str = "\
-What each row measures (GB/s = 1e9 bytes/s; p50/p99 per call in microseconds; ops/s counts objects):
+What each row measures (GB/s = 1e9 bytes / summed call time; p50/p99 per call in microseconds;
+ops/s counts objects):
   put      a writer StoreClient stores new objects in the lunakv-store's segment
            (master PutStart, the bytes, master PutEnd per call)
   get      a second StoreClient reads them into its own preallocated buffers (get_into /
@@ -317,19 +318,21 @@ fn render(r: &Report, note: &str) -> String {
     }
     let _ = writeln!(
         o,
-        "\nThis machine, same run (median / best of {} and {} runs):",
-        r.memcpy_samples_gbps.len(),
+        "\nThis machine, same run (measured before and after the rows; median / best):"
+    );
+    let _ = writeln!(
+        o,
+        "  memcpy, one thread, 64 MiB buffers        {:>6.2} / {:.2} GB/s  ({} copies)",
+        r.memcpy_gbps,
+        r.memcpy_best_gbps,
+        r.memcpy_samples_gbps.len()
+    );
+    let _ = writeln!(
+        o,
+        "  loopback TCP, 2 processes, 4 MiB writes   {:>6.2} / {:.2} GB/s  ({} streams)",
+        r.loopback_tcp_gbps,
+        r.loopback_tcp_best_gbps,
         r.loopback_tcp_samples_gbps.len()
-    );
-    let _ = writeln!(
-        o,
-        "  memcpy, one thread, 64 MiB buffers        {:>6.2} / {:.2} GB/s",
-        r.memcpy_gbps, r.memcpy_best_gbps
-    );
-    let _ = writeln!(
-        o,
-        "  loopback TCP, 2 processes, 4 MiB writes   {:>6.2} / {:.2} GB/s",
-        r.loopback_tcp_gbps, r.loopback_tcp_best_gbps
     );
     let _ = writeln!(
         o,

@@ -1,0 +1,150 @@
+//! The `lunakv` CLI as an operator uses it: a separate process talking to real services, and
+//! the config checks an engine's mooncake_config.json goes through.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+use lunakv_tests::{Master, Store, bin, pattern, tcp_requester};
+
+fn lunakv(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(bin("lunakv"))
+        .args(args)
+        .env_remove("MOONCAKE_MASTER")
+        .env_remove("MOONCAKE_CONFIG_PATH")
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn lunakv");
+    if let Some(data) = stdin {
+        child.stdin.take().expect("stdin").write_all(data).expect("write stdin");
+    }
+    child.wait_with_output().expect("lunakv output")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+#[test]
+fn cli_put_get_exists_rm_across_processes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(dir.path(), &[]);
+    let _store = Store::start(&m.addr(), "32MB", &[]);
+    let master = m.addr();
+
+    // CLI process puts from stdin; this test process reads it back.
+    let value = pattern(42, 300_001);
+    let out = lunakv(&["--master", &master, "put", "from-cli", "-"], Some(&value));
+    assert!(out.status.success(), "put failed: {}", stderr(&out));
+    let c = tcp_requester(&master);
+    assert_eq!(c.get("from-cli").expect("get what the CLI put"), value);
+
+    // This process puts; the CLI process gets it into a file.
+    let v2 = pattern(43, 1 << 20);
+    c.put("from-test", &v2).expect("put");
+    let file = dir.path().join("out.bin");
+    let out = lunakv(&["--master", &master, "get", "from-test", file.to_str().expect("utf8")], None);
+    assert!(out.status.success(), "get failed: {}", stderr(&out));
+    assert_eq!(std::fs::read(&file).expect("read out file"), v2);
+
+    // get to stdout
+    let out = lunakv(&["--master", &master, "get", "from-cli"], None);
+    assert!(out.status.success());
+    assert_eq!(out.stdout, value);
+
+    // exists: exit 0 yes, 1 no
+    assert_eq!(lunakv(&["--master", &master, "exists", "from-cli"], None).status.code(), Some(0));
+    assert_eq!(lunakv(&["--master", &master, "exists", "nope"], None).status.code(), Some(1));
+
+    // a missing key is an error with Mooncake's code in --json
+    let out = lunakv(&["--master", &master, "--json", "get", "nope"], None);
+    assert!(!out.status.success());
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json error object");
+    assert_eq!(j["ok"], false);
+    assert_eq!(j["code"], -704);
+
+    // rm, with --force because exists/get granted leases
+    let out = lunakv(&["--master", &master, "rm", "from-cli", "--force"], None);
+    assert!(out.status.success(), "rm: {}", stderr(&out));
+    assert!(!c.exists("from-cli").expect("exists"));
+
+    // status --json reports the store's segment and the remaining key
+    let out = lunakv(&["--master", &master, "--json", "status"], None);
+    assert!(out.status.success(), "status: {}", stderr(&out));
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status json");
+    let text = s.to_string();
+    assert!(text.contains(&_store.segment_name()), "{text}");
+    assert_eq!(s["keys"], 1, "{text}");
+    assert_eq!(s["capacity_bytes"].as_u64(), Some(32 << 20), "{text}");
+    assert_eq!(s["used_bytes"].as_u64(), Some(1 << 20), "{text}");
+
+    // The master address can also come from MOONCAKE_MASTER.
+    let out = Command::new(bin("lunakv"))
+        .args(["exists", "from-test"])
+        .env("MOONCAKE_MASTER", &master)
+        .env_remove("MOONCAKE_CONFIG_PATH")
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+#[test]
+fn cli_reports_a_dead_master_clearly() {
+    // A port nothing listens on.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    drop(l);
+    let out = lunakv(&["--master", &addr, "put", "k", "-"], Some(b"v"));
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains(&addr), "should name the address: {err}");
+}
+
+/// Each mooncake_config.json check, through the CLI's `--config`, gives vLLM's message (or
+/// lunakv's stricter one) and a non-zero exit.
+#[test]
+fn config_checks_and_their_messages() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases: &[(&str, &str)] = &[
+        (
+            r#"{"mode":"weird","master_server_address":"127.0.0.1:1","global_segment_size":0,"local_buffer_size":"1GB"}"#,
+            "unknown Mooncake mode: 'weird'",
+        ),
+        (
+            r#"{"mode":"standalone-store","master_server_address":"127.0.0.1:1","global_segment_size":0,"local_buffer_size":0}"#,
+            "local_buffer_size must be > 0",
+        ),
+        (
+            r#"{"mode":"embedded","master_server_address":"127.0.0.1:1","global_segment_size":0,"local_buffer_size":"1GB"}"#,
+            "embedded mode requires global_segment_size > 0",
+        ),
+        (
+            r#"{"mode":"standalone-store","master_server_address":"127.0.0.1:1","global_segment_size":"4GB","local_buffer_size":"1GB"}"#,
+            "standalone-store mode requires global_segment_size == 0",
+        ),
+        (
+            r#"{"mode":"standalone-store","master_server_address":"127.0.0.1:1","global_segment_size":0,"local_buffer_size":"1GB","enable_offload":"false"}"#,
+            "enable_offload must be a JSON boolean",
+        ),
+        (r#"{"mode":"standalone-store", "master_server_address":"#, "invalid JSON"),
+        (r#"{"mode": "standalone-store",, }"#, "invalid JSON"),
+    ];
+    for (i, (json, want)) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("c{i}.json"));
+        std::fs::write(&path, json).expect("write config");
+        let out = lunakv(&["--config", path.to_str().expect("utf8"), "exists", "k"], None);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "case {i}: {err}");
+        assert!(err.contains(want), "case {i}: expected '{want}' in: {err}");
+    }
+    // MOONCAKE_CONFIG_PATH pointing nowhere names the file.
+    let out = Command::new(bin("lunakv"))
+        .args(["exists", "k"])
+        .env("MOONCAKE_CONFIG_PATH", dir.path().join("missing.json"))
+        .env_remove("MOONCAKE_MASTER")
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("missing.json"), "{}", stderr(&out));
+}
