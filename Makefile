@@ -17,10 +17,12 @@ release:
 run: release
 	./target/release/lunakv up $(ARGS)
 
-## Every test: unit tests, the metadata conformance suite, and the end-to-end tests that start
-## the real binaries on loopback (they need the binaries built first).
+## Every test: unit tests, the metadata conformance suite, the end-to-end tests that start the
+## real binaries on loopback (they need the binaries built first), and the Python module's
+## pytest suite (builds the wheel into .venv).
 test: build
 	$(CARGO) test --workspace --no-fail-fast
+	bindings/python/build.sh test
 
 lint:
 	$(CARGO) fmt --all -- --check

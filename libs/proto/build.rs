@@ -8,7 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         unsafe { std::env::set_var("PROTOC", protoc) };
     }
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = ["lunakv/master.proto"].map(|f| root.join(f));
+    let files = ["lunakv/master.proto", "lunakv/bootstrap.proto"].map(|f| root.join(f));
     for f in &files {
         println!("cargo:rerun-if-changed={}", f.display());
     }

@@ -152,6 +152,30 @@ impl Proc {
         }
     }
 
+    /// Sends `sig` (e.g. `libc::SIGSTOP`, `libc::SIGCONT`) to the process.
+    pub fn signal(&self, sig: i32) {
+        if let Some(c) = self.child.as_ref() {
+            // SAFETY: kill(2) on our own, not yet reaped, child.
+            unsafe { libc::kill(c.id() as i32, sig) };
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit on its own; its exit code.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        let c = self.child.as_mut()?;
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                self.child = None;
+                return st.code();
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         match self.child.as_mut() {
@@ -219,6 +243,22 @@ impl Master {
             data_dir: data_dir.to_path_buf(),
             extra,
         }
+    }
+
+    /// An HA master (`--enable_ha`) campaigning in the etcd at `etcd_endpoints`.
+    pub fn start_ha(data_dir: &Path, etcd_endpoints: &str, extra: &[&str]) -> Master {
+        let mut args = vec![
+            "--enable_ha=true".to_owned(),
+            format!("--etcd_endpoints={etcd_endpoints}"),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Self::start_with(data_dir, args, 0)
+    }
+
+    /// `leader` or `follower` (GET /role); `None` when the admin port does not answer (the
+    /// process is dead or paused).
+    pub fn role(&self) -> Option<String> {
+        try_http_get(self.admin, "/role").map(|(_, b)| b.trim().to_owned())
     }
 
     /// kill -9 and start again on the same rpc port and data dir.
@@ -326,17 +366,29 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 /// Minimal HTTP/1.1 GET, enough for the admin endpoints.
 pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    get_within(addr, path, Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("GET http://{addr}{path} failed"))
+}
+
+/// Like [`http_get`], `None` instead of a panic when the listener does not answer within 1 s
+/// (a paused or dead process).
+pub fn try_http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    get_within(addr, path, Duration::from_secs(1))
+}
+
+fn get_within(addr: SocketAddr, path: &str, timeout: Duration) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut s =
-        std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect admin");
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5).min(timeout * 5))
+            .ok()?;
+    s.set_read_timeout(Some(timeout)).ok();
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )
-    .expect("send");
+    .ok()?;
     let mut buf = Vec::new();
-    s.read_to_end(&mut buf).expect("read");
+    s.read_to_end(&mut buf).ok()?;
     let text = String::from_utf8_lossy(&buf).to_string();
     let status = text
         .split_whitespace()
@@ -354,7 +406,7 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         Some((_, body)) => body.to_owned(),
         None => String::new(),
     };
-    (status, body)
+    (status != 0).then_some((status, body))
 }
 
 fn dechunk(body: &str) -> String {
@@ -384,3 +436,5 @@ pub fn wait_until<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Opt
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+pub mod pd;

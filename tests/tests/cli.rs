@@ -11,13 +11,22 @@ fn lunakv(args: &[&str], stdin: Option<&[u8]>) -> Output {
         .args(args)
         .env_remove("MOONCAKE_MASTER")
         .env_remove("MOONCAKE_CONFIG_PATH")
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn lunakv");
     if let Some(data) = stdin {
-        child.stdin.take().expect("stdin").write_all(data).expect("write stdin");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(data)
+            .expect("write stdin");
     }
     child.wait_with_output().expect("lunakv output")
 }
@@ -44,7 +53,16 @@ fn cli_put_get_exists_rm_across_processes() {
     let v2 = pattern(43, 1 << 20);
     c.put("from-test", &v2).expect("put");
     let file = dir.path().join("out.bin");
-    let out = lunakv(&["--master", &master, "get", "from-test", file.to_str().expect("utf8")], None);
+    let out = lunakv(
+        &[
+            "--master",
+            &master,
+            "get",
+            "from-test",
+            file.to_str().expect("utf8"),
+        ],
+        None,
+    );
     assert!(out.status.success(), "get failed: {}", stderr(&out));
     assert_eq!(std::fs::read(&file).expect("read out file"), v2);
 
@@ -54,8 +72,18 @@ fn cli_put_get_exists_rm_across_processes() {
     assert_eq!(out.stdout, value);
 
     // exists: exit 0 yes, 1 no
-    assert_eq!(lunakv(&["--master", &master, "exists", "from-cli"], None).status.code(), Some(0));
-    assert_eq!(lunakv(&["--master", &master, "exists", "nope"], None).status.code(), Some(1));
+    assert_eq!(
+        lunakv(&["--master", &master, "exists", "from-cli"], None)
+            .status
+            .code(),
+        Some(0)
+    );
+    assert_eq!(
+        lunakv(&["--master", &master, "exists", "nope"], None)
+            .status
+            .code(),
+        Some(1)
+    );
 
     // a missing key is an error with Mooncake's code in --json
     let out = lunakv(&["--master", &master, "--json", "get", "nope"], None);
@@ -127,13 +155,19 @@ fn config_checks_and_their_messages() {
             r#"{"mode":"standalone-store","master_server_address":"127.0.0.1:1","global_segment_size":0,"local_buffer_size":"1GB","enable_offload":"false"}"#,
             "enable_offload must be a JSON boolean",
         ),
-        (r#"{"mode":"standalone-store", "master_server_address":"#, "invalid JSON"),
+        (
+            r#"{"mode":"standalone-store", "master_server_address":"#,
+            "invalid JSON",
+        ),
         (r#"{"mode": "standalone-store",, }"#, "invalid JSON"),
     ];
     for (i, (json, want)) in cases.iter().enumerate() {
         let path = dir.path().join(format!("c{i}.json"));
         std::fs::write(&path, json).expect("write config");
-        let out = lunakv(&["--config", path.to_str().expect("utf8"), "exists", "k"], None);
+        let out = lunakv(
+            &["--config", path.to_str().expect("utf8"), "exists", "k"],
+            None,
+        );
         let err = stderr(&out);
         assert_eq!(out.status.code(), Some(2), "case {i}: {err}");
         assert!(err.contains(want), "case {i}: expected '{want}' in: {err}");

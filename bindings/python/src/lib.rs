@@ -23,7 +23,8 @@
 //! Every `StoreClient` call runs with the GIL released (`Python::detach`), so vLLM's sending and
 //! receiving threads and the model loop run in parallel. Every call also runs under
 //! `catch_unwind`: a Rust panic is logged and answered with -1 (INTERNAL_ERROR) instead of
-//! unwinding into the interpreter.
+//! unwinding into the interpreter. Clients still open at interpreter exit are closed by an
+//! `atexit` hook (an embedded segment is unmounted at once, not after the master's client TTL).
 //!
 //! ## Logging
 //! Rust-side warnings and errors (why a `setup` failed, a refused config) go to stderr through
@@ -48,6 +49,10 @@ fn _lunakv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::MooncakeDistributedStore>()?;
     m.add_class::<types::ReplicateConfig>()?;
     m.add_class::<types::ReplicaDescriptor>()?;
+    m.add_function(wrap_pyfunction!(store::close_all, m)?)?;
+    m.py()
+        .import("atexit")?
+        .call_method1("register", (m.getattr("_close_all")?,))?;
     Ok(())
 }
 
@@ -63,6 +68,7 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .try_init();
 }

@@ -19,6 +19,26 @@ const DEFAULT_SETUP_SIZE: i128 = 16 << 20;
 /// A key that never exists; `health_check` asks the master about it.
 const HEALTH_KEY: &str = "__lunakv_health_check__";
 
+/// Every client set up in this process, so [`close_all`] can close them at interpreter exit.
+static LIVE: parking_lot::Mutex<Vec<std::sync::Weak<StoreClient>>> =
+    parking_lot::Mutex::new(Vec::new());
+
+/// Closes every client still open (registered with `atexit` by the module), so an engine that
+/// exits without `close()` unmounts its segment at once instead of when the master's client
+/// TTL runs out, as upstream's resource tracker does.
+#[pyfunction]
+#[pyo3(name = "_close_all")]
+pub fn close_all(py: Python<'_>) {
+    let live: Vec<Arc<StoreClient>> = LIVE.lock().drain(..).filter_map(|w| w.upgrade()).collect();
+    detached(py, (), move || {
+        for c in live {
+            if let Err(e) = c.close() {
+                tracing::warn!("lunakv: close at exit: {e}");
+            }
+        }
+    });
+}
+
 fn code(e: &ClientError) -> i64 {
     i64::from(e.code().as_i32())
 }
@@ -76,18 +96,36 @@ impl MooncakeDistributedStore {
     }
 
     fn install(&self, py: Python<'_>, opts: ClientOptions) -> i64 {
-        // A second setup replaces the first client, as upstream re-creates its client.
-        if let Some(old) = self.client.write().take() {
+        // A second setup replaces the first client, as upstream re-creates its client. The lock
+        // is released before the GIL is: no lock is ever held across `detached`.
+        let old = self.client.write().take();
+        if let Some(old) = old {
             detached(py, (), move || drop(old.close()));
         }
         let hostname = opts.local_hostname.clone();
         let connected = detached(py, Err(None), move || {
-            StoreClient::connect(opts).map_err(Some)
+            let c = StoreClient::connect(opts).map_err(Some)?;
+            // A requester's connect makes no RPC, so a peer that accepts TCP but never answers
+            // would pass. Upstream's setup talks to the master; so does this one: one
+            // existence query, bounded by the client's RPC timeout.
+            match c.exists(HEALTH_KEY) {
+                Ok(_) => Ok(c),
+                Err(e) => {
+                    let _ = c.close();
+                    Err(Some(e))
+                }
+            }
         });
         match connected {
             Ok(c) => {
                 *self.hostname.write() = c.segment_name().unwrap_or(hostname);
-                *self.client.write() = Some(Arc::new(c));
+                let c = Arc::new(c);
+                {
+                    let mut live = LIVE.lock();
+                    live.retain(|w| w.strong_count() > 0);
+                    live.push(Arc::downgrade(&c));
+                }
+                *self.client.write() = Some(c);
                 0
             }
             Err(Some(e)) => {

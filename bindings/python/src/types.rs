@@ -49,11 +49,13 @@ impl ReplicateConfig {
 
     fn __repr__(&self) -> String {
         format!(
-            "ReplicateConfig(replica_num={}, preferred_segment={:?}, preferred_segments={:?}, group_ids={:?}, with_soft_pin={}, with_hard_pin={})",
+            "ReplicateConfig(replica_num={}, preferred_segment={:?}, preferred_segments={:?}, group_ids={}, with_soft_pin={}, with_hard_pin={})",
             self.replica_num,
             self.preferred_segment,
             self.preferred_segments,
-            self.group_ids,
+            self.group_ids
+                .as_ref()
+                .map_or_else(|| "None".to_owned(), |g| format!("{g:?}")),
             if self.with_soft_pin { "True" } else { "False" },
             if self.with_hard_pin { "True" } else { "False" },
         )

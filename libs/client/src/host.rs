@@ -18,6 +18,7 @@ use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
 use crate::ClientError;
+use crate::link::MasterLink;
 
 /// Most keys reported per Ping; the rest wait for the next one.
 const TOUCHED_KEYS_PER_PING: usize = 10_000;
@@ -46,8 +47,7 @@ pub struct SegmentHost {
     server: Arc<SegmentServer>,
     info: SegmentInfo,
     client_id: String,
-    master: MasterClient<Channel>,
-    master_addr: String,
+    master: MasterLink,
     stop: watch::Sender<bool>,
     heartbeat: Option<JoinHandle<()>>,
     rpc_timeout: Duration,
@@ -56,8 +56,15 @@ pub struct SegmentHost {
 impl SegmentHost {
     /// Starts serving the segment and mounts it. Fails if the master is unreachable or refuses
     /// the mount (for example a cluster_id mismatch), with the master's message.
+    /// `master_server_address` may be `etcd://h1:2379;h2:2379`: the segment then follows the
+    /// HA leader and re-mounts with its inventory on every new leader.
     pub async fn start(opts: HostOptions) -> Result<SegmentHost, ClientError> {
-        let master = connect_master(&opts.master_server_address, opts.rpc_timeout).await?;
+        let master = MasterLink::connect(
+            &opts.master_server_address,
+            &opts.cluster_id,
+            opts.rpc_timeout,
+        )
+        .await?;
         let server = SegmentServer::start(SegmentServerConfig {
             bind: opts.bind,
             size: opts.size,
@@ -71,7 +78,6 @@ impl SegmentHost {
         let info = server.info();
         let mounter = Mounter {
             master: master.clone(),
-            master_addr: opts.master_server_address.clone(),
             client_id: opts.client_id.clone(),
             cluster_id: opts.cluster_id.clone(),
             protocol: opts.protocol.clone(),
@@ -86,7 +92,6 @@ impl SegmentHost {
             info,
             client_id: opts.client_id,
             master,
-            master_addr: opts.master_server_address,
             stop,
             heartbeat: Some(heartbeat),
             rpc_timeout: opts.rpc_timeout,
@@ -112,7 +117,7 @@ impl SegmentHost {
         if let Some(h) = self.heartbeat.take() {
             let _ = h.await;
         }
-        let mut master = self.master.clone();
+        let mut master = self.master.client();
         let req = pb::UnmountSegmentRequest {
             client_id: self.client_id.clone(),
             segment_name: self.info.name.clone(),
@@ -121,9 +126,9 @@ impl SegmentHost {
         self.server.shutdown();
         match res {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(status)) => Err(rpc_error(&self.master_addr, &status)),
+            Ok(Err(status)) => Err(rpc_error(&self.master.addr(), &status)),
             Err(_) => Err(ClientError::Rpc {
-                addr: self.master_addr.clone(),
+                addr: self.master.addr(),
                 message: "unmount timed out".to_owned(),
             }),
         }
@@ -140,8 +145,7 @@ impl Drop for SegmentHost {
 /// Mounts (and re-mounts) a segment; also drives the heartbeat of a pure requester, which has
 /// no segment.
 pub(crate) struct Mounter {
-    pub(crate) master: MasterClient<Channel>,
-    pub(crate) master_addr: String,
+    pub(crate) master: MasterLink,
     pub(crate) client_id: String,
     pub(crate) cluster_id: String,
     pub(crate) protocol: String,
@@ -174,11 +178,11 @@ impl Mounter {
         };
         let resp = self
             .master
-            .clone()
-            .mount_segment(req)
-            .await
-            .map_err(|s| rpc_error(&self.master_addr, &s))?
-            .into_inner();
+            .call(|mut m| {
+                let req = req.clone();
+                async move { m.mount_segment(req).await }
+            })
+            .await?;
         tracing::info!(
             segment = %info.name,
             size = info.size,
@@ -195,9 +199,13 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut healthy = true;
+    // A new HA leader knows nobody: ping it at once (it answers remount_required and the
+    // inventory goes over) instead of waiting for the next tick.
+    let mut leader_changed = m.master.subscribe();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
+            _ = leader_changed.changed() => {}
             _ = stop.changed() => return,
         }
         if *stop.borrow() {
@@ -212,28 +220,42 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
             client_id: m.client_id.clone(),
             touched_keys: touched,
         };
-        match tokio::time::timeout(every * 3, m.master.clone().ping(req)).await {
+        // One attempt per tick (the next tick retries); the ping of a paused leader is
+        // abandoned as soon as the leader key names another master.
+        let mut client = m.master.client();
+        let ping = tokio::time::timeout(every * 3, client.ping(req));
+        let outcome = tokio::select! {
+            r = ping => Some(r),
+            _ = leader_changed.changed() => None,
+        };
+        let Some(outcome) = outcome else {
+            // Ping the new leader right away.
+            tick.reset_immediately();
+            continue;
+        };
+        match outcome {
             Ok(Ok(resp)) => {
                 if !healthy {
-                    tracing::info!(master = %m.master_addr, "master reachable again");
+                    tracing::info!(master = %m.master.addr(), "master reachable again");
                     healthy = true;
                 }
                 if resp.into_inner().remount_required && m.server.is_some() {
-                    tracing::warn!(master = %m.master_addr, "master does not know this client (restarted?): mounting again with inventory");
+                    tracing::warn!(master = %m.master.addr(), "master does not know this client (restarted, or a new HA leader): mounting again with inventory");
                     if let Err(e) = m.mount().await {
                         tracing::warn!(error = %e, "re-mount failed; retrying on the next ping");
                     }
                 }
             }
             Ok(Err(status)) => {
+                m.master.follow_redirect(&status);
                 if healthy {
-                    tracing::warn!(master = %m.master_addr, error = %status.message(), "ping failed; will keep trying");
+                    tracing::warn!(master = %m.master.addr(), error = %status.message(), "ping failed; will keep trying");
                     healthy = false;
                 }
             }
             Err(_) => {
                 if healthy {
-                    tracing::warn!(master = %m.master_addr, "ping timed out; will keep trying");
+                    tracing::warn!(master = %m.master.addr(), "ping timed out; will keep trying");
                     healthy = false;
                 }
             }

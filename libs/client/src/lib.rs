@@ -11,6 +11,9 @@
 //!   requester against a `lunakv-store`'s pool).
 //! - [`SegmentHost`] mounts a segment with the master, pings, re-mounts with its inventory when
 //!   the master restarted, and unmounts on close. `lunakv-store` is a `SegmentHost` plus flags.
+//! - HA: `master_server_address = "etcd://h1:2379;h2:2379"` finds the master leader in etcd and
+//!   follows it (a watch on the leader key); calls retry across a failover, segments re-mount
+//!   with their inventory on the new leader. Cached gets never need the master.
 //!
 //! Gets skip the master when the client already knows the object's generation and location
 //! (see docs/ARCHITECTURE.md, "The generation, and why gets skip the master").
@@ -18,6 +21,7 @@
 mod cache;
 mod error;
 mod host;
+mod link;
 mod location;
 mod options;
 mod store;

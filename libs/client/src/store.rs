@@ -16,7 +16,8 @@ use tokio::sync::watch;
 use tonic::transport::Channel;
 
 use crate::cache::LocationCache;
-use crate::host::{self, HostOptions, Mounter, SegmentHost};
+use crate::host::{HostOptions, Mounter, SegmentHost};
+use crate::link::MasterLink;
 use crate::{ClientError, ClientOptions, Location, Mode, ReplicateConfig, Result};
 
 /// Attempts at a get when owners answer "stale" (the object was evicted or removed and maybe
@@ -28,7 +29,7 @@ pub struct StoreClient {
     opts: ClientOptions,
     client_id: String,
     rt: Runtime,
-    master: MasterClient<Channel>,
+    master: MasterLink,
     engine: TransferEngine,
     cache: LocationCache,
     host: Mutex<Option<SegmentHost>>,
@@ -49,8 +50,10 @@ impl StoreClient {
             .build()
             .map_err(|e| ClientError::Config(format!("cannot start the client runtime: {e}")))?;
         let client_id = uuid::Uuid::new_v4().to_string();
-        let master = rt.block_on(host::connect_master(
+        // `host:port`, or `etcd://h1:2379;h2:2379` to find and follow the HA leader.
+        let master = rt.block_on(MasterLink::connect(
             &opts.master_server_address,
+            &opts.cluster_id,
             opts.rpc_timeout,
         ))?;
 
@@ -88,14 +91,13 @@ impl StoreClient {
         if host.is_none() {
             let m = Mounter {
                 master: master.clone(),
-                master_addr: opts.master_server_address.clone(),
                 client_id: client_id.clone(),
                 cluster_id: opts.cluster_id.clone(),
                 protocol: opts.protocol.clone(),
                 enable_offload: false,
                 server: None,
             };
-            rt.spawn(host::heartbeat(m, Duration::from_secs(1), stop_rx));
+            rt.spawn(crate::host::heartbeat(m, Duration::from_secs(1), stop_rx));
         }
 
         let engine = TransferEngine::new(TransferOptions {
@@ -175,7 +177,10 @@ impl StoreClient {
                 items: pb_items,
                 config: Some(self.replicate_config(cfg)),
             };
-            match self.rpc(|mut m| async move { m.batch_put_start(req).await }) {
+            match self.rpc(|mut m| {
+                let req = req.clone();
+                async move { m.batch_put_start(req).await }
+            }) {
                 Err(e) => {
                     let msg = e.to_string();
                     for (i, _) in &started {
@@ -281,7 +286,10 @@ impl StoreClient {
                 keys: revoke_keys,
             };
             // Best effort: a put never ended is reclaimed by the master's discard timeout anyway.
-            if let Err(e) = self.rpc(|mut m| async move { m.batch_put_revoke(req).await }) {
+            if let Err(e) = self.rpc(|mut m| {
+                let req = req.clone();
+                async move { m.batch_put_revoke(req).await }
+            }) {
                 tracing::warn!(error = %e, "put revoke failed; the master reclaims the space after its discard timeout");
             }
         }
@@ -292,10 +300,19 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             keys: end_keys,
         };
-        match self.rpc(|mut m| async move { m.batch_put_end(req).await }) {
+        // Keys whose PutEnd did not succeed are revoked: a put is either published or
+        // abandoned, never left half-visible. After an HA failover the new leader may not know
+        // the put at all (its PutEnd fails with "not found"); the revoke is then a no-op and the
+        // bytes at the owner stay unpublished until the space is reused.
+        let mut unpublished = Vec::new();
+        match self.rpc(|mut m| {
+            let req = req.clone();
+            async move { m.batch_put_end(req).await }
+        }) {
             Err(e) => {
                 let msg = e.to_string();
                 for j in end_idx {
+                    unpublished.push(items[started[j].0].0.to_owned());
                     results[started[j].0] = Some(Err(ClientError::Rpc {
                         addr: self.opts.master_server_address.clone(),
                         message: msg.clone(),
@@ -319,8 +336,23 @@ impl StoreClient {
                             message: "master answered fewer results than items".to_owned(),
                         }),
                     };
+                    if r.is_err() {
+                        unpublished.push(key.to_owned());
+                    }
                     results[i] = Some(r);
                 }
+            }
+        }
+        if !unpublished.is_empty() && self.master.is_ha() {
+            let req = pb::BatchKeysRequest {
+                client_id: self.client_id.clone(),
+                keys: unpublished,
+            };
+            if let Err(e) = self.rpc(|mut m| {
+                let req = req.clone();
+                async move { m.batch_put_revoke(req).await }
+            }) {
+                tracing::warn!(error = %e, "revoking unpublished puts failed; the master reclaims them after its discard timeout");
             }
         }
     }
@@ -485,7 +517,10 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             keys: misses.iter().map(|&i| keys[i].to_owned()).collect(),
         };
-        match self.rpc(|mut m| async move { m.batch_get_replica_list(req).await }) {
+        match self.rpc(|mut m| {
+            let req = req.clone();
+            async move { m.batch_get_replica_list(req).await }
+        }) {
             Err(e) => {
                 let msg = e.to_string();
                 for &i in misses {
@@ -525,7 +560,10 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             key: key.to_owned(),
         };
-        let resp = self.rpc(|mut m| async move { m.get_replica_list(req).await })?;
+        let resp = self.rpc(|mut m| {
+            let req = req.clone();
+            async move { m.get_replica_list(req).await }
+        })?;
         self.accept_location(key, &resp)
     }
 
@@ -610,7 +648,10 @@ impl StoreClient {
                 client_id: self.client_id.clone(),
                 keys: ask.iter().map(|&i| keys[i].to_owned()).collect(),
             };
-            match self.rpc(|mut m| async move { m.batch_exist_key(req).await }) {
+            match self.rpc(|mut m| {
+                let req = req.clone();
+                async move { m.batch_exist_key(req).await }
+            }) {
                 Err(e) => {
                     let msg = e.to_string();
                     for &i in &ask {
@@ -669,7 +710,10 @@ impl StoreClient {
                 client_id: self.client_id.clone(),
                 keys: ask.iter().map(|&i| keys[i].to_owned()).collect(),
             };
-            match self.rpc(|mut m| async move { m.batch_get_replica_list(req).await }) {
+            match self.rpc(|mut m| {
+                let req = req.clone();
+                async move { m.batch_get_replica_list(req).await }
+            }) {
                 Err(e) => {
                     let msg = e.to_string();
                     for &i in &ask {
@@ -708,7 +752,10 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             key: key.to_owned(),
         };
-        let l = self.rpc(|mut m| async move { m.exist_key(req).await })?;
+        let l = self.rpc(|mut m| {
+            let req = req.clone();
+            async move { m.exist_key(req).await }
+        })?;
         if l.code != 0 {
             return Err(ClientError::from_item(key, 0, l.code, &l.message));
         }
@@ -740,7 +787,10 @@ impl StoreClient {
                 keys: ask.iter().map(|&i| keys[i].to_owned()).collect(),
                 force,
             };
-            match self.rpc(|mut m| async move { m.batch_remove(req).await }) {
+            match self.rpc(|mut m| {
+                let req = req.clone();
+                async move { m.batch_remove(req).await }
+            }) {
                 Err(e) => {
                     let msg = e.to_string();
                     for &i in &ask {
@@ -777,7 +827,10 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             force,
         };
-        let r = self.rpc(|mut m| async move { m.remove_all(req).await })?;
+        let r = self.rpc(|mut m| {
+            let req = req.clone();
+            async move { m.remove_all(req).await }
+        })?;
         if r.code != 0 {
             return Err(ClientError::from_item("*", 0, r.code, &r.message));
         }
@@ -850,16 +903,14 @@ impl StoreClient {
         }
     }
 
+    /// One master call; with an etcd master address it retries across a leader failover
+    /// (`call` runs once per attempt, so it clones its request).
     fn rpc<T, F, Fut>(&self, call: F) -> Result<T>
     where
-        F: FnOnce(MasterClient<Channel>) -> Fut,
+        F: Fn(MasterClient<Channel>) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
     {
-        let fut = call(self.master.clone());
-        self.rt
-            .block_on(fut)
-            .map(tonic::Response::into_inner)
-            .map_err(|s| host::rpc_error(&self.opts.master_server_address, &s))
+        self.rt.block_on(self.master.call(call))
     }
 }
 

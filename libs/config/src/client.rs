@@ -16,7 +16,7 @@
 //! | field | default | notes |
 //! |---|---|---|
 //! | `mode` | `"embedded"` | or `"standalone-store"` |
-//! | `master_server_address` | `""` | required; `host:port` (`etcd://` later) |
+//! | `master_server_address` | `""` | required; `host:port`, or `etcd://h1:2379;h2:2379` for an HA master |
 //! | `metadata_server` | `""` | lunakv's master hosts metadata; anything but `""`/`P2PHANDSHAKE` warns |
 //! | `protocol` | `"rdma"` | vLLM's default; `"tcp"` or `"rdma"` |
 //! | `device_name` | `""` | RDMA device list |
@@ -425,7 +425,7 @@ impl MooncakeConfig {
                 fix: "set \"master_server_address\": \"127.0.0.1:50051\" (the lunakv-master's host:port) in mooncake_config.json, or MOONCAKE_MASTER".to_string(),
             });
         }
-        self.master_addr()?;
+        self.master_address()?;
         self.preferred_segment()?;
 
         let mut warnings = Vec::new();
@@ -452,7 +452,14 @@ impl MooncakeConfig {
         self.mode == Mode::Embedded
     }
 
-    /// The master's address. `etcd://...` is refused as not supported yet.
+    /// The master's address: `host:port`, or `etcd://h1:2379;h2:2379` (HA: the leader is
+    /// looked up, and followed, in etcd).
+    pub fn master_address(&self) -> Result<crate::MasterAddress, ConfigError> {
+        crate::MasterAddress::parse("master_server_address", &self.master_server_address)
+    }
+
+    /// The master's address when it is a single `host:port` (`etcd://...` is an error here;
+    /// use [`master_address`](Self::master_address) to accept both).
     pub fn master_addr(&self) -> Result<HostPort, ConfigError> {
         HostPort::parse_master("master_server_address", &self.master_server_address)
     }

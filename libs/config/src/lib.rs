@@ -20,6 +20,7 @@
 //! as unset, as in upstream's `if os.getenv(...)` checks.
 
 pub mod client;
+pub mod etcd;
 pub mod master;
 pub mod size;
 pub mod store;
@@ -30,6 +31,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 pub use client::{Mode, MooncakeConfig};
+pub use etcd::{EtcdEndpoints, MasterAddress};
 pub use size::{SizeError, parse_size};
 pub use store::StoreConfig;
 
@@ -149,6 +151,16 @@ pub enum ConfigError {
         field: String,
         value: String,
         scheme: String,
+    },
+
+    /// An etcd endpoint list that does not parse.
+    #[error(
+        "{field} '{value}' is not a valid etcd endpoint list: {reason}; write \"h1:2379;h2:2379\" (or \"etcd://h1:2379;h2:2379\" as a master address)"
+    )]
+    InvalidEtcdEndpoints {
+        field: String,
+        value: String,
+        reason: String,
     },
 
     /// A protocol name lunakv does not know.

@@ -52,6 +52,15 @@ pub struct MasterConfig {
     pub data_dir: PathBuf,
     /// Accepted for compatibility; the SSD tier comes in a later issue.
     pub enable_offload: bool,
+    /// HA (upstream `--enable_ha`): campaign for leadership in etcd; followers redirect clients.
+    pub enable_ha: bool,
+    /// etcd client endpoints, `;`-separated as upstream (`h1:2379;h2:2379`; `etcd://` accepted).
+    pub etcd_endpoints: String,
+    /// HA backend (upstream `--ha_backend_type`); only `etcd` is implemented.
+    pub ha_backend_type: String,
+    /// lunakv: the host published in the leader key for clients to dial, when `rpc_address` is
+    /// a wildcard (0.0.0.0 / ::). Default: `rpc_address`.
+    pub advertise_address: String,
 }
 
 impl Default for MasterConfig {
@@ -71,6 +80,10 @@ impl Default for MasterConfig {
             put_start_release_timeout_sec: 600,
             data_dir: PathBuf::from("./lunakv-master-data"),
             enable_offload: false,
+            enable_ha: false,
+            etcd_endpoints: String::new(),
+            ha_backend_type: "etcd".to_string(),
+            advertise_address: String::new(),
         }
     }
 }
@@ -98,19 +111,20 @@ const KEYS: &[(&str, Kind)] = &[
     ("put_start_release_timeout_sec", Kind::Num),
     ("data_dir", Kind::Str),
     ("enable_offload", Kind::Bool),
+    ("enable_ha", Kind::Bool),
+    ("etcd_endpoints", Kind::Str),
+    ("ha_backend_type", Kind::Str),
+    ("advertise_address", Kind::Str),
 ];
 
 /// Upstream master keys lunakv accepts and ignores (with a warning): the features behind them
-/// are other issues (HA, SSD offload) or are replaced (the HTTP metadata server: lunakv's master
+/// are other issues (SSD offload) or are replaced (the HTTP metadata server: lunakv's master
 /// keeps segment metadata itself).
 pub const IGNORED_KEYS: &[&str] = &[
     "http_metadata_server_port",
     "http_metadata_server_host",
     "enable_http_metadata_server",
     "root_fs_dir",
-    "enable_ha",
-    "ha_backend_type",
-    "etcd_endpoints",
     "enable_metric_reporting",
     "rpc_thread_num",
     "rpc_conn_timeout_seconds",
@@ -334,6 +348,7 @@ impl MasterConfig {
                     .to_string(),
             });
         }
+        self.validate_ha()?;
         if self.data_dir.as_os_str().is_empty() {
             return Err(MasterConfigError::Invalid {
                 field: "data_dir",
@@ -344,6 +359,65 @@ impl MasterConfig {
             });
         }
         Ok(())
+    }
+
+    /// HA settings: only checked when `enable_ha` is on (llm-d's master.yaml carries
+    /// `etcd_endpoints` with `enable_ha: false`).
+    fn validate_ha(&self) -> Result<(), MasterConfigError> {
+        if !self.enable_ha {
+            return Ok(());
+        }
+        if self.ha_backend_type != "etcd" {
+            return Err(MasterConfigError::Invalid {
+                field: "ha_backend_type",
+                value: format!("{:?}", self.ha_backend_type),
+                fix: "only etcd is implemented: use --ha_backend_type=etcd (the default) with \
+                      --etcd_endpoints"
+                    .to_string(),
+            });
+        }
+        if self.etcd_endpoints.trim().is_empty() {
+            return Err(MasterConfigError::Invalid {
+                field: "etcd_endpoints",
+                value: "\"\"".to_string(),
+                fix: "--enable_ha needs etcd: pass --etcd_endpoints=\"h1:2379;h2:2379\""
+                    .to_string(),
+            });
+        }
+        self.etcd()?;
+        let wildcard = self
+            .rpc_address
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_unspecified());
+        if wildcard && self.advertise_address.trim().is_empty() {
+            return Err(MasterConfigError::Invalid {
+                field: "advertise_address",
+                value: "\"\"".to_string(),
+                fix: format!(
+                    "rpc_address {} is a wildcard, which clients cannot dial: set \
+                     --advertise_address to this master's reachable host (e.g. $(POD_IP))",
+                    self.rpc_address
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The parsed `etcd_endpoints`.
+    pub fn etcd(&self) -> Result<crate::EtcdEndpoints, MasterConfigError> {
+        crate::EtcdEndpoints::parse("etcd_endpoints", &self.etcd_endpoints).map_err(|e| {
+            MasterConfigError::Invalid {
+                field: "etcd_endpoints",
+                value: format!("{:?}", self.etcd_endpoints),
+                fix: e.to_string(),
+            }
+        })
+    }
+
+    /// The host clients dial: `advertise_address`, else `rpc_address`.
+    pub fn advertised_host(&self) -> &str {
+        let a = self.advertise_address.trim();
+        if a.is_empty() { &self.rpc_address } else { a }
     }
 
     /// `put_start_discard_timeout_sec` as a duration.
@@ -621,8 +695,14 @@ mod tests {
              cluster_id: mooncake_cluster\nenable_ha: false\netcd_endpoints: \"h1:2379;h2:2379\"\n",
         );
         let loaded = load_file(path).expect("load");
-        assert_eq!(loaded.config, MasterConfig::default());
-        assert_eq!(loaded.warnings.len(), 4, "{:?}", loaded.warnings);
+        assert_eq!(
+            loaded.config,
+            MasterConfig {
+                etcd_endpoints: "h1:2379;h2:2379".into(),
+                ..MasterConfig::default()
+            }
+        );
+        assert_eq!(loaded.warnings.len(), 2, "{:?}", loaded.warnings);
         assert!(loaded.warnings[0].contains("http_metadata_server_port"));
     }
 
@@ -646,6 +726,38 @@ mod tests {
         assert_eq!(loaded.config.rpc_port, 1000, "file beats default");
         assert_eq!(loaded.config.metrics_port, 2001, "env beats file");
         assert_eq!(loaded.config.client_ttl, 5, "flag beats env");
+    }
+
+    #[test]
+    fn ha_settings_are_checked_when_enabled() {
+        let c = load_flags(&[
+            ("enable_ha", "true"),
+            ("etcd_endpoints", "etcd://h1:2379;h2:2379"),
+        ])
+        .expect("load")
+        .config;
+        assert!(c.enable_ha);
+        assert_eq!(c.etcd().expect("endpoints").to_string(), "h1:2379;h2:2379");
+        let e = load_flags(&[("enable_ha", "true")]).expect_err("no endpoints");
+        assert!(e.to_string().contains("--etcd_endpoints="), "{e}");
+        let e = load_flags(&[("enable_ha", "true"), ("etcd_endpoints", "h1:2379;;h2")])
+            .expect_err("malformed");
+        assert!(e.to_string().contains("etcd_endpoints"), "{e}");
+        assert!(e.to_string().contains("h1:2379;h2:2379"), "{e}");
+        let e = load_flags(&[
+            ("enable_ha", "true"),
+            ("etcd_endpoints", "h1:2379"),
+            ("ha_backend_type", "redis"),
+        ])
+        .expect_err("redis");
+        assert!(e.to_string().contains("only etcd"), "{e}");
+        let e = load_flags(&[
+            ("enable_ha", "true"),
+            ("etcd_endpoints", "h1:2379"),
+            ("rpc_address", "0.0.0.0"),
+        ])
+        .expect_err("wildcard");
+        assert!(e.to_string().contains("--advertise_address"), "{e}");
     }
 
     #[test]

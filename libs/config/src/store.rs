@@ -81,6 +81,11 @@ pub struct StoreConfig {
     )]
     pub enable_offload: bool,
 
+    /// HA: find the master through etcd (`h1:2379;h2:2379`, upstream's form); overrides
+    /// --master_server_address, which may also be written `etcd://h1:2379;h2:2379`.
+    #[arg(long = "etcd_endpoints", alias = "etcd-endpoints")]
+    pub etcd_endpoints: Option<String>,
+
     /// HA cluster id (upstream's default), used in metadata key names.
     #[arg(long = "cluster_id", alias = "cluster-id", default_value = DEFAULT_CLUSTER_ID)]
     pub cluster_id: String,
@@ -126,6 +131,7 @@ impl Default for StoreConfig {
             metadata_server: DEFAULT_METADATA_SERVER.to_string(),
             enable_offload: false,
             cluster_id: DEFAULT_CLUSTER_ID.to_string(),
+            etcd_endpoints: None,
             shm_socket: None,
             enable_shm: true,
             metrics_port: DEFAULT_METRICS_PORT,
@@ -160,7 +166,7 @@ impl StoreConfig {
     /// Checks, in this order: master address, host, global_segment_size, protocol, ports,
     /// cluster_id. Warnings: offload not implemented, metadata server ignored.
     pub fn validate(&self) -> Result<Vec<ConfigWarning>, ConfigError> {
-        self.master_addr()?;
+        self.master_address()?;
         let host = self.host.trim();
         if host.is_empty() {
             return Err(ConfigError::Missing {
@@ -222,7 +228,25 @@ impl StoreConfig {
         Ok(warnings)
     }
 
-    /// The master's address (`etcd://` is refused as not supported yet).
+    /// Where the master is: `--etcd_endpoints` if given, else `--master_server_address`
+    /// (`host:port` or `etcd://h1:2379;h2:2379`).
+    pub fn master_address(&self) -> Result<crate::MasterAddress, ConfigError> {
+        match self
+            .etcd_endpoints
+            .as_deref()
+            .filter(|e| !e.trim().is_empty())
+        {
+            Some(e) => {
+                crate::EtcdEndpoints::parse("--etcd_endpoints", e).map(crate::MasterAddress::Etcd)
+            }
+            None => {
+                crate::MasterAddress::parse("--master_server_address", &self.master_server_address)
+            }
+        }
+    }
+
+    /// The master's address when it is a single `host:port` (an etcd address is an error here;
+    /// [`master_address`](Self::master_address) accepts both).
     pub fn master_addr(&self) -> Result<HostPort, ConfigError> {
         HostPort::parse_master("--master_server_address", &self.master_server_address)
     }

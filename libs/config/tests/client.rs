@@ -426,9 +426,13 @@ fn master_address_required_and_host_port() {
         e.to_string(),
         "master_server_address 'localhost' is not a host:port address: the port is missing; write it like \"127.0.0.1:50051\""
     );
-    let e = load_err(r#"{"master_server_address": "etcd://10.0.0.1:2379;10.0.0.2:2379"}"#);
-    assert!(matches!(&e, ConfigError::UnsupportedAddress { scheme, .. } if scheme == "etcd"));
-    assert!(e.to_string().contains("not supported yet"), "{e}");
+    let e = load_err(r#"{"master_server_address": "etcd://10.0.0.1:2379;;10.0.0.2:2379"}"#);
+    assert!(
+        matches!(&e, ConfigError::InvalidEtcdEndpoints { .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("etcd://h1:2379;h2:2379"), "{e}");
+    let e = load_err(r#"{"master_server_address": "redis://10.0.0.1:6379"}"#);
     assert!(e.to_string().contains("use host:port"), "{e}");
 }
 

@@ -192,14 +192,28 @@ fn host_checks() {
 
 #[test]
 fn master_address_checks() {
-    let e = parse(&["--master_server_address=etcd://10.0.0.1:2379"])
+    let c = parse(&["--master_server_address=etcd://10.0.0.1:2379;10.0.0.2:2379"]).unwrap();
+    c.validate().expect("an etcd master address is accepted");
+    assert_eq!(
+        c.master_address().unwrap().to_string(),
+        "etcd://10.0.0.1:2379;10.0.0.2:2379"
+    );
+    let c = parse(&["--etcd_endpoints=10.0.0.1:2379;10.0.0.2:2379"]).unwrap();
+    assert_eq!(
+        c.master_address().unwrap().to_string(),
+        "etcd://10.0.0.1:2379;10.0.0.2:2379",
+        "--etcd_endpoints overrides the master address"
+    );
+    let e = parse(&["--etcd_endpoints=10.0.0.1"])
         .unwrap()
         .validate()
         .unwrap_err();
-    assert!(matches!(e, ConfigError::UnsupportedAddress { .. }));
-    assert!(e.to_string().starts_with(
-        "--master_server_address 'etcd://10.0.0.1:2379': etcd:// addresses are not supported yet"
-    ));
+    assert!(matches!(e, ConfigError::InvalidEtcdEndpoints { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with("--etcd_endpoints '10.0.0.1' is not a valid etcd endpoint list"),
+        "{e}"
+    );
     let e = parse(&["--master_server_address=10.0.0.1"])
         .unwrap()
         .validate()

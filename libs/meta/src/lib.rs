@@ -7,19 +7,27 @@
 //!
 //! Keys are UTF-8 strings, conventionally `/`-separated under a prefix (`master/epoch`,
 //! `segments/host:port`); values are opaque bytes. The operation set (get, put, delete, list by
-//! prefix, compare-and-swap) is what etcd offers natively, so the etcd backend (its own issue) is
-//! a second implementation of the same trait passing the same [`conformance`] suite.
+//! prefix, compare-and-swap) is what etcd offers natively, so the etcd backend is a second
+//! implementation of the same trait passing the same [`conformance`] suite.
 //!
 //! Implementations:
 //! - [`RedbMetaStore`]: an embedded redb file, the single-node default (used by `lunakv-master`);
+//! - [`EtcdMetaStore`]: etcd, for HA (`lunakv-master --enable_ha`); [`etcd::EtcdClient`] also
+//!   serves leader election and leader-following;
 //! - [`MemMetaStore`]: in memory, for tests;
 //! - [`Prefixed`]: scopes any store under a key prefix (like etcd's namespace / a chroot).
+//!
+//! [`testing`] starts a real etcd on ephemeral ports for tests.
 
 pub mod conformance;
+pub mod etcd;
+pub mod layout;
 mod mem;
 mod prefixed;
 mod redb_store;
+pub mod testing;
 
+pub use etcd::{EtcdClient, EtcdMetaStore, WriteFence};
 pub use mem::MemMetaStore;
 pub use prefixed::Prefixed;
 pub use redb_store::RedbMetaStore;

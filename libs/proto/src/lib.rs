@@ -17,5 +17,11 @@ pub mod master {
     tonic::include_proto!("lunakv.master.v1");
 }
 
+/// Generated code for `proto/lunakv/bootstrap.proto` (the P/D bootstrap service).
+pub mod bootstrap {
+    #![allow(clippy::all, rust_2018_idioms)]
+    tonic::include_proto!("lunakv.bootstrap.v1");
+}
+
 /// Re-exported so that users of the generated clients need not depend on tonic directly.
 pub use tonic;

@@ -13,6 +13,11 @@
 //! pinning it while the bytes are copied, else answers [`TransferError::Stale`] and the caller
 //! asks the master again. Frees go through the owner, so a range is never rewritten under a reader.
 //!
+//! For P/D (a prefill engine writing KV blocks into a decode engine's memory) there is a third
+//! piece without generations: [`MemoryRegistry`] + [`RegionServer`] serve raw registered memory,
+//! addressed by absolute address, and [`TransferEngine::write_raw`] / `read_raw` / `batch_raw`
+//! move bytes to and from it (see `region.rs`).
+//!
 //! Transports implement [`Transport`]: tcp everywhere, shm when the target is on this host
 //! (equal [`host_id`]) and offers a socket. An RDMA transport (feature `rdma`, later) slots in
 //! the same way. Everything is blocking std I/O on std threads: on small boxes that beats an
@@ -26,6 +31,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 mod mem;
+mod raw;
+mod region;
 mod server;
 mod shm;
 mod table;
@@ -33,6 +40,10 @@ mod tcp;
 mod vio;
 pub mod wire;
 
+pub use raw::RawRequest;
+pub use region::{
+    MemoryRegistry, OwnedRegion, RegionDesc, RegionServer, RegionServerConfig, RegionStats,
+};
 pub use server::SegmentServer;
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;
@@ -527,6 +538,8 @@ const _: () = {
     const fn is<T: Send + Sync>() {}
     is::<TransferEngine>();
     is::<SegmentServer>();
+    is::<RegionServer>();
+    is::<MemoryRegistry>();
     is::<TransferError>();
 };
 

@@ -556,6 +556,12 @@ fn serve<S: Stream>(
             Op::Attach => {
                 send_fd(&wr, shared)?;
             }
+            Op::RawWrite | Op::RawRead => {
+                return Err(End::Garbage(format!(
+                    "{:?} addresses registered memory and is served by a RegionServer, not a segment",
+                    req.op
+                )));
+            }
         }
     }
 }

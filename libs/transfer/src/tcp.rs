@@ -16,11 +16,11 @@ use crate::{Target, TransferError, TransferRequest, Transport, tune_socket};
 
 /// How many requests of one kind go out on a connection before their answers are read. Bounded
 /// so unread answers always fit the socket buffers (no deadlock with a blocking peer).
-const PIPELINE_DEPTH: usize = 64;
+pub(crate) const PIPELINE_DEPTH: usize = 64;
 
 /// One pooled connection to a segment server.
 pub(crate) struct TcpConn {
-    stream: TcpStream,
+    pub(crate) stream: TcpStream,
 }
 
 /// Maps an I/O error on an established connection to the error callers branch on.
@@ -167,7 +167,7 @@ impl TcpConn {
 }
 
 #[derive(Default)]
-struct Pool {
+pub(crate) struct Pool {
     idle: Mutex<Vec<TcpConn>>,
 }
 
@@ -191,7 +191,7 @@ impl TcpTransport {
         self.conns_per_peer
     }
 
-    fn pool(&self, endpoint: &str) -> Arc<Pool> {
+    pub(crate) fn pool(&self, endpoint: &str) -> Arc<Pool> {
         if let Some(p) = self.pools.read().get(endpoint) {
             return p.clone();
         }
@@ -227,14 +227,18 @@ impl TcpTransport {
     }
 
     /// A pooled connection (`true` if reused) or a new one.
-    fn checkout(&self, pool: &Pool, endpoint: &str) -> Result<(TcpConn, bool), TransferError> {
+    pub(crate) fn checkout(
+        &self,
+        pool: &Pool,
+        endpoint: &str,
+    ) -> Result<(TcpConn, bool), TransferError> {
         if let Some(c) = pool.idle.lock().pop() {
             return Ok((c, true));
         }
         Ok((self.connect(endpoint)?, false))
     }
 
-    fn checkin(&self, pool: &Pool, c: TcpConn) {
+    pub(crate) fn checkin(&self, pool: &Pool, c: TcpConn) {
         let mut idle = pool.idle.lock();
         // Keep enough for bursts from several threads; beyond that, close.
         if idle.len() < self.conns_per_peer * 4 {
@@ -245,7 +249,7 @@ impl TcpTransport {
     /// Runs `f` on a pooled connection. A reused connection that fails with an I/O error was
     /// most likely closed by a restarted peer, so the request is retried once on a fresh one
     /// (both ops are idempotent: same bytes, same generation).
-    fn with_conn(
+    pub(crate) fn with_conn(
         &self,
         endpoint: &str,
         mut f: impl FnMut(&mut TcpConn) -> Result<(), TransferError>,

@@ -39,6 +39,12 @@ pub enum Op {
     Unpin = 6,
     /// Unix socket only: `COMMIT(gen, key, offset, len)` + key, after the requester's memcpy.
     Commit = 7,
+    /// [`crate::RegionServer`] only: `RAW_WRITE(offset = absolute address, len)` + payload into
+    /// registered memory; answers OK, or OUT_OF_BOUNDS when no one region holds the range.
+    RawWrite = 8,
+    /// [`crate::RegionServer`] only: `RAW_READ(offset = absolute address, len)`; answers OK +
+    /// the bytes, or OUT_OF_BOUNDS.
+    RawRead = 9,
 }
 
 impl Op {
@@ -52,6 +58,8 @@ impl Op {
             5 => Op::Pin,
             6 => Op::Unpin,
             7 => Op::Commit,
+            8 => Op::RawWrite,
+            9 => Op::RawRead,
             _ => return None,
         })
     }

@@ -1,5 +1,6 @@
 //! The admin and Prometheus HTTP listener (upstream's port 9003): `/metrics`, `/metrics/summary`,
-//! `/health`, `/get_all_segments`, `/query_key?key=...`.
+//! `/health`, `/get_all_segments`, `/query_key?key=...`, and for HA `/role`, `/leader`,
+//! `/ha_status` (upstream's names).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -11,28 +12,110 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get;
 
 use crate::core::MasterCore;
+use crate::ha::{CoreSlot, HaState, Role};
 
-/// The admin routes over `core`.
+#[derive(Clone)]
+struct AdminState {
+    slot: Arc<CoreSlot>,
+    ha: Option<Arc<HaState>>,
+}
+
+/// The admin routes over `core` (a single master).
 pub fn router(core: Arc<MasterCore>) -> Router {
+    router_ha(CoreSlot::new(core), None)
+}
+
+/// The admin routes over the current core of `slot`, with HA routes when `ha` is set.
+pub fn router_ha(slot: Arc<CoreSlot>, ha: Option<Arc<HaState>>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/metrics/summary", get(summary))
-        .route("/health", get(|| async { "OK" }))
+        .route("/health", get(health))
+        .route("/role", get(role))
+        .route("/leader", get(leader))
+        .route("/ha_status", get(ha_status))
         .route("/get_all_segments", get(segments))
         .route("/query_key", get(query_key))
-        .with_state(core)
+        .with_state(AdminState { slot, ha })
 }
 
-async fn metrics(State(core): State<Arc<MasterCore>>) -> Response {
+async fn metrics(State(s): State<AdminState>) -> Response {
+    let core = s.slot.get();
     core.refresh_gauges();
+    let mut text = lunakv_telemetry::render(&core.metrics.registry);
+    if let Some(ha) = &s.ha {
+        text.push_str(&lunakv_telemetry::render(&ha.metrics.registry));
+    }
     (
         [(header::CONTENT_TYPE, lunakv_telemetry::METRICS_CONTENT_TYPE)],
-        lunakv_telemetry::render(&core.metrics.registry),
+        text,
     )
         .into_response()
 }
 
-async fn summary(State(core): State<Arc<MasterCore>>) -> String {
+/// `OK` for a single master; with HA `OK role=leader|follower term=N leader=host:port`
+/// (both roles are healthy: a follower is a ready standby).
+async fn health(State(s): State<AdminState>) -> String {
+    match &s.ha {
+        None => "OK".to_string(),
+        Some(ha) => {
+            let l = ha.leader();
+            format!(
+                "OK role={} term={} leader={}",
+                ha.role().as_str(),
+                l.as_ref().map_or(0, |l| l.term),
+                l.as_ref().map_or("none", |l| l.address.as_str())
+            )
+        }
+    }
+}
+
+async fn role(State(s): State<AdminState>) -> &'static str {
+    match &s.ha {
+        None => "leader",
+        Some(ha) => ha.role().as_str(),
+    }
+}
+
+async fn leader(State(s): State<AdminState>) -> Response {
+    let Some(ha) = &s.ha else {
+        return Json(serde_json::json!({"ha": false, "role": "leader"})).into_response();
+    };
+    match ha.leader() {
+        Some(l) => Json(serde_json::json!({
+            "address": l.address, "admin": l.admin, "term": l.term,
+        }))
+        .into_response(),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"error": "no leader elected yet"})),
+        )
+            .into_response(),
+    }
+}
+
+async fn ha_status(State(s): State<AdminState>) -> Response {
+    let Some(ha) = &s.ha else {
+        return Json(serde_json::json!({"ha": false})).into_response();
+    };
+    let l = ha.leader();
+    Json(serde_json::json!({
+        "ha": true,
+        "role": ha.role().as_str(),
+        "is_leader": ha.role() == Role::Leader,
+        "cluster_id": ha.cluster_id,
+        "etcd_endpoints": ha.etcd_endpoints,
+        "etcd_up": ha.metrics.etcd_up.get() == 1,
+        "leader": l.as_ref().map(|l| &l.address),
+        "term": l.as_ref().map_or(0, |l| l.term),
+        "lease_left_ms": ha.lease_left().map(|d| d.as_millis() as u64),
+        "leader_changes_total": ha.metrics.leader_changes_total.get(),
+    }))
+    .into_response()
+}
+
+async fn summary(State(s): State<AdminState>) -> String {
+    let core = s.slot.get();
     let cap = core.total_capacity();
     let used = core.allocated_bytes();
     format!(
@@ -47,14 +130,15 @@ async fn summary(State(core): State<Arc<MasterCore>>) -> String {
     )
 }
 
-async fn segments(State(core): State<Arc<MasterCore>>) -> Response {
-    Json(core.segments()).into_response()
+async fn segments(State(s): State<AdminState>) -> Response {
+    Json(s.slot.get().segments()).into_response()
 }
 
 async fn query_key(
-    State(core): State<Arc<MasterCore>>,
+    State(s): State<AdminState>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
+    let core = s.slot.get();
     let Some(key) = q.get("key").filter(|k| !k.is_empty()) else {
         return (
             StatusCode::BAD_REQUEST,

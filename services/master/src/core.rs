@@ -537,7 +537,12 @@ impl MasterCore {
         };
         let mut out = Vec::new();
         for (id, segs) in dead {
-            tracing::warn!(client_id = %id, segments = segs.len(), ttl_s = self.cfg.client_ttl.as_secs_f64(), "client silent past client_ttl; unmounting its segments");
+            if segs.is_empty() {
+                // A pure requester that went away (an engine restart): nothing to clean up.
+                tracing::info!(client_id = %id, "requester silent past client_ttl; forgotten");
+            } else {
+                tracing::warn!(client_id = %id, segments = segs.len(), ttl_s = self.cfg.client_ttl.as_secs_f64(), "client silent past client_ttl; unmounting its segments");
+            }
             let mut unmounted = Vec::new();
             for s in segs {
                 let owned = self

@@ -13,6 +13,7 @@ use tonic::{Request, Response, Status};
 use crate::core::{
     CoreError, InventoryItem, Location, MasterCore, OpError, PutOptions, ReplicaView, SegmentDesc,
 };
+use crate::ha::{CoreSlot, HaState};
 use crate::metrics::Rpc;
 use crate::persist::{self, PersistError};
 
@@ -183,34 +184,70 @@ impl TryFrom<(String, u64)> for PutItem {
 /// Implements `lunakv.master.v1.Master` over a [`MasterCore`].
 #[derive(Clone)]
 pub struct MasterService {
-    core: Arc<MasterCore>,
+    slot: Arc<CoreSlot>,
     meta: Arc<dyn MetaStore>,
     /// Woken on PutEnd so the eviction task checks the watermark promptly.
     put_end: Arc<Notify>,
+    /// HA: the role and lease gate every RPC passes (None = single master, no gate).
+    ha: Option<Arc<HaState>>,
+}
+
+/// A request admitted by the HA gate: the core of the current term, and the term to confirm
+/// before acknowledging a mutation.
+struct Admitted {
+    core: Arc<MasterCore>,
+    term: Option<u64>,
 }
 
 impl MasterService {
     pub fn new(core: Arc<MasterCore>, meta: Arc<dyn MetaStore>, put_end: Arc<Notify>) -> Self {
+        MasterService::with_slot(CoreSlot::new(core), meta, put_end, None)
+    }
+
+    /// A service over a swappable core, gated by `ha` when set.
+    pub fn with_slot(
+        slot: Arc<CoreSlot>,
+        meta: Arc<dyn MetaStore>,
+        put_end: Arc<Notify>,
+        ha: Option<Arc<HaState>>,
+    ) -> Self {
         MasterService {
-            core,
+            slot,
             meta,
             put_end,
+            ha,
+        }
+    }
+
+    /// The HA gate before acting (role, local lease deadline, recovery). `mounting` RPCs are
+    /// how a new leader rebuilds its index, so they pass during recovery.
+    fn admit(&self, mounting: bool) -> Result<Admitted, Status> {
+        let core = self.slot.get();
+        let term = match &self.ha {
+            None => None,
+            Some(ha) => Some(ha.admit(&core, mounting)?),
+        };
+        Ok(Admitted { core, term })
+    }
+
+    /// The HA gate before acknowledging a mutation: still leading, same term, lease valid.
+    fn confirm(&self, a: &Admitted) -> Result<(), Status> {
+        match (&self.ha, a.term) {
+            (Some(ha), Some(term)) => ha.confirm(term),
+            _ => Ok(()),
         }
     }
 
     async fn put_start_one(
         &self,
+        core: &MasterCore,
         client_id: &str,
         key: String,
         size: u64,
         opts: &PutOptions,
     ) -> pb::PutStartResponse {
         let r = match PutItem::try_from((key, size)) {
-            Ok(item) => {
-                self.core
-                    .put_start(client_id, &item.key, item.size, opts)
-                    .await
-            }
+            Ok(item) => core.put_start(client_id, &item.key, item.size, opts).await,
             Err(e) => Err(e),
         };
         match r {
@@ -228,41 +265,50 @@ impl MasterService {
         }
     }
 
-    fn put_end_one(&self, key: &str) -> pb::KeyResult {
-        let r = check_key(key).and_then(|()| self.core.put_end(key));
+    fn put_end_one(&self, core: &MasterCore, key: &str) -> pb::KeyResult {
+        let r = check_key(key).and_then(|()| core.put_end(key));
         if r.is_ok() {
             self.put_end.notify_one();
         }
         key_result(r)
     }
 
-    async fn put_revoke_one(&self, key: &str) -> pb::KeyResult {
+    async fn put_revoke_one(&self, core: &MasterCore, key: &str) -> pb::KeyResult {
         let r = match check_key(key) {
-            Ok(()) => self.core.put_revoke(key).await,
+            Ok(()) => core.put_revoke(key).await,
             Err(e) => Err(e),
         };
         key_result(r)
     }
 
-    fn get_one(&self, key: &str) -> pb::ObjectLocation {
-        location(check_key(key).and_then(|()| self.core.get_replica_list(key)))
+    fn get_one(&self, core: &MasterCore, key: &str) -> pb::ObjectLocation {
+        location(check_key(key).and_then(|()| core.get_replica_list(key)))
     }
 
-    async fn remove_one(&self, key: &str, force: bool) -> pb::KeyResult {
+    async fn remove_one(&self, core: &MasterCore, key: &str, force: bool) -> pb::KeyResult {
         let r = match check_key(key) {
-            Ok(()) => self.core.remove(key, force).await,
+            Ok(()) => core.remove(key, force).await,
             Err(e) => Err(e),
         };
         key_result(r)
     }
 
-    fn done<T>(&self, rpc: Rpc, failed: bool, body: T) -> Result<Response<T>, Status> {
-        self.core.metrics.record(rpc, failed);
+    /// Records the call and answers, after the HA gate confirms a mutation.
+    fn done<T>(
+        &self,
+        a: &Admitted,
+        rpc: Rpc,
+        failed: bool,
+        body: T,
+    ) -> Result<Response<T>, Status> {
+        a.core.metrics.record(rpc, failed);
+        self.confirm(a)?;
         Ok(Response::new(body))
     }
 
-    fn fail<T>(&self, rpc: Rpc, e: ServiceError) -> Result<Response<T>, Status> {
-        self.core.metrics.record(rpc, true);
+    fn fail<T>(&self, a: &Admitted, rpc: Rpc, e: ServiceError) -> Result<Response<T>, Status> {
+        a.core.metrics.record(rpc, true);
+        self.confirm(a)?;
         Err(to_status(e))
     }
 }
@@ -277,6 +323,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::MountSegmentRequest>,
     ) -> Result<Response<pb::MountSegmentResponse>, Status> {
+        let a = self.admit(true)?;
         let req = request.into_inner();
         let result: Result<pb::MountSegmentResponse, ServiceError> = async {
             let desc: SegmentDesc = req
@@ -284,11 +331,11 @@ impl pb::master_server::Master for MasterService {
                 .ok_or_else(|| ServiceError::Invalid("segment is missing".into()))?
                 .try_into()?;
             let inventory = req.inventory.into_iter().map(InventoryItem::from).collect();
-            let out = self
+            let out = a
                 .core
                 .mount(&req.client_id, &req.cluster_id, desc.clone(), inventory)?;
             if !out.displaced.is_empty() {
-                let core = self.core.clone();
+                let core = a.core.clone();
                 let displaced = out.displaced.clone();
                 tokio::spawn(async move { core.release(displaced).await });
             }
@@ -300,8 +347,8 @@ impl pb::master_server::Master for MasterService {
         }
         .await;
         match result {
-            Ok(r) => self.done(Rpc::MountSegment, false, r),
-            Err(e) => self.fail(Rpc::MountSegment, e),
+            Ok(r) => self.done(&a, Rpc::MountSegment, false, r),
+            Err(e) => self.fail(&a, Rpc::MountSegment, e),
         }
     }
 
@@ -309,20 +356,22 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::UnmountSegmentRequest>,
     ) -> Result<Response<pb::UnmountSegmentResponse>, Status> {
+        let a = self.admit(true)?;
         let req = request.into_inner();
         let result: Result<u64, ServiceError> = async {
-            let dropped = self.core.unmount(&req.segment_name)?;
+            let dropped = a.core.unmount(&req.segment_name)?;
             persist::forget_segment(self.meta.as_ref(), &req.segment_name).await?;
             Ok(dropped)
         }
         .await;
         match result {
             Ok(dropped_objects) => self.done(
+                &a,
                 Rpc::UnmountSegment,
                 false,
                 pb::UnmountSegmentResponse { dropped_objects },
             ),
-            Err(e) => self.fail(Rpc::UnmountSegment, e),
+            Err(e) => self.fail(&a, Rpc::UnmountSegment, e),
         }
     }
 
@@ -330,20 +379,23 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::PingRequest>,
     ) -> Result<Response<pb::PingResponse>, Status> {
+        let a = self.admit(true)?;
         let req = request.into_inner();
         if req.client_id.is_empty() {
             return self.fail(
+                &a,
                 Rpc::Ping,
                 ServiceError::Invalid("client_id is empty: send the id used at mount".into()),
             );
         }
-        let remount_required = self.core.ping(&req.client_id, &req.touched_keys);
+        let remount_required = a.core.ping(&req.client_id, &req.touched_keys);
         self.done(
+            &a,
             Rpc::Ping,
             false,
             pb::PingResponse {
                 remount_required,
-                view_version: u64::from(self.core.epoch()),
+                view_version: u64::from(a.core.epoch()),
             },
         )
     }
@@ -352,29 +404,32 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::PutStartRequest>,
     ) -> Result<Response<pb::PutStartResponse>, Status> {
+        let a = self.admit(false)?;
         let req = request.into_inner();
         let opts = PutOptions::from(req.config);
         let r = self
-            .put_start_one(&req.client_id, req.key, req.size, &opts)
+            .put_start_one(&a.core, &req.client_id, req.key, req.size, &opts)
             .await;
-        self.done(Rpc::PutStart, r.code != 0, r)
+        self.done(&a, Rpc::PutStart, r.code != 0, r)
     }
 
     async fn batch_put_start(
         &self,
         request: Request<pb::BatchPutStartRequest>,
     ) -> Result<Response<pb::BatchPutStartResponse>, Status> {
+        let a = self.admit(false)?;
         let req = request.into_inner();
         let opts = PutOptions::from(req.config);
         let mut results = Vec::with_capacity(req.items.len());
         for item in req.items {
             results.push(
-                self.put_start_one(&req.client_id, item.key, item.size, &opts)
+                self.put_start_one(&a.core, &req.client_id, item.key, item.size, &opts)
                     .await,
             );
         }
         let failed = any_failed(results.iter().map(|r| &r.code));
         self.done(
+            &a,
             Rpc::BatchPutStart,
             failed,
             pb::BatchPutStartResponse { results },
@@ -385,64 +440,83 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::PutEndRequest>,
     ) -> Result<Response<pb::KeyResult>, Status> {
-        let r = self.put_end_one(&request.into_inner().key);
-        self.done(Rpc::PutEnd, r.code != 0, r)
+        let a = self.admit(false)?;
+        let r = self.put_end_one(&a.core, &request.into_inner().key);
+        self.done(&a, Rpc::PutEnd, r.code != 0, r)
     }
 
     async fn batch_put_end(
         &self,
         request: Request<pb::BatchKeysRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
+        let a = self.admit(false)?;
         let results: Vec<_> = request
             .into_inner()
             .keys
             .iter()
-            .map(|k| self.put_end_one(k))
+            .map(|k| self.put_end_one(&a.core, k))
             .collect();
         let failed = any_failed(results.iter().map(|r| &r.code));
-        self.done(Rpc::BatchPutEnd, failed, pb::BatchKeyResults { results })
+        self.done(
+            &a,
+            Rpc::BatchPutEnd,
+            failed,
+            pb::BatchKeyResults { results },
+        )
     }
 
     async fn put_revoke(
         &self,
         request: Request<pb::PutRevokeRequest>,
     ) -> Result<Response<pb::KeyResult>, Status> {
-        let r = self.put_revoke_one(&request.into_inner().key).await;
-        self.done(Rpc::PutRevoke, r.code != 0, r)
+        let a = self.admit(false)?;
+        let r = self
+            .put_revoke_one(&a.core, &request.into_inner().key)
+            .await;
+        self.done(&a, Rpc::PutRevoke, r.code != 0, r)
     }
 
     async fn batch_put_revoke(
         &self,
         request: Request<pb::BatchKeysRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
+        let a = self.admit(false)?;
         let mut results = Vec::new();
         for k in &request.into_inner().keys {
-            results.push(self.put_revoke_one(k).await);
+            results.push(self.put_revoke_one(&a.core, k).await);
         }
         let failed = any_failed(results.iter().map(|r| &r.code));
-        self.done(Rpc::BatchPutRevoke, failed, pb::BatchKeyResults { results })
+        self.done(
+            &a,
+            Rpc::BatchPutRevoke,
+            failed,
+            pb::BatchKeyResults { results },
+        )
     }
 
     async fn get_replica_list(
         &self,
         request: Request<pb::GetReplicaListRequest>,
     ) -> Result<Response<pb::ObjectLocation>, Status> {
-        let r = self.get_one(&request.into_inner().key);
-        self.done(Rpc::GetReplicaList, r.code != 0, r)
+        let a = self.admit(false)?;
+        let r = self.get_one(&a.core, &request.into_inner().key);
+        self.done(&a, Rpc::GetReplicaList, r.code != 0, r)
     }
 
     async fn batch_get_replica_list(
         &self,
         request: Request<pb::BatchGetReplicaListRequest>,
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
+        let a = self.admit(false)?;
         let results: Vec<_> = request
             .into_inner()
             .keys
             .iter()
-            .map(|k| self.get_one(k))
+            .map(|k| self.get_one(&a.core, k))
             .collect();
         let failed = any_failed(results.iter().map(|r| &r.code));
         self.done(
+            &a,
             Rpc::BatchGetReplicaList,
             failed,
             pb::BatchObjectLocations { results },
@@ -453,27 +527,30 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::ExistKeyRequest>,
     ) -> Result<Response<pb::ObjectLocation>, Status> {
+        let a = self.admit(false)?;
         // Like upstream, existence grants a lease too (the caller is about to read).
-        let r = self.get_one(&request.into_inner().key);
+        let r = self.get_one(&a.core, &request.into_inner().key);
         // A miss is an answer, not a failure.
         let failed = r.code != 0 && r.code != ErrorCode::ObjectNotFound.as_i32();
-        self.done(Rpc::ExistKey, failed, r)
+        self.done(&a, Rpc::ExistKey, failed, r)
     }
 
     async fn batch_exist_key(
         &self,
         request: Request<pb::BatchExistKeyRequest>,
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
+        let a = self.admit(false)?;
         let results: Vec<_> = request
             .into_inner()
             .keys
             .iter()
-            .map(|k| self.get_one(k))
+            .map(|k| self.get_one(&a.core, k))
             .collect();
         let failed = results
             .iter()
             .any(|r| r.code != 0 && r.code != ErrorCode::ObjectNotFound.as_i32());
         self.done(
+            &a,
             Rpc::BatchExistKey,
             failed,
             pb::BatchObjectLocations { results },
@@ -484,30 +561,39 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::RemoveRequest>,
     ) -> Result<Response<pb::KeyResult>, Status> {
+        let a = self.admit(false)?;
         let req = request.into_inner();
-        let r = self.remove_one(&req.key, req.force).await;
-        self.done(Rpc::Remove, r.code != 0, r)
+        let r = self.remove_one(&a.core, &req.key, req.force).await;
+        self.done(&a, Rpc::Remove, r.code != 0, r)
     }
 
     async fn batch_remove(
         &self,
         request: Request<pb::BatchRemoveRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
+        let a = self.admit(false)?;
         let req = request.into_inner();
         let mut results = Vec::with_capacity(req.keys.len());
         for k in &req.keys {
-            results.push(self.remove_one(k, req.force).await);
+            results.push(self.remove_one(&a.core, k, req.force).await);
         }
         let failed = any_failed(results.iter().map(|r| &r.code));
-        self.done(Rpc::BatchRemove, failed, pb::BatchKeyResults { results })
+        self.done(
+            &a,
+            Rpc::BatchRemove,
+            failed,
+            pb::BatchKeyResults { results },
+        )
     }
 
     async fn remove_all(
         &self,
         request: Request<pb::RemoveAllRequest>,
     ) -> Result<Response<pb::RemoveAllResponse>, Status> {
-        let removed = self.core.remove_all(request.into_inner().force).await;
+        let a = self.admit(false)?;
+        let removed = a.core.remove_all(request.into_inner().force).await;
         self.done(
+            &a,
             Rpc::RemoveAll,
             false,
             pb::RemoveAllResponse {
@@ -522,7 +608,8 @@ impl pb::master_server::Master for MasterService {
         &self,
         _request: Request<pb::GetClusterStatusRequest>,
     ) -> Result<Response<pb::ClusterStatus>, Status> {
-        let core = &self.core;
+        let a = self.admit(false)?;
+        let core = &a.core;
         let segments = core
             .segments()
             .into_iter()

@@ -15,6 +15,7 @@
 //! - [`persist`]: what survives a restart (epoch, cluster id, segment endpoints) in a
 //!   [`lunakv_meta::MetaStore`]; the object index is rebuilt from owners' inventories.
 //! - [`server`]: wiring, listeners, background tasks, graceful drain.
+//! - [`ha`]: `--enable_ha`: leader election on etcd, the lease-based write fence, redirects.
 //!
 //! # Starting one in a test
 //! ```no_run
@@ -35,6 +36,7 @@ pub mod admin;
 pub mod alloc;
 pub mod core;
 pub mod grpc;
+pub mod ha;
 pub mod metrics;
 pub mod notifier;
 pub mod persist;

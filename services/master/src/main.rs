@@ -56,6 +56,18 @@ struct Cli {
     /// Accepted for compatibility (the SSD tier comes later).
     #[arg(long = "enable_offload")]
     enable_offload: Option<bool>,
+    /// HA: campaign for leadership in etcd; standbys redirect clients to the leader.
+    #[arg(long = "enable_ha", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    enable_ha: Option<bool>,
+    /// etcd endpoints for HA, ";"-separated: "h1:2379;h2:2379" (etcd:// accepted).
+    #[arg(long = "etcd_endpoints")]
+    etcd_endpoints: Option<String>,
+    /// HA backend [default: etcd; the only one implemented].
+    #[arg(long = "ha_backend_type")]
+    ha_backend_type: Option<String>,
+    /// Host published in etcd for clients to dial [default: rpc_address].
+    #[arg(long = "advertise_address")]
+    advertise_address: Option<String>,
 }
 
 impl Cli {
@@ -91,6 +103,10 @@ impl Cli {
             self.data_dir.as_ref().map(|p| p.display().to_string()),
         );
         add("enable_offload", self.enable_offload.map(|v| v.to_string()));
+        add("enable_ha", self.enable_ha.map(|v| v.to_string()));
+        add("etcd_endpoints", self.etcd_endpoints.clone());
+        add("ha_backend_type", self.ha_backend_type.clone());
+        add("advertise_address", self.advertise_address.clone());
         out
     }
 }

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lunakv_config::master::MasterConfig;
-use lunakv_meta::{MetaError, MetaStore, RedbMetaStore};
+use lunakv_meta::{
+    EtcdClient, EtcdMetaStore, MetaError, MetaStore, Prefixed, RedbMetaStore, WriteFence, layout,
+};
 use lunakv_proto::master::master_server::MasterServer;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
@@ -16,6 +18,7 @@ use tokio::task::JoinHandle;
 
 use crate::core::{CoreConfig, MasterCore};
 use crate::grpc::MasterService;
+use crate::ha::{CoreSlot, Election, HaState};
 use crate::notifier::{OwnerNotifier, TransferNotifier};
 use crate::persist::{self, PersistError};
 
@@ -43,6 +46,13 @@ pub enum ServeError {
     Persist(#[from] PersistError),
     #[error("the {what} server failed: {message}")]
     Server { what: &'static str, message: String },
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error(
+        "cannot reach etcd at {endpoints}: {message}; check --etcd_endpoints (\";\"-separated \
+         host:port of etcd's client URLs) and that etcd is running"
+    )]
+    Etcd { endpoints: String, message: String },
 }
 
 /// The two listeners of a master. Bind them yourself (tests: port 0) or with [`Listeners::bind`].
@@ -84,15 +94,30 @@ impl Listeners {
 /// A master whose state is open but which does not serve yet.
 pub struct Master {
     cfg: MasterConfig,
-    core: Arc<MasterCore>,
+    slot: Arc<CoreSlot>,
     meta: Arc<dyn MetaStore>,
     tick: Duration,
+    ha: Option<HaSetup>,
+}
+
+/// What an HA master adds: the etcd client, the unfenced cluster namespace (election, epoch),
+/// the fence of its writes, and what a new term's core is built from.
+struct HaSetup {
+    state: Arc<HaState>,
+    etcd: EtcdClient,
+    election_meta: Arc<dyn MetaStore>,
+    fence: Arc<WriteFence>,
+    core_cfg: CoreConfig,
+    notifier: Arc<dyn OwnerNotifier>,
 }
 
 impl Master {
     /// Opens `data_dir/meta.redb`, checks the cluster id, bumps the epoch; frees go to owners
     /// through the transfer library.
     pub async fn open(cfg: MasterConfig) -> Result<Master, ServeError> {
+        if cfg.enable_ha {
+            return Master::open_ha(cfg, Arc::new(TransferNotifier::new())).await;
+        }
         let path: PathBuf = cfg.data_dir.join(META_FILE);
         let meta = tokio::task::spawn_blocking(move || RedbMetaStore::open(path))
             .await
@@ -138,9 +163,59 @@ impl Master {
         let core = Arc::new(MasterCore::new(core_cfg, epoch, notifier));
         Ok(Master {
             cfg,
-            core,
+            slot: CoreSlot::new(core),
             meta,
             tick: Duration::from_millis(100),
+            ha: None,
+        })
+    }
+
+    /// An HA master (`enable_ha`): checks that etcd answers (an unreachable etcd at startup is
+    /// an error that names the endpoints), then starts as a follower; the election loop starts
+    /// with [`Master::run`]. Cluster facts live in etcd under `mooncake-store/<cluster_id>/`.
+    pub async fn open_ha(
+        cfg: MasterConfig,
+        notifier: Arc<dyn OwnerNotifier>,
+    ) -> Result<Master, ServeError> {
+        let endpoints = cfg.etcd().map_err(|e| ServeError::Config(e.to_string()))?;
+        let etcd = EtcdClient::connect(&endpoints.to_strings(), crate::ha::ETCD_CALL_TIMEOUT)
+            .map_err(|e| ServeError::Etcd {
+                endpoints: endpoints.to_string(),
+                message: e.to_string(),
+            })?;
+        etcd.check().await.map_err(|e| ServeError::Etcd {
+            endpoints: endpoints.to_string(),
+            message: e.to_string(),
+        })?;
+        let prefix = layout::cluster_prefix(&cfg.cluster_id);
+        let election_meta: Arc<dyn MetaStore> = Arc::new(Prefixed::new(
+            Arc::new(EtcdMetaStore::new(etcd.clone())),
+            prefix.clone(),
+        ));
+        // Closed until this master wins: a follower writes nothing to etcd.
+        let fence = WriteFence::new();
+        fence.close();
+        let meta: Arc<dyn MetaStore> = Arc::new(Prefixed::new(
+            Arc::new(EtcdMetaStore::new(etcd.clone()).with_fence(fence.clone())),
+            prefix.clone(),
+        ));
+        let core_cfg = CoreConfig::from_master(&cfg);
+        // A placeholder core: followers never serve from it; each won term gets a fresh one.
+        let core = Arc::new(MasterCore::new(core_cfg.clone(), 0, notifier.clone()));
+        tracing::info!(etcd = %endpoints, %prefix, cluster_id = %cfg.cluster_id, "HA enabled: starting as a follower");
+        Ok(Master {
+            slot: CoreSlot::new(core),
+            meta,
+            tick: Duration::from_millis(100),
+            ha: Some(HaSetup {
+                state: HaState::new(&cfg.cluster_id, &endpoints.to_string()),
+                etcd,
+                election_meta,
+                fence,
+                core_cfg,
+                notifier,
+            }),
+            cfg,
         })
     }
 
@@ -150,8 +225,14 @@ impl Master {
         self
     }
 
-    pub fn core(&self) -> &Arc<MasterCore> {
-        &self.core
+    /// The current core (in HA mode it changes with each won term).
+    pub fn core(&self) -> Arc<MasterCore> {
+        self.slot.get()
+    }
+
+    /// The HA state, when HA is enabled.
+    pub fn ha(&self) -> Option<&Arc<HaState>> {
+        self.ha.as_ref().map(|h| &h.state)
     }
 
     /// Serves until `shutdown` resolves, then drains (at most [`DRAIN_GRACE`]).
@@ -165,14 +246,23 @@ impl Master {
         let (stop_tx, stop_rx) = watch::channel(false);
         let put_end = Arc::new(Notify::new());
 
-        let svc = MasterService::new(self.core.clone(), self.meta.clone(), put_end.clone());
+        let ha_state = self.ha.as_ref().map(|h| h.state.clone());
+        let svc = MasterService::with_slot(
+            self.slot.clone(),
+            self.meta.clone(),
+            put_end.clone(),
+            ha_state.clone(),
+        );
         let mut rx = stop_rx.clone();
         let grpc = tokio::spawn(
             tonic::transport::Server::builder()
                 .tcp_nodelay(true)
                 .add_service(MasterServer::new(svc))
                 .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listeners.rpc),
+                    // Builder::tcp_nodelay only applies to listeners tonic binds itself; with
+                    // Nagle on, a response written as two frames stalls 40 ms on delayed ACKs.
+                    tonic::transport::server::TcpIncoming::from(listeners.rpc)
+                        .with_nodelay(Some(true)),
                     async move {
                         let _ = rx.changed().await;
                     },
@@ -180,27 +270,50 @@ impl Master {
         );
         let mut rx = stop_rx.clone();
         let admin = tokio::spawn(
-            axum::serve(listeners.admin, crate::admin::router(self.core.clone()))
-                .with_graceful_shutdown(async move {
-                    let _ = rx.changed().await;
-                })
-                .into_future(),
+            axum::serve(
+                listeners.admin,
+                crate::admin::router_ha(self.slot.clone(), ha_state.clone()),
+            )
+            .with_graceful_shutdown(async move {
+                let _ = rx.changed().await;
+            })
+            .into_future(),
         );
         let background = tokio::spawn(background(
-            self.core.clone(),
+            self.slot.clone(),
             self.meta.clone(),
             put_end,
             self.tick,
-            stop_rx,
+            ha_state.clone(),
+            stop_rx.clone(),
         ));
+        let election = self.ha.map(|h| {
+            let host = self.cfg.advertised_host().to_string();
+            let election = Election {
+                ha: h.state,
+                etcd: h.etcd,
+                meta: h.election_meta,
+                fence: h.fence,
+                slot: self.slot.clone(),
+                core_cfg: h.core_cfg,
+                notifier: h.notifier,
+                address: host_port(&host, rpc_addr.port()),
+                admin: host_port(&host, admin_addr.port()),
+            };
+            tokio::spawn(election.run(stop_rx))
+        });
 
-        println!("lunakv-master listening rpc={rpc_addr} admin={admin_addr}");
+        let ha_note = if election.is_some() { " ha=etcd" } else { "" };
+        println!("lunakv-master listening rpc={rpc_addr} admin={admin_addr}{ha_note}");
         tracing::info!(%rpc_addr, %admin_addr, cluster_id = %self.cfg.cluster_id, "lunakv-master serving");
 
         shutdown.await;
         tracing::info!("shutting down: draining in-flight requests");
         let _ = stop_tx.send(true);
         let drained = tokio::time::timeout(DRAIN_GRACE, async {
+            if let Some(e) = election {
+                let _ = e.await;
+            }
             let g = grpc.await;
             let a = admin.await;
             let _ = background.await;
@@ -244,20 +357,36 @@ fn local_addr(l: &TcpListener, what: &'static str) -> Result<SocketAddr, ServeEr
     })
 }
 
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 /// Eviction at the watermark, zombie puts and client liveness, every `tick` (and on PutEnd).
+/// In HA mode only while this master leads with a valid lease: a deposed leader must not expire
+/// clients, forget segments or evict.
 async fn background(
-    core: Arc<MasterCore>,
+    slot: Arc<CoreSlot>,
     meta: Arc<dyn MetaStore>,
     put_end: Arc<Notify>,
     tick: Duration,
+    ha: Option<Arc<HaState>>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let leading = || ha.as_ref().is_none_or(|h| h.leading_term().is_some());
     let mut interval = tokio::time::interval(tick);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = stop.changed() => return,
             _ = interval.tick() => {
+                if !leading() {
+                    continue;
+                }
+                let core = slot.get();
                 core.sweep_puts().await;
                 for (_client, segments) in core.expire_clients() {
                     for s in segments {
@@ -269,7 +398,9 @@ async fn background(
                 core.evict_if_needed().await;
             }
             _ = put_end.notified() => {
-                core.evict_if_needed().await;
+                if leading() {
+                    slot.get().evict_if_needed().await;
+                }
             }
         }
     }
@@ -316,7 +447,7 @@ pub async fn start_master(master: Master) -> Result<RunningMaster, ServeError> {
     let listeners = Listeners::bind(&master.cfg).await?;
     let rpc_addr = local_addr(&listeners.rpc, "rpc")?;
     let admin_addr = local_addr(&listeners.admin, "admin/metrics")?;
-    let core = master.core.clone();
+    let core = master.slot.get();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(master.run(listeners, async move {
         let _ = rx.await;

@@ -36,6 +36,8 @@ pub enum StoreError {
     },
     #[error(transparent)]
     Segment(#[from] ClientError),
+    #[error(transparent)]
+    Config(#[from] lunakv_config::ConfigError),
 }
 
 /// Serves until `shutdown` resolves, then unmounts and stops. Prints one line once bound:
@@ -56,8 +58,11 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
             cfg.shm_socket_path(cfg.port, &env)
         }
     });
+    // `host:port`, or `etcd://...` (from --etcd_endpoints or the address itself): the segment
+    // then follows the HA leader and re-mounts with its inventory on each new one.
+    let master = cfg.master_address()?.to_string();
     let host = SegmentHost::start(HostOptions {
-        master_server_address: cfg.master_server_address.clone(),
+        master_server_address: master,
         client_id,
         cluster_id: cfg.cluster_id.clone(),
         bind: SocketAddr::new(ip, cfg.port),

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds the lunakv wheel (the `mooncake` package: mooncake.store) and runs its pytest suite
+# against the real lunakv-master / lunakv-store binaries.
+#
+#   bindings/python/build.sh          build the wheel, install it into the venv, run the tests
+#   bindings/python/build.sh wheel    only build and install the wheel
+#
+# Environment: VENV (default <repo>/.venv), PYTHON (the interpreter that creates the venv,
+# default python3), PROFILE (cargo profile for the wheel: dev, the default, builds fast for
+# tests; use release for a wheel to ship), PYTEST_ARGS (extra pytest arguments).
+# Needs PyPI for maturin, pytest and numpy on the first run.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+target=${CARGO_TARGET_DIR:-$repo/target}
+VENV=${VENV:-$repo/.venv}
+PYTHON=${PYTHON:-python3}
+PROFILE=${PROFILE:-dev}
+what=${1:-test}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV" || {
+        echo "cannot create a venv with $PYTHON: install python3-venv (apt-get install -y python3-venv)" >&2
+        exit 1
+    }
+fi
+"$VENV/bin/python" -m pip install -q "maturin>=1.9.4,<2" pytest numpy
+
+echo "== wheel (profile $PROFILE)"
+rm -f "$target"/wheels/lunakv-*.whl
+"$VENV/bin/maturin" build -m "$here/Cargo.toml" --profile "$PROFILE" \
+    -i "$VENV/bin/python" -o "$target/wheels"
+"$VENV/bin/python" -m pip install -q --force-reinstall --no-deps "$target"/wheels/lunakv-*.whl
+
+if [ "$what" = test ]; then
+    echo "== python tests"
+    # The tests start the real binaries.
+    (cd "$repo" && cargo build --bins)
+    export LUNAKV_BIN_DIR=${LUNAKV_BIN_DIR:-$target/debug}
+    cd "$here"
+    # shellcheck disable=SC2086
+    "$VENV/bin/python" -m pytest -q tests ${PYTEST_ARGS:-}
+fi

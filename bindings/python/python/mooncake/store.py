@@ -1,0 +1,13 @@
+"""``mooncake.store``: the distributed KV-cache store client, as upstream Mooncake names it.
+
+``MooncakeDistributedStore`` and ``ReplicateConfig`` keep upstream's signatures and return
+conventions (0 / negative error codes, ``bytes``, lists of ints), backed by lunakv's Rust client.
+"""
+
+from mooncake._lunakv import (
+    MooncakeDistributedStore,
+    ReplicaDescriptor,
+    ReplicateConfig,
+)
+
+__all__ = ["MooncakeDistributedStore", "ReplicaDescriptor", "ReplicateConfig"]

@@ -1,0 +1,378 @@
+//! [`MasterLink`]: the connection to "the master", which for an HA cluster
+//! (`master_server_address = etcd://h1:2379;h2:2379`) is whichever master holds the leader key
+//! `mooncake-store/<cluster_id>/master_view`.
+//!
+//! In etcd mode a background task *watches* the leader key (no polling) and switches the channel
+//! as soon as the key names a new leader; a follower's redirect (`x-lunakv-leader` metadata)
+//! switches it too. [`MasterLink::call`] retries calls that failed because of a leader change
+//! (UNAVAILABLE: a follower, a leader rebuilding its index, a dead leader) until the failover
+//! budget runs out, and abandons a call in flight when the leader changes under it (a paused
+//! leader never answers). With a plain `host:port` nothing of this applies: one attempt, exactly
+//! the single-master behaviour.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lunakv_config::MasterAddress;
+use lunakv_meta::EtcdClient;
+use lunakv_meta::etcd::WatchEvent;
+use lunakv_meta::layout::{self, LeaderView};
+use lunakv_proto::master::master_client::MasterClient;
+use parking_lot::RwLock;
+use tokio::sync::watch;
+use tonic::transport::Channel;
+
+use crate::ClientError;
+use crate::host::{connect_master, rpc_error};
+
+/// How long an HA call keeps retrying across a failover: the 5 s lease, the election, and the
+/// new leader's index rebuild (at most 3 s), with room to spare.
+pub const FAILOVER_BUDGET: Duration = Duration::from_secs(30);
+
+/// gRPC metadata naming the leader on a follower's redirect.
+const LEADER_HEADER: &str = "x-lunakv-leader";
+
+#[derive(Clone)]
+struct Current {
+    addr: String,
+    term: u64,
+    client: MasterClient<Channel>,
+}
+
+struct Inner {
+    /// What the user configured, for messages.
+    spec: String,
+    ha: bool,
+    current: RwLock<Current>,
+    /// Bumped on every switch, so waiters and heartbeats react at once.
+    changed: watch::Sender<u64>,
+    timeout: Duration,
+    /// Dropped with the last link: stops the watcher task.
+    _stop: watch::Sender<()>,
+}
+
+/// A cheap-to-clone handle on the current master.
+#[derive(Clone)]
+pub(crate) struct MasterLink(Arc<Inner>);
+
+fn lazy_client(addr: &str, timeout: Duration) -> Result<MasterClient<Channel>, ClientError> {
+    let uri = format!("http://{addr}");
+    let ep = Channel::from_shared(uri).map_err(|e| ClientError::Rpc {
+        addr: addr.to_owned(),
+        message: format!("the leader key names an invalid address '{addr}': {e}"),
+    })?;
+    let ch = ep
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(2).min(timeout))
+        .timeout(timeout)
+        .connect_lazy();
+    Ok(MasterClient::new(ch).max_decoding_message_size(256 << 20))
+}
+
+impl MasterLink {
+    /// Connects to `spec`: a `host:port` (connected eagerly; an unreachable master is an error
+    /// now) or `etcd://h1:2379;h2:2379` (the leader is looked up in etcd under `cluster_id`;
+    /// unreachable etcd, a malformed list or no leader for that cluster id are errors that say
+    /// what to fix). Must run inside the tokio runtime that will drive the link.
+    pub(crate) async fn connect(
+        spec: &str,
+        cluster_id: &str,
+        timeout: Duration,
+    ) -> Result<MasterLink, ClientError> {
+        let trimmed = spec.trim();
+        if !trimmed.starts_with("etcd://") {
+            let client = connect_master(trimmed, timeout).await?;
+            let (changed, _) = watch::channel(0);
+            let (stop, _) = watch::channel(());
+            return Ok(MasterLink(Arc::new(Inner {
+                spec: spec.to_owned(),
+                ha: false,
+                current: RwLock::new(Current {
+                    addr: trimmed.to_owned(),
+                    term: 0,
+                    client,
+                }),
+                changed,
+                timeout,
+                _stop: stop,
+            })));
+        }
+        let endpoints = match MasterAddress::parse("master_server_address", trimmed) {
+            Ok(MasterAddress::Etcd(e)) => e,
+            Ok(MasterAddress::Direct(_)) => unreachable!("an etcd:// address parses as etcd"),
+            Err(e) => return Err(ClientError::Config(e.to_string())),
+        };
+        let etcd = EtcdClient::connect(&endpoints.to_strings(), Duration::from_secs(3))
+            .map_err(|e| ClientError::Config(e.to_string()))?;
+        let unreachable = |e: lunakv_meta::MetaError| ClientError::Rpc {
+            addr: spec.to_owned(),
+            message: format!(
+                "cannot reach etcd ({e}): check the endpoints in master_server_address \
+                 (etcd://h1:2379;h2:2379) or --etcd_endpoints, and that etcd is running"
+            ),
+        };
+        etcd.check().await.map_err(unreachable)?;
+        let key = layout::leader_key(cluster_id);
+        // A leader may be moments away (masters starting together): wait a little for one.
+        let deadline = tokio::time::Instant::now() + timeout.min(Duration::from_secs(10));
+        let view = loop {
+            let (kv, rev) = etcd.get_kv(key.as_bytes()).await.map_err(unreachable)?;
+            if let Some(v) = kv.and_then(|kv| LeaderView::decode(&kv.value)) {
+                break v;
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Err(no_leader(spec, cluster_id, &key, &etcd).await);
+            }
+            if let Ok(mut w) = etcd.watch_key(key.as_bytes(), rev + 1).await {
+                let _ = tokio::time::timeout(left, w.next()).await;
+            } else {
+                tokio::time::sleep(Duration::from_millis(200).min(left)).await;
+            }
+        };
+        let client = lazy_client(&view.address, timeout)?;
+        let (changed, _) = watch::channel(0);
+        let (stop, stop_rx) = watch::channel(());
+        let link = MasterLink(Arc::new(Inner {
+            spec: spec.to_owned(),
+            ha: true,
+            current: RwLock::new(Current {
+                addr: view.address.clone(),
+                term: view.term,
+                client,
+            }),
+            changed,
+            timeout,
+            _stop: stop,
+        }));
+        tracing::info!(leader = %view.address, term = view.term, etcd = %endpoints, "following the lunakv-master leader through etcd");
+        tokio::spawn(follow(Arc::downgrade(&link.0), etcd, key, stop_rx));
+        Ok(link)
+    }
+
+    /// Whether the master is found through etcd.
+    pub(crate) fn is_ha(&self) -> bool {
+        self.0.ha
+    }
+
+    /// The current master's client (a channel clone).
+    pub(crate) fn client(&self) -> MasterClient<Channel> {
+        self.0.current.read().client.clone()
+    }
+
+    /// The current master's address, for messages.
+    pub(crate) fn addr(&self) -> String {
+        if self.0.ha {
+            format!(
+                "{} (leader via {})",
+                self.0.current.read().addr,
+                self.0.spec
+            )
+        } else {
+            self.0.spec.clone()
+        }
+    }
+
+    /// Notified on every leader switch.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.0.changed.subscribe()
+    }
+
+    /// Points the link at `addr` (term `term`, 0 = unknown) unless it already does.
+    fn switch(&self, addr: &str, term: u64) {
+        switch(&self.0, addr, term);
+    }
+
+    /// One call with HA retries (see the module docs). `f` is called once per attempt.
+    pub(crate) async fn call<T, F, Fut>(&self, f: F) -> Result<T, ClientError>
+    where
+        F: Fn(MasterClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        if !self.0.ha {
+            return f(self.client())
+                .await
+                .map(tonic::Response::into_inner)
+                .map_err(|s| rpc_error(&self.0.spec, &s));
+        }
+        let deadline = tokio::time::Instant::now() + FAILOVER_BUDGET;
+        let mut changed = self.subscribe();
+        loop {
+            changed.borrow_and_update();
+            let client = self.client();
+            let status = tokio::select! {
+                r = f(client) => match r {
+                    Ok(r) => return Ok(r.into_inner()),
+                    Err(s) => s,
+                },
+                // The leader changed under an unanswered call (the old one died or is paused):
+                // retry at the new one. An abandoned mutation is refused by a deposed leader.
+                _ = changed.changed() => continue,
+            };
+            if !retryable(&status) || tokio::time::Instant::now() >= deadline {
+                return Err(rpc_error(&self.addr(), &status));
+            }
+            if let Some(l) = status
+                .metadata()
+                .get(LEADER_HEADER)
+                .and_then(|v| v.to_str().ok())
+            {
+                let term = status
+                    .metadata()
+                    .get("x-lunakv-leader-term")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|t| t.parse().ok())
+                    .unwrap_or(0);
+                if l != self.0.current.read().addr {
+                    self.switch(l, term);
+                    continue;
+                }
+            }
+            // Wait for the watch to report a new leader, or back off briefly (a leader
+            // rebuilding its index answers UNAVAILABLE for a moment).
+            let _ = tokio::time::timeout(Duration::from_millis(100), changed.changed()).await;
+        }
+    }
+
+    /// Switches to the leader a follower's redirect names (HA only).
+    pub(crate) fn follow_redirect(&self, status: &tonic::Status) {
+        if !self.0.ha {
+            return;
+        }
+        if let Some(l) = status
+            .metadata()
+            .get(LEADER_HEADER)
+            .and_then(|v| v.to_str().ok())
+        {
+            let term = status
+                .metadata()
+                .get("x-lunakv-leader-term")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0);
+            self.switch(l, term);
+        }
+    }
+}
+
+fn switch(inner: &Inner, addr: &str, term: u64) {
+    {
+        let cur = inner.current.read();
+        if cur.addr == addr && (term == 0 || cur.term == term) {
+            return;
+        }
+    }
+    match lazy_client(addr, inner.timeout) {
+        Ok(client) => {
+            let mut cur = inner.current.write();
+            let same_addr = cur.addr == addr;
+            tracing::info!(from = %cur.addr, to = %addr, term, "master leader changed");
+            if !same_addr {
+                cur.client = client;
+                cur.addr = addr.to_owned();
+            }
+            cur.term = term;
+            drop(cur);
+            inner.changed.send_modify(|n| *n += 1);
+        }
+        Err(e) => tracing::warn!(error = %e, "ignoring an unusable leader address"),
+    }
+}
+
+/// UNAVAILABLE covers a follower's redirect, a leader rebuilding or fenced, and a connection
+/// refused by a dead leader. Timeouts are not retried: the call may have been applied.
+fn retryable(s: &tonic::Status) -> bool {
+    s.code() == tonic::Code::Unavailable
+}
+
+async fn no_leader(spec: &str, cluster_id: &str, key: &str, etcd: &EtcdClient) -> ClientError {
+    // Name the clusters that do have a leader: the usual cause is a cluster_id mismatch.
+    let others: Vec<String> = etcd
+        .range_prefix(layout::ROOT.as_bytes())
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|kv| {
+            let k = String::from_utf8(kv.key).ok()?;
+            let rest = k.strip_prefix(layout::ROOT)?;
+            let (cluster, name) = rest.split_once('/')?;
+            (name == layout::LEADER_KEY).then(|| cluster.to_owned())
+        })
+        .collect();
+    let hint = if others.is_empty() {
+        "start lunakv-master with --enable_ha --etcd_endpoints=... and the same --cluster_id"
+            .to_owned()
+    } else {
+        format!(
+            "etcd has leaders for cluster_id {others:?}: the cluster_id of this client \
+             ({cluster_id:?}) must match the masters' --cluster_id"
+        )
+    };
+    ClientError::Rpc {
+        addr: spec.to_owned(),
+        message: format!(
+            "no lunakv-master leads cluster {cluster_id:?} (etcd key {key} is absent): {hint}"
+        ),
+    }
+}
+
+/// Watches the leader key and switches the link on every change, until the link is dropped.
+async fn follow(
+    link: std::sync::Weak<Inner>,
+    etcd: EtcdClient,
+    key: String,
+    mut stop: watch::Receiver<()>,
+) {
+    let mut logged = false;
+    loop {
+        let step = async {
+            let (kv, rev) = etcd.get_kv(key.as_bytes()).await?;
+            if let Some(v) = kv.and_then(|kv| LeaderView::decode(&kv.value)) {
+                let Some(inner) = link.upgrade() else {
+                    return Ok(());
+                };
+                switch(&inner, &v.address, v.term);
+            }
+            let mut w = etcd.watch_key(key.as_bytes(), rev + 1).await?;
+            loop {
+                for ev in w.next().await? {
+                    let Some(inner) = link.upgrade() else {
+                        return Ok(());
+                    };
+                    match ev {
+                        WatchEvent::Put(kv) => {
+                            if let Some(v) = LeaderView::decode(&kv.value) {
+                                switch(&inner, &v.address, v.term);
+                            }
+                        }
+                        // No leader for a moment: keep the old channel (cached gets do not
+                        // need it; calls retry) until the next one is elected.
+                        WatchEvent::Delete(_) => {
+                            tracing::info!("the master leader key is gone; waiting for an election")
+                        }
+                    }
+                }
+            }
+        };
+        let r: Result<(), lunakv_meta::MetaError> = tokio::select! {
+            r = step => r,
+            _ = stop.changed() => return,
+        };
+        match r {
+            Ok(()) => return,
+            Err(e) => {
+                if !logged {
+                    tracing::warn!(error = %e, "lost the etcd watch on the master leader key; retrying (cached gets keep working)");
+                    logged = true;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    _ = stop.changed() => return,
+                }
+            }
+        }
+        if link.strong_count() == 0 {
+            return;
+        }
+    }
+}

@@ -1,0 +1,651 @@
+//! The etcd backend: a small etcd v3 client ([`EtcdClient`]: KV, transactions, leases, watches)
+//! and the [`EtcdMetaStore`] built on it, which passes the same [`crate::conformance`] suite as
+//! the embedded store. lunakv's masters also use the client directly for leader election, and
+//! clients for following the leader key.
+//!
+//! Every call is bounded by the client's timeout: a tonic channel balanced over several endpoints
+//! waits for a ready endpoint rather than failing, so an unbounded call against a dead etcd would
+//! hang forever.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::{CasOutcome, MetaError, MetaStore, check_key};
+
+/// Generated code for `proto/etcd_v3.proto` (etcd's `etcdserverpb`, trimmed).
+#[allow(clippy::all, rust_2018_idioms, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("etcdserverpb");
+}
+
+use pb::compare::{CompareResult, CompareTarget, TargetUnion};
+use pb::kv_client::KvClient;
+use pb::lease_client::LeaseClient;
+use pb::request_op::Request as Op;
+use pb::response_op::Response as OpResp;
+use pb::watch_client::WatchClient;
+
+pub use pb::KeyValue;
+
+/// A connection to an etcd cluster (cheap to clone; clones share the channel).
+#[derive(Clone)]
+pub struct EtcdClient {
+    kv: KvClient<Channel>,
+    lease: LeaseClient<Channel>,
+    watch: WatchClient<Channel>,
+    endpoints: Arc<str>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for EtcdClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdClient")
+            .field("endpoints", &self.endpoints)
+            .finish()
+    }
+}
+
+/// The smallest key greater than every key starting with `prefix` (etcd's range_end for a
+/// prefix). An empty prefix means "every key", spelled `\0` in etcd.
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
+/// One change of a watched key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchEvent {
+    Put(KeyValue),
+    Delete(Vec<u8>),
+}
+
+/// A live watch. Dropping it cancels the watch (the request stream closes).
+pub struct EtcdWatch {
+    _keep_open: mpsc::Sender<pb::WatchRequest>,
+    stream: tonic::Streaming<pb::WatchResponse>,
+    endpoints: Arc<str>,
+}
+
+impl EtcdWatch {
+    /// The next batch of events; `Err` when the stream broke (etcd down, compacted, cancelled):
+    /// re-read the key and watch again.
+    pub async fn next(&mut self) -> Result<Vec<WatchEvent>, MetaError> {
+        loop {
+            let msg = self
+                .stream
+                .message()
+                .await
+                .map_err(|s| backend_status("watch", &self.endpoints, &s))?;
+            let Some(resp) = msg else {
+                return Err(MetaError::Backend {
+                    op: "watch",
+                    message: format!("etcd at {} closed the watch stream", self.endpoints),
+                });
+            };
+            if resp.canceled {
+                return Err(MetaError::Backend {
+                    op: "watch",
+                    message: format!(
+                        "etcd cancelled the watch (compact revision {}): {}",
+                        resp.compact_revision, resp.cancel_reason
+                    ),
+                });
+            }
+            if resp.events.is_empty() {
+                // The "created" confirmation or a progress notification.
+                continue;
+            }
+            return Ok(resp
+                .events
+                .into_iter()
+                .filter_map(|e| {
+                    let kv = e.kv?;
+                    Some(if e.r#type == pb::event::EventType::Delete as i32 {
+                        WatchEvent::Delete(kv.key)
+                    } else {
+                        WatchEvent::Put(kv)
+                    })
+                })
+                .collect());
+        }
+    }
+}
+
+fn backend_status(op: &'static str, endpoints: &str, s: &tonic::Status) -> MetaError {
+    MetaError::Backend {
+        op,
+        message: format!("etcd at {endpoints}: {:?}: {}", s.code(), s.message()),
+    }
+}
+
+impl EtcdClient {
+    /// A client for `endpoints` (each `host:port` or `http://host:port`). Lazy: nothing is
+    /// dialled until the first call; use [`EtcdClient::check`] to fail fast at startup.
+    pub fn connect(endpoints: &[String], timeout: Duration) -> Result<EtcdClient, MetaError> {
+        let joined: Arc<str> = endpoints.join(";").into();
+        if endpoints.is_empty() {
+            return Err(MetaError::Open {
+                location: "etcd".into(),
+                message: "no etcd endpoints given: pass host:port, e.g. 127.0.0.1:2379".into(),
+            });
+        }
+        let mut eps = Vec::with_capacity(endpoints.len());
+        for e in endpoints {
+            let uri = if e.contains("://") {
+                e.clone()
+            } else {
+                format!("http://{e}")
+            };
+            let ep = Endpoint::from_shared(uri.clone())
+                .map_err(|err| MetaError::Open {
+                    location: format!("etcd {e}"),
+                    message: format!("{err}: write the endpoint as host:port, e.g. 127.0.0.1:2379"),
+                })?
+                .connect_timeout(timeout.min(Duration::from_secs(3)))
+                .tcp_nodelay(true)
+                // Keep-alive pings detect a dead etcd member on an idle watch stream.
+                .http2_keep_alive_interval(Duration::from_secs(2))
+                .keep_alive_timeout(Duration::from_secs(2))
+                .keep_alive_while_idle(true);
+            eps.push(ep);
+        }
+        let channel = if eps.len() == 1 {
+            eps.remove(0).connect_lazy()
+        } else {
+            Channel::balance_list(eps.into_iter())
+        };
+        Ok(EtcdClient {
+            kv: KvClient::new(channel.clone()),
+            lease: LeaseClient::new(channel.clone()),
+            watch: WatchClient::new(channel),
+            endpoints: joined,
+            timeout,
+        })
+    }
+
+    /// The endpoints, `;`-separated, for messages.
+    pub fn endpoints(&self) -> &str {
+        &self.endpoints
+    }
+
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, MetaError> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(backend_status(op, &self.endpoints, &s)),
+            Err(_) => Err(MetaError::Backend {
+                op,
+                message: format!(
+                    "etcd at {} did not answer within {:?}",
+                    self.endpoints, self.timeout
+                ),
+            }),
+        }
+    }
+
+    /// One cheap read, to tell at startup whether etcd answers at all.
+    pub async fn check(&self) -> Result<(), MetaError> {
+        let req = pb::RangeRequest {
+            key: b"lunakv-health-probe".to_vec(),
+            count_only: true,
+            ..Default::default()
+        };
+        self.bounded("range", self.kv.clone().range(req)).await?;
+        Ok(())
+    }
+
+    /// The key-value at `key` (with its revisions and lease) and the store's revision.
+    pub async fn get_kv(&self, key: &[u8]) -> Result<(Option<KeyValue>, i64), MetaError> {
+        let req = pb::RangeRequest {
+            key: key.to_vec(),
+            ..Default::default()
+        };
+        let r = self.bounded("get", self.kv.clone().range(req)).await?;
+        let rev = r.header.map(|h| h.revision).unwrap_or_default();
+        Ok((r.kvs.into_iter().next(), rev))
+    }
+
+    /// Every key-value whose key starts with `prefix`, in key order.
+    pub async fn range_prefix(&self, prefix: &[u8]) -> Result<Vec<KeyValue>, MetaError> {
+        let key = if prefix.is_empty() {
+            vec![0]
+        } else {
+            prefix.to_vec()
+        };
+        let req = pb::RangeRequest {
+            key,
+            range_end: prefix_end(prefix),
+            sort_order: pb::range_request::SortOrder::Ascend as i32,
+            sort_target: pb::range_request::SortTarget::Key as i32,
+            ..Default::default()
+        };
+        Ok(self
+            .bounded("list_prefix", self.kv.clone().range(req))
+            .await?
+            .kvs)
+    }
+
+    /// Sets `key`, attached to `lease` (0 = none).
+    pub async fn put_kv(&self, key: &[u8], value: &[u8], lease: i64) -> Result<(), MetaError> {
+        let req = pb::PutRequest {
+            key: key.to_vec(),
+            value: value.to_vec(),
+            lease,
+            ..Default::default()
+        };
+        self.bounded("put", self.kv.clone().put(req)).await?;
+        Ok(())
+    }
+
+    /// Deletes `key`; whether it existed.
+    pub async fn delete_kv(&self, key: &[u8]) -> Result<bool, MetaError> {
+        let req = pb::DeleteRangeRequest {
+            key: key.to_vec(),
+            ..Default::default()
+        };
+        Ok(self
+            .bounded("delete", self.kv.clone().delete_range(req))
+            .await?
+            .deleted
+            > 0)
+    }
+
+    /// A raw transaction.
+    pub async fn txn(&self, req: pb::TxnRequest) -> Result<pb::TxnResponse, MetaError> {
+        self.bounded("txn", self.kv.clone().txn(req)).await
+    }
+
+    /// Creates `key` = `value` (attached to `lease`) only if it does not exist. `Ok(None)` when
+    /// created, `Ok(Some(current))` when someone else holds it.
+    pub async fn create_if_absent(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        lease: i64,
+    ) -> Result<Option<KeyValue>, MetaError> {
+        let req = pb::TxnRequest {
+            compare: vec![cmp_version(key, 0)],
+            success: vec![op_put(key, value, lease)],
+            failure: vec![op_get(key)],
+        };
+        let r = self.txn(req).await?;
+        if r.succeeded {
+            return Ok(None);
+        }
+        Ok(first_kv(r.responses))
+    }
+
+    /// Grants a lease of `ttl`; returns its id and the TTL etcd granted, in seconds.
+    pub async fn lease_grant(&self, ttl: Duration) -> Result<(i64, i64), MetaError> {
+        let req = pb::LeaseGrantRequest {
+            ttl: ttl.as_secs().max(1) as i64,
+            id: 0,
+        };
+        let r = self
+            .bounded("lease_grant", self.lease.clone().lease_grant(req))
+            .await?;
+        if !r.error.is_empty() {
+            return Err(MetaError::Backend {
+                op: "lease_grant",
+                message: r.error,
+            });
+        }
+        Ok((r.id, r.ttl))
+    }
+
+    /// Renews `lease` once; returns the TTL left in seconds, 0 when the lease has expired.
+    pub async fn lease_keep_alive(&self, lease: i64) -> Result<i64, MetaError> {
+        // One request per stream: a renewal every second or so does not need a long-lived
+        // stream, and a fresh stream never carries a stale, half-broken connection state.
+        let reqs = tokio_stream::iter([pb::LeaseKeepAliveRequest { id: lease }]);
+        let mut stream = self
+            .bounded(
+                "lease_keep_alive",
+                self.lease.clone().lease_keep_alive(reqs),
+            )
+            .await?;
+        let msg = tokio::time::timeout(self.timeout, stream.message()).await;
+        match msg {
+            Ok(Ok(Some(r))) => Ok(r.ttl),
+            Ok(Ok(None)) => Ok(0),
+            Ok(Err(s)) => Err(backend_status("lease_keep_alive", &self.endpoints, &s)),
+            Err(_) => Err(MetaError::Backend {
+                op: "lease_keep_alive",
+                message: format!("etcd at {} did not answer in time", self.endpoints),
+            }),
+        }
+    }
+
+    /// Revokes `lease`, deleting every key attached to it.
+    pub async fn lease_revoke(&self, lease: i64) -> Result<(), MetaError> {
+        let req = pb::LeaseRevokeRequest { id: lease };
+        self.bounded("lease_revoke", self.lease.clone().lease_revoke(req))
+            .await?;
+        Ok(())
+    }
+
+    /// Watches `key` from `start_revision` (0 = from now).
+    pub async fn watch_key(&self, key: &[u8], start_revision: i64) -> Result<EtcdWatch, MetaError> {
+        let (tx, rx) = mpsc::channel(1);
+        let create = pb::WatchRequest {
+            request_union: Some(pb::watch_request::RequestUnion::CreateRequest(
+                pb::WatchCreateRequest {
+                    key: key.to_vec(),
+                    start_revision,
+                    ..Default::default()
+                },
+            )),
+        };
+        tx.send(create).await.map_err(|_| MetaError::Backend {
+            op: "watch",
+            message: "watch request channel closed".into(),
+        })?;
+        let stream = self
+            .bounded(
+                "watch",
+                self.watch
+                    .clone()
+                    .watch(tokio_stream::wrappers::ReceiverStream::new(rx)),
+            )
+            .await?;
+        Ok(EtcdWatch {
+            _keep_open: tx,
+            stream,
+            endpoints: self.endpoints.clone(),
+        })
+    }
+}
+
+fn cmp_version(key: &[u8], version: i64) -> pb::Compare {
+    pb::Compare {
+        result: CompareResult::Equal as i32,
+        target: CompareTarget::Version as i32,
+        key: key.to_vec(),
+        target_union: Some(TargetUnion::Version(version)),
+        range_end: Vec::new(),
+    }
+}
+
+fn cmp_value(key: &[u8], value: &[u8]) -> pb::Compare {
+    pb::Compare {
+        result: CompareResult::Equal as i32,
+        target: CompareTarget::Value as i32,
+        key: key.to_vec(),
+        target_union: Some(TargetUnion::Value(value.to_vec())),
+        range_end: Vec::new(),
+    }
+}
+
+/// `key` is attached to `lease` (the fence: only the holder of the leader key's lease writes).
+pub fn cmp_lease(key: &[u8], lease: i64) -> pb::Compare {
+    pb::Compare {
+        result: CompareResult::Equal as i32,
+        target: CompareTarget::Lease as i32,
+        key: key.to_vec(),
+        target_union: Some(TargetUnion::Lease(lease)),
+        range_end: Vec::new(),
+    }
+}
+
+fn op_put(key: &[u8], value: &[u8], lease: i64) -> pb::RequestOp {
+    pb::RequestOp {
+        request: Some(Op::RequestPut(pb::PutRequest {
+            key: key.to_vec(),
+            value: value.to_vec(),
+            lease,
+            ..Default::default()
+        })),
+    }
+}
+
+fn op_delete(key: &[u8]) -> pb::RequestOp {
+    pb::RequestOp {
+        request: Some(Op::RequestDeleteRange(pb::DeleteRangeRequest {
+            key: key.to_vec(),
+            ..Default::default()
+        })),
+    }
+}
+
+fn op_get(key: &[u8]) -> pb::RequestOp {
+    pb::RequestOp {
+        request: Some(Op::RequestRange(pb::RangeRequest {
+            key: key.to_vec(),
+            ..Default::default()
+        })),
+    }
+}
+
+fn first_kv(responses: Vec<pb::ResponseOp>) -> Option<KeyValue> {
+    responses.into_iter().find_map(|r| match r.response {
+        Some(OpResp::ResponseRange(rr)) => rr.kvs.into_iter().next(),
+        _ => None,
+    })
+}
+
+/// A fence for writes: while set (lease != 0), every write of the store is a transaction that
+/// succeeds only if `key` is still attached to `lease`. The master sets it to its leader key and
+/// lease, so a deposed leader cannot change etcd even if its local lease check raced.
+#[derive(Debug, Default)]
+pub struct WriteFence {
+    key: parking_lot::Mutex<Vec<u8>>,
+    lease: AtomicI64,
+}
+
+impl WriteFence {
+    pub fn new() -> Arc<WriteFence> {
+        Arc::new(WriteFence::default())
+    }
+
+    /// Writes succeed only while `key` is attached to `lease`.
+    pub fn set(&self, key: &[u8], lease: i64) {
+        *self.key.lock() = key.to_vec();
+        self.lease.store(lease, Ordering::SeqCst);
+    }
+
+    /// Every write is refused (a follower writes nothing).
+    pub fn close(&self) {
+        self.lease.store(-1, Ordering::SeqCst);
+    }
+
+    fn compare(&self) -> Result<Option<pb::Compare>, MetaError> {
+        match self.lease.load(Ordering::SeqCst) {
+            0 => Ok(None),
+            l if l < 0 => Err(MetaError::Backend {
+                op: "write",
+                message: "fenced: this master does not hold the leader lease".into(),
+            }),
+            l => Ok(Some(cmp_lease(&self.key.lock(), l))),
+        }
+    }
+}
+
+/// A [`MetaStore`] on etcd. Keys are stored as given (wrap it in [`crate::Prefixed`] for a
+/// namespace). Optionally fenced by a [`WriteFence`].
+#[derive(Debug, Clone)]
+pub struct EtcdMetaStore {
+    client: EtcdClient,
+    fence: Option<Arc<WriteFence>>,
+}
+
+impl EtcdMetaStore {
+    pub fn new(client: EtcdClient) -> EtcdMetaStore {
+        EtcdMetaStore {
+            client,
+            fence: None,
+        }
+    }
+
+    /// Writes go through `fence` (see [`WriteFence`]).
+    pub fn with_fence(mut self, fence: Arc<WriteFence>) -> EtcdMetaStore {
+        self.fence = Some(fence);
+        self
+    }
+
+    pub fn client(&self) -> &EtcdClient {
+        &self.client
+    }
+
+    fn fence(&self) -> Result<Option<pb::Compare>, MetaError> {
+        match &self.fence {
+            Some(f) => f.compare(),
+            None => Ok(None),
+        }
+    }
+
+    fn fenced_out() -> MetaError {
+        MetaError::Backend {
+            op: "write",
+            message: "fenced: the leader lease moved to another master; this write was refused"
+                .into(),
+        }
+    }
+}
+
+#[async_trait]
+impl MetaStore for EtcdMetaStore {
+    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, MetaError> {
+        check_key(key)?;
+        Ok(self
+            .client
+            .get_kv(key.as_bytes())
+            .await?
+            .0
+            .map(|kv| kv.value))
+    }
+
+    async fn put(&self, key: &str, value: &[u8]) -> Result<(), MetaError> {
+        check_key(key)?;
+        match self.fence()? {
+            None => self.client.put_kv(key.as_bytes(), value, 0).await,
+            Some(c) => {
+                let r = self
+                    .client
+                    .txn(pb::TxnRequest {
+                        compare: vec![c],
+                        success: vec![op_put(key.as_bytes(), value, 0)],
+                        failure: vec![],
+                    })
+                    .await?;
+                if r.succeeded {
+                    Ok(())
+                } else {
+                    Err(Self::fenced_out())
+                }
+            }
+        }
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, MetaError> {
+        check_key(key)?;
+        let fence = self.fence()?;
+        // Deleting reports whether the key existed: read it in the same transaction.
+        let mut compare: Vec<pb::Compare> = fence.into_iter().collect();
+        let fenced = !compare.is_empty();
+        compare.push(pb::Compare {
+            result: CompareResult::Greater as i32,
+            ..cmp_version(key.as_bytes(), 0)
+        });
+        let r = self
+            .client
+            .txn(pb::TxnRequest {
+                compare,
+                success: vec![op_delete(key.as_bytes())],
+                failure: vec![],
+            })
+            .await?;
+        if r.succeeded {
+            return Ok(true);
+        }
+        if fenced && !self.fence_holds().await? {
+            return Err(Self::fenced_out());
+        }
+        Ok(false)
+    }
+
+    async fn list_prefix(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, MetaError> {
+        let kvs = self.client.range_prefix(prefix.as_bytes()).await?;
+        Ok(kvs
+            .into_iter()
+            .filter_map(|kv| String::from_utf8(kv.key).ok().map(|k| (k, kv.value)))
+            .collect())
+    }
+
+    async fn compare_and_swap(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        new: Option<&[u8]>,
+    ) -> Result<CasOutcome, MetaError> {
+        check_key(key)?;
+        let k = key.as_bytes();
+        let mut compare: Vec<pb::Compare> = self.fence()?.into_iter().collect();
+        let fenced = !compare.is_empty();
+        compare.push(match expected {
+            None => cmp_version(k, 0),
+            // On a missing key etcd's value comparison is false, which is what we want.
+            Some(v) => cmp_value(k, v),
+        });
+        let success = match new {
+            Some(v) => op_put(k, v, 0),
+            None => op_delete(k),
+        };
+        let r = self
+            .client
+            .txn(pb::TxnRequest {
+                compare,
+                success: vec![success],
+                failure: vec![op_get(k)],
+            })
+            .await?;
+        if r.succeeded {
+            return Ok(CasOutcome::Swapped);
+        }
+        let current = first_kv(r.responses).map(|kv| kv.value);
+        if fenced && current.as_deref() == expected && !self.fence_holds().await? {
+            return Err(Self::fenced_out());
+        }
+        Ok(CasOutcome::Conflict { current })
+    }
+}
+
+impl EtcdMetaStore {
+    /// Whether the fence key is still attached to the fence lease (after a failed transaction,
+    /// tells "the value differed" from "we were fenced out").
+    async fn fence_holds(&self) -> Result<bool, MetaError> {
+        let Some(f) = &self.fence else {
+            return Ok(true);
+        };
+        let lease = f.lease.load(Ordering::SeqCst);
+        let key = f.key.lock().clone();
+        let (kv, _) = self.client.get_kv(&key).await?;
+        Ok(kv.is_some_and(|kv| kv.lease == lease))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefix_end;
+
+    #[test]
+    fn prefix_end_is_the_next_key() {
+        assert_eq!(prefix_end(b"ab"), b"ac".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+        assert_eq!(prefix_end(b""), vec![0]);
+    }
+}

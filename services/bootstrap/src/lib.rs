@@ -1,0 +1,293 @@
+//! # lunakv-bootstrap
+//!
+//! The P/D bootstrap service: where decode engines and the routing sidecar (`lunakv-sidecar`)
+//! find a prefill engine's workers. Its HTTP API is exactly vLLM's MooncakeConnector bootstrap
+//! server, so engines and sidecars cannot tell them apart:
+//!
+//! - `POST /register {engine_id, dp_rank, tp_rank, pp_rank, addr}` -> `{"status":"ok"}`; 400
+//!   `{"detail": ...}` on an engine-id mismatch or a duplicate. An optional `lease_ttl_ms` field
+//!   asks for a lease other than the default.
+//! - `GET /query` -> `{"<dp>": {"engine_id": ..., "worker_addr": {"<tp>": {"<pp>": addr}}}}`.
+//! - `GET /health` -> 200.
+//!
+//! A gRPC API (`proto/lunakv/bootstrap.proto`) offers Register / Query / Deregister / Watch.
+//!
+//! ## Leases (what upstream lacks, llm-d #2187)
+//! Every registration carries a lease (default [`DEFAULT_LEASE`], `--lease-ttl`). It is renewed
+//! by registering the same worker again (the engine's heartbeat; lunakv's engine simulator does
+//! this) or, for engines that register once and never again (vLLM), by the prober: every
+//! `lease/3` the service opens a TCP connection to each worker's side-channel `addr` and renews
+//! the lease if it connects (`--probe-workers=false` turns this off). A dead engine therefore
+//! disappears one lease after it stops answering, and a restarted prefill engine with a new
+//! engine id is accepted when either its old lease lapsed or it registers on the same address
+//! as the old one (restart in place); see [`state`] for the exact rules.
+//!
+//! ## Binding
+//! Listeners bind exactly `--host` (default 127.0.0.1; upstream binds 0.0.0.0, pass
+//! `--host 0.0.0.0` for that). The HTTP port is `--port`, else `MOONCAKE_BOOTSTRAP_PORT`, else
+//! `VLLM_MOONCAKE_BOOTSTRAP_PORT`, else 8998; gRPC is `--grpc-port` (default 8999). Once bound
+//! the binary prints `lunakv-bootstrap listening http=IP:PORT grpc=IP:PORT`.
+//!
+//! State is embedded ([`MemoryState`]) and behind [`BootstrapState`], so a MetaStore-backed
+//! table shared by replicas can replace it.
+
+pub mod grpc;
+pub mod http;
+pub mod state;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+pub use state::{BootstrapState, MemoryState, RegisterError, Table, Worker};
+
+/// Lease granted when the request names none.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+/// vLLM's default bootstrap port.
+pub const DEFAULT_HTTP_PORT: u16 = 8998;
+pub const DEFAULT_GRPC_PORT: u16 = 8999;
+
+/// Errors starting or running the service.
+#[derive(Debug, thiserror::Error)]
+pub enum BootstrapError {
+    #[error("cannot bind {addr}: {source}; the port is in use or the host is not local")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("server error: {0}")]
+    Serve(String),
+}
+
+/// Resolved configuration.
+#[derive(Debug, Clone)]
+pub struct BootstrapConfig {
+    pub host: IpAddr,
+    pub http_port: u16,
+    pub grpc_port: u16,
+    pub lease: Duration,
+    /// Renew leases of workers whose side-channel address accepts a TCP connection.
+    pub probe_workers: bool,
+}
+
+impl Default for BootstrapConfig {
+    fn default() -> Self {
+        BootstrapConfig {
+            host: IpAddr::from([127, 0, 0, 1]),
+            http_port: DEFAULT_HTTP_PORT,
+            grpc_port: DEFAULT_GRPC_PORT,
+            lease: DEFAULT_LEASE,
+            probe_workers: true,
+        }
+    }
+}
+
+/// The HTTP port from the environment: `MOONCAKE_BOOTSTRAP_PORT`, then
+/// `VLLM_MOONCAKE_BOOTSTRAP_PORT`. `env` is a lookup (tests pass a map, not the process env).
+pub fn port_from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<u16>, BootstrapError> {
+    for var in ["MOONCAKE_BOOTSTRAP_PORT", "VLLM_MOONCAKE_BOOTSTRAP_PORT"] {
+        if let Some(v) = env(var) {
+            return v.trim().parse::<u16>().map(Some).map_err(|_| {
+                BootstrapError::Config(format!("{var}={v} is not a port (0..65535)"))
+            });
+        }
+    }
+    Ok(None)
+}
+
+/// Parses `500ms`, `10s`, `2m` or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, mul_ms) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1000.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60_000.0)
+    } else {
+        (s, 1000.0)
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a duration (try 500ms, 10s, 2m)"))?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!("'{s}' is not a duration"));
+    }
+    Ok(Duration::from_micros((v * mul_ms * 1000.0) as u64))
+}
+
+/// Bound listeners (bind first, then report the real addresses).
+pub struct Listeners {
+    pub http: TcpListener,
+    pub grpc: TcpListener,
+}
+
+impl Listeners {
+    pub async fn bind(cfg: &BootstrapConfig) -> Result<Listeners, BootstrapError> {
+        let bind = |port| async move {
+            let addr = SocketAddr::new(cfg.host, port);
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| BootstrapError::Bind { addr, source })
+        };
+        Ok(Listeners {
+            http: bind(cfg.http_port).await?,
+            grpc: bind(cfg.grpc_port).await?,
+        })
+    }
+}
+
+/// Serves both APIs until `shutdown` resolves, then drains.
+pub async fn serve(
+    cfg: BootstrapConfig,
+    listeners: Listeners,
+    state: Arc<dyn BootstrapState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), BootstrapError> {
+    let local = |l: &TcpListener| {
+        l.local_addr()
+            .map_err(|e| BootstrapError::Serve(e.to_string()))
+    };
+    let http_addr = local(&listeners.http)?;
+    let grpc_addr = local(&listeners.grpc)?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+
+    let mut rx = stop_rx.clone();
+    let http = tokio::spawn(
+        axum::serve(listeners.http, http::router(state.clone(), cfg.lease))
+            .with_graceful_shutdown(async move {
+                let _ = rx.changed().await;
+            })
+            .into_future(),
+    );
+    let mut rx = stop_rx.clone();
+    let grpc = tokio::spawn(
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(grpc::server(state.clone(), cfg.lease, stop_rx.clone()))
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
+                async move {
+                    let _ = rx.changed().await;
+                },
+            ),
+    );
+    let upkeep = tokio::spawn(upkeep(state.clone(), cfg.clone(), stop_rx.clone()));
+
+    println!("lunakv-bootstrap listening http={http_addr} grpc={grpc_addr}");
+    tracing::info!(%http_addr, %grpc_addr, lease = ?cfg.lease, probe = cfg.probe_workers, "lunakv-bootstrap serving");
+
+    shutdown.await;
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    let drain = async {
+        let h = http.await;
+        let g = grpc.await;
+        let _ = upkeep.await;
+        (h, g)
+    };
+    match tokio::time::timeout(Duration::from_secs(5), drain).await {
+        Ok((h, g)) => {
+            if let Ok(Err(e)) = h {
+                return Err(BootstrapError::Serve(e.to_string()));
+            }
+            if let Ok(Err(e)) = g {
+                return Err(BootstrapError::Serve(e.to_string()));
+            }
+        }
+        Err(_) => tracing::warn!("drain timed out; exiting anyway"),
+    }
+    Ok(())
+}
+
+/// Expires lapsed leases (so watchers hear about it) and probes workers' side channels.
+async fn upkeep(
+    state: Arc<dyn BootstrapState>,
+    cfg: BootstrapConfig,
+    mut stop: watch::Receiver<bool>,
+) {
+    let every = (cfg.lease / 4).max(Duration::from_millis(20));
+    let probe_every = (cfg.lease / 3).max(Duration::from_millis(50));
+    let mut last_probe = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        state.expire();
+        if cfg.probe_workers && last_probe.elapsed() >= probe_every {
+            last_probe = tokio::time::Instant::now();
+            let workers = state.workers();
+            let probes = workers.into_iter().map(|w| {
+                let state = state.clone();
+                async move {
+                    if probe(&w.addr).await {
+                        state.renew(&w);
+                    }
+                }
+            });
+            futures_join_all(probes).await;
+        }
+    }
+}
+
+async fn futures_join_all<F: std::future::Future<Output = ()> + Send + 'static>(
+    fs: impl Iterator<Item = F>,
+) {
+    let handles: Vec<_> = fs.map(tokio::spawn).collect();
+    for h in handles {
+        let _ = h.await;
+    }
+}
+
+/// True if `addr` (`tcp://host:port`, `http://host:port` or `host:port`) accepts a connection.
+async fn probe(addr: &str) -> bool {
+    let hp = addr
+        .trim()
+        .trim_start_matches("tcp://")
+        .trim_start_matches("http://")
+        .trim_end_matches('/');
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(hp)).await,
+        Ok(Ok(_))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_port_order_and_errors() {
+        let env = |k: &str| match k {
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT" => Some("9001".to_string()),
+            _ => None,
+        };
+        assert_eq!(port_from_env(&env).unwrap(), Some(9001));
+        let env = |k: &str| match k {
+            "MOONCAKE_BOOTSTRAP_PORT" => Some("9002".to_string()),
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT" => Some("9001".to_string()),
+            _ => None,
+        };
+        assert_eq!(port_from_env(&env).unwrap(), Some(9002));
+        let env = |_: &str| Some("nope".to_string());
+        assert!(port_from_env(&env).is_err());
+        assert_eq!(port_from_env(&|_| None).unwrap(), None);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("200ms").unwrap(), Duration::from_millis(200));
+        assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
+        assert!(parse_duration("x").is_err());
+    }
+}

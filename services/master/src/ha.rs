@@ -1,0 +1,677 @@
+//! Master high availability on etcd (`--enable_ha --etcd_endpoints=h1:2379;h2:2379`).
+//!
+//! N masters campaign for the leader key `mooncake-store/<cluster_id>/master_view` (upstream's
+//! name) with a transaction "create if absent", attached to a 5 s lease that the leader keeps
+//! alive. Followers watch the key and campaign as soon as it disappears. A follower answers every
+//! RPC with `UNAVAILABLE` and the leader's address in the `x-lunakv-leader` metadata.
+//!
+//! **Terms.** Before campaigning a master increments `master/epoch` in etcd by compare-and-swap;
+//! the winner's value is its term and the high 32 bits of every generation it issues, so two
+//! leaders never issue the same generation.
+//!
+//! **Fencing.** The leader tracks its lease locally: deadline = time the renewal was *sent* +
+//! granted TTL - [`SAFETY_MARGIN`]. etcd expires the lease no earlier than TTL after it *received*
+//! that renewal, so the local deadline always passes first. Every RPC checks the deadline before
+//! acting, and every mutating RPC checks it again (and that the term did not change) before
+//! acknowledging, so an acknowledged write was applied while the lease was certainly held — a
+//! process paused past its lease (SIGSTOP) refuses everything when it wakes. Its etcd writes are
+//! also fenced by etcd itself ([`lunakv_meta::WriteFence`]: a transaction conditioned on the
+//! leader key still carrying this lease), and FREEs to owners go out only while leading.
+//!
+//! **Takeover.** A new leader starts from an empty object index and rebuilds it from the
+//! store-clients' inventories: they see the leader key change (they watch it), ping the new
+//! leader, get `remount_required`, and mount again with their inventory. Until every segment
+//! recorded in etcd has remounted (at most [`RECOVERY_GRACE`]) the new leader answers
+//! object RPCs with `UNAVAILABLE` ("rebuilding"), so no client ever reads a half-built index as
+//! "object not found".
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use lunakv_meta::etcd::WatchEvent;
+use lunakv_meta::layout::{self, LeaderView};
+use lunakv_meta::{EtcdClient, MetaStore, WriteFence};
+use parking_lot::{Mutex, RwLock};
+use prometheus::{IntCounter, IntGauge, Opts, Registry};
+use tokio::sync::watch;
+use tonic::Status;
+use tonic::metadata::MetadataValue;
+
+use crate::core::{CoreConfig, MasterCore};
+use crate::notifier::OwnerNotifier;
+use crate::persist;
+
+/// Subtracted from the granted TTL for the local lease deadline: covers the renewal's
+/// transit, scheduling delays and clock-rate differences between this host and etcd's.
+pub const SAFETY_MARGIN: Duration = Duration::from_millis(1500);
+/// How often the leader renews its lease (a third of the TTL, as etcd's own clients do).
+pub const KEEPALIVE_EVERY: Duration = Duration::from_millis(1500);
+/// Longest a new leader waits for known segments to remount before serving objects.
+pub const RECOVERY_GRACE: Duration = Duration::from_secs(3);
+/// Timeout of each etcd call made by the election loop.
+pub const ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// gRPC metadata naming the leader (`host:port`) on a redirect.
+pub const LEADER_HEADER: &str = "x-lunakv-leader";
+/// gRPC metadata with the leader's term on a redirect.
+pub const TERM_HEADER: &str = "x-lunakv-leader-term";
+
+/// The HA metrics, in their own registry (they outlive the per-term core).
+pub struct HaMetrics {
+    pub registry: Registry,
+    /// 1 while etcd answers this master.
+    pub etcd_up: IntGauge,
+    /// 1 while this master leads.
+    pub is_leader: IntGauge,
+    /// Times this master became leader.
+    pub leader_changes_total: IntCounter,
+    /// The current leader term seen by this master (0 = none known).
+    pub leader_term: IntGauge,
+    /// Writes refused because the local lease deadline had passed.
+    pub fenced_writes_total: IntCounter,
+}
+
+impl HaMetrics {
+    fn new() -> HaMetrics {
+        let registry = Registry::new();
+        let g = |n: &str, h: &str| {
+            let g = IntGauge::with_opts(Opts::new(n, h)).expect("static metric definition");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric name");
+            g
+        };
+        let c = |n: &str, h: &str| {
+            let c = IntCounter::with_opts(Opts::new(n, h)).expect("static metric definition");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric name");
+            c
+        };
+        HaMetrics {
+            etcd_up: g("master_etcd_up", "1 while etcd answers this master"),
+            is_leader: g("master_is_leader", "1 while this master is the HA leader"),
+            leader_changes_total: c(
+                "master_leader_changes_total",
+                "Times this master became the leader",
+            ),
+            leader_term: g("master_leader_term", "Term of the leader this master knows"),
+            fenced_writes_total: c(
+                "master_fenced_writes_total",
+                "Requests refused because this master's leader lease might have expired",
+            ),
+            registry,
+        }
+    }
+}
+
+struct Recovery {
+    until: Instant,
+    waiting: BTreeSet<String>,
+}
+
+/// Shared HA state: the role, the local lease deadline, the known leader.
+pub struct HaState {
+    base: Instant,
+    /// Local lease deadline in ns since `base`; 0 = not leading.
+    deadline_ns: AtomicU64,
+    /// Term while leading, 0 otherwise.
+    term: AtomicU64,
+    recovering: AtomicBool,
+    recovery: Mutex<Option<Recovery>>,
+    leader: RwLock<Option<LeaderView>>,
+    me: RwLock<LeaderView>,
+    pub metrics: HaMetrics,
+    pub cluster_id: String,
+    pub etcd_endpoints: String,
+}
+
+/// This master's role, for /role and /health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Leader,
+    Follower,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Leader => "leader",
+            Role::Follower => "follower",
+        }
+    }
+}
+
+impl HaState {
+    pub fn new(cluster_id: &str, etcd_endpoints: &str) -> Arc<HaState> {
+        Arc::new(HaState {
+            base: Instant::now(),
+            deadline_ns: AtomicU64::new(0),
+            term: AtomicU64::new(0),
+            recovering: AtomicBool::new(false),
+            recovery: Mutex::new(None),
+            leader: RwLock::new(None),
+            me: RwLock::new(LeaderView {
+                address: String::new(),
+                admin: String::new(),
+                term: 0,
+            }),
+            metrics: HaMetrics::new(),
+            cluster_id: cluster_id.to_string(),
+            etcd_endpoints: etcd_endpoints.to_string(),
+        })
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.base.elapsed().as_nanos() as u64
+    }
+
+    fn at_ns(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.base).as_nanos() as u64
+    }
+
+    /// Whether this master holds a lease that cannot have expired in etcd yet.
+    pub fn lease_valid(&self) -> bool {
+        let d = self.deadline_ns.load(Ordering::Acquire);
+        d != 0 && self.now_ns() < d
+    }
+
+    /// The term while leading with a valid lease.
+    pub fn leading_term(&self) -> Option<u64> {
+        let t = self.term.load(Ordering::Acquire);
+        (t != 0 && self.lease_valid()).then_some(t)
+    }
+
+    pub fn role(&self) -> Role {
+        if self.leading_term().is_some() {
+            Role::Leader
+        } else {
+            Role::Follower
+        }
+    }
+
+    /// The leader this master knows (itself when leading).
+    pub fn leader(&self) -> Option<LeaderView> {
+        self.leader.read().clone()
+    }
+
+    /// Time left on the local lease, when leading.
+    pub fn lease_left(&self) -> Option<Duration> {
+        let d = self.deadline_ns.load(Ordering::Acquire);
+        let now = self.now_ns();
+        (d != 0 && now < d).then(|| Duration::from_nanos(d - now))
+    }
+
+    fn redirect(&self, why: &str) -> Status {
+        // Never redirect to ourselves: a master that refuses does not lead (any more).
+        let me = self.me.read().address.clone();
+        let leader = self.leader().filter(|l| l.address != me);
+        let mut s = match &leader {
+            Some(l) => Status::unavailable(format!(
+                "{why}; the leader is {} (term {}): follow it through etcd \
+                 (master_server_address etcd://{}) or retry there",
+                l.address, l.term, self.etcd_endpoints
+            )),
+            None => Status::unavailable(format!(
+                "{why}; no leader is elected yet for cluster {:?}: retry in a moment",
+                self.cluster_id
+            )),
+        };
+        if let Some(l) = leader
+            && let (Ok(a), Ok(t)) = (
+                MetadataValue::try_from(l.address.as_str()),
+                MetadataValue::try_from(l.term.to_string().as_str()),
+            )
+        {
+            s.metadata_mut().insert(LEADER_HEADER, a);
+            s.metadata_mut().insert(TERM_HEADER, t);
+        }
+        s
+    }
+
+    /// Gate at the start of an RPC. `mounting` RPCs (mount, ping, unmount) pass during recovery:
+    /// they are how the index is rebuilt. Returns the term to re-check with [`HaState::confirm`].
+    pub fn admit(&self, core: &MasterCore, mounting: bool) -> Result<u64, Status> {
+        let term = self.term.load(Ordering::Acquire);
+        if term == 0 {
+            return Err(self.redirect("this lunakv-master is a follower"));
+        }
+        if !self.lease_valid() {
+            self.metrics.fenced_writes_total.inc();
+            return Err(self.redirect(
+                "this lunakv-master's leader lease may have expired (etcd unreachable or the \
+                 process was paused); it refuses requests and steps down",
+            ));
+        }
+        if !mounting && self.recovering.load(Ordering::Acquire) && !self.recovery_done(core) {
+            return Err(Status::unavailable(format!(
+                "this lunakv-master was just elected leader (term {term}) and is rebuilding its \
+                 object index from the store-clients' inventories; retry in a moment"
+            )));
+        }
+        Ok(term)
+    }
+
+    /// Gate before acknowledging a mutation admitted under `term`: the lease must still be
+    /// valid and the term unchanged, so the mutation happened while leading.
+    pub fn confirm(&self, term: u64) -> Result<(), Status> {
+        if self.term.load(Ordering::Acquire) == term && self.lease_valid() {
+            return Ok(());
+        }
+        self.metrics.fenced_writes_total.inc();
+        Err(self.redirect(
+            "this lunakv-master lost its leader lease while handling the request; it was not \
+             acknowledged",
+        ))
+    }
+
+    fn recovery_done(&self, core: &MasterCore) -> bool {
+        let mut r = self.recovery.lock();
+        let done = match r.as_mut() {
+            None => true,
+            Some(rec) => {
+                if Instant::now() >= rec.until {
+                    if !rec.waiting.is_empty() {
+                        tracing::warn!(missing = ?rec.waiting, "serving without segments that did not remount within the recovery grace");
+                    }
+                    true
+                } else {
+                    let mounted: BTreeSet<String> =
+                        core.segments().into_iter().map(|s| s.name).collect();
+                    rec.waiting.retain(|s| !mounted.contains(s));
+                    rec.waiting.is_empty()
+                }
+            }
+        };
+        if done {
+            *r = None;
+            self.recovering.store(false, Ordering::Release);
+            tracing::info!("object index rebuilt; serving");
+        }
+        done
+    }
+
+    fn step_down(&self, reason: &str) {
+        let was = self.term.swap(0, Ordering::AcqRel);
+        self.deadline_ns.store(0, Ordering::Release);
+        self.recovering.store(false, Ordering::Release);
+        self.metrics.is_leader.set(0);
+        if was != 0 {
+            *self.leader.write() = None;
+            tracing::error!(
+                term = was,
+                reason,
+                "stepping down: no longer the leader; refusing every request"
+            );
+        }
+    }
+}
+
+/// Sends FREEs only while the core that issues them belongs to the current, leased term: a
+/// deposed leader must not make owners drop entries the new leader indexed.
+pub struct FencedNotifier {
+    pub inner: Arc<dyn OwnerNotifier>,
+    pub ha: Arc<HaState>,
+    pub term: u64,
+}
+
+#[async_trait::async_trait]
+impl OwnerNotifier for FencedNotifier {
+    async fn free(
+        &self,
+        endpoint: &str,
+        entries: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<(), String> {
+        if self.ha.leading_term() != Some(self.term) {
+            return Err(format!(
+                "not freeing on {endpoint}: term {} no longer leads",
+                self.term
+            ));
+        }
+        self.inner.free(endpoint, entries, timeout).await
+    }
+}
+
+/// The current core. A new leader term gets a fresh core (empty index, its own epoch); the
+/// edges look it up per request.
+pub struct CoreSlot(RwLock<Arc<MasterCore>>);
+
+impl CoreSlot {
+    pub fn new(core: Arc<MasterCore>) -> Arc<CoreSlot> {
+        Arc::new(CoreSlot(RwLock::new(core)))
+    }
+
+    pub fn get(&self) -> Arc<MasterCore> {
+        self.0.read().clone()
+    }
+
+    pub fn replace(&self, core: Arc<MasterCore>) {
+        *self.0.write() = core;
+    }
+}
+
+/// What the election loop needs.
+pub struct Election {
+    pub ha: Arc<HaState>,
+    pub etcd: EtcdClient,
+    /// The cluster's namespace in etcd, unfenced (epoch counter, reads).
+    pub meta: Arc<dyn MetaStore>,
+    pub fence: Arc<WriteFence>,
+    pub slot: Arc<CoreSlot>,
+    pub core_cfg: CoreConfig,
+    pub notifier: Arc<dyn OwnerNotifier>,
+    /// This master's addresses (published in the leader key).
+    pub address: String,
+    pub admin: String,
+}
+
+impl Election {
+    fn leader_key(&self) -> String {
+        layout::leader_key(&self.ha.cluster_id)
+    }
+
+    fn etcd_down(&self, what: &str, e: &dyn std::fmt::Display, logged: &mut bool) {
+        self.ha.metrics.etcd_up.set(0);
+        if !*logged {
+            tracing::error!(etcd = %self.etcd.endpoints(), error = %e, "etcd unreachable while {what}; retrying every 500 ms (followers cannot take over and the leader steps down when its lease runs out)");
+            *logged = true;
+        }
+    }
+
+    fn etcd_back(&self, logged: &mut bool) {
+        self.ha.metrics.etcd_up.set(1);
+        if *logged {
+            tracing::info!(etcd = %self.etcd.endpoints(), "etcd reachable again");
+            *logged = false;
+        }
+    }
+
+    /// Campaigns, leads and follows until `stop` turns true.
+    pub async fn run(self, mut stop: watch::Receiver<bool>) {
+        {
+            let mut me = self.ha.me.write();
+            me.address = self.address.clone();
+            me.admin = self.admin.clone();
+        }
+        let key = self.leader_key();
+        let mut logged = false;
+        // A lease of ours that may still hold the key (we stepped down while etcd was away):
+        // revoked once etcd answers, so nobody waits for it to expire.
+        let stale_lease = AtomicI64::new(0);
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            let got = self.etcd.get_kv(key.as_bytes()).await;
+            let (kv, rev) = match got {
+                Ok(v) => {
+                    self.etcd_back(&mut logged);
+                    v
+                }
+                Err(e) => {
+                    self.etcd_down("reading the leader key", &e, &mut logged);
+                    if sleep_or_stop(&mut stop, Duration::from_millis(500)).await {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            if let Some(kv) = kv {
+                let stale = stale_lease.load(Ordering::Acquire);
+                if stale != 0 && kv.lease == stale {
+                    if self.etcd.lease_revoke(stale).await.is_ok() {
+                        tracing::info!("revoked this master's old leader lease");
+                        stale_lease.store(0, Ordering::Release);
+                    }
+                    continue;
+                }
+                let view = LeaderView::decode(&kv.value);
+                if let Some(v) = &view {
+                    self.ha.metrics.leader_term.set(v.term as i64);
+                }
+                *self.ha.leader.write() = view;
+                // Follow until the key changes hands.
+                match self.etcd.watch_key(key.as_bytes(), rev + 1).await {
+                    Err(e) => {
+                        self.etcd_down("watching the leader key", &e, &mut logged);
+                        if sleep_or_stop(&mut stop, Duration::from_millis(500)).await {
+                            return;
+                        }
+                    }
+                    Ok(mut w) => loop {
+                        tokio::select! {
+                            _ = stop.changed() => return,
+                            ev = w.next() => match ev {
+                                Err(e) => {
+                                    self.etcd_down("watching the leader key", &e, &mut logged);
+                                    break;
+                                }
+                                Ok(events) => {
+                                    let mut gone = false;
+                                    for e in events {
+                                        match e {
+                                            WatchEvent::Delete(_) => gone = true,
+                                            WatchEvent::Put(kv) => {
+                                                let v = LeaderView::decode(&kv.value);
+                                                if let Some(v) = &v {
+                                                    self.ha.metrics.leader_term.set(v.term as i64);
+                                                }
+                                                *self.ha.leader.write() = v;
+                                            }
+                                        }
+                                    }
+                                    if gone {
+                                        tracing::info!("the leader key is gone: campaigning");
+                                        *self.ha.leader.write() = None;
+                                        break;
+                                    }
+                                }
+                            }
+                        }
+                    },
+                }
+                continue;
+            }
+            // No leader: campaign.
+            match self.campaign().await {
+                Ok(Some((lease, granted_at, ttl, term))) => {
+                    stale_lease.store(lease, Ordering::Release);
+                    let outcome = self.lead(lease, granted_at, ttl, term, &mut stop).await;
+                    match outcome {
+                        LeadOutcome::Stopped => return,
+                        LeadOutcome::SteppedDown { revoked } => {
+                            if revoked {
+                                stale_lease.store(0, Ordering::Release);
+                            }
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    self.etcd_down("campaigning", &e, &mut logged);
+                    if sleep_or_stop(&mut stop, Duration::from_millis(500)).await {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One attempt: bump the term, take a lease, create the key if absent. `Some` on a win.
+    async fn campaign(&self) -> Result<Option<(i64, Instant, Duration, u64)>, String> {
+        let term = persist::bump_epoch(self.meta.as_ref())
+            .await
+            .map_err(|e| e.to_string())?;
+        let granted_at = Instant::now();
+        let (lease, ttl) = self
+            .etcd
+            .lease_grant(layout::LEADER_LEASE_TTL)
+            .await
+            .map_err(|e| e.to_string())?;
+        let view = LeaderView {
+            address: self.address.clone(),
+            admin: self.admin.clone(),
+            term: u64::from(term),
+        };
+        match self
+            .etcd
+            .create_if_absent(self.leader_key().as_bytes(), &view.encode(), lease)
+            .await
+        {
+            Ok(None) => Ok(Some((
+                lease,
+                granted_at,
+                Duration::from_secs(ttl.max(1) as u64),
+                u64::from(term),
+            ))),
+            Ok(Some(holder)) => {
+                let _ = self.etcd.lease_revoke(lease).await;
+                let v = LeaderView::decode(&holder.value);
+                tracing::info!(leader = ?v.as_ref().map(|v| &v.address), "another master won the election; following it");
+                Ok(None)
+            }
+            Err(e) => {
+                let _ = self.etcd.lease_revoke(lease).await;
+                Err(e.to_string())
+            }
+        }
+    }
+
+    async fn lead(
+        &self,
+        lease: i64,
+        granted_at: Instant,
+        ttl: Duration,
+        term: u64,
+        stop: &mut watch::Receiver<bool>,
+    ) -> LeadOutcome {
+        let ha = &self.ha;
+        let key = self.leader_key();
+        let deadline_of =
+            |sent: Instant, ttl: Duration| ha.at_ns(sent + ttl.saturating_sub(SAFETY_MARGIN));
+        // A fresh core for this term: its epoch is the term, its index is rebuilt by remounts.
+        let notifier: Arc<dyn OwnerNotifier> = Arc::new(FencedNotifier {
+            inner: self.notifier.clone(),
+            ha: ha.clone(),
+            term,
+        });
+        self.slot.replace(Arc::new(MasterCore::new(
+            self.core_cfg.clone(),
+            term as u32,
+            notifier,
+        )));
+        let known: BTreeSet<String> = match persist::known_segments(self.meta.as_ref()).await {
+            Ok(s) => s.into_iter().map(|d| d.name).collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list known segments; serving after the recovery grace");
+                BTreeSet::new()
+            }
+        };
+        let n_known = known.len();
+        *ha.recovery.lock() = Some(Recovery {
+            until: Instant::now() + RECOVERY_GRACE,
+            waiting: known,
+        });
+        ha.recovering.store(true, Ordering::Release);
+        self.fence.set(key.as_bytes(), lease);
+        *ha.leader.write() = Some(LeaderView {
+            address: self.address.clone(),
+            admin: self.admin.clone(),
+            term,
+        });
+        ha.deadline_ns
+            .store(deadline_of(granted_at, ttl), Ordering::Release);
+        ha.term.store(term, Ordering::Release);
+        ha.metrics.is_leader.set(1);
+        ha.metrics.leader_term.set(term as i64);
+        ha.metrics.leader_changes_total.inc();
+        tracing::info!(term, address = %self.address, known_segments = n_known, "elected leader; rebuilding the object index from store-clients' inventories");
+
+        let mut watch = self.etcd.watch_key(key.as_bytes(), 0).await.ok();
+        let mut next_renewal = tokio::time::Instant::now() + KEEPALIVE_EVERY;
+        let mut etcd_logged = false;
+        let reason: String = loop {
+            let deadline = ha.base + Duration::from_nanos(ha.deadline_ns.load(Ordering::Acquire));
+            let watch_next = async {
+                match watch.as_mut() {
+                    Some(w) => w.next().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = stop.changed() => {
+                    // Graceful stop: hand over at once instead of after the TTL.
+                    ha.step_down("shutting down");
+                    self.fence.close();
+                    let _ = self.etcd.lease_revoke(lease).await;
+                    return LeadOutcome::Stopped;
+                }
+                _ = tokio::time::sleep_until(deadline.into()) => {
+                    if !ha.lease_valid() {
+                        break "the local lease deadline passed without a successful renewal \
+                               (etcd unreachable or this process was paused)".to_string();
+                    }
+                }
+                ev = watch_next => match ev {
+                    Ok(events) => {
+                        let lost = events.iter().any(|e| match e {
+                            WatchEvent::Delete(_) => true,
+                            WatchEvent::Put(kv) => kv.lease != lease,
+                        });
+                        if lost {
+                            break "the leader key was deleted or taken over".to_string();
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "leader key watch broke; relying on lease renewals");
+                        watch = None;
+                    }
+                },
+                _ = tokio::time::sleep_until(next_renewal) => {
+                    let sent = Instant::now();
+                    match self.etcd.lease_keep_alive(lease).await {
+                        Ok(left) if left > 0 => {
+                            let d = deadline_of(sent, Duration::from_secs(left as u64));
+                            ha.deadline_ns.fetch_max(d, Ordering::AcqRel);
+                            self.etcd_back(&mut etcd_logged);
+                            next_renewal = tokio::time::Instant::now() + KEEPALIVE_EVERY;
+                            if watch.is_none() {
+                                watch = self.etcd.watch_key(key.as_bytes(), 0).await.ok();
+                            }
+                        }
+                        Ok(_) => break "etcd reports the leader lease expired".to_string(),
+                        Err(e) => {
+                            self.etcd_down("renewing the leader lease", &e, &mut etcd_logged);
+                            if let Some(left) = ha.lease_left() {
+                                tracing::warn!(lease_left_ms = left.as_millis() as u64, "cannot renew the leader lease; writes stop when it runs out");
+                            }
+                            next_renewal = tokio::time::Instant::now() + Duration::from_millis(300);
+                        }
+                    }
+                }
+            }
+        };
+        ha.step_down(&reason);
+        self.fence.close();
+        // Best effort: if etcd still has the lease, release the key now.
+        let revoked = tokio::time::timeout(ETCD_CALL_TIMEOUT, self.etcd.lease_revoke(lease))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        LeadOutcome::SteppedDown { revoked }
+    }
+}
+
+enum LeadOutcome {
+    Stopped,
+    SteppedDown { revoked: bool },
+}
+
+/// Sleeps `d`; true when `stop` fired instead.
+async fn sleep_or_stop(stop: &mut watch::Receiver<bool>, d: Duration) -> bool {
+    tokio::select! {
+        _ = stop.changed() => true,
+        _ = tokio::time::sleep(d) => *stop.borrow(),
+    }
+}

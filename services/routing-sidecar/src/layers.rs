@@ -1,0 +1,119 @@
+//! Tower layers wrapped around [`crate::proxy::Proxy`] (outermost first):
+//! [`RequestIdLayer`] gives every request an `x-request-id` (the client's, or a new uuid), opens
+//! its tracing span and echoes the id on the response; [`InflightLayer`] counts the request as
+//! in flight until its response body is finished *or dropped*, which is how a client that
+//! disconnects mid-stream is seen to leave nothing behind.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{HeaderValue, Request, Response};
+use tower::{Layer, Service};
+use tracing::Instrument;
+
+use crate::body::{self, Body, GaugeGuard, Guarded};
+use crate::metrics::Metrics;
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RequestIdLayer;
+
+impl<S> Layer<S> for RequestIdLayer {
+    type Service = RequestId<S>;
+    fn layer(&self, inner: S) -> RequestId<S> {
+        RequestId { inner }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct RequestId<S> {
+    inner: S,
+}
+
+impl<S, B> Service<Request<B>> for RequestId<S>
+where
+    S: Service<Request<B>, Response = Response<Body>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        let rid = match req.headers().get("x-request-id") {
+            Some(v) if !v.is_empty() => v.clone(),
+            _ => HeaderValue::try_from(uuid::Uuid::new_v4().to_string())
+                .unwrap_or_else(|_| HeaderValue::from_static("unknown")),
+        };
+        req.headers_mut().insert("x-request-id", rid.clone());
+        let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = ?rid);
+        let fut = self.inner.call(req);
+        Box::pin(
+            async move {
+                let mut r = fut.await?;
+                r.headers_mut().insert("x-request-id", rid);
+                Ok(r)
+            }
+            .instrument(span),
+        )
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct InflightLayer {
+    metrics: Arc<Metrics>,
+}
+
+impl InflightLayer {
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        InflightLayer { metrics }
+    }
+}
+
+impl<S> Layer<S> for InflightLayer {
+    type Service = Inflight<S>;
+    fn layer(&self, inner: S) -> Inflight<S> {
+        Inflight {
+            inner,
+            metrics: self.metrics.clone(),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Inflight<S> {
+    inner: S,
+    metrics: Arc<Metrics>,
+}
+
+impl<S, B> Service<Request<B>> for Inflight<S>
+where
+    S: Service<Request<B>, Response = Response<Body>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // Dropped with the future if the client leaves before the response, else with the body.
+        let guard = GaugeGuard::new(self.metrics.clone(), |m| &m.inflight);
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let r = fut.await?;
+            Ok(r.map(|b| body::boxed(Guarded::new(b, guard))))
+        })
+    }
+}

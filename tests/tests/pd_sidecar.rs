@@ -1,0 +1,520 @@
+//! P/D end to end: lunakv-sidecar in front of lunakv-engine-sim prefill/decode engines and
+//! lunakv-bootstrap, all real binaries on loopback. Every successful answer is compared with the
+//! decoder's own (aggregated) answer, which it derives from a checksum of the KV it holds, and
+//! the simulators' counters prove the KV crossed through libs/transfer.
+
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use lunakv_tests::pd::{
+    Bootstrap, Sidecar, Sim, fresh_host, output_of, post, request, sse_text, start_stream,
+};
+use lunakv_tests::wait_until;
+use serde_json::{Value, json};
+
+const PROMPT: &str = "the quick brown fox jumps over the lazy dog while the moon rises over the \
+    quiet sea and every block of this prompt becomes a block of simulated kv cache bytes";
+
+fn completion(prompt: &str, stream: bool) -> Value {
+    json!({"model": "sim", "prompt": prompt, "max_tokens": 6, "stream": stream,
+           "stream_options": {"include_usage": true}})
+}
+
+fn chat(prompt: &str, stream: bool) -> Value {
+    json!({"model": "sim", "messages": [{"role": "user", "content": prompt}],
+           "max_completion_tokens": 6, "stream": stream})
+}
+
+/// The answer the decoder gives on its own (it computes the KV itself).
+fn expected(decoder: &Sim, path: &str, body: &Value) -> String {
+    let mut b = body.clone();
+    b["stream"] = json!(false);
+    let r = post(decoder.http, path, &[], &b);
+    assert_eq!(r.status, 200, "{}", r.text());
+    output_of(&r.json())
+}
+
+/// One prefill host: its bootstrap on `port` (0 = pick) and a prefill engine.
+struct PrefillHost {
+    host: IpAddr,
+    boot: Bootstrap,
+    sim: Sim,
+}
+
+impl PrefillHost {
+    fn start(port: u16) -> PrefillHost {
+        let host = fresh_host();
+        let boot = Bootstrap::start(host, port, &["--lease-ttl=1500ms"]);
+        let sim = Sim::prefill(host, &boot, &[]);
+        PrefillHost { host, boot, sim }
+    }
+
+    fn target(&self) -> String {
+        self.sim.http.to_string()
+    }
+}
+
+fn decoder(extra: &[String]) -> Sim {
+    Sim::start("127.0.0.1".parse().unwrap(), 0, "decode", extra)
+}
+
+fn check_all_shapes(sc: &Sidecar, d: &Sim, target: &str, tag: &str) {
+    let hdr = [("x-prefiller-host-port", target)];
+    for (path, body) in [
+        (
+            "/v1/completions",
+            completion(&format!("{PROMPT} {tag} a"), false),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(&format!("{PROMPT} {tag} b"), false),
+        ),
+    ] {
+        let want = expected(d, path, &body);
+        let before = d.stat("kv_bytes_received");
+        let r = post(sc.http, path, &hdr, &body);
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+        let v = r.json();
+        assert_eq!(
+            output_of(&v),
+            want,
+            "{path}: P/D output differs from the decoder's own"
+        );
+        assert!(
+            d.stat("kv_bytes_received") > before,
+            "{path}: no KV arrived over the transfer"
+        );
+        // The decoder reports all prompt tokens as external hits; the sidecar rewrites to the
+        // prefiller's own cached_tokens (0: it saw this prompt for the first time).
+        assert_eq!(
+            v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+            "{v}"
+        );
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    }
+    for (path, body) in [
+        (
+            "/v1/completions",
+            completion(&format!("{PROMPT} {tag} c"), true),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(&format!("{PROMPT} {tag} d"), true),
+        ),
+    ] {
+        let want = expected(d, path, &body);
+        let before = d.stat("kv_bytes_received");
+        let r = post(sc.http, path, &hdr, &body);
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+        assert!(
+            r.header("content-type")
+                .unwrap_or("")
+                .starts_with("text/event-stream")
+        );
+        let (text, usage, done) = sse_text(&r.body);
+        assert!(done, "{path}: stream did not end with [DONE]");
+        assert_eq!(text, want, "{path}: streamed P/D output differs");
+        assert!(d.stat("kv_bytes_received") > before);
+        if path == "/v1/completions" {
+            // The prefiller has seen this prompt's leading blocks (request "a"): its prefix-cache
+            // hits, not the decoder's "everything was external", reach the client.
+            let u = usage.expect("usage chunk");
+            let cached = u["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            assert!(
+                cached < u["prompt_tokens"].as_u64().unwrap() && cached % 16 == 0 && cached > 0,
+                "{u}"
+            );
+        }
+    }
+}
+
+#[test]
+fn mooncake_1p1d_completions_and_chat_streaming_and_not() {
+    let p = PrefillHost::start(0);
+    let d = decoder(&[]);
+    let sc = Sidecar::start(&d, "mooncake", p.boot.http.port(), &[]);
+    check_all_shapes(&sc, &d, &p.target(), "1p1d");
+    assert_eq!(p.sim.stat("transfers_ok"), 4);
+    assert_eq!(p.sim.stat("kv_bytes_sent"), d.stat("region_bytes_written"));
+    // No silent recompute on the decoder: only the `expected` calls computed locally.
+    assert_eq!(d.stat("local_prefills"), 4);
+    assert_eq!(d.stat("remote_decodes"), 4);
+
+    // x-request-id goes through to both engines and back.
+    let r = post(
+        sc.http,
+        "/v1/completions",
+        &[
+            ("x-prefiller-host-port", &p.target()),
+            ("x-request-id", "rid-42"),
+        ],
+        &completion(PROMPT, false),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-request-id"), Some("rid-42"));
+    assert_eq!(r.json()["id"], "cmpl-rid-42");
+    // A comma list takes the first entry.
+    let list = format!("{}, 127.0.0.1:1", p.target());
+    let r = post(
+        sc.http,
+        "/v1/completions",
+        &[("x-prefiller-host-port", &list)],
+        &completion(PROMPT, false),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    // No header: decode only, passthrough.
+    let r = post(sc.http, "/v1/completions", &[], &completion(PROMPT, false));
+    assert_eq!(r.status, 200);
+    assert!(
+        r.header("x-request-id").is_some(),
+        "a request id is created when missing"
+    );
+    // Other routes are reverse-proxied to the engine.
+    let r = request(sc.http, "GET", "/v1/models", &[], b"");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["data"][0]["id"], "sim-model");
+    assert_eq!(request(sc.http, "GET", "/health", &[], b"").status, 200);
+    assert_eq!(
+        sc.metric("lunakv_sidecar_bootstrap_queries_total"),
+        1,
+        "cached per host:port"
+    );
+}
+
+#[test]
+fn mooncake_2p1d_uses_each_prefill_host() {
+    let p1 = PrefillHost::start(0);
+    let p2 = PrefillHost::start(p1.boot.http.port());
+    let d = decoder(&[]);
+    let sc = Sidecar::start(&d, "mooncake", p1.boot.http.port(), &[]);
+    for (i, p) in [&p1, &p2, &p1, &p2].iter().enumerate() {
+        for stream in [false, true] {
+            let body = completion(&format!("{PROMPT} 2p1d {i} {stream}"), stream);
+            let want = expected(&d, "/v1/completions", &body);
+            let r = post(
+                sc.http,
+                "/v1/completions",
+                &[("x-prefiller-host-port", &p.target())],
+                &body,
+            );
+            assert_eq!(r.status, 200, "{}", r.text());
+            let got = if stream {
+                sse_text(&r.body).0
+            } else {
+                output_of(&r.json())
+            };
+            assert_eq!(got, want);
+        }
+    }
+    assert_eq!(p1.sim.stat("transfers_ok"), 4);
+    assert_eq!(p2.sim.stat("transfers_ok"), 4);
+    assert_eq!(
+        d.stat("kv_bytes_received"),
+        p1.sim.stat("kv_bytes_sent") + p2.sim.stat("kv_bytes_sent")
+    );
+    assert_eq!(sc.metric("lunakv_sidecar_bootstrap_queries_total"), 2);
+}
+
+#[test]
+fn prefill_engine_down_is_an_error_not_a_hang_or_a_recompute() {
+    let mut p = PrefillHost::start(0);
+    let d = decoder(&[]);
+    let sc = Sidecar::start(
+        &d,
+        "mooncake",
+        p.boot.http.port(),
+        &[
+            "--prefill-max-retries=2".into(),
+            "--prefill-retry-backoff=50ms".into(),
+        ],
+    );
+    let hdr = [("x-prefiller-host-port", p.target())];
+    let hdr: Vec<(&str, &str)> = hdr.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    assert_eq!(
+        post(sc.http, "/v1/completions", &hdr, &completion(PROMPT, false)).status,
+        200
+    );
+    p.sim.proc.kill9();
+    for stream in [false, true] {
+        let t = Instant::now();
+        let r = post(
+            sc.http,
+            "/v1/completions",
+            &hdr,
+            &completion(PROMPT, stream),
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "took {:?}",
+            t.elapsed()
+        );
+        assert_eq!(r.status, 503, "{}", r.text());
+        let v = r.json();
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("prefill"),
+            "{v}"
+        );
+        assert_eq!(v["error"]["code"], 503);
+    }
+    assert_eq!(
+        sc.metric("lunakv_sidecar_prefill_retries_total"),
+        4,
+        "2 retries per request"
+    );
+    assert!(sc.metric("lunakv_sidecar_bootstrap_cache_drops_total") >= 1);
+    // The decoder never computed the prompt itself.
+    assert_eq!(d.stat("local_prefills"), 0);
+    // Every cancelled decode leg is gone.
+    assert!(
+        wait_until(Duration::from_secs(10), || (d.stat("inflight") == 0)
+            .then_some(()))
+        .is_some()
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || (sc
+            .metric("lunakv_sidecar_inflight_requests")
+            == 1)
+            .then_some(()))
+        .is_some()
+    );
+}
+
+#[test]
+fn bootstrap_down_is_a_502() {
+    let host = fresh_host();
+    // A prefill engine with no bootstrap server on its host.
+    let ghost = Bootstrap::start(host, 0, &[]);
+    let port = ghost.http.port();
+    drop(ghost);
+    let sim = Sim::start(
+        host,
+        0,
+        "prefill",
+        &[format!("--bootstrap=http://{host}:{port}")],
+    );
+    let d = decoder(&[]);
+    let sc = Sidecar::start(&d, "mooncake", port, &[]);
+    let t = Instant::now();
+    let r = post(
+        sc.http,
+        "/v1/chat/completions",
+        &[("x-prefiller-host-port", &sim.http.to_string())],
+        &chat(PROMPT, true),
+    );
+    assert!(t.elapsed() < Duration::from_secs(7));
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("bootstrap")
+    );
+    assert_eq!(d.stat("requests"), 0, "no decode without a prefill engine");
+}
+
+#[test]
+fn restarted_prefill_engine_with_a_new_engine_id() {
+    let mut p = PrefillHost::start(0);
+    let d = decoder(&[]);
+    let sc = Sidecar::start(&d, "mooncake", p.boot.http.port(), &[]);
+    let target = p.target();
+    let hdr = [("x-prefiller-host-port", target.as_str())];
+    assert_eq!(
+        post(sc.http, "/v1/completions", &hdr, &completion(PROMPT, false)).status,
+        200
+    );
+    let old = p.sim.engine_id.clone();
+    // Restart in place: same address, new engine id (as vLLM does at every start).
+    p.sim.proc.kill9();
+    let port = p.sim.http.port();
+    let new = Sim::start(
+        p.host,
+        port,
+        "prefill",
+        &[
+            format!("--bootstrap=http://{}", p.boot.http),
+            "--lease-ttl-ms=1500".into(),
+        ],
+    );
+    new.wait_registered();
+    assert_ne!(new.engine_id, old);
+    assert_eq!(
+        p.boot.query()["0"]["engine_id"],
+        new.engine_id.as_str(),
+        "replaced, not refused"
+    );
+    p.sim = new;
+    // The sidecar still caches the old id: the decoder refuses it, the entry is dropped, and
+    // the request is retried with the new id, transparently.
+    let body = completion(&format!("{PROMPT} after restart"), false);
+    let want = expected(&d, "/v1/completions", &body);
+    let r = post(sc.http, "/v1/completions", &hdr, &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(output_of(&r.json()), want);
+    assert!(sc.metric("lunakv_sidecar_bootstrap_cache_drops_total") >= 1);
+    assert_eq!(p.sim.stat("transfers_ok"), 1);
+}
+
+#[test]
+fn ssrf_protection_checks_host_and_port() {
+    let p = PrefillHost::start(0);
+    let d = decoder(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("allow.txt");
+    std::fs::write(&file, "# nothing yet\n").unwrap();
+    let sc = Sidecar::start(
+        &d,
+        "mooncake",
+        p.boot.http.port(),
+        &[
+            "--enable-ssrf-protection".into(),
+            format!("--ssrf-allowlist={}", p.target()),
+            format!("--ssrf-allowlist-file={}", file.display()),
+        ],
+    );
+    let ok = post(
+        sc.http,
+        "/v1/completions",
+        &[("x-prefiller-host-port", &p.target())],
+        &completion(PROMPT, false),
+    );
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    let other_port = format!("{}:{}", p.host, p.sim.http.port() + 1);
+    let other_host = format!("127.0.0.9:{}", p.sim.http.port());
+    for t in [&other_port, &other_host] {
+        let r = post(
+            sc.http,
+            "/v1/completions",
+            &[("x-prefiller-host-port", t)],
+            &completion(PROMPT, false),
+        );
+        assert_eq!(r.status, 403, "{t}: {}", r.text());
+        assert_eq!(
+            r.json()["error"]["message"],
+            "Forbidden: prefill target not allowed by SSRF protection"
+        );
+    }
+    // The watched file is re-read when it changes.
+    std::fs::write(&file, format!("{other_port}\n")).unwrap();
+    let allowed = wait_until(Duration::from_secs(5), || {
+        let r = post(
+            sc.http,
+            "/v1/completions",
+            &[("x-prefiller-host-port", &other_port)],
+            &completion(PROMPT, false),
+        );
+        (r.status != 403).then_some(r.status)
+    });
+    assert!(allowed.is_some(), "allowlist file change not picked up");
+    assert_eq!(d.stat("local_prefills"), 0);
+}
+
+#[test]
+fn bad_requests_and_bad_flags() {
+    let p = PrefillHost::start(0);
+    let d = decoder(&[]);
+    let sc = Sidecar::start(
+        &d,
+        "mooncake",
+        p.boot.http.port(),
+        &["--max-body-bytes=65536".into()],
+    );
+    let hdr = [("x-prefiller-host-port", p.target())];
+    let hdr: Vec<(&str, &str)> = hdr.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let r = request(sc.http, "POST", "/v1/completions", &hdr, b"{\"prompt\": ");
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "BadRequestError");
+    let huge = json!({"prompt": "x ".repeat(100_000), "max_tokens": 1});
+    let r = post(sc.http, "/v1/completions", &hdr, &huge);
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert_eq!(d.stat("requests"), 0);
+
+    let out = std::process::Command::new(lunakv_tests::bin("lunakv-sidecar"))
+        .args(["--kv-connector=lmcache", "--port=0", "--host=127.0.0.1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let msg = String::from_utf8_lossy(&out.stderr);
+    for v in ["nixlv2", "shared-storage", "mooncake", "lmcache"] {
+        assert!(msg.contains(v), "{msg}");
+    }
+    let out = std::process::Command::new(lunakv_tests::bin("lunakv-sidecar"))
+        .args(["--mooncake-bootstrap-port=0", "--port=0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}
+
+#[test]
+fn client_disconnect_mid_stream_leaves_nothing_behind() {
+    let p = PrefillHost::start(0);
+    let d = decoder(&["--token-delay-ms=50".into()]);
+    let sc = Sidecar::start(&d, "mooncake", p.boot.http.port(), &[]);
+    let mut body = completion(PROMPT, true);
+    body["max_tokens"] = json!(400);
+    for with_pd in [true, false] {
+        let target = p.target();
+        let hdr: Vec<(&str, &str)> = if with_pd {
+            vec![("x-prefiller-host-port", &target)]
+        } else {
+            vec![]
+        };
+        let s = start_stream(sc.http, "/v1/completions", &hdr, &body, 200);
+        assert!(sc.metric("lunakv_sidecar_upstream_streams") >= 1);
+        assert!(d.stat("inflight") >= 1);
+        drop(s);
+        let clean = wait_until(Duration::from_secs(10), || {
+            (sc.metric("lunakv_sidecar_inflight_requests") == 1
+                && sc.metric("lunakv_sidecar_upstream_streams") == 0
+                && d.stat("inflight") == 0)
+                .then_some(())
+        });
+        assert!(
+            clean.is_some(),
+            "with_pd={with_pd}: sidecar inflight {} streams {}, decoder inflight {}",
+            sc.metric("lunakv_sidecar_inflight_requests"),
+            sc.metric("lunakv_sidecar_upstream_streams"),
+            d.stat("inflight")
+        );
+    }
+}
+
+#[test]
+fn nixlv2_and_shared_storage_flows() {
+    let host = fresh_host();
+    let prefill = Sim::start(
+        host,
+        0,
+        "prefill",
+        &["--bootstrap=http://127.0.0.1:1".into()],
+    );
+    let d = decoder(&[]);
+    let sc = Sidecar::start(&d, "nixlv2", 8998, &[]);
+    let hdr = [("x-prefiller-host-port", prefill.http.to_string())];
+    let hdr: Vec<(&str, &str)> = hdr.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    for stream in [false, true] {
+        let body = chat(&format!("{PROMPT} nixl {stream}"), stream);
+        let want = expected(&d, "/v1/chat/completions", &body);
+        let r = post(sc.http, "/v1/chat/completions", &hdr, &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let got = if stream {
+            sse_text(&r.body).0
+        } else {
+            output_of(&r.json())
+        };
+        assert_eq!(got, want);
+    }
+    assert_eq!(prefill.stat("transfers_ok"), 2);
+    assert!(d.stat("kv_bytes_received") > 0);
+
+    let sc = Sidecar::start(&d, "shared-storage", 8998, &[]);
+    let body = completion(&format!("{PROMPT} shared"), false);
+    let want = expected(&d, "/v1/completions", &body);
+    let before = prefill.stat("requests");
+    let r = post(sc.http, "/v1/completions", &hdr, &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(output_of(&r.json()), want);
+    assert_eq!(prefill.stat("requests"), before + 1);
+}

@@ -1,0 +1,95 @@
+//! `lunakv-engine-sim`: a test double of a vLLM engine (see the crate docs). Parse flags, serve
+//! until SIGTERM/SIGINT.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use lunakv_engine_sim::{KvShape, Role, SimConfig};
+
+/// TEST DOUBLE of a vLLM engine with the MooncakeConnector P/D flow. Not an inference engine.
+#[derive(Debug, Parser)]
+#[command(name = "lunakv-engine-sim", version)]
+struct Cli {
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    #[arg(long, default_value_t = 8200)]
+    port: u16,
+    #[arg(long, value_enum, default_value_t = Role::Both)]
+    role: Role,
+    /// Engine id [default: a fresh uuid, as vLLM does at every start].
+    #[arg(long = "engine-id")]
+    engine_id: Option<String>,
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+    #[arg(long = "dp-rank", default_value_t = 0)]
+    dp_rank: u32,
+    /// Bootstrap a prefill engine registers with [default: http://<host>:$MOONCAKE_BOOTSTRAP_PORT or 8998].
+    #[arg(long)]
+    bootstrap: Option<String>,
+    /// Lease asked for at registration, ms (renewed every third of it).
+    #[arg(long = "lease-ttl-ms", default_value_t = 10_000)]
+    lease_ttl_ms: u64,
+    /// Tokens per KV block.
+    #[arg(long = "block-tokens", default_value_t = 16)]
+    block_tokens: usize,
+    /// KV bytes per block.
+    #[arg(long = "block-bytes", default_value_t = 64 * 1024)]
+    block_bytes: usize,
+    /// Delay per generated token, ms.
+    #[arg(long = "token-delay-ms", default_value_t = 0)]
+    token_delay_ms: u64,
+    /// How long parked KV waits for its decoder (and a decoder for its prefill), s.
+    #[arg(long = "transfer-timeout-s", default_value_t = 30)]
+    transfer_timeout_s: u64,
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => tokio::select! {
+            _ = tokio::signal::ctrl_c() => {},
+            _ = term.recv() => {},
+        },
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    lunakv_telemetry::init("lunakv-engine-sim");
+    let bootstrap = cli.bootstrap.clone().or_else(|| {
+        let port = std::env::var("MOONCAKE_BOOTSTRAP_PORT")
+            .ok()
+            .and_then(|p| p.parse::<u16>().ok())
+            .unwrap_or(8998);
+        Some(format!("http://{}:{port}", cli.host))
+    });
+    let cfg = SimConfig {
+        host: cli.host,
+        port: cli.port,
+        role: cli.role,
+        engine_id: cli
+            .engine_id
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+        model: cli.model,
+        dp_rank: cli.dp_rank,
+        bootstrap: if cli.role == Role::Prefill {
+            bootstrap
+        } else {
+            None
+        },
+        lease: Duration::from_millis(cli.lease_ttl_ms.max(1)),
+        shape: KvShape {
+            block_tokens: cli.block_tokens.max(1),
+            block_bytes: cli.block_bytes.max(1),
+        },
+        token_delay: Duration::from_millis(cli.token_delay_ms),
+        transfer_timeout: Duration::from_secs(cli.transfer_timeout_s.max(1)),
+    };
+    lunakv_engine_sim::run(cfg, shutdown_signal()).await?;
+    Ok(())
+}
