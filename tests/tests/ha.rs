@@ -529,11 +529,10 @@ fn ha_bench() {
     let single = Master::start(sdir.path(), &[]);
     let _sstore = Store::start(&single.addr(), "512MB", &["--enable_shm=false"]);
     let s_client = client(&single.addr());
-    let ha_store = Store::start(&c.url(), "512MB", &["--enable_shm=false"]);
+    let _ha_store = Store::start(&c.url(), "512MB", &["--enable_shm=false"]);
     let ha_client = client(&c.url());
     let (sp, sg) = measure(&s_client, "single");
     let (hp, hg) = measure(&ha_client, "ha");
-    drop(ha_store);
     let mut reattach = Vec::new();
     let probe = client(&c.url());
     let mut results = HashMap::new();

@@ -280,9 +280,19 @@ fn switch(inner: &Inner, addr: &str, term: u64) {
 }
 
 /// UNAVAILABLE covers a follower's redirect, a leader rebuilding or fenced, and a connection
-/// refused by a dead leader. Timeouts are not retried: the call may have been applied.
+/// refused by a dead leader; a connection reset under a call in flight (the leader died mid-call)
+/// surfaces as UNKNOWN with a transport message. Retrying after a leader change is safe: a dead
+/// or deposed leader's unacknowledged work is discarded with its term. Timeouts are not retried:
+/// the call may still be applied by a live leader.
 fn retryable(s: &tonic::Status) -> bool {
-    s.code() == tonic::Code::Unavailable
+    match s.code() {
+        tonic::Code::Unavailable => true,
+        tonic::Code::Unknown | tonic::Code::Internal => {
+            let m = s.message().to_ascii_lowercase();
+            m.contains("transport") || m.contains("connection") || m.contains("broken pipe")
+        }
+        _ => false,
+    }
 }
 
 async fn no_leader(spec: &str, cluster_id: &str, key: &str, etcd: &EtcdClient) -> ClientError {

@@ -67,7 +67,8 @@ pub fn host_id() -> String {
 }
 
 /// TCP_NODELAY (requests are small and latency-bound) and large buffers (bulk objects).
-pub(crate) fn tune_socket(s: &std::net::TcpStream) {
+/// Public so benchmarks measure raw TCP under the same socket settings as the transfer path.
+pub fn tune_socket(s: &std::net::TcpStream) {
     let _ = s.set_nodelay(true);
     let _ = rustix::net::sockopt::set_socket_send_buffer_size(s, SOCKET_BUFFER);
     let _ = rustix::net::sockopt::set_socket_recv_buffer_size(s, SOCKET_BUFFER);

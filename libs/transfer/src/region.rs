@@ -530,6 +530,9 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), String> {
                 reply(&mut wr, Status::Ok, "").map_err(io)?;
             }
             _ => {
+                // Counted before the bytes go out, so a reader that got them sees the count.
+                shared.counters.reads.fetch_add(1, Ordering::Relaxed);
+                shared.counters.bytes_read.fetch_add(len, Ordering::Relaxed);
                 let hdr = Response {
                     status: Status::Ok,
                     value: 0,
@@ -549,8 +552,6 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), String> {
                         continue;
                     }
                 }
-                shared.counters.reads.fetch_add(1, Ordering::Relaxed);
-                shared.counters.bytes_read.fetch_add(len, Ordering::Relaxed);
             }
         }
     }

@@ -359,6 +359,8 @@ pub struct Election {
     /// The cluster's namespace in etcd, unfenced (epoch counter, reads).
     pub meta: Arc<dyn MetaStore>,
     pub fence: Arc<WriteFence>,
+    /// The fenced namespace the service writes through (segment records).
+    pub service_meta: Arc<dyn MetaStore>,
     pub slot: Arc<CoreSlot>,
     pub core_cfg: CoreConfig,
     pub notifier: Arc<dyn OwnerNotifier>,
@@ -572,8 +574,27 @@ impl Election {
         let n_known = known.len();
         *ha.recovery.lock() = Some(Recovery {
             until: Instant::now() + RECOVERY_GRACE,
-            waiting: known,
+            waiting: known.clone(),
         });
+        // Segments that did not remount within the grace belong to dead owners: forget their
+        // records, or every later failover would wait the full grace for them again.
+        {
+            let (ha, slot, meta) = (ha.clone(), self.slot.clone(), self.service_meta.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(RECOVERY_GRACE).await;
+                if ha.leading_term() != Some(term) {
+                    return;
+                }
+                let mounted: BTreeSet<String> =
+                    slot.get().segments().into_iter().map(|s| s.name).collect();
+                for name in known.difference(&mounted) {
+                    tracing::warn!(segment = %name, "segment did not remount after the leader change; forgetting its record");
+                    if let Err(e) = persist::forget_segment(meta.as_ref(), name).await {
+                        tracing::warn!(segment = %name, error = %e, "cannot forget the segment record");
+                    }
+                }
+            });
+        }
         ha.recovering.store(true, Ordering::Release);
         self.fence.set(key.as_bytes(), lease);
         *ha.leader.write() = Some(LeaderView {

@@ -294,6 +294,7 @@ impl Master {
                 etcd: h.etcd,
                 meta: h.election_meta,
                 fence: h.fence,
+                service_meta: self.meta.clone(),
                 slot: self.slot.clone(),
                 core_cfg: h.core_cfg,
                 notifier: h.notifier,

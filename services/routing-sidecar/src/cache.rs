@@ -36,9 +36,12 @@ impl Engines {
     }
 }
 
+/// Entries with their last-use tick, and the tick counter.
+type Lru = (HashMap<String, (Arc<Engines>, u64)>, u64);
+
 pub struct BootstrapCache {
     cap: usize,
-    inner: Mutex<(HashMap<String, (Arc<Engines>, u64)>, u64)>,
+    inner: Mutex<Lru>,
 }
 
 impl BootstrapCache {

@@ -41,7 +41,8 @@ pub fn memcpy(reps: usize) -> Spread {
 /// Raw loopback TCP figures.
 #[derive(Debug, Clone, Serialize)]
 pub struct Loopback {
-    /// One-way streaming GB/s, 4 MiB writes, TCP_NODELAY, default socket buffers.
+    /// One-way streaming GB/s, 4 MiB writes, with the transfer library's socket settings
+    /// (TCP_NODELAY, 4 MiB buffers).
     pub stream_gbps: Vec<f64>,
     /// 64-byte round trips, microseconds.
     pub ping_us: Vec<f64>,
@@ -76,7 +77,8 @@ pub fn loopback(bytes: u64, reps: usize, pings: usize) -> anyhow::Result<Loopbac
     let sink = Sink::spawn()?;
     let mut s = TcpStream::connect(&sink.addr)
         .with_context(|| format!("cannot connect to the tcp sink at {}", sink.addr))?;
-    s.set_nodelay(true)?;
+    // Same socket settings as lunakv's transfer connections, so the comparison is like for like.
+    lunakv_transfer::tune_socket(&s);
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
     let chunk = vec![0x3cu8; STREAM_CHUNK];
     // Warm-up: lets the receive window grow before anything is timed.
@@ -196,7 +198,7 @@ pub fn tcp_sink(port: u16) -> anyhow::Result<ExitCode> {
     let mut buf = vec![0u8; STREAM_CHUNK];
     for conn in listener.incoming() {
         let Ok(mut s) = conn else { continue };
-        let _ = s.set_nodelay(true);
+        lunakv_transfer::tune_socket(&s);
         // A broken connection ends that connection only.
         let _ = serve(&mut s, &mut buf);
     }
