@@ -44,7 +44,7 @@ fn code(e: &ClientError) -> i64 {
 }
 
 /// Runs `f` with the GIL released and any panic turned into `on_panic`.
-fn detached<T, F>(py: Python<'_>, on_panic: T, f: F) -> T
+pub(crate) fn detached<T, F>(py: Python<'_>, on_panic: T, f: F) -> T
 where
     T: Send,
     F: FnOnce() -> T + Send,
@@ -104,7 +104,8 @@ impl MooncakeDistributedStore {
         }
         let hostname = opts.local_hostname.clone();
         let connected = detached(py, Err(None), move || {
-            let c = StoreClient::connect(opts).map_err(Some)?;
+            let engine = crate::shared::engine(opts.enable_shm);
+            let c = StoreClient::connect_with_engine(opts, engine).map_err(Some)?;
             // A requester's connect makes no RPC, so a peer that accepts TCP but never answers
             // would pass. Upstream's setup talks to the master; so does this one: one
             // existence query, bounded by the client's RPC timeout.
@@ -379,6 +380,12 @@ impl MooncakeDistributedStore {
                 code(&e)
             }
         }
+    }
+
+    /// lunakv test hook: identity of the transfer engine this client moves bytes with (equal to
+    /// `TransferEngine._transfer_engine_id()` when the two modules share one). 0 before setup.
+    fn _transfer_engine_id(&self) -> usize {
+        self.client().map_or(0, |c| crate::shared::id(c.engine()))
     }
 
     /// This client's address: its segment ("host:port") in embedded mode, else the hostname
@@ -799,7 +806,7 @@ fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, String> {
     })
 }
 
-fn env(name: &str) -> Option<String> {
+pub(crate) fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
@@ -844,7 +851,7 @@ fn options(a: &SetupArgs) -> Result<ClientOptions, String> {
 }
 
 /// "host", "host:port", "[v6]:port" -> the host part.
-fn strip_port(host: &str) -> &str {
+pub(crate) fn strip_port(host: &str) -> &str {
     if let Some(rest) = host.strip_prefix('[') {
         return rest.split(']').next().unwrap_or(rest);
     }
@@ -856,7 +863,7 @@ fn strip_port(host: &str) -> &str {
 
 /// The IP embedded mode binds its segment to: the address itself, or the name resolved
 /// (IPv4 preferred).
-fn resolve_ip(host: &str) -> Result<IpAddr, String> {
+pub(crate) fn resolve_ip(host: &str) -> Result<IpAddr, String> {
     let h = strip_port(host);
     if let Ok(ip) = h.parse::<IpAddr>() {
         return Ok(ip);

@@ -30,7 +30,7 @@ pub struct StoreClient {
     client_id: String,
     rt: Runtime,
     master: MasterLink,
-    engine: TransferEngine,
+    engine: Arc<TransferEngine>,
     cache: LocationCache,
     host: Mutex<Option<SegmentHost>>,
     heartbeat_stop: watch::Sender<bool>,
@@ -42,6 +42,21 @@ impl StoreClient {
     /// Connects to the master and, in embedded mode, starts serving and mounts this client's
     /// own segment. Fails fast with a clear error when the master is unreachable.
     pub fn connect(opts: ClientOptions) -> Result<StoreClient> {
+        let engine = Arc::new(TransferEngine::new(TransferOptions {
+            enable_shm: opts.enable_shm,
+            ..TransferOptions::default()
+        }));
+        StoreClient::connect_with_engine(opts, engine)
+    }
+
+    /// As [`StoreClient::connect`], but moves bytes with `engine`, a transfer engine shared with
+    /// the rest of the process (its connection pools and shm attachments), e.g. the Python
+    /// module's one engine for `mooncake.store` and `mooncake.engine`. The engine's own options
+    /// (shm on or off) apply, not `opts.enable_shm`.
+    pub fn connect_with_engine(
+        opts: ClientOptions,
+        engine: Arc<TransferEngine>,
+    ) -> Result<StoreClient> {
         opts.validate()?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -100,10 +115,6 @@ impl StoreClient {
             rt.spawn(crate::host::heartbeat(m, Duration::from_secs(1), stop_rx));
         }
 
-        let engine = TransferEngine::new(TransferOptions {
-            enable_shm: opts.enable_shm,
-            ..TransferOptions::default()
-        });
         Ok(StoreClient {
             cache: LocationCache::new(opts.location_cache_capacity),
             opts,
@@ -116,6 +127,11 @@ impl StoreClient {
             buffers: Mutex::new(BTreeMap::new()),
             closed: AtomicBool::new(false),
         })
+    }
+
+    /// The transfer engine this client moves bytes with.
+    pub fn engine(&self) -> &Arc<TransferEngine> {
+        &self.engine
     }
 
     pub fn client_id(&self) -> &str {
@@ -878,6 +894,13 @@ impl StoreClient {
             self.rt.block_on(h.shutdown())?;
         }
         Ok(())
+    }
+
+    /// The master's view of the pool: segments, capacity, usage, keys, clients (`lunakv status`).
+    /// Follows the HA leader like every other call.
+    pub fn cluster_status(&self) -> Result<pb::ClusterStatus> {
+        self.check_open()?;
+        self.rpc(|mut m| async move { m.get_cluster_status(pb::GetClusterStatusRequest {}).await })
     }
 
     // === plumbing ===

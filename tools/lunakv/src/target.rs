@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use lunakv_config::client::CONFIG_PATH_ENV;
-use lunakv_config::{HostPort, MooncakeConfig};
+use lunakv_config::{MasterAddress, MooncakeConfig};
 use lunakv_proto::ErrorCode;
 
 use crate::error::Coded;
@@ -84,7 +84,8 @@ pub fn resolve(
     } else {
         (DEFAULT_MASTER.to_owned(), Origin::Default)
     };
-    let master = HostPort::parse_master(&origin.to_string(), &value)
+    // host:port, or etcd://h1:2379;h2:2379 to follow an HA leader.
+    let master = MasterAddress::parse(&origin.to_string(), &value)
         .map_err(|e| Coded::new(ErrorCode::InvalidParams, e.to_string()))?
         .to_string();
 
@@ -166,13 +167,10 @@ mod tests {
     }
 
     #[test]
-    fn config_without_address_falls_back_to_default() {
+    fn config_without_address_is_refused_like_an_engine_would() {
         let f = config_file(r#"{"mode": "standalone-store", "global_segment_size": 0}"#);
-        let t = resolve(None, Some(f.path()), &env_of(&[])).expect("resolves");
-        assert_eq!(
-            (t.master.as_str(), t.origin),
-            (DEFAULT_MASTER, Origin::Default)
-        );
+        let e = resolve(None, Some(f.path()), &env_of(&[])).expect_err("invalid config");
+        assert!(e.to_string().contains("master_server_address"), "{e}");
     }
 
     #[test]
@@ -203,8 +201,16 @@ mod tests {
         let err =
             resolve(None, None, &env_of(&[("MOONCAKE_MASTER", "nohost")])).expect_err("no port");
         assert!(err.to_string().contains("MOONCAKE_MASTER"), "{err}");
-        let err = resolve(Some("etcd://10.0.0.1:2379"), None, &env_of(&[])).expect_err("etcd");
+        let err = resolve(Some("redis://10.0.0.1:6379"), None, &env_of(&[])).expect_err("scheme");
         assert!(err.to_string().contains("--master"), "{err}");
+        // An HA address is kept as is: the client library follows the leader through etcd.
+        let t = resolve(
+            Some("etcd://10.0.0.1:2379;10.0.0.2:2379"),
+            None,
+            &env_of(&[]),
+        )
+        .expect("etcd");
+        assert_eq!(t.master, "etcd://10.0.0.1:2379;10.0.0.2:2379");
         let f = config_file("{\"master_server_address\": ");
         let err = resolve(None, Some(f.path()), &env_of(&[])).expect_err("truncated");
         assert!(

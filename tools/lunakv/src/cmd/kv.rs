@@ -13,7 +13,7 @@ use crate::error::Coded;
 use crate::output::{base64, print_json};
 use crate::target::Target;
 
-fn connect(t: &Target) -> anyhow::Result<StoreClient> {
+pub(crate) fn connect(t: &Target) -> anyhow::Result<StoreClient> {
     let client = StoreClient::connect(ClientOptions {
         master_server_address: t.master.clone(),
         global_segment_size: 0,

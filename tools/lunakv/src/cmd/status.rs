@@ -1,12 +1,8 @@
 //! `lunakv status`: the master's GetClusterStatus, as a table or one JSON object.
 
 use std::process::ExitCode;
-use std::time::Duration;
 
-use lunakv_proto::ErrorCode;
 use lunakv_proto::master as pb;
-use lunakv_proto::master::master_client::MasterClient;
-use lunakv_proto::tonic::transport::Channel;
 use serde::Serialize;
 
 use crate::error::Coded;
@@ -14,7 +10,7 @@ use crate::output::{human_bytes, print_json};
 use crate::target::Target;
 
 pub fn run(t: &Target, json: bool) -> anyhow::Result<ExitCode> {
-    let s = fetch_blocking(&t.master)?;
+    let s = fetch_blocking(t)?;
     if json {
         print_json(&StatusJson::from_proto(&t.master, &s))?;
     } else {
@@ -23,66 +19,14 @@ pub fn run(t: &Target, json: bool) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// One GetClusterStatus call on a runtime of its own. Callers must not be inside a runtime
-/// (the rest of the CLI is synchronous, so none is).
-pub fn fetch_blocking(master: &str) -> anyhow::Result<pb::ClusterStatus> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(fetch(master))
-}
-
-async fn fetch(master: &str) -> anyhow::Result<pb::ClusterStatus> {
-    let unreachable = |detail: String| {
-        Coded::new(
-            ErrorCode::RpcFail,
-            format!(
-                "master at {master} unreachable: {detail}; is lunakv-master running there? (set --master, MOONCAKE_MASTER or --config)"
-            ),
-        )
-    };
-    let channel = Channel::from_shared(format!("http://{master}"))
-        .map_err(|e| {
-            Coded::new(
-                ErrorCode::InvalidParams,
-                format!("bad master address '{master}': {e}"),
-            )
-        })?
-        .connect_timeout(Duration::from_secs(3))
-        .timeout(Duration::from_secs(10))
-        .tcp_nodelay(true)
-        .connect()
-        .await
-        .map_err(|e| unreachable(error_chain(&e)))?;
-    let resp = MasterClient::new(channel)
-        .get_cluster_status(pb::GetClusterStatusRequest {})
-        .await
-        .map_err(|s| {
-            Coded::new(
-                ErrorCode::RpcFail,
-                format!(
-                    "master at {master} failed GetClusterStatus: {:?}: {}",
-                    s.code(),
-                    s.message()
-                ),
-            )
-        })?;
-    Ok(resp.into_inner())
-}
-
-/// "transport error: tcp connect error: Connection refused" rather than just the outer layer.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let next = c.to_string();
-        if !s.contains(&next) {
-            s.push_str(": ");
-            s.push_str(&next);
-        }
-        cur = c.source();
-    }
-    s
+/// One GetClusterStatus call through the client library, so an `etcd://` address finds the
+/// HA leader exactly as engines do.
+pub fn fetch_blocking(t: &Target) -> anyhow::Result<pb::ClusterStatus> {
+    let client = crate::cmd::kv::connect(t)?;
+    let status = client
+        .cluster_status()
+        .map_err(|e| Coded::new(e.code(), format!("GetClusterStatus failed: {e}")))?;
+    Ok(status)
 }
 
 #[derive(Debug, Serialize)]

@@ -185,7 +185,11 @@ fn measure_rows(
     plan: &Plan,
     progress: &Progress,
 ) -> anyhow::Result<(Vec<Row>, bool)> {
-    let status = crate::cmd::status::fetch_blocking(&stack.master_rpc)?;
+    let status = crate::cmd::status::fetch_blocking(&crate::target::Target {
+        master: stack.master_rpc.clone(),
+        origin: crate::target::Origin::Flag,
+        enable_shm: true,
+    })?;
     let here = lunakv_transfer::host_id();
     let shm_offered = status.segments.iter().any(|s| {
         s.segment
