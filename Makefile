@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench clean
+.PHONY: all build release run test lint fmt bench bench-python clean
 
 all: build
 
@@ -36,5 +36,23 @@ fmt:
 bench: release
 	./target/release/lunakv bench $(ARGS)
 
+## From Python: batch put/get GB/s for vLLM-shaped objects in both modes, side by side with
+## upstream's PyPI package when it can be installed (BENCH_ARGS=--no-upstream to skip it).
+bench-python:
+	bindings/python/build.sh bench
+
 clean:
 	$(CARGO) clean
+
+.PHONY: images e2e-compose
+
+## Container images lunakv/{master,store,bootstrap,sidecar,engine-sim,cli,etcd}:dev: cargo build
+## --release, then (once) a debootstrap'd debian:bookworm-slim base, then docker build. No registry
+## needed. LUNAKV_PROFILE=debug builds them from target/debug instead.
+images:
+	deploy/docker/build-images.sh
+
+## The compose stack end to end: images, `docker-compose up -d`, a P/D completion through the
+## sidecar and a put/get through the store, checked, then `docker-compose down -v` (always).
+e2e-compose:
+	deploy/compose/e2e.sh

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Builds the lunakv wheel (the `mooncake` package: mooncake.store) and runs its pytest suite
-# against the real lunakv-master / lunakv-store binaries.
+# Builds the lunakv wheel (the `mooncake` package: mooncake.store, mooncake.engine) and runs its
+# pytest suite against the real lunakv-master / lunakv-store binaries.
 #
 #   bindings/python/build.sh          build the wheel, install it into the venv, run the tests
 #   bindings/python/build.sh wheel    only build and install the wheel
+#   bindings/python/build.sh bench    release wheel + release binaries, then bench/bench_store.py
+#                                     (lunakv vs upstream side by side; BENCH_ARGS=--no-upstream
+#                                     for lunakv alone)
 #
 # Environment: VENV (default <repo>/.venv), PYTHON (the interpreter that creates the venv,
 # default python3), PROFILE (cargo profile for the wheel: dev, the default, builds fast for
@@ -16,8 +19,12 @@ repo=$(cd "$here/../.." && pwd)
 target=${CARGO_TARGET_DIR:-$repo/target}
 VENV=${VENV:-$repo/.venv}
 PYTHON=${PYTHON:-python3}
-PROFILE=${PROFILE:-dev}
 what=${1:-test}
+if [ "$what" = bench ]; then
+    PROFILE=${PROFILE:-release}
+else
+    PROFILE=${PROFILE:-dev}
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV" || {
@@ -41,4 +48,11 @@ if [ "$what" = test ]; then
     cd "$here"
     # shellcheck disable=SC2086
     "$VENV/bin/python" -m pytest -q tests ${PYTEST_ARGS:-}
+fi
+if [ "$what" = bench ]; then
+    echo "== benchmark"
+    (cd "$repo" && cargo build --release --bins)
+    # shellcheck disable=SC2086
+    "$VENV/bin/python" "$here/bench/bench_store.py" --lunakv-python "$VENV/bin/python" \
+        --bin-dir "${LUNAKV_BIN_DIR:-$target/release}" ${BENCH_ARGS:-}
 fi

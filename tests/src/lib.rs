@@ -438,3 +438,10 @@ pub fn wait_until<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Opt
 }
 
 pub mod pd;
+
+/// Serialises the heaviest tests of one test binary (three masters, two stores and etcd on two
+/// cores): they assert on failover behaviour, which CPU starvation from a sibling test distorts.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}

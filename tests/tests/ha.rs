@@ -202,6 +202,7 @@ fn fail_over(c: &mut Cluster, probe: &StoreClient, tag: &str) -> (usize, Duratio
 
 #[test]
 fn kill9_leader_under_load_loses_no_acknowledged_object() {
+    let _serial = lunakv_tests::serial();
     let Some(mut c) = Cluster::start(3, 2) else {
         return;
     };
@@ -274,6 +275,7 @@ fn raw_put_start(addr: std::net::SocketAddr, key: &str) -> Result<i32, tonic::St
 
 #[test]
 fn paused_leader_accepts_no_write_after_waking_and_steps_down() {
+    let _serial = lunakv_tests::serial();
     let Some(c) = Cluster::start(3, 1) else {
         return;
     };
@@ -348,6 +350,7 @@ fn paused_leader_accepts_no_write_after_waking_and_steps_down() {
 
 #[test]
 fn etcd_restart_under_load_loses_nothing_and_service_resumes() {
+    let _serial = lunakv_tests::serial();
     let Some(mut c) = Cluster::start(3, 2) else {
         return;
     };
@@ -407,6 +410,7 @@ fn run_to_exit(bin: &str, args: &[String]) -> (Option<i32>, String) {
 
 #[test]
 fn bad_ha_input_is_an_error_that_says_what_to_fix() {
+    let _serial = lunakv_tests::serial();
     if testing::skip_requested() {
         return;
     }
@@ -507,6 +511,7 @@ fn bad_ha_input_is_an_error_that_says_what_to_fix() {
 #[test]
 #[ignore = "benchmark: run explicitly"]
 fn ha_bench() {
+    let _serial = lunakv_tests::serial();
     let Some(mut c) = Cluster::start(3, 1) else {
         return;
     };

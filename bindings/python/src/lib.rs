@@ -1,9 +1,11 @@
 //! # lunakv-python
 //!
 //! The native half of the `lunakv` wheel: the Python module `mooncake._lunakv`, re-exported by
-//! `python/mooncake/store.py` as `mooncake.store`, so that vLLM's `MooncakeStoreConnector`
-//! (`from mooncake.store import MooncakeDistributedStore, ReplicateConfig`) runs unchanged on
-//! lunakv. Every method is a thin wrapper over the blocking [`lunakv_client::StoreClient`].
+//! `python/mooncake/store.py` as `mooncake.store` and by `python/mooncake/engine.py` as
+//! `mooncake.engine`, so that vLLM's `MooncakeStoreConnector` (`from mooncake.store import
+//! MooncakeDistributedStore, ReplicateConfig`) and `MooncakeConnector` (`from mooncake.engine
+//! import TransferEngine`) run unchanged on lunakv. Store methods are thin wrappers over the
+//! blocking [`lunakv_client::StoreClient`]; engine methods over lunakv-transfer's raw regions.
 //!
 //! ## Conventions (upstream Mooncake's, kept exactly)
 //! - Status results are ints: `0` ok, Mooncake's negative error codes on failure
@@ -30,12 +32,19 @@
 //! Rust-side warnings and errors (why a `setup` failed, a refused config) go to stderr through
 //! `tracing`, filtered by `LUNAKV_LOG`, else `RUST_LOG`, default `warn`.
 //!
-//! ## Layout for more modules
-//! `mooncake.engine.TransferEngine` is not provided yet (it needs raw registered-memory transfers
-//! from `lunakv-transfer`). It will be a second pyclass registered in [`_lunakv`] and re-exported
-//! by a `python/mooncake/engine.py`, next to `store.py`.
+//! ## Modules
+//! - `mooncake.store` (`python/mooncake/store.py`): [`store::MooncakeDistributedStore`],
+//!   `ReplicateConfig`, `ReplicaDescriptor`.
+//! - `mooncake.engine` (`python/mooncake/engine.py`): [`engine::TransferEngine`], upstream's P/D
+//!   engine over lunakv-transfer's raw registered regions (see `engine.rs`).
+//!
+//! Both share one process-wide `lunakv_transfer::TransferEngine` ([`shared`]): vLLM's
+//! MultiConnector[MooncakeConnector + MooncakeStoreConnector] runs them in one worker process,
+//! and its connections to a peer are pooled once.
 
+mod engine;
 mod mem;
+mod shared;
 mod store;
 mod types;
 
@@ -49,6 +58,7 @@ fn _lunakv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::MooncakeDistributedStore>()?;
     m.add_class::<types::ReplicateConfig>()?;
     m.add_class::<types::ReplicaDescriptor>()?;
+    m.add_class::<engine::TransferEngine>()?;
     m.add_function(wrap_pyfunction!(store::close_all, m)?)?;
     m.py()
         .import("atexit")?

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use lunakv_proto::master as pb;
 use lunakv_proto::master::master_client::MasterClient;
-use lunakv_transfer::{SegmentInfo, SegmentServer, SegmentServerConfig};
+use lunakv_transfer::{ColdTier, SegmentInfo, SegmentServer, SegmentServerConfig};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
@@ -42,6 +42,24 @@ pub struct HostOptions {
     pub rpc_timeout: Duration,
 }
 
+/// What the host needs from an owner's disk tier besides serving it ([`ColdTier`]): its
+/// capacity and objects for the mount, and what it dropped for the next Ping.
+pub trait DiskInventory: Send + Sync + 'static {
+    /// Bytes the tier may hold; 0 when it is unusable.
+    fn capacity(&self) -> u64;
+    /// `(key, generation, size)` of every object on disk.
+    fn objects(&self) -> Vec<(String, u64, u64)>;
+    /// `(key, generation, size)` dropped since the last call (size limit, failed checksum).
+    fn take_dropped(&self) -> Vec<(String, u64, u64)>;
+}
+
+/// An owner's disk tier as the host plugs it in (two views of one object).
+#[derive(Clone)]
+pub struct HostDisk {
+    pub cold: Arc<dyn ColdTier>,
+    pub inventory: Arc<dyn DiskInventory>,
+}
+
 /// A mounted, served segment with its heartbeat.
 pub struct SegmentHost {
     server: Arc<SegmentServer>,
@@ -59,6 +77,16 @@ impl SegmentHost {
     /// `master_server_address` may be `etcd://h1:2379;h2:2379`: the segment then follows the
     /// HA leader and re-mounts with its inventory on every new leader.
     pub async fn start(opts: HostOptions) -> Result<SegmentHost, ClientError> {
+        Self::start_with_disk(opts, None).await
+    }
+
+    /// [`Self::start`] for an owner with a disk tier (`lunakv-store --enable_offload`): the
+    /// segment server serves OFFLOAD/LOAD from it, the mount reports its capacity and objects
+    /// (LOCAL_DISK inventory), and each Ping reports what it dropped.
+    pub async fn start_with_disk(
+        opts: HostOptions,
+        disk: Option<HostDisk>,
+    ) -> Result<SegmentHost, ClientError> {
         let master = MasterLink::connect(
             &opts.master_server_address,
             &opts.cluster_id,
@@ -74,6 +102,9 @@ impl SegmentHost {
         .map_err(|e| {
             ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind))
         })?;
+        if let Some(d) = &disk {
+            server.set_cold_tier(d.cold.clone());
+        }
         let server = Arc::new(server);
         let info = server.info();
         let mounter = Mounter {
@@ -83,6 +114,7 @@ impl SegmentHost {
             protocol: opts.protocol.clone(),
             enable_offload: opts.enable_offload,
             server: Some(server.clone()),
+            disk: disk.map(|d| d.inventory),
         };
         mounter.mount().await?;
         let (stop, stop_rx) = watch::channel(false);
@@ -151,6 +183,7 @@ pub(crate) struct Mounter {
     pub(crate) protocol: String,
     pub(crate) enable_offload: bool,
     pub(crate) server: Option<Arc<SegmentServer>>,
+    pub(crate) disk: Option<Arc<dyn DiskInventory>>,
 }
 
 impl Mounter {
@@ -159,7 +192,7 @@ impl Mounter {
             return Ok(());
         };
         let info = server.info();
-        let inventory: Vec<pb::InventoryItem> = server
+        let mut inventory: Vec<pb::InventoryItem> = server
             .inventory()
             .into_iter()
             .map(|e| pb::InventoryItem {
@@ -167,13 +200,27 @@ impl Mounter {
                 offset: e.offset,
                 size: e.size,
                 generation: e.generation,
+                kind: pb::ReplicaKind::Memory as i32,
             })
             .collect();
+        if let Some(d) = &self.disk {
+            inventory.extend(d.objects().into_iter().map(|(key, generation, size)| {
+                pb::InventoryItem {
+                    key,
+                    offset: 0,
+                    size,
+                    generation,
+                    kind: pb::ReplicaKind::LocalDisk as i32,
+                }
+            }));
+        }
         let n = inventory.len();
+        let mut segment = descriptor(&info, &self.protocol, self.enable_offload);
+        segment.disk_capacity_bytes = self.disk.as_ref().map_or(0, |d| d.capacity());
         let req = pb::MountSegmentRequest {
             client_id: self.client_id.clone(),
             cluster_id: self.cluster_id.clone(),
-            segment: Some(descriptor(&info, &self.protocol, self.enable_offload)),
+            segment: Some(segment),
             inventory,
         };
         let resp = self
@@ -216,9 +263,24 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
             .as_ref()
             .map(|s| s.take_touched_keys(TOUCHED_KEYS_PER_PING))
             .unwrap_or_default();
+        let dropped: Vec<pb::InventoryItem> = m
+            .disk
+            .as_ref()
+            .map(|d| d.take_dropped())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(key, generation, size)| pb::InventoryItem {
+                key,
+                offset: 0,
+                size,
+                generation,
+                kind: pb::ReplicaKind::LocalDisk as i32,
+            })
+            .collect();
         let req = pb::PingRequest {
             client_id: m.client_id.clone(),
             touched_keys: touched,
+            disk_dropped: dropped,
         };
         // One attempt per tick (the next tick retries); the ping of a paused leader is
         // abandoned as soon as the leader key names another master.
@@ -276,6 +338,7 @@ pub(crate) fn descriptor(
         shm_socket: info.shm_socket.clone().unwrap_or_default(),
         protocol: protocol.to_owned(),
         enable_offload,
+        disk_capacity_bytes: 0,
     }
 }
 

@@ -27,7 +27,7 @@ mod options;
 mod store;
 
 pub use error::ClientError;
-pub use host::{HostOptions, SegmentHost};
+pub use host::{DiskInventory, HostDisk, HostOptions, SegmentHost};
 pub use location::{Location, ReplicaLocation};
 pub use lunakv_proto::ErrorCode;
 pub use options::{ClientOptions, Mode, ReplicateConfig};

@@ -9,6 +9,8 @@ pub struct ReplicaLocation {
     pub segment_name: String,
     pub target: Target,
     pub offset: u64,
+    /// A LOCAL_DISK replica: the owner reads it from its disk tier (LOAD), `offset` is unused.
+    pub disk: bool,
 }
 
 /// Where an object's bytes are, and under which generation the owners know them.
@@ -34,8 +36,9 @@ impl ReplicaLocation {
                 seg.name, r.size, object_size
             ));
         }
+        let disk = r.kind == pb::ReplicaKind::LocalDisk as i32;
         let end = r.offset.checked_add(r.size);
-        if end.is_none_or(|e| e > seg.size) {
+        if !disk && end.is_none_or(|e| e > seg.size) {
             return Err(format!(
                 "replica range {}+{} lies outside segment '{}' of {} bytes",
                 r.offset, r.size, seg.name, seg.size
@@ -50,12 +53,13 @@ impl ReplicaLocation {
                 size: seg.size,
             },
             offset: r.offset,
+            disk,
         })
     }
 }
 
 impl Location {
-    /// Converts a put placement. Memory replicas only: disk replicas come with the SSD tier.
+    /// Converts a put placement (memory replicas only).
     pub(crate) fn from_put(resp: &pb::PutStartResponse, size: u64) -> Result<Location, String> {
         Self::build(resp.generation, size, &resp.replicas)
     }
@@ -65,13 +69,17 @@ impl Location {
         size: u64,
         replicas: &[pb::Replica],
     ) -> Result<Location, String> {
+        // Memory replicas first (one transfer away), then disk ones (the owner reads its disk).
+        let mem = pb::ReplicaKind::Memory as i32;
+        let disk = pb::ReplicaKind::LocalDisk as i32;
         let replicas = replicas
             .iter()
-            .filter(|r| r.kind == pb::ReplicaKind::Memory as i32)
+            .filter(|r| r.kind == mem)
+            .chain(replicas.iter().filter(|r| r.kind == disk))
             .map(|r| ReplicaLocation::from_pb(r, size))
             .collect::<Result<Vec<_>, _>>()?;
         if replicas.is_empty() {
-            return Err("no memory replica".to_owned());
+            return Err("no memory or local disk replica".to_owned());
         }
         Ok(Location {
             generation,

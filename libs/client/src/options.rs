@@ -36,6 +36,9 @@ pub struct ClientOptions {
     pub location_cache_capacity: usize,
     /// Directory for the embedded segment's shm socket (default: the system temp dir).
     pub shm_dir: Option<PathBuf>,
+    /// The engine config's `enable_offload`, when it states one: at connect the client compares
+    /// it with the master's and warns on a mismatch ([`crate::StoreClient::offload_mismatch`]).
+    pub enable_offload: Option<bool>,
 }
 
 impl Default for ClientOptions {
@@ -52,6 +55,7 @@ impl Default for ClientOptions {
             rpc_timeout: Duration::from_secs(10),
             location_cache_capacity: 1 << 20,
             shm_dir: None,
+            enable_offload: None,
         }
     }
 }
@@ -76,6 +80,9 @@ impl ClientOptions {
                 "master_server_address is empty: set it to the master's host:port, e.g. \"127.0.0.1:50051\"".to_owned(),
             ));
         }
+        if self.protocol == "rdma" && lunakv_transfer::RDMA_COMPILED {
+            return Err(ClientError::Config(rdma_refusal()));
+        }
         if self.protocol != "tcp" {
             return Err(ClientError::Config(format!(
                 "protocol '{}' is not available in this build: use \"tcp\" (same-host segments use shared memory automatically)",
@@ -83,6 +90,22 @@ impl ClientOptions {
             )));
         }
         Ok(())
+    }
+}
+
+/// Why `protocol: "rdma"` is refused by a build that has the RDMA transport (cargo feature
+/// `rdma` on lunakv-transfer): no device (one line naming the fix, from the device probe), or a
+/// device but no wiring yet. The transport exists (`TransferEngine::with_rdma`,
+/// `SegmentServer::enable_rdma`); until StoreClient and SegmentHost call them (docs/RDMA.md,
+/// "Wiring"), accepting "rdma" would move bytes over tcp: a silent fallback, which lunakv never
+/// does.
+fn rdma_refusal() -> String {
+    match lunakv_transfer::rdma_check() {
+        Err(e) => e.to_string(),
+        Ok(d) => format!(
+            "protocol \"rdma\": RDMA device {} is present, but the store client does not route transfers over it yet (docs/RDMA.md, \"Wiring\"); use \"protocol\": \"tcp\"",
+            d.device
+        ),
     }
 }
 
@@ -122,9 +145,36 @@ impl ClientOptions {
             protocol: cfg.protocol.as_str().to_owned(),
             enable_shm: cfg.enable_shm,
             preferred_segment: cfg.preferred_segment.clone(),
+            enable_offload: Some(cfg.enable_offload),
             ..ClientOptions::default()
         };
         opts.validate()?;
         Ok(opts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rdma_is_refused_in_one_line_naming_tcp() {
+        let o = ClientOptions {
+            protocol: "rdma".to_owned(),
+            ..ClientOptions::default()
+        };
+        let ClientError::Config(msg) = o.validate().unwrap_err() else {
+            panic!("a config error");
+        };
+        assert!(!msg.contains('\n'), "{msg}");
+        assert!(msg.contains("\"tcp\""), "{msg}");
+        if !lunakv_transfer::RDMA_COMPILED {
+            // Builds without the feature keep the original refusal.
+            assert!(msg.contains("is not available in this build"), "{msg}");
+        } else {
+            assert!(msg.starts_with("protocol \"rdma\": "), "{msg}");
+        }
+        let tcp = ClientOptions::default();
+        assert!(tcp.validate().is_ok());
     }
 }

@@ -36,6 +36,8 @@ pub struct StoreClient {
     heartbeat_stop: watch::Sender<bool>,
     buffers: Mutex<BTreeMap<usize, usize>>,
     closed: AtomicBool,
+    /// Set when the engine config's enable_offload differs from the master's.
+    offload_mismatch: Option<String>,
 }
 
 impl StoreClient {
@@ -71,6 +73,33 @@ impl StoreClient {
             &opts.cluster_id,
             opts.rpc_timeout,
         ))?;
+
+        // The seed's rule: enable_offload is set together on the engine config, the master and
+        // the store-client. Compare with the master's now, while someone reads the log.
+        let offload_mismatch = match opts.enable_offload {
+            Some(ours) => rt
+                .block_on(async {
+                    let mut m = master.client();
+                    tokio::time::timeout(
+                        opts.rpc_timeout,
+                        m.get_cluster_status(pb::GetClusterStatusRequest {}),
+                    )
+                    .await
+                })
+                .ok()
+                .and_then(|r| r.ok())
+                .map(|r| r.into_inner().enable_offload)
+                .filter(|theirs| *theirs != ours)
+                .map(|theirs| {
+                    let msg = format!(
+                        "enable_offload mismatch: mooncake_config.json says \"enable_offload\": {ours} but the master at {} runs with --enable_offload={theirs}; set the same value on the engine config, the master and every lunakv-store",
+                        opts.master_server_address
+                    );
+                    tracing::warn!("{msg}");
+                    msg
+                }),
+            None => None,
+        };
 
         let host = if opts.mode() == Mode::Embedded {
             let ip: IpAddr = opts.local_hostname.parse().map_err(|_| {
@@ -111,6 +140,7 @@ impl StoreClient {
                 protocol: opts.protocol.clone(),
                 enable_offload: false,
                 server: None,
+                disk: None,
             };
             rt.spawn(crate::host::heartbeat(m, Duration::from_secs(1), stop_rx));
         }
@@ -126,7 +156,14 @@ impl StoreClient {
             heartbeat_stop,
             buffers: Mutex::new(BTreeMap::new()),
             closed: AtomicBool::new(false),
+            offload_mismatch,
         })
+    }
+
+    /// The warning logged at connect when the engine config's `enable_offload` differs from the
+    /// master's (`None` when they agree or the config did not say).
+    pub fn offload_mismatch(&self) -> Option<&str> {
+        self.offload_mismatch.as_deref()
     }
 
     /// The transfer engine this client moves bytes with.
@@ -483,6 +520,11 @@ impl StoreClient {
                     continue;
                 };
                 let r = &loc.replicas[self.preferred_replica(loc)];
+                if r.disk {
+                    // Disk-only: the single-object path asks the owner to LOAD it.
+                    retry.push(i);
+                    continue;
+                }
                 reqs.push(TransferRequest::Read {
                     target: &r.target,
                     generation: loc.generation,
@@ -602,7 +644,7 @@ impl StoreClient {
     fn preferred_replica(&self, loc: &Location) -> usize {
         loc.replicas
             .iter()
-            .position(|r| self.engine.uses_shm(&r.target))
+            .position(|r| !r.disk && self.engine.uses_shm(&r.target))
             .unwrap_or(0)
     }
 
@@ -618,7 +660,12 @@ impl StoreClient {
         let mut stale = false;
         for i in order {
             let r = &loc.replicas[i];
-            match self.engine.read(&r.target, loc.generation, r.offset, dst) {
+            let got = if r.disk {
+                self.engine.load(&r.target, loc.generation, dst)
+            } else {
+                self.engine.read(&r.target, loc.generation, r.offset, dst)
+            };
+            match got {
                 Ok(()) => return Ok(()),
                 Err(TransferError::Stale { .. }) => stale = true,
                 Err(e) => {

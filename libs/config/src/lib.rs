@@ -169,7 +169,7 @@ pub enum ConfigError {
 
     /// `rdma` where this build cannot provide it.
     #[error(
-        "{field} '{value}': RDMA needs a lunakv build with the `rdma` feature and an RDMA device, and neither exists here; use \"tcp\" (same-host peers still get shared memory)"
+        "{field} '{value}': this lunakv build does not route transfers over RDMA (the transport is the `rdma` cargo feature of lunakv-transfer, see docs/RDMA.md); use \"tcp\" (same-host peers still get shared memory)"
     )]
     RdmaUnsupported { field: String, value: String },
 

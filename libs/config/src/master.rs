@@ -50,8 +50,12 @@ pub struct MasterConfig {
     pub put_start_release_timeout_sec: u64,
     /// lunakv: directory of the embedded metadata file (`meta.redb`).
     pub data_dir: PathBuf,
-    /// Accepted for compatibility; the SSD tier comes in a later issue.
+    /// SSD tier (upstream `--enable_offload`): store-clients that offload may mount, and objects
+    /// evicted from their DRAM move to their disk instead of being dropped (docs/OFFLOAD.md).
     pub enable_offload: bool,
+    /// Upstream `--promotion_on_hit`: a get of a disk-only object also brings it back into the
+    /// owner's DRAM.
+    pub promotion_on_hit: bool,
     /// HA (upstream `--enable_ha`): campaign for leadership in etcd; followers redirect clients.
     pub enable_ha: bool,
     /// etcd client endpoints, `;`-separated as upstream (`h1:2379;h2:2379`; `etcd://` accepted).
@@ -80,6 +84,7 @@ impl Default for MasterConfig {
             put_start_release_timeout_sec: 600,
             data_dir: PathBuf::from("./lunakv-master-data"),
             enable_offload: false,
+            promotion_on_hit: false,
             enable_ha: false,
             etcd_endpoints: String::new(),
             ha_backend_type: "etcd".to_string(),
@@ -111,6 +116,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("put_start_release_timeout_sec", Kind::Num),
     ("data_dir", Kind::Str),
     ("enable_offload", Kind::Bool),
+    ("promotion_on_hit", Kind::Bool),
     ("enable_ha", Kind::Bool),
     ("etcd_endpoints", Kind::Str),
     ("ha_backend_type", Kind::Str),
@@ -135,7 +141,6 @@ pub const IGNORED_KEYS: &[&str] = &[
     "snapshot_interval_seconds",
     "global_file_segment_size",
     "offload_on_evict",
-    "promotion_on_hit",
     "offloading_queue_limit",
 ];
 
@@ -249,11 +254,9 @@ impl MasterConfig {
                 bad_value_from_serde(&merged, &e.to_string())
             })?;
         config.validate()?;
-        if config.enable_offload {
+        if config.promotion_on_hit && !config.enable_offload {
             warnings.push(
-                "enable_offload = true is accepted but the SSD tier is not implemented yet; \
-                 objects stay in DRAM"
-                    .to_string(),
+                "promotion_on_hit = true has no effect without enable_offload = true".to_string(),
             );
         }
         Ok(LoadedMasterConfig { config, warnings })

@@ -3,7 +3,8 @@
 //! Flag names and defaults are Mooncake `mooncake_client`'s, so llm-d's DaemonSet arguments work
 //! unchanged: `--master_server_address=...:50051 --host=$(POD_IP) --port=50052
 //! --global_segment_size=40GB --enable_offload=true --metadata_server=P2PHANDSHAKE`
-//! (its `--protocol=rdma` is refused with a clear message until the RDMA issue lands).
+//! (its `--protocol=rdma` is refused with a clear message until lunakv-store is wired to the RDMA
+//! transport, docs/RDMA.md).
 //!
 //! `StoreConfig` is a clap [`Args`](clap::Args) struct; the binary flattens it into its parser:
 //! ```ignore
@@ -18,7 +19,7 @@
 //!
 //! Environment (read through [`apply_env`](StoreConfig::apply_env), upstream's names):
 //! `MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`, `MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`. They are kept for
-//! the SSD tier, which is a later issue: `--enable_offload` is accepted with a warning.
+//! the SSD tier (`--enable_offload`, docs/OFFLOAD.md).
 
 use std::path::PathBuf;
 
@@ -73,7 +74,7 @@ pub struct StoreConfig {
     #[arg(long = "metadata_server", alias = "metadata-server", default_value = DEFAULT_METADATA_SERVER)]
     pub metadata_server: String,
 
-    /// SSD offload tier (accepted; not implemented yet). `--enable_offload=true|false`.
+    /// SSD offload tier in MOONCAKE_OFFLOAD_FILE_STORAGE_PATH (docs/OFFLOAD.md). `--enable_offload=true|false`.
     #[arg(
         long = "enable_offload", alias = "enable-offload", default_value = "false",
         action = ArgAction::Set, num_args = 0..=1, require_equals = true,
@@ -215,9 +216,6 @@ impl StoreConfig {
             });
         }
         let mut warnings = Vec::new();
-        if self.enable_offload {
-            warnings.push(ConfigWarning::OffloadNotImplemented);
-        }
         if !self.metadata_server.is_empty() && self.metadata_server != crate::client::P2P_HANDSHAKE
         {
             warnings.push(ConfigWarning::MetadataServerIgnored {

@@ -150,7 +150,7 @@ fn rdma_is_refused_clearly() {
     assert!(matches!(e, ConfigError::RdmaUnsupported { .. }));
     assert_eq!(
         e.to_string(),
-        "--protocol 'rdma': RDMA needs a lunakv build with the `rdma` feature and an RDMA device, and neither exists here; use \"tcp\" (same-host peers still get shared memory)"
+        "--protocol 'rdma': this lunakv build does not route transfers over RDMA (the transport is the `rdma` cargo feature of lunakv-transfer, see docs/RDMA.md); use \"tcp\" (same-host peers still get shared memory)"
     );
 }
 

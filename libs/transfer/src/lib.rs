@@ -19,8 +19,9 @@
 //! move bytes to and from it (see `region.rs`).
 //!
 //! Transports implement [`Transport`]: tcp everywhere, shm when the target is on this host
-//! (equal [`host_id`]) and offers a socket. An RDMA transport (feature `rdma`, later) slots in
-//! the same way. Everything is blocking std I/O on std threads: on small boxes that beats an
+//! (equal [`host_id`]) and offers a socket, rdma (cargo feature `rdma`, engines built with
+//! [`TransferEngine::with_rdma`]) when both sides have a device; [`select_route`] is the rule
+//! (docs/RDMA.md). Everything is blocking std I/O on std threads: on small boxes that beats an
 //! async runtime for bulk copies, and the hot paths do not allocate per request.
 
 use std::net::SocketAddr;
@@ -32,6 +33,7 @@ use parking_lot::Mutex;
 
 mod mem;
 mod raw;
+pub mod rdma;
 mod region;
 mod server;
 mod shm;
@@ -41,12 +43,41 @@ mod vio;
 pub mod wire;
 
 pub use raw::RawRequest;
+pub use rdma::{
+    PeerRdma, RDMA_COMPILED, RdmaDescriptor, RdmaTransport, Route, RouteFacts, rdma_check,
+    rdma_devices, select_route,
+};
 pub use region::{
     MemoryRegistry, OwnedRegion, RegionDesc, RegionServer, RegionServerConfig, RegionStats,
 };
 pub use server::SegmentServer;
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;
+pub use wire::DISK_OFFSET;
+
+/// One object handed to a [`ColdTier`]: its bytes are borrowed from the segment, pinned.
+#[derive(Debug, Clone, Copy)]
+pub struct ColdItem<'a> {
+    pub key: &'a str,
+    pub generation: u64,
+    pub bytes: &'a [u8],
+}
+
+/// A segment owner's second tier (the SSD tier of `lunakv-store --enable_offload`), plugged
+/// into a [`SegmentServer`] with [`SegmentServer::set_cold_tier`]. The trait keeps this crate
+/// free of any storage format; `lunakv-offload` implements it in `lunakv-store`.
+pub trait ColdTier: Send + Sync + 'static {
+    /// Stores the objects durably; returns the generations now held (already-held ones count).
+    /// An error means none of them is held; the message is logged by the caller.
+    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, String>;
+    /// Size of the object if held.
+    fn size_of(&self, generation: u64) -> Option<u64>;
+    /// Fills `dst` (exactly the object's size) with verified bytes. `Ok(false)`: not held (or
+    /// dropped just now because its checksum failed: never served).
+    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, String>;
+    /// Forgets objects (the master removed them).
+    fn remove(&self, generations: &[u64]);
+}
 
 /// Socket buffer size for transfer connections: a 4 MiB object fits in flight at once.
 const SOCKET_BUFFER: usize = 4 << 20;
@@ -99,6 +130,9 @@ pub struct SegmentInfo {
     pub host_id: String,
     /// Unix socket path for shm, if offered.
     pub shm_socket: Option<String>,
+    /// The segment's RDMA descriptor (device, gid, region address/length/rkey) once
+    /// [`SegmentServer::enable_rdma`] registered it; publish it with [`RdmaDescriptor::to_hex`].
+    pub rdma: Option<RdmaDescriptor>,
 }
 
 /// One committed object in a segment's entry table.
@@ -244,6 +278,10 @@ pub enum TransferError {
     /// The request itself is invalid (zero length, key too long, refused by the owner).
     #[error("invalid transfer request: {0}")]
     InvalidArgument(String),
+    /// RDMA cannot be used: this build lacks the `rdma` feature, no device exists (the message
+    /// is one line naming the fix), or a peer refused `RDMA_CONNECT`.
+    #[error("{0}")]
+    RdmaUnavailable(String),
 }
 
 impl TransferError {
@@ -274,6 +312,7 @@ impl TransferError {
             TransferError::Timeout => TransferError::Timeout,
             TransferError::ShmUnavailable(m) => TransferError::ShmUnavailable(m.clone()),
             TransferError::InvalidArgument(m) => TransferError::InvalidArgument(m.clone()),
+            TransferError::RdmaUnavailable(m) => TransferError::RdmaUnavailable(m.clone()),
         }
     }
 }
@@ -332,6 +371,8 @@ pub trait Transport: Send + Sync {
 const MIN_UNIT_BYTES: u64 = 512 * 1024;
 /// How long a failed shm attach sends a target to tcp before trying shm again.
 const SHM_RETRY_AFTER: Duration = Duration::from_secs(10);
+/// How long a peer that refused `RDMA_CONNECT` is served over tcp before asking again.
+const RDMA_RETRY_AFTER: Duration = Duration::from_secs(60);
 
 /// Moves bytes between caller buffers and segments. `Send + Sync`: one engine per process,
 /// shared by every thread; it pools tcp connections per endpoint and caches shm attachments.
@@ -341,6 +382,10 @@ pub struct TransferEngine {
     shm: ShmTransport,
     /// shm sockets whose attach failed, and when: they go over tcp for a while.
     shm_failed: Mutex<std::collections::HashMap<String, Instant>>,
+    /// The RDMA transport, when built with [`TransferEngine::with_rdma`].
+    rdma: Option<RdmaTransport>,
+    /// Endpoints that answered `RDMA_CONNECT`: `(offered, when)`.
+    rdma_peers: Mutex<std::collections::HashMap<String, (bool, Instant)>>,
 }
 
 impl TransferEngine {
@@ -350,6 +395,85 @@ impl TransferEngine {
             tcp: TcpTransport::new(opts.conns_per_peer, opts.io_timeout),
             shm: ShmTransport::new(opts.conns_per_peer, opts.io_timeout),
             shm_failed: Mutex::new(std::collections::HashMap::new()),
+            rdma: None,
+            rdma_peers: Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+
+    /// An engine that also moves bytes over RDMA (what `protocol: "rdma"` selects): per target,
+    /// shm on the same host, else rdma if the target offers it, else tcp ([`select_route`]).
+    /// Fails with [`TransferError::RdmaUnavailable`] (one line naming the fix) when this build
+    /// has no `rdma` feature or no RDMA device is present; it never falls back silently.
+    pub fn with_rdma(opts: TransferOptions) -> Result<TransferEngine, TransferError> {
+        let rdma = RdmaTransport::open(opts.conns_per_peer, opts.io_timeout)?;
+        let mut e = TransferEngine::new(opts);
+        e.rdma = Some(rdma);
+        Ok(e)
+    }
+
+    /// True if this engine has an open RDMA device.
+    pub fn has_rdma(&self) -> bool {
+        self.rdma.is_some()
+    }
+
+    /// What this engine knows about `endpoint`'s RDMA offer.
+    fn peer_rdma(&self, endpoint: &str) -> PeerRdma {
+        let mut peers = self.rdma_peers.lock();
+        match peers.get(endpoint) {
+            None => PeerRdma::Unknown,
+            Some(&(true, _)) => PeerRdma::Offered,
+            Some(&(false, at)) if at.elapsed() < RDMA_RETRY_AFTER => PeerRdma::NotOffered,
+            Some(_) => {
+                peers.remove(endpoint);
+                PeerRdma::Unknown
+            }
+        }
+    }
+
+    fn note_rdma(&self, t: &Target, offered: Result<(), &TransferError>) {
+        let ok = offered.is_ok();
+        if let Err(e) = offered {
+            tracing::warn!(endpoint = %t.endpoint, error = %e, "peer offers no rdma; using tcp for it");
+        }
+        self.rdma_peers
+            .lock()
+            .insert(t.endpoint.clone(), (ok, Instant::now()));
+    }
+
+    /// The transport requests to `t` take now ([`select_route`] over what the engine knows).
+    pub fn route_for(&self, t: &Target) -> Route {
+        let same_host = t.host_id == host_id();
+        let shm_offered = t.shm_socket.is_some();
+        select_route(&RouteFacts {
+            shm_enabled: self.enable_shm,
+            same_host,
+            shm_offered,
+            // uses_shm also expires old failures.
+            shm_failed_recently: self.enable_shm && same_host && shm_offered && !self.uses_shm(t),
+            local_rdma: self.rdma.is_some(),
+            peer_rdma: self.peer_rdma(&t.endpoint),
+        })
+    }
+
+    /// The rdma transport if `t` offers rdma (asking it once), else tcp.
+    fn rdma_or_tcp(&self, t: &Target) -> &dyn Transport {
+        let Some(rdma) = &self.rdma else {
+            return &self.tcp;
+        };
+        if self.peer_rdma(&t.endpoint) == PeerRdma::Offered {
+            return rdma;
+        }
+        match rdma.probe(t) {
+            Ok(()) => {
+                self.note_rdma(t, Ok(()));
+                rdma
+            }
+            Err(e @ TransferError::RdmaUnavailable(_)) => {
+                self.note_rdma(t, Err(&e));
+                &self.tcp
+            }
+            // Unreachable peer or a broken rdma setup: let the request report it.
+            Err(_) => rdma,
         }
     }
 
@@ -376,8 +500,10 @@ impl TransferEngine {
     /// The transport for a batch unit: shm only if the segment attaches (cached after the
     /// first time), so a batch never fails just because shm is unusable.
     fn pick(&self, t: &Target) -> &dyn Transport {
-        if !self.uses_shm(t) {
-            return &self.tcp;
+        match self.route_for(t) {
+            Route::Tcp => return &self.tcp,
+            Route::Rdma => return self.rdma_or_tcp(t),
+            Route::Shm => {}
         }
         match self.shm.probe(t) {
             Ok(()) => &self.shm,
@@ -386,7 +512,7 @@ impl TransferEngine {
                 if let Some(p) = &t.shm_socket {
                     self.shm_failed.lock().insert(p.clone(), Instant::now());
                 }
-                &self.tcp
+                self.rdma_or_tcp(t)
             }
         }
     }
@@ -397,8 +523,10 @@ impl TransferEngine {
         t: &Target,
         mut op: impl FnMut(&dyn Transport) -> Result<R, TransferError>,
     ) -> Result<R, TransferError> {
-        if !self.uses_shm(t) {
-            return op(&self.tcp);
+        match self.route_for(t) {
+            Route::Tcp => return op(&self.tcp),
+            Route::Rdma => return op(self.rdma_or_tcp(t)),
+            Route::Shm => {}
         }
         match op(&self.shm) {
             Err(TransferError::ShmUnavailable(why)) => {
@@ -406,7 +534,7 @@ impl TransferEngine {
                 if let Some(p) = &t.shm_socket {
                     self.shm_failed.lock().insert(p.clone(), Instant::now());
                 }
-                op(&self.tcp)
+                op(self.rdma_or_tcp(t))
             }
             r => r,
         }
@@ -531,6 +659,29 @@ impl TransferEngine {
         timeout: Duration,
     ) -> Result<(), TransferError> {
         self.tcp.free(endpoint, items, timeout)
+    }
+
+    /// OFFLOAD: asks the owner at `endpoint` to move entries `(generation, offset)` to its disk
+    /// tier and drop them from DRAM. Returns the generations it could not store (they are gone
+    /// from DRAM too). Used by the master's eviction when the owner offloads.
+    pub fn offload(
+        &self,
+        endpoint: &str,
+        items: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<Vec<u64>, TransferError> {
+        self.tcp.offload(endpoint, items, timeout)
+    }
+
+    /// LOAD: reads object `generation` (total length of `dst`) from the owner's DRAM or disk
+    /// tier, over tcp (the disk read dominates; shm would not save anything).
+    pub fn load(
+        &self,
+        t: &Target,
+        generation: u64,
+        dst: &mut [&mut [u8]],
+    ) -> Result<(), TransferError> {
+        self.tcp.load(&t.endpoint, generation, dst)
     }
 }
 

@@ -20,7 +20,8 @@ use crate::mem::Mapping;
 use crate::table::{PinId, PinResult, Table};
 use crate::wire::{self, Op, Request, Response, Status};
 use crate::{
-    Entry, SegmentInfo, SegmentServerConfig, SegmentStats, TransferError, host_id, tune_socket,
+    ColdItem, ColdTier, Entry, SegmentInfo, SegmentServerConfig, SegmentStats, TransferError,
+    host_id, tune_socket,
 };
 
 /// How long a WRITE waits for readers of the entries it overwrites before writing anyway.
@@ -47,6 +48,9 @@ enum Live {
 }
 
 struct Shared {
+    /// The segment's RDMA memory region, once [`SegmentServer::enable_rdma`] registered it.
+    /// Declared before `mem` so it is deregistered before the memory is unmapped.
+    rdma: crate::rdma::ServerRdma,
     mem: Mapping,
     table: Table,
     counters: Counters,
@@ -54,6 +58,8 @@ struct Shared {
     /// Clones of every open connection, so shutdown can unblock their threads.
     conns: Mutex<HashMap<u64, Live>>,
     next_conn: AtomicU64,
+    /// The owner's disk tier, if it offloads.
+    cold: std::sync::OnceLock<Arc<dyn ColdTier>>,
 }
 
 /// Owns a memfd-backed segment plus its entry table and serves it over tcp (and a unix socket
@@ -120,6 +126,7 @@ impl SegmentServer {
             size: cfg.size,
             host_id: host_id(),
             shm_socket: cfg.shm_socket.as_ref().map(|p| p.display().to_string()),
+            rdma: None,
         };
         let shared = Arc::new(Shared {
             mem,
@@ -128,6 +135,8 @@ impl SegmentServer {
             stopping: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
+            cold: std::sync::OnceLock::new(),
+            rdma: crate::rdma::ServerRdma::default(),
         });
         let mut acceptors = Vec::new();
         let s = shared.clone();
@@ -153,7 +162,29 @@ impl SegmentServer {
 
     /// What to register with the master.
     pub fn info(&self) -> SegmentInfo {
-        self.info.clone()
+        SegmentInfo {
+            rdma: self.shared.rdma.descriptor(),
+            ..self.info.clone()
+        }
+    }
+
+    /// Offers the segment over RDMA (`protocol: "rdma"`): registers its memory with the device
+    /// (pinning it: a sparse segment is fully allocated) and from then on answers `RDMA_CONNECT`.
+    /// Returns the descriptor [`SegmentServer::info`] publishes. Idempotent. Fails with
+    /// [`TransferError::RdmaUnavailable`], one line naming the fix, when this build has no
+    /// `rdma` feature, no device exists, or registration fails (e.g. `ulimit -l`).
+    pub fn enable_rdma(&self) -> Result<crate::RdmaDescriptor, TransferError> {
+        let mem = &self.shared.mem;
+        // SAFETY: the mapping and the ServerRdma both live in `shared`, and `rdma` is declared
+        // (so dropped, deregistering the region) before `mem` is unmapped. Queue pairs that
+        // could touch the region belong to connection threads, which hold `shared` alive.
+        unsafe { self.shared.rdma.enable(mem.ptr_at(0), mem.len() as usize) }
+    }
+
+    /// Plugs in the disk tier: OFFLOAD and LOAD are served from then on (before, OFFLOAD stores
+    /// nothing and LOAD serves DRAM only). Set once; later calls are ignored (returns false).
+    pub fn set_cold_tier(&self, tier: Arc<dyn ColdTier>) -> bool {
+        self.shared.cold.set(tier).is_ok()
     }
 
     /// Committed entries, in offset order (reported to a restarted master).
@@ -375,6 +406,10 @@ fn serve<S: Stream>(
     let size = shared.mem.len();
     let mut key_buf: Vec<u8> = Vec::with_capacity(256);
     let mut free_buf: Vec<u8> = Vec::new();
+    let mut load_buf: Vec<u8> = Vec::new();
+    // After RDMA_CONNECT: the queue pairs of this connection (they live as long as it does),
+    // and PIN/UNPIN/COMMIT become valid on tcp (the control ops of the RDMA data path).
+    let mut rdma_qps: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
     loop {
         let mut hdr = [0u8; wire::REQ_LEN];
         // EOF before the first byte of a frame is a clean close; inside a frame it is truncation.
@@ -392,7 +427,7 @@ fn serve<S: Stream>(
             Err(why) => return Err(End::Garbage(why)),
         };
         let shm_only = matches!(req.op, Op::Attach | Op::Pin | Op::Unpin | Op::Commit);
-        if shm_only && !unix {
+        if shm_only && !unix && (rdma_qps.is_empty() || req.op == Op::Attach) {
             return Err(End::Garbage(format!(
                 "{:?} is only valid on the shm unix socket",
                 req.op
@@ -539,6 +574,16 @@ fn serve<S: Stream>(
                         )
                     })
                     .collect();
+                let disk: Vec<u64> = items
+                    .iter()
+                    .filter(|(_, o)| *o == wire::DISK_OFFSET)
+                    .map(|(g, _)| *g)
+                    .collect();
+                if !disk.is_empty()
+                    && let Some(cold) = shared.cold.get()
+                {
+                    cold.remove(&disk);
+                }
                 if shared
                     .table
                     .free(&items, Duration::from_millis(u64::from(req.aux)))
@@ -553,8 +598,123 @@ fn serve<S: Stream>(
                     )?;
                 }
             }
+            Op::Offload => {
+                let count = req.key_len;
+                if count > wire::MAX_FREE_ITEMS {
+                    return Err(End::Garbage(format!(
+                        "OFFLOAD of {count} items > {}",
+                        wire::MAX_FREE_ITEMS
+                    )));
+                }
+                free_buf.resize(count as usize * 16, 0);
+                rd.read_exact(&mut free_buf)?;
+                let items = parse_pairs(&free_buf);
+                let (stored, failed) = offload(shared, &items);
+                // Durable (or failed): now the DRAM entries go, exactly as FREE.
+                shared
+                    .table
+                    .free(&items, Duration::from_millis(u64::from(req.aux)));
+                let body: Vec<u8> = failed.iter().flat_map(|g| g.to_le_bytes()).collect();
+                let hdr = Response {
+                    status: Status::Ok,
+                    value: stored,
+                    len: body.len() as u64,
+                }
+                .encode();
+                crate::vio::write_all_gather(&mut wr, &[&hdr, &body], &[])?;
+            }
+            Op::Load => {
+                if req.len == 0 || req.len > size.max(1 << 30) {
+                    reply(&mut wr, Status::BadRequest, 0, "bad load length")?;
+                    continue;
+                }
+                // DRAM first: an offload in flight drops the DRAM entry only after the disk
+                // copy is indexed, so checking DRAM then disk never misses the object.
+                if let Some((pin, off)) = shared.table.pin_gen(req.generation, req.len) {
+                    let hdr = Response {
+                        status: Status::Ok,
+                        value: 0,
+                        len: req.len,
+                    }
+                    .encode();
+                    let r = match shared.mem.check(off, req.len) {
+                        Some((o, l)) => {
+                            // SAFETY: bounds-checked and pinned, as for READ.
+                            let body =
+                                unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(o), l) };
+                            crate::vio::write_all_gather(&mut wr, &[&hdr, body], &[])
+                        }
+                        None => reply(&mut wr, Status::Stale, 0, ""),
+                    };
+                    shared.table.unpin(pin);
+                    r?;
+                    continue;
+                }
+                let Some(cold) = shared.cold.get() else {
+                    reply(&mut wr, Status::Stale, 0, "")?;
+                    continue;
+                };
+                if cold.size_of(req.generation) != Some(req.len) {
+                    reply(&mut wr, Status::Stale, 0, "")?;
+                    continue;
+                }
+                load_buf.resize(req.len as usize, 0);
+                match cold.load(req.generation, &mut load_buf) {
+                    Ok(true) => {
+                        shared.counters.reads.fetch_add(1, Ordering::Relaxed);
+                        shared
+                            .counters
+                            .bytes_read
+                            .fetch_add(req.len, Ordering::Relaxed);
+                        let hdr = Response {
+                            status: Status::Ok,
+                            value: 0,
+                            len: req.len,
+                        }
+                        .encode();
+                        crate::vio::write_all_gather(&mut wr, &[&hdr, &load_buf], &[])?;
+                    }
+                    Ok(false) => reply(&mut wr, Status::Stale, 0, "")?,
+                    Err(msg) => {
+                        tracing::warn!(generation = req.generation, error = %msg, "disk load failed");
+                        reply(&mut wr, Status::Stale, 0, "")?
+                    }
+                }
+                // Keep the buffer for the next load unless it is very large.
+                if load_buf.capacity() > 64 << 20 {
+                    load_buf = Vec::new();
+                }
+            }
             Op::Attach => {
                 send_fd(&wr, shared)?;
+            }
+            Op::RdmaConnect => {
+                let n = req.key_len as usize;
+                if n > crate::rdma::RDMA_DESC_MAX_LEN {
+                    return Err(End::Garbage(format!(
+                        "RDMA_CONNECT descriptor of {n} bytes"
+                    )));
+                }
+                key_buf.resize(n, 0);
+                rd.read_exact(&mut key_buf)?;
+                let answer = if unix {
+                    Err("RDMA_CONNECT is only valid on the tcp listener".to_string())
+                } else {
+                    shared.rdma.accept(&key_buf)
+                };
+                match answer {
+                    Ok((qp, desc)) => {
+                        rdma_qps.push(qp);
+                        let hdr = Response {
+                            status: Status::Ok,
+                            value: 0,
+                            len: desc.len() as u64,
+                        }
+                        .encode();
+                        crate::vio::write_all_gather(&mut wr, &[&hdr, &desc], &[])?;
+                    }
+                    Err(why) => reply(&mut wr, Status::BadRequest, 0, &why)?,
+                }
             }
             Op::RawWrite | Op::RawRead => {
                 return Err(End::Garbage(format!(
@@ -564,6 +724,73 @@ fn serve<S: Stream>(
             }
         }
     }
+}
+
+fn parse_pairs(buf: &[u8]) -> Vec<(u64, u64)> {
+    buf.chunks_exact(16)
+        .map(|c| {
+            let (g, o) = c.split_at(8);
+            (
+                u64::from_le_bytes(g.try_into().unwrap_or_default()),
+                u64::from_le_bytes(o.try_into().unwrap_or_default()),
+            )
+        })
+        .collect()
+}
+
+/// Writes the pinned entries to the disk tier. Returns (objects now on disk, generations that
+/// could not be stored). Entries the owner no longer has count as stored if the disk tier holds
+/// them (a retried OFFLOAD) and as failed otherwise.
+fn offload(shared: &Shared, items: &[(u64, u64)]) -> (u64, Vec<u64>) {
+    let Some(cold) = shared.cold.get() else {
+        return (0, items.iter().map(|(g, _)| *g).collect());
+    };
+    let mut pinned = Vec::with_capacity(items.len());
+    let mut failed = Vec::new();
+    let mut stored = 0u64;
+    for &(generation, offset) in items {
+        match shared.table.pin_at(generation, offset) {
+            Some((pin, key, len)) => pinned.push((pin, key, generation, offset, len)),
+            None if cold.size_of(generation).is_some() => stored += 1,
+            None => failed.push(generation),
+        }
+    }
+    let mut batch = Vec::with_capacity(pinned.len());
+    for (_, key, generation, offset, len) in &pinned {
+        if let Some((o, l)) = shared.mem.check(*offset, *len) {
+            // SAFETY: bounds-checked and pinned: no WRITE or FREE reuses the range until the
+            // unpin below, after the disk tier is done with the slice.
+            let bytes = unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(o), l) };
+            batch.push(ColdItem {
+                key,
+                generation: *generation,
+                bytes,
+            });
+        } else {
+            failed.push(*generation);
+        }
+    }
+    match cold.store(&batch) {
+        Ok(done) => {
+            stored += done.len() as u64;
+            let done: std::collections::HashSet<u64> = done.into_iter().collect();
+            failed.extend(
+                batch
+                    .iter()
+                    .map(|b| b.generation)
+                    .filter(|g| !done.contains(g)),
+            );
+        }
+        Err(msg) => {
+            tracing::error!(objects = batch.len(), error = %msg, "offload to disk failed; the objects are dropped from DRAM as a plain eviction");
+            failed.extend(batch.iter().map(|b| b.generation));
+        }
+    }
+    drop(batch);
+    for (pin, ..) in pinned {
+        shared.table.unpin(pin);
+    }
+    (stored, failed)
 }
 
 /// ATTACH: the response header travels with the memfd in SCM_RIGHTS.

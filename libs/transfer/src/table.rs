@@ -104,6 +104,34 @@ impl Table {
         PinResult::Pinned(PinId(id))
     }
 
+    /// Pins the live entry of `generation` at `offset`, whatever its length (OFFLOAD knows the
+    /// master's `(generation, offset)` only); returns the pin, the key and the length.
+    pub(crate) fn pin_at(&self, generation: u64, offset: u64) -> Option<(PinId, String, u64)> {
+        let mut g = self.inner.lock();
+        let &id = g.by_gen.get(&generation)?;
+        let rec = g.entries.get_mut(&id)?;
+        if rec.offset != offset {
+            return None;
+        }
+        rec.pins += 1;
+        Some((PinId(id), rec.key.clone(), rec.len))
+    }
+
+    /// Pins the live entry of `generation` if it has length `len`; returns the pin and offset
+    /// (LOAD serves an object still in DRAM without knowing where).
+    pub(crate) fn pin_gen(&self, generation: u64, len: u64) -> Option<(PinId, u64)> {
+        let mut g = self.inner.lock();
+        let &id = g.by_gen.get(&generation)?;
+        let rec = g.entries.get_mut(&id)?;
+        if rec.len != len {
+            return None;
+        }
+        rec.pins += 1;
+        let off = rec.offset;
+        g.touched.insert(id);
+        Some((PinId(id), off))
+    }
+
     pub(crate) fn unpin(&self, pin: PinId) {
         let mut g = self.inner.lock();
         let Some(rec) = g.entries.get_mut(&pin.0) else {

@@ -202,7 +202,7 @@ impl TcpTransport {
             .clone()
     }
 
-    fn connect(&self, endpoint: &str) -> Result<TcpConn, TransferError> {
+    pub(crate) fn connect(&self, endpoint: &str) -> Result<TcpConn, TransferError> {
         let cerr = |source: io::Error| TransferError::Connect {
             endpoint: endpoint.to_string(),
             source,
@@ -309,6 +309,86 @@ impl TcpTransport {
             })?;
         }
         Ok(())
+    }
+
+    /// OFFLOAD pairs (see [`crate::TransferEngine::offload`]); returns generations not stored.
+    pub fn offload(
+        &self,
+        endpoint: &str,
+        items: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<Vec<u64>, TransferError> {
+        let mut failed = Vec::new();
+        for chunk in items.chunks(wire::MAX_FREE_ITEMS as usize) {
+            let mut body = Vec::with_capacity(chunk.len() * 16);
+            for &(g, o) in chunk {
+                body.extend_from_slice(&g.to_le_bytes());
+                body.extend_from_slice(&o.to_le_bytes());
+            }
+            let hdr = Request {
+                op: Op::Offload,
+                generation: 0,
+                offset: 0,
+                len: 0,
+                key_len: chunk.len() as u32,
+                aux: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
+            }
+            .encode();
+            self.with_conn(endpoint, |c| {
+                // Disk writes of a whole eviction pass plus the pin wait: allow for both.
+                let wait = self.io_timeout * 6 + timeout;
+                c.stream
+                    .set_read_timeout(Some(wait))
+                    .map_err(|e| io_err(endpoint, e))?;
+                write_all_gather(&mut c.stream, &[&hdr, &body], &[])
+                    .map_err(|e| io_err(endpoint, e))?;
+                let n = recv_status(&mut c.stream, endpoint, 0, 0, 0)?;
+                if n % 8 != 0 || n > chunk.len() as u64 * 8 {
+                    return Err(TransferError::Protocol(format!(
+                        "{endpoint}: OFFLOAD answered {n} bytes of failed generations"
+                    )));
+                }
+                let mut buf = vec![0u8; n as usize];
+                c.stream
+                    .read_exact(&mut buf)
+                    .map_err(|e| io_err(endpoint, e))?;
+                failed.extend(buf.chunks_exact(8).map(|b| {
+                    let mut a = [0u8; 8];
+                    a.copy_from_slice(b);
+                    u64::from_le_bytes(a)
+                }));
+                c.stream
+                    .set_read_timeout(Some(self.io_timeout))
+                    .map_err(|e| io_err(endpoint, e))
+            })?;
+        }
+        Ok(failed)
+    }
+
+    /// LOAD (see [`crate::TransferEngine::load`]).
+    pub fn load(
+        &self,
+        endpoint: &str,
+        generation: u64,
+        dst: &mut [&mut [u8]],
+    ) -> Result<(), TransferError> {
+        let len = total_len(dst.iter().map(|s| s.len()));
+        if len == 0 {
+            return Err(TransferError::InvalidArgument("zero-length load".into()));
+        }
+        let hdr = Request {
+            op: Op::Load,
+            generation,
+            offset: 0,
+            len,
+            key_len: 0,
+            aux: 0,
+        }
+        .encode();
+        self.with_conn(endpoint, |c| {
+            write_all_gather(&mut c.stream, &[&hdr], &[]).map_err(|e| io_err(endpoint, e))?;
+            c.recv_read(endpoint, generation, 0, dst, len)
+        })
     }
 
     /// Requests to one endpoint, pipelined on one connection. Answers arrive in request order.

@@ -45,7 +45,26 @@ pub enum Op {
     /// [`crate::RegionServer`] only: `RAW_READ(offset = absolute address, len)`; answers OK +
     /// the bytes, or OUT_OF_BOUNDS.
     RawRead = 9,
+    /// SSD tier: `OFFLOAD` of `count` `(generation, offset)` pairs (the FREE body), waiting up to
+    /// `aux` ms for pins. The owner writes each entry durably to its disk tier, then drops the
+    /// DRAM entries (as FREE does) and answers OK with `value` = objects now on disk and a body
+    /// of the generations it could not store (8 bytes each).
+    Offload = 10,
+    /// SSD tier: `LOAD(gen, len)`; answers OK + the object's bytes, from DRAM while its entry is
+    /// still there (an offload in flight) else from disk after its checksum passed; STALE when
+    /// the owner has neither (evicted from disk, corrupt, removed).
+    Load = 11,
+    /// [`crate::SegmentServer`] tcp only (feature `rdma`): `RDMA_CONNECT` + `key_len` bytes of
+    /// the requester's [`crate::RdmaDescriptor`] (its queue pair). Answers OK + the owner's
+    /// descriptor (its queue pair, connected to the requester's, and the segment's region), or
+    /// BAD_REQUEST with the reason when the segment offers no rdma. Afterwards the connection
+    /// also accepts `PIN`/`UNPIN`/`COMMIT` (the RDMA data path's control ops), and the queue
+    /// pair lives as long as the connection.
+    RdmaConnect = 12,
 }
+
+/// In a `FREE` pair, this offset names the object's disk copy rather than a DRAM range.
+pub const DISK_OFFSET: u64 = u64::MAX;
 
 impl Op {
     /// Parses an op byte; `None` for garbage.
@@ -60,6 +79,9 @@ impl Op {
             7 => Op::Commit,
             8 => Op::RawWrite,
             9 => Op::RawRead,
+            10 => Op::Offload,
+            11 => Op::Load,
+            12 => Op::RdmaConnect,
             _ => return None,
         })
     }

@@ -1,7 +1,9 @@
-//! vLLM's bootstrap HTTP API: `POST /register`, `GET /query`, plus `GET /health`.
+//! vLLM's bootstrap HTTP API: `POST /register`, `GET /query`, plus `GET /health` and
+//! `GET /metrics` (Prometheus text).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Json;
@@ -20,6 +22,15 @@ use crate::state::{BootstrapState, Table, Worker};
 struct App {
     state: Arc<dyn BootstrapState>,
     lease: Duration,
+    counters: Arc<Counters>,
+}
+
+/// HTTP API counters, served at `/metrics`.
+#[derive(Debug, Default)]
+struct Counters {
+    registrations: AtomicU64,
+    rejected: AtomicU64,
+    queries: AtomicU64,
 }
 
 /// The router for the HTTP listener.
@@ -28,7 +39,12 @@ pub fn router(state: Arc<dyn BootstrapState>, lease: Duration) -> Router {
         .route("/register", post(register))
         .route("/query", get(query))
         .route("/health", get(|| async { StatusCode::OK }))
-        .with_state(App { state, lease })
+        .route("/metrics", get(metrics))
+        .with_state(App {
+            state,
+            lease,
+            counters: Arc::default(),
+        })
 }
 
 /// The body vLLM's workers send.
@@ -72,8 +88,14 @@ async fn register(
         addr: b.addr,
     };
     match app.state.register(w, ttl) {
-        Ok(_) => Json(json!({ "status": "ok" })).into_response(),
-        Err(e) => detail(StatusCode::BAD_REQUEST, e.to_string()),
+        Ok(_) => {
+            app.counters.registrations.fetch_add(1, Ordering::Relaxed);
+            Json(json!({ "status": "ok" })).into_response()
+        }
+        Err(e) => {
+            app.counters.rejected.fetch_add(1, Ordering::Relaxed);
+            detail(StatusCode::BAD_REQUEST, e.to_string())
+        }
     }
 }
 
@@ -102,5 +124,58 @@ pub fn query_json(t: &Table) -> serde_json::Value {
 }
 
 async fn query(State(app): State<App>) -> Response {
+    app.counters.queries.fetch_add(1, Ordering::Relaxed);
     Json(query_json(&app.state.query())).into_response()
+}
+
+async fn metrics(State(app): State<App>) -> Response {
+    use std::fmt::Write;
+    let table = app.state.query();
+    let c = &app.counters;
+    let rows: [(&str, &str, &str, u64); 5] = [
+        (
+            "engines",
+            "gauge",
+            "Data-parallel ranks with a live engine.",
+            table.entries.len() as u64,
+        ),
+        (
+            "workers",
+            "gauge",
+            "Live worker registrations (leases not lapsed).",
+            app.state.workers().len() as u64,
+        ),
+        (
+            "registrations_total",
+            "counter",
+            "Accepted POST /register calls (first registrations and renewals).",
+            c.registrations.load(Ordering::Relaxed),
+        ),
+        (
+            "registrations_rejected_total",
+            "counter",
+            "Refused registrations (engine id mismatch, duplicate, invalid).",
+            c.rejected.load(Ordering::Relaxed),
+        ),
+        (
+            "queries_total",
+            "counter",
+            "GET /query calls.",
+            c.queries.load(Ordering::Relaxed),
+        ),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, v) in rows {
+        let _ = writeln!(out, "# HELP lunakv_bootstrap_{name} {help}");
+        let _ = writeln!(out, "# TYPE lunakv_bootstrap_{name} {kind}");
+        let _ = writeln!(out, "lunakv_bootstrap_{name} {v}");
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response()
 }

@@ -6,7 +6,7 @@
 //! across an `.await`. A removed object leaves the index at once, but its ranges go back to the
 //! allocator only after the owner acknowledged the FREE ([`MasterCore::release`]).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +37,10 @@ pub struct CoreConfig {
     pub put_release_timeout: Duration,
     /// How long an owner has to acknowledge a FREE before the range is freed anyway.
     pub free_timeout: Duration,
+    /// SSD tier: offloading owners may mount; their evicted objects move to disk.
+    pub enable_offload: bool,
+    /// SSD tier: a get of a disk-only object asks its owner to bring it back to DRAM.
+    pub promotion_on_hit: bool,
 }
 
 impl CoreConfig {
@@ -52,6 +56,8 @@ impl CoreConfig {
             put_discard_timeout: Duration::from_secs(c.put_start_discard_timeout_sec),
             put_release_timeout: Duration::from_secs(c.put_start_release_timeout_sec),
             free_timeout: Duration::from_secs(2),
+            enable_offload: c.enable_offload,
+            promotion_on_hit: c.promotion_on_hit,
         }
     }
 }
@@ -72,6 +78,9 @@ pub struct SegmentDesc {
     pub shm_socket: String,
     pub protocol: String,
     pub enable_offload: bool,
+    /// SSD tier limit of the owner; 0 = no usable disk tier. (Absent in older persisted records.)
+    #[serde(default)]
+    pub disk_capacity: u64,
 }
 
 /// One object a segment already holds, reported at mount.
@@ -81,6 +90,8 @@ pub struct InventoryItem {
     pub offset: u64,
     pub size: u64,
     pub generation: u64,
+    /// In the owner's disk tier rather than at `offset` of its DRAM.
+    pub disk: bool,
 }
 
 /// Placement options of a put.
@@ -114,6 +125,8 @@ pub struct ReplicaView {
     pub segment: SegmentDesc,
     pub offset: u64,
     pub size: u64,
+    /// A LOCAL_DISK replica: read it with LOAD from the owner, not READ.
+    pub disk: bool,
 }
 
 /// Where an object is.
@@ -144,6 +157,13 @@ pub enum CoreError {
     InvalidArgument(String),
     #[error("segment {0:?} is not mounted")]
     SegmentNotFound(String),
+    #[error(
+        "offload mismatch: store-client segment {segment:?} has --enable_offload=true but this \
+         master runs without it, so objects evicted from its DRAM could never be found on its \
+         disk; start lunakv-master with --enable_offload=true (and \"enable_offload\": true in \
+         mooncake_config.json), or start the store-client with --enable_offload=false"
+    )]
+    OffloadMismatch { segment: String },
 }
 
 #[derive(Debug, Clone)]
@@ -151,6 +171,8 @@ struct ReplicaLoc {
     segment: String,
     mount_id: u64,
     offset: u64,
+    /// In the owner's disk tier (no DRAM range; `offset` unused).
+    disk: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -196,6 +218,18 @@ pub struct PendingFree {
     pub segment: String,
     pub mount_id: u64,
     pub generation: u64,
+    /// The DRAM range, or [`lunakv_transfer::DISK_OFFSET`] for a disk copy (no range to free).
+    pub offset: u64,
+}
+
+/// An object whose DRAM copy its owner is asked to move to disk (eviction with offload).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingOffload {
+    pub key: String,
+    pub endpoint: String,
+    pub segment: String,
+    pub mount_id: u64,
+    pub generation: u64,
     pub offset: u64,
 }
 
@@ -210,6 +244,10 @@ pub struct SegmentInfo {
     pub objects: u64,
     pub last_ping_ms_ago: u64,
     pub host_id: String,
+    pub enable_offload: bool,
+    pub disk_capacity: u64,
+    pub disk_used: u64,
+    pub disk_objects: u64,
 }
 
 /// One object as the admin view shows it.
@@ -231,6 +269,8 @@ pub struct ReplicaInfo {
     pub segment: String,
     pub transfer_endpoint: String,
     pub offset: u64,
+    /// "memory" or "local_disk".
+    pub kind: &'static str,
 }
 
 /// Result of a mount.
@@ -318,6 +358,18 @@ impl MasterCore {
                 theirs: cluster_id.to_string(),
             });
         }
+        if desc.enable_offload && !self.cfg.enable_offload {
+            self.metrics.offload_mismatch_total.inc();
+            return Err(CoreError::OffloadMismatch {
+                segment: desc.name.clone(),
+            });
+        }
+        if self.cfg.enable_offload && !desc.enable_offload {
+            self.metrics.offload_mismatch_total.inc();
+            tracing::warn!(segment = %desc.name, "offload mismatch: this master runs with --enable_offload=true but store-client {} mounted without it; objects evicted from its DRAM are dropped, not offloaded. Start that store-client with --enable_offload=true and MOONCAKE_OFFLOAD_FILE_STORAGE_PATH, or the master without --enable_offload", desc.name);
+        } else if desc.enable_offload && desc.disk_capacity == 0 {
+            tracing::warn!(segment = %desc.name, "store-client has --enable_offload=true but no usable disk tier (see its log: offload directory); its evictions drop objects");
+        }
         let mount_id = self.next_mount_id.fetch_add(1, Ordering::Relaxed);
         let name = desc.name.clone();
         let replaced = {
@@ -390,7 +442,10 @@ impl MasterCore {
                 ));
             }
             if existing.generation == item.generation
-                && existing.replicas.iter().any(|r| r.segment == desc.name)
+                && existing
+                    .replicas
+                    .iter()
+                    .any(|r| r.segment == desc.name && r.disk == item.disk)
             {
                 return Err("this segment already holds a replica of it".into());
             }
@@ -401,20 +456,31 @@ impl MasterCore {
                 ));
             }
         }
+        if item.disk && !self.cfg.enable_offload {
+            return Err("a disk object, and this master runs without --enable_offload".into());
+        }
         {
             let mut segs = self.segments.lock();
             let seg = segs
                 .get_mut(&desc.name)
                 .filter(|s| s.mount_id == mount_id)
                 .ok_or("segment unmounted during mount")?;
-            seg.alloc
-                .reserve(item.offset, item.size)
-                .map_err(|e| e.to_string())?;
+            // A disk object holds no DRAM range.
+            if !item.disk {
+                seg.alloc
+                    .reserve(item.offset, item.size)
+                    .map_err(|e| e.to_string())?;
+            }
         }
         let loc = ReplicaLoc {
             segment: desc.name.clone(),
             mount_id,
-            offset: item.offset,
+            offset: if item.disk {
+                lunakv_transfer::DISK_OFFSET
+            } else {
+                item.offset
+            },
+            disk: item.disk,
         };
         match shard.get_mut(&item.key) {
             Some(existing) if existing.generation == item.generation => {
@@ -655,11 +721,13 @@ impl MasterCore {
                 segment: name.clone(),
                 mount_id: seg.mount_id,
                 offset,
+                disk: false,
             });
             views.push(ReplicaView {
                 segment: seg.desc.clone(),
                 offset,
                 size,
+                disk: false,
             });
         }
         drop(segs);
@@ -742,11 +810,16 @@ impl MasterCore {
                     .filter(|s| s.mount_id == r.mount_id)
                     .map(|s| ReplicaView {
                         segment: s.desc.clone(),
-                        offset: r.offset,
+                        offset: if r.disk { 0 } else { r.offset },
                         size: o.size,
+                        disk: r.disk,
                     })
             })
             .collect();
+        drop(segs);
+        if o.replicas.iter().all(|r| r.disk) {
+            self.metrics.disk_hits_total.inc();
+        }
         Ok(Location {
             generation: o.generation,
             size: o.size,
@@ -812,8 +885,15 @@ impl MasterCore {
     }
 
     fn pending_frees(&self, o: &Object) -> Vec<PendingFree> {
+        self.frees_of(o.generation, &o.replicas)
+    }
+
+    /// FREEs for `replicas` of `generation`: DRAM ranges, and disk copies (offset
+    /// [`lunakv_transfer::DISK_OFFSET`]) so the owner's disk tier forgets them too and a
+    /// restart cannot bring a removed object back.
+    fn frees_of(&self, generation: u64, replicas: &[ReplicaLoc]) -> Vec<PendingFree> {
         let segs = self.segments.lock();
-        o.replicas
+        replicas
             .iter()
             .filter_map(|r| {
                 segs.get(&r.segment)
@@ -822,8 +902,12 @@ impl MasterCore {
                         endpoint: s.desc.transfer_endpoint.clone(),
                         segment: r.segment.clone(),
                         mount_id: r.mount_id,
-                        generation: o.generation,
-                        offset: r.offset,
+                        generation,
+                        offset: if r.disk {
+                            lunakv_transfer::DISK_OFFSET
+                        } else {
+                            r.offset
+                        },
                     })
             })
             .collect()
@@ -862,6 +946,9 @@ impl MasterCore {
         futures_join_all(calls).await;
         let mut segs = self.segments.lock();
         for f in frees {
+            if f.offset == lunakv_transfer::DISK_OFFSET {
+                continue;
+            }
             if let Some(seg) = segs
                 .get_mut(&f.segment)
                 .filter(|s| s.mount_id == f.mount_id)
@@ -892,20 +979,28 @@ impl MasterCore {
         }
     }
 
-    /// Evicts at least `max(eviction_ratio * capacity, min_bytes)` bytes if it can: complete,
-    /// unleased, unpinned objects, least recently used first; soft-pinned ones only after all
-    /// others; hard-pinned, leased and in-progress ones never. Returns keys evicted.
+    /// Evicts at least `max(eviction_ratio * capacity, min_bytes)` bytes of DRAM if it can:
+    /// complete, unleased, unpinned objects, least recently used first; soft-pinned ones only
+    /// after all others; hard-pinned, leased and in-progress ones never. With offload on, an
+    /// object whose owner has a disk tier is not dropped: its owner writes it to disk before the
+    /// DRAM range is freed, and it stays indexed with a LOCAL_DISK replica. An object that already
+    /// has a disk copy just loses its DRAM replicas. Returns keys evicted from DRAM.
     pub async fn evict(&self, min_bytes: u64) -> u64 {
         let _guard = self.eviction_lock.lock().await;
         let now = Instant::now();
         let target =
             ((self.total_capacity() as f64 * self.cfg.eviction_ratio) as u64).max(min_bytes);
-        // (soft pinned, last access, key, generation, bytes)
+        // (soft pinned, last access, key, generation, DRAM bytes)
         let mut candidates: Vec<(bool, Instant, String, u64, u64)> = Vec::new();
         for shard in &self.shards {
             for (k, o) in shard.lock().iter() {
-                if o.state == ObjectState::Complete && !o.leased(now) && !o.hard_pinned {
-                    let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
+                let in_dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
+                if in_dram > 0
+                    && o.state == ObjectState::Complete
+                    && !o.leased(now)
+                    && !o.hard_pinned
+                {
+                    let bytes = align_up(o.size).unwrap_or(o.size) * in_dram;
                     candidates.push((
                         o.soft_pinned(now),
                         o.last_access,
@@ -920,34 +1015,232 @@ impl MasterCore {
         let mut freed = 0u64;
         let mut evicted = 0u64;
         let mut frees = Vec::new();
+        let mut offloads = Vec::new();
         for (_, _, key, generation, bytes) in candidates {
             if freed >= target {
                 break;
             }
             let mut shard = self.shard(&key).lock();
             // Re-check: a reader may have leased it since the scan.
-            let still = shard.get(&key).is_some_and(|o| {
+            let Some(o) = shard.get_mut(&key).filter(|o| {
                 o.generation == generation
                     && o.state == ObjectState::Complete
                     && !o.leased(Instant::now())
                     && !o.hard_pinned
-            });
-            if !still {
+            }) else {
                 continue;
-            }
-            if let Some(o) = shard.remove(&key) {
+            };
+            let has_disk = o.replicas.iter().any(|r| r.disk);
+            let spill_to = if has_disk || !self.cfg.enable_offload {
+                None
+            } else {
+                let segs = self.segments.lock();
+                o.replicas.iter().filter(|r| !r.disk).find_map(|r| {
+                    segs.get(&r.segment)
+                        .filter(|s| {
+                            s.mount_id == r.mount_id
+                                && s.desc.enable_offload
+                                && s.desc.disk_capacity >= o.size
+                        })
+                        .map(|s| (r.clone(), s.desc.transfer_endpoint.clone()))
+                })
+            };
+            if has_disk || spill_to.is_some() {
+                // The object survives on disk; its DRAM replicas go (the one being offloaded
+                // is freed by the OFFLOAD round trip, after the owner made it durable).
+                let mem: Vec<ReplicaLoc> = o
+                    .replicas
+                    .iter()
+                    .filter(|r| !r.disk)
+                    .filter(|r| {
+                        spill_to
+                            .as_ref()
+                            .is_none_or(|(t, _)| !(t.segment == r.segment && t.offset == r.offset))
+                    })
+                    .cloned()
+                    .collect();
+                frees.extend(self.frees_of(o.generation, &mem));
+                o.replicas.retain(|r| r.disk);
+                if let Some((t, endpoint)) = spill_to {
+                    offloads.push(PendingOffload {
+                        key: key.clone(),
+                        endpoint,
+                        segment: t.segment.clone(),
+                        mount_id: t.mount_id,
+                        generation: o.generation,
+                        offset: t.offset,
+                    });
+                    o.replicas.push(ReplicaLoc {
+                        offset: lunakv_transfer::DISK_OFFSET,
+                        disk: true,
+                        ..t
+                    });
+                }
+                freed += bytes;
+                evicted += 1;
+            } else if let Some(o) = shard.remove(&key) {
                 frees.extend(self.pending_frees(&o));
                 freed += bytes;
                 evicted += 1;
             }
         }
         if evicted > 0 {
-            tracing::debug!(evicted, freed, target, "eviction pass");
+            tracing::debug!(
+                evicted,
+                offloaded = offloads.len(),
+                freed,
+                target,
+                "eviction pass"
+            );
             self.metrics.evicted_key_count.inc_by(evicted);
             self.metrics.successful_evictions_total.inc();
         }
         self.release(frees).await;
+        self.run_offloads(offloads).await;
         evicted
+    }
+
+    /// Sends OFFLOAD to each owner (in parallel, one call per owner), then returns the DRAM
+    /// ranges to their allocators. Objects an owner could not store (disk full, unwritable,
+    /// unreachable) lose their LOCAL_DISK replica: a plain eviction, never a dangling replica.
+    pub async fn run_offloads(&self, items: Vec<PendingOffload>) {
+        if items.is_empty() {
+            return;
+        }
+        let mut by_owner: HashMap<String, Vec<(u64, u64)>> = HashMap::new();
+        for f in &items {
+            by_owner
+                .entry(f.endpoint.clone())
+                .or_default()
+                .push((f.generation, f.offset));
+        }
+        let timeout = self.cfg.free_timeout;
+        let failed: Mutex<HashSet<u64>> = Mutex::new(HashSet::new());
+        let calls = by_owner.into_iter().map(|(endpoint, entries)| {
+            let notifier = self.notifier.clone();
+            let failed = &failed;
+            async move {
+                // Writing a whole eviction pass to disk takes a while: allow for it.
+                let budget = timeout + Duration::from_secs(120);
+                let r = tokio::time::timeout(budget, notifier.offload(&endpoint, &entries, timeout))
+                    .await;
+                match r {
+                    Ok(Ok(bad)) => {
+                        if !bad.is_empty() {
+                            tracing::warn!(%endpoint, failed = bad.len(), of = entries.len(), "owner could not offload some objects (see its log); they are evicted");
+                        }
+                        failed.lock().extend(bad);
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(%endpoint, entries = entries.len(), error = %e, "OFFLOAD failed; the objects are evicted");
+                        failed.lock().extend(entries.iter().map(|(g, _)| *g));
+                    }
+                    Err(_) => {
+                        tracing::warn!(%endpoint, entries = entries.len(), "OFFLOAD timed out; the objects are evicted");
+                        failed.lock().extend(entries.iter().map(|(g, _)| *g));
+                    }
+                }
+            }
+        });
+        futures_join_all(calls).await;
+        let failed = failed.into_inner();
+        let mut dropped = 0u64;
+        for f in &items {
+            if !failed.contains(&f.generation) {
+                continue;
+            }
+            let mut shard = self.shard(&f.key).lock();
+            if let Some(o) = shard
+                .get_mut(&f.key)
+                .filter(|o| o.generation == f.generation)
+            {
+                o.replicas
+                    .retain(|r| !(r.disk && r.segment == f.segment && r.mount_id == f.mount_id));
+                if o.replicas.is_empty() {
+                    shard.remove(&f.key);
+                    dropped += 1;
+                }
+            }
+        }
+        let ok = items.len() as u64 - failed.len().min(items.len()) as u64;
+        self.metrics.offloaded_keys_total.inc_by(ok);
+        self.metrics
+            .offload_failures_total
+            .inc_by(failed.len() as u64);
+        if dropped > 0 {
+            tracing::debug!(dropped, "objects lost on a failed offload");
+        }
+        let mut segs = self.segments.lock();
+        for f in items {
+            if let Some(seg) = segs
+                .get_mut(&f.segment)
+                .filter(|s| s.mount_id == f.mount_id)
+            {
+                seg.alloc.free(f.offset);
+            }
+        }
+    }
+
+    /// The owner's disk tier dropped these objects (its size limit, a failed checksum): forget
+    /// their LOCAL_DISK replicas on `client_id`'s segments. Returns objects that disappeared.
+    pub fn disk_dropped(&self, client_id: &str, items: &[(String, u64)]) -> u64 {
+        if items.is_empty() {
+            return 0;
+        }
+        let owned: HashSet<(String, u64)> = self
+            .segments
+            .lock()
+            .iter()
+            .filter(|(_, s)| s.client_id == client_id)
+            .map(|(n, s)| (n.clone(), s.mount_id))
+            .collect();
+        let mut gone = 0;
+        for (key, generation) in items {
+            let mut shard = self.shard(key).lock();
+            let Some(o) = shard.get_mut(key).filter(|o| o.generation == *generation) else {
+                continue;
+            };
+            o.replicas
+                .retain(|r| !(r.disk && owned.contains(&(r.segment.clone(), r.mount_id))));
+            if o.replicas.is_empty() {
+                shard.remove(key);
+                gone += 1;
+            }
+        }
+        self.metrics
+            .disk_dropped_keys_total
+            .inc_by(items.len() as u64);
+        gone
+    }
+
+    /// Per segment: (disk objects, disk bytes) the index holds.
+    fn disk_usage(&self) -> HashMap<String, (u64, u64)> {
+        let mut out: HashMap<String, (u64, u64)> = HashMap::new();
+        for shard in &self.shards {
+            for o in shard.lock().values() {
+                for r in o.replicas.iter().filter(|r| r.disk) {
+                    let e = out.entry(r.segment.clone()).or_default();
+                    e.0 += 1;
+                    e.1 += o.size;
+                }
+            }
+        }
+        out
+    }
+
+    /// (disk capacity of mounted segments, disk bytes indexed, disk objects indexed).
+    pub fn disk_totals(&self) -> (u64, u64, u64) {
+        let cap = self
+            .segments
+            .lock()
+            .values()
+            .map(|s| s.desc.disk_capacity)
+            .sum();
+        let (objects, bytes) = self
+            .disk_usage()
+            .values()
+            .fold((0, 0), |(a, b), (o, by)| (a + o, b + by));
+        (cap, bytes, objects)
     }
 
     /// Drops puts started more than `put_discard_timeout` ago and never ended (their keys become
@@ -1026,6 +1319,13 @@ impl MasterCore {
             .set(i64::try_from(self.key_count()).unwrap_or(i64::MAX));
         m.active_clients
             .set(i64::try_from(self.active_clients()).unwrap_or(i64::MAX));
+        let (disk_cap, disk_used, disk_keys) = self.disk_totals();
+        m.disk_capacity_bytes
+            .set(i64::try_from(disk_cap).unwrap_or(i64::MAX));
+        m.disk_used_bytes
+            .set(i64::try_from(disk_used).unwrap_or(i64::MAX));
+        m.disk_key_count
+            .set(i64::try_from(disk_keys).unwrap_or(i64::MAX));
     }
 
     pub fn segments(&self) -> Vec<SegmentInfo> {
@@ -1036,10 +1336,15 @@ impl MasterCore {
             .iter()
             .map(|(id, c)| (id.clone(), c.last_seen))
             .collect();
+        let disk = self.disk_usage();
         let segs = self.segments.lock();
         let mut out: Vec<SegmentInfo> = segs
             .values()
             .map(|s| SegmentInfo {
+                enable_offload: s.desc.enable_offload,
+                disk_capacity: s.desc.disk_capacity,
+                disk_used: disk.get(&s.desc.name).map_or(0, |d| d.1),
+                disk_objects: disk.get(&s.desc.name).map_or(0, |d| d.0),
                 name: s.desc.name.clone(),
                 transfer_endpoint: s.desc.transfer_endpoint.clone(),
                 client_id: s.client_id.clone(),
@@ -1082,6 +1387,7 @@ impl MasterCore {
                         .map(|s| s.desc.transfer_endpoint.clone())
                         .unwrap_or_default(),
                     offset: r.offset,
+                    kind: if r.disk { "local_disk" } else { "memory" },
                 })
                 .collect(),
             lease_remaining_ms: o

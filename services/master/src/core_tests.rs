@@ -33,6 +33,7 @@ fn desc(name: &str, size: u64) -> SegmentDesc {
         shm_socket: String::new(),
         protocol: "tcp".into(),
         enable_offload: false,
+        disk_capacity: 0,
     }
 }
 
@@ -398,6 +399,7 @@ fn item(key: &str, offset: u64, size: u64, generation: u64) -> InventoryItem {
         offset,
         size,
         generation,
+        disk: false,
     }
 }
 
@@ -522,4 +524,91 @@ async fn gauges_reflect_state() {
     assert_eq!(core.metrics.total_capacity_bytes.get(), 640);
     assert_eq!(core.metrics.key_count.get(), 1);
     assert_eq!(core.metrics.active_clients.get(), 1);
+}
+
+// === SSD tier ===
+
+fn offload_desc(name: &str, size: u64) -> SegmentDesc {
+    SegmentDesc {
+        enable_offload: true,
+        disk_capacity: 1 << 30,
+        ..desc(name, size)
+    }
+}
+
+#[tokio::test]
+async fn eviction_with_offload_keeps_the_object_on_disk_and_remove_frees_the_disk_copy() {
+    let (core, n) = new_core(CoreConfig {
+        enable_offload: true,
+        ..cfg()
+    });
+    core.mount("cl", "c", offload_desc("s:1", 16 * BLOCK), vec![])
+        .expect("mount");
+    let g0 = put(&core, "k0", BLOCK, &opts(1)).await;
+    for i in 1..40 {
+        put(&core, &format!("k{i}"), BLOCK, &opts(1)).await;
+    }
+    // k0 was evicted from DRAM through OFFLOAD and lives on as a disk replica.
+    let offloaded: Vec<(u64, u64)> = n
+        .offloads
+        .lock()
+        .iter()
+        .flat_map(|c| c.entries.clone())
+        .collect();
+    assert!(offloaded.iter().any(|(g, _)| *g == g0));
+    let loc = core.get_replica_list("k0").expect("still indexed");
+    assert_eq!(loc.replicas.len(), 1);
+    assert!(loc.replicas[0].disk);
+    assert_eq!(core.key_count(), 40, "nothing lost");
+    assert!(core.allocated_bytes() <= 16 * BLOCK);
+    let (cap, used, keys) = core.disk_totals();
+    assert_eq!(cap, 1 << 30);
+    assert!(used >= BLOCK && keys >= 1);
+    // Removing it frees the disk copy through the owner.
+    n.calls.lock().clear();
+    core.remove("k0", true).await.expect("remove");
+    assert!(n.freed().contains(&(g0, lunakv_transfer::DISK_OFFSET)));
+}
+
+#[tokio::test]
+async fn failed_offload_is_a_plain_eviction() {
+    let (core, n) = new_core(CoreConfig {
+        enable_offload: true,
+        ..cfg()
+    });
+    n.unreachable.lock().push("ep-s:1".into());
+    core.mount("cl", "c", offload_desc("s:1", 16 * BLOCK), vec![])
+        .expect("mount");
+    for i in 0..40 {
+        put(&core, &format!("k{i}"), BLOCK, &opts(1)).await;
+    }
+    assert!(core.key_count() <= 16);
+    assert!(core.disk_totals().2 == 0, "no dangling disk replica");
+}
+
+#[tokio::test]
+async fn offload_mismatch_is_refused_and_disk_inventory_is_indexed() {
+    let (plain, _) = new_core(cfg());
+    let e = plain
+        .mount("cl", "c", offload_desc("s:1", 1 << 20), vec![])
+        .expect_err("refused");
+    assert!(e.to_string().contains("--enable_offload=true"), "{e}");
+
+    let (core, _) = new_core(CoreConfig {
+        enable_offload: true,
+        ..cfg()
+    });
+    let disk = InventoryItem {
+        disk: true,
+        ..item("d", 0, 5000, (7 << 32) | 3)
+    };
+    let out = core
+        .mount("cl", "c", offload_desc("s:1", 1 << 20), vec![disk])
+        .expect("mount");
+    assert_eq!(out.accepted, 1);
+    assert_eq!(core.allocated_bytes(), 0, "a disk object holds no DRAM");
+    assert!(core.get_replica_list("d").expect("indexed").replicas[0].disk);
+    // The owner reports it dropped (size limit or bad checksum): the master forgets it.
+    assert_eq!(core.disk_dropped("cl", &[("d".into(), (7 << 32) | 3)]), 1);
+    assert!(core.get_replica_list("d").is_err());
 }

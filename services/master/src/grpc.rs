@@ -31,9 +31,9 @@ pub enum ServiceError {
 /// The one place internal errors become gRPC statuses.
 pub fn to_status(e: ServiceError) -> Status {
     match &e {
-        ServiceError::Core(CoreError::ClusterMismatch { .. }) => {
-            Status::failed_precondition(e.to_string())
-        }
+        ServiceError::Core(
+            CoreError::ClusterMismatch { .. } | CoreError::OffloadMismatch { .. },
+        ) => Status::failed_precondition(e.to_string()),
         ServiceError::Core(CoreError::SegmentNotFound(_)) => Status::not_found(e.to_string()),
         ServiceError::Core(CoreError::InvalidArgument(_)) | ServiceError::Invalid(_) => {
             Status::invalid_argument(e.to_string())
@@ -74,6 +74,11 @@ impl TryFrom<pb::SegmentDescriptor> for SegmentDesc {
             shm_socket: d.shm_socket,
             protocol: d.protocol,
             enable_offload: d.enable_offload,
+            disk_capacity: if d.enable_offload {
+                d.disk_capacity_bytes
+            } else {
+                0
+            },
         })
     }
 }
@@ -88,6 +93,7 @@ impl From<&SegmentDesc> for pb::SegmentDescriptor {
             shm_socket: d.shm_socket.clone(),
             protocol: d.protocol.clone(),
             enable_offload: d.enable_offload,
+            disk_capacity_bytes: d.disk_capacity,
         }
     }
 }
@@ -99,6 +105,7 @@ impl From<pb::InventoryItem> for InventoryItem {
             offset: i.offset,
             size: i.size,
             generation: i.generation,
+            disk: i.kind == pb::ReplicaKind::LocalDisk as i32,
         }
     }
 }
@@ -121,7 +128,11 @@ fn replica(r: &ReplicaView) -> pb::Replica {
         segment: Some((&r.segment).into()),
         offset: r.offset,
         size: r.size,
-        kind: pb::ReplicaKind::Memory as i32,
+        kind: if r.disk {
+            pb::ReplicaKind::LocalDisk as i32
+        } else {
+            pb::ReplicaKind::Memory as i32
+        },
     }
 }
 
@@ -389,6 +400,14 @@ impl pb::master_server::Master for MasterService {
             );
         }
         let remount_required = a.core.ping(&req.client_id, &req.touched_keys);
+        if !req.disk_dropped.is_empty() {
+            let dropped: Vec<(String, u64)> = req
+                .disk_dropped
+                .into_iter()
+                .map(|i| (i.key, i.generation))
+                .collect();
+            a.core.disk_dropped(&req.client_id, &dropped);
+        }
         self.done(
             &a,
             Rpc::Ping,
@@ -619,8 +638,12 @@ impl pb::master_server::Master for MasterService {
                 used_bytes: s.used,
                 object_count: s.objects,
                 last_ping_ms_ago: s.last_ping_ms_ago,
+                disk_capacity_bytes: s.disk_capacity,
+                disk_used_bytes: s.disk_used,
+                disk_object_count: s.disk_objects,
             })
             .collect();
+        let (disk_capacity_bytes, disk_used_bytes, _) = core.disk_totals();
         Ok(Response::new(pb::ClusterStatus {
             cluster_id: core.config().cluster_id.clone(),
             segments,
@@ -630,6 +653,10 @@ impl pb::master_server::Master for MasterService {
             active_clients: core.active_clients(),
             evicted_key_count: core.metrics.evicted_key_count.get(),
             master_version: env!("CARGO_PKG_VERSION").to_string(),
+            enable_offload: core.config().enable_offload,
+            disk_capacity_bytes,
+            disk_used_bytes,
+            promotion_on_hit: core.config().promotion_on_hit,
         }))
     }
 }

@@ -53,9 +53,12 @@ struct Cli {
     /// Directory of the embedded metadata file [default: ./lunakv-master-data].
     #[arg(long = "data_dir")]
     data_dir: Option<PathBuf>,
-    /// Accepted for compatibility (the SSD tier comes later).
-    #[arg(long = "enable_offload")]
+    /// SSD tier: let offloading store-clients mount; evictions move objects to their disk.
+    #[arg(long = "enable_offload", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     enable_offload: Option<bool>,
+    /// SSD tier: a get of a disk-only object also promotes it back to the owner's DRAM.
+    #[arg(long = "promotion_on_hit", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    promotion_on_hit: Option<bool>,
     /// HA: campaign for leadership in etcd; standbys redirect clients to the leader.
     #[arg(long = "enable_ha", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     enable_ha: Option<bool>,
@@ -103,6 +106,10 @@ impl Cli {
             self.data_dir.as_ref().map(|p| p.display().to_string()),
         );
         add("enable_offload", self.enable_offload.map(|v| v.to_string()));
+        add(
+            "promotion_on_hit",
+            self.promotion_on_hit.map(|v| v.to_string()),
+        );
         add("enable_ha", self.enable_ha.map(|v| v.to_string()));
         add("etcd_endpoints", self.etcd_endpoints.clone());
         add("ha_backend_type", self.ha_backend_type.clone());

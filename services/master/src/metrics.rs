@@ -79,6 +79,20 @@ pub struct Metrics {
     pub successful_evictions_total: IntCounter,
     /// PutStarts that found no room even after eviction.
     pub put_start_alloc_failures_total: IntCounter,
+    /// SSD tier: disk capacity of mounted offloading owners, and what the index holds there.
+    pub disk_capacity_bytes: IntGauge,
+    pub disk_used_bytes: IntGauge,
+    pub disk_key_count: IntGauge,
+    /// Objects moved from DRAM to an owner's disk by eviction.
+    pub offloaded_keys_total: IntCounter,
+    /// Offloads the owner could not complete (the objects were evicted instead).
+    pub offload_failures_total: IntCounter,
+    /// Disk objects the owners dropped (size limit, failed checksum) and reported.
+    pub disk_dropped_keys_total: IntCounter,
+    /// Gets answered with a disk-only location.
+    pub disk_hits_total: IntCounter,
+    /// Mounts whose enable_offload disagreed with the master's (refused or warned).
+    pub offload_mismatch_total: IntCounter,
     requests: Vec<(IntCounter, IntCounter)>,
 }
 
@@ -142,6 +156,42 @@ impl Metrics {
                 &r,
                 "master_put_start_alloc_failures_total",
                 "PutStarts with no room even after eviction",
+            ),
+            disk_capacity_bytes: gauge(
+                &r,
+                "master_disk_capacity_bytes",
+                "SSD tier bytes offered by mounted store-clients",
+            ),
+            disk_used_bytes: gauge(
+                &r,
+                "master_disk_used_bytes",
+                "Bytes of objects held on store-client disks",
+            ),
+            disk_key_count: gauge(&r, "master_disk_key_count", "Objects with a disk replica"),
+            offloaded_keys_total: counter(
+                &r,
+                "master_offloaded_keys_total",
+                "Objects moved from DRAM to disk by eviction",
+            ),
+            offload_failures_total: counter(
+                &r,
+                "master_offload_failures_total",
+                "Offloads that failed (the object was evicted instead)",
+            ),
+            disk_dropped_keys_total: counter(
+                &r,
+                "master_disk_dropped_keys_total",
+                "Disk objects dropped by their owner (size limit, bad checksum)",
+            ),
+            disk_hits_total: counter(
+                &r,
+                "master_disk_hits_total",
+                "Lookups answered with a disk-only location",
+            ),
+            offload_mismatch_total: counter(
+                &r,
+                "master_offload_mismatch_total",
+                "Mounts whose enable_offload disagreed with the master's",
             ),
             requests,
             registry: r,

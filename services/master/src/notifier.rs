@@ -17,6 +17,19 @@ pub trait OwnerNotifier: Send + Sync + 'static {
         entries: &[(u64, u64)],
         timeout: Duration,
     ) -> Result<(), String>;
+
+    /// Asks an owner to move `(generation, offset)` entries to its disk tier and drop them from
+    /// DRAM. `Ok` lists the generations it could not store. The default (a notifier that
+    /// cannot offload) reports every entry failed, so the objects are simply evicted.
+    async fn offload(
+        &self,
+        endpoint: &str,
+        entries: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<Vec<u64>, String> {
+        let _ = (endpoint, timeout);
+        Ok(entries.iter().map(|(g, _)| *g).collect())
+    }
 }
 
 /// The production notifier: a FREE frame over the transfer library (a blocking call, run on
@@ -57,6 +70,21 @@ impl OwnerNotifier for TransferNotifier {
             .map_err(|e| format!("free task failed: {e}"))?
             .map_err(|e| e.to_string())
     }
+
+    async fn offload(
+        &self,
+        endpoint: &str,
+        entries: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<Vec<u64>, String> {
+        let engine = self.engine.clone();
+        let endpoint = endpoint.to_string();
+        let entries = entries.to_vec();
+        tokio::task::spawn_blocking(move || engine.offload(&endpoint, &entries, timeout))
+            .await
+            .map_err(|e| format!("offload task failed: {e}"))?
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// One call seen by a [`RecordingNotifier`].
@@ -71,6 +99,8 @@ pub struct FreeCall {
 #[derive(Default)]
 pub struct RecordingNotifier {
     pub calls: Mutex<Vec<FreeCall>>,
+    /// OFFLOAD calls (answered "all stored").
+    pub offloads: Mutex<Vec<FreeCall>>,
     pub unreachable: Mutex<Vec<String>>,
 }
 
@@ -101,5 +131,21 @@ impl OwnerNotifier for RecordingNotifier {
             return Err(format!("{endpoint} unreachable (test)"));
         }
         Ok(())
+    }
+
+    async fn offload(
+        &self,
+        endpoint: &str,
+        entries: &[(u64, u64)],
+        _timeout: Duration,
+    ) -> Result<Vec<u64>, String> {
+        self.offloads.lock().push(FreeCall {
+            endpoint: endpoint.to_string(),
+            entries: entries.to_vec(),
+        });
+        if self.unreachable.lock().iter().any(|e| e == endpoint) {
+            return Err(format!("{endpoint} unreachable (test)"));
+        }
+        Ok(Vec::new())
     }
 }

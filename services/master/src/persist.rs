@@ -154,6 +154,7 @@ mod tests {
             shm_socket: String::new(),
             protocol: "tcp".into(),
             enable_offload: false,
+            disk_capacity: 0,
         };
         save_segment(&s, &d).await.expect("save");
         assert_eq!(known_segments(&s).await.expect("list"), vec![d]);

@@ -103,6 +103,7 @@ async fn grpc_round_trip_codes_and_admin_routes() {
         .ping(pb::PingRequest {
             client_id: "client-1".into(),
             touched_keys: vec![],
+            ..Default::default()
         })
         .await
         .expect("ping")
@@ -313,6 +314,7 @@ async fn restart_bumps_epoch_and_rebuilds_from_inventory() {
         .ping(pb::PingRequest {
             client_id: "client-1".into(),
             touched_keys: vec![],
+            ..Default::default()
         })
         .await
         .expect("ping")
@@ -327,6 +329,7 @@ async fn restart_bumps_epoch_and_rebuilds_from_inventory() {
             offset,
             size: 100,
             generation: gen1,
+            ..Default::default()
         }],
     )
     .await;

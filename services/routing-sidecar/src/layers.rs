@@ -110,9 +110,12 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         // Dropped with the future if the client leaves before the response, else with the body.
         let guard = GaugeGuard::new(self.metrics.clone(), |m| &m.inflight);
+        let started = std::time::Instant::now();
+        let metrics = self.metrics.clone();
         let fut = self.inner.call(req);
         Box::pin(async move {
             let r = fut.await?;
+            metrics.observe_response(r.status().as_u16(), started.elapsed());
             Ok(r.map(|b| body::boxed(Guarded::new(b, guard))))
         })
     }

@@ -18,6 +18,45 @@ pub struct Metrics {
     pub decode_errors: AtomicU64,
     /// Upstream response bodies still being relayed.
     pub upstream_streams: AtomicI64,
+    /// Time from a request's arrival to its response headers.
+    pub latency: Latency,
+    /// Responses by status class, 1xx..5xx (index = class - 1).
+    pub responses: [AtomicU64; 5],
+}
+
+/// Upper bounds (seconds) of the latency histogram's buckets.
+pub const LATENCY_BUCKETS: [f64; 14] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// A Prometheus histogram over [`LATENCY_BUCKETS`], lock-free.
+#[derive(Debug, Default)]
+pub struct Latency {
+    /// Per-bucket counts (not cumulative); the last slot is +Inf.
+    buckets: [AtomicU64; LATENCY_BUCKETS.len() + 1],
+    sum_micros: AtomicU64,
+}
+
+impl Latency {
+    pub fn observe(&self, d: std::time::Duration) {
+        let secs = d.as_secs_f64();
+        let i = LATENCY_BUCKETS
+            .iter()
+            .position(|le| secs <= *le)
+            .unwrap_or(LATENCY_BUCKETS.len());
+        self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+}
+
+impl Metrics {
+    /// Records one response: its status class and the time to its headers.
+    pub fn observe_response(&self, status: u16, elapsed: std::time::Duration) {
+        let class = usize::from(status / 100).clamp(1, 5) - 1;
+        self.responses[class].fetch_add(1, Ordering::Relaxed);
+        self.latency.observe(elapsed);
+    }
 }
 
 impl Metrics {
@@ -89,6 +128,33 @@ impl Metrics {
             "gauge",
             self.upstream_streams.load(Ordering::Relaxed),
         );
+        let h = "lunakv_sidecar_request_duration_seconds";
+        let _ = writeln!(
+            out,
+            "# HELP {h} Time from a request's arrival to its response headers."
+        );
+        let _ = writeln!(out, "# TYPE {h} histogram");
+        let mut cumulative = 0u64;
+        for (i, le) in LATENCY_BUCKETS.iter().enumerate() {
+            cumulative += self.latency.buckets[i].load(Ordering::Relaxed);
+            let _ = writeln!(out, "{h}_bucket{{le=\"{le}\"}} {cumulative}");
+        }
+        cumulative += self.latency.buckets[LATENCY_BUCKETS.len()].load(Ordering::Relaxed);
+        let _ = writeln!(out, "{h}_bucket{{le=\"+Inf\"}} {cumulative}");
+        let sum = self.latency.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{h}_sum {sum}");
+        let _ = writeln!(out, "{h}_count {cumulative}");
+        let r = "lunakv_sidecar_responses_total";
+        let _ = writeln!(out, "# HELP {r} Responses sent, by status class.");
+        let _ = writeln!(out, "# TYPE {r} counter");
+        for (i, n) in self.responses.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{r}{{class=\"{}xx\"}} {}",
+                i + 1,
+                n.load(Ordering::Relaxed)
+            );
+        }
         out
     }
 }

@@ -46,6 +46,20 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     m.bytes_written.set(st.bytes_written as i64);
     m.reads.set(st.reads as i64);
     m.writes.set(st.writes as i64);
+    if let Some(t) = &m.tier {
+        let d = t.stats();
+        let set = |g: &prometheus::IntGauge, v: u64| g.set(i64::try_from(v).unwrap_or(i64::MAX));
+        set(&m.disk_capacity, d.capacity_bytes);
+        set(&m.disk_used, d.used_bytes);
+        set(&m.disk_live, d.live_bytes);
+        set(&m.disk_objects, d.objects);
+        set(&m.disk_written, d.bytes_written_total);
+        set(&m.disk_loaded, d.bytes_loaded_total);
+        set(&m.disk_loads, d.loads_total);
+        set(&m.disk_evicted, d.evicted_objects_total);
+        set(&m.disk_corrupt, d.corrupt_objects_total);
+        set(&m.disk_write_errors, d.write_errors_total);
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         lunakv_telemetry::render(&m.registry),

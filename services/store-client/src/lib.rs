@@ -14,11 +14,14 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lunakv_client::{ClientError, HostOptions, SegmentHost};
+use lunakv_client::{ClientError, HostDisk, HostOptions, SegmentHost};
 use lunakv_config::StoreConfig;
 use prometheus::{IntGauge, Registry};
 
 mod admin;
+mod offload;
+
+pub use offload::EVICTION_POLICY_ENV;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -38,6 +41,8 @@ pub enum StoreError {
     Segment(#[from] ClientError),
     #[error(transparent)]
     Config(#[from] lunakv_config::ConfigError),
+    #[error("offload: {0}")]
+    Offload(String),
 }
 
 /// Serves until `shutdown` resolves, then unmounts and stops. Prints one line once bound:
@@ -61,23 +66,61 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
     // `host:port`, or `etcd://...` (from --etcd_endpoints or the address itself): the segment
     // then follows the HA leader and re-mounts with its inventory on each new one.
     let master = cfg.master_address()?.to_string();
-    let host = SegmentHost::start(HostOptions {
-        master_server_address: master,
-        client_id,
-        cluster_id: cfg.cluster_id.clone(),
-        bind: SocketAddr::new(ip, cfg.port),
-        advertise_host: None,
-        size: cfg.global_segment_size,
-        shm_socket,
-        protocol: cfg.protocol.as_str().to_owned(),
-        enable_offload: cfg.enable_offload,
-        ping_interval: Duration::from_secs(1),
-        rpc_timeout: Duration::from_secs(10),
-    })
+    let metrics = Metrics::new();
+    // The SSD tier. A directory that cannot be used is a clear error in the log and on
+    // /metrics, but the DRAM pool is still served (the master evicts without offloading).
+    let tier = if cfg.enable_offload {
+        let mut oc = lunakv_offload::OffloadConfig::new(
+            &cfg.offload_file_storage_path,
+            cfg.offload_total_size_limit_bytes,
+        );
+        if let Some(p) = env(EVICTION_POLICY_ENV) {
+            oc.policy = p
+                .parse()
+                .map_err(|e: String| StoreError::Offload(format!("{EVICTION_POLICY_ENV}: {e}")))?;
+        }
+        match lunakv_offload::DiskTier::open(oc) {
+            Ok((t, report)) => {
+                tracing::info!(dir = %cfg.offload_file_storage_path.display(), recovered_objects = report.objects, recovered_bytes = report.bytes, dropped_rows = report.dropped_rows, deleted_buckets = report.deleted_buckets, "SSD offload tier ready");
+                metrics.offload_enabled.set(1);
+                Some(Arc::new(t))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "SSD offload disabled: serving DRAM only");
+                metrics.offload_open_errors.set(1);
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let disk = tier.as_ref().map(|t| {
+        let a = Arc::new(offload::Tier(t.clone()));
+        HostDisk {
+            cold: a.clone(),
+            inventory: a,
+        }
+    });
+    let host = SegmentHost::start_with_disk(
+        HostOptions {
+            master_server_address: master,
+            client_id,
+            cluster_id: cfg.cluster_id.clone(),
+            bind: SocketAddr::new(ip, cfg.port),
+            advertise_host: None,
+            size: cfg.global_segment_size,
+            shm_socket,
+            protocol: cfg.protocol.as_str().to_owned(),
+            enable_offload: cfg.enable_offload,
+            ping_interval: Duration::from_secs(1),
+            rpc_timeout: Duration::from_secs(10),
+        },
+        disk,
+    )
     .await?;
     let host = Arc::new(host);
 
-    let metrics = Metrics::new();
+    let metrics = Metrics { tier, ..metrics };
     let admin_addr = SocketAddr::new(ip, cfg.metrics_port);
     let listener = tokio::net::TcpListener::bind(admin_addr)
         .await
@@ -127,6 +170,19 @@ pub(crate) struct Metrics {
     pub(crate) bytes_written: IntGauge,
     pub(crate) reads: IntGauge,
     pub(crate) writes: IntGauge,
+    pub(crate) offload_enabled: IntGauge,
+    pub(crate) offload_open_errors: IntGauge,
+    pub(crate) disk_capacity: IntGauge,
+    pub(crate) disk_used: IntGauge,
+    pub(crate) disk_live: IntGauge,
+    pub(crate) disk_objects: IntGauge,
+    pub(crate) disk_written: IntGauge,
+    pub(crate) disk_loaded: IntGauge,
+    pub(crate) disk_loads: IntGauge,
+    pub(crate) disk_evicted: IntGauge,
+    pub(crate) disk_corrupt: IntGauge,
+    pub(crate) disk_write_errors: IntGauge,
+    pub(crate) tier: Option<Arc<lunakv_offload::DiskTier>>,
 }
 
 impl Metrics {
@@ -161,6 +217,46 @@ impl Metrics {
                 "Bytes received from writers",
             ),
             reads: g("lunakv_store_transfer_reads_total", "Read requests served"),
+            offload_enabled: g(
+                "lunakv_store_offload_enabled",
+                "1 when the SSD tier is open and serving",
+            ),
+            offload_open_errors: g(
+                "lunakv_store_offload_open_errors",
+                "1 when --enable_offload was given but the directory could not be used",
+            ),
+            disk_capacity: g(
+                "lunakv_store_disk_capacity_bytes",
+                "SSD tier size limit (MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES)",
+            ),
+            disk_used: g(
+                "lunakv_store_disk_used_bytes",
+                "Bytes of bucket files (live objects and dead space)",
+            ),
+            disk_live: g("lunakv_store_disk_live_bytes", "Bytes of objects on disk"),
+            disk_objects: g("lunakv_store_disk_objects", "Objects on disk"),
+            disk_written: g(
+                "lunakv_store_disk_written_bytes_total",
+                "Bytes offloaded to disk",
+            ),
+            disk_loaded: g(
+                "lunakv_store_disk_loaded_bytes_total",
+                "Bytes served from disk",
+            ),
+            disk_loads: g("lunakv_store_disk_loads_total", "Objects served from disk"),
+            disk_evicted: g(
+                "lunakv_store_disk_evicted_objects_total",
+                "Disk objects dropped at the size limit",
+            ),
+            disk_corrupt: g(
+                "lunakv_store_disk_corrupt_objects_total",
+                "Disk objects that failed their checksum (dropped, never served)",
+            ),
+            disk_write_errors: g(
+                "lunakv_store_disk_write_errors_total",
+                "Offload batches that failed to write",
+            ),
+            tier: None,
             writes: g(
                 "lunakv_store_transfer_writes_total",
                 "Write requests served",

@@ -123,6 +123,16 @@ pub struct BenchArgs {
     /// Directory holding lunakv-master and lunakv-store (default: next to this executable).
     #[arg(long, env = "LUNAKV_BIN_DIR")]
     pub bin_dir: Option<PathBuf>,
+
+    /// Only the SSD tier section: offload write GB/s vs raw sequential write to the same
+    /// directory, and get-from-disk latency for 1 MiB and 4 MiB objects.
+    #[arg(long)]
+    pub offload: bool,
+
+    /// Directory for the --offload section (default: a temp dir; point it at the NVMe volume,
+    /// e.g. /data/mooncake-offload, to measure that device).
+    #[arg(long, value_name = "DIR")]
+    pub offload_dir: Option<PathBuf>,
 }
 
 #[cfg(test)]

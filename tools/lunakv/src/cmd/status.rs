@@ -40,6 +40,9 @@ struct StatusJson {
     keys: u64,
     clients: u64,
     evicted_keys: u64,
+    enable_offload: bool,
+    disk_capacity_bytes: u64,
+    disk_used_bytes: u64,
     segments: Vec<SegmentJson>,
 }
 
@@ -54,6 +57,10 @@ struct SegmentJson {
     last_ping_ms_ago: u64,
     protocol: String,
     shm: bool,
+    enable_offload: bool,
+    disk_capacity_bytes: u64,
+    disk_used_bytes: u64,
+    disk_objects: u64,
 }
 
 impl StatusJson {
@@ -68,6 +75,9 @@ impl StatusJson {
             keys: s.key_count,
             clients: s.active_clients,
             evicted_keys: s.evicted_key_count,
+            enable_offload: s.enable_offload,
+            disk_capacity_bytes: s.disk_capacity_bytes,
+            disk_used_bytes: s.disk_used_bytes,
             segments: s
                 .segments
                 .iter()
@@ -83,6 +93,10 @@ impl StatusJson {
                         last_ping_ms_ago: g.last_ping_ms_ago,
                         protocol: d.protocol,
                         shm: !d.shm_socket.is_empty(),
+                        enable_offload: d.enable_offload,
+                        disk_capacity_bytes: g.disk_capacity_bytes,
+                        disk_used_bytes: g.disk_used_bytes,
+                        disk_objects: g.disk_object_count,
                     }
                 })
                 .collect(),
@@ -117,6 +131,20 @@ fn render(master: &str, s: &pb::ClusterStatus) -> String {
         s.active_clients,
         s.evicted_key_count
     );
+    if s.enable_offload {
+        let _ = writeln!(
+            o,
+            "offload   on{}  disk {} of {} ({:.1}%)",
+            if s.promotion_on_hit {
+                "  promotion_on_hit"
+            } else {
+                ""
+            },
+            human_bytes(s.disk_used_bytes),
+            human_bytes(s.disk_capacity_bytes),
+            percent(s.disk_used_bytes, s.disk_capacity_bytes)
+        );
+    }
     if s.segments.is_empty() {
         let _ = writeln!(
             o,
@@ -124,7 +152,7 @@ fn render(master: &str, s: &pb::ClusterStatus) -> String {
         );
         return o;
     }
-    let rows: Vec<[String; 6]> = s
+    let rows: Vec<[String; 7]> = s
         .segments
         .iter()
         .map(|g| {
@@ -138,12 +166,30 @@ fn render(master: &str, s: &pb::ClusterStatus) -> String {
                     percent(g.used_bytes, d.size)
                 ),
                 g.object_count.to_string(),
+                if d.enable_offload {
+                    format!(
+                        "{} of {} ({} obj)",
+                        human_bytes(g.disk_used_bytes),
+                        human_bytes(g.disk_capacity_bytes),
+                        g.disk_object_count
+                    )
+                } else {
+                    "-".to_owned()
+                },
                 format!("{:.1} s ago", g.last_ping_ms_ago as f64 / 1000.0),
                 g.client_id.clone(),
             ]
         })
         .collect();
-    let head = ["SEGMENT", "SIZE", "USED", "OBJECTS", "LAST PING", "CLIENT"];
+    let head = [
+        "SEGMENT",
+        "SIZE",
+        "USED",
+        "OBJECTS",
+        "DISK",
+        "LAST PING",
+        "CLIENT",
+    ];
     let mut width: Vec<usize> = head.iter().map(|h| h.len()).collect();
     for r in &rows {
         for (w, c) in width.iter_mut().zip(r) {
@@ -188,6 +234,7 @@ mod tests {
                 used_bytes: 64 << 20,
                 object_count: 3,
                 last_ping_ms_ago: 420,
+                ..Default::default()
             }],
             total_capacity_bytes: 1 << 30,
             allocated_bytes: 64 << 20,
@@ -195,6 +242,7 @@ mod tests {
             active_clients: 2,
             evicted_key_count: 0,
             master_version: "0.1.0".into(),
+            ..Default::default()
         }
     }
 

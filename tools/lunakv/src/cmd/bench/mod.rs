@@ -6,6 +6,7 @@
 //! a 2-core box swing between runs. Compare the ratios measured side by side in one run.
 
 pub mod limits;
+mod offload;
 mod rows;
 mod stats;
 
@@ -92,6 +93,15 @@ struct Report {
 }
 
 pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
+    if a.offload {
+        let bins = bin_dir(a.bin_dir.as_deref())?;
+        let r = offload::run(&bins, a.offload_dir.as_deref(), a.quick)?;
+        print!("{}", offload::render(&r));
+        if json {
+            print_json(&r)?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let mut plan = if a.quick { Plan::quick() } else { Plan::full() };
     if let Some(mib) = a.mib_per_row {
         if mib == 0 {
@@ -399,6 +409,8 @@ mod tests {
             segment_size: "1GB".into(),
             mib_per_row: None,
             bin_dir: None,
+            offload: false,
+            offload_dir: None,
         };
         let rows = vec![
             row("tcp_get_4m_single", 1.8, 2000.0),

@@ -1,0 +1,388 @@
+#!/usr/bin/env python3
+"""Batch put/get GB/s of vLLM-like objects through `mooncake.store`: lunakv vs upstream.
+
+The workload is vLLM's MooncakeStoreConnector's: an object is one KV block, one piece per layer
+(default 32 layers x 16 KiB = 512 KiB), saved with batch_put_from_multi_buffers and loaded with
+batch_get_into_multi_buffers, in batches of 32 objects, ~256 MiB moved each way. Every load is
+compared byte for byte. GB/s = 1e9 bytes/s over the whole pass; p50/p99 are per batch call.
+
+Two modes, as vLLM runs them:
+  embedded          the benchmark process owns a segment (global_segment_size > 0) and is the
+                    requester: puts and gets land in its own segment.
+  standalone-store  a separate store process owns the segment (lunakv: lunakv-store; upstream:
+                    mooncake_client if the wheel ships it, else a Python process in embedded
+                    setup that only serves); the benchmark is a pure requester (size 0).
+
+Each implementation runs in its own process (`--worker`): lunakv with the lunakv wheel's
+interpreter (default <repo>/.venv), upstream in a throwaway venv (default /tmp/mc-upstream-venv,
+created with `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 numpy`) inside
+`unshare -n` (loopback only: upstream's listeners open 0.0.0.0), with MC_TCP_BIND_ADDRESS=127.0.0.1
+and metadata server P2PHANDSHAKE. Upstream is never a dependency of lunakv: `--no-upstream`, or
+a failed install, runs lunakv alone.
+
+    bindings/python/build.sh bench                    # release wheel + binaries, then this
+    python bench_store.py [--no-upstream] [--total-mib 256] [--batch 32] [--layers 32] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+UPSTREAM_PKG = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+MB = 1 << 20
+
+
+# === child processes ===
+
+class Proc:
+    """A child process whose output is read line by line in the background."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.args = args
+        self.p = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, word: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.p.poll() is not None:
+                    break
+                continue
+            if word in line:
+                return line
+        raise RuntimeError(
+            f"{self.args[0]} printed no '{word}' within {timeout}s:\n" + "".join(self.log[-20:])
+        )
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+        self.p.wait(timeout=10)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+# === the workload (runs in a worker, against whichever `mooncake` is importable) ===
+
+def workload(store, args, tag: str) -> dict:
+    import numpy as np
+
+    piece = args.piece_kib * 1024
+    obj = args.layers * piece
+    n_objects = max(args.batch, (args.total_mib * MB) // obj // args.batch * args.batch)
+    # A KV cache as vLLM lays it out: one region per layer, blocks of `piece` bytes in each.
+    src = np.random.default_rng(5).integers(0, 256, (args.layers, n_objects, piece), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    for buf in (src, dst):
+        rc = store.register_buffer(buf.ctypes.data, buf.nbytes)
+        if rc != 0:
+            raise RuntimeError(f"register_buffer: {rc}")
+    stride = n_objects * piece
+
+    def addrs(base: int, blocks: range):
+        ptrs = [[base + layer * stride + b * piece for layer in range(args.layers)] for b in blocks]
+        return ptrs, [[piece] * args.layers for _ in blocks]
+
+    put_lat, get_lat = [], []
+    put_time = get_time = 0.0
+    keys_all = [f"{tag}@bench@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{i:064x}" for i in range(n_objects)]
+    for first in range(0, n_objects, args.batch):
+        blocks = range(first, first + args.batch)
+        keys = keys_all[first : first + args.batch]
+        ptrs, sizes = addrs(src.ctypes.data, blocks)
+        t = time.perf_counter()
+        r = store.batch_put_from_multi_buffers(keys, ptrs, sizes)
+        dt = time.perf_counter() - t
+        if any(x != 0 for x in r):
+            raise RuntimeError(f"batch_put_from_multi_buffers: {r[:4]}...")
+        put_lat.append(dt)
+        put_time += dt
+    for first in range(0, n_objects, args.batch):
+        blocks = range(first, first + args.batch)
+        keys = keys_all[first : first + args.batch]
+        ptrs, sizes = addrs(dst.ctypes.data, blocks)
+        t = time.perf_counter()
+        r = store.batch_get_into_multi_buffers(keys, ptrs, sizes)
+        dt = time.perf_counter() - t
+        if any(x != obj for x in r):
+            raise RuntimeError(f"batch_get_into_multi_buffers: {r[:4]}... (want {obj})")
+        get_lat.append(dt)
+        get_time += dt
+    if not np.array_equal(src, dst):
+        raise RuntimeError("loaded bytes differ from the saved bytes")
+    for buf in (src, dst):
+        store.unregister_buffer(buf.ctypes.data)
+    moved = n_objects * obj
+
+    def pct(v: list[float], q: float) -> float:
+        s = sorted(v)
+        return s[min(len(s) - 1, int(q * len(s)))] * 1e6
+
+    return {
+        "objects": n_objects,
+        "object_bytes": obj,
+        "bytes": moved,
+        "put_gbps": moved / put_time / 1e9,
+        "get_gbps": moved / get_time / 1e9,
+        "put_p50_us": pct(put_lat, 0.5),
+        "put_p99_us": pct(put_lat, 0.99),
+        "get_p50_us": pct(get_lat, 0.5),
+        "get_p99_us": pct(get_lat, 0.99),
+    }
+
+
+def store_setup(store, gss: int, master: str) -> None:
+    # vLLM's positional order: local_hostname, metadata_server, global_segment_size,
+    # local_buffer_size, protocol, device_name, master_server_address.
+    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", gss, 512 * MB, "tcp", "", master)
+    if rc != 0:
+        raise RuntimeError(f"setup: {rc}")
+
+
+def segment_bytes(args) -> int:
+    need = args.total_mib * MB + 64 * MB
+    return max(need * 2, 512 * MB)
+
+
+def worker(args) -> int:
+    """One implementation, every mode; prints one JSON line per mode."""
+    from mooncake.store import MooncakeDistributedStore
+
+    impl = args.worker
+    procs: list[Proc] = []
+    tmp = tempfile.mkdtemp(prefix=f"mc-bench-{impl}-")
+    gss = segment_bytes(args)
+    try:
+        port = free_port()
+        master = f"127.0.0.1:{port}"
+        if impl == "lunakv":
+            bindir = Path(args.bin_dir)
+            m = Proc([str(bindir / "lunakv-master"), "--rpc_address=127.0.0.1", f"--rpc_port={port}",
+                      "--metrics_port=0", f"--data_dir={tmp}"])
+            procs.append(m)
+            m.wait_for("listening")
+        else:
+            exe = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or "mooncake_master"
+            m = Proc([exe, f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}"])
+            procs.append(m)
+            wait_port(port)
+        for mode in args.modes.split(","):
+            if mode == "embedded":
+                s = MooncakeDistributedStore()
+                store_setup(s, gss, master)
+                res = workload(s, args, f"{impl}-emb")
+                s.close()
+            elif mode == "standalone-store":
+                owner = start_owner(impl, args, master, gss, tmp)
+                procs.append(owner)
+                s = MooncakeDistributedStore()
+                store_setup(s, 0, master)
+                res = workload(s, args, f"{impl}-sa")
+                s.close()
+                owner.stop()
+            else:
+                raise SystemExit(f"unknown mode {mode}")
+            print("RESULT " + json.dumps({"impl": impl, "mode": mode, **res}), flush=True)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+OWNER_PY = """
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[1])
+print(f"owner ready rc={rc}", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def start_owner(impl: str, args, master: str, gss: int, tmp: str) -> Proc:
+    """The standalone store process that owns the segment."""
+    if impl == "lunakv":
+        p = Proc([str(Path(args.bin_dir) / "lunakv-store"), f"--master_server_address={master}",
+                  "--host=127.0.0.1", "--port=0", "--metrics_port=0",
+                  f"--global_segment_size={gss // MB}MB"])
+        p.wait_for("listening")
+        return p
+    client = shutil.which("mooncake_client", path=str(Path(sys.executable).parent))
+    if client:
+        p = Proc([client, "--host=127.0.0.1", f"--port={free_port()}", "--metadata_server=P2PHANDSHAKE",
+                  f"--master_server_address={master}", "--protocol=tcp",
+                  f"--global_segment_size={gss // MB} MB"])
+        time.sleep(3)
+        if p.p.poll() is None:
+            return p
+    # No usable mooncake_client: an embedded-mode Python process that only serves its segment.
+    p = Proc([sys.executable, "-c", OWNER_PY, master, str(gss)])
+    line = p.wait_for("owner ready")
+    if "rc=0" not in line:
+        raise RuntimeError(f"upstream owner setup failed: {line}")
+    return p
+
+
+# === the driver ===
+
+def run_worker(cmd: list[str], env: dict[str, str], timeout: float) -> list[dict]:
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    out = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    if r.returncode != 0 or not out:
+        tail = "\n".join((r.stdout + r.stderr).splitlines()[-15:])
+        raise RuntimeError(f"worker {cmd[-1] if cmd else ''} failed ({r.returncode}):\n{tail}")
+    return out
+
+
+def ensure_upstream_venv(venv: Path) -> Path | None:
+    py = venv / "bin" / "python"
+    probe = [str(py), "-c", "import mooncake.store, numpy"]
+    if py.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return py
+    print(f"== installing upstream {UPSTREAM_PKG} into {venv} (throwaway)", flush=True)
+    try:
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", UPSTREAM_PKG, "numpy"], check=True, timeout=900)
+        if subprocess.run(probe, capture_output=True).returncode == 0:
+            return py
+    except (subprocess.SubprocessError, OSError) as e:
+        print(f"upstream install failed: {e}", flush=True)
+    return None
+
+
+def fmt(r: dict) -> str:
+    return (f"{r['impl']:8} {r['mode']:17} put {r['put_gbps']:6.2f} GB/s (p50 {r['put_p50_us']:8.0f} us,"
+            f" p99 {r['put_p99_us']:8.0f} us)   get {r['get_gbps']:6.2f} GB/s (p50 {r['get_p50_us']:8.0f} us,"
+            f" p99 {r['get_p99_us']:8.0f} us)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", choices=["lunakv", "upstream"], help=argparse.SUPPRESS)
+    ap.add_argument("--modes", default="embedded,standalone-store")
+    ap.add_argument("--total-mib", type=int, default=256, help="bytes moved each way per mode")
+    ap.add_argument("--batch", type=int, default=32, help="objects per batch call")
+    ap.add_argument("--layers", type=int, default=32, help="pieces per object")
+    ap.add_argument("--piece-kib", type=int, default=16, help="bytes per piece")
+    ap.add_argument("--runs", type=int, default=1, help="repeat each side; the median run is kept")
+    ap.add_argument("--no-upstream", action="store_true", help="measure lunakv only")
+    ap.add_argument("--lunakv-python", default=str(REPO / ".venv" / "bin" / "python"))
+    ap.add_argument("--upstream-venv", default="/tmp/mc-upstream-venv")
+    ap.add_argument("--bin-dir", default=os.environ.get("LUNAKV_BIN_DIR", str(REPO / "target" / "release")))
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    common = ["--modes", args.modes, "--total-mib", str(args.total_mib), "--batch", str(args.batch),
+              "--layers", str(args.layers), "--piece-kib", str(args.piece_kib), "--bin-dir", args.bin_dir]
+    me = str(Path(__file__).resolve())
+    print(f"== workload: objects of {args.layers} x {args.piece_kib} KiB, batches of {args.batch}, "
+          f"~{args.total_mib} MiB each way, modes {args.modes}", flush=True)
+
+    def median(runs: list[list[dict]]) -> list[dict]:
+        out = []
+        for i in range(len(runs[0])):
+            rs = sorted((r[i] for r in runs), key=lambda r: r["put_gbps"] + r["get_gbps"])
+            out.append(rs[len(rs) // 2])
+        return out
+
+    env = dict(os.environ)
+    env.setdefault("LUNAKV_LOG", "error")
+    lunakv_cmd = [args.lunakv_python, me, *common, "--worker", "lunakv"]
+    upstream_cmd = None
+    uenv: dict[str, str] = {}
+    if not args.no_upstream:
+        py = ensure_upstream_venv(Path(args.upstream_venv))
+        if py is None:
+            print("upstream unavailable: lunakv figures only (use --no-upstream to skip the attempt)")
+        elif not shutil.which("unshare"):
+            print("upstream skipped: `unshare` is missing (it keeps upstream's 0.0.0.0 listeners off the network)")
+        else:
+            uenv = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_METADATA_SERVER="P2PHANDSHAKE",
+                        GLOG_minloglevel="2", MC_LOG_LEVEL="ERROR")
+            inner = " ".join(["exec", str(py), me, *common, "--worker", "upstream"])
+            upstream_cmd = ["unshare", "-n", "sh", "-c", f"ip link set lo up && {inner}"]
+
+    # Runs alternate between the two sides, so background load hits both alike.
+    lruns: list[list[dict]] = []
+    uruns: list[list[dict]] = []
+    for _ in range(args.runs):
+        lruns.append(run_worker(lunakv_cmd, env, 900))
+        if upstream_cmd:
+            try:
+                uruns.append(run_worker(upstream_cmd, uenv, 1800))
+            except (RuntimeError, subprocess.SubprocessError) as e:
+                print(f"upstream run failed: {e}")
+                upstream_cmd = None
+    lunakv = median(lruns)
+    upstream = median(uruns) if uruns else []
+    if args.runs > 1:
+        print(f"== medians of {args.runs} alternating runs")
+    for r in lunakv + upstream:
+        print(fmt(r), flush=True)
+
+    if upstream:
+        print("== lunakv / upstream (target >= 2x)")
+        by_mode = {r["mode"]: r for r in upstream}
+        for r in lunakv:
+            u = by_mode.get(r["mode"])
+            if not u:
+                continue
+            put, get = r["put_gbps"] / u["put_gbps"], r["get_gbps"] / u["get_gbps"]
+            verdict = "ok" if min(put, get) >= 2 else "BELOW 2x"
+            print(f"{r['mode']:17} put {put:5.2f}x   get {get:5.2f}x   {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,930 @@
+//! `TransferEngine`: upstream's P/D transfer engine class (`mooncake.engine.TransferEngine`) over
+//! lunakv-transfer's raw registered regions.
+//!
+//! vLLM's MooncakeConnector calls `initialize(ip, "P2PHANDSHAKE", protocol, "")`,
+//! `get_rpc_port()`, `batch_register_memory(ptrs, lens)` and, on the prefill side,
+//! `batch_transfer_sync_write("ip:rpc_port", src_ptrs, dst_ptrs, lens)` into the decode engine's
+//! registered KV cache. Here:
+//!
+//! - `initialize` starts a [`RegionServer`] bound to exactly `local_hostname:0` (never 0.0.0.0)
+//!   serving this instance's [`MemoryRegistry`]; `get_rpc_port` is its port, so the session id
+//!   peers use is `"host:rpc_port"`, as upstream's. No metadata server is involved: whatever
+//!   `metadata_server` says (P2PHANDSHAKE, etcd://, http://) is accepted and not needed.
+//! - Transfers ride the process-wide engine ([`crate::shared`]) shared with `mooncake.store`.
+//! - The remote side refuses any range that is not inside one region its process registered.
+//!
+//! Return conventions are upstream's: 0 ok, negative on failure (-1 for every failed transfer,
+//! as upstream's TransferEnginePy); the reason goes to the log. Nothing raises except wrong
+//! Python argument types. Every call that blocks releases the GIL and catches panics.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use lunakv_transfer::{
+    MemoryRegistry, OwnedRegion, RawRequest, RegionServer, RegionServerConfig,
+    TransferEngine as RawEngine,
+};
+use parking_lot::{Condvar, Mutex, RwLock};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::mem::{Range, disjoint};
+use crate::store::{detached, env, resolve_ip, strip_port};
+
+/// Upstream's transfer-engine error codes (mooncake-transfer-engine error.h).
+const ERR_INVALID_ARGUMENT: i64 = -1;
+const ERR_ADDRESS_NOT_REGISTERED: i64 = -3;
+const ERR_ADDRESS_OVERLAPPED: i64 = -7;
+/// What upstream's Python transfer calls return for any failure.
+const FAILED: i64 = -1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Read,
+    Write,
+}
+
+impl Dir {
+    /// Upstream's `TransferOpcode`: Read = 0, Write = 1.
+    fn from_opcode(op: i64) -> Option<Dir> {
+        match op {
+            0 => Some(Dir::Read),
+            1 => Some(Dir::Write),
+            _ => None,
+        }
+    }
+}
+
+/// A submitted asynchronous batch: its result once the worker thread finished.
+#[derive(Default)]
+struct Pending {
+    result: Mutex<Option<i64>>,
+    done: Condvar,
+}
+
+impl Pending {
+    fn finish(&self, r: i64) {
+        *self.result.lock() = Some(r);
+        self.done.notify_all();
+    }
+
+    fn wait(&self) -> i64 {
+        let mut r = self.result.lock();
+        while r.is_none() {
+            self.done.wait(&mut r);
+        }
+        r.unwrap_or(FAILED)
+    }
+}
+
+/// One initialized engine: the region server and what it serves.
+struct Active {
+    engine: Arc<RawEngine>,
+    registry: Arc<MemoryRegistry>,
+    server: RegionServer,
+    /// Buffers from `allocate_managed_buffer`, by address.
+    managed: Mutex<HashMap<u64, OwnedRegion>>,
+    batches: Mutex<HashMap<u64, Arc<Pending>>>,
+    next_batch: AtomicU64,
+}
+
+impl Active {
+    /// Stops serving, then deregisters every region (waiting for copies in flight), so no peer
+    /// touches caller memory after this returns.
+    fn stop(&self) {
+        self.server.shutdown();
+        self.managed.lock().clear();
+        for r in self.registry.regions() {
+            self.registry.deregister(r.addr);
+        }
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Upstream's `mooncake.engine.TransferEngine`. Thread-safe: vLLM's sender pool calls the
+/// transfer methods from many threads at once.
+#[pyclass(module = "mooncake.engine", frozen)]
+pub struct TransferEngine {
+    active: RwLock<Option<Arc<Active>>>,
+}
+
+impl TransferEngine {
+    fn active(&self) -> Option<Arc<Active>> {
+        self.active.read().clone()
+    }
+
+    fn init(&self, py: Python<'_>, local_hostname: &str, protocol: &str) -> i64 {
+        match protocol.trim().to_ascii_lowercase().as_str() {
+            "" | "tcp" => {}
+            "rdma" => tracing::warn!(
+                "lunakv: TransferEngine protocol 'rdma' is served over tcp in this build (vLLM's MooncakeConnector defaults to rdma; set kv_connector_extra_config.mooncake_protocol=\"tcp\" to silence this)"
+            ),
+            other => {
+                tracing::error!(
+                    "lunakv: TransferEngine protocol '{other}' is not available: use \"tcp\""
+                );
+                return ERR_INVALID_ARGUMENT;
+            }
+        }
+        let host = Some(local_hostname.trim().to_owned())
+            .filter(|h| !h.is_empty())
+            .or_else(|| env("VLLM_HOST_IP"))
+            .or_else(|| env("MOONCAKE_REQUESTER_LOCAL_HOSTNAME"))
+            .or_else(|| env("MOONCAKE_LOCAL_HOSTNAME"));
+        let Some(host) = host else {
+            tracing::error!(
+                "lunakv: TransferEngine.initialize: local_hostname is empty (and VLLM_HOST_IP is unset): pass this host's IP"
+            );
+            return ERR_INVALID_ARGUMENT;
+        };
+        let ip = match resolve_ip(&host) {
+            Ok(ip) => ip,
+            Err(msg) => {
+                tracing::error!("lunakv: TransferEngine.initialize: {msg}");
+                return ERR_INVALID_ARGUMENT;
+            }
+        };
+        let advertise = strip_port(&host).to_owned();
+        // A second initialize replaces the first engine, as upstream re-creates its engine.
+        let old = self.active.write().take();
+        let started = detached(py, Err("internal error".to_owned()), move || {
+            drop(old);
+            let registry = MemoryRegistry::new();
+            let server = RegionServer::start(
+                RegionServerConfig {
+                    bind: SocketAddr::new(ip, 0),
+                    advertise_host: Some(advertise),
+                },
+                registry.clone(),
+            )
+            .map_err(|e| e.to_string())?;
+            Ok(Active {
+                engine: crate::shared::default_engine(),
+                registry,
+                server,
+                managed: Mutex::new(HashMap::new()),
+                batches: Mutex::new(HashMap::new()),
+                next_batch: AtomicU64::new(1),
+            })
+        });
+        match started {
+            Ok(a) => {
+                tracing::debug!("lunakv: TransferEngine serving at {}", a.server.endpoint());
+                *self.active.write() = Some(Arc::new(a));
+                0
+            }
+            Err(msg) => {
+                tracing::error!("lunakv: TransferEngine.initialize: {msg}");
+                FAILED
+            }
+        }
+    }
+
+    fn register(&self, py: Python<'_>, ranges: Vec<(i128, i128)>) -> i64 {
+        let Some(a) = self.active() else {
+            tracing::error!("lunakv: register_memory before initialize");
+            return ERR_INVALID_ARGUMENT;
+        };
+        let mut checked = Vec::with_capacity(ranges.len());
+        for (p, s) in ranges {
+            match Range::new(p, s) {
+                Ok(r) if r.len > 0 => checked.push(r),
+                Ok(_) => {
+                    tracing::error!("lunakv: register_memory refused: zero-length buffer");
+                    return ERR_INVALID_ARGUMENT;
+                }
+                Err(msg) => {
+                    tracing::error!("lunakv: register_memory refused: {msg}");
+                    return ERR_INVALID_ARGUMENT;
+                }
+            }
+        }
+        detached(py, FAILED, move || {
+            let mut done = Vec::with_capacity(checked.len());
+            for r in &checked {
+                // SAFETY: upstream's register_memory contract, which the Python caller accepts:
+                // the buffer is valid writable memory that stays allocated until
+                // unregister_memory (or this engine's shutdown) has returned for it.
+                match unsafe { a.registry.register_raw(r.ptr, r.len) } {
+                    Ok(d) => done.push(d.addr),
+                    Err(e) => {
+                        tracing::error!("lunakv: register_memory: {e}");
+                        // All or nothing: undo this call's registrations.
+                        for addr in done {
+                            a.registry.deregister(addr);
+                        }
+                        let overlap = e.to_string().contains("overlaps");
+                        return if overlap {
+                            ERR_ADDRESS_OVERLAPPED
+                        } else {
+                            ERR_INVALID_ARGUMENT
+                        };
+                    }
+                }
+            }
+            0
+        })
+    }
+
+    fn unregister(&self, py: Python<'_>, addrs: Vec<i128>) -> i64 {
+        let Some(a) = self.active() else {
+            return ERR_INVALID_ARGUMENT;
+        };
+        detached(py, FAILED, move || {
+            let mut rc = 0;
+            for p in addrs {
+                let ok = u64::try_from(p).is_ok_and(|p| a.registry.deregister(p));
+                if !ok {
+                    tracing::warn!("lunakv: unregister_memory: no region starts at {p:#x}");
+                    rc = ERR_ADDRESS_NOT_REGISTERED;
+                }
+            }
+            rc
+        })
+    }
+
+    /// Checks a transfer's arguments; the pieces `(local range, remote address)` on success.
+    fn plan(
+        target: &str,
+        buffers: &[i128],
+        peers: &[i128],
+        lengths: &[i128],
+        dir: Dir,
+    ) -> Result<(String, Vec<(Range, u64)>), String> {
+        let endpoint = session_endpoint(target)?;
+        if buffers.len() != peers.len() || buffers.len() != lengths.len() {
+            return Err(format!(
+                "{} buffers, {} peer addresses and {} lengths: pass one of each per transfer",
+                buffers.len(),
+                peers.len(),
+                lengths.len()
+            ));
+        }
+        let mut out = Vec::with_capacity(buffers.len());
+        for ((&b, &p), &l) in buffers.iter().zip(peers).zip(lengths) {
+            let r = Range::new(b, l)?;
+            if r.len == 0 {
+                return Err("zero-length transfer".to_owned());
+            }
+            let peer = u64::try_from(p)
+                .ok()
+                .filter(|&p| p > 0 && p.checked_add(r.len as u64).is_some())
+                .ok_or_else(|| format!("peer address {p:#x} (+{l}) is not a valid address"))?;
+            out.push((r, peer));
+        }
+        if dir == Dir::Read && !disjoint(out.iter().map(|(r, _)| r)) {
+            return Err("local destination buffers overlap each other".to_owned());
+        }
+        Ok((endpoint, out))
+    }
+
+    /// Plans and runs one (batch) transfer synchronously with the GIL released.
+    #[allow(clippy::too_many_arguments)]
+    fn sync(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        target: &str,
+        buffers: &[i128],
+        peers: &[i128],
+        lengths: &[i128],
+        dir: Dir,
+    ) -> i64 {
+        let Some(a) = self.active() else {
+            tracing::error!("lunakv: {what} before initialize");
+            return FAILED;
+        };
+        let (endpoint, pieces) = match TransferEngine::plan(target, buffers, peers, lengths, dir) {
+            Ok(p) => p,
+            Err(msg) => {
+                tracing::error!("lunakv: {what} refused: {msg}");
+                return FAILED;
+            }
+        };
+        if pieces.is_empty() {
+            return 0;
+        }
+        let what = what.to_owned();
+        detached(py, FAILED, move || {
+            run(&a.engine, &endpoint, &pieces, dir, &what)
+        })
+    }
+
+    /// Plans a transfer and starts it on a worker thread; its batch id, or `on_error`.
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        what: &str,
+        target: &str,
+        buffers: &[i128],
+        peers: &[i128],
+        lengths: &[i128],
+        dir: Dir,
+        on_error: i64,
+    ) -> i64 {
+        let Some(a) = self.active() else {
+            tracing::error!("lunakv: {what} before initialize");
+            return on_error;
+        };
+        let (endpoint, pieces) = match TransferEngine::plan(target, buffers, peers, lengths, dir) {
+            Ok(p) => p,
+            Err(msg) => {
+                tracing::error!("lunakv: {what} refused: {msg}");
+                return on_error;
+            }
+        };
+        let id = a.next_batch.fetch_add(1, Ordering::Relaxed);
+        let pending = Arc::new(Pending::default());
+        a.batches.lock().insert(id, pending.clone());
+        let engine = a.engine.clone();
+        let label = what.to_owned();
+        let spawned = std::thread::Builder::new()
+            .name("lunakv-te-async".into())
+            .spawn(move || {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    if pieces.is_empty() {
+                        0
+                    } else {
+                        run(&engine, &endpoint, &pieces, dir, &label)
+                    }
+                }))
+                .unwrap_or(FAILED);
+                pending.finish(r);
+            });
+        if spawned.is_err() {
+            a.batches.lock().remove(&id);
+            tracing::error!("lunakv: {what}: cannot start a transfer thread");
+            return on_error;
+        }
+        i64::try_from(id).unwrap_or(on_error)
+    }
+
+    fn find_batch(&self, id: i128) -> Option<Arc<Pending>> {
+        let a = self.active()?;
+        let id = u64::try_from(id).ok()?;
+        let batches = a.batches.lock();
+        batches.get(&id).cloned()
+    }
+
+    fn forget_batch(&self, id: i128) {
+        if let (Some(a), Ok(id)) = (self.active(), u64::try_from(id)) {
+            a.batches.lock().remove(&id);
+        }
+    }
+}
+
+/// The tcp endpoint of an upstream session id, `"host:rpc_port"` (IPv6 as `[addr]:port`).
+fn session_endpoint(target: &str) -> Result<String, String> {
+    let t = target.trim();
+    let port = t
+        .rsplit_once(':')
+        .and_then(|(h, p)| (!h.is_empty()).then_some(p))
+        .and_then(|p| p.parse::<u16>().ok())
+        .filter(|&p| p != 0);
+    if port.is_none() {
+        return Err(format!(
+            "target '{target}' is not a session id: pass the peer's \"host:rpc_port\" (its get_rpc_port())"
+        ));
+    }
+    Ok(t.to_owned())
+}
+
+/// Moves the pieces; 0 if every one succeeded, else -1 (the first failure is logged).
+fn run(engine: &RawEngine, endpoint: &str, pieces: &[(Range, u64)], dir: Dir, what: &str) -> i64 {
+    let mut reqs: Vec<RawRequest<'_>> = pieces
+        .iter()
+        .map(|&(r, remote_addr)| match dir {
+            // SAFETY: upstream's contract for transfer buffers, accepted by the Python caller:
+            // each local range is valid for the duration of the transfer; `plan` proved read
+            // destinations disjoint, so no two mutable slices alias.
+            Dir::Write => RawRequest::Write {
+                endpoint,
+                remote_addr,
+                src: vec![unsafe { r.slice() }],
+            },
+            Dir::Read => RawRequest::Read {
+                endpoint,
+                remote_addr,
+                dst: vec![unsafe { r.slice_mut() }],
+            },
+        })
+        .collect();
+    let results = engine.batch_raw(&mut reqs);
+    let failed = results.iter().filter(|r| r.is_err()).count();
+    match results.into_iter().find_map(Result::err) {
+        None => 0,
+        Some(e) => {
+            tracing::warn!(
+                "lunakv: {what} to {endpoint}: {failed} of {} transfers failed: {e}",
+                pieces.len()
+            );
+            FAILED
+        }
+    }
+}
+
+#[pymethods]
+impl TransferEngine {
+    #[new]
+    fn py_new() -> Self {
+        TransferEngine {
+            active: RwLock::new(None),
+        }
+    }
+
+    /// Starts serving this process's registered memory on `local_hostname` (exactly that
+    /// address, port picked by the kernel; a `host:port` form has its port ignored, as upstream
+    /// without MC_LEGACY_RPC_PORT_BINDING). `protocol` "tcp" (or "rdma", served over tcp here).
+    /// Returns 0, or a negative code.
+    #[pyo3(signature = (local_hostname, metadata_server = None, protocol = None, device_name = None))]
+    fn initialize(
+        &self,
+        py: Python<'_>,
+        local_hostname: String,
+        metadata_server: Option<String>,
+        protocol: Option<String>,
+        device_name: Option<String>,
+    ) -> i64 {
+        let _ = (metadata_server, device_name);
+        self.init(py, &local_hostname, protocol.as_deref().unwrap_or("tcp"))
+    }
+
+    /// Upstream's form with an explicit metadata type ("etcd", "redis", "http"); lunakv needs
+    /// no metadata service, so it is accepted and not used.
+    #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name, metadata_type))]
+    fn initialize_ext(
+        &self,
+        py: Python<'_>,
+        local_hostname: String,
+        metadata_server: Option<String>,
+        protocol: Option<String>,
+        device_name: Option<String>,
+        metadata_type: Option<String>,
+    ) -> i64 {
+        let _ = (metadata_server, device_name, metadata_type);
+        self.init(py, &local_hostname, protocol.as_deref().unwrap_or("tcp"))
+    }
+
+    /// The port peers reach this engine on; the session id is `"<local_hostname>:<port>"`.
+    /// -1 before initialize.
+    fn get_rpc_port(&self) -> i64 {
+        self.active()
+            .map_or(FAILED, |a| i64::from(a.server.local_addr().port()))
+    }
+
+    /// lunakv: this engine's session id, `"host:rpc_port"` ("" before initialize).
+    fn get_session_id(&self) -> String {
+        self.active()
+            .map(|a| a.server.endpoint().to_owned())
+            .unwrap_or_default()
+    }
+
+    /// Registers `[buffer_addr, buffer_addr+capacity)` for peers to write and read. Returns 0,
+    /// -1 for a bad pointer/size (or before initialize), -7 if it overlaps a registered buffer.
+    /// The memory must stay allocated until `unregister_memory` returns.
+    #[pyo3(signature = (buffer_addr, capacity, location = None))]
+    fn register_memory(
+        &self,
+        py: Python<'_>,
+        buffer_addr: i128,
+        capacity: i128,
+        location: Option<String>,
+    ) -> i64 {
+        let _ = location;
+        self.register(py, vec![(buffer_addr, capacity)])
+    }
+
+    /// Stops serving the buffer at `buffer_addr` (waits for peers' copies in flight). 0, or -3
+    /// if no registered buffer starts there.
+    fn unregister_memory(&self, py: Python<'_>, buffer_addr: i128) -> i64 {
+        self.unregister(py, vec![buffer_addr])
+    }
+
+    /// All or nothing: on failure none of the buffers stays registered.
+    #[pyo3(signature = (buffer_addresses, capacities, location = None))]
+    fn batch_register_memory(
+        &self,
+        py: Python<'_>,
+        buffer_addresses: Vec<i128>,
+        capacities: Vec<i128>,
+        location: Option<String>,
+    ) -> i64 {
+        let _ = location;
+        if buffer_addresses.len() != capacities.len() {
+            tracing::error!(
+                "lunakv: batch_register_memory refused: {} addresses but {} capacities",
+                buffer_addresses.len(),
+                capacities.len()
+            );
+            return ERR_INVALID_ARGUMENT;
+        }
+        self.register(py, buffer_addresses.into_iter().zip(capacities).collect())
+    }
+
+    fn batch_unregister_memory(&self, py: Python<'_>, buffer_addresses: Vec<i128>) -> i64 {
+        self.unregister(py, buffer_addresses)
+    }
+
+    /// Writes `length` bytes at `buffer` into the peer's registered memory at
+    /// `peer_buffer_address`. `target_hostname` is the peer's session id `"host:rpc_port"`.
+    /// 0, or -1 (bad arguments, peer unreachable, range not registered there).
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = None))]
+    fn transfer_sync_write(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffer: i128,
+        peer_buffer_address: i128,
+        length: i128,
+        transport_hint: Option<String>,
+    ) -> i64 {
+        let _ = transport_hint;
+        self.sync(
+            py,
+            "transfer_sync_write",
+            target_hostname,
+            &[buffer],
+            &[peer_buffer_address],
+            &[length],
+            Dir::Write,
+        )
+    }
+
+    /// Reads `length` bytes of the peer's registered memory into `buffer`. 0 or -1.
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = None))]
+    fn transfer_sync_read(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffer: i128,
+        peer_buffer_address: i128,
+        length: i128,
+        transport_hint: Option<String>,
+    ) -> i64 {
+        let _ = transport_hint;
+        self.sync(
+            py,
+            "transfer_sync_read",
+            target_hostname,
+            &[buffer],
+            &[peer_buffer_address],
+            &[length],
+            Dir::Read,
+        )
+    }
+
+    /// vLLM's P/D send: every `(buffers[i], peer_buffer_addresses[i], lengths[i])` written,
+    /// pipelined over the pooled connections. 0 if all succeeded, else -1.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = None))]
+    fn batch_transfer_sync_write(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<i128>,
+        peer_buffer_addresses: Vec<i128>,
+        lengths: Vec<i128>,
+        transport_hint: Option<String>,
+    ) -> i64 {
+        let _ = transport_hint;
+        self.sync(
+            py,
+            "batch_transfer_sync_write",
+            target_hostname,
+            &buffers,
+            &peer_buffer_addresses,
+            &lengths,
+            Dir::Write,
+        )
+    }
+
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = None))]
+    fn batch_transfer_sync_read(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<i128>,
+        peer_buffer_addresses: Vec<i128>,
+        lengths: Vec<i128>,
+        transport_hint: Option<String>,
+    ) -> i64 {
+        let _ = transport_hint;
+        self.sync(
+            py,
+            "batch_transfer_sync_read",
+            target_hostname,
+            &buffers,
+            &peer_buffer_addresses,
+            &lengths,
+            Dir::Read,
+        )
+    }
+
+    /// Upstream's generic form: `opcode` is `TransferOpcode.Read` (0) or `.Write` (1).
+    /// `notify` is accepted; lunakv has no notification channel.
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, opcode, notify = None, transport_hint = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn transfer_sync(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffer: i128,
+        peer_buffer_address: i128,
+        length: i128,
+        opcode: i64,
+        notify: Option<&Bound<'_, PyAny>>,
+        transport_hint: Option<String>,
+    ) -> i64 {
+        let _ = (notify, transport_hint);
+        let Some(dir) = Dir::from_opcode(opcode) else {
+            tracing::error!(
+                "lunakv: transfer_sync refused: opcode {opcode} is not Read (0) or Write (1)"
+            );
+            return FAILED;
+        };
+        self.sync(
+            py,
+            "transfer_sync",
+            target_hostname,
+            &[buffer],
+            &[peer_buffer_address],
+            &[length],
+            dir,
+        )
+    }
+
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify = None, transport_hint = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_transfer_sync(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<i128>,
+        peer_buffer_addresses: Vec<i128>,
+        lengths: Vec<i128>,
+        opcode: i64,
+        notify: Option<&Bound<'_, PyAny>>,
+        transport_hint: Option<String>,
+    ) -> i64 {
+        let _ = (notify, transport_hint);
+        let Some(dir) = Dir::from_opcode(opcode) else {
+            tracing::error!(
+                "lunakv: batch_transfer_sync refused: opcode {opcode} is not Read (0) or Write (1)"
+            );
+            return FAILED;
+        };
+        self.sync(
+            py,
+            "batch_transfer_sync",
+            target_hostname,
+            &buffers,
+            &peer_buffer_addresses,
+            &lengths,
+            dir,
+        )
+    }
+
+    /// Starts a batch write; returns its batch id (> 0), or 0 if it could not start (as
+    /// upstream). Wait with `get_batch_transfer_status([id])`. The buffers must stay valid
+    /// until then.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = None))]
+    fn batch_transfer_async_write(
+        &self,
+        target_hostname: &str,
+        buffers: Vec<i128>,
+        peer_buffer_addresses: Vec<i128>,
+        lengths: Vec<i128>,
+        transport_hint: Option<String>,
+    ) -> i64 {
+        let _ = transport_hint;
+        self.submit(
+            "batch_transfer_async_write",
+            target_hostname,
+            &buffers,
+            &peer_buffer_addresses,
+            &lengths,
+            Dir::Write,
+            0,
+        )
+    }
+
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint = None))]
+    fn batch_transfer_async_read(
+        &self,
+        target_hostname: &str,
+        buffers: Vec<i128>,
+        peer_buffer_addresses: Vec<i128>,
+        lengths: Vec<i128>,
+        transport_hint: Option<String>,
+    ) -> i64 {
+        let _ = transport_hint;
+        self.submit(
+            "batch_transfer_async_read",
+            target_hostname,
+            &buffers,
+            &peer_buffer_addresses,
+            &lengths,
+            Dir::Read,
+            0,
+        )
+    }
+
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_transfer_async(
+        &self,
+        target_hostname: &str,
+        buffers: Vec<i128>,
+        peer_buffer_addresses: Vec<i128>,
+        lengths: Vec<i128>,
+        opcode: i64,
+        transport_hint: Option<String>,
+    ) -> i64 {
+        let _ = transport_hint;
+        let Some(dir) = Dir::from_opcode(opcode) else {
+            tracing::error!(
+                "lunakv: batch_transfer_async refused: opcode {opcode} is not Read (0) or Write (1)"
+            );
+            return 0;
+        };
+        self.submit(
+            "batch_transfer_async",
+            target_hostname,
+            &buffers,
+            &peer_buffer_addresses,
+            &lengths,
+            dir,
+            0,
+        )
+    }
+
+    /// Waits for every batch; 0 if all succeeded, -1 if any failed or is unknown.
+    fn get_batch_transfer_status(&self, py: Python<'_>, batch_ids: Vec<i128>) -> i64 {
+        let pending: Vec<Option<Arc<Pending>>> =
+            batch_ids.iter().map(|&id| self.find_batch(id)).collect();
+        let rc = detached(py, FAILED, move || {
+            let mut rc = 0;
+            for p in pending {
+                match p {
+                    Some(p) if p.wait() == 0 => {}
+                    _ => rc = FAILED,
+                }
+            }
+            rc
+        });
+        for id in batch_ids {
+            self.forget_batch(id);
+        }
+        rc
+    }
+
+    /// Starts a single write; returns its batch id, or -1 (as upstream).
+    #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = None))]
+    fn transfer_submit_write(
+        &self,
+        target_hostname: &str,
+        buffer: i128,
+        peer_buffer_address: i128,
+        length: i128,
+        transport_hint: Option<String>,
+    ) -> i64 {
+        let _ = transport_hint;
+        self.submit(
+            "transfer_submit_write",
+            target_hostname,
+            &[buffer],
+            &[peer_buffer_address],
+            &[length],
+            Dir::Write,
+            FAILED,
+        )
+    }
+
+    /// 1 completed, 0 still running, -1 failed or unknown id (upstream's values). A finished
+    /// batch is forgotten once its status was returned.
+    fn transfer_check_status(&self, batch_id: i128) -> i64 {
+        let Some(p) = self.find_batch(batch_id) else {
+            return FAILED;
+        };
+        let r = *p.result.lock();
+        match r {
+            None => 0,
+            Some(r) => {
+                self.forget_batch(batch_id);
+                if r == 0 { 1 } else { FAILED }
+            }
+        }
+    }
+
+    /// Allocates `length` zeroed bytes registered with this engine; their address, or 0.
+    fn allocate_managed_buffer(&self, py: Python<'_>, length: i128) -> u64 {
+        let Some(a) = self.active() else {
+            return 0;
+        };
+        let Ok(len) = usize::try_from(length) else {
+            return 0;
+        };
+        if len == 0 {
+            return 0;
+        }
+        detached(py, 0, move || match a.registry.alloc(len) {
+            Ok(r) => {
+                let addr = r.addr();
+                a.managed.lock().insert(addr, r);
+                addr
+            }
+            Err(e) => {
+                tracing::error!("lunakv: allocate_managed_buffer({len}): {e}");
+                0
+            }
+        })
+    }
+
+    /// Frees a buffer from `allocate_managed_buffer`. 0, or -1 if it is not one.
+    fn free_managed_buffer(&self, py: Python<'_>, buffer_addr: i128, length: i128) -> i64 {
+        let _ = length;
+        let Some(a) = self.active() else {
+            return FAILED;
+        };
+        let Ok(addr) = u64::try_from(buffer_addr) else {
+            return FAILED;
+        };
+        detached(py, FAILED, move || {
+            let r = a.managed.lock().remove(&addr);
+            match r {
+                Some(r) => {
+                    drop(r);
+                    0
+                }
+                None => FAILED,
+            }
+        })
+    }
+
+    /// Copies `length` bytes of `src` to `dest_address` (upstream's helper). 0 or -1.
+    fn write_bytes_to_buffer(&self, dest_address: i128, src: &[u8], length: i128) -> i64 {
+        let r = match Range::new(dest_address, length) {
+            Ok(r) if r.len <= src.len() => r,
+            _ => return ERR_INVALID_ARGUMENT,
+        };
+        // SAFETY: the caller promises `dest_address` is `length` writable bytes (upstream's
+        // contract); `src` is a Python bytes object, which cannot overlap caller memory it
+        // wrote through a raw pointer.
+        unsafe { r.slice_mut() }.copy_from_slice(&src[..r.len]);
+        0
+    }
+
+    /// `length` bytes at `source_address` (upstream's helper); `b""` for a bad pointer/size.
+    fn read_bytes_from_buffer<'py>(
+        &self,
+        py: Python<'py>,
+        source_address: i128,
+        length: i128,
+    ) -> Bound<'py, PyBytes> {
+        match Range::new(source_address, length) {
+            // SAFETY: the caller promises `length` readable bytes at `source_address`.
+            Ok(r) => PyBytes::new(py, unsafe { r.slice() }),
+            Err(msg) => {
+                tracing::error!("lunakv: read_bytes_from_buffer refused: {msg}");
+                PyBytes::new(py, b"")
+            }
+        }
+    }
+
+    /// lunakv: stops serving and deregisters everything (also done when the object is freed).
+    fn shutdown(&self, py: Python<'_>) -> i64 {
+        let old = self.active.write().take();
+        detached(py, FAILED, move || {
+            drop(old);
+            0
+        })
+    }
+
+    /// lunakv test hook: identity of the process-wide transfer engine this object moves bytes
+    /// with (see `MooncakeDistributedStore._transfer_engine_id`). 0 before initialize.
+    fn _transfer_engine_id(&self) -> usize {
+        self.active().map_or(0, |a| crate::shared::id(&a.engine))
+    }
+
+    /// lunakv: the region server's counters, `{bytes_written, bytes_read, writes, reads,
+    /// out_of_bounds}` (empty before initialize).
+    fn _stats(&self) -> HashMap<&'static str, u64> {
+        let Some(a) = self.active() else {
+            return HashMap::new();
+        };
+        let s = a.server.stats();
+        HashMap::from([
+            ("bytes_written", s.bytes_written),
+            ("bytes_read", s.bytes_read),
+            ("writes", s.writes),
+            ("reads", s.reads),
+            ("out_of_bounds", s.out_of_bounds),
+        ])
+    }
+}

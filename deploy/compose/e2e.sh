@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# make e2e-compose: the compose stack, end to end, on this machine.
+#
+# 1. builds the images (deploy/docker/build-images.sh; SKIP_IMAGES=1 reuses them),
+# 2. `docker-compose up -d` under its own project name, waits until every container is healthy,
+# 3. drives a chat completion through the routing sidecar with x-prefiller-host-port pointing at
+#    the prefill simulator, and checks that the decode engine received the KV from the prefill
+#    engine (not a local recompute) and answered exactly what a decode-only request answers,
+# 4. puts and gets objects through the store with the CLI container on the stack's network
+#    (leader found through etcd, and by --master master:50051), and checks the bytes and the
+#    master's view of the pool,
+# 5. always brings the stack down (`docker-compose down -v`), printing logs if anything failed.
+#
+# Host ports are published on loopback, on free ports picked by Docker; nothing else is reached.
+# Environment: SKIP_IMAGES=1, LUNAKV_PROFILE=debug (images from target/debug, e.g. after
+# `make test` in CI), KEEP_STACK=1 (leave it running for inspection), E2E_TIMEOUT (s, 120).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-lunakv-e2e}
+export LUNAKV_SIDECAR_PORT=0 LUNAKV_MASTER_ADMIN_PORT=0
+COMPOSE=(docker-compose -f "$ROOT/compose.yaml")
+if ! command -v docker-compose >/dev/null && docker compose version >/dev/null 2>&1; then
+    COMPOSE=(docker compose -f "$ROOT/compose.yaml")
+fi
+TIMEOUT=${E2E_TIMEOUT:-120}
+T0=$(date +%s)
+passed=0
+failed=0
+WORK=$(mktemp -d)
+
+step() { printf '\n== %s (%ss)\n' "$*" "$(($(date +%s) - T0))"; }
+ok() { printf 'ok   %s\n' "$*"; passed=$((passed + 1)); }
+fail() { printf 'FAIL %s\n' "$*"; failed=$((failed + 1)); }
+json() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
+
+cleanup() {
+    rc=$?
+    if [ "$rc" -ne 0 ] || [ "$failed" -ne 0 ]; then
+        echo; echo "== stack state at failure"
+        "${COMPOSE[@]}" ps || true
+        "${COMPOSE[@]}" logs --no-color --tail=40 || true
+    fi
+    if [ "${KEEP_STACK:-0}" = 1 ]; then
+        echo "KEEP_STACK=1: the stack is still up; stop it with: COMPOSE_PROJECT_NAME=$COMPOSE_PROJECT_NAME docker-compose down -v"
+    else
+        "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+    fi
+    rm -rf "$WORK"
+    echo "e2e-compose: wall time $(($(date +%s) - T0)) s"
+}
+trap cleanup EXIT
+
+command -v curl >/dev/null || { echo "e2e-compose needs curl on the host (apt-get install curl)"; exit 2; }
+
+if [ "${SKIP_IMAGES:-0}" != 1 ]; then
+    step "images"
+    deploy/docker/build-images.sh
+fi
+
+step "docker-compose up -d"
+"${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+"${COMPOSE[@]}" up -d
+
+step "waiting for every container to be healthy (up to ${TIMEOUT}s)"
+deadline=$(($(date +%s) + TIMEOUT))
+while :; do
+    states=$(docker inspect -f '{{.Name}} {{if .State.Health}}{{.State.Health.Status}}{{else}}{{.State.Status}}{{end}}' \
+        $("${COMPOSE[@]}" ps -q))
+    if ! grep -vq ' healthy$' <<<"$states"; then break; fi
+    if [ "$(date +%s)" -gt "$deadline" ]; then
+        echo "$states"; fail "stack healthy within ${TIMEOUT}s"; exit 1
+    fi
+    sleep 1
+done
+echo "$states"
+ok "all $(wc -l <<<"$states") containers healthy"
+
+SIDECAR=$("${COMPOSE[@]}" port sidecar 8000)
+ADMIN=$("${COMPOSE[@]}" port master 9003)
+echo "sidecar on $SIDECAR, master admin on $ADMIN"
+
+step "P/D completion through the sidecar"
+body='{"model":"sim-model","messages":[{"role":"user","content":"lunakv compose end to end: the decoder must pull this prompt'"'"'s KV from the prefiller"}],"max_tokens":12}'
+code=$(curl -sS -o "$WORK/pd.json" -w '%{http_code}' -m 30 "http://$SIDECAR/v1/chat/completions" \
+    -H 'content-type: application/json' -H 'x-prefiller-host-port: prefill:8200' -d "$body")
+pd_text=$(json 'd["choices"][0]["message"]["content"]' <"$WORK/pd.json" 2>/dev/null || true)
+if [ "$code" = 200 ] && [ -n "$pd_text" ]; then
+    ok "disaggregated completion: HTTP $code, \"$pd_text\""
+else
+    fail "disaggregated completion: HTTP $code: $(head -c 400 "$WORK/pd.json")"
+fi
+# /sim/stats is not a disaggregated route, so the sidecar proxies it to its decode engine.
+curl -sS -m 10 "http://$SIDECAR/sim/stats" >"$WORK/stats.json"
+read -r received remote failed_x < <(json 'd["kv_bytes_received"], d["remote_decodes"], d["transfers_failed"]' <"$WORK/stats.json" | tr -d '(),')
+if [ "${received:-0}" -gt 0 ] && [ "${remote:-0}" -ge 1 ] && [ "${failed_x:-1}" = 0 ]; then
+    ok "decode engine pulled ${received} KV bytes from the prefill engine (remote decodes ${remote}, failed transfers 0)"
+else
+    fail "KV did not move from prefill to decode: $(cat "$WORK/stats.json")"
+fi
+code=$(curl -sS -o "$WORK/local.json" -w '%{http_code}' -m 30 "http://$SIDECAR/v1/chat/completions" \
+    -H 'content-type: application/json' -d "$body")
+local_text=$(json 'd["choices"][0]["message"]["content"]' <"$WORK/local.json" 2>/dev/null || true)
+if [ "$code" = 200 ] && [ "$local_text" = "$pd_text" ]; then
+    ok "decode-only answer is identical (the transferred KV was byte-exact)"
+else
+    fail "decode-only answer differs: HTTP $code \"$local_text\" vs \"$pd_text\""
+fi
+if curl -sS -m 10 "http://$SIDECAR/lunakv/sidecar/metrics" | grep -Eq '^lunakv_sidecar_disaggregated_total [1-9]'; then
+    ok "sidecar counted the disaggregated request (/lunakv/sidecar/metrics)"
+else
+    fail "lunakv_sidecar_disaggregated_total is not >= 1"
+fi
+
+step "put/get through the store with the CLI container"
+cli() { "${COMPOSE[@]}" run --rm -T cli "$@" 2>"$WORK/cli.err"; }
+head -c $((3 * 1024 * 1024 + 17)) /dev/urandom >"$WORK/blob"
+if cli put e2e/blob - <"$WORK/blob" >/dev/null && cli --master master:50051 get e2e/blob >"$WORK/blob.out" \
+    && cmp -s "$WORK/blob" "$WORK/blob.out"; then
+    ok "3 MiB object: put (leader through etcd) == get (--master master:50051)"
+else
+    fail "put/get of a 3 MiB object: $(cat "$WORK/cli.err")"
+fi
+if echo "hello from compose" | cli --master master:50051 put e2e/hello - >/dev/null \
+    && [ "$(cli get e2e/hello)" = "hello from compose" ] && cli exists e2e/hello >/dev/null; then
+    ok "small object round trip and exists"
+else
+    fail "small object round trip: $(cat "$WORK/cli.err")"
+fi
+if cli --json status >"$WORK/status.json"; then
+    read -r cap keys segs < <(json 'd["capacity_bytes"], d["keys"], len(d["segments"])' <"$WORK/status.json" | tr -d '(),')
+    if [ "${cap:-0}" -gt 0 ] && [ "${keys:-0}" -ge 2 ] && [ "${segs:-0}" -ge 1 ]; then
+        ok "master sees the pool: capacity ${cap} B, ${keys} keys, ${segs} segment(s)"
+    else
+        fail "master status: $(cat "$WORK/status.json")"
+    fi
+else
+    fail "lunakv status: $(cat "$WORK/cli.err")"
+fi
+if curl -sS -m 10 "http://$ADMIN/metrics" | grep -Eq '^master_total_capacity_bytes [1-9]'; then
+    ok "master /metrics reports the pool's capacity"
+else
+    fail "master_total_capacity_bytes is not > 0 on http://$ADMIN/metrics"
+fi
+
+echo
+echo "e2e-compose: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]

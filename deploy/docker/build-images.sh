@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Builds lunakv's container images on a machine with a Docker engine and no registry.
+#
+#   deploy/docker/build-images.sh            # cargo build --release, base image if missing, all images
+#   SKIP_CARGO=1 deploy/docker/build-images.sh   # reuse target/release binaries
+#   deploy/docker/build-images.sh master cli     # only these images
+#
+# 1. `cargo build --release --bins` on the host (the images only COPY binaries in).
+# 2. The base image `debian:bookworm-slim`: if the engine has no image under that tag (nothing can
+#    be pulled here), debootstrap a minimal bookworm rootfs from the Debian mirror apt already uses
+#    and `docker import` it under that tag. Skipped when the tag exists, so where a registry exists
+#    the real image is used unchanged (pull it first: `docker pull debian:bookworm-slim`).
+# 3. A build context under target/docker-context: bin/ (the release binaries, debug info
+#    stripped), lunakv-probe (the healthcheck), etcd (Debian's etcd-server binary, for compose).
+# 4. `docker build -f deploy/docker/<name>.Dockerfile -t lunakv/<name>:$TAG target/docker-context`.
+#
+# Environment: TAG (default dev), LUNAKV_DEBIAN_MIRROR (default: apt's), SKIP_CARGO=1,
+# LUNAKV_REBUILD_BASE=1 (re-create the base even if the tag exists), LUNAKV_PROFILE=debug (images from
+# target/debug: quicker to iterate, slower to run).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+TAG=${TAG:-dev}
+PROFILE=${LUNAKV_PROFILE:-release}
+case "$PROFILE" in release) CARGO_PROFILE=(--release) ;; debug) CARGO_PROFILE=() ;;
+    *) echo "build-images: LUNAKV_PROFILE must be release or debug" >&2; exit 2 ;; esac
+BASE_TAG=debian:bookworm-slim
+CTX="$ROOT/target/docker-context"
+ALL=(master store bootstrap sidecar engine-sim cli etcd)
+IMAGES=("$@")
+[ ${#IMAGES[@]} -eq 0 ] && IMAGES=("${ALL[@]}")
+export DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0}
+
+log() { printf '== %s\n' "$*" >&2; }
+die() { printf 'build-images: %s\n' "$*" >&2; exit 1; }
+
+command -v docker >/dev/null || die "docker is not installed (apt-get install docker.io)"
+docker info >/dev/null 2>&1 || die "the Docker engine is not reachable (is dockerd running? are you in the docker group?)"
+
+# --- 1. binaries -----------------------------------------------------------------------------
+if [ "${SKIP_CARGO:-0}" != 1 ]; then
+    log "cargo build ${CARGO_PROFILE[*]} --bins"
+    cargo build "${CARGO_PROFILE[@]}" --bins
+fi
+
+# --- 2. base image ---------------------------------------------------------------------------
+debian_mirror() {
+    if [ -n "${LUNAKV_DEBIAN_MIRROR:-}" ]; then echo "$LUNAKV_DEBIAN_MIRROR"; return; fi
+    # The first non-security Debian archive apt is configured with (deb822 or one-line form).
+    local m
+    m=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list 2>/dev/null \
+        | grep -v '^\s*#' | grep -oE 'https?://[^ ]+/debian/?( |$)' | grep -v security | head -n1 | tr -d ' ') || true
+    echo "${m:-http://deb.debian.org/debian}"
+}
+
+build_base() {
+    command -v debootstrap >/dev/null || {
+        log "installing debootstrap"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null \
+            || die "debootstrap is missing and could not be installed (apt-get install debootstrap)"
+    }
+    local mirror rootfs
+    mirror=$(debian_mirror)
+    rootfs=$(mktemp -d "${TMPDIR:-/tmp}/lunakv-rootfs.XXXXXX")
+    trap 'rm -rf "$rootfs"' RETURN
+    log "debootstrap --variant=minbase bookworm from $mirror (once; cached as $BASE_TAG)"
+    debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >"$rootfs.log" 2>&1 \
+        || { tail -n 30 "$rootfs.log" >&2; die "debootstrap failed (log above)"; }
+    rm -f "$rootfs.log"
+    # Slim it down the way the official -slim image is: no apt caches, docs or man pages.
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
+        "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/info/* \
+        "$rootfs"/var/log/*.log "$rootfs"/var/cache/debconf/*-old
+    printf 'deb %s bookworm main\ndeb %s bookworm-updates main\n' "$mirror" "$mirror" \
+        >"$rootfs/etc/apt/sources.list"
+    log "docker import -> $BASE_TAG"
+    tar --numeric-owner -C "$rootfs" -c . | docker import \
+        --change 'CMD ["bash"]' \
+        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'LABEL org.opencontainers.image.description=debootstrap-minbase-bookworm-built-by-lunakv' \
+        - "$BASE_TAG" >/dev/null
+}
+
+if [ "${LUNAKV_REBUILD_BASE:-0}" = 1 ] || ! docker image inspect "$BASE_TAG" >/dev/null 2>&1; then
+    build_base
+else
+    log "base image $BASE_TAG present (LUNAKV_REBUILD_BASE=1 re-creates it)"
+fi
+
+# --- 3. build context ------------------------------------------------------------------------
+log "staging the build context in ${CTX#"$ROOT"/}"
+rm -rf "$CTX"
+mkdir -p "$CTX/bin"
+for b in lunakv-master lunakv-store lunakv-bootstrap lunakv-sidecar lunakv-engine-sim lunakv; do
+    src="$ROOT/target/$PROFILE/$b"
+    [ -x "$src" ] || die "$src is missing: run cargo build ${CARGO_PROFILE[*]} --bins (or drop SKIP_CARGO=1)"
+    # Debug info stays on the host (profile.release keeps it for perf); images get the code only.
+    objcopy --strip-debug "$src" "$CTX/bin/$b" 2>/dev/null || cp "$src" "$CTX/bin/$b"
+done
+cp "$ROOT/deploy/docker/lunakv-probe" "$ROOT/deploy/docker/lunakv-entrypoint" "$CTX/"
+
+need_etcd=0
+for i in "${IMAGES[@]}"; do [ "$i" = etcd ] && need_etcd=1; done
+if [ "$need_etcd" = 1 ]; then
+    # Debian's etcd-server package, unpacked (not installed) on the host through apt: the etcd
+    # image then needs no network at build time. Falls back to an installed /usr/bin/etcd.
+    tmp=$(mktemp -d)
+    if (cd "$tmp" && apt-get download -qq etcd-server >/dev/null 2>&1) && dpkg-deb -x "$tmp"/etcd-server_*.deb "$tmp/x"; then
+        cp "$tmp/x/usr/bin/etcd" "$CTX/etcd"
+    elif [ -x /usr/bin/etcd ]; then
+        cp /usr/bin/etcd "$CTX/etcd"
+    else
+        rm -rf "$tmp"; die "no etcd binary: apt-get download etcd-server failed and /usr/bin/etcd is absent"
+    fi
+    rm -rf "$tmp"
+fi
+
+# --- 4. images -------------------------------------------------------------------------------
+for i in "${IMAGES[@]}"; do
+    df="$ROOT/deploy/docker/$i.Dockerfile"
+    [ -f "$df" ] || die "unknown image '$i' (have: ${ALL[*]})"
+    log "docker build lunakv/$i:$TAG"
+    # stderr only on failure: the legacy builder's deprecation notice is noise here.
+    if ! err=$(docker build -q -f "$df" -t "lunakv/$i:$TAG" "$CTX" 2>&1 >/dev/null); then
+        printf '%s\n' "$err" >&2
+        die "docker build of lunakv/$i:$TAG failed (output above)"
+    fi
+done
+docker images --format '{{.Repository}}:{{.Tag}}  {{.Size}}' | grep -E "^(lunakv/|$BASE_TAG)" >&2

@@ -1,0 +1,152 @@
+use super::*;
+
+fn cfg(dir: &Path, limit: u64) -> OffloadConfig {
+    let mut c = OffloadConfig::new(dir, limit);
+    c.bucket_max_bytes = 64 << 10;
+    c.bucket_max_keys = 4;
+    c
+}
+
+fn obj(i: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i as usize * 31 + j) as u8).collect()
+}
+
+fn put(t: &DiskTier, i: u64, len: usize) {
+    let b = obj(i, len);
+    let key = format!("k{i}");
+    let stored = t
+        .store_batch(&[StoreItem {
+            key: &key,
+            generation: i,
+            bytes: &b,
+        }])
+        .unwrap();
+    assert_eq!(stored, vec![i]);
+}
+
+#[test]
+fn stores_loads_and_recovers() {
+    let d = tempfile::tempdir().unwrap();
+    {
+        let (t, r) = DiskTier::open(cfg(d.path(), 1 << 30)).unwrap();
+        assert_eq!(r.objects, 0);
+        for i in 1..=10 {
+            put(&t, i, 10_000 + i as usize);
+        }
+        let mut buf = vec![0u8; 10_003];
+        t.load(3, &mut buf).unwrap();
+        assert_eq!(buf, obj(3, 10_003));
+        assert!(matches!(t.load(99, &mut buf), Err(LoadError::NotFound(99))));
+        t.remove(&[4]).unwrap();
+        assert_eq!(t.stats().objects, 9);
+    }
+    let (t, r) = DiskTier::open(cfg(d.path(), 1 << 30)).unwrap();
+    assert_eq!(r.objects, 9);
+    let inv = t.inventory();
+    assert_eq!(inv.len(), 9);
+    assert!(inv.iter().all(|o| o.generation != 4));
+    let mut buf = vec![0u8; 10_010];
+    t.load(10, &mut buf).unwrap();
+    assert_eq!(buf, obj(10, 10_010));
+    // Appends after a restart go to a new bucket.
+    put(&t, 11, 100);
+}
+
+#[test]
+fn fifo_drops_oldest_buckets_at_the_limit() {
+    let d = tempfile::tempdir().unwrap();
+    let (t, _) = DiskTier::open(cfg(d.path(), 100_000)).unwrap();
+    for i in 1..=20 {
+        put(&t, i, 10_000);
+    }
+    let s = t.stats();
+    assert!(s.used_bytes <= 100_000, "{s:?}");
+    let dropped = t.take_dropped();
+    assert!(!dropped.is_empty());
+    // Oldest first.
+    assert!(dropped.iter().all(|o| o.generation <= 12));
+    let mut buf = vec![0u8; 10_000];
+    t.load(20, &mut buf).unwrap();
+    assert!(t.load(1, &mut buf).is_err());
+    assert!(matches!(
+        t.store_batch(&[StoreItem {
+            key: "big",
+            generation: 99,
+            bytes: &vec![0u8; 200_000],
+        }]),
+        Err(OffloadError::TooLarge { .. })
+    ));
+}
+
+#[test]
+fn lru_keeps_what_is_read() {
+    let d = tempfile::tempdir().unwrap();
+    let mut c = cfg(d.path(), 100_000);
+    c.policy = EvictionPolicy::Lru;
+    let (t, _) = DiskTier::open(c).unwrap();
+    for i in 1..=8 {
+        put(&t, i, 10_000);
+    }
+    let mut buf = vec![0u8; 10_000];
+    // Object 1 is read between puts: it keeps moving to the young end and survives, while
+    // FIFO would have dropped it with the first bucket.
+    for i in 9..=30 {
+        put(&t, i, 10_000);
+        t.load(1, &mut buf).unwrap();
+    }
+    assert!(t.load(2, &mut buf).is_err());
+    assert_eq!(buf, obj(1, 10_000));
+}
+
+#[test]
+fn corrupt_bytes_are_never_served() {
+    let d = tempfile::tempdir().unwrap();
+    let (t, _) = DiskTier::open(cfg(d.path(), 1 << 30)).unwrap();
+    put(&t, 1, 5000);
+    put(&t, 2, 5000);
+    // Flip one byte of object 2 (second in the first bucket).
+    let bucket = bucket_path(d.path(), 1);
+    let mut bytes = std::fs::read(&bucket).unwrap();
+    bytes[5000 + 17] ^= 0xff;
+    std::fs::write(&bucket, &bytes).unwrap();
+    let mut buf = vec![0u8; 5000];
+    assert!(matches!(
+        t.load(2, &mut buf),
+        Err(LoadError::Corrupt { .. })
+    ));
+    assert!(matches!(t.load(2, &mut buf), Err(LoadError::NotFound(2))));
+    assert_eq!(t.stats().corrupt_objects_total, 1);
+    assert_eq!(t.take_dropped()[0].key, "k2");
+    t.load(1, &mut buf).unwrap();
+}
+
+#[test]
+fn unindexed_tails_are_dropped_at_recovery() {
+    let d = tempfile::tempdir().unwrap();
+    {
+        let (t, _) = DiskTier::open(cfg(d.path(), 1 << 30)).unwrap();
+        put(&t, 1, 5000);
+    }
+    // A bucket written but never indexed (a crash before the commit), and a truncated bucket.
+    std::fs::write(bucket_path(d.path(), 7), vec![1u8; 3000]).unwrap();
+    let b1 = bucket_path(d.path(), 1);
+    let f = std::fs::OpenOptions::new().write(true).open(&b1).unwrap();
+    f.set_len(4000).unwrap();
+    let (t, r) = DiskTier::open(cfg(d.path(), 1 << 30)).unwrap();
+    assert_eq!(r.objects, 0);
+    assert_eq!(r.dropped_rows, 1);
+    assert_eq!(r.deleted_buckets, 2);
+    assert!(t.inventory().is_empty());
+}
+
+#[test]
+fn unwritable_directory_is_a_clear_error() {
+    let d = tempfile::tempdir().unwrap();
+    let file = d.path().join("not-a-dir");
+    std::fs::write(&file, b"x").unwrap();
+    let e = DiskTier::open(cfg(&file.join("sub"), 1 << 20))
+        .err()
+        .unwrap();
+    let msg = e.to_string();
+    assert!(msg.contains("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"), "{msg}");
+}

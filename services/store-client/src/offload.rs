@@ -1,0 +1,69 @@
+//! The store-client's SSD tier: a [`lunakv_offload::DiskTier`] plugged into the segment server
+//! (OFFLOAD/LOAD/FREE of disk copies) and into the host (mount inventory, dropped objects).
+
+use std::sync::Arc;
+
+use lunakv_client::DiskInventory;
+use lunakv_offload::{DiskTier, LoadError, StoreItem};
+use lunakv_transfer::{ColdItem, ColdTier};
+
+/// Env var choosing the disk eviction policy at the size limit: `fifo` (default) or `lru`.
+pub const EVICTION_POLICY_ENV: &str = "LUNAKV_OFFLOAD_EVICTION_POLICY";
+
+/// Adapts a [`DiskTier`] to the transfer and host traits.
+pub(crate) struct Tier(pub(crate) Arc<DiskTier>);
+
+impl ColdTier for Tier {
+    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, String> {
+        let items: Vec<StoreItem<'_>> = items
+            .iter()
+            .map(|i| StoreItem {
+                key: i.key,
+                generation: i.generation,
+                bytes: i.bytes,
+            })
+            .collect();
+        self.0.store_batch(&items).map_err(|e| e.to_string())
+    }
+
+    fn size_of(&self, generation: u64) -> Option<u64> {
+        self.0.size_of(generation)
+    }
+
+    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, String> {
+        match self.0.load(generation, dst) {
+            Ok(()) => Ok(true),
+            // Corrupt objects are dropped (and logged, counted, reported) by the tier.
+            Err(LoadError::NotFound(_) | LoadError::Corrupt { .. }) => Ok(false),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn remove(&self, generations: &[u64]) {
+        if let Err(e) = self.0.remove(generations) {
+            tracing::warn!(error = %e, "removing objects from the disk tier failed");
+        }
+    }
+}
+
+impl DiskInventory for Tier {
+    fn capacity(&self) -> u64 {
+        self.0.config().limit_bytes
+    }
+
+    fn objects(&self) -> Vec<(String, u64, u64)> {
+        self.0
+            .inventory()
+            .into_iter()
+            .map(|o| (o.key, o.generation, o.size))
+            .collect()
+    }
+
+    fn take_dropped(&self) -> Vec<(String, u64, u64)> {
+        self.0
+            .take_dropped()
+            .into_iter()
+            .map(|o| (o.key, o.generation, o.size))
+            .collect()
+    }
+}

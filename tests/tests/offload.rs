@@ -1,0 +1,353 @@
+//! The SSD tier end to end (issue 4): real `lunakv-master --enable_offload` and
+//! `lunakv-store --enable_offload` binaries, a workload larger than DRAM, crashes, corruption,
+//! unusable directories and mismatched switches.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use lunakv_client::{ClientError, ClientOptions, StoreClient};
+use lunakv_tests::{Master, Proc, fields, http_get, pattern, tcp_requester, wait_until};
+
+const OBJ: usize = 512 << 10;
+
+/// A store-client with the SSD tier in `dir` on a fixed transfer `port` (so a restarted store
+/// has the same segment name).
+struct OffloadStore {
+    proc: Proc,
+    admin: SocketAddr,
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+fn start_store(master: &str, dir: &Path, port: u16, env: &[(&str, &str)]) -> OffloadStore {
+    start_store_with(master, dir, port, env, "--enable_offload=true")
+}
+
+fn start_store_with(
+    master: &str,
+    dir: &Path,
+    port: u16,
+    env: &[(&str, &str)],
+    offload_flag: &str,
+) -> OffloadStore {
+    let args = vec![
+        format!("--master_server_address={master}"),
+        "--host=127.0.0.1".to_owned(),
+        format!("--port={port}"),
+        "--metrics_port=0".to_owned(),
+        "--global_segment_size=8MB".to_owned(),
+        offload_flag.to_owned(),
+    ];
+    let path = dir.display().to_string();
+    let mut all: Vec<(&str, &str)> = vec![("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", path.as_str())];
+    all.extend_from_slice(env);
+    let proc = Proc::spawn("lunakv-store", &args, &all);
+    let line = proc.wait_for_line("listening", Duration::from_secs(20));
+    let admin = fields(&line)
+        .get("admin")
+        .and_then(|a| a.parse().ok())
+        .expect("admin address");
+    OffloadStore { proc, admin }
+}
+
+fn metric(admin: SocketAddr, name: &str) -> Option<f64> {
+    let (_, body) = http_get(admin, "/metrics");
+    body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (n, v) = l.split_once(' ')?;
+        (n == name).then(|| v.trim().parse().ok())?
+    })
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Puts `n` objects of OBJ bytes (keys `k-<i>`, content `pattern(i)`); returns those that landed.
+fn fill(c: &StoreClient, n: u64) -> Vec<u64> {
+    (0..n)
+        .filter(|i| c.put(&format!("k-{i}"), &pattern(*i, OBJ)).is_ok())
+        .collect()
+}
+
+#[test]
+fn spill_and_reload_every_key_comes_back() {
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(mdir.path(), &["--enable_offload=true"]);
+    let s = start_store(&m.addr(), odir.path(), free_port(), &[]);
+    let c = tcp_requester(&m.addr());
+    // 32 MiB through an 8 MiB pool.
+    let put = fill(&c, 64);
+    assert_eq!(put.len(), 64, "with offload every put finds room");
+    for i in &put {
+        let got = c.get(&format!("k-{i}")).expect("every key comes back");
+        assert!(got == pattern(*i, OBJ), "k-{i}: wrong bytes");
+    }
+    // The seed's verification: the directory grew, and the master shows disk capacity.
+    assert!(
+        dir_bytes(odir.path()) > 16 << 20,
+        "offload dir did not grow"
+    );
+    assert!(m.metric("master_disk_capacity_bytes").unwrap_or(0.0) > 0.0);
+    assert!(m.metric("master_disk_key_count").unwrap_or(0.0) > 0.0);
+    assert!(m.metric("master_offloaded_keys_total").unwrap_or(0.0) >= 40.0);
+    assert!(metric(s.admin, "lunakv_store_disk_objects").unwrap_or(0.0) > 0.0);
+    assert!(metric(s.admin, "lunakv_store_disk_loads_total").unwrap_or(0.0) > 0.0);
+    let st = c.cluster_status().expect("status");
+    assert!(st.enable_offload);
+    assert!(st.segments[0].disk_capacity_bytes > 0);
+    assert!(st.segments[0].disk_object_count > 0);
+    // remove also forgets the disk copy.
+    c.remove("k-0", true).expect("remove");
+    assert!(matches!(c.get("k-0"), Err(ClientError::ObjectNotFound(_))));
+}
+
+#[test]
+fn kill9_mid_offload_serves_no_torn_object_and_recovers_the_rest() {
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(mdir.path(), &["--enable_offload=true", "--client_ttl=2"]);
+    let port = free_port();
+    // The store aborts in the middle of a bucket write once 6 MiB went to disk.
+    let mut s = start_store(
+        &m.addr(),
+        odir.path(),
+        port,
+        &[(
+            "LUNAKV_FAILPOINT_OFFLOAD_CRASH_AFTER_BYTES",
+            &(6u64 << 20 | 1234).to_string(),
+        )],
+    );
+    let c = tcp_requester(&m.addr());
+    let put = fill(&c, 40);
+    assert!(
+        s.proc.wait_exit(Duration::from_secs(10)).is_some() || !s.proc.alive(),
+        "the failpoint should have killed the store"
+    );
+    // Restart on the same port and directory: the index is recovered, torn tails dropped.
+    let s2 = start_store(&m.addr(), odir.path(), port, &[]);
+    let recovered = wait_until(Duration::from_secs(10), || {
+        metric(s2.admin, "lunakv_store_disk_objects").filter(|v| *v > 0.0)
+    })
+    .expect("disk objects recovered");
+    // Wait for the old segment to expire and the new mount to be the only one.
+    std::thread::sleep(Duration::from_secs(3));
+    let reader = tcp_requester(&m.addr());
+    let mut served = 0;
+    for i in &put {
+        match reader.get(&format!("k-{i}")) {
+            Ok(b) => {
+                assert!(b == pattern(*i, OBJ), "k-{i}: wrong bytes after a crash");
+                served += 1;
+            }
+            Err(ClientError::ObjectNotFound(_)) => {}
+            Err(e) => panic!("k-{i}: unexpected {e}"),
+        }
+    }
+    assert!(
+        served as f64 >= recovered,
+        "every recovered object is served ({served} < {recovered})"
+    );
+    assert!(recovered >= 8.0, "only {recovered} objects recovered");
+    drop(s2);
+}
+
+#[test]
+fn a_flipped_byte_is_dropped_and_reported_never_served() {
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(mdir.path(), &["--enable_offload=true"]);
+    let port = free_port();
+    let mut s = start_store(&m.addr(), odir.path(), port, &[]);
+    let c = tcp_requester(&m.addr());
+    let put = fill(&c, 48);
+    assert_eq!(put.len(), 48);
+    s.proc.terminate(Duration::from_secs(10));
+    // Flip one byte inside the first object of the oldest bucket.
+    let mut buckets: Vec<_> = std::fs::read_dir(odir.path())
+        .expect("dir")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "bucket"))
+        .collect();
+    buckets.sort();
+    let mut bytes = std::fs::read(&buckets[0]).expect("read bucket");
+    bytes[1000] ^= 0x5a;
+    std::fs::write(&buckets[0], &bytes).expect("write bucket");
+
+    let s2 = start_store(&m.addr(), odir.path(), port, &[]);
+    let recovered = wait_until(Duration::from_secs(10), || {
+        metric(s2.admin, "lunakv_store_disk_objects").filter(|v| *v > 0.0)
+    })
+    .expect("recovered");
+    let reader = tcp_requester(&m.addr());
+    let (mut served, mut missing) = (0, 0);
+    for i in &put {
+        match reader.get(&format!("k-{i}")) {
+            Ok(b) => {
+                assert!(b == pattern(*i, OBJ), "k-{i}: corrupt bytes served");
+                served += 1;
+            }
+            Err(ClientError::ObjectNotFound(_)) => missing += 1,
+            Err(e) => panic!("k-{i}: unexpected {e}"),
+        }
+    }
+    assert_eq!(
+        served as f64,
+        recovered - 1.0,
+        "all but the corrupt one served"
+    );
+    assert!(missing > 0);
+    assert_eq!(
+        metric(s2.admin, "lunakv_store_disk_corrupt_objects_total"),
+        Some(1.0)
+    );
+    assert!(
+        s2.proc.output().contains("failed its checksum"),
+        "the corruption is logged"
+    );
+    // The next ping tells the master.
+    assert!(
+        wait_until(Duration::from_secs(5), || m
+            .metric("master_disk_dropped_keys_total")
+            .filter(|v| *v >= 1.0))
+        .is_some()
+    );
+}
+
+#[test]
+fn unusable_directory_is_a_clear_error_and_dram_keeps_serving() {
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, b"x").expect("write");
+    let m = Master::start(mdir.path(), &["--enable_offload=true"]);
+    // A directory below a regular file can never be created.
+    let s = start_store(&m.addr(), &file.join("offload"), free_port(), &[]);
+    assert!(
+        s.proc
+            .output()
+            .contains("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"),
+        "the log names the setting to fix"
+    );
+    assert_eq!(
+        metric(s.admin, "lunakv_store_offload_open_errors"),
+        Some(1.0)
+    );
+    let c = tcp_requester(&m.addr());
+    let put = fill(&c, 32);
+    assert_eq!(put.len(), 32, "DRAM service continues (plain eviction)");
+    let last = put[put.len() - 1];
+    assert!(c.get(&format!("k-{last}")).expect("recent key") == pattern(last, OBJ));
+}
+
+#[test]
+fn tiny_disk_limit_drops_the_oldest_and_never_serves_wrong_bytes() {
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(mdir.path(), &["--enable_offload=true"]);
+    let s = start_store(
+        &m.addr(),
+        odir.path(),
+        free_port(),
+        &[("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", "4194304")],
+    );
+    let c = tcp_requester(&m.addr());
+    let put = fill(&c, 64);
+    assert_eq!(put.len(), 64);
+    assert!(dir_bytes(odir.path()) <= (4 << 20) + (1 << 20));
+    assert!(metric(s.admin, "lunakv_store_disk_evicted_objects_total").unwrap_or(0.0) > 0.0);
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut served = 0;
+    for i in &put {
+        match c.get(&format!("k-{i}")) {
+            Ok(b) => {
+                assert!(b == pattern(*i, OBJ), "k-{i}: wrong bytes");
+                served += 1;
+            }
+            Err(ClientError::ObjectNotFound(_)) => {}
+            Err(e) => panic!("k-{i}: unexpected {e}"),
+        }
+    }
+    assert!(
+        served >= 16,
+        "DRAM + 4 MiB of disk hold at least 16 objects, got {served}"
+    );
+    // The newest key is there; the oldest went first (FIFO).
+    assert!(c.get("k-63").is_ok());
+    assert!(matches!(c.get("k-0"), Err(ClientError::ObjectNotFound(_))));
+}
+
+#[test]
+fn mismatched_enable_offload_is_refused_or_reported() {
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    // Store with offload, master without: refused at mount, naming both and the fix.
+    let plain = Master::start(mdir.path(), &[]);
+    let args = vec![
+        format!("--master_server_address={}", plain.addr()),
+        "--host=127.0.0.1".to_owned(),
+        "--port=0".to_owned(),
+        "--metrics_port=0".to_owned(),
+        "--global_segment_size=8MB".to_owned(),
+        "--enable_offload=true".to_owned(),
+    ];
+    let path = odir.path().display().to_string();
+    let mut p = Proc::spawn(
+        "lunakv-store",
+        &args,
+        &[("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", path.as_str())],
+    );
+    let code = p.wait_exit(Duration::from_secs(20));
+    assert!(
+        matches!(code, Some(c) if c != 0),
+        "store must exit non-zero"
+    );
+    let out = p.output();
+    assert!(out.contains("offload mismatch"), "{out}");
+    assert!(
+        out.contains("lunakv-master with --enable_offload=true"),
+        "{out}"
+    );
+
+    // Master with offload, store without: reported (log + metric).
+    let mdir2 = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(mdir2.path(), &["--enable_offload=true"]);
+    let _s = start_store_with(
+        &m.addr(),
+        odir.path(),
+        free_port(),
+        &[],
+        "--enable_offload=false",
+    );
+    assert!(m.metric("master_offload_mismatch_total").unwrap_or(0.0) >= 1.0);
+    assert!(m.proc.output().contains("offload mismatch"));
+
+    // Engine config vs master: the client warns and exposes it.
+    let c = StoreClient::connect(ClientOptions {
+        master_server_address: m.addr(),
+        enable_offload: Some(false),
+        ..ClientOptions::default()
+    })
+    .expect("connect");
+    let w = c.offload_mismatch().expect("mismatch reported");
+    assert!(w.contains("--enable_offload=true"), "{w}");
+    let agree = StoreClient::connect(ClientOptions {
+        master_server_address: m.addr(),
+        enable_offload: Some(true),
+        ..ClientOptions::default()
+    })
+    .expect("connect");
+    assert!(agree.offload_mismatch().is_none());
+}
