@@ -932,8 +932,12 @@ mod tests {
     }
 
     #[test]
-    fn offload_is_accepted_with_a_warning() {
-        let loaded = load_flags(&[("enable_offload", "true")]).expect("load");
+    fn offload_is_a_real_switch_and_promotion_needs_it() {
+        let loaded =
+            load_flags(&[("enable_offload", "true"), ("promotion_on_hit", "true")]).expect("load");
+        assert!(loaded.config.enable_offload && loaded.config.promotion_on_hit);
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        let loaded = load_flags(&[("promotion_on_hit", "true")]).expect("load");
         assert!(loaded.warnings.iter().any(|w| w.contains("enable_offload")));
     }
 
