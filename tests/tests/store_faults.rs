@@ -212,3 +212,38 @@ fn bad_input_gets_clear_errors_and_service_continues() {
     c.put_parts("elsewhere", &[b"abc"], &cfg)
         .expect("placed on an existing segment");
 }
+
+#[test]
+fn rdma_without_a_device_is_one_clear_line_never_a_fallback() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(dir.path(), &[]);
+    let out = std::process::Command::new(lunakv_tests::bin("lunakv-store"))
+        .args([
+            &format!("--master_server_address={}", m.addr()),
+            "--host=127.0.0.1",
+            "--port=0",
+            "--metrics_port=0",
+            "--global_segment_size=8MB",
+            "--protocol=rdma",
+        ])
+        .output()
+        .expect("run lunakv-store");
+    assert!(!out.status.success(), "rdma must be refused on a machine without a device");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.contains("protocol \"rdma\""))
+        .unwrap_or_else(|| panic!("no rdma line in: {err}"));
+    assert!(line.contains("use \"protocol\": \"tcp\""), "{line}");
+    // Nothing was mounted: no silent tcp fallback.
+    assert_eq!(m.metric("master_total_capacity_bytes"), Some(0.0));
+    // The client library refuses the same way.
+    let e = lunakv_client::StoreClient::connect(lunakv_client::ClientOptions {
+        master_server_address: m.addr(),
+        protocol: "rdma".into(),
+        ..Default::default()
+    })
+    .err()
+    .expect("client refuses rdma");
+    assert!(e.to_string().contains("\"tcp\""), "{e}");
+}

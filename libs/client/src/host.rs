@@ -102,6 +102,12 @@ impl SegmentHost {
         .map_err(|e| {
             ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind))
         })?;
+        if opts.protocol == "rdma" {
+            // Registers the segment with the device so peers can READ/WRITE it one-sided.
+            server
+                .enable_rdma()
+                .map_err(|e| ClientError::Config(e.to_string()))?;
+        }
         if let Some(d) = &disk {
             server.set_cold_tier(d.cold.clone());
         }

@@ -44,11 +44,17 @@ impl StoreClient {
     /// Connects to the master and, in embedded mode, starts serving and mounts this client's
     /// own segment. Fails fast with a clear error when the master is unreachable.
     pub fn connect(opts: ClientOptions) -> Result<StoreClient> {
-        let engine = Arc::new(TransferEngine::new(TransferOptions {
+        let topts = TransferOptions {
             enable_shm: opts.enable_shm,
             ..TransferOptions::default()
-        }));
-        StoreClient::connect_with_engine(opts, engine)
+        };
+        let engine = if opts.protocol == "rdma" {
+            // Fails in one line when the build or the machine has no RDMA (see options.rs).
+            TransferEngine::with_rdma(topts).map_err(|e| ClientError::Config(e.to_string()))?
+        } else {
+            TransferEngine::new(topts)
+        };
+        StoreClient::connect_with_engine(opts, Arc::new(engine))
     }
 
     /// As [`StoreClient::connect`], but moves bytes with `engine`, a transfer engine shared with
@@ -124,7 +130,10 @@ impl StoreClient {
                 ping_interval: Duration::from_secs(1),
                 rpc_timeout: opts.rpc_timeout,
             };
-            Some(rt.block_on(SegmentHost::start(host_opts))?)
+            let host = rt.block_on(SegmentHost::start(host_opts))?;
+            // Our own segment lives in this process: reach it by memcpy, not through a socket.
+            engine.attach_local(host.server());
+            Some(host)
         } else {
             None
         };
@@ -640,11 +649,13 @@ impl StoreClient {
             .ok_or_else(|| ClientError::ObjectNotFound(key.to_owned()))
     }
 
-    /// Same-host replicas first: they are one memcpy away.
+    /// Our own segment first (a plain memcpy), then same-host replicas (memcpy + a round trip).
     fn preferred_replica(&self, loc: &Location) -> usize {
-        loc.replicas
-            .iter()
-            .position(|r| !r.disk && self.engine.uses_shm(&r.target))
+        let find = |f: &dyn Fn(&lunakv_transfer::Target) -> bool| {
+            loc.replicas.iter().position(|r| !r.disk && f(&r.target))
+        };
+        find(&|t| self.engine.is_local(t))
+            .or_else(|| find(&|t| self.engine.uses_shm(t)))
             .unwrap_or(0)
     }
 
@@ -938,6 +949,7 @@ impl StoreClient {
         }
         let _ = self.heartbeat_stop.send(true);
         if let Some(h) = self.host.lock().take() {
+            self.engine.detach_local(h.server());
             self.rt.block_on(h.shutdown())?;
         }
         Ok(())

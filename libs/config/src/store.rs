@@ -193,12 +193,8 @@ impl StoreConfig {
                 fix: "give the DRAM to serve, e.g. --global_segment_size=40GB".to_string(),
             });
         }
-        if self.protocol == Protocol::Rdma {
-            return Err(ConfigError::RdmaUnsupported {
-                field: "--protocol".to_string(),
-                value: self.protocol.to_string(),
-            });
-        }
+        // `--protocol=rdma` is a valid value here; whether this build and machine can serve it
+        // (the `rdma` feature, a device) is checked by the binary, which can probe the device.
         if self.port != 0 && self.port == self.metrics_port {
             return Err(ConfigError::Invalid {
                 field: "--metrics_port".to_string(),

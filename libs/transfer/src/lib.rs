@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+mod local;
 mod mem;
 mod raw;
 pub mod rdma;
@@ -386,6 +387,8 @@ pub struct TransferEngine {
     rdma: Option<RdmaTransport>,
     /// Endpoints that answered `RDMA_CONNECT`: `(offered, when)`.
     rdma_peers: Mutex<std::collections::HashMap<String, (bool, Instant)>>,
+    /// Segment servers of this process reached by direct memcpy ([`TransferEngine::attach_local`]).
+    local: local::LocalSegments,
 }
 
 impl TransferEngine {
@@ -397,7 +400,28 @@ impl TransferEngine {
             shm_failed: Mutex::new(std::collections::HashMap::new()),
             rdma: None,
             rdma_peers: Mutex::new(std::collections::HashMap::new()),
+            local: local::LocalSegments::default(),
         }
+    }
+
+    /// Lets this engine reach `server`, a segment server of this same process (embedded mode:
+    /// the engine's own segment), by direct memcpy against its mapping and entry table: no
+    /// socket, no syscall. Requests whose [`Target`] names the server (same endpoint and host)
+    /// take this path before shm, rdma or tcp, with the same generation checks, overlap
+    /// invalidation and stats. The engine holds a weak reference: a dropped or shut-down server
+    /// is skipped. Attaching again (or another server on the same endpoint) replaces it.
+    pub fn attach_local(&self, server: &SegmentServer) {
+        self.local.attach(server);
+    }
+
+    /// Undoes [`TransferEngine::attach_local`]; requests to `server` use the sockets again.
+    pub fn detach_local(&self, server: &SegmentServer) {
+        self.local.detach(server);
+    }
+
+    /// True if requests to `t` take the in-process path (an attached, running server).
+    pub fn is_local(&self, t: &Target) -> bool {
+        self.local.find(t).is_some()
     }
 
     /// An engine that also moves bytes over RDMA (what `protocol: "rdma"` selects): per target,
@@ -550,6 +574,9 @@ impl TransferEngine {
         offset: u64,
         src: &[&[u8]],
     ) -> Result<(), TransferError> {
+        if let Some(s) = self.local.find(t) {
+            return local::write(&s, t, generation, key, offset, src);
+        }
         self.route(t, |tr| tr.write(t, generation, key, offset, src))
     }
 
@@ -561,12 +588,21 @@ impl TransferEngine {
         offset: u64,
         dst: &mut [&mut [u8]],
     ) -> Result<(), TransferError> {
+        if let Some(s) = self.local.find(t) {
+            return local::read(&s, t, generation, offset, dst);
+        }
         self.route(t, |tr| tr.read(t, generation, offset, dst))
     }
 
     /// Runs many requests; results in request order. Requests are grouped per target, each
-    /// group pipelined on up to `conns_per_peer` connections, all groups in parallel.
+    /// group pipelined on up to `conns_per_peer` connections, all groups in parallel. Requests
+    /// to attached in-process segments run on the calling thread, beside the others.
     pub fn batch(&self, reqs: &mut [TransferRequest<'_>]) -> Vec<Result<(), TransferError>> {
+        let total = reqs.len();
+        // Requests to in-process segments, with the server (looked up once per target).
+        type LocalReq<'r, 'a> = (usize, std::sync::Arc<server::Shared>, &'r mut TransferRequest<'a>);
+        let mut locals: Vec<LocalReq<'_, '_>> = Vec::new();
+        let mut local_seen: Vec<(&Target, Option<std::sync::Arc<server::Shared>>)> = Vec::new();
         // Group by target (few peers per batch: linear search beats hashing).
         let mut groups: Vec<(&Target, Vec<(usize, &mut TransferRequest<'_>)>)> = Vec::new();
         for (i, r) in reqs.iter_mut().enumerate() {
@@ -575,6 +611,18 @@ impl TransferEngine {
                     target
                 }
             };
+            let shared = match local_seen.iter().find(|(g, _)| *g == t) {
+                Some((_, s)) => s.clone(),
+                None => {
+                    let s = self.local.find(t);
+                    local_seen.push((t, s.clone()));
+                    s
+                }
+            };
+            if let Some(s) = shared {
+                locals.push((i, s, r));
+                continue;
+            }
             match groups.iter_mut().find(|(g, _)| *g == t) {
                 Some((_, v)) => v.push((i, r)),
                 None => groups.push((t, vec![(i, r)])),
@@ -598,7 +646,30 @@ impl TransferEngine {
             units.push((t, v));
         }
         let mut results: Vec<Option<Result<(), TransferError>>> =
-            (0..reqs_len(&units)).map(|_| None).collect();
+            (0..total).map(|_| None).collect();
+        let run_locals = |locals: Vec<LocalReq<'_, '_>>| -> Vec<(usize, Result<(), TransferError>)> {
+            locals
+                .into_iter()
+                .map(|(i, s, r)| {
+                    let out = match r {
+                        TransferRequest::Write {
+                            target,
+                            generation,
+                            key,
+                            offset,
+                            src,
+                        } => local::write(&s, target, *generation, key, *offset, src),
+                        TransferRequest::Read {
+                            target,
+                            generation,
+                            offset,
+                            dst,
+                        } => local::read(&s, target, *generation, *offset, dst),
+                    };
+                    (i, out)
+                })
+                .collect()
+        };
         let run_unit = |t: &Target,
                         v: &mut Vec<(usize, &mut TransferRequest<'_>)>|
          -> Vec<(usize, Result<(), TransferError>)> {
@@ -609,7 +680,24 @@ impl TransferEngine {
             idx.into_iter().zip(out).collect()
         };
         let mut collected: Vec<(usize, Result<(), TransferError>)> = Vec::new();
-        if units.len() == 1 {
+        if units.is_empty() {
+            collected = run_locals(locals);
+        } else if !locals.is_empty() {
+            // The local copies run here while the remote units run on their own threads.
+            std::thread::scope(|s| {
+                let handles: Vec<_> = units
+                    .into_iter()
+                    .map(|(t, mut v)| s.spawn(move || run_unit(t, &mut v)))
+                    .collect();
+                collected = run_locals(locals);
+                for h in handles {
+                    match h.join() {
+                        Ok(r) => collected.extend(r),
+                        Err(p) => std::panic::resume_unwind(p),
+                    }
+                }
+            });
+        } else if units.len() == 1 {
             let (t, mut v) = units.pop().unwrap_or_else(|| unreachable!());
             collected = run_unit(t, &mut v);
         } else if !units.is_empty() {
@@ -694,14 +782,6 @@ const _: () = {
     is::<MemoryRegistry>();
     is::<TransferError>();
 };
-
-fn reqs_len(units: &[(&Target, Vec<(usize, &mut TransferRequest<'_>)>)]) -> usize {
-    units
-        .iter()
-        .flat_map(|(_, v)| v.iter().map(|(i, _)| i + 1))
-        .max()
-        .unwrap_or(0)
-}
 
 impl TransferRequest<'_> {
     /// Payload bytes of this request.

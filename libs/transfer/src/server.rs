@@ -25,7 +25,7 @@ use crate::{
 };
 
 /// How long a WRITE waits for readers of the entries it overwrites before writing anyway.
-const OVERWRITE_PIN_WAIT: Duration = Duration::from_secs(5);
+pub(crate) const OVERWRITE_PIN_WAIT: Duration = Duration::from_secs(5);
 /// A reader that stops draining its socket this long is cut off, so its pin (held during the
 /// send) cannot block FREE forever. Idle pooled connections have no read timeout.
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
@@ -35,11 +35,11 @@ const MAX_PINS_PER_CONN: usize = 1 << 16;
 const READ_BUF: usize = 16 * 1024;
 
 #[derive(Default)]
-struct Counters {
-    bytes_read: AtomicU64,
-    bytes_written: AtomicU64,
-    reads: AtomicU64,
-    writes: AtomicU64,
+pub(crate) struct Counters {
+    pub(crate) bytes_read: AtomicU64,
+    pub(crate) bytes_written: AtomicU64,
+    pub(crate) reads: AtomicU64,
+    pub(crate) writes: AtomicU64,
 }
 
 enum Live {
@@ -47,14 +47,14 @@ enum Live {
     Unix(UnixStream),
 }
 
-struct Shared {
+pub(crate) struct Shared {
     /// The segment's RDMA memory region, once [`SegmentServer::enable_rdma`] registered it.
     /// Declared before `mem` so it is deregistered before the memory is unmapped.
     rdma: crate::rdma::ServerRdma,
-    mem: Mapping,
-    table: Table,
-    counters: Counters,
-    stopping: AtomicBool,
+    pub(crate) mem: Mapping,
+    pub(crate) table: Table,
+    pub(crate) counters: Counters,
+    pub(crate) stopping: AtomicBool,
     /// Clones of every open connection, so shutdown can unblock their threads.
     conns: Mutex<HashMap<u64, Live>>,
     next_conn: AtomicU64,
@@ -65,7 +65,7 @@ struct Shared {
 /// Owns a memfd-backed segment plus its entry table and serves it over tcp (and a unix socket
 /// for shm). Stops on [`SegmentServer::shutdown`] or drop.
 pub struct SegmentServer {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
     local_addr: SocketAddr,
     info: SegmentInfo,
     unix_path: Option<PathBuf>,
@@ -683,6 +683,74 @@ fn serve<S: Stream>(
                 // Keep the buffer for the next load unless it is very large.
                 if load_buf.capacity() > 64 << 20 {
                     load_buf = Vec::new();
+                }
+            }
+            Op::Promote => {
+                let key_len = req.key_len as usize;
+                if key_len > wire::MAX_KEY_LEN {
+                    return Err(End::Garbage(format!(
+                        "key length {key_len} > {}",
+                        wire::MAX_KEY_LEN
+                    )));
+                }
+                key_buf.resize(key_len, 0);
+                rd.read_exact(&mut key_buf)?;
+                if unix {
+                    reply(
+                        &mut wr,
+                        Status::BadRequest,
+                        0,
+                        "PROMOTE is only valid on the tcp listener",
+                    )?;
+                    continue;
+                }
+                if req.len == 0 {
+                    reply(&mut wr, Status::BadRequest, 0, "zero-length object")?;
+                    continue;
+                }
+                let Ok(key) = std::str::from_utf8(&key_buf) else {
+                    reply(&mut wr, Status::BadRequest, 0, "key is not UTF-8")?;
+                    continue;
+                };
+                let Some((off, len)) = shared.mem.check(req.offset, req.len) else {
+                    reply(
+                        &mut wr,
+                        Status::OutOfBounds,
+                        size,
+                        "range outside the segment",
+                    )?;
+                    continue;
+                };
+                let Some(cold) = shared.cold.get() else {
+                    reply(&mut wr, Status::Stale, 0, "")?;
+                    continue;
+                };
+                if cold.size_of(req.generation) != Some(req.len) {
+                    reply(&mut wr, Status::Stale, 0, "")?;
+                    continue;
+                }
+                // The master reserved this range for the promotion; retire anything stale
+                // there and wait for its readers, as WRITE does.
+                shared
+                    .table
+                    .invalidate_range(req.offset, req.len, OVERWRITE_PIN_WAIT);
+                // SAFETY: [off, off+len) was bounds-checked against the mapping, and the
+                // entries there were just retired and their readers waited for, so nothing
+                // reads this range through a reference while the disk tier fills it. The
+                // slice lives only for this load.
+                let dst = unsafe { std::slice::from_raw_parts_mut(shared.mem.ptr_at(off), len) };
+                match cold.load(req.generation, dst) {
+                    Ok(true) => {
+                        shared
+                            .table
+                            .commit(req.generation, key.to_owned(), req.offset, req.len);
+                        reply(&mut wr, Status::Ok, 0, "")?;
+                    }
+                    Ok(false) => reply(&mut wr, Status::Stale, 0, "")?,
+                    Err(msg) => {
+                        tracing::warn!(generation = req.generation, error = %msg, "promotion from disk failed");
+                        reply(&mut wr, Status::Stale, 0, "")?
+                    }
                 }
             }
             Op::Attach => {

@@ -365,6 +365,46 @@ impl TcpTransport {
         Ok(failed)
     }
 
+    /// PROMOTE (wire op 13): asks the owner at `endpoint` to copy object `generation` (of
+    /// `len` bytes, named `key`) from its disk tier into `[offset, offset+len)` of its segment
+    /// and commit the DRAM entry. `Ok` once committed; `Err(Stale)` when its disk tier does
+    /// not hold the object. Used by the master's promotion on hit.
+    pub fn promote(
+        &self,
+        endpoint: &str,
+        generation: u64,
+        key: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), TransferError> {
+        if len == 0 {
+            return Err(TransferError::InvalidArgument("zero-length promote".into()));
+        }
+        let hdr = Request {
+            op: Op::Promote,
+            generation,
+            offset,
+            len,
+            key_len: key.len() as u32,
+            aux: 0,
+        }
+        .encode();
+        self.with_conn(endpoint, |c| {
+            // A disk read of up to a whole object: allow for it.
+            let wait = self.io_timeout * 6;
+            c.stream
+                .set_read_timeout(Some(wait))
+                .map_err(|e| io_err(endpoint, e))?;
+            write_all_gather(&mut c.stream, &[&hdr, key.as_bytes()], &[])
+                .map_err(|e| io_err(endpoint, e))?;
+            let r = recv_status(&mut c.stream, endpoint, generation, offset, len).map(|_| ());
+            c.stream
+                .set_read_timeout(Some(self.io_timeout))
+                .map_err(|e| io_err(endpoint, e))?;
+            r
+        })
+    }
+
     /// LOAD (see [`crate::TransferEngine::load`]).
     pub fn load(
         &self,

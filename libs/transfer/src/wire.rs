@@ -61,6 +61,12 @@ pub enum Op {
     /// also accepts `PIN`/`UNPIN`/`COMMIT` (the RDMA data path's control ops), and the queue
     /// pair lives as long as the connection.
     RdmaConnect = 12,
+    /// SSD tier, master to owner: `PROMOTE(gen, key, offset, len)` + key. The owner reads
+    /// object `gen` from its disk tier (checksum verified) into `[offset, offset+len)` of its
+    /// segment, a range the master reserved, and commits the DRAM entry under the same
+    /// generation (as `WRITE` does); the disk copy stays. Answers OK, or STALE when the disk
+    /// tier does not hold it (or it failed its checksum).
+    Promote = 13,
 }
 
 /// In a `FREE` pair, this offset names the object's disk copy rather than a DRAM range.
@@ -82,6 +88,7 @@ impl Op {
             10 => Op::Offload,
             11 => Op::Load,
             12 => Op::RdmaConnect,
+            13 => Op::Promote,
             _ => return None,
         })
     }

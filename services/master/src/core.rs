@@ -187,6 +187,8 @@ struct Object {
     soft_pin_until: Option<Instant>,
     hard_pinned: bool,
     last_access: Instant,
+    /// A promotion on hit is in flight (at most one per object).
+    promoting: bool,
 }
 
 impl Object {
@@ -231,6 +233,19 @@ pub struct PendingOffload {
     pub mount_id: u64,
     pub generation: u64,
     pub offset: u64,
+}
+
+/// A disk-only object its owner is asked to copy back into DRAM (promotion on hit): the DRAM
+/// range at `offset` is reserved in the allocator, not yet a replica.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingPromotion {
+    pub key: String,
+    pub endpoint: String,
+    pub segment: String,
+    pub mount_id: u64,
+    pub generation: u64,
+    pub offset: u64,
+    pub size: u64,
 }
 
 /// A segment as the admin view shows it.
@@ -295,6 +310,9 @@ pub struct MasterCore {
     /// Ranges of discarded puts, freed once their release deadline passes.
     quarantine: Mutex<Vec<(Instant, Vec<PendingFree>)>>,
     eviction_lock: tokio::sync::Mutex<()>,
+    /// Promotions reserved by gets, waiting for [`MasterCore::run_promotions`] (a leaf lock).
+    promotions: Mutex<Vec<PendingPromotion>>,
+    promotion_wanted: tokio::sync::Notify,
     notifier: Arc<dyn OwnerNotifier>,
     pub metrics: Metrics,
 }
@@ -313,6 +331,8 @@ impl MasterCore {
             clients: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(Vec::new()),
             eviction_lock: tokio::sync::Mutex::new(()),
+            promotions: Mutex::new(Vec::new()),
+            promotion_wanted: tokio::sync::Notify::new(),
             notifier,
             metrics: Metrics::new(),
         }
@@ -500,6 +520,7 @@ impl MasterCore {
                     soft_pin_until: None,
                     hard_pinned: false,
                     last_access: now,
+                    promoting: false,
                 };
             }
             None => {
@@ -516,6 +537,7 @@ impl MasterCore {
                         soft_pin_until: None,
                         hard_pinned: false,
                         last_access: now,
+                        promoting: false,
                     },
                 );
             }
@@ -746,6 +768,7 @@ impl MasterCore {
                 soft_pin_until: opts.soft_pin.then(|| now + soft_ttl),
                 hard_pinned: opts.hard_pin,
                 last_access: now,
+                promoting: false,
             },
         );
         Ok((generation, views))
@@ -801,7 +824,7 @@ impl MasterCore {
         if o.soft_pin_until.is_some() {
             o.soft_pin_until = Some(now + self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl));
         }
-        let segs = self.segments.lock();
+        let mut segs = self.segments.lock();
         let replicas = o
             .replicas
             .iter()
@@ -816,9 +839,36 @@ impl MasterCore {
                     })
             })
             .collect();
+        let disk_only = o.replicas.iter().all(|r| r.disk);
+        let promotion = if disk_only && self.cfg.promotion_on_hit && !o.promoting {
+            // Reserve a DRAM range on a disk replica's owner; no room means no promotion (it
+            // is not worth an eviction), and the next hit tries again.
+            o.replicas.iter().filter(|r| r.disk).find_map(|r| {
+                let seg = segs
+                    .get_mut(&r.segment)
+                    .filter(|s| s.mount_id == r.mount_id)?;
+                let offset = seg.alloc.allocate(o.size)?;
+                Some(PendingPromotion {
+                    key: key.to_string(),
+                    endpoint: seg.desc.transfer_endpoint.clone(),
+                    segment: r.segment.clone(),
+                    mount_id: r.mount_id,
+                    generation: o.generation,
+                    offset,
+                    size: o.size,
+                })
+            })
+        } else {
+            None
+        };
         drop(segs);
-        if o.replicas.iter().all(|r| r.disk) {
+        if disk_only {
             self.metrics.disk_hits_total.inc();
+        }
+        if let Some(p) = promotion {
+            o.promoting = true;
+            self.promotions.lock().push(p);
+            self.promotion_wanted.notify_one();
         }
         Ok(Location {
             generation: o.generation,
@@ -1179,6 +1229,112 @@ impl MasterCore {
                 seg.alloc.free(f.offset);
             }
         }
+    }
+
+    /// Resolves when a get reserved a promotion (`--promotion_on_hit`); the background task
+    /// then calls [`Self::run_promotions`].
+    pub async fn promotion_wanted(&self) {
+        self.promotion_wanted.notified().await;
+    }
+
+    /// Promotions reserved by gets and not yet run.
+    pub fn pending_promotions(&self) -> usize {
+        self.promotions.lock().len()
+    }
+
+    /// Runs the promotions reserved by gets, in parallel: each owner copies its disk object into
+    /// the reserved DRAM range (PROMOTE) and commits the entry under the same generation. Once it
+    /// confirmed, the object gains a MEMORY replica (first, so readers prefer it) and keeps its
+    /// disk one. A failed promotion, or one whose object was removed or replaced meanwhile, gives
+    /// the range back through its owner (FREE, then the allocator). Returns promotions done.
+    pub async fn run_promotions(&self) -> u64 {
+        let items = std::mem::take(&mut *self.promotions.lock());
+        if items.is_empty() {
+            return 0;
+        }
+        let budget = self.cfg.free_timeout + Duration::from_secs(60);
+        let results: Mutex<Vec<(PendingPromotion, bool)>> = Mutex::new(Vec::new());
+        let calls = items.into_iter().map(|p| {
+            let notifier = self.notifier.clone();
+            let results = &results;
+            async move {
+                let r = tokio::time::timeout(
+                    budget,
+                    notifier.promote(&p.endpoint, p.generation, &p.key, p.offset, p.size),
+                )
+                .await;
+                let ok = match r {
+                    Ok(Ok(())) => true,
+                    Ok(Err(e)) => {
+                        tracing::warn!(key = %p.key, endpoint = %p.endpoint, error = %e, "promotion failed; the object stays on disk");
+                        false
+                    }
+                    Err(_) => {
+                        tracing::warn!(key = %p.key, endpoint = %p.endpoint, "promotion timed out; the object stays on disk");
+                        false
+                    }
+                };
+                results.lock().push((p, ok));
+            }
+        });
+        futures_join_all(calls).await;
+        let mut frees = Vec::new();
+        let mut done = 0u64;
+        let mut failed = 0u64;
+        for (p, ok) in results.into_inner() {
+            if !ok {
+                failed += 1;
+            }
+            let mounted = || {
+                self.segments
+                    .lock()
+                    .get(&p.segment)
+                    .is_some_and(|s| s.mount_id == p.mount_id)
+            };
+            let mut shard = self.shard(&p.key).lock();
+            let object = shard
+                .get_mut(&p.key)
+                .filter(|o| o.generation == p.generation);
+            let kept = match object {
+                Some(o) => {
+                    o.promoting = false;
+                    if ok && mounted() {
+                        o.replicas.insert(
+                            0,
+                            ReplicaLoc {
+                                segment: p.segment.clone(),
+                                mount_id: p.mount_id,
+                                offset: p.offset,
+                                disk: false,
+                            },
+                        );
+                        true
+                    } else {
+                        false
+                    }
+                }
+                None => false,
+            };
+            drop(shard);
+            if kept {
+                done += 1;
+            } else {
+                frees.push(PendingFree {
+                    endpoint: p.endpoint,
+                    segment: p.segment,
+                    mount_id: p.mount_id,
+                    generation: p.generation,
+                    offset: p.offset,
+                });
+            }
+        }
+        self.metrics.promotions_total.inc_by(done);
+        self.metrics.promotion_failures_total.inc_by(failed);
+        if done > 0 || failed > 0 {
+            tracing::debug!(done, failed, "promotions on hit");
+        }
+        self.release(frees).await;
+        done
     }
 
     /// The owner's disk tier dropped these objects (its size limit, a failed checksum): forget

@@ -612,3 +612,82 @@ async fn offload_mismatch_is_refused_and_disk_inventory_is_indexed() {
     assert_eq!(core.disk_dropped("cl", &[("d".into(), (7 << 32) | 3)]), 1);
     assert!(core.get_replica_list("d").is_err());
 }
+
+#[tokio::test]
+async fn promotion_on_hit_adds_a_memory_replica_once_the_owner_confirms() {
+    let g = (7 << 32) | 3;
+    let disk = InventoryItem {
+        disk: true,
+        ..item("d", 0, 5000, g)
+    };
+    // Without the switch a disk hit reserves nothing.
+    let (off, _) = new_core(CoreConfig {
+        enable_offload: true,
+        ..cfg()
+    });
+    off.mount("cl", "c", offload_desc("s:1", 1 << 20), vec![disk.clone()])
+        .expect("mount");
+    off.get_replica_list("d").expect("hit");
+    assert_eq!(off.pending_promotions(), 0);
+    assert_eq!(off.allocated_bytes(), 0);
+
+    let (core, n) = new_core(CoreConfig {
+        enable_offload: true,
+        promotion_on_hit: true,
+        ..cfg()
+    });
+    core.mount("cl", "c", offload_desc("s:1", 1 << 20), vec![disk])
+        .expect("mount");
+    let loc = core.get_replica_list("d").expect("hit");
+    assert!(loc.replicas.len() == 1 && loc.replicas[0].disk, "served from disk");
+    assert_eq!(core.pending_promotions(), 1);
+    assert!(core.allocated_bytes() >= 5000, "the DRAM range is reserved");
+    core.get_replica_list("d").expect("second hit");
+    assert_eq!(core.pending_promotions(), 1, "one promotion per object in flight");
+    assert_eq!(core.run_promotions().await, 1);
+    let (ep, pg, key, offset, len) = n.promotes.lock()[0].clone();
+    assert_eq!((ep.as_str(), pg, key.as_str(), len), ("ep-s:1", g, "d", 5000));
+    let loc = core.get_replica_list("d").expect("promoted");
+    assert_eq!(loc.generation, g);
+    assert_eq!(loc.replicas.len(), 2, "the disk copy stays");
+    assert!(!loc.replicas[0].disk && loc.replicas[0].offset == offset);
+    assert_eq!(core.pending_promotions(), 0, "no promotion of an object in DRAM");
+    assert_eq!(core.metrics.promotions_total.get(), 1);
+    // Evicting it again is a plain FREE of the DRAM range (the disk copy exists).
+    core.evict(u64::MAX).await;
+    assert!(n.freed().contains(&(g, offset)));
+    assert_eq!(core.allocated_bytes(), 0);
+    assert!(core.get_replica_list("d").expect("on disk").replicas[0].disk);
+}
+
+#[tokio::test]
+async fn failed_promotion_frees_the_reservation_through_the_owner() {
+    let g = (7 << 32) | 3;
+    let (core, n) = new_core(CoreConfig {
+        enable_offload: true,
+        promotion_on_hit: true,
+        ..cfg()
+    });
+    n.unreachable.lock().push("ep-s:1".into());
+    let disk = InventoryItem {
+        disk: true,
+        ..item("d", 0, 5000, g)
+    };
+    core.mount("cl", "c", offload_desc("s:1", 1 << 20), vec![disk])
+        .expect("mount");
+    core.get_replica_list("d").expect("hit");
+    assert_eq!(core.run_promotions().await, 0);
+    let offset = n.promotes.lock()[0].3;
+    assert!(n.freed().contains(&(g, offset)), "freed through the owner");
+    assert_eq!(core.allocated_bytes(), 0);
+    assert_eq!(core.metrics.promotion_failures_total.get(), 1);
+    let loc = core.get_replica_list("d").expect("still on disk");
+    assert!(loc.replicas.len() == 1 && loc.replicas[0].disk);
+    assert_eq!(core.pending_promotions(), 1, "a later hit tries again");
+    // Removed while the promotion is in flight: the range goes back through the owner.
+    n.unreachable.lock().clear();
+    core.remove("d", true).await.expect("remove");
+    assert_eq!(core.run_promotions().await, 0);
+    assert_eq!(core.allocated_bytes(), 0);
+    assert!(core.get_replica_list("d").is_err());
+}

@@ -93,6 +93,10 @@ pub struct Metrics {
     pub disk_hits_total: IntCounter,
     /// Mounts whose enable_offload disagreed with the master's (refused or warned).
     pub offload_mismatch_total: IntCounter,
+    /// Disk-only objects copied back into their owner's DRAM on a hit (`--promotion_on_hit`).
+    pub promotions_total: IntCounter,
+    /// Promotions the owner could not complete (the object stays served from disk).
+    pub promotion_failures_total: IntCounter,
     requests: Vec<(IntCounter, IntCounter)>,
 }
 
@@ -192,6 +196,16 @@ impl Metrics {
                 &r,
                 "master_offload_mismatch_total",
                 "Mounts whose enable_offload disagreed with the master's",
+            ),
+            promotions_total: counter(
+                &r,
+                "master_promotions_total",
+                "Disk-only objects promoted back to DRAM on a hit",
+            ),
+            promotion_failures_total: counter(
+                &r,
+                "master_promotion_failures_total",
+                "Promotions on hit the owner could not complete",
             ),
             requests,
             registry: r,

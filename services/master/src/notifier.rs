@@ -30,12 +30,29 @@ pub trait OwnerNotifier: Send + Sync + 'static {
         let _ = (endpoint, timeout);
         Ok(entries.iter().map(|(g, _)| *g).collect())
     }
+
+    /// Asks an owner to copy disk object `generation` (`key`, `len` bytes) into the DRAM range
+    /// at `offset` the master reserved for it, and commit the entry (promotion on hit). `Ok`
+    /// once committed. The default (a notifier that cannot promote) fails.
+    async fn promote(
+        &self,
+        endpoint: &str,
+        generation: u64,
+        key: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        let _ = (generation, key, offset, len);
+        Err(format!("{endpoint}: this notifier cannot promote"))
+    }
 }
 
 /// The production notifier: a FREE frame over the transfer library (a blocking call, run on
 /// the blocking pool).
 pub struct TransferNotifier {
     engine: Arc<lunakv_transfer::TransferEngine>,
+    /// PROMOTE is a master-only op: spoken over a tcp transport of the notifier's own.
+    tcp: Arc<lunakv_transfer::TcpTransport>,
 }
 
 impl TransferNotifier {
@@ -43,6 +60,10 @@ impl TransferNotifier {
         TransferNotifier {
             engine: Arc::new(lunakv_transfer::TransferEngine::new(
                 lunakv_transfer::TransferOptions::default(),
+            )),
+            tcp: Arc::new(lunakv_transfer::TcpTransport::new(
+                2,
+                lunakv_transfer::TransferOptions::default().io_timeout,
             )),
         }
     }
@@ -85,6 +106,23 @@ impl OwnerNotifier for TransferNotifier {
             .map_err(|e| format!("offload task failed: {e}"))?
             .map_err(|e| e.to_string())
     }
+
+    async fn promote(
+        &self,
+        endpoint: &str,
+        generation: u64,
+        key: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        let tcp = self.tcp.clone();
+        let endpoint = endpoint.to_string();
+        let key = key.to_string();
+        tokio::task::spawn_blocking(move || tcp.promote(&endpoint, generation, &key, offset, len))
+            .await
+            .map_err(|e| format!("promote task failed: {e}"))?
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// One call seen by a [`RecordingNotifier`].
@@ -101,6 +139,8 @@ pub struct RecordingNotifier {
     pub calls: Mutex<Vec<FreeCall>>,
     /// OFFLOAD calls (answered "all stored").
     pub offloads: Mutex<Vec<FreeCall>>,
+    /// PROMOTE calls: (endpoint, generation, key, offset, len), answered OK.
+    pub promotes: Mutex<Vec<(String, u64, String, u64, u64)>>,
     pub unreachable: Mutex<Vec<String>>,
 }
 
@@ -147,5 +187,22 @@ impl OwnerNotifier for RecordingNotifier {
             return Err(format!("{endpoint} unreachable (test)"));
         }
         Ok(Vec::new())
+    }
+
+    async fn promote(
+        &self,
+        endpoint: &str,
+        generation: u64,
+        key: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        self.promotes
+            .lock()
+            .push((endpoint.to_string(), generation, key.to_string(), offset, len));
+        if self.unreachable.lock().iter().any(|e| e == endpoint) {
+            return Err(format!("{endpoint} unreachable (test)"));
+        }
+        Ok(())
     }
 }

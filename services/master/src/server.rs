@@ -381,8 +381,13 @@ async fn background(
     let mut interval = tokio::time::interval(tick);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        let core = slot.get();
         tokio::select! {
             _ = stop.changed() => return,
+            _ = core.promotion_wanted() => {
+                // Promotions on hit run beside the sweeps, never in a get's path.
+                tokio::spawn(async move { core.run_promotions().await });
+            }
             _ = interval.tick() => {
                 if !leading() {
                     continue;

@@ -25,6 +25,10 @@ pub use offload::EVICTION_POLICY_ENV;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// `--protocol=rdma` without the `rdma` build feature or without a device: one line, naming
+    /// the fix (use tcp). Never a silent fallback.
+    #[error("{0}")]
+    Rdma(String),
     #[error(
         "--host '{0}' is not an IP address: the transfer listener binds exactly this address; pass this node's IP, e.g. --host=127.0.0.1"
     )]
@@ -52,6 +56,9 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
         .host
         .parse()
         .map_err(|_| StoreError::BadHost(cfg.host.clone()))?;
+    if cfg.protocol == lunakv_config::Protocol::Rdma {
+        lunakv_transfer::rdma_check().map_err(|e| StoreError::Rdma(e.to_string()))?;
+    }
     let client_id = format!("store-{}", uuid_like());
     let env = lunakv_config::process_env;
     let shm_socket = cfg.enable_shm.then(|| {

@@ -1,0 +1,171 @@
+//! The in-process path: a [`TransferEngine`](crate::TransferEngine) whose target is a
+//! [`SegmentServer`] living in this very process (an engine in embedded mode writing to and
+//! reading from its own segment) copies straight against the server's mapping and entry table.
+//! No socket, no syscall: a get is pin -> memcpy -> unpin, a put is invalidate -> memcpy ->
+//! commit, with exactly the checks, generation rules and counters of the tcp READ/WRITE ops.
+//!
+//! Servers are attached explicitly ([`TransferEngine::attach_local`](crate::TransferEngine::attach_local));
+//! the engine keeps weak references, so a server that is dropped frees its memory, and one that
+//! was shut down is skipped (requests then go over the sockets and fail like any stopped owner).
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+
+use parking_lot::RwLock;
+
+use crate::mem::Mapping;
+use crate::server::{OVERWRITE_PIN_WAIT, Shared};
+use crate::table::PinResult;
+use crate::tcp::{check_request, total_len};
+use crate::{SegmentServer, Target, TransferError};
+
+struct Attached {
+    endpoint: String,
+    host_id: String,
+    shared: Weak<Shared>,
+}
+
+/// The servers of this process an engine may reach directly.
+#[derive(Default)]
+pub(crate) struct LocalSegments {
+    list: RwLock<Vec<Attached>>,
+}
+
+impl LocalSegments {
+    pub(crate) fn attach(&self, server: &SegmentServer) {
+        let info = server.info();
+        let mut l = self.list.write();
+        l.retain(|a| a.shared.strong_count() > 0 && a.endpoint != info.transfer_endpoint);
+        l.push(Attached {
+            endpoint: info.transfer_endpoint,
+            host_id: info.host_id,
+            shared: Arc::downgrade(&server.shared),
+        });
+    }
+
+    pub(crate) fn detach(&self, server: &SegmentServer) {
+        let me = Arc::downgrade(&server.shared);
+        self.list
+            .write()
+            .retain(|a| a.shared.strong_count() > 0 && !Weak::ptr_eq(&a.shared, &me));
+    }
+
+    /// The live, running server behind `t`, if it is attached.
+    pub(crate) fn find(&self, t: &Target) -> Option<Arc<Shared>> {
+        let l = self.list.read();
+        if l.is_empty() {
+            return None;
+        }
+        let a = l
+            .iter()
+            .find(|a| a.endpoint == t.endpoint && a.host_id == t.host_id)?;
+        let s = a.shared.upgrade()?;
+        (!s.stopping.load(Ordering::SeqCst)).then_some(s)
+    }
+}
+
+fn bounds(m: &Mapping, offset: u64, len: u64) -> Result<usize, TransferError> {
+    m.check(offset, len)
+        .map(|(off, _)| off)
+        .ok_or(TransferError::OutOfBounds {
+            offset,
+            len,
+            size: m.len(),
+        })
+}
+
+/// WRITE against an in-process segment: the tcp WRITE op without the socket.
+pub(crate) fn write(
+    s: &Shared,
+    t: &Target,
+    generation: u64,
+    key: &str,
+    offset: u64,
+    src: &[&[u8]],
+) -> Result<(), TransferError> {
+    let len = total_len(src.iter().map(|p| p.len()));
+    check_request(t, Some(key), offset, len)?;
+    let off = bounds(&s.mem, offset, len)?;
+    // Retire what lives there (new reads answer STALE) and wait for readers still copying it.
+    s.table.invalidate_range(offset, len, OVERWRITE_PIN_WAIT);
+    let mut at = off;
+    for piece in src {
+        // SAFETY: [off, off+len) is inside the mapping (checked above) and its entries were just
+        // retired with their readers waited for, so nobody reads the range while we fill it.
+        // `ptr::copy` (memmove) stays correct even if a caller passed bytes of the segment.
+        unsafe { std::ptr::copy(piece.as_ptr(), s.mem.ptr_at(at), piece.len()) };
+        at += piece.len();
+    }
+    s.table.commit(generation, key.to_owned(), offset, len);
+    s.counters.writes.fetch_add(1, Ordering::Relaxed);
+    s.counters.bytes_written.fetch_add(len, Ordering::Relaxed);
+    Ok(())
+}
+
+/// READ against an in-process segment: pin the exact entry, copy, unpin.
+pub(crate) fn read(
+    s: &Shared,
+    t: &Target,
+    generation: u64,
+    offset: u64,
+    dst: &mut [&mut [u8]],
+) -> Result<(), TransferError> {
+    let len = total_len(dst.iter().map(|p| p.len()));
+    check_request(t, None, offset, len)?;
+    let off = bounds(&s.mem, offset, len)?;
+    let pin = match s.table.pin(generation, offset, len) {
+        PinResult::Pinned(p) => p,
+        PinResult::Stale => return Err(TransferError::Stale { generation }),
+    };
+    s.counters.reads.fetch_add(1, Ordering::Relaxed);
+    s.counters.bytes_read.fetch_add(len, Ordering::Relaxed);
+    let mut at = off;
+    for piece in dst.iter_mut() {
+        // SAFETY: bounds-checked and pinned: no WRITE or FREE reuses the range until the unpin.
+        unsafe { std::ptr::copy(s.mem.ptr_at(at), piece.as_mut_ptr(), piece.len()) };
+        at += piece.len();
+    }
+    s.table.unpin(pin);
+    Ok(())
+}
+
+/// Chunk of one MADV_POPULATE_WRITE call: small enough that shutdown is noticed quickly.
+const PREFAULT_CHUNK: usize = 64 << 20;
+
+impl SegmentServer {
+    /// Faults in (allocates) the first `max_bytes` of the segment on a background thread, so
+    /// writes into fresh ranges do not pay a page fault per 4 KiB. Uses MADV_POPULATE_WRITE
+    /// (Linux >= 5.14; older kernels: a no-op). The memory is committed, as if written: size
+    /// `max_bytes` to what the owner expects to fill. Stops early on shutdown. Returns the
+    /// thread, which callers may join (benchmarks) or drop.
+    pub fn prefault_in_background(
+        &self,
+        max_bytes: u64,
+    ) -> std::io::Result<std::thread::JoinHandle<()>> {
+        let shared = self.shared.clone();
+        std::thread::Builder::new()
+            .name("lunakv-seg-prefault".into())
+            .spawn(move || {
+                let total = max_bytes.min(shared.mem.len()) as usize;
+                let mut at = 0usize;
+                while at < total && !shared.stopping.load(Ordering::Relaxed) {
+                    let n = PREFAULT_CHUNK.min(total - at);
+                    // SAFETY: [at, at+n) lies inside the live mapping (`shared` keeps it mapped);
+                    // POPULATE_WRITE only faults pages in, it never changes their contents.
+                    let r = unsafe {
+                        rustix::mm::madvise(
+                            shared.mem.ptr_at(at).cast(),
+                            n,
+                            rustix::mm::Advice::LinuxPopulateWrite,
+                        )
+                    };
+                    if let Err(e) = r {
+                        // EINVAL: kernel < 5.14. Anything else (ENOMEM...): stop quietly.
+                        tracing::debug!(error = %e, "segment prefault stopped");
+                        return;
+                    }
+                    at += n;
+                }
+            })
+    }
+}
