@@ -7,9 +7,11 @@
 #    the prefill simulator, and checks that the decode engine received the KV from the prefill
 #    engine (not a local recompute) and answered exactly what a decode-only request answers,
 # 4. puts and gets objects through the store with the CLI container on the stack's network
-#    (leader found through etcd, and by --master master:50051), and checks the bytes and the
-#    master's view of the pool,
-# 5. always brings the stack down (`docker-compose down -v`), printing logs if anything failed.
+#    (master from the engine's mooncake_config.json, and by --master master:50051), and checks the
+#    bytes and the master's view of the pool,
+# 5. fills the store-client's 64 MB segment past the eviction watermark and checks that evicted
+#    objects went to the SSD tier (the offload volume grew) and come back byte-exact,
+# 6. always brings the stack down (`docker-compose down -v`), printing logs if anything failed.
 #
 # Host ports are published on loopback, on free ports picked by Docker; nothing else is reached.
 # Environment: SKIP_IMAGES=1, LUNAKV_PROFILE=debug (images from target/debug, e.g. after
@@ -20,6 +22,8 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-lunakv-e2e}
 export LUNAKV_SIDECAR_PORT=0 LUNAKV_MASTER_ADMIN_PORT=0
+# A small segment, so a few puts reach the eviction watermark and exercise the SSD tier.
+export LUNAKV_STORE_SEGMENT_SIZE=64MB
 COMPOSE=(docker-compose -f "$ROOT/compose.yaml")
 if ! command -v docker-compose >/dev/null && docker compose version >/dev/null 2>&1; then
     COMPOSE=(docker compose -f "$ROOT/compose.yaml")
@@ -118,7 +122,7 @@ cli() { "${COMPOSE[@]}" run --rm -T cli "$@" 2>"$WORK/cli.err"; }
 head -c $((3 * 1024 * 1024 + 17)) /dev/urandom >"$WORK/blob"
 if cli put e2e/blob - <"$WORK/blob" >/dev/null && cli --master master:50051 get e2e/blob >"$WORK/blob.out" \
     && cmp -s "$WORK/blob" "$WORK/blob.out"; then
-    ok "3 MiB object: put (leader through etcd) == get (--master master:50051)"
+    ok "3 MiB object: put (master from mooncake_config.json) == get (--master master:50051)"
 else
     fail "put/get of a 3 MiB object: $(cat "$WORK/cli.err")"
 fi
@@ -142,6 +146,35 @@ if curl -sS -m 10 "http://$ADMIN/metrics" | grep -Eq '^master_total_capacity_byt
     ok "master /metrics reports the pool's capacity"
 else
     fail "master_total_capacity_bytes is not > 0 on http://$ADMIN/metrics"
+fi
+
+step "SSD tier: fill the 64 MB segment; evicted objects go to disk and come back"
+# 24 deterministic 4 MiB objects in one CLI container (96 MiB > 95% of 64 MiB).
+fill='for i in $(seq 1 24); do yes "obj-$i" | head -c 4194304 | lunakv put e2e/fill-$i - >/dev/null || exit 1; done'
+if "${COMPOSE[@]}" run --rm -T --entrypoint bash cli -c "$fill" 2>"$WORK/cli.err"; then
+    ok "24 x 4 MiB puts into a 64 MB segment (eviction made room)"
+else
+    fail "filling the segment: $(cat "$WORK/cli.err")"
+fi
+on_disk=0
+for _ in $(seq 1 30); do
+    on_disk=$(curl -sS -m 5 "http://$ADMIN/metrics" | awk '$1 == "master_disk_key_count" {print $2}')
+    [ "${on_disk:-0}" -gt 0 ] 2>/dev/null && break
+    sleep 0.5
+done
+offload_bytes=$("${COMPOSE[@]}" run --rm -T --entrypoint bash cli -c 'du -sb /data/mooncake-offload | cut -f1' 2>/dev/null || echo 0)
+if [ "${on_disk:-0}" -gt 0 ] 2>/dev/null && [ "${offload_bytes:-0}" -gt 4194304 ]; then
+    ok "evicted objects are on disk: master_disk_key_count ${on_disk}, /data/mooncake-offload ${offload_bytes} B"
+else
+    fail "nothing reached the SSD tier: master_disk_key_count ${on_disk:-?}, offload dir ${offload_bytes:-?} B"
+    curl -sS -m 5 "http://$ADMIN/metrics" | grep -E '^master_(disk|offload|evicted)' || true
+fi
+want=$( (yes obj-1 || true) | head -c 4194304 | sha256sum | cut -d' ' -f1) # yes dies of SIGPIPE
+got=$( (cli get e2e/fill-1 || true) | sha256sum | cut -d' ' -f1)
+if [ "$got" = "$want" ]; then
+    ok "the first (evicted) object reads back byte-exact"
+else
+    fail "e2e/fill-1 after eviction: sha256 $got, want $want: $(cat "$WORK/cli.err")"
 fi
 
 echo

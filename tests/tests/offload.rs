@@ -351,3 +351,106 @@ fn mismatched_enable_offload_is_refused_or_reported() {
     .expect("connect");
     assert!(agree.offload_mismatch().is_none());
 }
+
+/// Fills 32 MiB through an 8 MiB pool, then removes the newest keys so DRAM has room for a
+/// promotion. Returns a key that is on disk only.
+fn spill_for_promotion(m: &Master, c: &StoreClient) -> u64 {
+    let put = fill(c, 64);
+    assert_eq!(put.len(), 64);
+    for i in 56..64 {
+        c.remove(&format!("k-{i}"), true).expect("remove");
+    }
+    (0..56)
+        .find(|i| {
+            let (_, body) = m.http_get(&format!("/query_key?key=k-{i}"));
+            body.contains("local_disk") && !body.contains("\"memory\"")
+        })
+        .expect("a disk-only key")
+}
+
+#[test]
+fn promotion_on_hit_brings_a_disk_object_back_to_dram() {
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(
+        mdir.path(),
+        &["--enable_offload=true", "--promotion_on_hit=true"],
+    );
+    let s = start_store(&m.addr(), odir.path(), free_port(), &[]);
+    let c = tcp_requester(&m.addr());
+    let i = spill_for_promotion(&m, &c);
+    let key = format!("k-{i}");
+    // The hit is served from disk at once; the promotion runs behind it.
+    assert!(c.get(&key).expect("get from disk") == pattern(i, OBJ));
+    let body = wait_until(Duration::from_secs(10), || {
+        let (_, body) = m.http_get(&format!("/query_key?key={key}"));
+        body.contains("\"memory\"").then_some(body)
+    })
+    .expect("the object gains a memory replica");
+    assert!(body.contains("local_disk"), "the disk copy stays: {body}");
+    assert!(m.metric("master_promotions_total").unwrap_or(0.0) >= 1.0);
+    // A fresh client (no cached location) reads it from DRAM: no disk load on the owner.
+    let loads = metric(s.admin, "lunakv_store_disk_loads_total").unwrap_or(0.0);
+    let fresh = tcp_requester(&m.addr());
+    assert!(fresh.get(&key).expect("get from DRAM") == pattern(i, OBJ));
+    assert!(c.get(&key).expect("get again") == pattern(i, OBJ));
+    assert_eq!(
+        metric(s.admin, "lunakv_store_disk_loads_total").unwrap_or(0.0),
+        loads,
+        "served from DRAM, not disk"
+    );
+    // Removing it frees both copies.
+    c.remove(&key, true).expect("remove");
+    assert!(matches!(c.get(&key), Err(ClientError::ObjectNotFound(_))));
+}
+
+#[test]
+fn without_promotion_on_hit_nothing_is_promoted() {
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(mdir.path(), &["--enable_offload=true"]);
+    let _s = start_store(&m.addr(), odir.path(), free_port(), &[]);
+    let c = tcp_requester(&m.addr());
+    let i = spill_for_promotion(&m, &c);
+    let key = format!("k-{i}");
+    assert!(c.get(&key).expect("get from disk") == pattern(i, OBJ));
+    std::thread::sleep(Duration::from_millis(1500));
+    let (_, body) = m.http_get(&format!("/query_key?key={key}"));
+    assert!(
+        !body.contains("\"memory\""),
+        "promoted without the switch: {body}"
+    );
+    assert_eq!(m.metric("master_promotions_total").unwrap_or(0.0), 0.0);
+}
+
+/// With `--enable_ha`, eviction still offloads: the HA master's fenced owner notifier forwards
+/// OFFLOAD (it once inherited the trait's "cannot offload" default and dropped every object).
+#[test]
+fn offload_works_under_an_ha_master() {
+    let Some(etcd) = lunakv_meta::testing::etcd_or_skip() else {
+        return;
+    };
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start_ha(mdir.path(), &etcd.endpoint(), &["--enable_offload=true"]);
+    let url = format!("etcd://{}", etcd.endpoint());
+    wait_until(Duration::from_secs(20), || {
+        m.http_get("/role").1.contains("leader").then_some(())
+    })
+    .expect("the only master leads");
+    let _s = start_store(&url, odir.path(), free_port(), &[]);
+    let c = StoreClient::connect(ClientOptions {
+        master_server_address: url.clone(),
+        enable_shm: false,
+        ..ClientOptions::default()
+    })
+    .expect("client through etcd");
+    let put = fill(&c, 40);
+    assert_eq!(put.len(), 40, "with offload every put finds room");
+    for i in &put {
+        let got = c.get(&format!("k-{i}")).expect("every key comes back");
+        assert!(got == pattern(*i, OBJ), "k-{i}: wrong bytes");
+    }
+    assert!(m.metric("master_offloaded_keys_total").unwrap_or(0.0) > 0.0);
+    assert_eq!(m.metric("master_offload_failures_total").unwrap_or(0.0), 0.0);
+}

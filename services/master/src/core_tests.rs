@@ -634,26 +634,42 @@ async fn promotion_on_hit_adds_a_memory_replica_once_the_owner_confirms() {
     let (core, n) = new_core(CoreConfig {
         enable_offload: true,
         promotion_on_hit: true,
+        lease_ttl: Duration::from_millis(1),
         ..cfg()
     });
     core.mount("cl", "c", offload_desc("s:1", 1 << 20), vec![disk])
         .expect("mount");
     let loc = core.get_replica_list("d").expect("hit");
-    assert!(loc.replicas.len() == 1 && loc.replicas[0].disk, "served from disk");
+    assert!(
+        loc.replicas.len() == 1 && loc.replicas[0].disk,
+        "served from disk"
+    );
     assert_eq!(core.pending_promotions(), 1);
     assert!(core.allocated_bytes() >= 5000, "the DRAM range is reserved");
     core.get_replica_list("d").expect("second hit");
-    assert_eq!(core.pending_promotions(), 1, "one promotion per object in flight");
+    assert_eq!(
+        core.pending_promotions(),
+        1,
+        "one promotion per object in flight"
+    );
     assert_eq!(core.run_promotions().await, 1);
     let (ep, pg, key, offset, len) = n.promotes.lock()[0].clone();
-    assert_eq!((ep.as_str(), pg, key.as_str(), len), ("ep-s:1", g, "d", 5000));
+    assert_eq!(
+        (ep.as_str(), pg, key.as_str(), len),
+        ("ep-s:1", g, "d", 5000)
+    );
     let loc = core.get_replica_list("d").expect("promoted");
     assert_eq!(loc.generation, g);
     assert_eq!(loc.replicas.len(), 2, "the disk copy stays");
     assert!(!loc.replicas[0].disk && loc.replicas[0].offset == offset);
-    assert_eq!(core.pending_promotions(), 0, "no promotion of an object in DRAM");
+    assert_eq!(
+        core.pending_promotions(),
+        0,
+        "no promotion of an object in DRAM"
+    );
     assert_eq!(core.metrics.promotions_total.get(), 1);
     // Evicting it again is a plain FREE of the DRAM range (the disk copy exists).
+    tokio::time::sleep(Duration::from_millis(20)).await;
     core.evict(u64::MAX).await;
     assert!(n.freed().contains(&(g, offset)));
     assert_eq!(core.allocated_bytes(), 0);

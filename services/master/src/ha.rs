@@ -335,6 +335,42 @@ impl OwnerNotifier for FencedNotifier {
         }
         self.inner.free(endpoint, entries, timeout).await
     }
+
+    // Every method is forwarded explicitly: the trait's defaults mean "cannot", and inheriting
+    // them here once made every offload fail under HA.
+    async fn offload(
+        &self,
+        endpoint: &str,
+        entries: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<Vec<u64>, String> {
+        if self.ha.leading_term() != Some(self.term) {
+            return Err(format!(
+                "not offloading on {endpoint}: term {} no longer leads",
+                self.term
+            ));
+        }
+        self.inner.offload(endpoint, entries, timeout).await
+    }
+
+    async fn promote(
+        &self,
+        endpoint: &str,
+        generation: u64,
+        key: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        if self.ha.leading_term() != Some(self.term) {
+            return Err(format!(
+                "not promoting on {endpoint}: term {} no longer leads",
+                self.term
+            ));
+        }
+        self.inner
+            .promote(endpoint, generation, key, offset, len)
+            .await
+    }
 }
 
 /// The current core. A new leader term gets a fresh core (empty index, its own epoch); the

@@ -132,6 +132,9 @@ pub struct FreeCall {
     pub entries: Vec<(u64, u64)>,
 }
 
+/// One PROMOTE seen by a [`RecordingNotifier`]: (endpoint, generation, key, offset, len).
+pub type PromoteCall = (String, u64, String, u64, u64);
+
 /// A notifier for tests: records every call and answers `Ok`, or an error for endpoints listed
 /// in `unreachable`.
 #[derive(Default)]
@@ -139,8 +142,8 @@ pub struct RecordingNotifier {
     pub calls: Mutex<Vec<FreeCall>>,
     /// OFFLOAD calls (answered "all stored").
     pub offloads: Mutex<Vec<FreeCall>>,
-    /// PROMOTE calls: (endpoint, generation, key, offset, len), answered OK.
-    pub promotes: Mutex<Vec<(String, u64, String, u64, u64)>>,
+    /// PROMOTE calls, answered OK.
+    pub promotes: Mutex<Vec<PromoteCall>>,
     pub unreachable: Mutex<Vec<String>>,
 }
 
@@ -197,9 +200,13 @@ impl OwnerNotifier for RecordingNotifier {
         offset: u64,
         len: u64,
     ) -> Result<(), String> {
-        self.promotes
-            .lock()
-            .push((endpoint.to_string(), generation, key.to_string(), offset, len));
+        self.promotes.lock().push((
+            endpoint.to_string(),
+            generation,
+            key.to_string(),
+            offset,
+            len,
+        ));
         if self.unreachable.lock().iter().any(|e| e == endpoint) {
             return Err(format!("{endpoint} unreachable (test)"));
         }

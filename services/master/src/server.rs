@@ -385,8 +385,11 @@ async fn background(
         tokio::select! {
             _ = stop.changed() => return,
             _ = core.promotion_wanted() => {
-                // Promotions on hit run beside the sweeps, never in a get's path.
-                tokio::spawn(async move { core.run_promotions().await });
+                // Promotions on hit run beside the sweeps, never in a get's path (and, like
+                // eviction, only while leading).
+                if leading() {
+                    tokio::spawn(async move { core.run_promotions().await });
+                }
             }
             _ = interval.tick() => {
                 if !leading() {
