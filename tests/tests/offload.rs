@@ -452,5 +452,8 @@ fn offload_works_under_an_ha_master() {
         assert!(got == pattern(*i, OBJ), "k-{i}: wrong bytes");
     }
     assert!(m.metric("master_offloaded_keys_total").unwrap_or(0.0) > 0.0);
-    assert_eq!(m.metric("master_offload_failures_total").unwrap_or(0.0), 0.0);
+    assert_eq!(
+        m.metric("master_offload_failures_total").unwrap_or(0.0),
+        0.0
+    );
 }

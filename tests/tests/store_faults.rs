@@ -228,7 +228,10 @@ fn rdma_without_a_device_is_one_clear_line_never_a_fallback() {
         ])
         .output()
         .expect("run lunakv-store");
-    assert!(!out.status.success(), "rdma must be refused on a machine without a device");
+    assert!(
+        !out.status.success(),
+        "rdma must be refused on a machine without a device"
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     let line = err
         .lines()

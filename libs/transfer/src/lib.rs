@@ -600,7 +600,11 @@ impl TransferEngine {
     pub fn batch(&self, reqs: &mut [TransferRequest<'_>]) -> Vec<Result<(), TransferError>> {
         let total = reqs.len();
         // Requests to in-process segments, with the server (looked up once per target).
-        type LocalReq<'r, 'a> = (usize, std::sync::Arc<server::Shared>, &'r mut TransferRequest<'a>);
+        type LocalReq<'r, 'a> = (
+            usize,
+            std::sync::Arc<server::Shared>,
+            &'r mut TransferRequest<'a>,
+        );
         let mut locals: Vec<LocalReq<'_, '_>> = Vec::new();
         let mut local_seen: Vec<(&Target, Option<std::sync::Arc<server::Shared>>)> = Vec::new();
         // Group by target (few peers per batch: linear search beats hashing).
@@ -647,29 +651,30 @@ impl TransferEngine {
         }
         let mut results: Vec<Option<Result<(), TransferError>>> =
             (0..total).map(|_| None).collect();
-        let run_locals = |locals: Vec<LocalReq<'_, '_>>| -> Vec<(usize, Result<(), TransferError>)> {
-            locals
-                .into_iter()
-                .map(|(i, s, r)| {
-                    let out = match r {
-                        TransferRequest::Write {
-                            target,
-                            generation,
-                            key,
-                            offset,
-                            src,
-                        } => local::write(&s, target, *generation, key, *offset, src),
-                        TransferRequest::Read {
-                            target,
-                            generation,
-                            offset,
-                            dst,
-                        } => local::read(&s, target, *generation, *offset, dst),
-                    };
-                    (i, out)
-                })
-                .collect()
-        };
+        let run_locals =
+            |locals: Vec<LocalReq<'_, '_>>| -> Vec<(usize, Result<(), TransferError>)> {
+                locals
+                    .into_iter()
+                    .map(|(i, s, r)| {
+                        let out = match r {
+                            TransferRequest::Write {
+                                target,
+                                generation,
+                                key,
+                                offset,
+                                src,
+                            } => local::write(&s, target, *generation, key, *offset, src),
+                            TransferRequest::Read {
+                                target,
+                                generation,
+                                offset,
+                                dst,
+                            } => local::read(&s, target, *generation, *offset, dst),
+                        };
+                        (i, out)
+                    })
+                    .collect()
+            };
         let run_unit = |t: &Target,
                         v: &mut Vec<(usize, &mut TransferRequest<'_>)>|
          -> Vec<(usize, Result<(), TransferError>)> {

@@ -10,7 +10,15 @@ use lunakv_transfer::{
 
 const SEG: u64 = 16 << 20;
 
-fn server() -> (SegmentServer, Target, tempfile::TempDir) {
+/// Field order matters: the server stops (waking its unix accept via the socket file) before
+/// the temp dir holding that file is removed.
+struct Fx {
+    s: SegmentServer,
+    t: Target,
+    _d: tempfile::TempDir,
+}
+
+fn server() -> Fx {
     let dir = tempfile::tempdir().unwrap();
     let server = SegmentServer::start(SegmentServerConfig {
         bind: "127.0.0.1:0".parse().unwrap(),
@@ -20,7 +28,11 @@ fn server() -> (SegmentServer, Target, tempfile::TempDir) {
     })
     .unwrap();
     let t = Target::from(&server.info());
-    (server, t, dir)
+    Fx {
+        s: server,
+        t,
+        _d: dir,
+    }
 }
 
 fn local_engine(s: &SegmentServer) -> TransferEngine {
@@ -56,44 +68,51 @@ fn read_vec(
 
 #[test]
 fn local_round_trip_scatter_gather_and_shared_with_tcp() {
-    let (s, t, _d) = server();
-    let e = local_engine(&s);
-    assert!(e.is_local(&t));
+    let s_fx = server();
+    let (s, t) = (&s_fx.s, &s_fx.t);
+    let e = local_engine(s);
+    assert!(e.is_local(t));
     let tcp = tcp_engine();
-    assert!(!tcp.is_local(&t));
+    assert!(!tcp.is_local(t));
 
     // 32 layers x 16 KiB written locally, read back locally in other piece sizes and over tcp.
     let layers: Vec<Vec<u8>> = (0..32).map(|i| pattern(16 << 10, i)).collect();
     let src: Vec<&[u8]> = layers.iter().map(|l| &l[..]).collect();
-    e.write(&t, 7, "k", 4096, &src).unwrap();
+    e.write(t, 7, "k", 4096, &src).unwrap();
     let whole = layers.concat();
     let mut a = vec![0u8; 100_000];
     let mut b = vec![0u8; whole.len() - 100_000];
-    e.read(&t, 7, 4096, &mut [&mut a[..], &mut b[..]]).unwrap();
+    e.read(t, 7, 4096, &mut [&mut a[..], &mut b[..]]).unwrap();
     assert_eq!([a, b].concat(), whole);
-    assert_eq!(read_vec(&tcp, &t, 7, 4096, whole.len()).unwrap(), whole);
+    assert_eq!(read_vec(&tcp, t, 7, 4096, whole.len()).unwrap(), whole);
 
     // Written over tcp, read locally.
     let v = pattern(3000, 9);
-    tcp.write(&t, 8, "k2", 1 << 20, &[&v]).unwrap();
-    assert_eq!(read_vec(&e, &t, 8, 1 << 20, 3000).unwrap(), v);
+    tcp.write(t, 8, "k2", 1 << 20, &[&v]).unwrap();
+    assert_eq!(read_vec(&e, t, 8, 1 << 20, 3000).unwrap(), v);
 
     let inv = s.inventory();
     assert_eq!(inv.len(), 2);
     assert_eq!((inv[0].key.as_str(), inv[0].generation), ("k", 7));
-    assert_eq!(s.take_touched_keys(10).len(), 2, "local reads are reported as touched");
+    assert_eq!(
+        s.take_touched_keys(10).len(),
+        2,
+        "local reads are reported as touched"
+    );
 }
 
 #[test]
 fn local_stats_match_the_socket_paths() {
-    let (s, t, _d) = server();
-    let e = local_engine(&s);
-    e.write(&t, 1, "a", 0, &[&[1u8; 1000]]).unwrap();
-    e.write(&t, 2, "b", 1000, &[&[2u8; 500], &[3u8; 500]]).unwrap();
-    read_vec(&e, &t, 1, 0, 1000).unwrap();
+    let s_fx = server();
+    let (s, t) = (&s_fx.s, &s_fx.t);
+    let e = local_engine(s);
+    e.write(t, 1, "a", 0, &[&[1u8; 1000]]).unwrap();
+    e.write(t, 2, "b", 1000, &[&[2u8; 500], &[3u8; 500]])
+        .unwrap();
+    read_vec(&e, t, 1, 0, 1000).unwrap();
     // A stale read counts nothing, as on tcp.
     assert!(matches!(
-        read_vec(&e, &t, 3, 0, 1000),
+        read_vec(&e, t, 3, 0, 1000),
         Err(TransferError::Stale { generation: 3 })
     ));
     assert_eq!(
@@ -111,24 +130,25 @@ fn local_stats_match_the_socket_paths() {
 
 #[test]
 fn local_stale_after_free_and_exact_entry_checks() {
-    let (s, t, _d) = server();
-    let e = local_engine(&s);
+    let s_fx = server();
+    let (s, t) = (&s_fx.s, &s_fx.t);
+    let e = local_engine(s);
     let v = pattern(4096, 1);
-    e.write(&t, 11, "x", 8192, &[&v]).unwrap();
+    e.write(t, 11, "x", 8192, &[&v]).unwrap();
     // Wrong offset or length: stale, not a partial read.
     assert!(matches!(
-        read_vec(&e, &t, 11, 8192, 4095),
+        read_vec(&e, t, 11, 8192, 4095),
         Err(TransferError::Stale { .. })
     ));
     assert!(matches!(
-        read_vec(&e, &t, 11, 4096, 4096),
+        read_vec(&e, t, 11, 4096, 4096),
         Err(TransferError::Stale { .. })
     ));
     // FREE comes over tcp from the master.
     e.free(&t.endpoint, &[(11, 8192)], Duration::from_secs(1))
         .unwrap();
     assert!(matches!(
-        read_vec(&e, &t, 11, 8192, 4096),
+        read_vec(&e, t, 11, 8192, 4096),
         Err(TransferError::Stale { generation: 11 })
     ));
     assert_eq!(s.stats().entries, 0);
@@ -136,32 +156,33 @@ fn local_stale_after_free_and_exact_entry_checks() {
 
 #[test]
 fn local_overwrite_invalidates_overlapping_entries() {
-    let (s, t, _d) = server();
-    let e = local_engine(&s);
+    let s_fx = server();
+    let (s, t) = (&s_fx.s, &s_fx.t);
+    let e = local_engine(s);
     let tcp = tcp_engine();
-    e.write(&t, 1, "a", 0, &[&pattern(1000, 1)]).unwrap();
-    e.write(&t, 2, "b", 1000, &[&pattern(1000, 2)]).unwrap();
-    e.write(&t, 3, "c", 4000, &[&pattern(1000, 3)]).unwrap();
+    e.write(t, 1, "a", 0, &[&pattern(1000, 1)]).unwrap();
+    e.write(t, 2, "b", 1000, &[&pattern(1000, 2)]).unwrap();
+    e.write(t, 3, "c", 4000, &[&pattern(1000, 3)]).unwrap();
     // Overlaps the tail of a and the head of b.
     let n = pattern(1000, 4);
-    e.write(&t, 4, "n", 500, &[&n]).unwrap();
+    e.write(t, 4, "n", 500, &[&n]).unwrap();
     for g in [1, 2] {
         let off = (g - 1) * 1000;
         assert!(matches!(
-            read_vec(&tcp, &t, g, off, 1000),
+            read_vec(&tcp, t, g, off, 1000),
             Err(TransferError::Stale { .. })
         ));
         assert!(matches!(
-            read_vec(&e, &t, g, off, 1000),
+            read_vec(&e, t, g, off, 1000),
             Err(TransferError::Stale { .. })
         ));
     }
-    assert_eq!(read_vec(&e, &t, 4, 500, 1000).unwrap(), n);
-    assert_eq!(read_vec(&tcp, &t, 3, 4000, 1000).unwrap(), pattern(1000, 3));
+    assert_eq!(read_vec(&e, t, 4, 500, 1000).unwrap(), n);
+    assert_eq!(read_vec(&tcp, t, 3, 4000, 1000).unwrap(), pattern(1000, 3));
     // Re-putting a generation elsewhere retires its old entry.
-    e.write(&t, 3, "c", 8000, &[&pattern(10, 5)]).unwrap();
+    e.write(t, 3, "c", 8000, &[&pattern(10, 5)]).unwrap();
     assert!(matches!(
-        read_vec(&e, &t, 3, 4000, 1000),
+        read_vec(&e, t, 3, 4000, 1000),
         Err(TransferError::Stale { .. })
     ));
     let gens: Vec<u64> = s.inventory().iter().map(|x| x.generation).collect();
@@ -171,23 +192,24 @@ fn local_overwrite_invalidates_overlapping_entries() {
 
 #[test]
 fn local_refuses_what_the_server_refuses() {
-    let (s, t, _d) = server();
-    let e = local_engine(&s);
+    let s_fx = server();
+    let (s, t) = (&s_fx.s, &s_fx.t);
+    let e = local_engine(s);
     assert!(matches!(
-        e.write(&t, 1, "k", SEG - 10, &[&[0u8; 11]]),
+        e.write(t, 1, "k", SEG - 10, &[&[0u8; 11]]),
         Err(TransferError::OutOfBounds { .. })
     ));
     assert!(matches!(
-        e.write(&t, 1, "k", 0, &[&[]]),
+        e.write(t, 1, "k", 0, &[&[]]),
         Err(TransferError::InvalidArgument(_))
     ));
     let long = "k".repeat(lunakv_transfer::wire::MAX_KEY_LEN + 1);
     assert!(matches!(
-        e.write(&t, 1, &long, 0, &[&[0u8; 4]]),
+        e.write(t, 1, &long, 0, &[&[0u8; 4]]),
         Err(TransferError::InvalidArgument(_))
     ));
     assert!(matches!(
-        read_vec(&e, &t, 1, u64::MAX - 2, 4),
+        read_vec(&e, t, 1, u64::MAX - 2, 4),
         Err(TransferError::OutOfBounds { .. })
     ));
     assert_eq!(s.stats().writes, 0);
@@ -195,12 +217,14 @@ fn local_refuses_what_the_server_refuses() {
 
 #[test]
 fn local_batch_mixed_with_a_remote_server_keeps_order() {
-    let (s1, t1, _d1) = server();
-    let (s2, t2, _d2) = server();
-    let e = local_engine(&s1);
-    assert!(e.is_local(&t1) && !e.is_local(&t2));
+    let s1_fx = server();
+    let (s1, t1) = (&s1_fx.s, &s1_fx.t);
+    let s2_fx = server();
+    let (s2, t2) = (&s2_fx.s, &s2_fx.t);
+    let e = local_engine(s1);
+    assert!(e.is_local(t1) && !e.is_local(t2));
     let vals: Vec<Vec<u8>> = (0..32).map(|i| pattern(20_000 + i, i as u8)).collect();
-    let targets: Vec<&Target> = (0..32).map(|i| if i % 3 == 0 { &t2 } else { &t1 }).collect();
+    let targets: Vec<&Target> = (0..32).map(|i| if i % 3 == 0 { t2 } else { t1 }).collect();
     let mut reqs: Vec<TransferRequest<'_>> = (0..32)
         .map(|i| TransferRequest::Write {
             target: targets[i],
@@ -212,7 +236,7 @@ fn local_batch_mixed_with_a_remote_server_keeps_order() {
         .collect();
     // One bad request in the middle fails alone.
     reqs[5] = TransferRequest::Write {
-        target: &t1,
+        target: t1,
         generation: 105,
         key: "k",
         offset: SEG,
@@ -252,29 +276,32 @@ fn local_batch_mixed_with_a_remote_server_keeps_order() {
 
 #[test]
 fn detach_shutdown_and_drop_leave_the_local_path() {
-    let (s, t, _d) = server();
-    let e = local_engine(&s);
-    e.write(&t, 1, "a", 0, &[&[7u8; 64]]).unwrap();
-    e.detach_local(&s);
-    assert!(!e.is_local(&t));
+    let s_fx = server();
+    let (s, t) = (&s_fx.s, &s_fx.t);
+    let e = local_engine(s);
+    e.write(t, 1, "a", 0, &[&[7u8; 64]]).unwrap();
+    e.detach_local(s);
+    assert!(!e.is_local(t));
     // Same bytes over the sockets.
-    assert_eq!(read_vec(&e, &t, 1, 0, 64).unwrap(), vec![7u8; 64]);
-    e.attach_local(&s);
-    assert!(e.is_local(&t));
+    assert_eq!(read_vec(&e, t, 1, 0, 64).unwrap(), vec![7u8; 64]);
+    e.attach_local(s);
+    assert!(e.is_local(t));
     s.shutdown();
-    assert!(!e.is_local(&t), "a stopped server is not served locally");
-    assert!(read_vec(&e, &t, 1, 0, 64).is_err());
-    drop(s);
+    assert!(!e.is_local(t), "a stopped server is not served locally");
+    assert!(read_vec(&e, t, 1, 0, 64).is_err());
+    let t = t.clone();
+    drop(s_fx);
     assert!(!e.is_local(&t));
 }
 
 #[test]
 fn prefaulted_segment_works() {
-    let (s, t, _d) = server();
+    let s_fx = server();
+    let (s, t) = (&s_fx.s, &s_fx.t);
     s.prefault_in_background(SEG).unwrap().join().unwrap();
-    let e = local_engine(&s);
+    let e = local_engine(s);
     let v = pattern(1 << 20, 3);
-    e.write(&t, 1, "a", SEG - (1 << 20), &[&v]).unwrap();
-    assert_eq!(read_vec(&e, &t, 1, SEG - (1 << 20), 1 << 20).unwrap(), v);
+    e.write(t, 1, "a", SEG - (1 << 20), &[&v]).unwrap();
+    assert_eq!(read_vec(&e, t, 1, SEG - (1 << 20), 1 << 20).unwrap(), v);
     assert_eq!(s.stats().entries, 1);
 }
