@@ -706,10 +706,61 @@ impl StoreClient {
     /// Like upstream, existence grants a lease; the answer also warms the location cache so the
     /// get that usually follows skips the master.
     pub fn batch_exists(&self, keys: &[&str]) -> Vec<Result<bool>> {
+        self.per_key(
+            keys,
+            |keys| {
+                let req = pb::BatchExistKeyRequest {
+                    client_id: self.client_id.clone(),
+                    keys,
+                };
+                self.rpc(|mut m| {
+                    let req = req.clone();
+                    async move { m.batch_exist_key(req).await }
+                })
+                .map(|r| r.results)
+            },
+            |key, l| match ErrorCode::from_i32(l.code) {
+                ErrorCode::Ok => {
+                    if let Ok(loc) = Location::try_from(l) {
+                        self.cache.insert(key, loc);
+                    }
+                    Ok(true)
+                }
+                ErrorCode::ObjectNotFound => {
+                    self.cache.invalidate(key, None);
+                    Ok(false)
+                }
+                _ => Err(ClientError::from_item(key, 0, l.code, &l.message)),
+            },
+        )
+    }
+
+    /// One BatchGetReplicaList for `keys`.
+    fn batch_locations(&self, keys: Vec<String>) -> Result<Vec<pb::ObjectLocation>> {
+        let req = pb::BatchGetReplicaListRequest {
+            client_id: self.client_id.clone(),
+            keys,
+        };
+        self.rpc(|mut m| {
+            let req = req.clone();
+            async move { m.batch_get_replica_list(req).await }
+        })
+        .map(|r| r.results)
+    }
+
+    /// The shape of every per-key batch call: invalid keys fail alone, the valid ones go to the
+    /// master in one `call`, and each answer is mapped by `each`. A failed call fails every key
+    /// it carried; a short answer fails the keys it left out.
+    fn per_key<T, R>(
+        &self,
+        keys: &[&str],
+        call: impl FnOnce(Vec<String>) -> Result<Vec<R>>,
+        each: impl Fn(&str, &R) -> Result<T>,
+    ) -> Vec<Result<T>> {
         if self.check_open().is_err() {
             return keys.iter().map(|_| Err(ClientError::Closed)).collect();
         }
-        let mut out: Vec<Option<Result<bool>>> = (0..keys.len()).map(|_| None).collect();
+        let mut out: Vec<Option<Result<T>>> = (0..keys.len()).map(|_| None).collect();
         let mut ask = Vec::new();
         for (i, k) in keys.iter().enumerate() {
             match validate_key(k) {
@@ -718,41 +769,24 @@ impl StoreClient {
             }
         }
         if !ask.is_empty() {
-            let req = pb::BatchExistKeyRequest {
-                client_id: self.client_id.clone(),
-                keys: ask.iter().map(|&i| keys[i].to_owned()).collect(),
+            let rpc_fail = |message: String| ClientError::Rpc {
+                addr: self.opts.master_server_address.clone(),
+                message,
             };
-            match self.rpc(|mut m| {
-                let req = req.clone();
-                async move { m.batch_exist_key(req).await }
-            }) {
+            match call(ask.iter().map(|&i| keys[i].to_owned()).collect()) {
                 Err(e) => {
                     let msg = e.to_string();
                     for &i in &ask {
-                        out[i] = Some(Err(ClientError::Rpc {
-                            addr: self.opts.master_server_address.clone(),
-                            message: msg.clone(),
-                        }));
+                        out[i] = Some(Err(rpc_fail(msg.clone())));
                     }
                 }
-                Ok(resp) => {
+                Ok(results) => {
                     for (n, &i) in ask.iter().enumerate() {
-                        out[i] = Some(match resp.results.get(n) {
-                            Some(l) if l.code == 0 => {
-                                if let Ok(loc) = Location::try_from(l) {
-                                    self.cache.insert(keys[i], loc);
-                                }
-                                Ok(true)
-                            }
-                            Some(l) if ErrorCode::from_i32(l.code) == ErrorCode::ObjectNotFound => {
-                                self.cache.invalidate(keys[i], None);
-                                Ok(false)
-                            }
-                            Some(l) => Err(ClientError::from_item(keys[i], 0, l.code, &l.message)),
-                            None => Err(ClientError::Rpc {
-                                addr: self.opts.master_server_address.clone(),
-                                message: "master answered fewer results than keys".to_owned(),
-                            }),
+                        out[i] = Some(match results.get(n) {
+                            Some(r) => each(keys[i], r),
+                            None => Err(rpc_fail(
+                                "master answered fewer results than keys".to_owned(),
+                            )),
                         });
                     }
                 }
@@ -767,55 +801,14 @@ impl StoreClient {
     /// ([`Location`] keeps memory replicas only). One master round trip; backs the Python
     /// `batch_get_replica_desc`, which vLLM probes for the tier an object lives in.
     pub fn batch_replicas(&self, keys: &[&str]) -> Vec<Result<Vec<pb::Replica>>> {
-        if self.check_open().is_err() {
-            return keys.iter().map(|_| Err(ClientError::Closed)).collect();
-        }
-        let mut out: Vec<Option<Result<Vec<pb::Replica>>>> =
-            (0..keys.len()).map(|_| None).collect();
-        let mut ask = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            match validate_key(k) {
-                Ok(()) => ask.push(i),
-                Err(e) => out[i] = Some(Err(e.into())),
-            }
-        }
-        if !ask.is_empty() {
-            let req = pb::BatchGetReplicaListRequest {
-                client_id: self.client_id.clone(),
-                keys: ask.iter().map(|&i| keys[i].to_owned()).collect(),
-            };
-            match self.rpc(|mut m| {
-                let req = req.clone();
-                async move { m.batch_get_replica_list(req).await }
-            }) {
-                Err(e) => {
-                    let msg = e.to_string();
-                    for &i in &ask {
-                        out[i] = Some(Err(ClientError::Rpc {
-                            addr: self.opts.master_server_address.clone(),
-                            message: msg.clone(),
-                        }));
-                    }
-                }
-                Ok(resp) => {
-                    for (n, &i) in ask.iter().enumerate() {
-                        out[i] = Some(match resp.results.get(n) {
-                            Some(l) if l.code == 0 => Ok(l.replicas.clone()),
-                            Some(l) => {
-                                Err(ClientError::from_item(keys[i], l.size, l.code, &l.message))
-                            }
-                            None => Err(ClientError::Rpc {
-                                addr: self.opts.master_server_address.clone(),
-                                message: "master answered fewer results than keys".to_owned(),
-                            }),
-                        });
-                    }
-                }
-            }
-        }
-        out.into_iter()
-            .map(|r| r.unwrap_or(Err(ClientError::Closed)))
-            .collect()
+        self.per_key(
+            keys,
+            |keys| self.batch_locations(keys),
+            |key, l| match l.code {
+                0 => Ok(l.replicas.clone()),
+                code => Err(ClientError::from_item(key, l.size, code, &l.message)),
+            },
+        )
     }
 
     /// The object's size in bytes (asks the master: sizes are cheap and must not be stale).
@@ -843,54 +836,28 @@ impl StoreClient {
     }
 
     pub fn batch_remove(&self, keys: &[&str], force: bool) -> Vec<Result<()>> {
-        if self.check_open().is_err() {
-            return keys.iter().map(|_| Err(ClientError::Closed)).collect();
-        }
-        let mut out: Vec<Option<Result<()>>> = (0..keys.len()).map(|_| None).collect();
-        let mut ask = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            match validate_key(k) {
-                Ok(()) => ask.push(i),
-                Err(e) => out[i] = Some(Err(e.into())),
-            }
+        for k in keys {
             self.cache.invalidate(k, None);
         }
-        if !ask.is_empty() {
-            let req = pb::BatchRemoveRequest {
-                client_id: self.client_id.clone(),
-                keys: ask.iter().map(|&i| keys[i].to_owned()).collect(),
-                force,
-            };
-            match self.rpc(|mut m| {
-                let req = req.clone();
-                async move { m.batch_remove(req).await }
-            }) {
-                Err(e) => {
-                    let msg = e.to_string();
-                    for &i in &ask {
-                        out[i] = Some(Err(ClientError::Rpc {
-                            addr: self.opts.master_server_address.clone(),
-                            message: msg.clone(),
-                        }));
-                    }
-                }
-                Ok(resp) => {
-                    for (n, &i) in ask.iter().enumerate() {
-                        out[i] = Some(match resp.results.get(n) {
-                            Some(r) if r.code == 0 => Ok(()),
-                            Some(r) => Err(ClientError::from_item(keys[i], 0, r.code, &r.message)),
-                            None => Err(ClientError::Rpc {
-                                addr: self.opts.master_server_address.clone(),
-                                message: "master answered fewer results than keys".to_owned(),
-                            }),
-                        });
-                    }
-                }
-            }
-        }
-        out.into_iter()
-            .map(|r| r.unwrap_or(Err(ClientError::Closed)))
-            .collect()
+        self.per_key(
+            keys,
+            |keys| {
+                let req = pb::BatchRemoveRequest {
+                    client_id: self.client_id.clone(),
+                    keys,
+                    force,
+                };
+                self.rpc(|mut m| {
+                    let req = req.clone();
+                    async move { m.batch_remove(req).await }
+                })
+                .map(|r| r.results)
+            },
+            |key, r| match r.code {
+                0 => Ok(()),
+                code => Err(ClientError::from_item(key, 0, code, &r.message)),
+            },
+        )
     }
 
     /// Removes every object (leased ones too when `force`); returns how many were removed.
