@@ -310,7 +310,7 @@ impl StoreClient {
             }
         }
         let outcomes = if reqs.len() == 1 {
-            vec![self.single(&mut reqs[0])]
+            vec![self.engine.execute(&mut reqs[0])]
         } else {
             self.engine.batch(&mut reqs)
         };
@@ -416,24 +416,6 @@ impl StoreClient {
             }) {
                 tracing::warn!(error = %e, "revoking unpublished puts failed; the master reclaims them after its discard timeout");
             }
-        }
-    }
-
-    fn single(&self, req: &mut TransferRequest<'_>) -> std::result::Result<(), TransferError> {
-        match req {
-            TransferRequest::Write {
-                target,
-                generation,
-                key,
-                offset,
-                src,
-            } => self.engine.write(target, *generation, key, *offset, src),
-            TransferRequest::Read {
-                target,
-                generation,
-                offset,
-                dst,
-            } => self.engine.read(target, *generation, *offset, dst),
         }
     }
 

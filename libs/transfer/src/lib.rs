@@ -347,23 +347,26 @@ pub trait Transport: Send + Sync {
         t: &Target,
         reqs: &mut [&mut TransferRequest<'_>],
     ) -> Vec<Result<(), TransferError>> {
-        reqs.iter_mut()
-            .map(|r| match &mut **r {
-                TransferRequest::Write {
-                    generation,
-                    key,
-                    offset,
-                    src,
-                    ..
-                } => self.write(t, *generation, key, *offset, src),
-                TransferRequest::Read {
-                    generation,
-                    offset,
-                    dst,
-                    ..
-                } => self.read(t, *generation, *offset, dst),
-            })
-            .collect()
+        reqs.iter_mut().map(|r| self.execute(t, r)).collect()
+    }
+
+    /// One request through [`Transport::write`] or [`Transport::read`].
+    fn execute(&self, t: &Target, req: &mut TransferRequest<'_>) -> Result<(), TransferError> {
+        match req {
+            TransferRequest::Write {
+                generation,
+                key,
+                offset,
+                src,
+                ..
+            } => self.write(t, *generation, key, *offset, src),
+            TransferRequest::Read {
+                generation,
+                offset,
+                dst,
+                ..
+            } => self.read(t, *generation, *offset, dst),
+        }
     }
 }
 
@@ -561,6 +564,26 @@ impl TransferEngine {
                 op(self.rdma_or_tcp(t))
             }
             r => r,
+        }
+    }
+
+    /// One request, on the calling thread, routed like [`TransferEngine::write`] /
+    /// [`TransferEngine::read`].
+    pub fn execute(&self, req: &mut TransferRequest<'_>) -> Result<(), TransferError> {
+        match req {
+            TransferRequest::Write {
+                target,
+                generation,
+                key,
+                offset,
+                src,
+            } => self.write(target, *generation, key, *offset, src),
+            TransferRequest::Read {
+                target,
+                generation,
+                offset,
+                dst,
+            } => self.read(target, *generation, *offset, dst),
         }
     }
 

@@ -590,21 +590,7 @@ impl Transport for TcpTransport {
     ) -> Vec<Result<(), TransferError>> {
         if reqs.len() == 1 {
             // No pipelining to gain; take the retrying single-op path.
-            return vec![match &mut *reqs[0] {
-                TransferRequest::Write {
-                    generation,
-                    key,
-                    offset,
-                    src,
-                    ..
-                } => self.write(t, *generation, key, *offset, src),
-                TransferRequest::Read {
-                    generation,
-                    offset,
-                    dst,
-                    ..
-                } => self.read(t, *generation, *offset, dst),
-            }];
+            return vec![self.execute(t, reqs[0])];
         }
         self.pipeline(t, reqs)
     }
