@@ -116,7 +116,17 @@ impl MasterLink {
         // A leader may be moments away (masters starting together): wait a little for one.
         let deadline = tokio::time::Instant::now() + timeout.min(Duration::from_secs(10));
         let view = loop {
-            let (kv, rev) = etcd.get_kv(key.as_bytes()).await.map_err(unreachable)?;
+            let (kv, rev) = match etcd.get_kv(key.as_bytes()).await {
+                Ok(got) => got,
+                // etcd answered check() just now: a failed read here is transient (a slow or
+                // cancelled call on a loaded host), so retry until the deadline.
+                Err(e) if tokio::time::Instant::now() < deadline => {
+                    tracing::debug!(error = %e, "reading the leader key failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+                Err(e) => return Err(unreachable(e)),
+            };
             if let Some(v) = kv.and_then(|kv| LeaderView::decode(&kv.value)) {
                 break v;
             }
