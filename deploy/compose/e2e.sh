@@ -7,8 +7,8 @@
 #    the prefill simulator, and checks that the decode engine received the KV from the prefill
 #    engine (not a local recompute) and answered exactly what a decode-only request answers,
 # 4. puts and gets objects through the store with the CLI container on the stack's network
-#    (master from the engine's mooncake_config.json, and by --master master:50051), and checks the
-#    bytes and the master's view of the pool,
+#    (the HA master found through etcd from the engine's mooncake_config.json, and by --master
+#    master:50051), and checks the bytes, the leader election and the master's view of the pool,
 # 5. fills the store-client's 64 MB segment past the eviction watermark and checks that evicted
 #    objects went to the SSD tier (the offload volume grew) and come back byte-exact,
 # 6. always brings the stack down (`docker-compose down -v`), printing logs if anything failed.
@@ -141,6 +141,11 @@ if cli --json status >"$WORK/status.json"; then
     fi
 else
     fail "lunakv status: $(cat "$WORK/cli.err")"
+fi
+if curl -sS -m 10 "http://$ADMIN/metrics" | grep -Eq '^master_is_leader 1'; then
+    ok "the master is the elected leader in etcd (master_is_leader 1)"
+else
+    fail "master_is_leader is not 1 on http://$ADMIN/metrics"
 fi
 if curl -sS -m 10 "http://$ADMIN/metrics" | grep -Eq '^master_total_capacity_bytes [1-9]'; then
     ok "master /metrics reports the pool's capacity"
