@@ -26,8 +26,22 @@
 //! (`MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`). When a batch does not fit, whole buckets go, oldest
 //! first: FIFO, upstream's default. [`EvictionPolicy::Lru`] re-appends an object to the newest
 //! bucket when it is read, so hot objects move away from the eviction end (their old copy becomes
-//! dead space that leaves with its bucket). Recovery never appends to an old bucket: after a
-//! restart writes start in a new bucket, so a torn tail is never overwritten or extended.
+//! dead space). Recovery never appends to an old bucket: after a restart writes start in a new
+//! bucket, so a torn tail is never overwritten or extended.
+//!
+//! Compaction (upstream has none: its dead space leaves only with a whole bucket, so LRU
+//! re-appends and removals make it drop live objects while most of the limit is garbage): when a
+//! batch does not fit, sealed buckets that are at least half dead are rewritten first, live
+//! objects only, *in place of* the old file and under the same bucket id, so FIFO age order is
+//! kept. Only if that frees too little do whole buckets go. The rewrite is crash-safe:
+//! 1. live objects are copied (each CRC-checked) into `bucket-<id>.compact` and fdatasynced;
+//! 2. the new offsets are committed to the index in one transaction;
+//! 3. the `.compact` file is renamed over the bucket and the directory fsynced.
+//!
+//! At open, a leftover `.compact` file means a crash between 1 and 3: if every index row of that
+//! bucket checks out (bounds and CRC) against the `.compact` file, step 2 happened and the rename
+//! is finished; otherwise it is deleted and the old bucket stays. Readers that picked up the old
+//! file before the switch keep reading it through their open handle.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
@@ -174,6 +188,10 @@ pub struct RecoveryReport {
     pub dropped_rows: u64,
     /// Bucket files without a live object (deleted: torn tails of unfinished batches, leftovers).
     pub deleted_buckets: u64,
+    /// Compactions interrupted after their index commit, finished at open.
+    pub compactions_finished: u64,
+    /// Compactions interrupted before their index commit, discarded at open (old bucket kept).
+    pub compactions_discarded: u64,
 }
 
 /// Counters and gauges for /metrics and `lunakv status`.
@@ -192,6 +210,10 @@ pub struct DiskStats {
     pub evicted_objects_total: u64,
     pub corrupt_objects_total: u64,
     pub write_errors_total: u64,
+    /// Buckets rewritten without their dead space.
+    pub compactions_total: u64,
+    /// Bytes of dead space those rewrites returned.
+    pub compacted_bytes_total: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -260,6 +282,8 @@ struct Counters {
     evicted: AtomicU64,
     corrupt: AtomicU64,
     write_errors: AtomicU64,
+    compactions: AtomicU64,
+    compacted_reclaimed: AtomicU64,
 }
 
 /// The disk tier of one segment owner. `Send + Sync`: writes are serialized (one appender),
@@ -286,6 +310,26 @@ pub struct StoreItem<'a> {
 
 fn bucket_path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!("bucket-{id:016}.bucket"))
+}
+
+fn compact_path(dir: &Path, id: u64) -> PathBuf {
+    dir.join(format!("bucket-{id:016}.compact"))
+}
+
+fn parse_compact_name(name: &str) -> Option<u64> {
+    name.strip_prefix("bucket-")?
+        .strip_suffix(".compact")?
+        .parse()
+        .ok()
+}
+
+/// Where a compaction run stops early, leaving its files as a crash would (crash tests only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(test), allow(dead_code))]
+enum CompactStop {
+    Never,
+    BeforeIndexCommit,
+    BeforeRename,
 }
 
 fn parse_bucket_name(name: &str) -> Option<u64> {
@@ -325,14 +369,47 @@ impl DiskTier {
 
         // Buckets on disk.
         let mut files: BTreeMap<u64, (PathBuf, u64)> = BTreeMap::new();
+        let mut compacts: Vec<(u64, PathBuf)> = Vec::new();
         for e in std::fs::read_dir(&dir).map_err(dir_err("cannot list"))? {
             let e = e.map_err(dir_err("cannot list"))?;
             let name = e.file_name();
-            let Some(id) = name.to_str().and_then(parse_bucket_name) else {
+            let Some(name) = name.to_str() else {
+                continue;
+            };
+            if let Some(id) = parse_compact_name(name) {
+                compacts.push((id, e.path()));
+                continue;
+            }
+            let Some(id) = parse_bucket_name(name) else {
                 continue;
             };
             let len = e.metadata().map_err(dir_err("cannot stat a bucket"))?.len();
             files.insert(id, (e.path(), len));
+        }
+        if !compacts.is_empty() {
+            // The index table may not exist yet in a directory that never committed a row.
+            let txn = db.begin_write().map_err(|e| ierr(e.to_string()))?;
+            txn.open_table(OBJECTS).map_err(|e| ierr(e.to_string()))?;
+            txn.commit().map_err(|e| ierr(e.to_string()))?;
+            let rows = Self::read_rows(&db, &ierr)?;
+            for (id, tmp) in compacts {
+                let finished = Self::compaction_committed(&tmp, id, &rows);
+                if finished {
+                    let dst = bucket_path(&dir, id);
+                    std::fs::rename(&tmp, &dst).map_err(dir_err("cannot finish a compaction"))?;
+                    let len = std::fs::metadata(&dst)
+                        .map_err(dir_err("cannot stat a bucket"))?
+                        .len();
+                    files.insert(id, (dst, len));
+                    report.compactions_finished += 1;
+                } else {
+                    let _ = std::fs::remove_file(&tmp);
+                    report.compactions_discarded += 1;
+                }
+            }
+            File::open(&dir)
+                .and_then(|d| d.sync_all())
+                .map_err(dir_err("cannot sync"))?;
         }
 
         // Index rows, checked against the files.
@@ -432,6 +509,48 @@ impl DiskTier {
         &self.cfg
     }
 
+    fn read_rows(
+        db: &Database,
+        ierr: &impl Fn(String) -> OffloadError,
+    ) -> Result<Vec<(u64, Option<Loc>)>, OffloadError> {
+        let txn = db.begin_read().map_err(|e| ierr(e.to_string()))?;
+        let table = txn.open_table(OBJECTS).map_err(|e| ierr(e.to_string()))?;
+        let mut rows = Vec::new();
+        for row in table.iter().map_err(|e| ierr(e.to_string()))? {
+            let (k, v) = row.map_err(|e| ierr(e.to_string()))?;
+            rows.push((k.value(), Loc::decode(v.value())));
+        }
+        Ok(rows)
+    }
+
+    /// Whether the index already points into the `.compact` file of bucket `id` (step 2 of a
+    /// compaction committed): every row of that bucket is in bounds and its CRC matches there.
+    fn compaction_committed(tmp: &Path, id: u64, rows: &[(u64, Option<Loc>)]) -> bool {
+        let Ok(file) = File::open(tmp) else {
+            return false;
+        };
+        let Ok(len) = file.metadata().map(|m| m.len()) else {
+            return false;
+        };
+        let mut any = false;
+        let mut buf = Vec::new();
+        for loc in rows.iter().filter_map(|(_, l)| l.as_ref()) {
+            if loc.bucket != id {
+                continue;
+            }
+            any = true;
+            if loc.offset.saturating_add(loc.len) > len {
+                return false;
+            }
+            buf.resize(loc.len as usize, 0);
+            if file.read_exact_at(&mut buf, loc.offset).is_err() || crc32fast::hash(&buf) != loc.crc
+            {
+                return false;
+            }
+        }
+        any
+    }
+
     /// Writes the objects durably (see the crate docs for the order of writes and fsyncs).
     /// Returns the generations now on disk, in input order; objects already on disk count as
     /// stored. An error means none of the batch was indexed.
@@ -465,6 +584,16 @@ impl DiskTier {
             }
         }
         let need: u64 = todo.iter().map(|t| t.bytes.len() as u64).sum();
+        let over = {
+            let g = self.inner.lock();
+            (g.used + need.min(self.cfg.limit_bytes)).saturating_sub(self.cfg.limit_bytes)
+        };
+        if over > 0 {
+            // Reclaim dead space before dropping live objects; best effort.
+            if let Err(e) = self.compact(over, CompactStop::Never) {
+                tracing::warn!(error = %e, "offload compaction failed; dropping whole buckets instead");
+            }
+        }
         // Reserve: room under the limit, then a (bucket, offset) per object.
         let mut placed: Vec<(u64, u64, Arc<File>, PathBuf)> = Vec::with_capacity(todo.len());
         let mut new_bucket = false;
@@ -621,6 +750,159 @@ impl DiskTier {
         }
         txn.commit().map_err(|e| ierr(e.to_string()))?;
         Ok(locs)
+    }
+
+    /// Rewrites sealed buckets that are at least half dead, most dead first, until `want` bytes
+    /// were reclaimed or no such bucket is left. The caller holds the writer lock.
+    fn compact(&self, want: u64, stop: CompactStop) -> Result<u64, OffloadError> {
+        let mut reclaimed = 0;
+        let mut tried = HashSet::new();
+        while reclaimed < want {
+            let pick = {
+                let g = self.inner.lock();
+                g.buckets
+                    .iter()
+                    .filter(|(id, _)| g.current != Some(**id) && !tried.contains(*id))
+                    .map(|(id, b)| {
+                        let live: u64 = b
+                            .live
+                            .iter()
+                            .filter_map(|x| g.objects.get(x))
+                            .map(|l| l.len)
+                            .sum();
+                        (*id, b.size.saturating_sub(live), live)
+                    })
+                    .filter(|(_, dead, live)| *dead > 0 && *dead >= *live)
+                    .max_by_key(|(_, dead, _)| *dead)
+                    .map(|(id, _, _)| id)
+            };
+            let Some(id) = pick else {
+                break;
+            };
+            tried.insert(id);
+            reclaimed += self.compact_bucket(id, stop)?;
+        }
+        Ok(reclaimed)
+    }
+
+    /// Rewrites bucket `id` with its live objects only (see the crate docs for the steps and why
+    /// a crash at any point loses nothing). Returns the bytes reclaimed.
+    fn compact_bucket(&self, id: u64, stop: CompactStop) -> Result<u64, OffloadError> {
+        let (old_file, path, old_size, mut live) = {
+            let g = self.inner.lock();
+            let Some(b) = g.buckets.get(&id) else {
+                return Ok(0);
+            };
+            let live: Vec<(u64, Loc)> = b
+                .live
+                .iter()
+                .filter_map(|x| g.objects.get(x).map(|l| (*x, l.clone())))
+                .collect();
+            (b.file.clone(), b.path.clone(), b.size, live)
+        };
+        live.sort_by_key(|(_, l)| l.offset);
+        let tmp = compact_path(&self.cfg.dir, id);
+        let werr = |p: &Path| {
+            let path = p.display().to_string();
+            move |source| OffloadError::Write { path, source }
+        };
+        let new_file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(&tmp)
+            .map_err(werr(&tmp))?;
+        let mut moved: Vec<(u64, Loc, u64)> = Vec::with_capacity(live.len());
+        let mut corrupt = Vec::new();
+        let mut buf = Vec::new();
+        let mut off = 0u64;
+        for (gen_, loc) in &live {
+            buf.resize(loc.len as usize, 0);
+            old_file
+                .read_exact_at(&mut buf, loc.offset)
+                .map_err(werr(&path))?;
+            if crc32fast::hash(&buf) != loc.crc {
+                corrupt.push(*gen_);
+                continue;
+            }
+            new_file.write_all_at(&buf, off).map_err(werr(&tmp))?;
+            moved.push((*gen_, loc.clone(), off));
+            off += loc.len;
+        }
+        let cleanup = |e: OffloadError| {
+            let _ = std::fs::remove_file(&tmp);
+            e
+        };
+        new_file.sync_data().map_err(werr(&tmp)).map_err(cleanup)?;
+        if stop == CompactStop::BeforeIndexCommit {
+            return Ok(0);
+        }
+        let ipath = self.cfg.dir.join(INDEX_FILE);
+        let ierr = index_err(&ipath);
+        let commit = || -> Result<(), OffloadError> {
+            let txn = self.db.begin_write().map_err(|e| ierr(e.to_string()))?;
+            {
+                let mut t = txn.open_table(OBJECTS).map_err(|e| ierr(e.to_string()))?;
+                for (gen_, loc, new_off) in &moved {
+                    let row = Loc {
+                        offset: *new_off,
+                        ..loc.clone()
+                    };
+                    t.insert(*gen_, row.encode().as_slice())
+                        .map_err(|e| ierr(e.to_string()))?;
+                }
+            }
+            txn.commit().map_err(|e| ierr(e.to_string()))
+        };
+        commit().map_err(cleanup)?;
+        if stop == CompactStop::BeforeRename {
+            return Ok(0);
+        }
+        // From here on the index points into the new file: finish even if the rename fails
+        // (recovery would finish it), and never delete the .compact file.
+        std::fs::rename(&tmp, &path).map_err(werr(&path))?;
+        File::open(&self.cfg.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(werr(&self.cfg.dir))?;
+        let mut stale = Vec::new();
+        {
+            let mut g = self.inner.lock();
+            for (gen_, loc, new_off) in &moved {
+                match g.objects.get_mut(gen_) {
+                    Some(l) if l.bucket == id && l.offset == loc.offset => l.offset = *new_off,
+                    // Dropped meanwhile: its re-written row must go again.
+                    _ => stale.push(*gen_),
+                }
+            }
+            if let Some(b) = g.buckets.get_mut(&id) {
+                b.file = Arc::new(new_file);
+                b.size = off;
+            }
+            g.used -= old_size - off;
+        }
+        if !stale.is_empty() {
+            self.unindex(&stale)?;
+        }
+        if !corrupt.is_empty() {
+            self.counters
+                .corrupt
+                .fetch_add(corrupt.len() as u64, Ordering::Relaxed);
+            tracing::error!(bucket = %path.display(), objects = corrupt.len(), "corrupt offloaded objects found while compacting: dropped");
+            self.drop_objects(&corrupt, true);
+        }
+        let reclaimed = old_size - off;
+        self.counters.compactions.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .compacted_reclaimed
+            .fetch_add(reclaimed, Ordering::Relaxed);
+        tracing::debug!(
+            bucket = id,
+            reclaimed,
+            live = moved.len(),
+            "offload bucket compacted"
+        );
+        Ok(reclaimed)
     }
 
     /// Drops whole buckets, oldest first, until `need` more bytes fit under the limit.
@@ -838,6 +1120,8 @@ impl DiskTier {
             evicted_objects_total: c.evicted.load(Ordering::Relaxed),
             corrupt_objects_total: c.corrupt.load(Ordering::Relaxed),
             write_errors_total: c.write_errors.load(Ordering::Relaxed),
+            compactions_total: c.compactions.load(Ordering::Relaxed),
+            compacted_bytes_total: c.compacted_reclaimed.load(Ordering::Relaxed),
         }
     }
 }

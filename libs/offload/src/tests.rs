@@ -150,3 +150,115 @@ fn unwritable_directory_is_a_clear_error() {
     let msg = e.to_string();
     assert!(msg.contains("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"), "{msg}");
 }
+
+fn check(t: &DiskTier, i: u64, len: usize) {
+    let mut buf = vec![0u8; len];
+    t.load(i, &mut buf)
+        .unwrap_or_else(|e| panic!("object {i}: {e}"));
+    assert_eq!(buf, obj(i, len), "object {i}");
+}
+
+/// Two sealed buckets of four 10 kB objects; bucket 1 keeps only object 4, bucket 2 keeps 7
+/// and 8. 80 kB used, 30 kB live.
+fn half_dead(dir: &Path, limit: u64) -> DiskTier {
+    let (t, _) = DiskTier::open(cfg(dir, limit)).unwrap();
+    for i in 1..=8 {
+        put(&t, i, 10_000);
+    }
+    t.remove(&[1, 2, 3, 5, 6]).unwrap();
+    let s = t.stats();
+    assert_eq!((s.used_bytes, s.live_bytes), (80_000, 30_000));
+    t
+}
+
+#[test]
+fn compaction_reclaims_dead_space_before_dropping_live_objects() {
+    let d = tempfile::tempdir().unwrap();
+    let t = half_dead(d.path(), 100_000);
+    // 80 kB + 3 x 10 kB > 100 kB: without compaction FIFO drops bucket 1 and object 4 with it.
+    for i in 9..=11 {
+        put(&t, i, 10_000);
+    }
+    let s = t.stats();
+    assert!(s.compactions_total >= 1, "{s:?}");
+    assert!(s.compacted_bytes_total >= 30_000, "{s:?}");
+    assert!(s.used_bytes <= 100_000, "{s:?}");
+    assert!(t.take_dropped().is_empty(), "a live object was dropped");
+    for i in [4, 7, 8, 9, 10, 11] {
+        check(&t, i, 10_000);
+    }
+    drop(t);
+    // The new offsets are durable.
+    let (t, r) = DiskTier::open(cfg(d.path(), 100_000)).unwrap();
+    assert_eq!(r.objects, 6);
+    for i in [4, 7, 8, 9, 10, 11] {
+        check(&t, i, 10_000);
+    }
+}
+
+#[test]
+fn compaction_interrupted_before_its_index_commit_keeps_the_old_bucket() {
+    let d = tempfile::tempdir().unwrap();
+    let t = half_dead(d.path(), 1 << 30);
+    assert_eq!(
+        t.compact_bucket(1, CompactStop::BeforeIndexCommit).unwrap(),
+        0
+    );
+    assert!(compact_path(d.path(), 1).exists());
+    drop(t); // the "crash"
+    let (t, r) = DiskTier::open(cfg(d.path(), 1 << 30)).unwrap();
+    assert_eq!((r.compactions_discarded, r.compactions_finished), (1, 0));
+    assert!(!compact_path(d.path(), 1).exists());
+    assert_eq!(
+        std::fs::metadata(bucket_path(d.path(), 1)).unwrap().len(),
+        40_000
+    );
+    for i in [4, 7, 8] {
+        check(&t, i, 10_000);
+    }
+}
+
+#[test]
+fn compaction_interrupted_after_its_index_commit_is_finished_at_open() {
+    let d = tempfile::tempdir().unwrap();
+    let t = half_dead(d.path(), 1 << 30);
+    assert_eq!(t.compact_bucket(1, CompactStop::BeforeRename).unwrap(), 0);
+    drop(t);
+    let (t, r) = DiskTier::open(cfg(d.path(), 1 << 30)).unwrap();
+    assert_eq!((r.compactions_discarded, r.compactions_finished), (0, 1));
+    assert!(!compact_path(d.path(), 1).exists());
+    // Bucket 1 now holds object 4 only.
+    assert_eq!(
+        std::fs::metadata(bucket_path(d.path(), 1)).unwrap().len(),
+        10_000
+    );
+    for i in [4, 7, 8] {
+        check(&t, i, 10_000);
+    }
+    assert_eq!(t.stats().used_bytes, 50_000);
+}
+
+#[test]
+fn reads_during_a_compaction_see_the_right_bytes() {
+    let d = tempfile::tempdir().unwrap();
+    let t = Arc::new(half_dead(d.path(), 1 << 30));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (t, stop) = (t.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) || n == 0 {
+                check(&t, 4, 10_000);
+                n += 1;
+            }
+            n
+        })
+    };
+    for _ in 0..20 {
+        let _w = t.writer.lock();
+        t.compact_bucket(1, CompactStop::Never).unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(reader.join().unwrap() > 0);
+    check(&t, 4, 10_000);
+}

@@ -59,6 +59,8 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
         set(&m.disk_evicted, d.evicted_objects_total);
         set(&m.disk_corrupt, d.corrupt_objects_total);
         set(&m.disk_write_errors, d.write_errors_total);
+        set(&m.disk_compactions, d.compactions_total);
+        set(&m.disk_compacted, d.compacted_bytes_total);
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

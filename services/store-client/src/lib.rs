@@ -189,6 +189,8 @@ pub(crate) struct Metrics {
     pub(crate) disk_evicted: IntGauge,
     pub(crate) disk_corrupt: IntGauge,
     pub(crate) disk_write_errors: IntGauge,
+    pub(crate) disk_compactions: IntGauge,
+    pub(crate) disk_compacted: IntGauge,
     pub(crate) tier: Option<Arc<lunakv_offload::DiskTier>>,
 }
 
@@ -262,6 +264,14 @@ impl Metrics {
             disk_write_errors: g(
                 "lunakv_store_disk_write_errors_total",
                 "Offload batches that failed to write",
+            ),
+            disk_compactions: g(
+                "lunakv_store_disk_compactions_total",
+                "Buckets rewritten without their dead space (before any live object is dropped)",
+            ),
+            disk_compacted: g(
+                "lunakv_store_disk_compacted_bytes_total",
+                "Dead bytes returned by compaction",
             ),
             tier: None,
             writes: g(
