@@ -238,7 +238,11 @@ fn a_killed_store_fails_the_store_row() {
     let mut store = Store::start(&m.addr(), "16MB", &[]);
     let admin = store.admin.expect("store admin").to_string();
     let (code, report) = doctor(&m.addr(), &[format!("--store={admin}")]);
-    assert_eq!(row(&report, "store_clients")["status"], "pass", "{report:#}");
+    assert_eq!(
+        row(&report, "store_clients")["status"],
+        "pass",
+        "{report:#}"
+    );
     assert_eq!(code, 0, "{report:#}");
 
     store.proc.kill9();
@@ -277,7 +281,11 @@ fn offload_mismatch_fails_the_offload_config_row() {
     // The same engine config with offload off agrees with that stack.
     let config = engine_config(dir.path(), &m.addr(), false);
     let (code, report) = doctor(&m.addr(), &[format!("--config={config}")]);
-    assert_eq!(row(&report, "offload_config")["status"], "pass", "{report:#}");
+    assert_eq!(
+        row(&report, "offload_config")["status"],
+        "pass",
+        "{report:#}"
+    );
     assert_eq!(code, 0);
 }
 
@@ -365,7 +373,8 @@ fn instances_that_never_share_a_key_are_flagged_by_doctor_and_the_metric() {
     let a = requester(&m.addr());
     let b = requester(&m.addr());
     for i in 0..MIN_KEYS as u64 {
-        a.put(&vllm_key("Qwen3-8B", 0, i), b"block-a").expect("put a");
+        a.put(&vllm_key("Qwen3-8B", 0, i), b"block-a")
+            .expect("put a");
         b.put(&vllm_key("Qwen3-8B", 0, 1 << 40 | i), b"block-b")
             .expect("put b");
         // Each looks up only its own keys: no hit crosses instances.
@@ -373,13 +382,7 @@ fn instances_that_never_share_a_key_are_flagged_by_doctor_and_the_metric() {
     }
 
     let (code, report) = doctor(&m.addr(), &[]);
-    assert_only_failure(
-        code,
-        &report,
-        "key_consistency",
-        UNSHARED,
-        "PYTHONHASHSEED",
-    );
+    assert_only_failure(code, &report, "key_consistency", UNSHARED, "PYTHONHASHSEED");
     let d = row(&report, "key_consistency")["detail"]
         .as_str()
         .unwrap_or_default()
@@ -405,7 +408,11 @@ fn instances_that_never_share_a_key_are_flagged_by_doctor_and_the_metric() {
     // One cross-instance hit clears it.
     assert!(b.exists(&vllm_key("Qwen3-8B", 0, 0)).expect("exists"));
     let (code, report) = doctor(&m.addr(), &[]);
-    assert_eq!(row(&report, "key_consistency")["status"], "pass", "{report:#}");
+    assert_eq!(
+        row(&report, "key_consistency")["status"],
+        "pass",
+        "{report:#}"
+    );
     assert_eq!(code, 0);
     assert_eq!(m.metric("lunakv_namespace_unshared_namespaces"), Some(0.0));
 }

@@ -935,9 +935,9 @@ impl StoreClient {
     /// The master's per key namespace bookkeeping (cross-instance key consistency).
     pub fn namespace_stats(&self) -> Result<pb::NamespaceStatsResponse> {
         self.check_open()?;
-        self.rpc(|mut m| async move {
-            m.get_namespace_stats(pb::GetNamespaceStatsRequest {}).await
-        })
+        self.rpc(
+            |mut m| async move { m.get_namespace_stats(pb::GetNamespaceStatsRequest {}).await },
+        )
     }
 
     // === plumbing ===

@@ -25,7 +25,10 @@ pub fn sidecar_connector(kv_connector: &str) -> Option<&'static str> {
 /// MultiConnector, each nested one (recursively).
 pub fn engine_connectors(kv_transfer_config: &Value) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
-    if let Some(c) = kv_transfer_config.get("kv_connector").and_then(Value::as_str) {
+    if let Some(c) = kv_transfer_config
+        .get("kv_connector")
+        .and_then(Value::as_str)
+    {
         out.insert(c.to_string());
     }
     if let Some(nested) = kv_transfer_config
@@ -60,7 +63,10 @@ pub enum ConnectorMismatch {
 }
 
 /// Does a sidecar with `--kv-connector=sidecar` match an engine running `kv_transfer_config`?
-pub fn connector_matches(sidecar: &str, kv_transfer_config: &Value) -> Result<(), ConnectorMismatch> {
+pub fn connector_matches(
+    sidecar: &str,
+    kv_transfer_config: &Value,
+) -> Result<(), ConnectorMismatch> {
     let want = sidecar_connector(sidecar)
         .ok_or_else(|| ConnectorMismatch::UnknownSidecarConnector(sidecar.to_string()))?;
     let have = engine_connectors(kv_transfer_config);

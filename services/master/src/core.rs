@@ -1237,15 +1237,19 @@ impl MasterCore {
         };
         let generation = item.generation;
         self.run_offloads(vec![item]).await;
-        let on_disk = self.shard(key).lock().get(key).is_some_and(|o| {
-            o.generation == generation && o.replicas.iter().any(|r| r.disk)
-        });
+        let on_disk = self
+            .shard(key)
+            .lock()
+            .get(key)
+            .is_some_and(|o| o.generation == generation && o.replicas.iter().any(|r| r.disk));
         if on_disk {
             Ok(())
         } else {
             Err(OpError::new(
                 ErrorCode::InternalError,
-                format!("the owner of {key:?} could not write it to disk: see the store-client's log"),
+                format!(
+                    "the owner of {key:?} could not write it to disk: see the store-client's log"
+                ),
             ))
         }
     }
