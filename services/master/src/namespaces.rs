@@ -425,6 +425,28 @@ mod tests {
         assert_eq!(m0.clients.len(), MAX_CLIENTS_PER_NAMESPACE);
     }
 
+    /// A figure, not an assertion: `cargo test -p lunakv-master --lib -- --ignored --nocapture
+    /// record_cost`.
+    #[test]
+    #[ignore = "prints a figure"]
+    fn record_cost() {
+        let t = NamespaceTracker::new(64);
+        let keys: Vec<String> = (0..100_000u64)
+            .map(|i| format!("Qwen3-8B@tp_rank:{}@{i:016x}", i % 8))
+            .collect();
+        let start = std::time::Instant::now();
+        for (i, k) in keys.iter().enumerate() {
+            t.record_put(if i % 2 == 0 { "client-a" } else { "client-b" }, k, false);
+        }
+        let per_put = start.elapsed().as_nanos() as f64 / keys.len() as f64;
+        let start = std::time::Instant::now();
+        for k in &keys {
+            let _ = namespace_of(k);
+        }
+        let per_parse = start.elapsed().as_nanos() as f64 / keys.len() as f64;
+        println!("record_put: {per_put:.0} ns/op; namespace_of alone: {per_parse:.0} ns/op");
+    }
+
     #[test]
     fn label_values_are_escaped() {
         assert_eq!(escape("a\"b\\c"), "a\\\"b\\\\c");
