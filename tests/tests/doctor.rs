@@ -10,9 +10,10 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use lunakv_tests::pd::{Bootstrap, Sim, fresh_host};
-use lunakv_tests::{Master, Proc, Store, bin, fields, requester};
+use lunakv_tests::{Master, Proc, Store, bin, fields, requester, wait_until};
 use serde_json::Value;
 
 const UNSHARED: &str = "instances never share a block: PYTHONHASHSEED or hash algorithm differs";
@@ -115,7 +116,7 @@ fn offload_store(master: &str, dir: &Path) -> (Proc, String) {
         &args,
         &[("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", path.as_str())],
     );
-    let line = proc.wait_for_line("listening", std::time::Duration::from_secs(20));
+    let line = proc.wait_for_line("listening", Duration::from_secs(20));
     let admin = fields(&line).get("admin").cloned().expect("admin address");
     (proc, admin)
 }
@@ -234,7 +235,8 @@ fn unreachable_master_fails_the_master_row() {
 fn a_killed_store_fails_the_store_row() {
     let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
-    let m = Master::start(&dir.path().join("m"), &[]);
+    // A long client_ttl keeps the dead store's segment registered while doctor looks at it.
+    let m = Master::start(&dir.path().join("m"), &["--client_ttl=120"]);
     let mut store = Store::start(&m.addr(), "16MB", &[]);
     let admin = store.admin.expect("store admin").to_string();
     let (code, report) = doctor(&m.addr(), &[format!("--store={admin}")]);
@@ -254,6 +256,26 @@ fn a_killed_store_fails_the_store_row() {
         &format!("store-client admin {admin} does not answer"),
         "restart the dead lunakv-store",
     );
+
+    // Without --store, the master's view alone: the segment stops pinging.
+    let segment = store.segment_name();
+    let seen = wait_until(Duration::from_secs(60), || {
+        let (code, report) = doctor(&m.addr(), &["--stale-ping-ms=1500".to_string()]);
+        (row(&report, "store_clients")["status"] == "fail").then_some((code, report))
+    });
+    let (code, report) = seen.expect("the master's view never showed the dead store");
+    assert_only_failure(
+        code,
+        &report,
+        "store_clients",
+        &format!("{segment} (client "),
+        "restart the dead lunakv-store",
+    );
+    let d = row(&report, "store_clients")["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(d.contains("last pinged the master"), "{d}");
 }
 
 #[test]
