@@ -312,6 +312,34 @@ fn offload_mismatch_fails_the_offload_config_row() {
 }
 
 #[test]
+fn a_bad_engine_config_fails_its_row_naming_the_field() {
+    let _serial = lunakv_tests::serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(&dir.path().join("m"), &[]);
+    let _store = Store::start(&m.addr(), "16MB", &[]);
+    // vLLM's bool("false") trap: lunakv refuses the string instead of reading it as true.
+    let p = dir.path().join("bad.json");
+    std::fs::write(
+        &p,
+        format!(
+            r#"{{"master_server_address":"{}","mode":"standalone-store","global_segment_size":0,"local_buffer_size":"64MB","protocol":"tcp","enable_offload":"false"}}"#,
+            m.addr()
+        ),
+    )
+    .expect("write");
+    let (code, report) = doctor(&m.addr(), &[format!("--config={}", p.display())]);
+    assert_only_failure(
+        code,
+        &report,
+        "engine_config",
+        "enable_offload",
+        "mooncake_config.json",
+    );
+    // The rest still ran against the master given on the command line.
+    assert_eq!(row(&report, "master")["status"], "pass", "{report:#}");
+}
+
+#[test]
 fn bootstrap_without_engines_or_down_fails_the_bootstrap_row() {
     let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
