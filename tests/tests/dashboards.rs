@@ -219,6 +219,8 @@ fn every_dashboard_metric_is_exported_by_a_service() {
     {
         let c = requester(&master.addr());
         c.put("dash/k", b"dashboard").expect("put");
+        // A vLLM-shaped key, so the per-namespace series (labelled by namespace) exist.
+        c.put("dash-model@tp_rank:0@00ab", b"block").expect("put");
         assert_eq!(c.get("dash/k").expect("get"), b"dashboard");
     }
     exports.insert(

@@ -189,17 +189,9 @@ fn container_ports(c: &Value) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// Every connector name a --kv-transfer-config runs: the top level and, for a MultiConnector,
-/// each nested one (recursively).
+/// Every connector name a --kv-transfer-config runs (the shared implementation in lunakv-config).
 fn connectors(cfg: &Value) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    if let Some(c) = cfg.get("kv_connector").and_then(Value::as_str) {
-        out.insert(c.to_string());
-    }
-    for nested in arr(cfg, "/kv_connector_extra_config/connectors") {
-        out.extend(connectors(nested));
-    }
-    out
+    lunakv_config::connectors::engine_connectors(cfg)
 }
 
 fn kv_transfer_config(c: &Value) -> Option<Value> {
@@ -209,28 +201,10 @@ fn kv_transfer_config(c: &Value) -> Option<Value> {
     })
 }
 
-/// The vLLM connector a routing sidecar's `--kv-connector` drives (llm-d-router's fixed names).
-fn sidecar_connector(kv_connector: &str) -> Option<&'static str> {
-    match kv_connector {
-        "mooncake" => Some("MooncakeConnector"),
-        "nixlv2" => Some("NixlConnector"),
-        "shared-storage" => Some("SharedStorageConnector"),
-        _ => None,
-    }
-}
-
-/// Does a sidecar with `--kv-connector=sidecar` match an engine running `engine_cfg`?
+/// Does a sidecar with `--kv-connector=sidecar` match an engine running `engine_cfg`? The one
+/// implementation `lunakv doctor` uses too.
 fn connector_matches(sidecar: &str, engine_cfg: &Value) -> Result<(), String> {
-    let want = sidecar_connector(sidecar)
-        .ok_or_else(|| format!("--kv-connector={sidecar} is not one the router accepts"))?;
-    let have = connectors(engine_cfg);
-    if have.contains(want) {
-        Ok(())
-    } else {
-        Err(format!(
-            "sidecar --kv-connector={sidecar} needs the engine to run {want} (top-level or in a MultiConnector), but it runs {have:?}"
-        ))
-    }
+    lunakv_config::connectors::connector_matches(sidecar, engine_cfg).map_err(|e| e.to_string())
 }
 
 fn bool_flag(c: &Value, f: &str) -> bool {

@@ -911,6 +911,35 @@ impl StoreClient {
         self.rpc(|mut m| async move { m.get_cluster_status(pb::GetClusterStatusRequest {}).await })
     }
 
+    /// Asks the master to move `key`'s DRAM copy to its owner's disk tier now (the SSD tier
+    /// probe of `lunakv doctor`). Returns once the owner made the bytes durable.
+    pub fn offload_key(&self, key: &str) -> Result<()> {
+        self.check_open()?;
+        validate_key(key)?;
+        let req = pb::OffloadKeyRequest {
+            client_id: self.client_id.clone(),
+            key: key.to_owned(),
+        };
+        let r = self.rpc(|mut m| {
+            let req = req.clone();
+            async move { m.offload_key(req).await }
+        })?;
+        // The location changed (DRAM -> disk): forget the cached one.
+        self.cache.invalidate(key, None);
+        if r.code != 0 {
+            return Err(ClientError::from_item(key, 0, r.code, &r.message));
+        }
+        Ok(())
+    }
+
+    /// The master's per key namespace bookkeeping (cross-instance key consistency).
+    pub fn namespace_stats(&self) -> Result<pb::NamespaceStatsResponse> {
+        self.check_open()?;
+        self.rpc(
+            |mut m| async move { m.get_namespace_stats(pb::GetNamespaceStatsRequest {}).await },
+        )
+    }
+
     // === plumbing ===
 
     fn check_open(&self) -> Result<()> {

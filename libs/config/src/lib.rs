@@ -8,6 +8,8 @@
 //!   defaulted like Mooncake's `mooncake_client` (a clap `Args` struct). Used by
 //!   `services/store-client`.
 //! - [`master`]: the master's flags and `master.yaml` (owned by the master's author).
+//! - [`connectors`]: does a routing sidecar's `--kv-connector` match its engines'
+//!   `--kv-transfer-config` (`lunakv doctor` and the Kubernetes overlay test).
 //! - [`size`]: human sizes, `"80GB"` = 80 GiB as in vLLM's parser; also a serde `with` module.
 //!
 //! Shared pieces live here: one [`ConfigError`] whose variants callers can branch on and whose
@@ -20,6 +22,7 @@
 //! as unset, as in upstream's `if os.getenv(...)` checks.
 
 pub mod client;
+pub mod connectors;
 pub mod etcd;
 pub mod master;
 pub mod size;

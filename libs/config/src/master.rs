@@ -56,6 +56,9 @@ pub struct MasterConfig {
     /// Upstream `--promotion_on_hit`: a get of a disk-only object also brings it back into the
     /// owner's DRAM.
     pub promotion_on_hit: bool,
+    /// lunakv: keys a client must put in one vLLM key namespace before the cross-instance rule
+    /// counts it; two such clients that never share a key flag the namespace (`lunakv doctor`).
+    pub namespace_min_keys: u64,
     /// HA (upstream `--enable_ha`): campaign for leadership in etcd; followers redirect clients.
     pub enable_ha: bool,
     /// etcd client endpoints, `;`-separated as upstream (`h1:2379;h2:2379`; `etcd://` accepted).
@@ -85,6 +88,7 @@ impl Default for MasterConfig {
             data_dir: PathBuf::from("./lunakv-master-data"),
             enable_offload: false,
             promotion_on_hit: false,
+            namespace_min_keys: 64,
             enable_ha: false,
             etcd_endpoints: String::new(),
             ha_backend_type: "etcd".to_string(),
@@ -117,6 +121,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("data_dir", Kind::Str),
     ("enable_offload", Kind::Bool),
     ("promotion_on_hit", Kind::Bool),
+    ("namespace_min_keys", Kind::Num),
     ("enable_ha", Kind::Bool),
     ("etcd_endpoints", Kind::Str),
     ("ha_backend_type", Kind::Str),
@@ -299,6 +304,7 @@ impl MasterConfig {
             });
         }
         check_positive("client_ttl", self.client_ttl, "s", "10")?;
+        check_positive("namespace_min_keys", self.namespace_min_keys, "keys", "64")?;
         check_positive(
             "put_start_discard_timeout_sec",
             self.put_start_discard_timeout_sec,

@@ -1,6 +1,6 @@
 //! The admin and Prometheus HTTP listener (upstream's port 9003): `/metrics`, `/metrics/summary`,
 //! `/health`, `/get_all_segments`, `/query_key?key=...`, and for HA `/role`, `/leader`,
-//! `/ha_status` (upstream's names).
+//! `/ha_status` (upstream's names); lunakv's `/namespaces` (cross-instance key consistency).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -36,6 +36,7 @@ pub fn router_ha(slot: Arc<CoreSlot>, ha: Option<Arc<HaState>>) -> Router {
         .route("/ha_status", get(ha_status))
         .route("/get_all_segments", get(segments))
         .route("/query_key", get(query_key))
+        .route("/namespaces", get(namespaces))
         .with_state(AdminState { slot, ha })
 }
 
@@ -43,6 +44,7 @@ async fn metrics(State(s): State<AdminState>) -> Response {
     let core = s.slot.get();
     core.refresh_gauges();
     let mut text = lunakv_telemetry::render(&core.metrics.registry);
+    text.push_str(&core.namespaces.render_metrics());
     if let Some(ha) = &s.ha {
         text.push_str(&lunakv_telemetry::render(&ha.metrics.registry));
     }
@@ -154,4 +156,9 @@ async fn query_key(
         )
             .into_response(),
     }
+}
+
+/// Per vLLM key namespace: keys put per client, shared keys, and the unshared-instances verdict.
+async fn namespaces(State(s): State<AdminState>) -> Response {
+    Json(s.slot.get().namespaces.report()).into_response()
 }

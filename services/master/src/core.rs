@@ -18,6 +18,7 @@ use rand::seq::SliceRandom;
 
 use crate::alloc::{OffsetAllocator, align_up};
 use crate::metrics::Metrics;
+use crate::namespaces::NamespaceTracker;
 use crate::notifier::OwnerNotifier;
 
 /// Number of object-index shards.
@@ -41,6 +42,9 @@ pub struct CoreConfig {
     pub enable_offload: bool,
     /// SSD tier: a get of a disk-only object asks its owner to bring it back to DRAM.
     pub promotion_on_hit: bool,
+    /// Keys a client must put in a namespace before the unshared-instances rule counts it
+    /// (`namespace_min_keys`; see [`crate::namespaces`]).
+    pub namespace_min_keys: u64,
 }
 
 impl CoreConfig {
@@ -58,6 +62,7 @@ impl CoreConfig {
             free_timeout: Duration::from_secs(2),
             enable_offload: c.enable_offload,
             promotion_on_hit: c.promotion_on_hit,
+            namespace_min_keys: c.namespace_min_keys,
         }
     }
 }
@@ -315,11 +320,14 @@ pub struct MasterCore {
     promotion_wanted: tokio::sync::Notify,
     notifier: Arc<dyn OwnerNotifier>,
     pub metrics: Metrics,
+    /// Per key namespace: keys put per client and how many another client held (a leaf lock).
+    pub namespaces: NamespaceTracker,
 }
 
 impl MasterCore {
     /// A core for `epoch` (the high 32 bits of every generation it hands out).
     pub fn new(cfg: CoreConfig, epoch: u32, notifier: Arc<dyn OwnerNotifier>) -> MasterCore {
+        let cfg_min_keys = cfg.namespace_min_keys;
         MasterCore {
             cfg,
             epoch,
@@ -335,6 +343,7 @@ impl MasterCore {
             promotion_wanted: tokio::sync::Notify::new(),
             notifier,
             metrics: Metrics::new(),
+            namespaces: NamespaceTracker::new(cfg_min_keys),
         }
     }
 
@@ -686,6 +695,10 @@ impl MasterCore {
         let now = Instant::now();
         let mut shard = self.shard(key).lock();
         if let Some(o) = shard.get(key) {
+            if o.client_id != client_id {
+                // Another instance holds this block: the cross-instance sharing doctor checks.
+                self.namespaces.record_put(client_id, key, true);
+            }
             let what = match o.state {
                 ObjectState::Complete => "exists",
                 ObjectState::Processing => "is being put",
@@ -771,6 +784,8 @@ impl MasterCore {
                 promoting: false,
             },
         );
+        drop(shard);
+        self.namespaces.record_put(client_id, key, false);
         Ok((generation, views))
     }
 
@@ -810,6 +825,12 @@ impl MasterCore {
 
     /// The location of a complete object; grants (extends) a lease on it.
     pub fn get_replica_list(&self, key: &str) -> Result<Location, OpError> {
+        self.get_replica_list_for("", key)
+    }
+
+    /// [`Self::get_replica_list`] on behalf of `client_id` (exists and get lookups): finding a
+    /// key another client put counts as a shared key of its namespace.
+    pub fn get_replica_list_for(&self, client_id: &str, key: &str) -> Result<Location, OpError> {
         let now = Instant::now();
         let mut shard = self.shard(key).lock();
         let o = shard
@@ -817,6 +838,9 @@ impl MasterCore {
             .ok_or_else(|| not_found(key, "not found"))?;
         if o.state != ObjectState::Complete {
             return Err(not_found(key, "its put has not ended yet"));
+        }
+        if !client_id.is_empty() && o.client_id != client_id {
+            self.namespaces.record_found_from_other(client_id, key);
         }
         let lease_until = now + self.cfg.lease_ttl;
         o.lease_until = Some(o.lease_until.map_or(lease_until, |t| t.max(lease_until)));
@@ -1148,6 +1172,86 @@ impl MasterCore {
         self.release(frees).await;
         self.run_offloads(offloads).await;
         evicted
+    }
+
+    /// Moves one object's DRAM copy to its owner's disk tier now, as eviction would (the
+    /// explicit request behind `lunakv doctor`'s SSD check). Answers once the owner made the
+    /// bytes durable; an object already on disk is left as it is.
+    pub async fn offload_key(&self, key: &str) -> Result<(), OpError> {
+        if !self.cfg.enable_offload {
+            return Err(OpError::new(
+                ErrorCode::InvalidParams,
+                "the master runs without --enable_offload: start it with --enable_offload=true \
+                 to use the SSD tier",
+            ));
+        }
+        let item = {
+            let mut shard = self.shard(key).lock();
+            let o = shard
+                .get_mut(key)
+                .ok_or_else(|| not_found(key, "not found"))?;
+            if o.state != ObjectState::Complete {
+                return Err(not_found(key, "its put has not ended yet"));
+            }
+            if o.replicas.iter().any(|r| r.disk) {
+                return Ok(());
+            }
+            let segs = self.segments.lock();
+            let target = o.replicas.iter().position(|r| {
+                segs.get(&r.segment).is_some_and(|s| {
+                    s.mount_id == r.mount_id
+                        && s.desc.enable_offload
+                        && s.desc.disk_capacity >= o.size
+                })
+            });
+            let Some(i) = target else {
+                return Err(OpError::new(
+                    ErrorCode::InvalidParams,
+                    format!(
+                        "key {key:?} has no replica on a store-client with a usable disk tier: \
+                         start lunakv-store with --enable_offload=true and a writable \
+                         --offload_dir (or MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)"
+                    ),
+                ));
+            };
+            let r = o.replicas.remove(i);
+            let endpoint = segs
+                .get(&r.segment)
+                .map(|s| s.desc.transfer_endpoint.clone())
+                .unwrap_or_default();
+            drop(segs);
+            let item = PendingOffload {
+                key: key.to_string(),
+                endpoint,
+                segment: r.segment.clone(),
+                mount_id: r.mount_id,
+                generation: o.generation,
+                offset: r.offset,
+            };
+            o.replicas.push(ReplicaLoc {
+                offset: lunakv_transfer::DISK_OFFSET,
+                disk: true,
+                ..r
+            });
+            item
+        };
+        let generation = item.generation;
+        self.run_offloads(vec![item]).await;
+        let on_disk = self
+            .shard(key)
+            .lock()
+            .get(key)
+            .is_some_and(|o| o.generation == generation && o.replicas.iter().any(|r| r.disk));
+        if on_disk {
+            Ok(())
+        } else {
+            Err(OpError::new(
+                ErrorCode::InternalError,
+                format!(
+                    "the owner of {key:?} could not write it to disk: see the store-client's log"
+                ),
+            ))
+        }
     }
 
     /// Sends OFFLOAD to each owner (in parallel, one call per owner), then returns the DRAM

@@ -707,3 +707,30 @@ async fn failed_promotion_frees_the_reservation_through_the_owner() {
     assert_eq!(core.allocated_bytes(), 0);
     assert!(core.get_replica_list("d").is_err());
 }
+
+#[tokio::test]
+async fn namespace_sharing_is_counted_at_put_and_at_lookup() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "owner", "s1", 1 << 20);
+    let k = "m@tp_rank:0@abc";
+    core.put_start("a", k, 10, &opts(1)).await.expect("put a");
+    core.put_end(k).expect("end");
+    // The same client again: a retry, not a shared key.
+    assert_eq!(
+        code(core.put_start("a", k, 10, &opts(1)).await),
+        ErrorCode::ObjectAlreadyExists
+    );
+    let n = &core.namespaces.report().namespaces[0];
+    assert_eq!((n.keys_put, n.shared_keys), (1, 0));
+    // Another client: already held (put) and found (lookup) both count.
+    assert_eq!(
+        code(core.put_start("b", k, 10, &opts(1)).await),
+        ErrorCode::ObjectAlreadyExists
+    );
+    core.get_replica_list_for("b", k).expect("found");
+    core.get_replica_list_for("a", k).expect("own key");
+    let n = &core.namespaces.report().namespaces[0];
+    assert_eq!((n.keys_put, n.shared_keys), (2, 2));
+    let b = n.clients.iter().find(|c| c.client_id == "b").expect("b");
+    assert_eq!((b.put_already_held, b.found_from_other), (1, 1));
+}

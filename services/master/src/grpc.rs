@@ -292,8 +292,8 @@ impl MasterService {
         key_result(r)
     }
 
-    fn get_one(&self, core: &MasterCore, key: &str) -> pb::ObjectLocation {
-        location(check_key(key).and_then(|()| core.get_replica_list(key)))
+    fn get_one(&self, core: &MasterCore, client_id: &str, key: &str) -> pb::ObjectLocation {
+        location(check_key(key).and_then(|()| core.get_replica_list_for(client_id, key)))
     }
 
     async fn remove_one(&self, core: &MasterCore, key: &str, force: bool) -> pb::KeyResult {
@@ -518,7 +518,8 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::GetReplicaListRequest>,
     ) -> Result<Response<pb::ObjectLocation>, Status> {
         let a = self.admit(false)?;
-        let r = self.get_one(&a.core, &request.into_inner().key);
+        let req = request.into_inner();
+        let r = self.get_one(&a.core, &req.client_id, &req.key);
         self.done(&a, Rpc::GetReplicaList, r.code != 0, r)
     }
 
@@ -527,11 +528,11 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::BatchGetReplicaListRequest>,
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
         let a = self.admit(false)?;
-        let results: Vec<_> = request
-            .into_inner()
+        let req = request.into_inner();
+        let results: Vec<_> = req
             .keys
             .iter()
-            .map(|k| self.get_one(&a.core, k))
+            .map(|k| self.get_one(&a.core, &req.client_id, k))
             .collect();
         let failed = any_failed(results.iter().map(|r| &r.code));
         self.done(
@@ -548,7 +549,8 @@ impl pb::master_server::Master for MasterService {
     ) -> Result<Response<pb::ObjectLocation>, Status> {
         let a = self.admit(false)?;
         // Like upstream, existence grants a lease too (the caller is about to read).
-        let r = self.get_one(&a.core, &request.into_inner().key);
+        let req = request.into_inner();
+        let r = self.get_one(&a.core, &req.client_id, &req.key);
         // A miss is an answer, not a failure.
         let failed = r.code != 0 && r.code != ErrorCode::ObjectNotFound.as_i32();
         self.done(&a, Rpc::ExistKey, failed, r)
@@ -559,11 +561,11 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::BatchExistKeyRequest>,
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
         let a = self.admit(false)?;
-        let results: Vec<_> = request
-            .into_inner()
+        let req = request.into_inner();
+        let results: Vec<_> = req
             .keys
             .iter()
-            .map(|k| self.get_one(&a.core, k))
+            .map(|k| self.get_one(&a.core, &req.client_id, k))
             .collect();
         let failed = results
             .iter()
@@ -658,5 +660,57 @@ impl pb::master_server::Master for MasterService {
             disk_used_bytes,
             promotion_on_hit: core.config().promotion_on_hit,
         }))
+    }
+
+    async fn offload_key(
+        &self,
+        request: Request<pb::OffloadKeyRequest>,
+    ) -> Result<Response<pb::KeyResult>, Status> {
+        let a = self.admit(false)?;
+        let key = request.into_inner().key;
+        let r = match check_key(&key) {
+            Ok(()) => a.core.offload_key(&key).await,
+            Err(e) => Err(e),
+        };
+        self.confirm(&a)?;
+        Ok(Response::new(key_result(r)))
+    }
+
+    async fn get_namespace_stats(
+        &self,
+        _request: Request<pb::GetNamespaceStatsRequest>,
+    ) -> Result<Response<pb::NamespaceStatsResponse>, Status> {
+        let a = self.admit(false)?;
+        Ok(Response::new(namespace_report(&a.core.namespaces.report())))
+    }
+}
+
+/// The namespace report, as the wire shape.
+fn namespace_report(r: &crate::namespaces::NamespaceReport) -> pb::NamespaceStatsResponse {
+    pb::NamespaceStatsResponse {
+        min_keys: r.min_keys,
+        untracked: r.untracked,
+        namespaces: r
+            .namespaces
+            .iter()
+            .map(|n| pb::NamespaceStats {
+                namespace: n.namespace.clone(),
+                keys_put: n.keys_put,
+                shared_keys: n.shared_keys,
+                active_clients: n.active_clients,
+                unshared: n.unshared,
+                message: n.message.clone().unwrap_or_default(),
+                clients: n
+                    .clients
+                    .iter()
+                    .map(|c| pb::NamespaceClientStats {
+                        client_id: c.client_id.clone(),
+                        keys_put: c.keys_put,
+                        put_already_held: c.put_already_held,
+                        found_from_other: c.found_from_other,
+                    })
+                    .collect(),
+            })
+            .collect(),
     }
 }

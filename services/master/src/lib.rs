@@ -11,7 +11,8 @@
 //! - [`alloc`]: the best-fit offset allocator, one per segment.
 //! - [`notifier`]: how frees reach a segment's owner before a range is reused.
 //! - [`grpc`]: the tonic service, prost -> domain conversions, the error -> `Status` mapping.
-//! - [`admin`]: `/metrics`, `/health`, `/get_all_segments`, `/query_key`.
+//! - [`admin`]: `/metrics`, `/health`, `/get_all_segments`, `/query_key`, `/namespaces`.
+//! - [`namespaces`]: cross-instance key consistency per vLLM key namespace (`lunakv doctor`).
 //! - [`persist`]: what survives a restart (epoch, cluster id, segment endpoints) in a
 //!   [`lunakv_meta::MetaStore`]; the object index is rebuilt from owners' inventories.
 //! - [`server`]: wiring, listeners, background tasks, graceful drain.
@@ -38,6 +39,7 @@ pub mod core;
 pub mod grpc;
 pub mod ha;
 pub mod metrics;
+pub mod namespaces;
 pub mod notifier;
 pub mod persist;
 pub mod server;

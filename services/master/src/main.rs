@@ -59,6 +59,10 @@ struct Cli {
     /// SSD tier: a get of a disk-only object also promotes it back to the owner's DRAM.
     #[arg(long = "promotion_on_hit", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     promotion_on_hit: Option<bool>,
+    /// Keys a client must put in a vLLM key namespace before the cross-instance sharing rule
+    /// counts it [default: 64].
+    #[arg(long = "namespace_min_keys")]
+    namespace_min_keys: Option<u64>,
     /// HA: campaign for leadership in etcd; standbys redirect clients to the leader.
     #[arg(long = "enable_ha", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     enable_ha: Option<bool>,
@@ -110,6 +114,7 @@ impl Cli {
             "promotion_on_hit",
             self.promotion_on_hit.map(|v| v.to_string()),
         );
+        add("namespace_min_keys", s(&self.namespace_min_keys));
         add("enable_ha", self.enable_ha.map(|v| v.to_string()));
         add("etcd_endpoints", self.etcd_endpoints.clone());
         add("ha_backend_type", self.ha_backend_type.clone());

@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand};
     about = "Operate a lunakv (Mooncake Store compatible) KV-cache pool",
     after_help = "Master address: --master, else $MOONCAKE_MASTER, else master_server_address of \
                   --config / $MOONCAKE_CONFIG_PATH, else 127.0.0.1:50051.\n\
-                  Exit status: 0 ok, 1 `exists` answered no, 2 error."
+                  Exit status: 0 ok, 1 `exists` answered no or a `doctor` check failed, 2 error."
 )]
 pub struct Cli {
     /// The master's gRPC address.
@@ -58,6 +58,10 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Check the whole stack (master, store-clients, SSD tier, offload settings, bootstrap,
+    /// connectors, cross-instance key consistency): a pass/fail table with the fix for each
+    /// failure. --config is the engine's mooncake_config.json. Exit 1 when a check fails.
+    Doctor(DoctorArgs),
     /// Run lunakv-master + lunakv-store on loopback until Ctrl-C (what `make run` does).
     Up(UpArgs),
     /// Self-contained benchmark: starts its own master and store, measures, stops them.
@@ -104,6 +108,34 @@ pub struct UpArgs {
     /// Directory holding lunakv-master and lunakv-store (default: next to this executable).
     #[arg(long, env = "LUNAKV_BIN_DIR")]
     pub bin_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DoctorArgs {
+    /// A store-client's admin endpoint (its --metrics_port, /health and /metrics); repeatable.
+    #[arg(long = "store", value_name = "HOST:PORT")]
+    pub store: Vec<String>,
+
+    /// The store-client's offload directory on this host (MOONCAKE_OFFLOAD_FILE_STORAGE_PATH):
+    /// the SSD check then also sees it grow.
+    #[arg(long, value_name = "DIR")]
+    pub offload_dir: Option<PathBuf>,
+
+    /// The P/D bootstrap (lunakv-bootstrap or vLLM's), whose GET /query must list engines.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub bootstrap: Option<String>,
+
+    /// The routing sidecar's arguments, as one string ("--port=8000 --kv-connector=mooncake").
+    #[arg(long, value_name = "ARGS", allow_hyphen_values = true)]
+    pub sidecar_args: Option<String>,
+
+    /// The engine's --kv-transfer-config JSON, to match against --sidecar-args.
+    #[arg(long, value_name = "JSON")]
+    pub kv_transfer_config: Option<String>,
+
+    /// A segment whose owner has not pinged the master for longer is reported dead.
+    #[arg(long, value_name = "MS", default_value_t = 5000)]
+    pub stale_ping_ms: u64,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -217,6 +249,34 @@ mod tests {
         };
         assert!(b.quick);
         assert_eq!(b.mib_per_row, None);
+    }
+
+    #[test]
+    fn doctor_flags() {
+        let a = parse(&[
+            "doctor",
+            "--store",
+            "127.0.0.1:1",
+            "--store=127.0.0.1:2",
+            "--bootstrap",
+            "127.0.0.1:8998",
+            "--sidecar-args",
+            "--port=8000 --kv-connector=mooncake",
+            "--kv-transfer-config",
+            "{}",
+            "--config",
+            "/tmp/m.json",
+        ]);
+        assert_eq!(a.config, Some(PathBuf::from("/tmp/m.json")));
+        let Command::Doctor(d) = a.command else {
+            panic!("doctor")
+        };
+        assert_eq!(d.store, vec!["127.0.0.1:1", "127.0.0.1:2"]);
+        assert_eq!(
+            d.sidecar_args.as_deref(),
+            Some("--port=8000 --kv-connector=mooncake")
+        );
+        assert_eq!(d.stale_ping_ms, 5000);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! One module per command.
 
 pub mod bench;
+pub mod doctor;
 pub mod kv;
 pub mod status;
 pub mod up;

@@ -1,0 +1,853 @@
+//! `lunakv doctor`: proves that the pool works end to end, not just that every pod is Ready
+//! (upstream llm-d warns an all-Ready cluster does not prove the Store works).
+//!
+//! One row per check, `pass` / `fail` / `skip`; every failure carries its fix. A check whose
+//! input was not given (`--bootstrap`, `--sidecar-args` with `--kv-transfer-config`, ...) is
+//! `skip` with the reason. Exit status: 0 when nothing failed, 1 when a check failed, 2 when
+//! doctor itself could not run (bad arguments). docs/DOCTOR.md explains each check.
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use lunakv_client::{ReplicateConfig, StoreClient};
+use lunakv_config::MooncakeConfig;
+use lunakv_proto::master as pb;
+use serde::Serialize;
+
+use crate::args::DoctorArgs;
+use crate::output::{human_bytes, print_json};
+use crate::target::Target;
+
+/// The message of the cross-instance rule (the master's, word for word).
+pub const UNSHARED_MESSAGE: &str =
+    "instances never share a block: PYTHONHASHSEED or hash algorithm differs";
+
+/// Exit status when at least one check failed.
+pub const EXIT_CHECK_FAILED: u8 = 1;
+
+/// Size of the SSD probe object.
+const PROBE_BYTES: usize = 256 << 10;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    Pass,
+    Fail,
+    Skip,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Pass => "pass",
+            Outcome::Fail => "fail",
+            Outcome::Skip => "skip",
+        }
+    }
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    /// Stable id (`master`, `store_clients`, ...), for scripts reading `--json`.
+    pub name: &'static str,
+    pub status: Outcome,
+    /// What was seen (pass), what is wrong (fail), or why the check did not run (skip).
+    pub detail: String,
+    /// How to fix a failure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+}
+
+impl Check {
+    fn pass(name: &'static str, detail: impl Into<String>) -> Check {
+        Check {
+            name,
+            status: Outcome::Pass,
+            detail: detail.into(),
+            fix: None,
+        }
+    }
+
+    fn fail(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
+        Check {
+            name,
+            status: Outcome::Fail,
+            detail: detail.into(),
+            fix: Some(fix.into()),
+        }
+    }
+
+    fn skip(name: &'static str, why: impl Into<String>) -> Check {
+        Check {
+            name,
+            status: Outcome::Skip,
+            detail: why.into(),
+            fix: None,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Report<'a> {
+    ok: bool,
+    master: &'a str,
+    checks: &'a [Check],
+}
+
+/// Runs every check and prints the table (or one JSON object).
+pub fn run(
+    a: &DoctorArgs,
+    master_flag: &Option<String>,
+    config: &Option<PathBuf>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let mut checks = Vec::new();
+    // The engine config is an input to check, not a reason to stop: a bad file is a failed row.
+    let engine = match config {
+        None => None,
+        Some(p) => match MooncakeConfig::load(p, &|_: &str| None::<String>) {
+            Ok(l) => Some(l.config),
+            Err(e) => {
+                checks.push(Check::fail(
+                    "engine_config",
+                    format!("{}: {e}", p.display()),
+                    "fix the engine's mooncake_config.json (the file MOONCAKE_CONFIG_PATH names) \
+                     as the message says",
+                ));
+                None
+            }
+        },
+    };
+    match (&engine, config) {
+        (Some(e), Some(p)) => checks.push(Check::pass(
+            "engine_config",
+            format!(
+                "{}: valid, mode {}, enable_offload={}",
+                p.display(),
+                e.mode.as_str(),
+                e.enable_offload
+            ),
+        )),
+        (None, None) => checks.push(Check::skip(
+            "engine_config",
+            "no --config (the engine's mooncake_config.json) given",
+        )),
+        _ => {}
+    }
+    let usable_config = if engine.is_some() {
+        config.clone()
+    } else {
+        None
+    };
+    let target = crate::target::resolve_cli(master_flag, &usable_config)?;
+
+    let client = crate::cmd::kv::connect(&target);
+    let status = client
+        .as_ref()
+        .map_err(|e| format!("{e:#}"))
+        .and_then(|c| c.cluster_status().map_err(|e| e.to_string()));
+
+    checks.push(check_master(&target, &status));
+    let (client, status) = match (client, status) {
+        (Ok(c), Ok(s)) => (Some(c), Some(s)),
+        _ => (None, None),
+    };
+    checks.push(check_store_clients(a, status.as_ref()));
+    checks.push(check_offload_write(a, client.as_ref(), status.as_ref()));
+    checks.push(check_offload_config(
+        engine.as_ref(),
+        config,
+        status.as_ref(),
+    ));
+    checks.push(check_bootstrap(a));
+    checks.push(check_connectors(a));
+    checks.push(check_key_consistency(client.as_ref()));
+
+    let failed = checks.iter().any(|c| c.status == Outcome::Fail);
+    if json {
+        print_json(&Report {
+            ok: !failed,
+            master: &target.master,
+            checks: &checks,
+        })?;
+    } else {
+        print!("{}", render(&target.master, &checks));
+    }
+    Ok(if failed {
+        ExitCode::from(EXIT_CHECK_FAILED)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn render(master: &str, checks: &[Check]) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let _ = writeln!(o, "lunakv doctor: master {master}\n");
+    let w = checks
+        .iter()
+        .map(|c| c.name.len())
+        .max()
+        .unwrap_or(5)
+        .max(5);
+    let _ = writeln!(o, "{:<w$}  RESULT  DETAIL", "CHECK");
+    for c in checks {
+        let _ = writeln!(o, "{:<w$}  {:<6}  {}", c.name, c.status.as_str(), c.detail);
+        if let Some(f) = &c.fix {
+            let _ = writeln!(o, "{:<w$}          fix: {f}", "");
+        }
+    }
+    let failed = checks.iter().filter(|c| c.status == Outcome::Fail).count();
+    let _ = writeln!(
+        o,
+        "\n{}",
+        if failed == 0 {
+            "all checks passed (or were skipped)".to_string()
+        } else {
+            format!("{failed} check(s) failed")
+        }
+    );
+    o
+}
+
+// === the checks ===
+
+fn check_master(t: &Target, status: &Result<pb::ClusterStatus, String>) -> Check {
+    const NAME: &str = "master";
+    match status {
+        Err(e) => Check::fail(
+            NAME,
+            format!(
+                "cannot reach the master at {} ({}): {e}",
+                t.master, t.origin
+            ),
+            "start lunakv-master, or point --master / MOONCAKE_MASTER / master_server_address \
+             at its gRPC address (host:port, or etcd://... with HA)",
+        ),
+        Ok(s) if s.total_capacity_bytes == 0 => Check::fail(
+            NAME,
+            format!(
+                "master {} answers but the pool has no capacity: no segment is registered",
+                t.master
+            ),
+            format!(
+                "start a store-client: lunakv-store --master_server_address={} \
+                 --global_segment_size=40GB (or an embedded-mode engine with \
+                 global_segment_size > 0)",
+                t.master
+            ),
+        ),
+        Ok(s) => Check::pass(
+            NAME,
+            format!(
+                "master {} (version {}): {} segment(s), capacity {}, used {}, {} keys",
+                t.master,
+                s.master_version,
+                s.segments.len(),
+                human_bytes(s.total_capacity_bytes),
+                human_bytes(s.allocated_bytes),
+                s.key_count
+            ),
+        ),
+    }
+}
+
+fn check_store_clients(a: &DoctorArgs, status: Option<&pb::ClusterStatus>) -> Check {
+    const NAME: &str = "store_clients";
+    let segments = status.map(|s| s.segments.as_slice()).unwrap_or_default();
+    if segments.is_empty() && a.store.is_empty() {
+        return Check::skip(
+            NAME,
+            if status.is_none() {
+                "the master is unreachable and no --store was given"
+            } else {
+                "no segment is mounted and no --store was given"
+            },
+        );
+    }
+    let mut dead = Vec::new();
+    let mut alive = Vec::new();
+    for g in segments {
+        let name = g
+            .segment
+            .as_ref()
+            .map(|d| d.name.clone())
+            .unwrap_or_default();
+        if g.last_ping_ms_ago > a.stale_ping_ms {
+            dead.push(format!(
+                "{name} (client {}) last pinged the master {:.1} s ago",
+                g.client_id,
+                g.last_ping_ms_ago as f64 / 1000.0
+            ));
+        } else {
+            alive.push(name);
+        }
+    }
+    for s in &a.store {
+        match http_get(s, "/health") {
+            Ok((200, _)) => alive.push(format!("{s} /health")),
+            Ok((code, body)) => dead.push(format!(
+                "store-client admin {s} answered /health with HTTP {code}: {}",
+                body.trim()
+            )),
+            Err(e) => dead.push(format!("store-client admin {s} does not answer: {e}")),
+        }
+    }
+    if dead.is_empty() {
+        Check::pass(NAME, format!("alive: {}", alive.join(", ")))
+    } else {
+        Check::fail(
+            NAME,
+            dead.join("; "),
+            "restart the dead lunakv-store (its pod or unit) and check its log; the master \
+             drops its segment and objects after client_ttl",
+        )
+    }
+}
+
+fn check_offload_write(
+    a: &DoctorArgs,
+    client: Option<&StoreClient>,
+    status: Option<&pb::ClusterStatus>,
+) -> Check {
+    const NAME: &str = "offload_write";
+    let (Some(client), Some(status)) = (client, status) else {
+        return Check::skip(NAME, "the master is unreachable");
+    };
+    let offloading: Vec<&pb::SegmentStatus> = status
+        .segments
+        .iter()
+        .filter(|g| g.segment.as_ref().is_some_and(|d| d.enable_offload))
+        .collect();
+    if !status.enable_offload && offloading.is_empty() && a.offload_dir.is_none() {
+        return Check::skip(
+            NAME,
+            "offload is not enabled (master --enable_offload=false, no store-client offloads)",
+        );
+    }
+    if !status.enable_offload {
+        return Check::fail(
+            NAME,
+            "the master runs without --enable_offload, so nothing ever reaches the SSD tier",
+            "start lunakv-master with --enable_offload=true",
+        );
+    }
+    let Some(seg) = offloading
+        .iter()
+        .find(|g| g.disk_capacity_bytes >= PROBE_BYTES as u64)
+    else {
+        return Check::fail(
+            NAME,
+            "no mounted store-client offers a usable disk tier",
+            "start lunakv-store with --enable_offload=true and a writable \
+             MOONCAKE_OFFLOAD_FILE_STORAGE_PATH (see its lunakv_store_offload_open_errors)",
+        );
+    };
+    let seg_name = seg
+        .segment
+        .as_ref()
+        .map(|d| d.name.clone())
+        .unwrap_or_default();
+    match probe_offload(a, client, &seg_name) {
+        Ok(detail) => Check::pass(NAME, detail),
+        Err((detail, fix)) => Check::fail(NAME, detail, fix),
+    }
+}
+
+/// Disk bytes the master indexes on `segment`.
+fn segment_disk_used(client: &StoreClient, segment: &str) -> Result<u64, String> {
+    let s = client
+        .cluster_status()
+        .map_err(|e| format!("GetClusterStatus failed: {e}"))?;
+    Ok(s.segments
+        .iter()
+        .find(|g| g.segment.as_ref().is_some_and(|d| d.name == segment))
+        .map_or(0, |g| g.disk_used_bytes))
+}
+
+/// Bytes the given store-clients wrote to disk so far (their counter), summed.
+fn stores_disk_written(a: &DoctorArgs) -> Option<u64> {
+    let mut total = None;
+    for s in &a.store {
+        if let Some(v) = store_metric(s, "lunakv_store_disk_written_bytes_total") {
+            *total.get_or_insert(0) += v;
+        }
+    }
+    total
+}
+
+fn store_metric(admin: &str, name: &str) -> Option<u64> {
+    let (code, body) = http_get(admin, "/metrics").ok()?;
+    if code != 200 {
+        return None;
+    }
+    body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (n, v) = l.split_once(' ')?;
+        (n == name).then(|| v.trim().parse::<f64>().ok().map(|f| f as u64))?
+    })
+}
+
+type ProbeError = (String, String);
+
+/// Puts a probe object on `segment`, asks the master to move it to disk, and checks that the
+/// disk tier grew where it can be seen: the master's index, the store-clients' counters
+/// (`--store`), the directory (`--offload-dir`). The probe is removed afterwards.
+fn probe_offload(
+    a: &DoctorArgs,
+    client: &StoreClient,
+    segment: &str,
+) -> Result<String, ProbeError> {
+    let key = format!(
+        "lunakv-doctor/offload-probe/{}/{}",
+        std::process::id(),
+        client.client_id()
+    );
+    let master_before = segment_disk_used(client, segment)
+        .map_err(|e| (e, "check that the master is up and try again".to_string()))?;
+    let store_before = stores_disk_written(a);
+    let dir_before = a.offload_dir.as_deref().map(dir_bytes);
+    let data = vec![0x5au8; PROBE_BYTES];
+    let cfg = ReplicateConfig {
+        replica_num: 1,
+        preferred_segment: Some(segment.to_string()),
+        ..ReplicateConfig::default()
+    };
+    client.put_parts(&key, &[&data], &cfg).map_err(|e| {
+        (
+            format!(
+                "the probe put of {} failed: {e}",
+                human_bytes(PROBE_BYTES as u64)
+            ),
+            "free DRAM in the pool or check the store-client's log".to_string(),
+        )
+    })?;
+    let result = (|| {
+        client.offload_key(&key).map_err(|e| {
+            (
+                format!("the master could not move the probe to {segment}'s disk: {e}"),
+                "check the store-client's log and lunakv_store_disk_write_errors_total; the \
+                 offload directory must be writable with free space"
+                    .to_string(),
+            )
+        })?;
+        let master_after = segment_disk_used(client, segment)
+            .map_err(|e| (e, "check that the master is up and try again".to_string()))?;
+        let mut seen = vec![format!(
+            "master disk index on {segment} {} -> {}",
+            human_bytes(master_before),
+            human_bytes(master_after)
+        )];
+        if master_after <= master_before {
+            return Err((
+                format!(
+                    "the probe went to disk but the master's disk bytes for {segment} did not \
+                     grow ({master_before} -> {master_after})"
+                ),
+                "check that the store-client reports its disk tier (enable_offload at mount)"
+                    .to_string(),
+            ));
+        }
+        if let Some(before) = store_before {
+            let after = stores_disk_written(a).unwrap_or(0);
+            if after <= before {
+                return Err((
+                    format!(
+                        "the store-clients' lunakv_store_disk_written_bytes_total did not grow \
+                         ({before} -> {after})"
+                    ),
+                    "check that --store names the admin endpoint of the store-client that \
+                     offloads"
+                        .to_string(),
+                ));
+            }
+            seen.push(format!(
+                "store disk written +{}",
+                human_bytes(after - before)
+            ));
+        }
+        if let (Some(dir), Some(before)) = (a.offload_dir.as_deref(), dir_before) {
+            let after = dir_bytes(dir);
+            if after <= before {
+                return Err((
+                    format!(
+                        "the offload directory {} did not grow ({before} -> {after} bytes)",
+                        dir.display()
+                    ),
+                    "point --offload-dir at the store-client's \
+                     MOONCAKE_OFFLOAD_FILE_STORAGE_PATH on this host"
+                        .to_string(),
+                ));
+            }
+            seen.push(format!(
+                "{} grew +{}",
+                dir.display(),
+                human_bytes(after - before)
+            ));
+        }
+        Ok(format!(
+            "{} probe reached the SSD tier: {}",
+            human_bytes(PROBE_BYTES as u64),
+            seen.join(", ")
+        ))
+    })();
+    // Clean up whatever happened; a failed remove is not the check's verdict.
+    let _ = client.remove(&key, true);
+    result
+}
+
+/// Bytes of the regular files under `dir` (recursively); 0 when it cannot be read.
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+fn check_offload_config(
+    engine: Option<&MooncakeConfig>,
+    config: &Option<PathBuf>,
+    status: Option<&pb::ClusterStatus>,
+) -> Check {
+    const NAME: &str = "offload_config";
+    let Some(status) = status else {
+        return Check::skip(NAME, "the master is unreachable");
+    };
+    let mut bad = Vec::new();
+    let mut seen = vec![format!("master enable_offload={}", status.enable_offload)];
+    for g in &status.segments {
+        let Some(d) = &g.segment else { continue };
+        if d.enable_offload != status.enable_offload {
+            bad.push(format!(
+                "store-client {} has enable_offload={} but the master {}",
+                d.name, d.enable_offload, status.enable_offload
+            ));
+        }
+    }
+    seen.push(format!("{} store-client(s)", status.segments.len()));
+    if let (Some(e), Some(path)) = (engine, config) {
+        let p = path.display();
+        seen.push(format!(
+            "engine {p}: mode {} enable_offload={}",
+            e.mode.as_str(),
+            e.enable_offload
+        ));
+        if e.enable_offload != status.enable_offload {
+            bad.push(format!(
+                "engine config {p} has \"enable_offload\": {} but the master {}",
+                e.enable_offload, status.enable_offload
+            ));
+        }
+        if e.enable_offload
+            && !status.segments.iter().any(|g| {
+                g.segment
+                    .as_ref()
+                    .is_some_and(|d| d.enable_offload && g.disk_capacity_bytes > 0)
+            })
+        {
+            bad.push(format!(
+                "engine config {p} enables offload but no store-client offers a disk tier"
+            ));
+        }
+        if !e.is_embedded() && status.total_capacity_bytes == 0 {
+            bad.push(format!(
+                "engine config {p} is mode standalone-store (the engine contributes no memory) \
+                 but no store-client is mounted"
+            ));
+        }
+    } else {
+        seen.push("no engine config (--config) to compare".to_string());
+    }
+    if bad.is_empty() {
+        Check::pass(NAME, seen.join(", "))
+    } else {
+        Check::fail(
+            NAME,
+            bad.join("; "),
+            "use one enable_offload value everywhere: the engine's mooncake_config.json \
+             (\"enable_offload\": true, with \"mode\": \"standalone-store\"), lunakv-master \
+             --enable_offload=true and every lunakv-store --enable_offload=true (or false in all \
+             three)",
+        )
+    }
+}
+
+fn check_bootstrap(a: &DoctorArgs) -> Check {
+    const NAME: &str = "bootstrap";
+    let Some(b) = &a.bootstrap else {
+        return Check::skip(NAME, "no --bootstrap HOST:PORT given");
+    };
+    let addr = b
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let (code, body) = match http_get(&addr, "/query") {
+        Ok(r) => r,
+        Err(e) => {
+            return Check::fail(
+                NAME,
+                format!("bootstrap {addr} does not answer GET /query: {e}"),
+                "start lunakv-bootstrap (or the prefill's MooncakeConnector bootstrap) on \
+                 VLLM_MOONCAKE_BOOTSTRAP_PORT (default 8998), and check --bootstrap",
+            );
+        }
+    };
+    if code != 200 {
+        return Check::fail(
+            NAME,
+            format!(
+                "bootstrap {addr} answered GET /query with HTTP {code}: {}",
+                body.trim()
+            ),
+            "point --bootstrap at a vLLM-compatible bootstrap (lunakv-bootstrap's HTTP port)",
+        );
+    }
+    let engines = match serde_json::from_str::<serde_json::Value>(&body) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => {
+            return Check::fail(
+                NAME,
+                format!(
+                    "bootstrap {addr} answered GET /query with something other than a JSON object: {}",
+                    body.trim()
+                ),
+                "point --bootstrap at a vLLM-compatible bootstrap (lunakv-bootstrap's HTTP port)",
+            );
+        }
+    };
+    if engines.is_empty() {
+        return Check::fail(
+            NAME,
+            format!("bootstrap {addr} is up but lists no engine"),
+            "start the prefill engines with MooncakeConnector (kv_role kv_producer) registering \
+             with this bootstrap, and check that their leases are renewed",
+        );
+    }
+    let ids: Vec<String> = engines
+        .iter()
+        .map(|(dp, v)| {
+            let id = v
+                .get("engine_id")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("?");
+            format!("dp {dp}: {id}")
+        })
+        .collect();
+    Check::pass(
+        NAME,
+        format!(
+            "bootstrap {addr} lists {} engine(s): {}",
+            ids.len(),
+            ids.join(", ")
+        ),
+    )
+}
+
+fn check_connectors(a: &DoctorArgs) -> Check {
+    const NAME: &str = "connectors";
+    let (sidecar, kv) = match (&a.sidecar_args, &a.kv_transfer_config) {
+        (Some(s), Some(k)) => (s, k),
+        (None, None) => {
+            return Check::skip(NAME, "no --sidecar-args and --kv-transfer-config given");
+        }
+        (Some(_), None) => {
+            return Check::skip(NAME, "--sidecar-args given without --kv-transfer-config");
+        }
+        (None, Some(_)) => {
+            return Check::skip(NAME, "--kv-transfer-config given without --sidecar-args");
+        }
+    };
+    let kv: serde_json::Value = match serde_json::from_str(kv) {
+        Ok(v) => v,
+        Err(e) => {
+            return Check::fail(
+                NAME,
+                format!("--kv-transfer-config is not JSON ({e}): {kv}"),
+                "pass the engine's --kv-transfer-config value exactly, e.g. \
+                 '{\"kv_connector\":\"MooncakeConnector\",\"kv_role\":\"kv_consumer\"}'",
+            );
+        }
+    };
+    let args: Vec<String> = sidecar
+        .split_whitespace()
+        .map(|t| t.trim_matches(|c| c == '"' || c == '\'').to_string())
+        .collect();
+    let sc = lunakv_config::connectors::sidecar_kv_connector(&args);
+    match lunakv_config::connectors::connector_matches(&sc, &kv) {
+        Ok(()) => Check::pass(
+            NAME,
+            format!(
+                "sidecar --kv-connector={sc} matches the engine's {:?}",
+                lunakv_config::connectors::engine_connectors(&kv)
+            ),
+        ),
+        Err(e) => Check::fail(
+            NAME,
+            format!("sidecar --kv-connector={sc} does not match the engine's kv-transfer-config"),
+            e.to_string(),
+        ),
+    }
+}
+
+fn check_key_consistency(client: Option<&StoreClient>) -> Check {
+    const NAME: &str = "key_consistency";
+    let Some(client) = client else {
+        return Check::skip(NAME, "the master is unreachable");
+    };
+    let r = match client.namespace_stats() {
+        Ok(r) => r,
+        Err(e) => {
+            return Check::fail(
+                NAME,
+                format!("GetNamespaceStats failed: {e}"),
+                "upgrade lunakv-master to a version with GetNamespaceStats",
+            );
+        }
+    };
+    let flagged: Vec<&pb::NamespaceStats> = r.namespaces.iter().filter(|n| n.unshared).collect();
+    if !flagged.is_empty() {
+        let which: Vec<String> = flagged
+            .iter()
+            .map(|n| {
+                format!(
+                    "{} ({} instances, {} keys put, 0 shared)",
+                    n.namespace, n.active_clients, n.keys_put
+                )
+            })
+            .collect();
+        return Check::fail(
+            NAME,
+            format!("{UNSHARED_MESSAGE}: {}", which.join("; ")),
+            "give every vLLM instance the same PYTHONHASHSEED (e.g. PYTHONHASHSEED=0 in the pod \
+             spec) and the same --prefix-caching-hash-algo, then restart them",
+        );
+    }
+    let compared: Vec<&pb::NamespaceStats> = r
+        .namespaces
+        .iter()
+        .filter(|n| n.active_clients >= 2)
+        .collect();
+    if compared.is_empty() {
+        return Check::skip(
+            NAME,
+            format!(
+                "no namespace has two instances with {} keys put yet ({} namespace(s) seen)",
+                r.min_keys,
+                r.namespaces.len()
+            ),
+        );
+    }
+    let shared: u64 = compared.iter().map(|n| n.shared_keys).sum();
+    Check::pass(
+        NAME,
+        format!(
+            "{} namespace(s) with 2+ instances share keys ({shared} shared lookups/puts)",
+            compared.len()
+        ),
+    )
+}
+
+// === a small HTTP client for the admin endpoints ===
+
+/// GET `http://addr{path}` with a short timeout; (status, body).
+fn http_get(addr: &str, path: &str) -> Result<(u16, String), String> {
+    let timeout = Duration::from_secs(3);
+    let sock = addr
+        .to_socket_addrs()
+        .map_err(|e| format!("bad address {addr:?} ({e}); give host:port"))?
+        .next()
+        .ok_or_else(|| format!("{addr:?} resolves to no address"))?;
+    let mut s = TcpStream::connect_timeout(&sock, timeout).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    s.set_write_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&buf);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| "not an HTTP response".to_string())?;
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| "not an HTTP response".to_string())?;
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    Ok((code, body))
+}
+
+fn dechunk(body: &str) -> String {
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || tail.len() < n {
+            break;
+        }
+        out.push_str(&tail[..n]);
+        rest = tail[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_shows_each_failure_with_its_fix() {
+        let checks = vec![
+            Check::pass("master", "ok"),
+            Check::fail("bootstrap", "down", "start it"),
+            Check::skip("connectors", "no input"),
+        ];
+        let t = render("m:1", &checks);
+        let line = |name: &str| {
+            t.lines()
+                .find(|l| l.starts_with(name))
+                .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+                .unwrap_or_default()
+        };
+        assert_eq!(line("bootstrap"), "bootstrap fail down", "{t}");
+        assert_eq!(line("connectors"), "connectors skip no input", "{t}");
+        // The fix sits on the line after its failure.
+        let after = t.lines().skip_while(|l| !l.starts_with("bootstrap")).nth(1);
+        assert_eq!(after.map(str::trim), Some("fix: start it"), "{t}");
+        assert!(t.contains("1 check(s) failed"), "{t}");
+    }
+
+    #[test]
+    fn the_message_is_the_masters() {
+        assert_eq!(
+            UNSHARED_MESSAGE,
+            "instances never share a block: PYTHONHASHSEED or hash algorithm differs"
+        );
+    }
+
+    #[test]
+    fn dechunks() {
+        assert_eq!(dechunk("3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"), "abcde");
+    }
+}
