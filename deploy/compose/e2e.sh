@@ -9,9 +9,11 @@
 # 4. puts and gets objects through the store with the CLI container on the stack's network
 #    (the HA master found through etcd from the engine's mooncake_config.json, and by --master
 #    master:50051), and checks the bytes, the leader election and the master's view of the pool,
-# 5. fills the store-client's 64 MB segment past the eviction watermark and checks that evicted
+# 5. runs `lunakv doctor` in the CLI container (every check passes) and once with a mismatched
+#    sidecar connector (it must fail that row),
+# 6. fills the store-client's 64 MB segment past the eviction watermark and checks that evicted
 #    objects went to the SSD tier (the offload volume grew) and come back byte-exact,
-# 6. always brings the stack down (`docker-compose down -v`), printing logs if anything failed.
+# 7. always brings the stack down (`docker-compose down -v`), printing logs if anything failed.
 #
 # Host ports are published on loopback, on free ports picked by Docker; nothing else is reached.
 # Environment: SKIP_IMAGES=1, LUNAKV_PROFILE=debug (images from target/debug, e.g. after
@@ -151,6 +153,26 @@ if curl -sS -m 10 "http://$ADMIN/metrics" | grep -Eq '^master_total_capacity_byt
     ok "master /metrics reports the pool's capacity"
 else
     fail "master_total_capacity_bytes is not > 0 on http://$ADMIN/metrics"
+fi
+
+step "lunakv doctor inside the stack"
+# The same flags an operator gives it (deploy/README.md): the engine config the CLI container
+# mounts, the store-client's admin port and offload volume, the prefill's bootstrap, and the
+# sidecar's flags against the engine's --kv-transfer-config.
+if cli doctor --config /etc/mooncake/mooncake_config.json --store store:9004 --offload-dir /data/mooncake-offload --bootstrap prefill:8998 \
+    --sidecar-args "--kv-connector=mooncake --mooncake-bootstrap-port=8998" \
+    --kv-transfer-config '{"kv_connector":"MooncakeConnector","kv_role":"kv_both"}' >"$WORK/doctor.txt"; then
+    ok "lunakv doctor: every check passes ($(grep -c ' pass ' "$WORK/doctor.txt" || true) rows pass)"
+else
+    fail "lunakv doctor failed: $(cat "$WORK/doctor.txt" "$WORK/cli.err")"
+fi
+if cli doctor --sidecar-args "--kv-connector=nixlv2" \
+    --kv-transfer-config '{"kv_connector":"MooncakeConnector","kv_role":"kv_both"}' >"$WORK/doctor-bad.txt"; then
+    fail "lunakv doctor passed a sidecar/engine connector mismatch: $(cat "$WORK/doctor-bad.txt")"
+elif grep -q "connectors" "$WORK/doctor-bad.txt" && grep -qi "fail" "$WORK/doctor-bad.txt"; then
+    ok "lunakv doctor flags a sidecar/engine connector mismatch (exit 1)"
+else
+    fail "lunakv doctor on a connector mismatch: $(cat "$WORK/doctor-bad.txt" "$WORK/cli.err")"
 fi
 
 step "SSD tier: fill the 64 MB segment; evicted objects go to disk and come back"
