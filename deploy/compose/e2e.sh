@@ -40,6 +40,9 @@ step() { printf '\n== %s (%ss)\n' "$*" "$(($(date +%s) - T0))"; }
 ok() { printf 'ok   %s\n' "$*"; passed=$((passed + 1)); }
 fail() { printf 'FAIL %s\n' "$*"; failed=$((failed + 1)); }
 json() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
+# has_metric URL REGEX: fetch first, then grep the file. `curl | grep -q` under pipefail fails
+# when grep exits at its first match and curl dies writing the rest (curl: (23)).
+has_metric() { curl -sS -m 10 "$1" >"$WORK/metrics.txt" && grep -Eq "$2" "$WORK/metrics.txt"; }
 
 cleanup() {
     rc=$?
@@ -113,7 +116,7 @@ if [ "$code" = 200 ] && [ "$local_text" = "$pd_text" ]; then
 else
     fail "decode-only answer differs: HTTP $code \"$local_text\" vs \"$pd_text\""
 fi
-if curl -sS -m 10 "http://$SIDECAR/lunakv/sidecar/metrics" | grep -Eq '^lunakv_sidecar_disaggregated_total [1-9]'; then
+if has_metric "http://$SIDECAR/lunakv/sidecar/metrics" '^lunakv_sidecar_disaggregated_total [1-9]'; then
     ok "sidecar counted the disaggregated request (/lunakv/sidecar/metrics)"
 else
     fail "lunakv_sidecar_disaggregated_total is not >= 1"
@@ -144,12 +147,12 @@ if cli --json status >"$WORK/status.json"; then
 else
     fail "lunakv status: $(cat "$WORK/cli.err")"
 fi
-if curl -sS -m 10 "http://$ADMIN/metrics" | grep -Eq '^master_is_leader 1'; then
+if has_metric "http://$ADMIN/metrics" '^master_is_leader 1'; then
     ok "the master is the elected leader in etcd (master_is_leader 1)"
 else
     fail "master_is_leader is not 1 on http://$ADMIN/metrics"
 fi
-if curl -sS -m 10 "http://$ADMIN/metrics" | grep -Eq '^master_total_capacity_bytes [1-9]'; then
+if has_metric "http://$ADMIN/metrics" '^master_total_capacity_bytes [1-9]'; then
     ok "master /metrics reports the pool's capacity"
 else
     fail "master_total_capacity_bytes is not > 0 on http://$ADMIN/metrics"
