@@ -4,7 +4,8 @@
 //! The healthy stack: `lunakv-master --enable_offload=true`, a `lunakv-store` with the SSD tier,
 //! `lunakv-bootstrap` with a registered `lunakv-engine-sim` prefill, a sidecar's flags and an
 //! engine's kv-transfer-config that match, and two clients of one vLLM key namespace that share
-//! keys. The broken ones: no store registered, a store killed, an offload mismatch, a bootstrap
+//! keys. The broken ones: no store registered, a store killed, an offload mismatch, a test write
+//! that never reaches the disk (no store-client with a disk tier; the wrong offload dir), a bootstrap
 //! with no engines and one that is down, connector mismatches (top-level and nested), and two
 //! clients of one namespace that never share a key.
 
@@ -309,6 +310,66 @@ fn offload_mismatch_fails_the_offload_config_row() {
         "{report:#}"
     );
     assert_eq!(code, 0);
+}
+
+#[test]
+fn a_test_write_that_never_reaches_the_disk_fails_the_offload_write_row() {
+    let _serial = lunakv_tests::serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(&dir.path().join("m"), &["--enable_offload=true"]);
+
+    // A master with the SSD tier but a store-client without one: the probe has nowhere to go.
+    let dram_only = Store::start(&m.addr(), "16MB", &[]);
+    let (code, report) = doctor(&m.addr(), &[]);
+    let r = row(&report, "offload_write");
+    assert_eq!(r["status"], "fail", "{report:#}");
+    let d = r["detail"].as_str().unwrap_or_default();
+    assert!(
+        d.contains("no mounted store-client offers a usable disk tier"),
+        "{d}"
+    );
+    let f = r["fix"].as_str().unwrap_or_default();
+    assert!(f.contains("--enable_offload=true"), "{f}");
+    assert_eq!(code, 1, "{report:#}");
+    drop(dram_only);
+    drop(m);
+
+    // A store-client that offloads, but --offload-dir names another directory: the probe
+    // reaches the master's disk index while the directory the operator watches stays empty,
+    // which is exactly the seed's "an all-Ready cluster does not prove the Store works".
+    let m = Master::start(&dir.path().join("m2"), &["--enable_offload=true"]);
+    let offload_dir = dir.path().join("offload");
+    let (_store, store_admin) = offload_store(&m.addr(), &offload_dir);
+    let elsewhere = dir.path().join("not-the-offload-dir");
+    std::fs::create_dir_all(&elsewhere).expect("mkdir");
+    let (code, report) = doctor(
+        &m.addr(),
+        &[
+            format!("--store={store_admin}"),
+            format!("--offload-dir={}", elsewhere.display()),
+        ],
+    );
+    assert_only_failure(
+        code,
+        &report,
+        "offload_write",
+        "did not grow",
+        "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH",
+    );
+    // The right directory passes the same check.
+    let (code, report) = doctor(
+        &m.addr(),
+        &[
+            format!("--store={store_admin}"),
+            format!("--offload-dir={}", offload_dir.display()),
+        ],
+    );
+    assert_eq!(
+        row(&report, "offload_write")["status"],
+        "pass",
+        "{report:#}"
+    );
+    assert_eq!(code, 0, "{report:#}");
 }
 
 #[test]
