@@ -131,6 +131,16 @@ if cli put e2e/blob - <"$WORK/blob" >/dev/null && cli --master master:50051 get 
 else
     fail "put/get of a 3 MiB object: $(cat "$WORK/cli.err")"
 fi
+# The CLI container shares the store's socket volume and node name, so it moved those bytes
+# through shared memory, as a same-node engine pod does (deploy/k8s: patch-vllm-shm.yaml).
+store_metrics='exec 3<>/dev/tcp/store/9004 && printf "GET /metrics HTTP/1.0\r\nHost: store\r\n\r\n" >&3 && cat <&3'
+attaches=$("${COMPOSE[@]}" run --rm -T --entrypoint bash cli -c "$store_metrics" 2>/dev/null \
+    | awk '$1 == "lunakv_store_shm_attaches_total" {print $2}')
+if [ "${attaches:-0}" -ge 1 ] 2>/dev/null; then
+    ok "the CLI container mapped the store's segment over the shared socket (shm attaches ${attaches})"
+else
+    fail "the CLI container did not use shm: lunakv_store_shm_attaches_total=${attaches:-missing}"
+fi
 if echo "hello from compose" | cli --master master:50051 put e2e/hello - >/dev/null \
     && [ "$(cli get e2e/hello)" = "hello from compose" ] && cli exists e2e/hello >/dev/null; then
     ok "small object round trip and exists"

@@ -11,9 +11,10 @@ RUN groupadd --system --gid 10001 lunakv \
 
 COPY lunakv-probe lunakv-entrypoint /usr/local/bin/
 COPY bin/lunakv-store /usr/local/bin/lunakv-store
-# The SSD tier's directory (upstream's MOONCAKE_OFFLOAD_FILE_STORAGE_PATH); mount a volume or a
-# hostPath here.
-RUN mkdir -p /data/mooncake-offload && chown lunakv:lunakv /data/mooncake-offload
+# The SSD tier's directory (upstream's MOONCAKE_OFFLOAD_FILE_STORAGE_PATH), and the directory of
+# the shm socket that same-node engines share (--shm_socket); mount a volume or a hostPath on each.
+RUN mkdir -p /data/mooncake-offload /run/lunakv \
+ && chown lunakv:lunakv /data/mooncake-offload /run/lunakv
 ENV MOONCAKE_OFFLOAD_FILE_STORAGE_PATH=/data/mooncake-offload
 
 USER 10001:10001

@@ -164,6 +164,29 @@ fn env(c: &Value, n: &str) -> Option<String> {
         .map(|e| s(e, "/value").to_string())
 }
 
+/// The downward-API field an env var comes from (`valueFrom.fieldRef.fieldPath`).
+fn env_field(c: &Value, n: &str) -> Option<String> {
+    arr(c, "/env")
+        .iter()
+        .find(|e| s(e, "/name") == n)
+        .and_then(|e| e.pointer("/valueFrom/fieldRef/fieldPath"))
+        .and_then(Value::as_str)
+        .map(str::to_string)
+}
+
+/// (hostPath, mountPath) of the hostPath volume mount of `c` that holds `file`, if any.
+fn host_path_mount(p: &Pod<'_>, c: &Value, file: &str) -> Option<(String, String)> {
+    arr(c, "/volumeMounts").iter().find_map(|m| {
+        let mp = s(m, "/mountPath").trim_end_matches('/');
+        file.strip_prefix(mp).filter(|rest| rest.starts_with('/'))?;
+        let v = arr(p.spec, "/volumes")
+            .iter()
+            .find(|v| s(v, "/name") == s(m, "/name"))?;
+        let host = v.pointer("/hostPath/path")?.as_str()?;
+        Some((host.to_string(), mp.to_string()))
+    })
+}
+
 fn image(c: &Value) -> &str {
     s(c, "/image")
 }
@@ -408,6 +431,97 @@ fn check_overlay(overlay: &str, objs: &[Value]) -> Checked {
         failures.push(format!(
             "serving pods use different PYTHONHASHSEEDs {seeds:?}: instances would never share a block"
         ));
+    }
+
+    // --- same-node shm: engines map the store's memory instead of going through tcp ----------
+    // lunakv's same-host test is the boot id plus LUNAKV_NODE_NAME (every pod has its own
+    // hostname), and the socket the store advertises must be reachable at the same path.
+    let mut socket_dirs: Vec<(String, String)> = Vec::new(); // (hostPath, mountPath)
+    for (p, c) in &store_pods {
+        let who = format!("{} container {}", p.workload, s(c, "/name"));
+        if env_field(c, "LUNAKV_NODE_NAME").as_deref() != Some("spec.nodeName") {
+            failures.push(format!(
+                "{who}: LUNAKV_NODE_NAME must come from the downward API's spec.nodeName"
+            ));
+        }
+        let Some(sock) = flag(c, "--shm_socket") else {
+            failures.push(format!(
+                "{who}: no --shm_socket on a shared hostPath: engines on its node would use tcp"
+            ));
+            continue;
+        };
+        match host_path_mount(p, c, &sock) {
+            Some(dir) => socket_dirs.push(dir),
+            None => failures.push(format!(
+                "{who}: --shm_socket={sock} is not under a hostPath volume mount"
+            )),
+        }
+    }
+    for p in &pods {
+        for c in p.containers() {
+            let runs_store = kv_transfer_config(c)
+                .is_some_and(|kv| connectors(&kv).contains("MooncakeStoreConnector"));
+            if !runs_store || socket_dirs.is_empty() {
+                continue;
+            }
+            let who = format!("{} container {}", p.workload, s(c, "/name"));
+            if env_field(c, "LUNAKV_NODE_NAME").as_deref() != Some("spec.nodeName") {
+                failures.push(format!(
+                    "{who}: LUNAKV_NODE_NAME must come from spec.nodeName, as on the store-client"
+                ));
+            }
+            for (host, mount) in &socket_dirs {
+                let probe = format!("{mount}/lunakv-store.sock");
+                if host_path_mount(p, c, &probe).as_ref() != Some(&(host.clone(), mount.clone())) {
+                    failures.push(format!(
+                        "{who}: does not mount hostPath {host} at {mount}, where the store-client's shm socket is"
+                    ));
+                }
+            }
+        }
+    }
+    // hostPath directories are root-owned and fsGroup does not apply to them: a non-root
+    // container that writes one needs a root init step that hands it over.
+    for p in &pods {
+        let pod_non_root =
+            p.spec.pointer("/securityContext/runAsNonRoot") == Some(&Value::Bool(true));
+        for c in p.containers() {
+            let non_root = c
+                .pointer("/securityContext/runAsNonRoot")
+                .and_then(Value::as_bool)
+                .unwrap_or(pod_non_root);
+            if !non_root {
+                continue;
+            }
+            for m in arr(c, "/volumeMounts") {
+                let is_host = arr(p.spec, "/volumes")
+                    .iter()
+                    .any(|v| s(v, "/name") == s(m, "/name") && v.pointer("/hostPath").is_some());
+                if !is_host || m.pointer("/readOnly") == Some(&Value::Bool(true)) {
+                    continue;
+                }
+                let handed_over = p.init_containers().any(|i| {
+                    let mp = arr(i, "/volumeMounts")
+                        .iter()
+                        .find(|im| s(im, "/name") == s(m, "/name"))
+                        .map(|im| s(im, "/mountPath").to_string());
+                    let a = args(i);
+                    i.pointer("/securityContext/runAsUser")
+                        .and_then(Value::as_u64)
+                        == Some(0)
+                        && a.first().is_some_and(|c| c == "chown")
+                        && mp.is_some_and(|mp| a.contains(&mp))
+                });
+                if !handed_over {
+                    failures.push(format!(
+                        "{} container {}: writes hostPath volume {} as non-root, but no root initContainer chowns it",
+                        p.workload,
+                        s(c, "/name"),
+                        s(m, "/name")
+                    ));
+                }
+            }
+        }
     }
 
     // --- the routing sidecar ----------------------------------------------------------------

@@ -83,19 +83,37 @@ pub trait ColdTier: Send + Sync + 'static {
 /// Socket buffer size for transfer connections: a 4 MiB object fits in flight at once.
 const SOCKET_BUFFER: usize = 4 << 20;
 
-/// Identifies this machine: the kernel boot id plus the hostname. Equal values mean the same
-/// host (and kernel), so a memfd passed over a unix socket is usable and shm is allowed.
+/// Names the node in [`host_id`] instead of the hostname. Containers and Kubernetes pods on one
+/// node share the kernel (and its boot id) but each has its own hostname, so without this a
+/// store-client pod and an engine pod on the same node would never use shm. Set it to the same
+/// value in both (the downward API's `spec.nodeName`) and mount the store's socket directory
+/// into both.
+pub const NODE_NAME_ENV: &str = "LUNAKV_NODE_NAME";
+
+/// Identifies this machine: the kernel boot id plus the node name ([`NODE_NAME_ENV`], else the
+/// hostname). Equal values mean the same kernel, so a memfd passed over a unix socket is usable
+/// and shm is allowed (a socket that turns out unreachable falls back to tcp).
 pub fn host_id() -> String {
     static ID: OnceLock<String> = OnceLock::new();
     ID.get_or_init(|| {
         let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
             .map(|s| s.trim().to_string())
             .unwrap_or_default();
-        let uname = rustix::system::uname();
-        let host = uname.nodename().to_string_lossy().into_owned();
-        format!("{boot}@{host}")
+        host_id_from(&boot, std::env::var(NODE_NAME_ENV).ok().as_deref(), || {
+            rustix::system::uname()
+                .nodename()
+                .to_string_lossy()
+                .into_owned()
+        })
     })
     .clone()
+}
+
+fn host_id_from(boot: &str, node_name: Option<&str>, hostname: impl FnOnce() -> String) -> String {
+    match node_name.map(str::trim).filter(|n| !n.is_empty()) {
+        Some(node) => format!("{boot}@node:{node}"),
+        None => format!("{boot}@{}", hostname()),
+    }
 }
 
 /// TCP_NODELAY (requests are small and latency-bound) and large buffers (bulk objects).
@@ -154,6 +172,8 @@ pub struct SegmentStats {
     pub bytes_written: u64,
     pub reads: u64,
     pub writes: u64,
+    /// Requesters that mapped the segment over the shm socket (ATTACH answered).
+    pub shm_attaches: u64,
     /// Committed entries now.
     pub entries: u64,
     /// Sum of committed entry sizes.
@@ -823,5 +843,38 @@ impl TransferRequest<'_> {
     /// True if the request moves no bytes (it will be refused).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_id_from;
+
+    #[test]
+    fn node_name_replaces_the_hostname_in_the_host_id() {
+        // Two pods of one node: same boot id, different hostnames.
+        let pod = |h: &'static str| move || h.to_string();
+        assert_ne!(
+            host_id_from("b1", None, pod("store-x")),
+            host_id_from("b1", None, pod("vllm-y"))
+        );
+        assert_eq!(
+            host_id_from("b1", Some("node-a"), pod("store-x")),
+            host_id_from("b1", Some("node-a"), pod("vllm-y"))
+        );
+        // Another node, or another kernel boot, is never the same host.
+        assert_ne!(
+            host_id_from("b1", Some("node-a"), pod("p")),
+            host_id_from("b1", Some("node-b"), pod("p"))
+        );
+        assert_ne!(
+            host_id_from("b1", Some("node-a"), pod("p")),
+            host_id_from("b2", Some("node-a"), pod("p"))
+        );
+        // Blank means unset.
+        assert_eq!(
+            host_id_from("b1", Some(" "), pod("h")),
+            host_id_from("b1", None, pod("h"))
+        );
     }
 }

@@ -40,6 +40,7 @@ pub(crate) struct Counters {
     pub(crate) bytes_written: AtomicU64,
     pub(crate) reads: AtomicU64,
     pub(crate) writes: AtomicU64,
+    pub(crate) shm_attaches: AtomicU64,
 }
 
 enum Live {
@@ -102,12 +103,21 @@ impl SegmentServer {
                 }) {
                     let _ = std::fs::remove_file(path);
                 }
-                Some(UnixListener::bind(path).map_err(|e| {
+                let l = UnixListener::bind(path).map_err(|e| {
                     TransferError::ShmUnavailable(format!(
                         "cannot bind shm socket {}: {e}; pick a writable path or disable shm",
                         path.display()
                     ))
-                })?)
+                })?;
+                // Whoever connects gets the whole segment mapped read-write: the owner and its
+                // group (engine pods given the store's group), never everyone on the host.
+                use std::os::unix::fs::PermissionsExt;
+                if let Err(e) =
+                    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+                {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot set the shm socket's mode to 0660");
+                }
+                Some(l)
             }
             None => None,
         };
@@ -205,6 +215,7 @@ impl SegmentServer {
             bytes_written: c.bytes_written.load(Ordering::Relaxed),
             reads: c.reads.load(Ordering::Relaxed),
             writes: c.writes.load(Ordering::Relaxed),
+            shm_attaches: c.shm_attaches.load(Ordering::Relaxed),
             entries,
             used_bytes,
         }
@@ -755,6 +766,7 @@ fn serve<S: Stream>(
             }
             Op::Attach => {
                 send_fd(&wr, shared)?;
+                shared.counters.shm_attaches.fetch_add(1, Ordering::Relaxed);
             }
             Op::RdmaConnect => {
                 let n = req.key_len as usize;

@@ -122,6 +122,7 @@ fn local_stats_match_the_socket_paths() {
             bytes_written: 2000,
             reads: 1,
             writes: 2,
+            shm_attaches: 0,
             entries: 2,
             used_bytes: 2000,
         }

@@ -163,6 +163,8 @@ fn shm_write_read_round_trip_shares_bytes_with_tcp() {
     ));
     let st = f.server.stats();
     assert_eq!((st.writes, st.reads), (2, 2));
+    // The shm engine mapped the segment once and reused the mapping; tcp never attaches.
+    assert_eq!(st.shm_attaches, 1);
     assert_eq!(f.server.inventory().len(), 2);
 }
 

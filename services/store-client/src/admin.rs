@@ -46,6 +46,7 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     m.bytes_written.set(st.bytes_written as i64);
     m.reads.set(st.reads as i64);
     m.writes.set(st.writes as i64);
+    m.shm_attaches.set(st.shm_attaches as i64);
     if let Some(t) = &m.tier {
         let d = t.stats();
         let set = |g: &prometheus::IntGauge, v: u64| g.set(i64::try_from(v).unwrap_or(i64::MAX));

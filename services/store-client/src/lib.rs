@@ -177,6 +177,7 @@ pub(crate) struct Metrics {
     pub(crate) bytes_written: IntGauge,
     pub(crate) reads: IntGauge,
     pub(crate) writes: IntGauge,
+    pub(crate) shm_attaches: IntGauge,
     pub(crate) offload_enabled: IntGauge,
     pub(crate) offload_open_errors: IntGauge,
     pub(crate) disk_capacity: IntGauge,
@@ -277,6 +278,10 @@ impl Metrics {
             writes: g(
                 "lunakv_store_transfer_writes_total",
                 "Write requests served",
+            ),
+            shm_attaches: g(
+                "lunakv_store_shm_attaches_total",
+                "Same-host requesters that mapped this segment over the shm socket",
             ),
             registry,
         }
