@@ -28,9 +28,11 @@
 //! unwinding into the interpreter. Clients still open at interpreter exit are closed by an
 //! `atexit` hook (an embedded segment is unmounted at once, not after the master's client TTL).
 //!
-//! ## Logging
+//! ## Logging and traces
 //! Rust-side warnings and errors (why a `setup` failed, a refused config) go to stderr through
-//! `tracing`, filtered by `LUNAKV_LOG`, else `RUST_LOG`, default `warn`.
+//! `tracing`, filtered by `LUNAKV_LOG`, else `RUST_LOG`, default `warn`. With
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` set, store calls are also exported as OpenTelemetry spans
+//! (docs/TRACING.md); an `atexit` hook flushes them.
 //!
 //! ## Modules
 //! - `mooncake.store` (`python/mooncake/store.py`): [`store::MooncakeDistributedStore`],
@@ -60,25 +62,35 @@ fn _lunakv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::ReplicaDescriptor>()?;
     m.add_class::<engine::TransferEngine>()?;
     m.add_function(wrap_pyfunction!(store::close_all, m)?)?;
-    m.py()
-        .import("atexit")?
-        .call_method1("register", (m.getattr("_close_all")?,))?;
+    m.add_function(wrap_pyfunction!(flush_traces, m)?)?;
+    let atexit = m.py().import("atexit")?;
+    // atexit runs hooks last-registered first: traces are flushed after the clients closed.
+    atexit.call_method1("register", (m.getattr("_flush_traces")?,))?;
+    atexit.call_method1("register", (m.getattr("_close_all")?,))?;
     Ok(())
 }
 
-/// Installs a stderr `tracing` subscriber unless the host process already has one.
+/// The module's telemetry guard; `_flush_traces` takes it at exit.
+static TELEMETRY: parking_lot::Mutex<Option<lunakv_telemetry::Telemetry>> =
+    parking_lot::Mutex::new(None);
+
+/// Installs a stderr `tracing` subscriber (and the OTLP exporter when configured) unless the
+/// host process already has one.
 fn init_logging() {
-    let filter = ["LUNAKV_LOG", "RUST_LOG"]
-        .into_iter()
-        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
-        .unwrap_or_else(|| "warn".to_owned());
-    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    // Err means a subscriber is already installed: keep it.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .try_init();
+    let t = lunakv_telemetry::Init::new("mooncake-python")
+        .log_env(&["LUNAKV_LOG", "RUST_LOG"])
+        .default_log_filter("warn")
+        .log_target(false)
+        .ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .install();
+    *TELEMETRY.lock() = Some(t);
+}
+
+/// Exports the spans still queued and stops the exporter (registered with `atexit`).
+#[pyfunction]
+#[pyo3(name = "_flush_traces")]
+fn flush_traces(py: Python<'_>) {
+    if let Some(t) = TELEMETRY.lock().take() {
+        py.detach(move || t.shutdown());
+    }
 }

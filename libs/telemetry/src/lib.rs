@@ -1,31 +1,252 @@
 //! # lunakv-telemetry
 //!
-//! Logging and metrics setup shared by every lunakv binary (`lunakv-master`, `lunakv-store`,
-//! the `lunakv` CLI). One call, [`init`], installs a `tracing` subscriber filtered by `RUST_LOG`
-//! (default `info`), writing to stderr so that stdout stays free for machine-readable lines such
-//! as the master's `listening` line. [`render`] turns a Prometheus [`Registry`] into the text
-//! exposition format for a `/metrics` route. Registries are owned by each service instance, not
-//! global, so tests can run several services in one process.
+//! Logs, traces and metrics setup shared by every lunakv binary (`lunakv-master`, `lunakv-store`,
+//! `lunakv-bootstrap`, `lunakv-sidecar`, `lunakv-engine-sim`, the `lunakv` CLI and the Python
+//! module). One call, [`init`] (or [`Init`] for the few knobs), installs the global `tracing`
+//! subscriber:
+//!
+//! - logs filtered by `RUST_LOG` (default `info`), written to stderr so that stdout stays free
+//!   for machine-readable lines such as the master's `listening` line;
+//! - when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, every
+//!   `tracing` span also becomes an OpenTelemetry span exported over OTLP, honouring the standard
+//!   `OTEL_*` variables (docs/TRACING.md). Without it no exporter, thread or runtime is created,
+//!   and [`enabled`] stays false, which turns every hook of [`propagate`] into a no-op.
+//!
+//! [`init`] returns a [`Telemetry`] guard: hold it in `main` until exit. Dropping it flushes the
+//! spans still queued and stops the exporter, so a SIGTERM drain loses no trace.
+//!
+//! [`propagate`] carries W3C trace context across process boundaries: HTTP headers, gRPC
+//! metadata, and a binary form for lunakv's own transfer wire.
+//!
+//! [`render`] turns a Prometheus [`Registry`] into the text exposition format for a `/metrics`
+//! route. Registries are owned by each service instance, not global, so tests can run several
+//! services in one process.
+
+mod export;
+pub mod propagate;
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use prometheus::{Encoder, Registry, TextEncoder};
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
-/// Installs the global tracing subscriber: `RUST_LOG` filter (default `info`), compact format on
-/// stderr. Safe to call more than once (later calls do nothing), so tests may call it freely.
-pub fn init(service_name: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let installed = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_target(true)
-        .try_init()
-        .is_ok();
-    if installed {
+pub use export::ExportError;
+
+/// Set while an OTLP exporter is installed; read by every propagation hook, so with tracing off
+/// they cost one relaxed load.
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// What the trace layer records unless `LUNAKV_TRACE_FILTER` says otherwise: lunakv's own info
+/// spans, never the exporter's transport crates (an export must not trace itself).
+const DEFAULT_TRACE_FILTER: &str = "info,h2=off,hyper=off,hyper_util=off,tonic=off,tower=off,\
+     opentelemetry=off,opentelemetry_sdk=off,opentelemetry_otlp=off,opentelemetry_http=off";
+
+/// True while spans are exported (an OTLP endpoint was configured and [`init`] installed the
+/// exporter). Propagation hooks and optional spans check it first.
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// `make()` when spans are exported, else [`tracing::Span::none`]: for spans on hot paths that
+/// exist for traces only (a client `put`), so that logging without traces pays nothing for them.
+pub fn trace_span(make: impl FnOnce() -> tracing::Span) -> tracing::Span {
+    if enabled() {
+        make()
+    } else {
+        tracing::Span::none()
+    }
+}
+
+/// The few things a binary may choose about its subscriber; [`init`] is `Init::new(service)`.
+#[derive(Clone)]
+pub struct Init<'a> {
+    service: &'a str,
+    log_env: &'a [&'a str],
+    default_log_filter: &'a str,
+    log_target: bool,
+    ansi: Option<bool>,
+    env: Option<&'a Env>,
+}
+
+/// A lookup in an environment: the process's, or a test's map.
+pub type Env = dyn Fn(&str) -> Option<String>;
+
+impl<'a> Init<'a> {
+    /// `service` names the process in logs and is the default `service.name` of its spans
+    /// (`OTEL_SERVICE_NAME` or a `service.name` in `OTEL_RESOURCE_ATTRIBUTES` win).
+    pub fn new(service: &'a str) -> Init<'a> {
+        Init {
+            service,
+            log_env: &["RUST_LOG"],
+            default_log_filter: "info",
+            log_target: true,
+            ansi: None,
+            env: None,
+        }
+    }
+
+    /// Where lunakv's own decisions (export on or off, protocol, endpoint, filters) read the
+    /// environment [default: the process environment]; for tests, which must not change the
+    /// process environment. The SDK still reads its own `OTEL_*` knobs (sampler, batching,
+    /// resource, headers, timeout) from the process.
+    pub fn env(mut self, env: &'a Env) -> Self {
+        self.env = Some(env);
+        self
+    }
+
+    /// Variables holding the log filter, first non-empty one wins [default: `RUST_LOG`].
+    pub fn log_env(mut self, vars: &'a [&'a str]) -> Self {
+        self.log_env = vars;
+        self
+    }
+
+    /// The log filter when none of [`Init::log_env`] is set [default: `info`; a CLI uses `off`].
+    pub fn default_log_filter(mut self, filter: &'a str) -> Self {
+        self.default_log_filter = filter;
+        self
+    }
+
+    /// Whether log lines show the module they come from [default: yes].
+    pub fn log_target(mut self, on: bool) -> Self {
+        self.log_target = on;
+        self
+    }
+
+    /// Colours in log lines [default: the `tracing-subscriber` default].
+    pub fn ansi(mut self, on: bool) -> Self {
+        self.ansi = Some(on);
+        self
+    }
+
+    /// Installs the global subscriber and, when configured, the OTLP exporter. Safe to call more
+    /// than once: when a global subscriber exists already (a second call, a host process that
+    /// installed its own), nothing is installed and the guard is inert.
+    pub fn install(self) -> Telemetry {
+        let process = |k: &str| std::env::var(k).ok();
+        let env = self.env.unwrap_or(&process);
+        let (log_filter, log_problem) = filter_from(env, self.log_env, self.default_log_filter);
+        let (pipeline, export_problem) = match export::Pipeline::from_env(self.service, env) {
+            Ok(p) => (p, None),
+            Err(e) => (None, Some(e)),
+        };
+        let (trace_filter, trace_problem) =
+            filter_from(env, &["LUNAKV_TRACE_FILTER"], DEFAULT_TRACE_FILTER);
+        let trace_layer = pipeline.as_ref().map(|p| {
+            tracing_opentelemetry::layer()
+                .with_tracer(p.tracer())
+                .with_filter(trace_filter)
+        });
+        let mut fmt = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_target(self.log_target);
+        if let Some(on) = self.ansi {
+            fmt = fmt.with_ansi(on);
+        }
+        let installed = tracing_subscriber::registry()
+            .with(fmt.with_filter(log_filter))
+            .with(trace_layer)
+            .try_init()
+            .is_ok();
+        if !installed {
+            // Spans go to the subscriber already installed, never to this exporter: drop it.
+            if let Some(p) = pipeline {
+                p.shutdown();
+            }
+            return Telemetry { pipeline: None };
+        }
+        let traces = pipeline.is_some();
+        ENABLED.store(traces, Ordering::Relaxed);
         tracing::info!(
-            service = service_name,
+            service = self.service,
             version = env!("CARGO_PKG_VERSION"),
-            "logging initialised"
+            traces,
+            "telemetry initialised"
         );
+        for p in [log_problem, trace_problem.filter(|_| traces)]
+            .into_iter()
+            .flatten()
+        {
+            tracing::warn!("{p}");
+        }
+        if let Some(e) = export_problem {
+            tracing::error!("{e}; traces are not exported");
+        }
+        Telemetry { pipeline }
+    }
+}
+
+/// The first non-empty filter among `vars`, else `default`; a bad filter falls back to the
+/// default with a message naming the variable, its value and the fix.
+fn filter_from(
+    env: &dyn Fn(&str) -> Option<String>,
+    vars: &[&str],
+    default: &str,
+) -> (EnvFilter, Option<String>) {
+    let fallback = || EnvFilter::try_new(default).unwrap_or_else(|_| EnvFilter::new("info"));
+    let Some((var, value)) = vars
+        .iter()
+        .find_map(|v| env(v).filter(|s| !s.trim().is_empty()).map(|s| (*v, s)))
+    else {
+        return (fallback(), None);
+    };
+    match EnvFilter::try_new(&value) {
+        Ok(f) => (f, None),
+        Err(e) => (
+            fallback(),
+            Some(format!(
+                "{var}={value:?} is not a valid filter ({e}); using '{default}'. Use a level \
+                 (warn) or directives (info,lunakv_master=debug)"
+            )),
+        ),
+    }
+}
+
+/// Installs logging (and traces when `OTEL_EXPORTER_OTLP_ENDPOINT` is set) for `service_name`;
+/// see the crate docs. Keep the returned guard until exit.
+pub fn init(service_name: &str) -> Telemetry {
+    Init::new(service_name).install()
+}
+
+/// Returned by [`init`]: owns the trace exporter, if any. Dropping it (or [`Telemetry::shutdown`])
+/// exports the spans still queued, waiting at most the exporter's timeout, then stops it.
+#[must_use = "dropping the guard stops trace export at once; keep it until main returns"]
+pub struct Telemetry {
+    pipeline: Option<export::Pipeline>,
+}
+
+impl Telemetry {
+    /// Whether this process exports traces.
+    pub fn exporting(&self) -> bool {
+        self.pipeline.is_some()
+    }
+
+    /// Flushes and stops the exporter now (what dropping the guard does).
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if let Some(p) = self.pipeline.take() {
+            // Spans ending after this are not exported; stop propagating contexts for them.
+            ENABLED.store(false, Ordering::Relaxed);
+            p.shutdown();
+        }
+    }
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry")
+            .field("exporting", &self.exporting())
+            .finish()
     }
 }
 
@@ -64,8 +285,27 @@ mod tests {
     }
 
     #[test]
-    fn init_twice_is_harmless() {
-        init("test");
-        init("test");
+    fn init_twice_is_harmless_and_exports_nothing_without_an_endpoint() {
+        let none = |_: &str| None;
+        let first = Init::new("test").env(&none).install();
+        let second = Init::new("test").env(&none).install();
+        assert!(!first.exporting() && !second.exporting());
+        assert!(!enabled());
+        assert!(trace_span(|| tracing::info_span!("x")).is_none());
+    }
+
+    #[test]
+    fn a_bad_filter_names_its_variable_and_falls_back() {
+        let env = |k: &str| (k == "RUST_LOG").then(|| "info,[".to_owned());
+        let (_, problem) = filter_from(&env, &["RUST_LOG"], "warn");
+        let p = problem.expect("a bad filter is reported");
+        assert!(
+            p.contains("RUST_LOG=\"info,[\"") && p.contains("'warn'"),
+            "{p}"
+        );
+        let env = |k: &str| (k == "B").then(|| "debug".to_owned());
+        let (f, problem) = filter_from(&env, &["A", "B"], "warn");
+        assert!(problem.is_none());
+        assert_eq!(f.to_string(), "debug");
     }
 }

@@ -45,7 +45,8 @@ async fn shutdown_signal() {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    lunakv_telemetry::init("lunakv-bootstrap");
+    // Held until main returns: dropping it flushes the spans still queued (docs/TRACING.md).
+    let _telemetry = lunakv_telemetry::init("lunakv-bootstrap");
     let env_port = port_from_env(&|k| std::env::var(k).ok())?;
     let cfg = BootstrapConfig {
         host: cli.host,

@@ -146,7 +146,8 @@ async fn shutdown_signal() {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    lunakv_telemetry::init("lunakv-master");
+    // Held until main returns: dropping it flushes the spans still queued (docs/TRACING.md).
+    let _telemetry = lunakv_telemetry::init("lunakv-master");
     let sources = MasterConfigSources {
         file: cli.config.clone(),
         flags: cli.flags(),

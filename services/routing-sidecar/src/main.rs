@@ -21,7 +21,8 @@ async fn shutdown_signal() {
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
-    lunakv_telemetry::init("lunakv-sidecar");
+    // Held until main returns: dropping it flushes the spans still queued (docs/TRACING.md).
+    let _telemetry = lunakv_telemetry::init("lunakv-sidecar");
     let cfg = match SidecarConfig::from_cli(cli) {
         Ok(c) => c,
         Err(e) => {

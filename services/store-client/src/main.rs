@@ -17,7 +17,8 @@ struct Cli {
 
 fn main() -> anyhow::Result<()> {
     let mut cfg = Cli::parse().store;
-    lunakv_telemetry::init("lunakv-store");
+    // Held until main returns: dropping it flushes the spans still queued (docs/TRACING.md).
+    let _telemetry = lunakv_telemetry::init("lunakv-store");
     let mut warnings = cfg.apply_env(&lunakv_config::process_env)?;
     warnings.extend(cfg.validate()?);
     for w in &warnings {

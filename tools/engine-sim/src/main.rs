@@ -60,7 +60,8 @@ async fn shutdown_signal() {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    lunakv_telemetry::init("lunakv-engine-sim");
+    // Held until main returns: dropping it flushes the spans still queued (docs/TRACING.md).
+    let _telemetry = lunakv_telemetry::init("lunakv-engine-sim");
     let bootstrap = cli.bootstrap.clone().or_else(|| {
         let port = std::env::var("MOONCAKE_BOOTSTRAP_PORT")
             .ok()

@@ -34,10 +34,11 @@ use crate::args::{Cli, Command};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // The client library logs through tracing; a CLI stays quiet unless asked (RUST_LOG).
-    if std::env::var_os("RUST_LOG").is_some() {
-        lunakv_telemetry::init("lunakv");
-    }
+    // The client library logs through tracing; a CLI stays quiet unless asked (RUST_LOG). With
+    // OTEL_EXPORTER_OTLP_ENDPOINT set its operations are traced; the guard flushes them at exit.
+    let _telemetry = lunakv_telemetry::Init::new("lunakv")
+        .default_log_filter("off")
+        .install();
     let json = cli.json;
     let result = match cli.command {
         Command::Status => {
