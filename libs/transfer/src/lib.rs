@@ -40,6 +40,7 @@ mod server;
 mod shm;
 mod table;
 mod tcp;
+mod trace;
 mod vio;
 pub mod wire;
 
@@ -726,6 +727,11 @@ impl TransferEngine {
                 v.iter_mut().map(|(_, r)| &mut **r).collect();
             let out = self.pick(t).submit(t, &mut rs);
             idx.into_iter().zip(out).collect()
+        };
+        // Units on other threads send the caller's trace context too.
+        let carry = trace::Carry::current();
+        let run_unit = |t: &Target, v: &mut Vec<(usize, &mut TransferRequest<'_>)>| {
+            carry.run(|| run_unit(t, v))
         };
         let mut collected: Vec<(usize, Result<(), TransferError>)> = Vec::new();
         if units.is_empty() {

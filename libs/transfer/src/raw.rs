@@ -5,7 +5,7 @@
 
 use crate::tcp::{PIPELINE_DEPTH, TcpConn, breaks_conn, io_err, recv_status, total_len};
 use crate::vio::{read_exact_scatter, write_all_gather};
-use crate::wire::{Op, Request};
+use crate::wire::{Op, Request, TRACE_LEN};
 use crate::{TransferEngine, TransferError};
 
 /// One request of [`TransferEngine::batch_raw`].
@@ -45,7 +45,12 @@ impl RawRequest<'_> {
     }
 }
 
-fn header(op: Op, remote_addr: u64, len: u64) -> [u8; crate::wire::REQ_LEN] {
+fn header(
+    op: Op,
+    remote_addr: u64,
+    len: u64,
+    trace: Option<&[u8; TRACE_LEN]>,
+) -> ([u8; crate::wire::REQ_LEN], &[u8]) {
     Request {
         op,
         generation: 0,
@@ -54,7 +59,7 @@ fn header(op: Op, remote_addr: u64, len: u64) -> [u8; crate::wire::REQ_LEN] {
         key_len: 0,
         aux: 0,
     }
-    .encode()
+    .encode_with(trace)
 }
 
 fn check(remote_addr: u64, len: u64) -> Result<(), TransferError> {
@@ -73,20 +78,25 @@ fn check(remote_addr: u64, len: u64) -> Result<(), TransferError> {
     Ok(())
 }
 
-fn send(conn: &mut TcpConn, ep: &str, r: &RawRequest<'_>) -> Result<(), TransferError> {
+fn send(
+    conn: &mut TcpConn,
+    ep: &str,
+    r: &RawRequest<'_>,
+    trace: Option<&[u8; TRACE_LEN]>,
+) -> Result<(), TransferError> {
     let len = r.len();
     match r {
         RawRequest::Write {
             remote_addr, src, ..
         } => {
             check(*remote_addr, len)?;
-            let hdr = header(Op::RawWrite, *remote_addr, len);
-            write_all_gather(&mut conn.stream, &[&hdr], src).map_err(|e| io_err(ep, e))
+            let (hdr, tc) = header(Op::RawWrite, *remote_addr, len, trace);
+            write_all_gather(&mut conn.stream, &[&hdr, tc], src).map_err(|e| io_err(ep, e))
         }
         RawRequest::Read { remote_addr, .. } => {
             check(*remote_addr, len)?;
-            let hdr = header(Op::RawRead, *remote_addr, len);
-            write_all_gather(&mut conn.stream, &[&hdr], &[]).map_err(|e| io_err(ep, e))
+            let (hdr, tc) = header(Op::RawRead, *remote_addr, len, trace);
+            write_all_gather(&mut conn.stream, &[&hdr, tc], &[]).map_err(|e| io_err(ep, e))
         }
     }
 }
@@ -149,7 +159,8 @@ impl TransferEngine {
         // A reused connection that fails with an I/O error is retried once on a fresh one:
         // a raw write or read of the same bytes is idempotent.
         self.tcp.with_conn(&ep, |c| {
-            send(c, &ep, r)?;
+            let trace = c.trace_context(&ep, Op::RawRead)?;
+            send(c, &ep, r, trace.as_ref())?;
             recv(c, &ep, r)
         })
     }
@@ -185,10 +196,13 @@ impl TransferEngine {
         }
         let mut out: Vec<Option<Result<(), TransferError>>> =
             (0..reqs_len(&units)).map(|_| None).collect();
+        // Each unit's thread sends the caller's trace context.
+        let carry = crate::trace::Carry::current();
+        let carry = &carry;
         let results: Vec<Vec<(usize, Result<(), TransferError>)>> = std::thread::scope(|s| {
             let handles: Vec<_> = units
                 .into_iter()
-                .map(|(ep, mut v)| s.spawn(move || self.raw_pipeline(&ep, &mut v)))
+                .map(|(ep, mut v)| s.spawn(move || carry.run(|| self.raw_pipeline(&ep, &mut v))))
                 .collect();
             handles
                 .into_iter()
@@ -224,6 +238,10 @@ impl TransferEngine {
             Ok((c, _)) => c,
             Err(e) => return v.iter().map(|(i, _)| (*i, Err(e.duplicate()))).collect(),
         };
+        let trace = match conn.trace_context(ep, Op::RawRead) {
+            Ok(t) => t,
+            Err(e) => return v.iter().map(|(i, _)| (*i, Err(e.duplicate()))).collect(),
+        };
         let mut broken: Option<TransferError> = None;
         for run in v.chunks_mut(PIPELINE_DEPTH) {
             if let Some(e) = &broken {
@@ -235,7 +253,7 @@ impl TransferEngine {
             let mut sent = [false; PIPELINE_DEPTH];
             let mut answered = [false; PIPELINE_DEPTH];
             for (k, (i, r)) in run.iter().enumerate() {
-                match send(&mut conn, ep, r) {
+                match send(&mut conn, ep, r, trace.as_ref()) {
                     Ok(()) => sent[k] = true,
                     Err(e) if breaks_conn(&e) => {
                         broken = Some(e);

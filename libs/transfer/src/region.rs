@@ -479,6 +479,11 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), String> {
         }
         rd.read_exact(&mut hdr[1..]).map_err(io)?;
         let req = Request::decode(&hdr)?;
+        // The requester's trace context, if any: this request's work is a span of its trace.
+        let span = crate::trace::read_context(&hdr, &mut rd)
+            .map_err(io)?
+            .and_then(|tc| crate::trace::server_span(&req, &tc));
+        let _in_span = span.as_ref().map(|s| s.enter());
         if !matches!(req.op, Op::RawWrite | Op::RawRead) {
             return Err(format!("{:?} is not a raw-memory op", req.op));
         }

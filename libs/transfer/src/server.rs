@@ -437,6 +437,12 @@ fn serve<S: Stream>(
             Ok(r) => r,
             Err(why) => return Err(End::Garbage(why)),
         };
+        // The requester's trace context, if any: this request's work is a span of its trace.
+        let span = match crate::trace::read_context(&hdr, &mut rd) {
+            Ok(tc) => tc.and_then(|tc| crate::trace::server_span(&req, &tc)),
+            Err(e) => return Err(End::Garbage(format!("truncated trace context: {e}"))),
+        };
+        let _in_span = span.as_ref().map(|s| s.enter());
         let shm_only = matches!(req.op, Op::Attach | Op::Pin | Op::Unpin | Op::Commit);
         if shm_only && !unix && (rdma_qps.is_empty() || req.op == Op::Attach) {
             return Err(End::Garbage(format!(

@@ -24,6 +24,19 @@ struct Attachment {
     /// the owner restarted behind the same socket path, and this mapping is obsolete.
     ident: (u64, u64),
     idle: Mutex<Vec<UnixStream>>,
+    /// The owner reads trace contexts (its ATTACH answer carried [`wire::FEATURE_TRACE`]).
+    traces: bool,
+}
+
+impl Attachment {
+    /// The trace context for the next request, when we export traces and the owner reads them.
+    fn trace(&self) -> Option<[u8; wire::TRACE_LEN]> {
+        if self.traces {
+            crate::trace::current()
+        } else {
+            None
+        }
+    }
 }
 
 /// The shm transport; attachments are cached per unix socket path.
@@ -53,8 +66,9 @@ impl ShmTransport {
         }
     }
 
-    /// Connects and ATTACHes: returns the stream and the memfd with its size.
-    fn connect(&self, path: &str) -> Result<(UnixStream, OwnedFd, u64), TransferError> {
+    /// Connects and ATTACHes: returns the stream, the memfd with its size, and the owner's
+    /// features byte.
+    fn connect(&self, path: &str) -> Result<(UnixStream, OwnedFd, u64, u8), TransferError> {
         use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
         let s = UnixStream::connect(path).map_err(|e| unavailable(path, e))?;
         s.set_read_timeout(Some(self.io_timeout))
@@ -105,20 +119,21 @@ impl ShmTransport {
             ));
         }
         let fd = fd.ok_or_else(|| unavailable(path, "ATTACH carried no file descriptor"))?;
-        Ok((s, fd, resp.value))
+        Ok((s, fd, resp.value, wire::features(&hdr)))
     }
 
     fn attachment(&self, path: &str) -> Result<Arc<Attachment>, TransferError> {
         if let Some(a) = self.attachments.read().get(path) {
             return Ok(a.clone());
         }
-        let (s, fd, size) = self.connect(path)?;
+        let (s, fd, size, features) = self.connect(path)?;
         let ident = fd_ident(&fd).map_err(|e| unavailable(path, e))?;
         let map = Mapping::map(fd, size).map_err(|e| unavailable(path, e))?;
         let a = Arc::new(Attachment {
             map,
             ident,
             idle: Mutex::new(vec![s]),
+            traces: features & wire::FEATURE_TRACE != 0,
         });
         let mut w = self.attachments.write();
         // Another thread may have attached meanwhile; keep one mapping per segment.
@@ -145,7 +160,7 @@ impl ShmTransport {
         if let Some(s) = a.idle.lock().pop() {
             return Ok(s);
         }
-        let (s, fd, _) = self.connect(path)?;
+        let (s, fd, _, _) = self.connect(path)?;
         let ident = fd_ident(&fd).map_err(|e| unavailable(path, e))?;
         if ident != a.ident {
             return Err(TransferError::ShmUnavailable(format!(
@@ -218,7 +233,8 @@ impl Transport for ShmTransport {
                 });
             };
             copy_in(&a.map, off, src);
-            let hdr = Request {
+            let trace = a.trace();
+            let (hdr, tc) = Request {
                 op: Op::Commit,
                 generation,
                 offset,
@@ -226,8 +242,8 @@ impl Transport for ShmTransport {
                 key_len: key.len() as u32,
                 aux: 0,
             }
-            .encode();
-            write_all_gather(s, &[&hdr, key.as_bytes()], &[]).map_err(|e| io_err(path, e))?;
+            .encode_with(trace.as_ref());
+            write_all_gather(s, &[&hdr, tc, key.as_bytes()], &[]).map_err(|e| io_err(path, e))?;
             recv_status(s, path, generation, offset, len).map(|_| ())
         })
     }
@@ -258,7 +274,9 @@ impl Transport for ShmTransport {
                 key_len: 0,
                 aux: 0,
             };
-            write_all_gather(s, &[&req.encode()], &[]).map_err(|e| io_err(path, e))?;
+            let trace = a.trace();
+            let (hdr, tc) = req.encode_with(trace.as_ref());
+            write_all_gather(s, &[&hdr, tc], &[]).map_err(|e| io_err(path, e))?;
             recv_status(s, path, generation, offset, len)?;
             copy_out(&a.map, off, dst);
             // UNPIN has no answer: the next request on this connection is ordered after it, and

@@ -21,6 +21,9 @@ pub(crate) const PIPELINE_DEPTH: usize = 64;
 /// One pooled connection to a segment server.
 pub(crate) struct TcpConn {
     pub(crate) stream: TcpStream,
+    /// Whether the peer reads trace contexts ([`wire::FEATURE_TRACE`]); `None` until a
+    /// requester that exports traces probed it.
+    peer_traces: Option<bool>,
 }
 
 /// Maps an I/O error on an established connection to the error callers branch on.
@@ -115,6 +118,71 @@ pub(crate) fn total_len(pieces: impl IntoIterator<Item = usize>) -> u64 {
 }
 
 impl TcpConn {
+    fn new(stream: TcpStream) -> TcpConn {
+        TcpConn {
+            stream,
+            peer_traces: None,
+        }
+    }
+
+    /// The trace context to send with the next requests, when this process exports traces and
+    /// the peer reads them. The first call on a connection probes the peer with `probe` at
+    /// length 0 (READ for a segment server, RAW_READ for a region server: both refuse it
+    /// harmlessly); so call it before pipelining, with no answer outstanding.
+    pub(crate) fn trace_context(
+        &mut self,
+        endpoint: &str,
+        probe: Op,
+    ) -> Result<Option<[u8; wire::TRACE_LEN]>, TransferError> {
+        let Some(tc) = crate::trace::current() else {
+            return Ok(None);
+        };
+        let traces = match self.peer_traces {
+            Some(t) => t,
+            None => {
+                let t = self.probe(endpoint, probe)?;
+                self.peer_traces = Some(t);
+                t
+            }
+        };
+        Ok(traces.then_some(tc))
+    }
+
+    fn probe(&mut self, endpoint: &str, op: Op) -> Result<bool, TransferError> {
+        let hdr = Request {
+            op,
+            generation: 0,
+            offset: 0,
+            len: 0,
+            key_len: 0,
+            aux: 0,
+        }
+        .encode();
+        write_all_gather(&mut self.stream, &[&hdr], &[]).map_err(|e| io_err(endpoint, e))?;
+        let mut resp = [0u8; wire::RESP_LEN];
+        self.stream
+            .read_exact(&mut resp)
+            .map_err(|e| io_err(endpoint, e))?;
+        let r = Response::decode(&resp)
+            .map_err(|why| TransferError::Protocol(format!("{endpoint}: {why}")))?;
+        if r.len > wire::MAX_MSG_LEN {
+            return Err(TransferError::Protocol(format!(
+                "{endpoint}: probe answer of {} bytes",
+                r.len
+            )));
+        }
+        let mut msg = [0u8; 256];
+        let mut left = r.len as usize;
+        while left > 0 {
+            let n = left.min(msg.len());
+            self.stream
+                .read_exact(&mut msg[..n])
+                .map_err(|e| io_err(endpoint, e))?;
+            left -= n;
+        }
+        Ok(wire::features(&resp) & wire::FEATURE_TRACE != 0)
+    }
+
     fn send_write(
         &mut self,
         generation: u64,
@@ -122,8 +190,9 @@ impl TcpConn {
         offset: u64,
         src: &[&[u8]],
         len: u64,
+        trace: Option<&[u8; wire::TRACE_LEN]>,
     ) -> io::Result<()> {
-        let hdr = Request {
+        let (hdr, tc) = Request {
             op: Op::Write,
             generation,
             offset,
@@ -131,12 +200,18 @@ impl TcpConn {
             key_len: key.len() as u32,
             aux: 0,
         }
-        .encode();
-        write_all_gather(&mut self.stream, &[&hdr, key.as_bytes()], src)
+        .encode_with(trace);
+        write_all_gather(&mut self.stream, &[&hdr, tc, key.as_bytes()], src)
     }
 
-    fn send_read(&mut self, generation: u64, offset: u64, len: u64) -> io::Result<()> {
-        let hdr = Request {
+    fn send_read(
+        &mut self,
+        generation: u64,
+        offset: u64,
+        len: u64,
+        trace: Option<&[u8; wire::TRACE_LEN]>,
+    ) -> io::Result<()> {
+        let (hdr, tc) = Request {
             op: Op::Read,
             generation,
             offset,
@@ -144,8 +219,8 @@ impl TcpConn {
             key_len: 0,
             aux: 0,
         }
-        .encode();
-        write_all_gather(&mut self.stream, &[&hdr], &[])
+        .encode_with(trace);
+        write_all_gather(&mut self.stream, &[&hdr, tc], &[])
     }
 
     fn recv_read(
@@ -218,7 +293,7 @@ impl TcpTransport {
                     stream
                         .set_write_timeout(Some(self.io_timeout))
                         .map_err(cerr)?;
-                    return Ok(TcpConn { stream });
+                    return Ok(TcpConn::new(stream));
                 }
                 Err(e) => last = e,
             }
@@ -445,6 +520,11 @@ impl TcpTransport {
             Ok((c, _)) => c,
             Err(e) => return fail_all(out, &e),
         };
+        let trace = match conn.trace_context(endpoint, Op::Read) {
+            Ok(t) => t,
+            Err(e) => return fail_all(out, &e),
+        };
+        let trace = trace.as_ref();
         let mut i = 0;
         while i < reqs.len() {
             let is_read = matches!(reqs[i], TransferRequest::Read { .. });
@@ -468,7 +548,7 @@ impl TcpTransport {
                     } => {
                         let len = total_len(src.iter().map(|s| s.len()));
                         check_request(t, Some(key), *offset, len).and_then(|()| {
-                            conn.send_write(*generation, key, *offset, src, len)
+                            conn.send_write(*generation, key, *offset, src, len, trace)
                                 .map_err(|e| io_err(endpoint, e))
                         })
                     }
@@ -480,7 +560,7 @@ impl TcpTransport {
                     } => {
                         let len = total_len(dst.iter().map(|s| s.len()));
                         check_request(t, None, *offset, len).and_then(|()| {
-                            conn.send_read(*generation, *offset, len)
+                            conn.send_read(*generation, *offset, len, trace)
                                 .map_err(|e| io_err(endpoint, e))
                         })
                     }
@@ -560,7 +640,8 @@ impl Transport for TcpTransport {
         check_request(t, Some(key), offset, len)?;
         let ep = t.endpoint.as_str();
         self.with_conn(ep, |c| {
-            c.send_write(generation, key, offset, src, len)
+            let trace = c.trace_context(ep, Op::Read)?;
+            c.send_write(generation, key, offset, src, len, trace.as_ref())
                 .map_err(|e| io_err(ep, e))?;
             recv_status(&mut c.stream, ep, generation, offset, len).map(|_| ())
         })
@@ -577,7 +658,8 @@ impl Transport for TcpTransport {
         check_request(t, None, offset, len)?;
         let ep = t.endpoint.as_str();
         self.with_conn(ep, |c| {
-            c.send_read(generation, offset, len)
+            let trace = c.trace_context(ep, Op::Read)?;
+            c.send_read(generation, offset, len, trace.as_ref())
                 .map_err(|e| io_err(ep, e))?;
             c.recv_read(ep, generation, offset, dst, len)
         })

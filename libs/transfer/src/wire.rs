@@ -6,7 +6,19 @@
 //! 16-byte `(generation, offset)` pairs. A response is a [`RESP_LEN`]-byte header followed by
 //! `len` bytes: the object for an OK `READ`, a UTF-8 message for an error status.
 //!
+//! Byte 5 of a request header holds flags, byte 5 of a response header the answering peer's
+//! features; peers that predate them send zero there and never read them. With
+//! [`FLAG_TRACE`] set, a [`TRACE_LEN`]-byte trace context ([`encode_trace`]) follows the request
+//! header, before the op's own body, so the owner's span of that request joins the requester's
+//! trace. A requester sets it only towards a peer whose answers carry [`FEATURE_TRACE`]; it
+//! learns that from the ATTACH answer on the unix socket, and on tcp from the answer to a
+//! zero-length `READ` (`RAW_READ` for a [`crate::RegionServer`]), which every version of both
+//! servers refuses with BAD_REQUEST and no side effect. Only requesters that export traces
+//! send that probe, once per connection.
+//!
 //! It is public so tests (and future non-Rust peers) can speak it directly.
+
+use lunakv_telemetry::propagate::TraceParent;
 
 /// First four bytes of every frame ("LKV1" read as a little-endian u32).
 pub const MAGIC: u32 = u32::from_le_bytes(*b"LKV1");
@@ -20,6 +32,44 @@ pub const MAX_KEY_LEN: usize = 4096;
 pub const MAX_FREE_ITEMS: u32 = 1 << 20;
 /// Longest error message a response may carry.
 pub const MAX_MSG_LEN: u64 = 64 * 1024;
+
+/// Offset of the flags byte in a request header and of the features byte in a response header.
+pub const FLAGS_AT: usize = 5;
+/// Request flag: a [`TRACE_LEN`]-byte trace context follows the header.
+pub const FLAG_TRACE: u8 = 1;
+/// Response feature: this peer reads the trace context of [`FLAG_TRACE`] requests.
+pub const FEATURE_TRACE: u8 = 1;
+/// What this crate's servers understand; every response they send carries it.
+pub const FEATURES: u8 = FEATURE_TRACE;
+/// The trace context: version 0, then the W3C trace id (16 bytes), parent span id (8) and
+/// trace flags (1) of the requester's span, i.e. a binary `traceparent`.
+pub const TRACE_LEN: usize = 26;
+
+/// Encodes a trace context for a [`FLAG_TRACE`] request.
+pub fn encode_trace(t: &TraceParent) -> [u8; TRACE_LEN] {
+    let mut b = [0u8; TRACE_LEN];
+    b[1..17].copy_from_slice(&t.trace_id);
+    b[17..25].copy_from_slice(&t.span_id);
+    b[25] = t.flags;
+    b
+}
+
+/// Decodes a trace context; `None` for a version this build does not know (ignored, the
+/// request itself is served).
+pub fn decode_trace(b: &[u8; TRACE_LEN]) -> Option<TraceParent> {
+    if b[0] != 0 {
+        return None;
+    }
+    let mut trace_id = [0u8; 16];
+    trace_id.copy_from_slice(&b[1..17]);
+    let mut span_id = [0u8; 8];
+    span_id.copy_from_slice(&b[17..25]);
+    Some(TraceParent {
+        trace_id,
+        span_id,
+        flags: b[25],
+    })
+}
 
 /// Request operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +123,25 @@ pub enum Op {
 pub const DISK_OFFSET: u64 = u64::MAX;
 
 impl Op {
+    /// The op's name in docs and span names (`WRITE`, `RAW_READ`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Write => "WRITE",
+            Op::Read => "READ",
+            Op::Free => "FREE",
+            Op::Attach => "ATTACH",
+            Op::Pin => "PIN",
+            Op::Unpin => "UNPIN",
+            Op::Commit => "COMMIT",
+            Op::RawWrite => "RAW_WRITE",
+            Op::RawRead => "RAW_READ",
+            Op::Offload => "OFFLOAD",
+            Op::Load => "LOAD",
+            Op::RdmaConnect => "RDMA_CONNECT",
+            Op::Promote => "PROMOTE",
+        }
+    }
+
     /// Parses an op byte; `None` for garbage.
     pub fn from_u8(v: u8) -> Option<Op> {
         Some(match v {
@@ -148,6 +217,19 @@ impl Request {
         b
     }
 
+    /// Encodes with [`FLAG_TRACE`] set when `trace` is given; returns the header and the bytes
+    /// to send right after it (empty without a trace).
+    pub fn encode_with<'t>(&self, trace: Option<&'t [u8; TRACE_LEN]>) -> ([u8; REQ_LEN], &'t [u8]) {
+        let mut b = self.encode();
+        match trace {
+            Some(t) => {
+                b[FLAGS_AT] |= FLAG_TRACE;
+                (b, t)
+            }
+            None => (b, &[]),
+        }
+    }
+
     /// Decodes a header; `Err` names what is wrong (the caller closes the connection).
     pub fn decode(b: &[u8; REQ_LEN]) -> Result<Request, String> {
         let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -182,6 +264,7 @@ impl Response {
         let mut b = [0u8; RESP_LEN];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4] = self.status as u8;
+        b[FLAGS_AT] = FEATURES;
         b[8..16].copy_from_slice(&self.value.to_le_bytes());
         b[16..24].copy_from_slice(&self.len.to_le_bytes());
         b
@@ -200,6 +283,16 @@ impl Response {
             len: le_u64(&b[16..24]),
         })
     }
+}
+
+/// Whether a request header carries a trace context.
+pub fn is_traced(b: &[u8; REQ_LEN]) -> bool {
+    b[FLAGS_AT] & FLAG_TRACE != 0
+}
+
+/// The features byte of a response header (0 from peers that predate it).
+pub fn features(b: &[u8; RESP_LEN]) -> u8 {
+    b[FLAGS_AT]
 }
 
 fn le_u64(b: &[u8]) -> u64 {
@@ -235,6 +328,43 @@ mod tests {
         let mut bad = r.encode();
         bad[4] = 99;
         assert!(Request::decode(&bad).unwrap_err().contains("op"));
+    }
+
+    #[test]
+    fn trace_flag_and_context_round_trip_and_old_headers_carry_none() {
+        let r = Request {
+            op: Op::Write,
+            generation: 1,
+            offset: 0,
+            len: 8,
+            key_len: 1,
+            aux: 0,
+        };
+        let (plain, none) = r.encode_with(None);
+        assert!(!is_traced(&plain) && none.is_empty());
+        assert_eq!(plain, r.encode());
+        let t = TraceParent {
+            trace_id: [7; 16],
+            span_id: [9; 8],
+            flags: 1,
+        };
+        let tc = encode_trace(&t);
+        let (traced, extra) = r.encode_with(Some(&tc));
+        assert!(is_traced(&traced));
+        assert_eq!(extra, &tc[..]);
+        // The flag changes nothing an old peer decodes.
+        assert_eq!(Request::decode(&traced).unwrap(), r);
+        assert_eq!(decode_trace(&tc), Some(t));
+        let mut future = tc;
+        future[0] = 1;
+        assert_eq!(decode_trace(&future), None);
+        let resp = Response {
+            status: Status::Ok,
+            value: 0,
+            len: 0,
+        }
+        .encode();
+        assert_eq!(features(&resp) & FEATURE_TRACE, FEATURE_TRACE);
     }
 
     #[test]
