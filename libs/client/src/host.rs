@@ -12,9 +12,11 @@ use std::time::Duration;
 
 use lunakv_proto::master as pb;
 use lunakv_proto::master::master_client::MasterClient;
+use lunakv_telemetry::propagate::GrpcInject;
 use lunakv_transfer::{ColdTier, SegmentInfo, SegmentServer, SegmentServerConfig};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tonic::codegen::InterceptedService;
 use tonic::transport::Channel;
 
 use crate::ClientError;
@@ -357,10 +359,15 @@ pub(crate) fn descriptor(
     }
 }
 
-pub(crate) async fn connect_master(
-    addr: &str,
-    timeout: Duration,
-) -> Result<MasterClient<Channel>, ClientError> {
+/// A master client whose calls carry the caller's trace context (docs/TRACING.md).
+pub(crate) type Rpc = MasterClient<InterceptedService<Channel, GrpcInject>>;
+
+/// The master client over `channel`.
+pub(crate) fn master_client(channel: Channel) -> Rpc {
+    MasterClient::with_interceptor(channel, GrpcInject).max_decoding_message_size(256 << 20)
+}
+
+pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Rpc, ClientError> {
     let uri = if addr.contains("://") {
         addr.to_owned()
     } else {
@@ -382,7 +389,7 @@ pub(crate) async fn connect_master(
                 source_chain(&e)
             ),
         })?;
-    Ok(MasterClient::new(channel).max_decoding_message_size(256 << 20))
+    Ok(master_client(channel))
 }
 
 pub(crate) fn rpc_error(addr: &str, status: &tonic::Status) -> ClientError {

@@ -17,13 +17,12 @@ use lunakv_config::MasterAddress;
 use lunakv_meta::EtcdClient;
 use lunakv_meta::etcd::WatchEvent;
 use lunakv_meta::layout::{self, LeaderView};
-use lunakv_proto::master::master_client::MasterClient;
 use parking_lot::RwLock;
 use tokio::sync::watch;
 use tonic::transport::Channel;
 
 use crate::ClientError;
-use crate::host::{connect_master, rpc_error};
+use crate::host::{Rpc, connect_master, master_client, rpc_error};
 
 /// How long an HA call keeps retrying across a failover: the 5 s lease, the election, and the
 /// new leader's index rebuild (at most 3 s), with room to spare.
@@ -36,7 +35,7 @@ const LEADER_HEADER: &str = "x-lunakv-leader";
 struct Current {
     addr: String,
     term: u64,
-    client: MasterClient<Channel>,
+    client: Rpc,
 }
 
 struct Inner {
@@ -55,7 +54,7 @@ struct Inner {
 #[derive(Clone)]
 pub(crate) struct MasterLink(Arc<Inner>);
 
-fn lazy_client(addr: &str, timeout: Duration) -> Result<MasterClient<Channel>, ClientError> {
+fn lazy_client(addr: &str, timeout: Duration) -> Result<Rpc, ClientError> {
     let uri = format!("http://{addr}");
     let ep = Channel::from_shared(uri).map_err(|e| ClientError::Rpc {
         addr: addr.to_owned(),
@@ -66,7 +65,7 @@ fn lazy_client(addr: &str, timeout: Duration) -> Result<MasterClient<Channel>, C
         .connect_timeout(Duration::from_secs(2).min(timeout))
         .timeout(timeout)
         .connect_lazy();
-    Ok(MasterClient::new(ch).max_decoding_message_size(256 << 20))
+    Ok(master_client(ch))
 }
 
 impl MasterLink {
@@ -166,7 +165,7 @@ impl MasterLink {
     }
 
     /// The current master's client (a channel clone).
-    pub(crate) fn client(&self) -> MasterClient<Channel> {
+    pub(crate) fn client(&self) -> Rpc {
         self.0.current.read().client.clone()
     }
 
@@ -196,7 +195,7 @@ impl MasterLink {
     /// One call with HA retries (see the module docs). `f` is called once per attempt.
     pub(crate) async fn call<T, F, Fut>(&self, f: F) -> Result<T, ClientError>
     where
-        F: Fn(MasterClient<Channel>) -> Fut,
+        F: Fn(Rpc) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         if !self.0.ha {

@@ -7,13 +7,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use lunakv_proto::master as pb;
-use lunakv_proto::master::master_client::MasterClient;
 use lunakv_proto::{ErrorCode, validate_key};
 use lunakv_transfer::{TransferEngine, TransferError, TransferOptions, TransferRequest};
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
-use tonic::transport::Channel;
 
 use crate::cache::LocationCache;
 use crate::host::{HostOptions, Mounter, SegmentHost};
@@ -211,6 +209,7 @@ impl StoreClient {
         items: &[(&str, Vec<&[u8]>)],
         cfg: &ReplicateConfig,
     ) -> Vec<Result<()>> {
+        let _span = op_span("put", items.len()).entered();
         let mut results: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
         if self.check_open().is_err() {
             return items.iter().map(|_| Err(ClientError::Closed)).collect();
@@ -423,6 +422,7 @@ impl StoreClient {
 
     /// Returns the object's bytes.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let _span = op_span("get", 1).entered();
         self.check_open()?;
         validate_key(key)?;
         for attempt in 0..READ_ATTEMPTS {
@@ -447,6 +447,7 @@ impl StoreClient {
     /// Reads the object into several buffers in order (vLLM: one per layer). Their total length
     /// must be at least the object's size.
     pub fn get_into_parts(&self, key: &str, dst: &mut [&mut [u8]]) -> Result<u64> {
+        let _span = op_span("get", 1).entered();
         self.check_open()?;
         validate_key(key)?;
         for attempt in 0..READ_ATTEMPTS {
@@ -471,6 +472,7 @@ impl StoreClient {
     /// then one transfer batch.
     pub fn batch_get_into(&self, keys: &[&str], dsts: &mut [Vec<&mut [u8]>]) -> Vec<Result<u64>> {
         assert_eq!(keys.len(), dsts.len(), "one destination list per key");
+        let _span = op_span("batch_get", keys.len()).entered();
         let mut results: Vec<Option<Result<u64>>> = (0..keys.len()).map(|_| None).collect();
         if self.check_open().is_err() {
             return keys.iter().map(|_| Err(ClientError::Closed)).collect();
@@ -967,7 +969,7 @@ impl StoreClient {
     /// (`call` runs once per attempt, so it clones its request).
     fn rpc<T, F, Fut>(&self, call: F) -> Result<T>
     where
-        F: Fn(MasterClient<Channel>) -> Fut,
+        F: Fn(crate::host::Rpc) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
     {
         self.rt.block_on(self.master.call(call))
@@ -980,6 +982,14 @@ impl Drop for StoreClient {
             tracing::warn!(error = %e, "close on drop failed");
         }
     }
+}
+
+/// The span of one client operation, parent of its master calls and transfers; only when traces
+/// are exported (docs/TRACING.md), so gets pay nothing for it otherwise.
+fn op_span(name: &'static str, objects: usize) -> tracing::Span {
+    lunakv_telemetry::trace_span(|| {
+        tracing::info_span!("client", otel.name = name, otel.kind = "client", objects)
+    })
 }
 
 enum ReadError {

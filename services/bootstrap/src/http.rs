@@ -45,6 +45,12 @@ pub fn router(state: Arc<dyn BootstrapState>, lease: Duration) -> Router {
             lease,
             counters: Arc::default(),
         })
+        // Lease renewals and probes come every few seconds: spans only inside a trace.
+        .layer(lunakv_telemetry::propagate::HttpServerLayer::new().quiet(&[
+            "/register",
+            "/health",
+            "/metrics",
+        ]))
 }
 
 /// The body vLLM's workers send.

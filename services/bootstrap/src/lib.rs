@@ -171,6 +171,7 @@ pub async fn serve(
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .tcp_nodelay(true)
+            .trace_fn(lunakv_telemetry::propagate::grpc_server_span)
             .add_service(grpc::server(state.clone(), cfg.lease, stop_rx.clone()))
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),

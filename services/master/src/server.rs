@@ -257,6 +257,10 @@ impl Master {
         let grpc = tokio::spawn(
             tonic::transport::Server::builder()
                 .tcp_nodelay(true)
+                // Each call a span under its caller's trace; heartbeats only inside a trace.
+                .trace_fn(lunakv_telemetry::propagate::grpc_server_span_quiet(&[
+                    "Ping",
+                ]))
                 .add_service(MasterServer::new(svc))
                 .serve_with_incoming_shutdown(
                     // Builder::tcp_nodelay only applies to listeners tonic binds itself; with

@@ -54,7 +54,9 @@ where
                 .unwrap_or_else(|_| HeaderValue::from_static("unknown")),
         };
         req.headers_mut().insert("x-request-id", rid.clone());
-        let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = ?rid);
+        let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = ?rid, otel.kind = tracing::field::Empty);
+        // The request continues its caller's trace (docs/TRACING.md).
+        lunakv_telemetry::propagate::serve_under(&span, req.headers());
         let fut = self.inner.call(req);
         Box::pin(
             async move {

@@ -203,8 +203,9 @@ impl Proxy {
         strip_hop(&mut parts.headers);
         parts.headers.remove(header::HOST);
         parts.headers.remove(PREFILLER_HEADER);
-        let req = Request::from_parts(parts, body::boxed(body));
+        let mut req = Request::from_parts(parts, body::boxed(body));
         let span = tracing::info_span!("decode", request_id = ?Self::request_id(req.headers()), disaggregated = false);
+        lunakv_telemetry::propagate::inject_http(&span, req.headers_mut());
         match self
             .shared
             .decode_client
@@ -406,6 +407,8 @@ impl Proxy {
             )
         })?;
         *r.headers_mut() = headers.clone();
+        // Called inside the leg's span: the engine's span becomes its child.
+        lunakv_telemetry::propagate::inject_http(&tracing::Span::current(), r.headers_mut());
         r.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
@@ -590,6 +593,8 @@ impl Proxy {
         };
         let mut req = Request::new(body::empty());
         *req.uri_mut() = url.parse().map_err(|e| fail(format!("{e}")))?;
+        let span = lunakv_telemetry::propagate::http_client_span(&Method::GET, req.uri());
+        lunakv_telemetry::propagate::inject_http(&span, req.headers_mut());
         let call = async {
             let resp = self
                 .shared
@@ -609,7 +614,10 @@ impl Proxy {
             }
             serde_json::from_slice::<Value>(&body).map_err(|e| format!("not JSON: {e}"))
         };
-        let v = match tokio::time::timeout(BOOTSTRAP_TIMEOUT, call).await {
+        let v = match tokio::time::timeout(BOOTSTRAP_TIMEOUT, call)
+            .instrument(span)
+            .await
+        {
             Ok(Ok(v)) => v,
             Ok(Err(e)) => return Err(fail(e)),
             Err(_) => return Err(fail(format!("no answer within {BOOTSTRAP_TIMEOUT:?}"))),

@@ -27,6 +27,12 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .route("/sim/stats", get(stats))
         .route("/sim/kv/transfer", post(transfer))
         .with_state(sim)
+        // Requests continue their caller's trace; probes and stats scrapes start none.
+        .layer(lunakv_telemetry::propagate::HttpServerLayer::new().quiet(&[
+            "/health",
+            "/v1/models",
+            "/sim/stats",
+        ]))
 }
 
 /// vLLM's error body.

@@ -8,6 +8,8 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use lunakv_telemetry::propagate;
+use tracing::Instrument;
 
 /// Errors of a side-channel or bootstrap call.
 #[derive(Debug, thiserror::Error)]
@@ -58,12 +60,14 @@ impl JsonClient {
     ) -> Result<serde_json::Value, CallError> {
         let uri: hyper::Uri = url.parse().map_err(|_| CallError::Url(url.to_string()))?;
         let bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
-        let req = Request::builder()
+        let span = propagate::http_client_span(&method, &uri);
+        let mut req = Request::builder()
             .method(method)
             .uri(uri)
             .header("content-type", "application/json")
             .body(Full::new(bytes))
             .map_err(|e| CallError::Url(format!("{url}: {e}")))?;
+        propagate::inject_http(&span, req.headers_mut());
         let http = |msg: String| CallError::Http {
             url: url.to_string(),
             msg,
@@ -83,13 +87,14 @@ impl JsonClient {
                 .to_bytes();
             Ok::<_, CallError>((status, body))
         };
-        let (status, body) =
-            tokio::time::timeout(timeout, fut)
-                .await
-                .map_err(|_| CallError::Timeout {
-                    url: url.to_string(),
-                    after: timeout,
-                })??;
+        let (status, body) = tokio::time::timeout(timeout, fut)
+            .instrument(span.clone())
+            .await
+            .map_err(|_| CallError::Timeout {
+                url: url.to_string(),
+                after: timeout,
+            })??;
+        propagate::record_http_status(&span, status);
         if !status.is_success() {
             return Err(CallError::Status {
                 url: url.to_string(),

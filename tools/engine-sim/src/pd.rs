@@ -189,7 +189,17 @@ pub async fn serve_transfer(sim: Arc<Sim>, msg: TransferRequestMsg) -> serde_jso
     let endpoint = msg.endpoint.clone();
     let addrs = msg.block_addrs.clone();
     let kv2 = kv.clone();
+    // The KV write into the decoder's memory: one span, parent of the decoder's RAW_WRITEs.
+    let span = lunakv_telemetry::trace_span(|| {
+        tracing::info_span!(
+            "kv_write",
+            otel.kind = "client",
+            blocks = addrs.len(),
+            bytes = need
+        )
+    });
     let res = tokio::task::spawn_blocking(move || {
+        let _in_span = span.enter();
         let mut reqs: Vec<RawRequest<'_>> = addrs
             .iter()
             .enumerate()
