@@ -7,6 +7,7 @@
 //!
 //! The binaries must be built first (`make test` does `cargo build --bins`).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -39,6 +40,36 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+thread_local! {
+    /// Set by [`child_env`]: variables for every process this test thread spawns.
+    static CHILD_ENV: RefCell<Vec<(String, String)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Adds `vars` to the environment of every process the calling test thread spawns (through
+/// [`Proc::spawn`], so every harness constructor) until the guard drops; an inner guard adds
+/// to and overrides an outer one. The process's own environment is never changed.
+pub fn child_env(vars: &[(&str, &str)]) -> ChildEnv {
+    let before = CHILD_ENV.with(|e| {
+        let mut e = e.borrow_mut();
+        let before = e.clone();
+        e.extend(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        before
+    });
+    ChildEnv { before }
+}
+
+/// Returned by [`child_env`]; restores the previous child environment on drop.
+pub struct ChildEnv {
+    before: Vec<(String, String)>,
+}
+
+impl Drop for ChildEnv {
+    fn drop(&mut self) {
+        let before = std::mem::take(&mut self.before);
+        CHILD_ENV.with(|e| *e.borrow_mut() = before);
+    }
+}
+
 /// A running child process whose output is captured line by line.
 pub struct Proc {
     pub name: String,
@@ -60,6 +91,11 @@ impl Proc {
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
         );
+        CHILD_ENV.with(|e| {
+            for (k, v) in e.borrow().iter() {
+                cmd.env(k, v);
+            }
+        });
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -437,6 +473,7 @@ pub fn wait_until<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Opt
     }
 }
 
+pub mod otlp;
 pub mod pd;
 
 /// Serialises the heaviest tests of one test binary (three masters, two stores and etcd on two
