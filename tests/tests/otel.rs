@@ -9,6 +9,9 @@
 //!   write -> the decoder's RAW_WRITEs (the transfer wire's trace context).
 //! - A put from the `lunakv` CLI (grpc export): client `put` -> the master's BatchPutStart and
 //!   BatchPutEnd (gRPC metadata) -> the store's WRITE (tcp) or COMMIT (shm) on the transfer wire.
+//!
+//! The sidecar and the store batch their spans for 10 minutes, so theirs arrive only through
+//! the flush at exit: each test stops one with SIGTERM and expects a clean exit and the spans.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -155,7 +158,11 @@ fn a_pd_request_through_sidecar_bootstrap_prefill_and_decode_is_one_trace() {
         let _name = child_env(&[("OTEL_SERVICE_NAME", "sim-decode")]);
         Sim::start("127.0.0.1".parse().expect("ip"), 0, "decode", &[])
     };
-    let sidecar = Sidecar::start(&decode, "mooncake", boot.http.port(), &[]);
+    // The sidecar's spans leave only with the flush at exit (SIGTERM, below).
+    let mut sidecar = {
+        let _late = child_env(&[("OTEL_BSP_SCHEDULE_DELAY", "600000")]);
+        Sidecar::start(&decode, "mooncake", boot.http.port(), &[])
+    };
 
     // The caller's own span: the sidecar must continue it, not start a trace.
     let (trace_id, caller) = (random_hex(16), random_hex(8));
@@ -179,6 +186,32 @@ fn a_pd_request_through_sidecar_bootstrap_prefill_and_decode_is_one_trace() {
     assert_eq!(r.header("x-request-id"), Some("otel-req-1"));
     assert_eq!(r.json()["id"], "cmpl-otel-req-1", "{}", r.text());
     assert!(decode.stat("kv_bytes_received") > 0, "the KV never moved");
+
+    // The engines export on their own schedule; the sidecar holds its spans until it drains.
+    let in_trace = |service: &str| {
+        let service = service.to_owned();
+        let trace_id = trace_id.clone();
+        move |spans: &[SpanRecord]| {
+            spans
+                .iter()
+                .any(|s| s.trace_id == trace_id && s.service == service)
+                .then_some(())
+        }
+    };
+    assert!(
+        collector.wait_for(WAIT, in_trace("sim-decode")).is_some(),
+        "the decode engine exported nothing"
+    );
+    assert!(
+        in_trace("lunakv-sidecar")(&collector.spans()).is_none(),
+        "the sidecar exported before its flush at exit"
+    );
+    assert_eq!(
+        sidecar.proc.terminate(Duration::from_secs(30)),
+        Some(0),
+        "the sidecar must drain and flush cleanly on SIGTERM:\n{}",
+        sidecar.proc.output()
+    );
 
     let sc = "lunakv-sidecar";
     let found = wait_chain(
@@ -262,13 +295,18 @@ fn a_put_through_client_master_and_store_is_one_trace_and_no_endpoint_means_no_e
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
     ]);
     let master = Master::start(&dir.path().join("m"), &[]);
-    let _store = Store::start(&master.addr(), "32MB", &[]);
+    // The store's spans leave only with the flush at exit (SIGTERM, below).
+    let mut store = {
+        let _late = child_env(&[("OTEL_BSP_SCHEDULE_DELAY", "600000")]);
+        Store::start(&master.addr(), "32MB", &[])
+    };
     let file = dir.path().join("value.bin");
     std::fs::write(&file, lunakv_tests::pattern(7, 200_000)).expect("write value");
 
     // One put over tcp (WRITE), one over shared memory (COMMIT): both transfer paths carry
     // the trace context to the store.
     let mut traces = Vec::new();
+    let mut puts = Vec::new();
     for (key, shm, op) in [
         ("otel-tcp", "1", "transfer WRITE"),
         ("otel-shm", "0", "transfer COMMIT"),
@@ -328,14 +366,37 @@ fn a_put_through_client_master_and_store_is_one_trace_and_no_endpoint_means_no_e
                     "lunakv.master.v1.Master/BatchPutEnd",
                     REMOTE,
                 ),
-                hop("store", "lunakv-store", op, REMOTE),
             ],
         );
         for s in found.values() {
             assert_eq!(s.kind, SERVER, "{s}");
             assert_eq!(s.via, "grpc", "{s}: OTEL_EXPORTER_OTLP_PROTOCOL=grpc");
         }
-        traces.push(put.trace_id);
+        traces.push(put.trace_id.clone());
+        puts.push((put, op));
+    }
+    assert!(
+        !collector
+            .spans()
+            .iter()
+            .any(|s| s.service == "lunakv-store"),
+        "the store exported before its flush at exit"
+    );
+    assert_eq!(
+        store.proc.terminate(Duration::from_secs(30)),
+        Some(0),
+        "the store must drain and flush cleanly on SIGTERM:\n{}",
+        store.proc.output()
+    );
+    for (put, op) in &puts {
+        let found = wait_chain(
+            &collector,
+            &put.trace_id,
+            &put.span_id,
+            &[hop("store", "lunakv-store", op, REMOTE)],
+        );
+        assert_eq!(found["store"].kind, SERVER, "{}", found["store"]);
+        assert_eq!(found["store"].via, "grpc", "{}", found["store"]);
     }
     assert_eq!(
         exporter_threads(master.proc.pid()),

@@ -149,11 +149,18 @@ impl Pipeline {
                     .build(),
             }
         };
-        let exporter = built.map_err(|e| ExportError::Exporter {
-            var,
-            endpoint: endpoint.clone(),
-            message: e.to_string(),
-        })?;
+        let exporter = match built {
+            Ok(e) => e,
+            Err(e) => {
+                // init may run inside a service's runtime, where dropping ours would panic.
+                runtime.shutdown_background();
+                return Err(ExportError::Exporter {
+                    var,
+                    endpoint: endpoint.clone(),
+                    message: e.to_string(),
+                });
+            }
+        };
         let provider = SdkTracerProvider::builder()
             .with_resource(resource(service))
             .with_batch_exporter(OnRuntime {
@@ -173,8 +180,9 @@ impl Pipeline {
         if let Err(e) = self.provider.shutdown() {
             tracing::warn!(error = %e, "flushing traces at exit failed; the last spans may be lost");
         }
-        // Allowed inside an async context, unlike dropping the runtime.
-        self.runtime.shutdown_timeout(Duration::from_millis(100));
+        // The exports are done; and unlike dropping it (or shutdown_timeout), this is allowed
+        // inside the service's runtime, where the guard usually drops.
+        self.runtime.shutdown_background();
     }
 }
 
@@ -298,6 +306,33 @@ mod tests {
             e.contains("OTEL_EXPORTER_OTLP_PROTOCOL=\"http/json\"") && e.contains("grpc"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn setup_failure_and_shutdown_inside_a_services_runtime_do_not_panic() {
+        // Services call init and drop the guard inside #[tokio::main], where dropping a runtime
+        // (ours) panics unless it is shut down in the background.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let bad = env_of(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "not a url"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ]);
+            assert!(Pipeline::from_env("t", &bad).is_err());
+            for protocol in ["grpc", "http/protobuf"] {
+                let ok = env_of(&[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9"),
+                    ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
+                ]);
+                let p = Pipeline::from_env("t", &ok)
+                    .expect("valid settings")
+                    .expect("an endpoint turns export on");
+                p.shutdown();
+            }
+        });
     }
 
     #[test]
