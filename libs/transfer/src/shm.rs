@@ -75,15 +75,7 @@ impl ShmTransport {
             .map_err(|e| unavailable(path, e))?;
         s.set_write_timeout(Some(self.io_timeout))
             .map_err(|e| unavailable(path, e))?;
-        let req = Request {
-            op: Op::Attach,
-            generation: 0,
-            offset: 0,
-            len: 0,
-            key_len: 0,
-            aux: 0,
-        }
-        .encode();
+        let req = Request::bare(Op::Attach).encode();
         write_all_gather(&mut &s, &[&req], &[]).map_err(|e| unavailable(path, e))?;
         let mut hdr = [0u8; wire::RESP_LEN];
         let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];

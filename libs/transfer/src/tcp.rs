@@ -149,15 +149,7 @@ impl TcpConn {
     }
 
     fn probe(&mut self, endpoint: &str, op: Op) -> Result<bool, TransferError> {
-        let hdr = Request {
-            op,
-            generation: 0,
-            offset: 0,
-            len: 0,
-            key_len: 0,
-            aux: 0,
-        }
-        .encode();
+        let hdr = Request::bare(op).encode();
         write_all_gather(&mut self.stream, &[&hdr], &[]).map_err(|e| io_err(endpoint, e))?;
         let mut resp = [0u8; wire::RESP_LEN];
         self.stream

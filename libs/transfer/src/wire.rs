@@ -204,6 +204,18 @@ pub struct Request {
 }
 
 impl Request {
+    /// `op` with every other field zero: ATTACH, and the zero-length probe.
+    pub fn bare(op: Op) -> Request {
+        Request {
+            op,
+            generation: 0,
+            offset: 0,
+            len: 0,
+            key_len: 0,
+            aux: 0,
+        }
+    }
+
     /// Encodes into a stack buffer.
     pub fn encode(&self) -> [u8; REQ_LEN] {
         let mut b = [0u8; REQ_LEN];

@@ -130,6 +130,20 @@ fn target(addr: SocketAddr) -> Target {
     }
 }
 
+/// How many zero-length READ probes the peer saw.
+fn probes(seen: &[Seen]) -> usize {
+    seen.iter()
+        .filter(|s| s.op == Op::Read && s.len == 0)
+        .count()
+}
+
+/// Traces on, a fake peer (see [`fake_peer`]) and a tcp engine aimed at it.
+fn against_fake_peer(announce: bool) -> (TransferEngine, Target, mpsc::Receiver<Seen>) {
+    tracing_on();
+    let (addr, rx) = fake_peer(announce);
+    (tcp_engine(), target(addr), rx)
+}
+
 fn drain(rx: &mpsc::Receiver<Seen>) -> Vec<Seen> {
     let mut out = Vec::new();
     while let Ok(s) = rx.recv_timeout(std::time::Duration::from_millis(300)) {
@@ -140,10 +154,7 @@ fn drain(rx: &mpsc::Receiver<Seen>) -> Vec<Seen> {
 
 #[test]
 fn a_peer_that_predates_the_extension_never_gets_a_flagged_frame() {
-    tracing_on();
-    let (addr, rx) = fake_peer(false);
-    let engine = tcp_engine();
-    let t = target(addr);
+    let (engine, t, rx) = against_fake_peer(false);
     let _span = tracing::info_span!("caller").entered();
     assert!(TraceParent::current().is_some(), "the caller has a context");
     for g in 1..=3u64 {
@@ -152,11 +163,7 @@ fn a_peer_that_predates_the_extension_never_gets_a_flagged_frame() {
             .expect("write to an old peer");
     }
     let seen = drain(&rx);
-    let probes = seen
-        .iter()
-        .filter(|s| s.op == Op::Read && s.len == 0)
-        .count();
-    assert_eq!(probes, 1, "one probe per connection: {seen:?}");
+    assert_eq!(probes(&seen), 1, "one probe per connection: {seen:?}");
     let writes: Vec<&Seen> = seen.iter().filter(|s| s.op == Op::Write).collect();
     assert_eq!(writes.len(), 3, "{seen:?}");
     assert!(writes.iter().all(|w| !w.traced), "{seen:?}");
@@ -164,10 +171,7 @@ fn a_peer_that_predates_the_extension_never_gets_a_flagged_frame() {
 
 #[test]
 fn a_peer_that_announces_it_gets_the_callers_context_on_every_request() {
-    tracing_on();
-    let (addr, rx) = fake_peer(true);
-    let engine = tcp_engine();
-    let t = target(addr);
+    let (engine, t, rx) = against_fake_peer(true);
     let span = tracing::info_span!("caller");
     let me = TraceParent::of(&span).expect("the caller has a context");
     // 4 MiB in 4 objects: the batch spreads over several connections and threads, and each
@@ -195,11 +199,10 @@ fn a_peer_that_announces_it_gets_the_callers_context_on_every_request() {
         .write(&t, 2, "k", 0, &[b"two"])
         .expect("untraced write");
     let seen = drain(&rx);
-    let probes = seen
-        .iter()
-        .filter(|s| s.op == Op::Read && s.len == 0)
-        .count();
-    assert!(probes >= 2, "the batch used several connections: {seen:?}");
+    assert!(
+        probes(&seen) >= 2,
+        "the batch used several connections: {seen:?}"
+    );
     let writes: Vec<&Seen> = seen.iter().filter(|s| s.op == Op::Write).collect();
     assert_eq!(writes.len(), 6, "{seen:?}");
     let (traced, plain) = writes.split_at(5);
