@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-python clean
+.PHONY: all build release run test lint fmt bench bench-pd bench-python clean
 
 all: build
 
@@ -35,6 +35,12 @@ fmt:
 ## p50/p99 next to this machine's memcpy and loopback-TCP limits. `make bench ARGS=--json`.
 bench: release
 	./target/release/lunakv bench $(ARGS)
+
+## P/D: sidecar overhead (direct vs through lunakv-sidecar, p50/p99/req/s at concurrency 1 and
+## 64, against a zero-work and a realistic-GPU-time engine simulator) and KV transfer GB/s
+## against raw loopback TCP, in one run.
+bench-pd: release
+	$(CARGO) test --release -p lunakv-tests --test pd_bench -- --ignored --nocapture
 
 ## From Python: batch put/get GB/s for vLLM-shaped objects in both modes, side by side with
 ## upstream's PyPI package when it can be installed (BENCH_ARGS=--no-upstream to skip it).

@@ -450,7 +450,7 @@ fn bad_requests_and_bad_flags() {
 #[test]
 fn client_disconnect_mid_stream_leaves_nothing_behind() {
     let p = PrefillHost::start(0);
-    let d = decoder(&["--token-delay-ms=50".into()]);
+    let d = decoder(&["--decode-us-per-token=50000".into()]);
     let sc = Sidecar::start(&d, "mooncake", p.boot.http.port(), &[]);
     let mut body = completion(PROMPT, true);
     body["max_tokens"] = json!(400);

@@ -8,7 +8,7 @@
 //! | `master/epoch` | the last leader term (decimal); high 32 bits of generations | permanent |
 //! | `master/cluster_id` | the cluster id (a sanity check, as in the embedded store) | permanent |
 //! | `segments/<name>` | a mounted segment's descriptor (transfer endpoint, size, ...) | until unmounted |
-//! | `bootstrap/<role>/<id>` | reserved for P/D bootstrap registrations (another issue) | its owner's lease |
+//! | `bootstrap/<group>/dp/<dp_rank>` | a P/D bootstrap table's dp rank: JSON list of worker slots with lease deadlines (`lunakv-bootstrap --etcd-endpoints`) | until its workers' leases lapse |
 //!
 //! The object index is never written to etcd: the leader rebuilds it from owners' inventories.
 
@@ -18,7 +18,7 @@ pub const ROOT: &str = "mooncake-store/";
 pub const LEADER_KEY: &str = "master_view";
 /// Segments' transfer endpoints, relative to the cluster prefix.
 pub const SEGMENTS_PREFIX: &str = "segments/";
-/// Reserved for the P/D issue's bootstrap registrations, relative to the cluster prefix.
+/// P/D bootstrap tables (`lunakv-bootstrap --etcd-endpoints`), relative to the cluster prefix.
 pub const BOOTSTRAP_PREFIX: &str = "bootstrap/";
 /// The leader lease's TTL (upstream's `master_view` lease).
 pub const LEADER_LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(5);

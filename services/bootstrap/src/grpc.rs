@@ -10,7 +10,7 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::state::{BootstrapState, RegisterError, Table, Worker};
+use crate::state::{BootstrapState, RegisterError, StateError, Table, Worker};
 
 /// The tonic service.
 pub struct BootstrapService {
@@ -56,8 +56,13 @@ fn to_pb(t: &Table) -> pb::QueryResponse {
 fn status(e: RegisterError) -> Status {
     match e {
         RegisterError::Invalid(_) => Status::invalid_argument(e.to_string()),
+        RegisterError::Unavailable(_) => Status::unavailable(e.to_string()),
         _ => Status::already_exists(e.to_string()),
     }
+}
+
+fn unavailable(e: StateError) -> Status {
+    Status::unavailable(e.to_string())
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::QueryResponse, Status>> + Send>>;
@@ -89,6 +94,7 @@ impl Bootstrap for BootstrapService {
                 },
                 ttl,
             )
+            .await
             .map_err(status)?;
         Ok(Response::new(pb::RegisterResponse {
             lease_ttl_ms: out.lease.as_millis() as u64,
@@ -100,7 +106,9 @@ impl Bootstrap for BootstrapService {
         &self,
         _req: Request<pb::QueryRequest>,
     ) -> Result<Response<pb::QueryResponse>, Status> {
-        Ok(Response::new(to_pb(&self.state.query())))
+        Ok(Response::new(to_pb(
+            &self.state.query().await.map_err(unavailable)?,
+        )))
     }
 
     async fn deregister(
@@ -112,7 +120,11 @@ impl Bootstrap for BootstrapService {
             return Err(Status::invalid_argument("engine_id is empty"));
         }
         let ranks = (!r.all).then_some((r.dp_rank, r.tp_rank, r.pp_rank));
-        let removed = self.state.deregister(&r.engine_id, ranks) as u32;
+        let removed = self
+            .state
+            .deregister(&r.engine_id, ranks)
+            .await
+            .map_err(unavailable)? as u32;
         Ok(Response::new(pb::DeregisterResponse { removed }))
     }
 
@@ -135,7 +147,8 @@ impl Bootstrap for BootstrapService {
                     r = changes.changed() => if r.is_err() { return },
                 }
                 changes.mark_unchanged();
-                if tx.send(Ok(to_pb(&state.query()))).await.is_err() {
+                let msg = state.query().await.map(|t| to_pb(&t)).map_err(unavailable);
+                if tx.send(msg).await.is_err() {
                     return;
                 }
             }

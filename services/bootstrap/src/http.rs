@@ -16,7 +16,7 @@ use axum::routing::{get, post};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::state::{BootstrapState, Table, Worker};
+use crate::state::{BootstrapState, RegisterError, Table, Worker};
 
 #[derive(Clone)]
 struct App {
@@ -93,10 +93,13 @@ async fn register(
         pp_rank: b.pp_rank,
         addr: b.addr,
     };
-    match app.state.register(w, ttl) {
+    match app.state.register(w, ttl).await {
         Ok(_) => {
             app.counters.registrations.fetch_add(1, Ordering::Relaxed);
             Json(json!({ "status": "ok" })).into_response()
+        }
+        Err(e @ RegisterError::Unavailable(_)) => {
+            detail(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
         }
         Err(e) => {
             app.counters.rejected.fetch_add(1, Ordering::Relaxed);
@@ -131,12 +134,18 @@ pub fn query_json(t: &Table) -> serde_json::Value {
 
 async fn query(State(app): State<App>) -> Response {
     app.counters.queries.fetch_add(1, Ordering::Relaxed);
-    Json(query_json(&app.state.query())).into_response()
+    match app.state.query().await {
+        Ok(t) => Json(query_json(&t)).into_response(),
+        Err(e) => detail(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
 }
 
 async fn metrics(State(app): State<App>) -> Response {
     use std::fmt::Write;
-    let table = app.state.query();
+    let (table, workers) = match (app.state.query().await, app.state.workers().await) {
+        (Ok(t), Ok(w)) => (t, w.len()),
+        (Err(e), _) | (_, Err(e)) => return detail(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    };
     let c = &app.counters;
     let rows: [(&str, &str, &str, u64); 5] = [
         (
@@ -149,7 +158,7 @@ async fn metrics(State(app): State<App>) -> Response {
             "workers",
             "gauge",
             "Live worker registrations (leases not lapsed).",
-            app.state.workers().len() as u64,
+            workers as u64,
         ),
         (
             "registrations_total",

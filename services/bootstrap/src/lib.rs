@@ -28,11 +28,16 @@
 //! `VLLM_MOONCAKE_BOOTSTRAP_PORT`, else 8998; gRPC is `--grpc-port` (default 8999). Once bound
 //! the binary prints `lunakv-bootstrap listening http=IP:PORT grpc=IP:PORT`.
 //!
-//! State is embedded ([`MemoryState`]) and behind [`BootstrapState`], so a MetaStore-backed
-//! table shared by replicas can replace it.
+//! ## State
+//! Embedded by default ([`MemoryState`]). With `--etcd-endpoints` the table lives in etcd
+//! ([`SharedState`] over `lunakv-meta`'s MetaStore, keys under
+//! `mooncake-store/<--cluster-id>/bootstrap/<--group>/`), so several replicas serve one set of
+//! registrations: register through one, query through another; leases, replacement and
+//! expiry behave as on one server.
 
 pub mod grpc;
 pub mod http;
+pub mod shared;
 pub mod state;
 
 use std::net::{IpAddr, SocketAddr};
@@ -42,7 +47,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-pub use state::{BootstrapState, MemoryState, RegisterError, Table, Worker};
+pub use shared::SharedState;
+pub use state::{BootstrapState, MemoryState, RegisterError, StateError, Table, Worker};
 
 /// Lease granted when the request names none.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
@@ -222,15 +228,26 @@ async fn upkeep(
             _ = stop.changed() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        state.expire();
+        if let Err(e) = state.expire().await {
+            tracing::warn!(error = %e, "lease upkeep failed; retrying");
+            continue;
+        }
         if cfg.probe_workers && last_probe.elapsed() >= probe_every {
             last_probe = tokio::time::Instant::now();
-            let workers = state.workers();
+            let workers = match state.workers().await {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot list workers to probe");
+                    continue;
+                }
+            };
             let probes = workers.into_iter().map(|w| {
                 let state = state.clone();
                 async move {
-                    if probe(&w.addr).await {
-                        state.renew(&w);
+                    if probe(&w.addr).await
+                        && let Err(e) = state.renew(&w).await
+                    {
+                        tracing::warn!(error = %e, addr = %w.addr, "cannot renew a probed worker");
                     }
                 }
             });

@@ -5,7 +5,13 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
-use lunakv_bootstrap::{BootstrapConfig, Listeners, MemoryState, parse_duration, port_from_env};
+use std::time::Duration;
+
+use lunakv_bootstrap::{
+    BootstrapConfig, BootstrapState, Listeners, MemoryState, SharedState, parse_duration,
+    port_from_env,
+};
+use lunakv_meta::{EtcdClient, EtcdMetaStore};
 
 /// vLLM-compatible Mooncake P/D bootstrap service with leased registrations.
 #[derive(Debug, Parser)]
@@ -26,6 +32,49 @@ struct Cli {
     /// Renew the lease of workers whose side-channel addr accepts a TCP connection.
     #[arg(long = "probe-workers", default_value_t = true, action = clap::ArgAction::Set)]
     probe_workers: bool,
+    /// Keep the table in etcd so replicas share it (comma or `;` list of host:port); unset =
+    /// embedded, in memory.
+    #[arg(long = "etcd-endpoints", env = "LUNAKV_BOOTSTRAP_ETCD_ENDPOINTS")]
+    etcd_endpoints: Option<String>,
+    /// With etcd: the cluster the keys go under (`mooncake-store/<cluster-id>/bootstrap/...`).
+    #[arg(long = "cluster-id", default_value = "default")]
+    cluster_id: String,
+    /// With etcd: which table the replicas share (one per prefill deployment).
+    #[arg(long = "group", default_value = "default")]
+    group: String,
+}
+
+/// The table: embedded, or in etcd when endpoints are given (checked before serving).
+async fn state(cli: &Cli) -> anyhow::Result<Arc<dyn BootstrapState>> {
+    let Some(eps) = cli
+        .etcd_endpoints
+        .as_deref()
+        .filter(|e| !e.trim().is_empty())
+    else {
+        return Ok(Arc::new(MemoryState::new()));
+    };
+    for (flag, v) in [("--cluster-id", &cli.cluster_id), ("--group", &cli.group)] {
+        anyhow::ensure!(
+            !v.is_empty() && !v.contains('/'),
+            "{flag} '{v}' must be a non-empty name without '/'"
+        );
+    }
+    let endpoints: Vec<String> = eps
+        .split([',', ';'])
+        .map(|e| e.trim().to_string())
+        .filter(|e| !e.is_empty())
+        .collect();
+    let client = EtcdClient::connect(&endpoints, Duration::from_secs(3))?;
+    client
+        .check()
+        .await
+        .with_context(|| format!("cannot reach etcd at {eps} (--etcd-endpoints)"))?;
+    let prefix = SharedState::prefix_for(&cli.cluster_id, &cli.group);
+    tracing::info!(etcd = %eps, %prefix, "bootstrap table shared through etcd");
+    Ok(Arc::new(SharedState::new(
+        Arc::new(EtcdMetaStore::new(client)),
+        prefix,
+    )))
 }
 
 async fn shutdown_signal() {
@@ -58,13 +107,8 @@ async fn main() -> anyhow::Result<()> {
         lease: cli.lease_ttl,
         probe_workers: cli.probe_workers,
     };
+    let state = state(&cli).await?;
     let listeners = Listeners::bind(&cfg).await.context("cannot start")?;
-    lunakv_bootstrap::serve(
-        cfg,
-        listeners,
-        Arc::new(MemoryState::new()),
-        shutdown_signal(),
-    )
-    .await?;
+    lunakv_bootstrap::serve(cfg, listeners, state, shutdown_signal()).await?;
     Ok(())
 }

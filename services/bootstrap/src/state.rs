@@ -11,13 +11,18 @@
 //! - A worker whose lease lapsed is gone: it disappears from queries, and anyone may take its
 //!   key.
 //!
-//! State sits behind [`BootstrapState`] so a shared (etcd / `lunakv-meta` MetaStore) backend can
-//! replace [`MemoryState`] for replicated bootstrap servers.
+//! Every rule looks at one dp rank only, so the rules are written once, over [`DpSlots`], and
+//! both tables apply them: [`MemoryState`] (embedded, the default) and
+//! [`crate::shared::SharedState`] (one MetaStore key per dp rank, shared by replicas).
+//! Lease deadlines are wall-clock milliseconds, so replicas on different hosts agree on them
+//! (their clocks must agree to well within a lease; NTP does that).
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use async_trait::async_trait;
 use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 /// One registered worker.
@@ -78,69 +83,84 @@ pub enum RegisterError {
     },
     #[error("invalid registration: {0}")]
     Invalid(String),
+    /// The shared table's store did not answer; the engine should retry.
+    #[error(transparent)]
+    Unavailable(#[from] StateError),
+}
+
+/// The table's backing store failed (only the shared table has one).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    #[error("bootstrap state store unavailable: {0}")]
+    Unavailable(String),
 }
 
 /// The registration table. Implementations handle their own clock and lease expiry.
+#[async_trait]
 pub trait BootstrapState: Send + Sync + 'static {
     /// Registers or renews `w` with a lease of `ttl`.
-    fn register(&self, w: Worker, ttl: Duration) -> Result<Registered, RegisterError>;
+    async fn register(&self, w: Worker, ttl: Duration) -> Result<Registered, RegisterError>;
     /// Live workers only.
-    fn query(&self) -> Table;
+    async fn query(&self) -> Result<Table, StateError>;
     /// Removes one worker, or all of `engine_id`'s when `ranks` is `None`; returns how many.
-    fn deregister(&self, engine_id: &str, ranks: Option<(u32, u32, u32)>) -> usize;
+    async fn deregister(
+        &self,
+        engine_id: &str,
+        ranks: Option<(u32, u32, u32)>,
+    ) -> Result<usize, StateError>;
     /// Extends the lease of a worker found alive by other means (a probe); false if unknown.
-    fn renew(&self, w: &Worker) -> bool;
-    /// Drops lapsed workers now; returns how many.
-    fn expire(&self) -> usize;
+    async fn renew(&self, w: &Worker) -> Result<bool, StateError>;
+    /// Drops lapsed workers now (and, for a shared table, notices other replicas' changes);
+    /// returns how many were dropped.
+    async fn expire(&self) -> Result<usize, StateError>;
     /// Every live worker (for the prober).
-    fn workers(&self) -> Vec<Worker>;
-    /// Fires with the new version after every change.
+    async fn workers(&self) -> Result<Vec<Worker>, StateError>;
+    /// Fires with the new version after every change this replica sees.
     fn subscribe(&self) -> watch::Receiver<u64>;
 }
 
-#[derive(Debug, Clone)]
-struct Slot {
-    engine_id: String,
-    addr: String,
-    expires: Instant,
-    ttl: Duration,
+/// Wall-clock milliseconds since the Unix epoch.
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
-/// The embedded, in-memory table (the default).
-pub struct MemoryState {
-    slots: Mutex<BTreeMap<(u32, u32, u32), Slot>>,
-    version: watch::Sender<u64>,
+/// One worker's registration within a dp rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Slot {
+    pub tp: u32,
+    pub pp: u32,
+    pub engine_id: String,
+    pub addr: String,
+    /// Lease deadline, wall-clock ms.
+    pub expires_ms: u64,
+    pub ttl_ms: u64,
 }
 
-impl Default for MemoryState {
-    fn default() -> Self {
-        MemoryState {
-            slots: Mutex::new(BTreeMap::new()),
-            version: watch::channel(0).0,
+/// One dp rank's workers, keyed by `(tp_rank, pp_rank)`. All live slots share one engine id.
+pub(crate) type DpSlots = BTreeMap<(u32, u32), Slot>;
+
+/// What a rule did to a dp rank's slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Change {
+    /// Nothing to write.
+    None,
+    /// Only lease deadlines moved: persist, but queries see no difference.
+    Lease,
+    /// Workers appeared or went: persist and tell watchers.
+    Table,
+}
+
+impl Change {
+    pub(crate) fn max(self, o: Change) -> Change {
+        use Change::*;
+        match (self, o) {
+            (Table, _) | (_, Table) => Table,
+            (Lease, _) | (_, Lease) => Lease,
+            _ => None,
         }
-    }
-}
-
-impl MemoryState {
-    pub fn new() -> MemoryState {
-        MemoryState::default()
-    }
-
-    fn bump(&self) {
-        self.version.send_modify(|v| *v += 1);
-    }
-
-    /// Removes lapsed slots; the caller holds the lock.
-    fn sweep(slots: &mut BTreeMap<(u32, u32, u32), Slot>, now: Instant) -> usize {
-        let before = slots.len();
-        slots.retain(|k, s| {
-            let keep = s.expires > now;
-            if !keep {
-                tracing::info!(engine_id = %s.engine_id, dp = k.0, tp = k.1, pp = k.2, addr = %s.addr, "bootstrap lease lapsed; worker removed");
-            }
-            keep
-        });
-        before - slots.len()
     }
 }
 
@@ -154,148 +174,266 @@ fn same_addr(a: &str, b: &str) -> bool {
     strip(a).eq_ignore_ascii_case(strip(b))
 }
 
-impl BootstrapState for MemoryState {
-    fn register(&self, w: Worker, ttl: Duration) -> Result<Registered, RegisterError> {
-        if w.engine_id.is_empty() {
-            return Err(RegisterError::Invalid("engine_id is empty".into()));
+/// Removes lapsed slots of dp rank `dp`; returns how many.
+pub(crate) fn sweep(slots: &mut DpSlots, dp: u32, now: u64) -> usize {
+    let before = slots.len();
+    slots.retain(|_, s| {
+        let keep = s.expires_ms > now;
+        if !keep {
+            tracing::info!(engine_id = %s.engine_id, dp, tp = s.tp, pp = s.pp, addr = %s.addr, "bootstrap lease lapsed; worker removed");
         }
-        if w.addr.is_empty() {
-            return Err(RegisterError::Invalid("addr is empty".into()));
-        }
-        let now = Instant::now();
-        let mut slots = self.slots.lock();
-        let mut changed = Self::sweep(&mut slots, now) > 0;
-        let key = (w.dp_rank, w.tp_rank, w.pp_rank);
-        let slot = Slot {
-            engine_id: w.engine_id.clone(),
-            addr: w.addr.clone(),
-            expires: now + ttl,
-            ttl,
-        };
-        // The engine holding this dp rank now (all live slots of a dp rank share one engine).
-        let holder = slots
-            .range((w.dp_rank, 0, 0)..=(w.dp_rank, u32::MAX, u32::MAX))
-            .map(|(_, s)| s.engine_id.clone())
-            .next();
-        let mut replaced = Vec::new();
-        match holder {
-            Some(e) if e == w.engine_id => {
-                if let Some(old) = slots.get(&key) {
-                    if same_addr(&old.addr, &w.addr) {
-                        slots.insert(key, slot);
-                        drop(slots);
-                        if changed {
-                            self.bump();
-                        }
-                        return Ok(Registered {
-                            renewed: true,
-                            replaced,
-                            lease: ttl,
-                        });
-                    }
-                    return Err(RegisterError::Duplicate {
-                        dp_rank: w.dp_rank,
-                        tp_rank: w.tp_rank,
-                        pp_rank: w.pp_rank,
-                        addr: old.addr.clone(),
-                    });
+        keep
+    });
+    before - slots.len()
+}
+
+/// Checks the fields every backend requires.
+pub(crate) fn validate(w: &Worker) -> Result<(), RegisterError> {
+    if w.engine_id.is_empty() {
+        return Err(RegisterError::Invalid("engine_id is empty".into()));
+    }
+    if w.addr.is_empty() {
+        return Err(RegisterError::Invalid("addr is empty".into()));
+    }
+    Ok(())
+}
+
+/// The registration rules (module docs) applied to `w`'s dp rank.
+pub(crate) fn apply_register(
+    slots: &mut DpSlots,
+    w: &Worker,
+    ttl: Duration,
+    now: u64,
+) -> Result<(Registered, Change), RegisterError> {
+    let mut change = if sweep(slots, w.dp_rank, now) > 0 {
+        Change::Table
+    } else {
+        Change::None
+    };
+    let key = (w.tp_rank, w.pp_rank);
+    let ttl_ms = ttl.as_millis().max(1) as u64;
+    let slot = Slot {
+        tp: w.tp_rank,
+        pp: w.pp_rank,
+        engine_id: w.engine_id.clone(),
+        addr: w.addr.clone(),
+        expires_ms: now + ttl_ms,
+        ttl_ms,
+    };
+    // The engine holding this dp rank now.
+    let holder = slots.values().map(|s| s.engine_id.clone()).next();
+    let mut replaced = Vec::new();
+    match holder {
+        Some(e) if e == w.engine_id => {
+            if let Some(old) = slots.get(&key) {
+                if same_addr(&old.addr, &w.addr) {
+                    slots.insert(key, slot);
+                    let registered = Registered {
+                        renewed: true,
+                        replaced,
+                        lease: ttl,
+                    };
+                    return Ok((registered, change.max(Change::Lease)));
                 }
+                return Err(RegisterError::Duplicate {
+                    dp_rank: w.dp_rank,
+                    tp_rank: w.tp_rank,
+                    pp_rank: w.pp_rank,
+                    addr: old.addr.clone(),
+                });
             }
-            Some(e) => {
-                let restarted_in_place = slots
-                    .range((w.dp_rank, 0, 0)..=(w.dp_rank, u32::MAX, u32::MAX))
-                    .any(|(_, s)| same_addr(&s.addr, &w.addr));
-                if !restarted_in_place {
-                    return Err(RegisterError::EngineIdMismatch {
-                        dp_rank: w.dp_rank,
-                        registered: e,
-                        got: w.engine_id,
-                    });
-                }
-                slots.retain(|k, s| !(k.0 == w.dp_rank && s.engine_id == e));
-                tracing::info!(dp = w.dp_rank, old = %e, new = %w.engine_id, addr = %w.addr, "engine restarted in place; replaced its stale registration");
-                replaced.push(e);
+        }
+        Some(e) => {
+            let restarted_in_place = slots.values().any(|s| same_addr(&s.addr, &w.addr));
+            if !restarted_in_place {
+                return Err(RegisterError::EngineIdMismatch {
+                    dp_rank: w.dp_rank,
+                    registered: e,
+                    got: w.engine_id.clone(),
+                });
             }
-            None => {}
+            slots.retain(|_, s| s.engine_id != e);
+            tracing::info!(dp = w.dp_rank, old = %e, new = %w.engine_id, addr = %w.addr, "engine restarted in place; replaced its stale registration");
+            replaced.push(e);
         }
-        slots.insert(key, slot);
-        changed = true;
-        drop(slots);
-        if changed {
-            self.bump();
-        }
-        Ok(Registered {
+        None => {}
+    }
+    slots.insert(key, slot);
+    change = Change::Table;
+    Ok((
+        Registered {
             renewed: false,
             replaced,
             lease: ttl,
+        },
+        change,
+    ))
+}
+
+/// Extends `w`'s lease if it is registered and live.
+pub(crate) fn apply_renew(slots: &mut DpSlots, w: &Worker, now: u64) -> (bool, Change) {
+    match slots.get_mut(&(w.tp_rank, w.pp_rank)) {
+        Some(s) if s.engine_id == w.engine_id && s.expires_ms > now => {
+            s.expires_ms = now + s.ttl_ms;
+            (true, Change::Lease)
+        }
+        _ => (false, Change::None),
+    }
+}
+
+/// Removes `engine_id`'s worker `(tp, pp)`, or all its workers when `ranks` is `None`.
+pub(crate) fn apply_deregister(
+    slots: &mut DpSlots,
+    engine_id: &str,
+    ranks: Option<(u32, u32)>,
+) -> (usize, Change) {
+    let before = slots.len();
+    slots.retain(|k, s| !(s.engine_id == engine_id && ranks.is_none_or(|r| r == *k)));
+    let n = before - slots.len();
+    (n, if n > 0 { Change::Table } else { Change::None })
+}
+
+/// The live part of a dp rank, as `/query` shows it.
+pub(crate) fn live_entry(slots: &DpSlots, now: u64) -> Option<DpEntry> {
+    let mut e: Option<DpEntry> = None;
+    for s in slots.values().filter(|s| s.expires_ms > now) {
+        let e = e.get_or_insert_with(DpEntry::default);
+        e.engine_id.clone_from(&s.engine_id);
+        e.workers
+            .entry(s.tp)
+            .or_default()
+            .insert(s.pp, s.addr.clone());
+    }
+    e
+}
+
+/// The live workers of a dp rank.
+pub(crate) fn live_workers(dp: u32, slots: &DpSlots, now: u64) -> impl Iterator<Item = Worker> {
+    slots
+        .values()
+        .filter(move |s| s.expires_ms > now)
+        .map(move |s| Worker {
+            engine_id: s.engine_id.clone(),
+            dp_rank: dp,
+            tp_rank: s.tp,
+            pp_rank: s.pp,
+            addr: s.addr.clone(),
+        })
+}
+
+/// The embedded, in-memory table (the default).
+pub struct MemoryState {
+    ranks: Mutex<BTreeMap<u32, DpSlots>>,
+    version: watch::Sender<u64>,
+}
+
+impl Default for MemoryState {
+    fn default() -> Self {
+        MemoryState {
+            ranks: Mutex::new(BTreeMap::new()),
+            version: watch::channel(0).0,
+        }
+    }
+}
+
+impl MemoryState {
+    pub fn new() -> MemoryState {
+        MemoryState::default()
+    }
+
+    fn bump(&self, c: Change) {
+        if c == Change::Table {
+            self.version.send_modify(|v| *v += 1);
+        }
+    }
+
+    /// Drops lapsed workers of every dp rank; the caller holds the lock.
+    fn sweep_all(ranks: &mut BTreeMap<u32, DpSlots>, now: u64) -> usize {
+        let n = ranks.iter_mut().map(|(dp, s)| sweep(s, *dp, now)).sum();
+        ranks.retain(|_, s| !s.is_empty());
+        n
+    }
+}
+
+#[async_trait]
+impl BootstrapState for MemoryState {
+    async fn register(&self, w: Worker, ttl: Duration) -> Result<Registered, RegisterError> {
+        validate(&w)?;
+        let mut ranks = self.ranks.lock();
+        let slots = ranks.entry(w.dp_rank).or_default();
+        let r = apply_register(slots, &w, ttl, now_ms());
+        if slots.is_empty() {
+            ranks.remove(&w.dp_rank);
+        }
+        drop(ranks);
+        let (registered, change) = r?;
+        self.bump(change);
+        Ok(registered)
+    }
+
+    async fn query(&self) -> Result<Table, StateError> {
+        let now = now_ms();
+        let mut ranks = self.ranks.lock();
+        if Self::sweep_all(&mut ranks, now) > 0 {
+            self.bump(Change::Table);
+        }
+        let entries = ranks
+            .iter()
+            .filter_map(|(dp, s)| Some((*dp, live_entry(s, now)?)))
+            .collect();
+        Ok(Table {
+            entries,
+            version: *self.version.borrow(),
         })
     }
 
-    fn query(&self) -> Table {
-        let mut slots = self.slots.lock();
-        if Self::sweep(&mut slots, Instant::now()) > 0 {
-            self.bump();
-        }
-        let mut entries: BTreeMap<u32, DpEntry> = BTreeMap::new();
-        for ((dp, tp, pp), s) in slots.iter() {
-            let e = entries.entry(*dp).or_default();
-            e.engine_id.clone_from(&s.engine_id);
-            e.workers
-                .entry(*tp)
-                .or_default()
-                .insert(*pp, s.addr.clone());
-        }
-        Table {
-            entries,
-            version: *self.version.borrow(),
-        }
-    }
-
-    fn deregister(&self, engine_id: &str, ranks: Option<(u32, u32, u32)>) -> usize {
-        let mut slots = self.slots.lock();
-        let before = slots.len();
-        slots.retain(|k, s| !(s.engine_id == engine_id && ranks.is_none_or(|r| r == *k)));
-        let n = before - slots.len();
-        drop(slots);
-        if n > 0 {
-            self.bump();
-        }
-        n
-    }
-
-    fn renew(&self, w: &Worker) -> bool {
-        let mut slots = self.slots.lock();
-        match slots.get_mut(&(w.dp_rank, w.tp_rank, w.pp_rank)) {
-            Some(s) if s.engine_id == w.engine_id && s.expires > Instant::now() => {
-                s.expires = Instant::now() + s.ttl;
-                true
+    async fn deregister(
+        &self,
+        engine_id: &str,
+        ranks: Option<(u32, u32, u32)>,
+    ) -> Result<usize, StateError> {
+        let mut all = self.ranks.lock();
+        let mut n = 0;
+        for (dp, slots) in all.iter_mut() {
+            match ranks {
+                Some((d, tp, pp)) if d == *dp => {
+                    n += apply_deregister(slots, engine_id, Some((tp, pp))).0
+                }
+                Some(_) => {}
+                None => n += apply_deregister(slots, engine_id, None).0,
             }
-            _ => false,
         }
-    }
-
-    fn expire(&self) -> usize {
-        let n = Self::sweep(&mut self.slots.lock(), Instant::now());
+        all.retain(|_, s| !s.is_empty());
+        drop(all);
         if n > 0 {
-            self.bump();
+            self.bump(Change::Table);
         }
-        n
+        Ok(n)
     }
 
-    fn workers(&self) -> Vec<Worker> {
-        let now = Instant::now();
-        self.slots
+    async fn renew(&self, w: &Worker) -> Result<bool, StateError> {
+        let mut ranks = self.ranks.lock();
+        Ok(ranks
+            .get_mut(&w.dp_rank)
+            .is_some_and(|s| apply_renew(s, w, now_ms()).0))
+    }
+
+    async fn expire(&self) -> Result<usize, StateError> {
+        let n = Self::sweep_all(&mut self.ranks.lock(), now_ms());
+        if n > 0 {
+            self.bump(Change::Table);
+        }
+        Ok(n)
+    }
+
+    async fn workers(&self) -> Result<Vec<Worker>, StateError> {
+        let now = now_ms();
+        Ok(self
+            .ranks
             .lock()
             .iter()
-            .filter(|(_, s)| s.expires > now)
-            .map(|((dp, tp, pp), s)| Worker {
-                engine_id: s.engine_id.clone(),
-                dp_rank: *dp,
-                tp_rank: *tp,
-                pp_rank: *pp,
-                addr: s.addr.clone(),
-            })
-            .collect()
+            .flat_map(|(dp, s)| live_workers(*dp, s, now).collect::<Vec<_>>())
+            .collect())
     }
 
     fn subscribe(&self) -> watch::Receiver<u64> {
@@ -304,10 +442,10 @@ impl BootstrapState for MemoryState {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn w(engine: &str, dp: u32, tp: u32, addr: &str) -> Worker {
+    pub(crate) fn w(engine: &str, dp: u32, tp: u32, addr: &str) -> Worker {
         Worker {
             engine_id: engine.into(),
             dp_rank: dp,
@@ -319,56 +457,66 @@ mod tests {
 
     const TTL: Duration = Duration::from_secs(30);
 
-    #[test]
-    fn vllm_rules_mismatch_and_duplicate() {
-        let s = MemoryState::new();
-        s.register(w("A", 0, 0, "tcp://h:1"), TTL).unwrap();
-        s.register(w("A", 0, 1, "tcp://h:2"), TTL).unwrap();
-        let e = s.register(w("B", 0, 2, "tcp://h:9"), TTL).unwrap_err();
+    /// The rules every backend must follow; the shared table's tests call this too.
+    pub(crate) async fn rules(s: &dyn BootstrapState) {
+        // vLLM's mismatch and duplicate.
+        s.register(w("A", 0, 0, "tcp://h:1"), TTL).await.unwrap();
+        s.register(w("A", 0, 1, "tcp://h:2"), TTL).await.unwrap();
+        let e = s
+            .register(w("B", 0, 2, "tcp://h:9"), TTL)
+            .await
+            .unwrap_err();
         assert!(matches!(e, RegisterError::EngineIdMismatch { .. }), "{e}");
         assert!(e.to_string().starts_with("Engine ID mismatch"));
-        let e = s.register(w("A", 0, 0, "tcp://h:3"), TTL).unwrap_err();
+        let e = s
+            .register(w("A", 0, 0, "tcp://h:3"), TTL)
+            .await
+            .unwrap_err();
         assert!(matches!(e, RegisterError::Duplicate { .. }), "{e}");
         // Another dp rank may hold another engine.
-        s.register(w("B", 1, 0, "tcp://h:9"), TTL).unwrap();
-        let t = s.query();
+        s.register(w("B", 1, 0, "tcp://h:9"), TTL).await.unwrap();
+        let t = s.query().await.unwrap();
         assert_eq!(t.entries[&0].engine_id, "A");
         assert_eq!(t.entries[&0].workers[&1][&0], "tcp://h:2");
         assert_eq!(t.entries[&1].engine_id, "B");
-    }
-
-    #[test]
-    fn same_worker_renews_and_restart_in_place_replaces() {
-        let s = MemoryState::new();
-        s.register(w("A", 0, 0, "tcp://h:1"), TTL).unwrap();
-        s.register(w("A", 0, 1, "tcp://h:2"), TTL).unwrap();
-        let r = s.register(w("A", 0, 0, "tcp://h:1"), TTL).unwrap();
+        // The same worker again renews; a restart in place replaces every old worker of the rank.
+        let r = s.register(w("A", 0, 0, "tcp://h:1"), TTL).await.unwrap();
         assert!(r.renewed);
-        let r = s.register(w("A2", 0, 0, "tcp://h:1"), TTL).unwrap();
+        let r = s.register(w("A2", 0, 0, "tcp://h:1"), TTL).await.unwrap();
         assert_eq!(r.replaced, vec!["A".to_string()]);
-        let t = s.query();
+        let t = s.query().await.unwrap();
         assert_eq!(t.entries[&0].engine_id, "A2");
         assert_eq!(
             t.entries[&0].workers.len(),
             1,
-            "the old engine's other workers are gone"
+            "the old engine's workers are gone"
         );
-    }
-
-    #[test]
-    fn lapsed_leases_disappear_and_free_the_rank() {
-        let s = MemoryState::new();
+        assert!(s.renew(&w("A2", 0, 0, "tcp://h:1")).await.unwrap());
+        assert!(!s.renew(&w("A", 0, 1, "tcp://h:2")).await.unwrap());
+        assert_eq!(s.workers().await.unwrap().len(), 2);
+        assert_eq!(s.deregister("B", None).await.unwrap(), 1);
+        assert_eq!(s.deregister("A2", Some((0, 0, 0))).await.unwrap(), 1);
+        assert!(s.query().await.unwrap().entries.is_empty());
+        // A lapsed lease disappears, tells watchers, and frees the rank.
         let mut rx = s.subscribe();
+        rx.mark_unchanged();
         s.register(w("A", 0, 0, "tcp://h:1"), Duration::from_millis(50))
+            .await
             .unwrap();
         assert!(rx.has_changed().unwrap());
         rx.mark_unchanged();
-        std::thread::sleep(Duration::from_millis(80));
-        assert!(s.query().entries.is_empty());
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert!(s.query().await.unwrap().entries.is_empty());
         assert!(rx.has_changed().unwrap());
-        s.register(w("B", 0, 0, "tcp://other:1"), TTL).unwrap();
-        assert_eq!(s.query().entries[&0].engine_id, "B");
-        assert_eq!(s.deregister("B", None), 1);
-        assert!(s.query().entries.is_empty());
+        s.register(w("B", 0, 0, "tcp://other:1"), TTL)
+            .await
+            .unwrap();
+        assert_eq!(s.query().await.unwrap().entries[&0].engine_id, "B");
+        assert_eq!(s.deregister("B", None).await.unwrap(), 1);
+    }
+
+    #[tokio::test]
+    async fn memory_state_follows_the_rules() {
+        rules(&MemoryState::new()).await;
     }
 }

@@ -131,6 +131,10 @@ pub struct Cli {
     #[arg(long = "tracing", default_value_t = false, action = ArgAction::Set,
           num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub tracing: bool,
+    /// Runtime worker threads: 0 = one per CPU, 1 = a single-threaded runtime (no cross-thread
+    /// wake-ups per request; plenty for one engine's traffic).
+    #[arg(long = "worker-threads", default_value_t = 0)]
+    pub worker_threads: usize,
     /// Accepted for compatibility; flags are the only configuration source.
     #[arg(long = "configuration-file")]
     pub configuration_file: Option<PathBuf>,
@@ -179,6 +183,7 @@ pub struct SidecarConfig {
     pub max_idle_conns_per_host: usize,
     pub idle_conn_timeout: Duration,
     pub max_body_bytes: usize,
+    pub worker_threads: usize,
 }
 
 impl SidecarConfig {
@@ -224,6 +229,7 @@ impl SidecarConfig {
             max_idle_conns_per_host: c.max_idle_conns_per_host,
             idle_conn_timeout: c.idle_conn_timeout,
             max_body_bytes: c.max_body_bytes,
+            worker_threads: c.worker_threads,
         })
     }
 }

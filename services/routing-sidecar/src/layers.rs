@@ -19,6 +19,16 @@ use crate::metrics::Metrics;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// A fresh uuid v4 request id. The random bytes come from the thread's RNG (seeded once from
+/// the OS) instead of `Uuid::new_v4`'s getrandom syscall per request, and the text is encoded
+/// on the stack.
+fn new_request_id() -> HeaderValue {
+    let id = uuid::Builder::from_random_bytes(rand::random()).into_uuid();
+    let mut buf = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    HeaderValue::from_str(id.hyphenated().encode_lower(&mut buf))
+        .unwrap_or_else(|_| HeaderValue::from_static("unknown"))
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RequestIdLayer;
 
@@ -50,8 +60,7 @@ where
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
         let rid = match req.headers().get("x-request-id") {
             Some(v) if !v.is_empty() => v.clone(),
-            _ => HeaderValue::try_from(uuid::Uuid::new_v4().to_string())
-                .unwrap_or_else(|_| HeaderValue::from_static("unknown")),
+            _ => new_request_id(),
         };
         req.headers_mut().insert("x-request-id", rid.clone());
         let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = ?rid, otel.kind = tracing::field::Empty);

@@ -1,5 +1,5 @@
-//! `lunakv-sidecar`: parse flags (exit 2 with the reason on bad ones), bind, serve until
-//! SIGTERM/SIGINT, drain.
+//! `lunakv-sidecar`: parse flags (exit 2 with the reason on bad ones), start the runtime
+//! (`--worker-threads`), bind, serve until SIGTERM/SIGINT, drain.
 
 use clap::Parser;
 use lunakv_sidecar::{Cli, SidecarConfig};
@@ -18,27 +18,49 @@ async fn shutdown_signal() {
     }
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
     let cli = Cli::parse();
-    // Held until main returns: dropping it flushes the spans still queued (docs/TRACING.md).
-    let _telemetry = lunakv_telemetry::init("lunakv-sidecar");
-    let cfg = match SidecarConfig::from_cli(cli) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("lunakv-sidecar: {e}");
-            std::process::exit(2);
-        }
+    // The runtime comes first (telemetry may need it); flags are validated inside it.
+    let rt = match cli.worker_threads {
+        1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        0 => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build(),
     };
-    let bound = match lunakv_sidecar::bind(cfg).await {
-        Ok(b) => b,
+    let rt = match rt {
+        Ok(rt) => rt,
         Err(e) => {
-            eprintln!("lunakv-sidecar: {e}");
+            eprintln!("lunakv-sidecar: cannot start the runtime: {e}");
             std::process::exit(1);
         }
     };
-    if let Err(e) = lunakv_sidecar::serve(bound, shutdown_signal()).await {
-        eprintln!("lunakv-sidecar: {e}");
-        std::process::exit(1);
-    }
+    rt.block_on(async {
+        // Held until serving ends: dropping it flushes the spans still queued
+        // (docs/TRACING.md).
+        let _telemetry = lunakv_telemetry::init("lunakv-sidecar");
+        let cfg = match SidecarConfig::from_cli(cli) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("lunakv-sidecar: {e}");
+                std::process::exit(2);
+            }
+        };
+        let bound = match lunakv_sidecar::bind(cfg).await {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("lunakv-sidecar: {e}");
+                std::process::exit(1);
+            }
+        };
+        if let Err(e) = lunakv_sidecar::serve(bound, shutdown_signal()).await {
+            eprintln!("lunakv-sidecar: {e}");
+            std::process::exit(1);
+        }
+    });
 }

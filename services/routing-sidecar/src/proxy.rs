@@ -59,6 +59,41 @@ pub struct Proxy {
     pub shared: Arc<Shared>,
     /// `http(s)://host:port` of the local model server for this listener.
     pub decoder: Arc<str>,
+    /// The same, pre-parsed: passthrough requests reuse it instead of formatting and parsing a
+    /// URL per request.
+    pub decoder_base: DecoderBase,
+}
+
+/// Scheme and authority of the local model server.
+#[derive(Clone, Debug)]
+pub struct DecoderBase {
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+}
+
+impl DecoderBase {
+    /// Parses `http(s)://host:port`.
+    pub fn parse(base: &str) -> Result<DecoderBase, String> {
+        let u: Uri = base
+            .parse()
+            .map_err(|e| format!("model server url {base}: {e}"))?;
+        let p = u.into_parts();
+        match (p.scheme, p.authority) {
+            (Some(scheme), Some(authority)) => Ok(DecoderBase { scheme, authority }),
+            _ => Err(format!(
+                "model server url {base} needs a scheme and host:port"
+            )),
+        }
+    }
+
+    /// This server with the request's path and query.
+    fn uri(&self, pq: Option<http::uri::PathAndQuery>) -> Result<Uri, http::Error> {
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(pq.unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")))
+            .build()
+    }
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -190,13 +225,8 @@ impl Proxy {
     /// Everything without disaggregation: straight to the local model server, streaming both ways.
     async fn passthrough(&self, req: Request<Incoming>) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
-        let pq = parts
-            .uri
-            .path_and_query()
-            .map(|p| p.as_str())
-            .unwrap_or("/");
-        let url = format!("{}{pq}", self.decoder);
-        parts.uri = match url.parse::<Uri>() {
+        let pq = std::mem::take(&mut parts.uri).into_parts().path_and_query;
+        parts.uri = match self.decoder_base.uri(pq) {
             Ok(u) => u,
             Err(e) => return error_response(StatusCode::BAD_REQUEST, format!("bad path: {e}")),
         };
@@ -214,7 +244,7 @@ impl Proxy {
             .await
         {
             Ok(resp) => self.relay(resp, None).await,
-            Err(e) => self.decode_error(classify(&url, e)),
+            Err(e) => self.decode_error(classify(&self.decoder, e)),
         }
     }
 
@@ -705,7 +735,10 @@ impl Proxy {
                 }
             };
             let (dp, engine_id) = engines.pick().clone();
-            let transfer_id = format!("xfer-{}", uuid::Uuid::new_v4());
+            let transfer_id = format!(
+                "xfer-{}",
+                uuid::Builder::from_random_bytes(rand::random()).into_uuid()
+            );
             let pbody = Self::prefill_body(
                 original,
                 json!({"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": transfer_id}),

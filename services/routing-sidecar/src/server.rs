@@ -19,7 +19,7 @@ use crate::cache::BootstrapCache;
 use crate::config::SidecarConfig;
 use crate::layers::{InflightLayer, RequestIdLayer};
 use crate::metrics::Metrics;
-use crate::proxy::{HttpClient, Proxy, Shared};
+use crate::proxy::{DecoderBase, HttpClient, Proxy, Shared};
 use crate::ssrf::Allowlist;
 use crate::{SidecarError, tls};
 
@@ -29,7 +29,7 @@ const DRAIN_GRACE: Duration = Duration::from_secs(10);
 /// Bound listeners plus everything needed to serve them.
 pub struct Bound {
     shared: Arc<Shared>,
-    listeners: Vec<(TcpListener, Arc<str>)>,
+    listeners: Vec<(TcpListener, Arc<str>, DecoderBase)>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     background: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -38,7 +38,7 @@ impl Bound {
     pub fn local_addrs(&self) -> Vec<SocketAddr> {
         self.listeners
             .iter()
-            .filter_map(|(l, _)| l.local_addr().ok())
+            .filter_map(|(l, _, _)| l.local_addr().ok())
             .collect()
     }
 
@@ -105,7 +105,13 @@ pub async fn bind(cfg: SidecarConfig) -> Result<Bound, SidecarError> {
             host.clone()
         };
         let decoder: Arc<str> = format!("{scheme}://{host}:{}", cfg.vllm_port + i).into();
-        listeners.push((l, decoder));
+        let base = DecoderBase::parse(&decoder).map_err(|e| {
+            SidecarError::Config(crate::ConfigError::Invalid(format!(
+                "--model-server-host {}: {e}",
+                cfg.model_server_host
+            )))
+        })?;
+        listeners.push((l, decoder, base));
     }
     let shared = Arc::new(Shared {
         prefill_client: client(&cfg, cfg.skip_verify.prefiller)?,
@@ -134,13 +140,14 @@ pub async fn serve(
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).keep_alive(true);
     let mut acceptors = Vec::new();
-    for (listener, decoder) in bound.listeners {
+    for (listener, decoder, decoder_base) in bound.listeners {
         let stack = ServiceBuilder::new()
             .layer(RequestIdLayer)
             .layer(InflightLayer::new(bound.shared.metrics.clone()))
             .service(Proxy {
                 shared: bound.shared.clone(),
                 decoder,
+                decoder_base,
             });
         let mut stop = stop_rx.clone();
         let (builder, tls, graceful) = (builder.clone(), bound.tls.clone(), graceful.clone());

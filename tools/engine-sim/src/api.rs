@@ -4,7 +4,7 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -130,6 +130,26 @@ fn prompt_text(kind: Kind, req: &Value) -> Result<String, String> {
     }
 }
 
+/// The prompt's KV. Small KV is computed in place: a thread-pool hop would cost more than the
+/// work (and would be CPU the benchmark's proxy has to compete with).
+async fn kv_of(tokens: &[u32], shape: kv::KvShape) -> Result<Vec<u8>, String> {
+    const INLINE_BYTES: usize = 64 << 10;
+    if shape.blocks_for(tokens.len()) * shape.block_bytes <= INLINE_BYTES {
+        return Ok(compute_kv(tokens, shape));
+    }
+    let toks = tokens.to_vec();
+    tokio::task::spawn_blocking(move || compute_kv(&toks, shape))
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Simulated GPU time: an async sleep, so the host CPU stays free.
+async fn sleep(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
+}
+
 fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -205,10 +225,11 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
                 "do_remote_decode sent to a decode-only engine",
             );
         }
-        let toks = tokens.clone();
-        let kv = match tokio::task::spawn_blocking(move || compute_kv(&toks, shape)).await {
+        // The decoder's side channel waits on this: the KV exists once the prefill is done.
+        sleep(sim.cfg.service.prefill(tokens.len())).await;
+        let kv = match kv_of(&tokens, shape).await {
             Ok(kv) => kv,
-            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
         };
         let cached = sim.prefix_hits(&tokens) * shape.block_tokens;
         sim.stats
@@ -290,10 +311,10 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
             }
         }
     } else {
-        let toks = tokens.clone();
-        let kv = match tokio::task::spawn_blocking(move || compute_kv(&toks, shape)).await {
+        sleep(sim.cfg.service.prefill(tokens.len())).await;
+        let kv = match kv_of(&tokens, shape).await {
             Ok(kv) => kv,
-            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
         };
         sim.stats.local_prefills.fetch_add(1, Ordering::Relaxed);
         let cached = sim.prefix_hits(&tokens) * shape.block_tokens;
@@ -328,10 +349,19 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
     let created = now_secs();
     let rid = HeaderValue::from_str(&request_id).ok();
 
-    if !stream {
-        if !sim.cfg.token_delay.is_zero() {
-            tokio::time::sleep(sim.cfg.token_delay * max_tokens as u32).await;
+    // A local prefill produced the first token; KV that came from a remote prefill still needs
+    // one decode step for it (see `ServiceTime`).
+    let first_token_free = flag("do_remote_decode") || !flag("do_remote_prefill");
+    let step = sim.cfg.service.decode_per_token;
+    let delay_before = move |i: usize| {
+        if i == 0 && first_token_free {
+            Duration::ZERO
+        } else {
+            step
         }
+    };
+    if !stream {
+        sleep((0..max_tokens).map(delay_before).sum()).await;
         let text = output_text(sum, max_tokens);
         let choice = match kind {
             Kind::Completion => {
@@ -355,7 +385,6 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
     }
 
     // Streaming: one chunk per token, then finish, optional usage chunk, then [DONE].
-    let delay = sim.cfg.token_delay;
     let usage_v = usage(max_tokens);
     let frames = max_tokens + usize::from(include_usage) + 1;
     let chunks = futures::stream::unfold((0usize, guard), move |(i, guard)| {
@@ -366,9 +395,7 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
             }
             let frame = |v: Value| Bytes::from(format!("data: {v}\n\n"));
             let out = if i < max_tokens {
-                if !delay.is_zero() {
-                    tokio::time::sleep(delay).await;
-                }
+                sleep(delay_before(i)).await;
                 let tok = output_token(sum, i);
                 let finish = if i + 1 == max_tokens {
                     json!("length")

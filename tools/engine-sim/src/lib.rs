@@ -20,13 +20,20 @@
 //! - Non-streaming responses carry `kv_transfer_params` (null, or the NIXL-style params a
 //!   prefill returns); the Mooncake prefill response carries none.
 //!
-//! `GET /sim/stats` reports counters (KV bytes sent/received, local prefills, transfers) that
-//! tests use to prove the bytes really moved.
+//! - Simulated GPU time ([`ServiceTime`], `--prefill-us-per-token`, `--decode-us-per-token`) is
+//!   an async sleep, never CPU work: a real engine's host CPU mostly waits for its GPU, so a
+//!   benchmark of a proxy in front of it must not make the engine compete for the CPU. Both are
+//!   0 by default, so tests run at full speed.
+//! - Idle keep-alive as uvicorn's (`--timeout-keep-alive-ms`, 5 s like vLLM): see [`server`].
+//!
+//! `GET /sim/stats` reports counters (KV bytes sent/received, local prefills, transfers, HTTP
+//! connections and who closed them) that tests use to prove the bytes really moved.
 
 pub mod api;
 pub mod client;
 pub mod kv;
 pub mod pd;
+pub mod server;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -62,10 +69,42 @@ pub struct SimConfig {
     pub bootstrap: Option<String>,
     pub lease: Duration,
     pub shape: KvShape,
-    /// Delay per generated token.
-    pub token_delay: Duration,
+    /// Simulated GPU time per prompt token of a local or remote-serving prefill (see
+    /// [`ServiceTime`]).
+    pub service: ServiceTime,
+    /// Idle HTTP keep-alive: a connection with no request for this long is closed, as
+    /// vLLM's uvicorn does (`--timeout-keep-alive`, 5 s by default).
+    pub keep_alive: Duration,
     /// How long a prefill keeps parked KV, and a side-channel request waits for its prefill.
     pub transfer_timeout: Duration,
+}
+
+/// Simulated GPU time, spent as an async sleep (the host CPU stays free, as it does while a real
+/// engine waits for its GPU). Zero by default, so tests run at full speed.
+///
+/// The model is vLLM's: a prefill forward covers the whole prompt and yields the first token,
+/// so time to first token is `prompt_tokens * prefill_per_token`, and every further token costs
+/// one decode step. A decoder that received the prompt's KV from a remote prefill skips the
+/// prefill but spends one decode step on its first token too. Concurrent requests sleep
+/// concurrently, like sequences sharing a batch on a GPU that is not saturated.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServiceTime {
+    pub prefill_per_token: Duration,
+    pub decode_per_token: Duration,
+}
+
+impl ServiceTime {
+    /// Time of a prefill over `prompt_tokens`.
+    pub fn prefill(&self, prompt_tokens: usize) -> Duration {
+        self.prefill_per_token
+            .saturating_mul(u32::try_from(prompt_tokens).unwrap_or(u32::MAX))
+    }
+
+    /// Time of `n` decode steps.
+    pub fn decode(&self, n: usize) -> Duration {
+        self.decode_per_token
+            .saturating_mul(u32::try_from(n).unwrap_or(u32::MAX))
+    }
 }
 
 /// Counters behind `/sim/stats`.
@@ -80,6 +119,12 @@ pub struct Stats {
     pub transfers_ok: AtomicU64,
     pub transfers_failed: AtomicU64,
     pub inflight: AtomicU64,
+    /// HTTP connections accepted.
+    pub connections: AtomicU64,
+    /// Connections this engine closed because they sat idle past its keep-alive.
+    pub connections_closed_idle: AtomicU64,
+    /// Connections the client closed (or that ended in an error other than the idle timeout).
+    pub connections_closed_by_peer: AtomicU64,
 }
 
 /// The running simulator, shared by all handlers.
@@ -116,6 +161,9 @@ impl Sim {
             "transfers_ok": g(&s.transfers_ok),
             "transfers_failed": g(&s.transfers_failed),
             "inflight": g(&s.inflight),
+            "connections": g(&s.connections),
+            "connections_closed_idle": g(&s.connections_closed_idle),
+            "connections_closed_by_peer": g(&s.connections_closed_by_peer),
             "parked_transfers": self.parked.len(),
             "registered": self.registered.load(Ordering::Relaxed),
         })
@@ -190,12 +238,10 @@ pub async fn run(
         format!("{:?}", sim.cfg.role).to_lowercase(),
         sim.cfg.engine_id
     );
-    let r = axum::serve(listener, api::router(sim.clone()))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    server::serve(sim.clone(), listener, shutdown).await;
     for t in tasks {
         t.abort();
     }
     sim.region_server.shutdown();
-    r.map_err(|e| SimError::Serve(e.to_string()))
+    Ok(())
 }

@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use lunakv_engine_sim::{KvShape, Role, SimConfig};
+use lunakv_engine_sim::{KvShape, Role, ServiceTime, SimConfig};
 
 /// TEST DOUBLE of a vLLM engine with the MooncakeConnector P/D flow. Not an inference engine.
 #[derive(Debug, Parser)]
@@ -36,9 +36,16 @@ struct Cli {
     /// KV bytes per block.
     #[arg(long = "block-bytes", default_value_t = 64 * 1024)]
     block_bytes: usize,
-    /// Delay per generated token, ms.
-    #[arg(long = "token-delay-ms", default_value_t = 0)]
-    token_delay_ms: u64,
+    /// Simulated GPU time per prompt token of a prefill, us (an async sleep; 0 = none).
+    #[arg(long = "prefill-us-per-token", default_value_t = 0)]
+    prefill_us_per_token: u64,
+    /// Simulated GPU time per decode step (one generated token), us (an async sleep; 0 = none).
+    #[arg(long = "decode-us-per-token", default_value_t = 0)]
+    decode_us_per_token: u64,
+    /// Close a connection idle this long, ms (uvicorn's --timeout-keep-alive, 5 s in vLLM).
+    #[arg(long = "timeout-keep-alive-ms", default_value_t = 5000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    timeout_keep_alive_ms: u64,
     /// How long parked KV waits for its decoder (and a decoder for its prefill), s.
     #[arg(long = "transfer-timeout-s", default_value_t = 30)]
     transfer_timeout_s: u64,
@@ -88,7 +95,11 @@ async fn main() -> anyhow::Result<()> {
             block_tokens: cli.block_tokens.max(1),
             block_bytes: cli.block_bytes.max(1),
         },
-        token_delay: Duration::from_millis(cli.token_delay_ms),
+        service: ServiceTime {
+            prefill_per_token: Duration::from_micros(cli.prefill_us_per_token),
+            decode_per_token: Duration::from_micros(cli.decode_us_per_token),
+        },
+        keep_alive: Duration::from_millis(cli.timeout_keep_alive_ms),
         transfer_timeout: Duration::from_secs(cli.transfer_timeout_s.max(1)),
     };
     lunakv_engine_sim::run(cfg, shutdown_signal()).await?;
