@@ -475,6 +475,7 @@ pub fn wait_until<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Opt
 
 pub mod otlp;
 pub mod pd;
+pub mod tls;
 
 /// Serialises the heaviest tests of one test binary (three masters, two stores and etcd on two
 /// cores): they assert on failover behaviour, which CPU starvation from a sibling test distorts.

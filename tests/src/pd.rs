@@ -12,6 +12,24 @@ use std::time::Duration;
 
 use crate::{Proc, fields};
 
+/// A port `p` on 127.0.0.1 with `p + 1 .. p + n` free too. Probed and released, so another
+/// process could take one in between; rare enough on a test machine.
+pub fn free_port_run(n: u16) -> u16 {
+    loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        if p.checked_add(n).is_none() {
+            continue;
+        }
+        let all_free = (1..n).all(|i| std::net::TcpListener::bind(("127.0.0.1", p + i)).is_ok());
+        if all_free {
+            return p;
+        }
+    }
+}
+
 /// A fresh loopback address per call (127.<pid-derived>.<n>.1), so parallel tests and test
 /// binaries never share a host.
 pub fn fresh_host() -> IpAddr {
@@ -101,6 +119,16 @@ impl Sim {
         s
     }
 
+    /// Data-parallel rank `dp` of a `--data-parallel-size` simulator: its HTTP address and
+    /// engine id.
+    pub fn rank(&self, dp: u32) -> (SocketAddr, String) {
+        let line = self
+            .proc
+            .wait_for_line(&format!(" dp_rank={dp}"), Duration::from_secs(20));
+        let id = fields(&line).get("engine_id").cloned().unwrap_or_default();
+        (addr_of(&line, "http"), id)
+    }
+
     pub fn wait_registered(&self) {
         let ok = crate::wait_until(Duration::from_secs(10), || {
             (self.stats()["registered"] == true).then_some(())
@@ -126,15 +154,27 @@ impl Sim {
 pub struct Sidecar {
     pub proc: Proc,
     pub http: SocketAddr,
+    /// Every listener, one per data-parallel rank (`http` is the first).
+    pub listeners: Vec<SocketAddr>,
 }
 
 impl Sidecar {
     pub fn start(decoder: &Sim, connector: &str, bootstrap_port: u16, extra: &[String]) -> Sidecar {
+        Sidecar::start_at(decoder.http, connector, bootstrap_port, extra)
+    }
+
+    /// In front of the model server at `model_server` (a simulator, or a TLS front of one).
+    pub fn start_at(
+        model_server: SocketAddr,
+        connector: &str,
+        bootstrap_port: u16,
+        extra: &[String],
+    ) -> Sidecar {
         let mut args = vec![
             "--host=127.0.0.1".to_string(),
             "--port=0".to_string(),
-            format!("--vllm-port={}", decoder.http.port()),
-            format!("--model-server-host={}", decoder.http.ip()),
+            format!("--vllm-port={}", model_server.port()),
+            format!("--model-server-host={}", model_server.ip()),
             format!("--kv-connector={connector}"),
             format!("--mooncake-bootstrap-port={bootstrap_port}"),
             "--secure-proxy=false".to_string(),
@@ -142,8 +182,13 @@ impl Sidecar {
         args.extend(extra.iter().cloned());
         let proc = Proc::spawn("lunakv-sidecar", &args, &[]);
         let line = proc.wait_for_line("lunakv-sidecar listening", Duration::from_secs(20));
+        let listeners = fields(&line)
+            .get("listeners")
+            .map(|l| l.split(',').filter_map(|a| a.parse().ok()).collect())
+            .unwrap_or_default();
         Sidecar {
             http: addr_of(&line, "http"),
+            listeners,
             proc,
         }
     }
@@ -189,13 +234,13 @@ impl Resp {
 }
 
 fn send_head(
-    s: &mut TcpStream,
-    addr: SocketAddr,
+    s: &mut impl Write,
+    addr: impl std::fmt::Display,
     method: &str,
     path: &str,
     headers: &[(&str, &str)],
     body: &[u8],
-) {
+) -> std::io::Result<()> {
     let mut head = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
         body.len()
@@ -207,9 +252,10 @@ fn send_head(
         head.push_str(&format!("{k}: {v}\r\n"));
     }
     head.push_str("\r\n");
-    s.write_all(head.as_bytes()).expect("send head");
+    s.write_all(head.as_bytes())?;
     // A server may answer (413) before reading everything; ignore write errors on the body.
     let _ = s.write_all(body);
+    s.flush()
 }
 
 /// One request on a fresh connection; reads the whole answer (de-chunked).
@@ -220,12 +266,24 @@ pub fn request(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> Resp {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+    let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(30))).ok();
-    send_head(&mut s, addr, method, path, headers, body);
+    exchange(s, addr, method, path, headers, body).expect("read the answer")
+}
+
+/// Sends one request on `s` (any stream: plain or TLS) and reads the whole answer.
+pub fn exchange(
+    mut s: impl Read + Write,
+    host: impl std::fmt::Display,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<Resp> {
+    send_head(&mut s, host, method, path, headers, body)?;
     let mut r = BufReader::new(s);
     let mut status_line = String::new();
-    r.read_line(&mut status_line).expect("status line");
+    r.read_line(&mut status_line)?;
     let status = status_line
         .split_whitespace()
         .nth(1)
@@ -264,11 +322,11 @@ pub fn request(
     } else {
         let _ = r.read_to_end(&mut body);
     }
-    Resp {
+    Ok(Resp {
         status,
         headers: hdrs,
         body,
-    }
+    })
 }
 
 /// POSTs JSON.
@@ -299,7 +357,8 @@ pub fn start_stream(
         path,
         headers,
         body.to_string().as_bytes(),
-    );
+    )
+    .expect("send the request head");
     let mut got = vec![0u8; n];
     s.read_exact(&mut got).expect("first bytes of the stream");
     s

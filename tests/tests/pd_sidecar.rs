@@ -518,3 +518,135 @@ fn nixlv2_and_shared_storage_flows() {
     assert_eq!(output_of(&r.json()), want);
     assert_eq!(prefill.stat("requests"), before + 1);
 }
+
+#[test]
+fn data_parallel_ports_map_and_each_rank_registers_its_own_dp_rank() {
+    // Prefill side: one multi-port DP engine, two ranks, each registering its own dp rank
+    // (vLLM #51531 registered every rank as 0 and got "Engine ID mismatch").
+    let host = fresh_host();
+    let boot = Bootstrap::start(host, 0, &["--lease-ttl=1500ms"]);
+    let prefill = Sim::start(
+        host,
+        0,
+        "prefill",
+        &[
+            format!("--bootstrap=http://{}", boot.http),
+            "--lease-ttl-ms=1500".into(),
+            "--data-parallel-size=2".into(),
+        ],
+    );
+    let (p0, id0) = prefill.rank(0);
+    let (p1, id1) = prefill.rank(1);
+    assert_ne!(id0, id1);
+    let both = wait_until(Duration::from_secs(10), || {
+        let q = boot.query();
+        (q["0"]["engine_id"] == id0.as_str() && q["1"]["engine_id"] == id1.as_str()).then_some(q)
+    });
+    let q = both.unwrap_or_else(|| panic!("both ranks never registered: {}", boot.query()));
+    assert_eq!(q["0"]["worker_addr"]["0"]["0"], format!("tcp://{p0}"));
+    assert_eq!(q["1"]["worker_addr"]["0"]["0"], format!("tcp://{p1}"));
+
+    // Decode side: ranks on m and m+1; the sidecar's listener i goes to m+i.
+    let m = lunakv_tests::pd::free_port_run(2);
+    let d = Sim::start(
+        "127.0.0.1".parse().unwrap(),
+        m,
+        "decode",
+        &["--data-parallel-size=2".into()],
+    );
+    let sc = Sidecar::start(
+        &d,
+        "mooncake",
+        boot.http.port(),
+        &["--data-parallel-size=2".into()],
+    );
+    assert_eq!(sc.listeners.len(), 2, "one listener per rank");
+    let (d1, _) = d.rank(1);
+    assert_eq!(d1.port(), d.http.port() + 1);
+    for (i, l) in sc.listeners.iter().enumerate() {
+        let r = request(*l, "GET", "/sim/stats", &[], b"");
+        assert_eq!(
+            r.json()["dp_rank"],
+            i,
+            "listener {i} reached the wrong rank"
+        );
+    }
+    // P/D through both listeners: the sidecar picks a dp rank from /query and names it in
+    // X-data-parallel-rank; the prefill engine serves it on that rank, the decoder pulls the KV
+    // from that rank's engine id.
+    let target = p0.to_string();
+    for (i, l) in sc.listeners.iter().enumerate() {
+        let rank_addr = if i == 0 { d.http } else { d1 };
+        for k in 0..6 {
+            let body = completion(&format!("{PROMPT} dp {i} {k}"), false);
+            let want = {
+                let r = post(rank_addr, "/v1/completions", &[], &body);
+                output_of(&r.json())
+            };
+            let r = post(
+                *l,
+                "/v1/completions",
+                &[("x-prefiller-host-port", &target)],
+                &body,
+            );
+            assert_eq!(r.status, 200, "listener {i}: {}", r.text());
+            assert_eq!(output_of(&r.json()), want);
+        }
+        let stats = request(rank_addr, "GET", "/sim/stats", &[], b"").json();
+        assert_eq!(stats["remote_decodes"], 6, "decode rank {i}: {stats}");
+    }
+    let served = |a| {
+        request(a, "GET", "/sim/stats", &[], b"").json()["transfers_ok"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let (s0, s1) = (served(p0), served(p1));
+    assert_eq!(s0 + s1, 12);
+    assert!(s0 > 0 && s1 > 0, "both prefill ranks serve: {s0} / {s1}");
+    // A rank the engine does not have is refused, not silently served by another.
+    let r = post(
+        p0,
+        "/v1/completions",
+        &[("x-data-parallel-rank", "7")],
+        &completion(PROMPT, false),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+}
+
+#[test]
+fn idle_upstream_connections_close_before_the_engine_keep_alive() {
+    // The engine closes idle connections after 600 ms (uvicorn does after 5 s). The sidecar's
+    // idle timeout is shorter, so it never sends into a connection the engine is closing
+    // (llm-d #1564: 90 s idle connections -> resets -> 502s).
+    let d = decoder(&["--timeout-keep-alive-ms=600".into()]);
+    let sc = Sidecar::start(&d, "nixlv2", 8998, &["--idle-conn-timeout=200ms".into()]);
+    let body = completion(PROMPT, false);
+    for round in 0..3 {
+        let r = post(sc.http, "/v1/completions", &[], &body);
+        assert_eq!(r.status, 200, "round {round}: {}", r.text());
+        // Idle for twice the engine's keep-alive.
+        std::thread::sleep(Duration::from_millis(1200));
+    }
+    let r = post(sc.http, "/v1/completions", &[], &body);
+    assert_eq!(r.status, 200, "after the idle gap: {}", r.text());
+    assert_eq!(
+        d.stat("connections_closed_idle"),
+        0,
+        "the engine had to close an idle sidecar connection: {}",
+        d.stats()
+    );
+    assert!(d.stat("connections_closed_by_peer") >= 3, "{}", d.stats());
+    assert_eq!(sc.metric("lunakv_sidecar_decode_errors_total"), 0);
+
+    // The control: a sidecar idling longer than the engine leaves the close to the engine,
+    // which is the race behind the 502s (so the assertion above can fail).
+    let d2 = decoder(&["--timeout-keep-alive-ms=600".into()]);
+    let sc2 = Sidecar::start(&d2, "nixlv2", 8998, &["--idle-conn-timeout=30s".into()]);
+    assert_eq!(post(sc2.http, "/v1/completions", &[], &body).status, 200);
+    std::thread::sleep(Duration::from_millis(1200));
+    assert!(
+        d2.stat("connections_closed_idle") >= 1,
+        "the engine never closed the idle connection: {}",
+        d2.stats()
+    );
+}

@@ -46,10 +46,11 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-/// Bool flags take Go's forms (`--flag`, `--flag=false`) so upstream manifests work unchanged.
+// Bool flags take Go's forms (`--flag`, `--flag=false`), and a repeated flag takes its last
+// value, as with Go's flag package, so upstream manifests work unchanged.
 /// lunakv-sidecar: P/D disaggregation proxy, a drop-in for llm-d-router's pd-sidecar.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "lunakv-sidecar", version)]
+#[command(name = "lunakv-sidecar", version, args_override_self = true)]
 pub struct Cli {
     /// Port the sidecar listens on (port+i for data-parallel rank i).
     #[arg(long, default_value_t = 8000)]

@@ -85,11 +85,34 @@ enum Kind {
 }
 
 async fn completions(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> Response {
-    generate(sim, Kind::Completion, headers, body).await
+    match rank_for(&sim, &headers) {
+        Ok(sim) => generate(sim, Kind::Completion, headers, body).await,
+        Err(e) => error(StatusCode::BAD_REQUEST, e),
+    }
 }
 
 async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> Response {
-    generate(sim, Kind::Chat, headers, body).await
+    match rank_for(&sim, &headers) {
+        Ok(sim) => generate(sim, Kind::Chat, headers, body).await,
+        Err(e) => error(StatusCode::BAD_REQUEST, e),
+    }
+}
+
+/// The rank `X-data-parallel-rank` asks for (vLLM's internal DP load balancing), else this one.
+fn rank_for(sim: &Arc<Sim>, headers: &HeaderMap) -> Result<Arc<Sim>, String> {
+    let Some(v) = headers.get("x-data-parallel-rank") else {
+        return Ok(sim.clone());
+    };
+    match v.to_str().ok().and_then(|s| s.trim().parse::<u32>().ok()) {
+        Some(dp) if dp == sim.cfg.dp_rank => Ok(sim.clone()),
+        Some(dp) => sim.dp_peer(dp).ok_or_else(|| {
+            format!(
+                "X-data-parallel-rank {dp}: this engine serves dp ranks {:?}",
+                sim.dp_ranks()
+            )
+        }),
+        None => Err(format!("X-data-parallel-rank {v:?} is not a rank number")),
+    }
 }
 
 fn prompt_text(kind: Kind, req: &Value) -> Result<String, String> {

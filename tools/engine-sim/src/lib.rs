@@ -64,7 +64,10 @@ pub struct SimConfig {
     pub role: Role,
     pub engine_id: String,
     pub model: String,
+    /// The first data-parallel rank this process serves.
     pub dp_rank: u32,
+    /// Data-parallel ranks served (multi-port: rank i on `port + i`).
+    pub data_parallel_size: u32,
     /// Where a prefill engine registers (`http://host:port`); `None` = do not register.
     pub bootstrap: Option<String>,
     pub lease: Duration,
@@ -141,6 +144,30 @@ pub struct Sim {
     pub registered: AtomicBool,
     /// Block hashes seen (the simulated prefix cache behind `cached_tokens`).
     pub prefix_cache: parking_lot::Mutex<std::collections::HashSet<u64>>,
+    /// Every data-parallel rank of this process, this one included (see [`run`]).
+    pub dp_peers: std::sync::OnceLock<Vec<std::sync::Weak<Sim>>>,
+}
+
+impl Sim {
+    /// The rank that serves `dp` in this process, if any.
+    pub fn dp_peer(&self, dp: u32) -> Option<Arc<Sim>> {
+        self.dp_peers
+            .get()?
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .find(|s| s.cfg.dp_rank == dp)
+    }
+
+    /// The dp ranks this process serves.
+    pub fn dp_ranks(&self) -> Vec<u32> {
+        self.dp_peers
+            .get()
+            .into_iter()
+            .flatten()
+            .filter_map(std::sync::Weak::upgrade)
+            .map(|s| s.cfg.dp_rank)
+            .collect()
+    }
 }
 
 impl Sim {
@@ -150,6 +177,7 @@ impl Sim {
         let rs = self.region_server.stats();
         json!({
             "engine_id": self.cfg.engine_id,
+            "dp_rank": self.cfg.dp_rank,
             "role": format!("{:?}", self.cfg.role).to_lowercase(),
             "requests": g(&s.requests),
             "remote_prefills_served": g(&s.remote_prefills_served),
@@ -185,12 +213,86 @@ pub enum SimError {
     Serve(String),
 }
 
-/// Binds, prints `lunakv-engine-sim listening http=.. transfer=.. role=.. engine_id=..`, and
-/// serves until `shutdown` resolves.
+/// Binds every data-parallel rank, prints one `lunakv-engine-sim listening http=..
+/// transfer=.. role=.. engine_id=.. dp_rank=..` line per rank, and serves until `shutdown`
+/// resolves.
+///
+/// With `data_parallel_size` N > 1 this is vLLM's multi-port data parallelism: rank
+/// `dp_rank + i` serves on `port + i` (each its own free port when `port` is 0), has its own
+/// engine id (`<engine_id>-dp<rank>`) and registers with the bootstrap under its own dp rank,
+/// never all as rank 0 (vLLM #51531). Any rank's API server routes a request carrying
+/// `X-data-parallel-rank` to that rank, as vLLM's internal load balancer does.
 pub async fn run(
     cfg: SimConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), SimError> {
+    let n = cfg.data_parallel_size.max(1);
+    let mut ranks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let mut c = cfg.clone();
+        c.dp_rank = cfg.dp_rank + i;
+        if cfg.port != 0 {
+            c.port = cfg.port.checked_add(i as u16).ok_or_else(|| {
+                SimError::Serve(format!(
+                    "--port {} + --data-parallel-size {n} passes 65535",
+                    cfg.port
+                ))
+            })?;
+        }
+        if n > 1 {
+            c.engine_id = format!("{}-dp{}", cfg.engine_id, c.dp_rank);
+        }
+        ranks.push(start_rank(c).await?);
+    }
+    let all: Arc<[Arc<Sim>]> = ranks.iter().map(|(s, _)| s.clone()).collect();
+    for (s, _) in &ranks {
+        let _ = s.dp_peers.set(all.iter().map(Arc::downgrade).collect());
+    }
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut servers = Vec::new();
+    let mut tasks = Vec::new();
+    for (sim, listener) in ranks {
+        if sim.cfg.role != Role::Decode
+            && let Some(b) = sim.cfg.bootstrap.clone()
+        {
+            tasks.push(tokio::spawn(pd::register_loop(sim.clone(), b)));
+        }
+        let s = sim.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                s.parked.sweep(s.cfg.transfer_timeout);
+            }
+        }));
+        println!(
+            "lunakv-engine-sim listening http={} transfer={} role={} engine_id={} dp_rank={}",
+            sim.http_addr,
+            sim.region_endpoint,
+            format!("{:?}", sim.cfg.role).to_lowercase(),
+            sim.cfg.engine_id,
+            sim.cfg.dp_rank
+        );
+        let mut stop = stop_rx.clone();
+        servers.push(tokio::spawn(server::serve(sim, listener, async move {
+            let _ = stop.changed().await;
+        })));
+    }
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    for s in servers {
+        let _ = s.await;
+    }
+    for t in tasks {
+        t.abort();
+    }
+    for s in all.iter() {
+        s.region_server.shutdown();
+    }
+    Ok(())
+}
+
+/// Binds one rank's HTTP listener and transfer region server.
+async fn start_rank(cfg: SimConfig) -> Result<(Arc<Sim>, tokio::net::TcpListener), SimError> {
     let addr = SocketAddr::new(cfg.host, cfg.port);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -210,7 +312,7 @@ pub async fn run(
     let sim = Arc::new(Sim {
         http_addr,
         registry,
-        region_endpoint: region_endpoint.clone(),
+        region_endpoint,
         region_server,
         transfer: Arc::new(TransferEngine::new(TransferOptions::default())),
         client: client::JsonClient::default(),
@@ -218,30 +320,8 @@ pub async fn run(
         stats: Stats::default(),
         registered: AtomicBool::new(false),
         prefix_cache: parking_lot::Mutex::new(std::collections::HashSet::new()),
+        dp_peers: std::sync::OnceLock::new(),
         cfg,
     });
-    let mut tasks = Vec::new();
-    if sim.cfg.role != Role::Decode
-        && let Some(b) = sim.cfg.bootstrap.clone()
-    {
-        tasks.push(tokio::spawn(pd::register_loop(sim.clone(), b)));
-    }
-    let s = sim.clone();
-    tasks.push(tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            s.parked.sweep(s.cfg.transfer_timeout);
-        }
-    }));
-    println!(
-        "lunakv-engine-sim listening http={http_addr} transfer={region_endpoint} role={} engine_id={}",
-        format!("{:?}", sim.cfg.role).to_lowercase(),
-        sim.cfg.engine_id
-    );
-    server::serve(sim.clone(), listener, shutdown).await;
-    for t in tasks {
-        t.abort();
-    }
-    sim.region_server.shutdown();
-    Ok(())
+    Ok((sim, listener))
 }

@@ -22,8 +22,13 @@ struct Cli {
     engine_id: Option<String>,
     #[arg(long, default_value = "sim-model")]
     model: String,
+    /// The (first) data-parallel rank this process serves.
     #[arg(long = "dp-rank", default_value_t = 0)]
     dp_rank: u32,
+    /// Data-parallel ranks, vLLM multi-port style: rank i on port+i with its own engine id.
+    #[arg(long = "data-parallel-size", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    data_parallel_size: u32,
     /// Bootstrap a prefill engine registers with [default: http://<host>:$MOONCAKE_BOOTSTRAP_PORT or 8998].
     #[arg(long)]
     bootstrap: Option<String>,
@@ -85,6 +90,7 @@ async fn main() -> anyhow::Result<()> {
             .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
         model: cli.model,
         dp_rank: cli.dp_rank,
+        data_parallel_size: cli.data_parallel_size,
         bootstrap: if cli.role == Role::Prefill {
             bootstrap
         } else {

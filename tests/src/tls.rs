@@ -1,0 +1,200 @@
+//! TLS pieces for the P/D tests: a test CA that issues server certificates, a TLS front that
+//! terminates TLS for an engine simulator (which serves plain HTTP, as vLLM usually does behind
+//! a TLS-terminating mesh), and a blocking HTTPS client that either verifies against given roots
+//! or accepts anything.
+
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::{DigitallySignedStruct, SignatureScheme};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+
+use crate::pd::{Resp, exchange};
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// A certificate authority for one test.
+pub struct TestCa {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+/// A server certificate and its key, PEM.
+pub struct Issued {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub der: CertificateDer<'static>,
+}
+
+impl Default for TestCa {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl TestCa {
+    pub fn new() -> TestCa {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "lunakv test CA");
+        let key = rcgen::KeyPair::generate().expect("ca key");
+        TestCa {
+            issuer: rcgen::CertifiedIssuer::self_signed(params, key).expect("ca cert"),
+        }
+    }
+
+    /// A server certificate for `localhost` and `ip`.
+    pub fn issue(&self, ip: IpAddr) -> Issued {
+        let mut params =
+            rcgen::CertificateParams::new(vec!["localhost".to_string()]).expect("leaf params");
+        params.subject_alt_names.push(rcgen::SanType::IpAddress(ip));
+        let key = rcgen::KeyPair::generate().expect("leaf key");
+        let cert = params.signed_by(&key, &self.issuer).expect("leaf cert");
+        Issued {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            der: cert.der().clone(),
+        }
+    }
+
+    /// Roots that trust this CA only.
+    pub fn roots(&self) -> rustls::RootCertStore {
+        let mut r = rustls::RootCertStore::empty();
+        r.add(self.issuer.der().clone()).expect("add the CA");
+        r
+    }
+}
+
+/// Accepts any server certificate (the client side of a self-signed test).
+#[derive(Debug)]
+struct AnyCert(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for AnyCert {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(m, c, d, &self.0.signature_verification_algorithms)
+    }
+    fn verify_tls13_signature(
+        &self,
+        m: &[u8],
+        c: &CertificateDer<'_>,
+        d: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(m, c, d, &self.0.signature_verification_algorithms)
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// One HTTPS request. `roots` = verify the server against them (as `localhost`), `None` =
+/// accept any certificate. Returns the answer and the certificate the server presented.
+pub fn https_request(
+    addr: SocketAddr,
+    roots: Option<rustls::RootCertStore>,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Result<(Resp, CertificateDer<'static>), String> {
+    let b = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?;
+    let cfg = match roots {
+        Some(r) => b.with_root_certificates(r).with_no_client_auth(),
+        None => b
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AnyCert(provider())))
+            .with_no_client_auth(),
+    };
+    let name = ServerName::try_from("localhost").map_err(|e| e.to_string())?;
+    let conn = rustls::ClientConnection::new(Arc::new(cfg), name).map_err(|e| e.to_string())?;
+    let tcp =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    tcp.set_read_timeout(Some(Duration::from_secs(30))).ok();
+    let mut tls = rustls::StreamOwned::new(conn, tcp);
+    let resp = exchange(&mut tls, addr, method, path, headers, body).map_err(|e| e.to_string())?;
+    let cert = tls
+        .conn
+        .peer_certificates()
+        .and_then(|c| c.first().cloned())
+        .ok_or("the server presented no certificate")?;
+    Ok((resp, cert.into_owned()))
+}
+
+/// Terminates TLS (a self-signed certificate) on `bind` and forwards each connection to
+/// `backend` in plain TCP; counts completed handshakes.
+pub struct TlsFront {
+    pub addr: SocketAddr,
+    pub handshakes: Arc<AtomicU64>,
+    _rt: tokio::runtime::Runtime,
+}
+
+impl TlsFront {
+    pub fn start(bind: IpAddr, backend: SocketAddr) -> TlsFront {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let ck = rcgen::generate_simple_self_signed(vec!["localhost".into()]).expect("cert");
+        let key = PrivateKeyDer::try_from(ck.signing_key.serialize_der()).expect("key");
+        let cfg = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_no_client_auth()
+            .with_single_cert(vec![ck.cert.der().clone()], key)
+            .expect("server config");
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind((bind, 0)))
+            .expect("bind the TLS front");
+        let addr = listener.local_addr().expect("addr");
+        let handshakes = Arc::new(AtomicU64::new(0));
+        let h = handshakes.clone();
+        rt.spawn(async move {
+            while let Ok((s, _)) = listener.accept().await {
+                let (acceptor, h) = (acceptor.clone(), h.clone());
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(s).await else {
+                        return;
+                    };
+                    h.fetch_add(1, Ordering::Relaxed);
+                    if let Ok(mut up) = tokio::net::TcpStream::connect(backend).await {
+                        let _ = tokio::io::copy_bidirectional(&mut tls, &mut up).await;
+                    }
+                });
+            }
+        });
+        TlsFront {
+            addr,
+            handshakes,
+            _rt: rt,
+        }
+    }
+
+    pub fn handshakes(&self) -> u64 {
+        self.handshakes.load(Ordering::Relaxed)
+    }
+}
