@@ -650,3 +650,46 @@ fn idle_upstream_connections_close_before_the_engine_keep_alive() {
         d2.stats()
     );
 }
+
+#[test]
+fn configuration_file_sits_under_env_and_flags() {
+    let p = PrefillHost::start(0);
+    let d = decoder(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("sidecar.yaml");
+    // The file names mooncake and a wrong bootstrap port; MOONCAKE_BOOTSTRAP_PORT (env) must
+    // beat the file, and --model-server-port (a flag) the file's 1.
+    std::fs::write(
+        &file,
+        "kv-connector: mooncake\nmooncake-bootstrap-port: 1\nmodel-server-port: 1\n\
+         secure-proxy: false\nprefill-max-retries: 1\n",
+    )
+    .unwrap();
+    let args = vec![
+        "--host=127.0.0.1".to_string(),
+        "--port=0".to_string(),
+        format!("--model-server-host={}", d.http.ip()),
+        format!("--model-server-port={}", d.http.port()),
+        format!("--configuration-file={}", file.display()),
+    ];
+    let boot_port = p.boot.http.port().to_string();
+    let proc = lunakv_tests::Proc::spawn(
+        "lunakv-sidecar",
+        &args,
+        &[("MOONCAKE_BOOTSTRAP_PORT", &boot_port)],
+    );
+    let line = proc.wait_for_line("lunakv-sidecar listening", Duration::from_secs(20));
+    assert!(line.contains("connector=mooncake"), "{line}");
+    let addr: std::net::SocketAddr = lunakv_tests::fields(&line)["http"].parse().unwrap();
+    let body = completion(&format!("{PROMPT} file"), false);
+    let want = expected(&d, "/v1/completions", &body);
+    let r = post(
+        addr,
+        "/v1/completions",
+        &[("x-prefiller-host-port", &p.target())],
+        &body,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(output_of(&r.json()), want);
+    assert_eq!(p.sim.stat("transfers_ok"), 1);
+}

@@ -44,6 +44,9 @@ pub enum ConfigError {
     UnknownStage(String, &'static str),
     #[error("{0}")]
     Invalid(String),
+    /// Bad command line (or `--help` / `--version`): `clap::Error::exit` prints it.
+    #[error(transparent)]
+    Flags(#[from] clap::Error),
 }
 
 // Bool flags take Go's forms (`--flag`, `--flag=false`), and a repeated flag takes its last
@@ -80,8 +83,9 @@ pub struct Cli {
     #[arg(long = "data-parallel-size", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=256))]
     pub data_parallel_size: u16,
-    /// Serve HTTPS (self-signed unless --cert-path is given).
-    #[arg(long = "secure-proxy", default_value_t = true, action = ArgAction::Set,
+    /// Serve HTTPS (self-signed unless --cert-path is given). `--secure-serving` is upstream's
+    /// newer name.
+    #[arg(long = "secure-proxy", alias = "secure-serving", default_value_t = true, action = ArgAction::Set,
           num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub secure_proxy: bool,
     /// Directory holding tls.crt and tls.key (reloaded when they change).
@@ -125,7 +129,7 @@ pub struct Cli {
     #[arg(long = "max-body-bytes", default_value_t = 64 << 20)]
     pub max_body_bytes: usize,
     /// Accepted for compatibility; sampling parameters always go to the prefiller unchanged.
-    #[arg(long = "enable-prefiller-sampling", default_value_t = false, action = ArgAction::Set,
+    #[arg(long = "enable-prefiller-sampling", env = "ENABLE_PREFILLER_SAMPLING", default_value_t = false, action = ArgAction::Set,
           num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub enable_prefiller_sampling: bool,
     /// Accepted for compatibility; spans always go to the tracing subscriber (RUST_LOG).
@@ -136,9 +140,27 @@ pub struct Cli {
     /// wake-ups per request; plenty for one engine's traffic).
     #[arg(long = "worker-threads", default_value_t = 0)]
     pub worker_threads: usize,
-    /// Accepted for compatibility; flags are the only configuration source.
+    /// llm-d-router's YAML configuration (keys = flag names), under env and flags; see
+    /// [`crate::file`].
     #[arg(long = "configuration-file")]
     pub configuration_file: Option<PathBuf>,
+    /// The same YAML inline (`--configuration='{port: 8085}'`); excludes --configuration-file.
+    #[arg(long = "configuration")]
+    pub configuration: Option<String>,
+}
+
+/// Parses `args` (the program name first) and merges `--configuration-file` under the flags
+/// and the environment.
+pub fn parse_args<I, T>(args: I) -> Result<Cli, ConfigError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().try_get_matches_from(args)?;
+    let mut cli = Cli::from_arg_matches(&matches)?;
+    crate::file::merge(&mut cli, &matches)?;
+    Ok(cli)
 }
 
 /// Which stages use TLS / skip verification.
@@ -190,14 +212,24 @@ pub struct SidecarConfig {
 impl SidecarConfig {
     pub fn from_cli(c: Cli) -> Result<SidecarConfig, ConfigError> {
         let connector = Connector::parse(&c.kv_connector)?;
-        if c.inference_pool.is_some() {
+        if let Some(pool) = c.inference_pool.as_deref().filter(|p| !p.is_empty()) {
+            // The pool's pod list needs the Kubernetes API, which this sidecar does not watch:
+            // refuse rather than protect nothing (or everything) while the operator thinks the
+            // pool is the allowlist.
+            if c.enable_ssrf_protection {
+                return Err(ConfigError::Invalid(format!(
+                    "--inference-pool / INFERENCE_POOL '{pool}': lunakv-sidecar cannot read an InferencePool (it needs the Kubernetes API); list the prefill pods' host:port with --ssrf-allowlist or --ssrf-allowlist-file instead"
+                )));
+            }
             tracing::warn!(
-                "--inference-pool needs the Kubernetes API, which lunakv-sidecar does not watch; use --ssrf-allowlist or --ssrf-allowlist-file"
+                pool,
+                "--inference-pool is ignored without --enable-ssrf-protection (and is not supported with it: use --ssrf-allowlist or --ssrf-allowlist-file)"
             );
         }
-        if c.configuration_file.is_some() {
+        if c.idle_conn_timeout >= Duration::from_secs(5) {
             tracing::warn!(
-                "--configuration-file is accepted for compatibility and ignored; use flags"
+                idle = ?c.idle_conn_timeout,
+                "--idle-conn-timeout is not below vLLM's 5 s keep-alive: idle connections may be reset under a request (502s)"
             );
         }
         if c.port as u32 + c.data_parallel_size as u32 - 1 > 65535

@@ -28,6 +28,7 @@
 pub mod body;
 pub mod cache;
 pub mod config;
+pub mod file;
 pub mod layers;
 pub mod metrics;
 pub mod proxy;
@@ -37,7 +38,7 @@ pub mod tls;
 
 use std::net::SocketAddr;
 
-pub use config::{Cli, ConfigError, Connector, SidecarConfig};
+pub use config::{Cli, ConfigError, Connector, SidecarConfig, parse_args};
 pub use server::{Bound, bind, serve};
 
 /// Where the sidecar serves its own Prometheus counters.

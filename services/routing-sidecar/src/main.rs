@@ -1,8 +1,7 @@
 //! `lunakv-sidecar`: parse flags (exit 2 with the reason on bad ones), start the runtime
 //! (`--worker-threads`), bind, serve until SIGTERM/SIGINT, drain.
 
-use clap::Parser;
-use lunakv_sidecar::{Cli, SidecarConfig};
+use lunakv_sidecar::{ConfigError, SidecarConfig};
 
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
@@ -19,7 +18,14 @@ async fn shutdown_signal() {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match lunakv_sidecar::parse_args(std::env::args_os()) {
+        Ok(c) => c,
+        Err(ConfigError::Flags(e)) => e.exit(),
+        Err(e) => {
+            eprintln!("lunakv-sidecar: {e}");
+            std::process::exit(2);
+        }
+    };
     // The runtime comes first (telemetry may need it); flags are validated inside it.
     let rt = match cli.worker_threads {
         1 => tokio::runtime::Builder::new_current_thread()
