@@ -155,6 +155,17 @@ fn mooncake_1p1d_completions_and_chat_streaming_and_not() {
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-request-id"), Some("rid-42"));
     assert_eq!(r.json()["id"], "cmpl-rid-42");
+    assert_eq!(
+        p.sim.stats()["last_request_id"],
+        "rid-42",
+        "the prefill leg carries the request id too"
+    );
+    // The scheduler's header never reaches an engine, and every prefill asked for one token
+    // without streaming whatever the client asked for.
+    for (who, s) in [("prefill", p.sim.stats()), ("decode", d.stats())] {
+        assert_eq!(s["prefiller_header_seen"], 0, "{who}: {s}");
+    }
+    assert_eq!(p.sim.stat("prefill_requests_not_minimal"), 0);
     // A comma list takes the first entry.
     let list = format!("{}, 127.0.0.1:1", p.target());
     let r = post(
@@ -184,18 +195,25 @@ fn mooncake_1p1d_completions_and_chat_streaming_and_not() {
 }
 
 #[test]
-fn mooncake_2p1d_uses_each_prefill_host() {
+fn mooncake_2p1d_chat_and_completions_use_each_prefill_host() {
     let p1 = PrefillHost::start(0);
     let p2 = PrefillHost::start(p1.boot.http.port());
     let d = decoder(&[]);
     let sc = Sidecar::start(&d, "mooncake", p1.boot.http.port(), &[]);
     for (i, p) in [&p1, &p2, &p1, &p2].iter().enumerate() {
         for stream in [false, true] {
-            let body = completion(&format!("{PROMPT} 2p1d {i} {stream}"), stream);
-            let want = expected(&d, "/v1/completions", &body);
+            // Completions on the first pair of hosts, chat on the second.
+            let (path, body) = if i < 2 {
+                let b = completion(&format!("{PROMPT} 2p1d {i} {stream}"), stream);
+                ("/v1/completions", b)
+            } else {
+                let b = chat(&format!("{PROMPT} 2p1d {i} {stream}"), stream);
+                ("/v1/chat/completions", b)
+            };
+            let want = expected(&d, path, &body);
             let r = post(
                 sc.http,
-                "/v1/completions",
+                path,
                 &[("x-prefiller-host-port", &p.target())],
                 &body,
             );
@@ -692,4 +710,51 @@ fn configuration_file_sits_under_env_and_flags() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(output_of(&r.json()), want);
     assert_eq!(p.sim.stat("transfers_ok"), 1);
+}
+
+#[test]
+fn every_disaggregated_route_goes_through_prefill_never_silently_decode_only() {
+    // The simulator implements completions and chat only; the other routes answer 404 and are
+    // counted by path, which shows where the sidecar sent each request (llm-d-router #1461:
+    // /inference/v1/generate went decode-only).
+    let host = fresh_host();
+    let prefill = Sim::start(
+        host,
+        0,
+        "prefill",
+        &["--bootstrap=http://127.0.0.1:1".into()],
+    );
+    let d = decoder(&[]);
+    let sc = Sidecar::start(&d, "nixlv2", 8998, &["--prefill-max-retries=2".into()]);
+    let target = prefill.http.to_string();
+    let body = json!({"model": "sim", "input": PROMPT, "messages": [{"role": "user", "content": PROMPT}],
+                      "max_tokens": 4});
+    for path in ["/v1/responses", "/v1/messages", "/inference/v1/generate"] {
+        let r = post(sc.http, path, &[("x-prefiller-host-port", &target)], &body);
+        // A non-2xx prefill answer reaches the client as is, and a 404 is not retried.
+        assert_eq!(r.status, 404, "{path}: {}", r.text());
+        assert!(
+            r.json()["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("not served"),
+            "{path}: {}",
+            r.text()
+        );
+        assert_eq!(
+            prefill.stats()["unrouted"][path],
+            1,
+            "{path} skipped the prefill"
+        );
+        assert!(
+            d.stats()["unrouted"][path].is_null(),
+            "{path} reached the decoder"
+        );
+        // Without the header it is the engine's route: reverse-proxied to the decoder.
+        let r = post(sc.http, path, &[], &body);
+        assert_eq!(r.status, 404);
+        assert_eq!(d.stats()["unrouted"][path], 1);
+    }
+    assert_eq!(sc.metric("lunakv_sidecar_prefill_retries_total"), 0);
+    assert_eq!(sc.metric("lunakv_sidecar_disaggregated_total"), 3);
 }

@@ -26,6 +26,7 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .route("/v1/models", get(models))
         .route("/sim/stats", get(stats))
         .route("/sim/kv/transfer", post(transfer))
+        .fallback(unrouted)
         .with_state(sim)
         // Requests continue their caller's trace; probes and stats scrapes start none.
         .layer(lunakv_telemetry::propagate::HttpServerLayer::new().quiet(&[
@@ -48,6 +49,19 @@ pub fn error(status: StatusCode, msg: impl Into<String>) -> Response {
         axum::Json(json!({"error": {"message": msg.into(), "type": kind, "param": null, "code": status.as_u16()}})),
     )
         .into_response()
+}
+
+/// Any other path: counted (tests see where a proxy sent a request) and answered 404.
+async fn unrouted(State(sim): State<Arc<Sim>>, uri: axum::http::Uri) -> Response {
+    *sim.stats
+        .unrouted
+        .lock()
+        .entry(uri.path().to_string())
+        .or_default() += 1;
+    error(
+        StatusCode::NOT_FOUND,
+        format!("{} is not served by lunakv-engine-sim", uri.path()),
+    )
 }
 
 async fn models(State(sim): State<Arc<Sim>>) -> Response {
@@ -236,6 +250,12 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    sim.stats.last_request_id.lock().clone_from(&request_id);
+    if headers.contains_key("x-prefiller-host-port") {
+        sim.stats
+            .prefiller_header_seen
+            .fetch_add(1, Ordering::Relaxed);
+    }
     let shape = sim.cfg.shape;
     let blocks = shape.blocks_for(tokens.len());
     let full_blocks = tokens.len() / shape.block_tokens.max(1);
@@ -247,6 +267,12 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
                 StatusCode::BAD_REQUEST,
                 "do_remote_decode sent to a decode-only engine",
             );
+        }
+        let asked_more = |k: &str| req.get(k).and_then(|v| v.as_u64()).is_some_and(|n| n > 1);
+        if stream || asked_more("max_tokens") || asked_more("max_completion_tokens") {
+            sim.stats
+                .prefill_requests_not_minimal
+                .fetch_add(1, Ordering::Relaxed);
         }
         // The decoder's side channel waits on this: the KV exists once the prefill is done.
         sleep(sim.cfg.service.prefill(tokens.len())).await;

@@ -128,6 +128,16 @@ pub struct Stats {
     pub connections_closed_idle: AtomicU64,
     /// Connections the client closed (or that ended in an error other than the idle timeout).
     pub connections_closed_by_peer: AtomicU64,
+    /// Requests that still carried the scheduler's `x-prefiller-host-port` (a proxy must strip
+    /// it before forwarding).
+    pub prefiller_header_seen: AtomicU64,
+    /// Remote-decode prefill requests that asked to stream or for more than one token (a proxy
+    /// must send `stream: false`, `max_tokens: 1`).
+    pub prefill_requests_not_minimal: AtomicU64,
+    /// The `x-request-id` of the last generate request.
+    pub last_request_id: parking_lot::Mutex<String>,
+    /// Requests to paths this simulator does not implement, by path (answered 404).
+    pub unrouted: parking_lot::Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// The running simulator, shared by all handlers.
@@ -194,6 +204,10 @@ impl Sim {
             "connections_closed_by_peer": g(&s.connections_closed_by_peer),
             "parked_transfers": self.parked.len(),
             "registered": self.registered.load(Ordering::Relaxed),
+            "prefiller_header_seen": g(&s.prefiller_header_seen),
+            "prefill_requests_not_minimal": g(&s.prefill_requests_not_minimal),
+            "last_request_id": *s.last_request_id.lock(),
+            "unrouted": *s.unrouted.lock(),
         })
     }
 }
