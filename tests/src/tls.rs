@@ -8,10 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
-use rustls::{DigitallySignedStruct, SignatureScheme};
-use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 use crate::pd::{Resp, exchange};
 
@@ -72,42 +70,6 @@ impl TestCa {
     }
 }
 
-/// Accepts any server certificate (the client side of a self-signed test).
-#[derive(Debug)]
-struct AnyCert(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for AnyCert {
-    fn verify_server_cert(
-        &self,
-        _: &CertificateDer<'_>,
-        _: &[CertificateDer<'_>],
-        _: &ServerName<'_>,
-        _: &[u8],
-        _: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-    fn verify_tls12_signature(
-        &self,
-        m: &[u8],
-        c: &CertificateDer<'_>,
-        d: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(m, c, d, &self.0.signature_verification_algorithms)
-    }
-    fn verify_tls13_signature(
-        &self,
-        m: &[u8],
-        c: &CertificateDer<'_>,
-        d: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(m, c, d, &self.0.signature_verification_algorithms)
-    }
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
-}
-
 /// One HTTPS request. `roots` = verify the server against them (as `localhost`), `None` =
 /// accept any certificate. Returns the answer and the certificate the server presented.
 pub fn https_request(
@@ -118,15 +80,14 @@ pub fn https_request(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> Result<(Resp, CertificateDer<'static>), String> {
-    let b = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?;
     let cfg = match roots {
-        Some(r) => b.with_root_certificates(r).with_no_client_auth(),
-        None => b
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AnyCert(provider())))
+        Some(r) => rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(r)
             .with_no_client_auth(),
+        // The sidecar's own `--tls-insecure-skip-verify` client configuration.
+        None => lunakv_sidecar::tls::client_config(true).map_err(|e| e.to_string())?,
     };
     let name = ServerName::try_from("localhost").map_err(|e| e.to_string())?;
     let conn = rustls::ClientConnection::new(Arc::new(cfg), name).map_err(|e| e.to_string())?;

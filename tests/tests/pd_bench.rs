@@ -39,19 +39,21 @@ type C = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>
 
 /// Simulated GPU time of the realistic engine, roughly a 1B-parameter model in vLLM on one
 /// current datacenter GPU: prefill about 20 us per prompt token (~50k tokens/s) and a decode
-/// step about 2 ms (~500 tokens/s per sequence). Larger models are slower, which only shrinks
-/// the proxy's share.
+/// step about 2 ms (~500 tokens/s per sequence; kept at 2 ms at batch 64, optimistic). Larger
+/// models are slower, which only shrinks the proxy's share.
 const REALISTIC: [&str; 2] = ["--prefill-us-per-token=20", "--decode-us-per-token=2000"];
 
-/// The benchmark request: a 32-token prompt and 4 output tokens, non-streaming. On the
-/// realistic engine that is 32 * 20 us + 3 * 2 ms = 6.6 ms of GPU time: a short request (real
-/// ones generate hundreds of tokens), so the proxy's share is if anything overstated.
+/// The benchmark request: a 128-token prompt and 32 output tokens, non-streaming. On the
+/// realistic engine that is 128 * 20 us + 31 * 2 ms = 64.6 ms of GPU time, still a short chat
+/// turn (real ones generate hundreds of tokens), so the proxy's share is if anything overstated.
+/// Shorter requests at concurrency 64 would ask one simulated GPU for thousands of requests a
+/// second, which no GPU serves and which only measures this machine's two cores.
 fn request_body() -> Bytes {
-    let prompt = (0..32)
+    let prompt = (0..128)
         .map(|i| format!("w{i}"))
         .collect::<Vec<_>>()
         .join(" ");
-    Bytes::from(json!({"model": "sim", "prompt": prompt, "max_tokens": 4}).to_string())
+    Bytes::from(json!({"model": "sim", "prompt": prompt, "max_tokens": 32}).to_string())
 }
 
 async fn one(c: &C, addr: SocketAddr, body: &Bytes) -> Duration {
@@ -274,12 +276,12 @@ fn pd_bench() {
         .worker_threads(2)
         .build()
         .unwrap();
-    // The sidecar's runtime: `LUNAKV_BENCH_SIDECAR_ARGS="--worker-threads=2"` compares flavours.
+    // Extra sidecar flags for every row, e.g. `LUNAKV_BENCH_SIDECAR_ARGS="--worker-threads=2"`.
     let sidecar: Vec<String> = std::env::var("LUNAKV_BENCH_SIDECAR_ARGS")
         .map(|s| s.split_whitespace().map(str::to_string).collect())
         .unwrap_or_default();
     println!(
-        "\n== sidecar overhead: POST /v1/completions, 32-token prompt, 4 tokens, non-streaming =="
+        "\n== sidecar overhead: POST /v1/completions, 128-token prompt, 32 tokens, non-streaming =="
     );
     println!(
         "targets: <= 300 us added at p50, >= 90% of direct throughput; sidecar args {sidecar:?}; loadavg {}",
@@ -294,14 +296,24 @@ fn pd_bench() {
         &sidecar,
         [2000, 60],
     );
+    // The same with a single-threaded sidecar runtime: no cross-thread wake-ups per request.
+    let mut single = sidecar.clone();
+    single.push("--worker-threads=1".into());
+    overhead(
+        &rt,
+        "zero-work, sidecar --worker-threads=1",
+        &zero,
+        &single,
+        [2000, 60],
+    );
     let mut real = zero.clone();
     real.extend(REALISTIC.iter().map(|s| s.to_string()));
     overhead(
         &rt,
-        "realistic (prefill 20 us/token, decode 2 ms/step: 6.6 ms per request)",
+        "realistic (prefill 20 us/token, decode 2 ms/step: 64.6 ms per request)",
         &real,
         &sidecar,
-        [150, 40],
+        [40, 8],
     );
     println!("loadavg after the overhead runs: {}", loadavg());
 

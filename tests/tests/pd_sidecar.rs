@@ -54,6 +54,16 @@ impl PrefillHost {
     }
 }
 
+/// A prefill engine for the nixlv2 flow: it registers with no bootstrap (nixlv2 needs none).
+fn nixl_prefill() -> Sim {
+    Sim::start(
+        fresh_host(),
+        0,
+        "prefill",
+        &["--bootstrap=http://127.0.0.1:1".into()],
+    )
+}
+
 fn decoder(extra: &[String]) -> Sim {
     Sim::start("127.0.0.1".parse().unwrap(), 0, "decode", extra)
 }
@@ -501,13 +511,7 @@ fn client_disconnect_mid_stream_leaves_nothing_behind() {
 
 #[test]
 fn nixlv2_and_shared_storage_flows() {
-    let host = fresh_host();
-    let prefill = Sim::start(
-        host,
-        0,
-        "prefill",
-        &["--bootstrap=http://127.0.0.1:1".into()],
-    );
+    let prefill = nixl_prefill();
     let d = decoder(&[]);
     let sc = Sidecar::start(&d, "nixlv2", 8998, &[]);
     let hdr = [("x-prefiller-host-port", prefill.http.to_string())];
@@ -717,13 +721,7 @@ fn every_disaggregated_route_goes_through_prefill_never_silently_decode_only() {
     // The simulator implements completions and chat only; the other routes answer 404 and are
     // counted by path, which shows where the sidecar sent each request (llm-d-router #1461:
     // /inference/v1/generate went decode-only).
-    let host = fresh_host();
-    let prefill = Sim::start(
-        host,
-        0,
-        "prefill",
-        &["--bootstrap=http://127.0.0.1:1".into()],
-    );
+    let prefill = nixl_prefill();
     let d = decoder(&[]);
     let sc = Sidecar::start(&d, "nixlv2", 8998, &["--prefill-max-retries=2".into()]);
     let target = prefill.http.to_string();

@@ -26,7 +26,8 @@ use tokio::sync::watch;
 
 use crate::state::{
     BootstrapState, Change, DpEntry, DpSlots, RegisterError, Registered, Slot, StateError, Table,
-    Worker, apply_deregister, apply_register, apply_renew, live_entry, live_workers, now_ms, sweep,
+    Worker, apply_deregister, apply_register, apply_renew, live_entry, live_table, live_workers, now_ms,
+    sweep,
     validate,
 };
 
@@ -156,10 +157,7 @@ impl SharedState {
 
     /// The live table; bumps the version when it differs from what this replica last saw.
     fn observe(&self, ranks: &BTreeMap<u32, DpSlots>, now: u64) -> BTreeMap<u32, DpEntry> {
-        let entries: BTreeMap<u32, DpEntry> = ranks
-            .iter()
-            .filter_map(|(dp, s)| Some((*dp, live_entry(s, now)?)))
-            .collect();
+        let entries = live_table(ranks, now);
         let mut seen = self.seen.lock();
         if *seen != entries {
             seen.clone_from(&entries);
@@ -179,9 +177,8 @@ impl BootstrapState for SharedState {
 
     async fn query(&self) -> Result<Table, StateError> {
         let ranks = self.load().await?;
-        let entries = self.observe(&ranks, now_ms());
         Ok(Table {
-            entries,
+            entries: self.observe(&ranks, now_ms()),
             version: *self.version.borrow(),
         })
     }

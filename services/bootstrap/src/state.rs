@@ -307,6 +307,14 @@ pub(crate) fn live_entry(slots: &DpSlots, now: u64) -> Option<DpEntry> {
     e
 }
 
+/// The live table, dp rank by dp rank.
+pub(crate) fn live_table(ranks: &BTreeMap<u32, DpSlots>, now: u64) -> BTreeMap<u32, DpEntry> {
+    ranks
+        .iter()
+        .filter_map(|(dp, s)| Some((*dp, live_entry(s, now)?)))
+        .collect()
+}
+
 /// The live workers of a dp rank.
 pub(crate) fn live_workers(dp: u32, slots: &DpSlots, now: u64) -> impl Iterator<Item = Worker> {
     slots
@@ -377,12 +385,8 @@ impl BootstrapState for MemoryState {
         if Self::sweep_all(&mut ranks, now) > 0 {
             self.bump(Change::Table);
         }
-        let entries = ranks
-            .iter()
-            .filter_map(|(dp, s)| Some((*dp, live_entry(s, now)?)))
-            .collect();
         Ok(Table {
-            entries,
+            entries: live_table(&ranks, now),
             version: *self.version.borrow(),
         })
     }

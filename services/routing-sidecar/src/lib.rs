@@ -17,9 +17,12 @@
 //! (`--prefill-max-retries`, `--prefill-retry-backoff`, on connect errors and 502/503/504) or
 //! returned to the client as a vLLM-style JSON error, the concurrent decode leg is cancelled (no
 //! silent decode-side recompute, no hanging client); a bootstrap cache entry is dropped when its
-//! engine fails; idle upstream connections close after 4 s, before vLLM's 5 s keep-alive; the
-//! SSRF allowlist checks host AND port ([`ssrf`]); `x-request-id` is propagated (or created) and
-//! the prefill and decode legs are separate tracing spans.
+//! engine fails; idle upstream connections close after 4 s (`--idle-conn-timeout`), before
+//! vLLM's 5 s keep-alive; the SSRF allowlist checks host AND port ([`ssrf`]); `x-request-id` is
+//! propagated (or created) and the prefill and decode legs are separate tracing spans.
+//!
+//! Configuration: flags over the environment over `--configuration-file` (upstream's YAML,
+//! [`file`]); validated in [`config`] with messages that name the flag or field.
 //!
 //! The service is a tower stack (see [`layers`]): request id -> in-flight accounting ->
 //! [`proxy::Proxy`], served by hyper-util on one listener per data-parallel rank ([`server`]).

@@ -180,9 +180,19 @@ async fn kv_of(tokens: &[u32], shape: kv::KvShape) -> Result<Vec<u8>, String> {
         .map_err(|e| e.to_string())
 }
 
-/// Simulated GPU time: an async sleep, so the host CPU stays free.
+/// Simulated GPU time: a wait that leaves the host CPU free. Not `tokio::time::sleep`: its
+/// timer wheel ticks in whole milliseconds, which would add up to 1 ms of rounding to every
+/// simulated step and swamp the sub-millisecond differences the benchmark compares. A parked
+/// blocking-pool thread wakes within tens of microseconds and burns no CPU while it waits.
 async fn sleep(d: Duration) {
-    if !d.is_zero() {
+    if d.is_zero() {
+        return;
+    }
+    if tokio::task::spawn_blocking(move || std::thread::sleep(d))
+        .await
+        .is_err()
+    {
+        // The blocking pool is shutting down; fall back to the coarse timer.
         tokio::time::sleep(d).await;
     }
 }
