@@ -26,9 +26,8 @@ use tokio::sync::watch;
 
 use crate::state::{
     BootstrapState, Change, DpEntry, DpSlots, RegisterError, Registered, Slot, StateError, Table,
-    Worker, apply_deregister, apply_register, apply_renew, live_entry, live_table, live_workers, now_ms,
-    sweep,
-    validate,
+    Worker, apply_deregister, apply_register, apply_renew, live_entry, live_table, live_workers,
+    now_ms, sweep, validate,
 };
 
 /// Compare-and-swap attempts before a change gives up (only under heavy contention).

@@ -26,7 +26,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    // The runtime comes first (telemetry may need it); flags are validated inside it.
+    // The runtime comes first: its flavour is a flag (--worker-threads).
     let rt = match cli.worker_threads {
         1 => tokio::runtime::Builder::new_current_thread()
             .enable_all()
