@@ -82,7 +82,12 @@ impl Proc {
     /// Spawns `bin` with `args` and `env`; stdout and stderr are captured (and echoed to stderr
     /// with a prefix so a failing test shows what the service said).
     pub fn spawn(bin_name: &str, args: &[String], env: &[(&str, &str)]) -> Proc {
-        let mut cmd = Command::new(bin(bin_name));
+        Proc::spawn_path(&bin(bin_name), bin_name, args, env)
+    }
+
+    /// [`Proc::spawn`] of the binary at `path` (e.g. another build, for a comparison).
+    pub fn spawn_path(path: &Path, bin_name: &str, args: &[String], env: &[(&str, &str)]) -> Proc {
+        let mut cmd = Command::new(path);
         cmd.args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -170,6 +170,18 @@ impl Sidecar {
         bootstrap_port: u16,
         extra: &[String],
     ) -> Sidecar {
+        let bin = crate::bin("lunakv-sidecar");
+        Sidecar::start_bin(&bin, model_server, connector, bootstrap_port, extra)
+    }
+
+    /// [`Sidecar::start_at`] with the sidecar binary at `bin` (the benchmark compares builds).
+    pub fn start_bin(
+        bin: &std::path::Path,
+        model_server: SocketAddr,
+        connector: &str,
+        bootstrap_port: u16,
+        extra: &[String],
+    ) -> Sidecar {
         let mut args = vec![
             "--host=127.0.0.1".to_string(),
             "--port=0".to_string(),
@@ -180,7 +192,7 @@ impl Sidecar {
             "--secure-proxy=false".to_string(),
         ];
         args.extend(extra.iter().cloned());
-        let proc = Proc::spawn("lunakv-sidecar", &args, &[]);
+        let proc = Proc::spawn_path(bin, "lunakv-sidecar", &args, &[]);
         let line = proc.wait_for_line("lunakv-sidecar listening", Duration::from_secs(20));
         let listeners = fields(&line)
             .get("listeners")

@@ -158,8 +158,20 @@ fn overhead(
     sidecar: &[String],
     sizes: [usize; 2],
 ) {
+    let bin = lunakv_tests::bin("lunakv-sidecar");
+    overhead_of(rt, &bin, label, engine, sidecar, sizes)
+}
+
+fn overhead_of(
+    rt: &tokio::runtime::Runtime,
+    sidecar_bin: &std::path::Path,
+    label: &str,
+    engine: &[String],
+    sidecar: &[String],
+    sizes: [usize; 2],
+) {
     let d = Sim::start("127.0.0.1".parse().unwrap(), 0, "decode", engine);
-    let sc = Sidecar::start(&d, "mooncake", 8998, sidecar);
+    let sc = Sidecar::start_bin(sidecar_bin, d.http, "mooncake", 8998, sidecar);
     println!("\n-- engine: {label} --");
     println!(
         "{:<12} {:>5} {:>9} {:>9} {:>9}   vs direct",
@@ -276,7 +288,8 @@ fn pd_bench() {
         .worker_threads(2)
         .build()
         .unwrap();
-    // Extra sidecar flags for every row, e.g. `LUNAKV_BENCH_SIDECAR_ARGS="--worker-threads=2"`.
+    // Extra sidecar flags for every row, e.g. `LUNAKV_BENCH_SIDECAR_ARGS="--worker-threads=2"`;
+    // `LUNAKV_BENCH_BASELINE_SIDECAR=/path/to/lunakv-sidecar` adds a row for another build.
     let sidecar: Vec<String> = std::env::var("LUNAKV_BENCH_SIDECAR_ARGS")
         .map(|s| s.split_whitespace().map(str::to_string).collect())
         .unwrap_or_default();
@@ -306,6 +319,12 @@ fn pd_bench() {
         &single,
         [2000, 60],
     );
+    // Another sidecar build for comparison (e.g. before a change): its zero-work row.
+    if let Some(other) = std::env::var_os("LUNAKV_BENCH_BASELINE_SIDECAR") {
+        let other = std::path::PathBuf::from(other);
+        let label = format!("zero-work, baseline sidecar {}", other.display());
+        overhead_of(&rt, &other, &label, &zero, &[], [2000, 60]);
+    }
     let mut real = zero.clone();
     real.extend(REALISTIC.iter().map(|s| s.to_string()));
     overhead(
