@@ -225,13 +225,7 @@ impl BootstrapState for SharedState {
     }
 
     async fn workers(&self) -> Result<Vec<Worker>, StateError> {
-        let now = now_ms();
-        Ok(self
-            .load()
-            .await?
-            .iter()
-            .flat_map(|(dp, s)| live_workers(*dp, s, now).collect::<Vec<_>>())
-            .collect())
+        Ok(live_workers(&self.load().await?, now_ms()))
     }
 
     fn subscribe(&self) -> watch::Receiver<u64> {

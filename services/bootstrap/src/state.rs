@@ -315,18 +315,23 @@ pub(crate) fn live_table(ranks: &BTreeMap<u32, DpSlots>, now: u64) -> BTreeMap<u
         .collect()
 }
 
-/// The live workers of a dp rank.
-pub(crate) fn live_workers(dp: u32, slots: &DpSlots, now: u64) -> impl Iterator<Item = Worker> {
-    slots
-        .values()
-        .filter(move |s| s.expires_ms > now)
-        .map(move |s| Worker {
-            engine_id: s.engine_id.clone(),
-            dp_rank: dp,
-            tp_rank: s.tp,
-            pp_rank: s.pp,
-            addr: s.addr.clone(),
+/// Every live worker of the table.
+pub(crate) fn live_workers(ranks: &BTreeMap<u32, DpSlots>, now: u64) -> Vec<Worker> {
+    ranks
+        .iter()
+        .flat_map(|(dp, slots)| {
+            slots
+                .values()
+                .filter(move |s| s.expires_ms > now)
+                .map(move |s| Worker {
+                    engine_id: s.engine_id.clone(),
+                    dp_rank: *dp,
+                    tp_rank: s.tp,
+                    pp_rank: s.pp,
+                    addr: s.addr.clone(),
+                })
         })
+        .collect()
 }
 
 /// The embedded, in-memory table (the default).
@@ -431,13 +436,7 @@ impl BootstrapState for MemoryState {
     }
 
     async fn workers(&self) -> Result<Vec<Worker>, StateError> {
-        let now = now_ms();
-        Ok(self
-            .ranks
-            .lock()
-            .iter()
-            .flat_map(|(dp, s)| live_workers(*dp, s, now).collect::<Vec<_>>())
-            .collect())
+        Ok(live_workers(&self.ranks.lock(), now_ms()))
     }
 
     fn subscribe(&self) -> watch::Receiver<u64> {
