@@ -25,6 +25,7 @@
 //!   benchmark of a proxy in front of it must not make the engine compete for the CPU. Both are
 //!   0 by default, so tests run at full speed.
 //! - Idle keep-alive as uvicorn's (`--timeout-keep-alive-ms`, 5 s like vLLM): see [`server`].
+//! - Multi-port data parallelism (`--data-parallel-size`): see [`run`].
 //!
 //! `GET /sim/stats` reports counters (KV bytes sent/received, local prefills, transfers, HTTP
 //! connections and who closed them) that tests use to prove the bytes really moved.
