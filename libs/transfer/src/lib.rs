@@ -191,6 +191,11 @@ pub struct TransferOptions {
     pub conns_per_peer: usize,
     /// Bound on connecting and on every blocking send/receive.
     pub io_timeout: Duration,
+    /// Threads (the caller's included) a batch's in-process copies are spread over once it
+    /// moves at least [`LOCAL_SPLIT_MIN_BYTES`] per thread. One memcpy stream does not saturate
+    /// memory bandwidth: two threads copy a vLLM batch ~1.7x faster than one on a 2-core box.
+    /// Default: the machine's cores, at most 2 (the engine shares the box with its model loop).
+    pub copy_threads: usize,
 }
 
 /// True when `LUNAKV_DISABLE_SHM` is set to 1/true/yes.
@@ -206,6 +211,9 @@ impl Default for TransferOptions {
             enable_shm: !shm_disabled_by_env(),
             conns_per_peer: 4,
             io_timeout: Duration::from_secs(10),
+            copy_threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(2),
         }
     }
 }
@@ -394,10 +402,46 @@ pub trait Transport: Send + Sync {
 /// A batch is split into units of at least this many bytes per connection; below that a thread
 /// costs more than it saves on a small box.
 const MIN_UNIT_BYTES: u64 = 512 * 1024;
+/// In-process copies are split across threads only in shares of at least this many bytes: a
+/// scoped thread costs ~30 us, which a 2 MiB copy (~250 us) amortises.
+pub const LOCAL_SPLIT_MIN_BYTES: u64 = 2 << 20;
 /// How long a failed shm attach sends a target to tcp before trying shm again.
 const SHM_RETRY_AFTER: Duration = Duration::from_secs(10);
 /// How long a peer that refused `RDMA_CONNECT` is served over tcp before asking again.
 const RDMA_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// A request to an in-process segment inside [`TransferEngine::batch`]: its index in the batch,
+/// the server, the request.
+type LocalReq<'r, 'a> = (
+    usize,
+    std::sync::Arc<server::Shared>,
+    &'r mut TransferRequest<'a>,
+);
+
+/// Splits `reqs` (in order) into at most `parts` runs of roughly equal bytes, each carrying at
+/// least `min_bytes` (so a small batch stays one run). Returns the run lengths.
+fn split_by_bytes(lens: &[u64], parts: usize, min_bytes: u64) -> Vec<usize> {
+    let total: u64 = lens.iter().sum();
+    let parts = (parts as u64)
+        .min(total / min_bytes.max(1))
+        .min(lens.len() as u64)
+        .max(1);
+    let share = total.div_ceil(parts);
+    let mut runs = Vec::with_capacity(parts as usize);
+    let (mut n, mut bytes) = (0usize, 0u64);
+    for &l in lens {
+        n += 1;
+        bytes += l;
+        if bytes >= share && (runs.len() as u64) < parts - 1 {
+            runs.push(n);
+            (n, bytes) = (0, 0);
+        }
+    }
+    if n > 0 {
+        runs.push(n);
+    }
+    runs
+}
 
 /// Moves bytes between caller buffers and segments. `Send + Sync`: one engine per process,
 /// shared by every thread; it pools tcp connections per endpoint and caches shm attachments.
@@ -413,6 +457,8 @@ pub struct TransferEngine {
     rdma_peers: Mutex<std::collections::HashMap<String, (bool, Instant)>>,
     /// Segment servers of this process reached by direct memcpy ([`TransferEngine::attach_local`]).
     local: local::LocalSegments,
+    /// [`TransferOptions::copy_threads`], at least 1.
+    copy_threads: usize,
 }
 
 impl TransferEngine {
@@ -425,6 +471,7 @@ impl TransferEngine {
             rdma: None,
             rdma_peers: Mutex::new(std::collections::HashMap::new()),
             local: local::LocalSegments::default(),
+            copy_threads: opts.copy_threads.max(1),
         }
     }
 
@@ -644,11 +691,6 @@ impl TransferEngine {
     pub fn batch(&self, reqs: &mut [TransferRequest<'_>]) -> Vec<Result<(), TransferError>> {
         let total = reqs.len();
         // Requests to in-process segments, with the server (looked up once per target).
-        type LocalReq<'r, 'a> = (
-            usize,
-            std::sync::Arc<server::Shared>,
-            &'r mut TransferRequest<'a>,
-        );
         let mut locals: Vec<LocalReq<'_, '_>> = Vec::new();
         let mut local_seen: Vec<(&Target, Option<std::sync::Arc<server::Shared>>)> = Vec::new();
         // Group by target (few peers per batch: linear search beats hashing).
@@ -695,30 +737,7 @@ impl TransferEngine {
         }
         let mut results: Vec<Option<Result<(), TransferError>>> =
             (0..total).map(|_| None).collect();
-        let run_locals =
-            |locals: Vec<LocalReq<'_, '_>>| -> Vec<(usize, Result<(), TransferError>)> {
-                locals
-                    .into_iter()
-                    .map(|(i, s, r)| {
-                        let out = match r {
-                            TransferRequest::Write {
-                                target,
-                                generation,
-                                key,
-                                offset,
-                                src,
-                            } => local::write(&s, target, *generation, key, *offset, src),
-                            TransferRequest::Read {
-                                target,
-                                generation,
-                                offset,
-                                dst,
-                            } => local::read(&s, target, *generation, *offset, dst),
-                        };
-                        (i, out)
-                    })
-                    .collect()
-            };
+        let run_locals = |locals: Vec<LocalReq<'_, '_>>| self.run_locals(locals);
         let run_unit = |t: &Target,
                         v: &mut Vec<(usize, &mut TransferRequest<'_>)>|
          -> Vec<(usize, Result<(), TransferError>)> {
@@ -791,6 +810,57 @@ impl TransferEngine {
             .collect()
     }
 
+    /// Runs a batch's in-process requests: on the calling thread, or, when the batch is large
+    /// enough, split in order over up to `copy_threads` threads (the caller runs the first
+    /// share). Each request is still one entry written or read whole by one thread, with the
+    /// same invalidate -> copy -> commit and pin -> copy -> unpin as alone.
+    fn run_locals(&self, locals: Vec<LocalReq<'_, '_>>) -> Vec<(usize, Result<(), TransferError>)> {
+        let one = |(i, s, r): LocalReq<'_, '_>| {
+            let out = match r {
+                TransferRequest::Write {
+                    target,
+                    generation,
+                    key,
+                    offset,
+                    src,
+                } => local::write(&s, target, *generation, key, *offset, src),
+                TransferRequest::Read {
+                    target,
+                    generation,
+                    offset,
+                    dst,
+                } => local::read(&s, target, *generation, *offset, dst),
+            };
+            (i, out)
+        };
+        let lens: Vec<u64> = locals.iter().map(|(_, _, r)| r.len()).collect();
+        let runs = split_by_bytes(&lens, self.copy_threads, LOCAL_SPLIT_MIN_BYTES);
+        if runs.len() <= 1 {
+            return locals.into_iter().map(one).collect();
+        }
+        let mut rest = locals;
+        let mut shares = Vec::with_capacity(runs.len());
+        for n in runs {
+            let tail = rest.split_off(n);
+            shares.push(std::mem::replace(&mut rest, tail));
+        }
+        let mut shares = shares.into_iter();
+        let mine = shares.next().unwrap_or_default();
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = shares
+                .map(|share| sc.spawn(move || share.into_iter().map(one).collect::<Vec<_>>()))
+                .collect();
+            let mut out: Vec<_> = mine.into_iter().map(one).collect();
+            for h in handles {
+                match h.join() {
+                    Ok(r) => out.extend(r),
+                    Err(p) => std::panic::resume_unwind(p),
+                }
+            }
+            out
+        })
+    }
+
     /// FREE: asks the owner at `endpoint` to drop entries `(generation, offset)`; returns once it
     /// has, after their readers' pins are released. `Err(Timeout)` if pins outlived `timeout`
     /// (the entries are dropped anyway). Used by the master before reusing a range.
@@ -854,7 +924,7 @@ impl TransferRequest<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::host_id_from;
+    use super::{host_id_from, split_by_bytes};
 
     #[test]
     fn node_name_replaces_the_hostname_in_the_host_id() {
@@ -882,5 +952,32 @@ mod tests {
             host_id_from("b1", Some(" "), pod("h")),
             host_id_from("b1", None, pod("h"))
         );
+    }
+
+    #[test]
+    fn split_by_bytes_keeps_small_batches_whole_and_halves_big_ones() {
+        let mib = 1u64 << 20;
+        // 32 objects of 512 KiB = 16 MiB: two runs of 16 objects.
+        assert_eq!(split_by_bytes(&[mib / 2; 32], 2, 2 * mib), vec![16, 16]);
+        // Under 2 x 2 MiB: one run, whatever the thread count.
+        assert_eq!(split_by_bytes(&[mib / 2; 7], 2, 2 * mib), vec![7]);
+        assert_eq!(split_by_bytes(&[mib; 8], 1, 2 * mib), vec![8]);
+        // Never more runs than requests; uneven sizes balance by bytes, in order.
+        assert_eq!(split_by_bytes(&[10 * mib], 4, 2 * mib), vec![1]);
+        assert_eq!(
+            split_by_bytes(&[6 * mib, mib, mib, mib, mib, mib, mib], 2, 2 * mib),
+            vec![1, 6]
+        );
+        assert_eq!(split_by_bytes(&[mib; 9], 3, 2 * mib), vec![3, 3, 3]);
+        // Every request lands in exactly one run.
+        for n in 1..40usize {
+            for parts in 1..5 {
+                let lens: Vec<u64> = (0..n as u64).map(|i| (i % 5 + 1) * mib / 2).collect();
+                let runs = split_by_bytes(&lens, parts, 2 * mib);
+                assert_eq!(runs.iter().sum::<usize>(), n);
+                assert!(runs.len() <= parts && runs.iter().all(|&r| r > 0));
+            }
+        }
+        assert_eq!(split_by_bytes(&[], 2, 2 * mib), Vec::<usize>::new());
     }
 }

@@ -13,7 +13,7 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::RwLock;
 
-use crate::mem::Mapping;
+use crate::mem::{Mapping, copy_bytes};
 use crate::server::{OVERWRITE_PIN_WAIT, Shared};
 use crate::table::PinResult;
 use crate::tcp::{check_request, total_len};
@@ -92,8 +92,8 @@ pub(crate) fn write(
     for piece in src {
         // SAFETY: [off, off+len) is inside the mapping (checked above) and its entries were just
         // retired with their readers waited for, so nobody reads the range while we fill it.
-        // `ptr::copy` (memmove) stays correct even if a caller passed bytes of the segment.
-        unsafe { std::ptr::copy(piece.as_ptr(), s.mem.ptr_at(at), piece.len()) };
+        // `copy_bytes` stays correct even if a caller passed bytes of the segment (memmove).
+        unsafe { copy_bytes(s.mem.ptr_at(at), piece.as_ptr(), piece.len()) };
         at += piece.len();
     }
     s.table.commit(generation, key.to_owned(), offset, len);
@@ -122,7 +122,7 @@ pub(crate) fn read(
     let mut at = off;
     for piece in dst.iter_mut() {
         // SAFETY: bounds-checked and pinned: no WRITE or FREE reuses the range until the unpin.
-        unsafe { std::ptr::copy(s.mem.ptr_at(at), piece.as_mut_ptr(), piece.len()) };
+        unsafe { copy_bytes(piece.as_mut_ptr(), s.mem.ptr_at(at), piece.len()) };
         at += piece.len();
     }
     s.table.unpin(pin);
