@@ -26,6 +26,19 @@ impl<'a, 'py> FromPyObject<'a, 'py> for PyInt {
     }
 }
 
+/// The end of this process's user address space, or a bound just above it: the power of two
+/// above a stack address (stacks sit at the top of user space: 2^47 on x86-64 with 4-level
+/// paging, 2^48 on most arm64). An address past it (a kernel address, a sign-extended negative
+/// number) would fault on the first copy and kill the interpreter, so it is refused instead.
+fn user_space_end() -> usize {
+    static END: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *END.get_or_init(|| {
+        let probe = 0u8;
+        let at = std::hint::black_box(&probe) as *const u8 as usize;
+        (at | 1).checked_next_power_of_two().unwrap_or(usize::MAX)
+    })
+}
+
 /// A checked `(ptr, len)` range of caller memory. Holding one promises nothing about the memory
 /// itself; only [`Range::slice`] and [`Range::slice_mut`] turn it into a slice.
 #[derive(Debug, Clone, Copy)]
@@ -36,8 +49,8 @@ pub struct Range {
 
 impl Range {
     /// Checks what can be checked about a Python `(ptr, size)` pair: a non-null pointer, a
-    /// non-negative size no larger than `isize::MAX`, and no wrap past the end of the address
-    /// space. `Err` carries the reason for the log.
+    /// non-negative size no larger than `isize::MAX`, no wrap past the end of the address space,
+    /// and an end inside user space ([`user_space_end`]). `Err` carries the reason for the log.
     pub fn new(ptr: i128, size: i128) -> Result<Range, String> {
         if ptr <= 0 || ptr > usize::MAX as i128 {
             return Err(format!("buffer pointer {ptr:#x} is not a valid address"));
@@ -46,8 +59,14 @@ impl Range {
             return Err(format!("buffer size {size} is negative or too large"));
         }
         let (ptr, len) = (ptr as usize, size as usize);
-        if ptr.checked_add(len).is_none() {
+        let Some(end) = ptr.checked_add(len) else {
             return Err(format!("buffer {ptr:#x}+{len} wraps the address space"));
+        };
+        if end > user_space_end() {
+            return Err(format!(
+                "buffer {ptr:#x}+{len} is not user-space memory (this process's addresses end below {:#x}): pass a numpy/torch data pointer",
+                user_space_end()
+            ));
         }
         Ok(Range { ptr, len })
     }
