@@ -418,29 +418,13 @@ type LocalReq<'r, 'a> = (
     &'r mut TransferRequest<'a>,
 );
 
-/// Splits `reqs` (in order) into at most `parts` runs of roughly equal bytes, each carrying at
-/// least `min_bytes` (so a small batch stays one run). Returns the run lengths.
-fn split_by_bytes(lens: &[u64], parts: usize, min_bytes: u64) -> Vec<usize> {
+/// Helper threads (beside the caller) for in-process requests of `lens` bytes: one per
+/// [`LOCAL_SPLIT_MIN_BYTES`] beyond the first share, at most `copy_threads - 1`, never more
+/// than requests to share out.
+fn copy_helpers(lens: &[u64], copy_threads: usize) -> usize {
     let total: u64 = lens.iter().sum();
-    let parts = (parts as u64)
-        .min(total / min_bytes.max(1))
-        .min(lens.len() as u64)
-        .max(1);
-    let share = total.div_ceil(parts);
-    let mut runs = Vec::with_capacity(parts as usize);
-    let (mut n, mut bytes) = (0usize, 0u64);
-    for &l in lens {
-        n += 1;
-        bytes += l;
-        if bytes >= share && (runs.len() as u64) < parts - 1 {
-            runs.push(n);
-            (n, bytes) = (0, 0);
-        }
-    }
-    if n > 0 {
-        runs.push(n);
-    }
-    runs
+    let shares = (total / LOCAL_SPLIT_MIN_BYTES).min(lens.len() as u64) as usize;
+    shares.min(copy_threads).saturating_sub(1)
 }
 
 /// Moves bytes between caller buffers and segments. `Send + Sync`: one engine per process,
@@ -811,8 +795,7 @@ impl TransferEngine {
     }
 
     /// Runs a batch's in-process requests: on the calling thread, or, when the batch is large
-    /// enough, split in order over up to `copy_threads` threads (the caller runs the first
-    /// share). Each request is still one entry written or read whole by one thread, with the
+    /// enough, shared out over up to `copy_threads` threads (the caller's included). Each request is still one entry written or read whole by one thread, with the
     /// same invalidate -> copy -> commit and pin -> copy -> unpin as alone.
     fn run_locals(&self, locals: Vec<LocalReq<'_, '_>>) -> Vec<(usize, Result<(), TransferError>)> {
         let one = |(i, s, r): LocalReq<'_, '_>| {
@@ -834,23 +817,33 @@ impl TransferEngine {
             (i, out)
         };
         let lens: Vec<u64> = locals.iter().map(|(_, _, r)| r.len()).collect();
-        let runs = split_by_bytes(&lens, self.copy_threads, LOCAL_SPLIT_MIN_BYTES);
-        if runs.len() <= 1 {
+        let helpers = copy_helpers(&lens, self.copy_threads);
+        if helpers == 0 {
             return locals.into_iter().map(one).collect();
         }
-        let mut rest = locals;
-        let mut shares = Vec::with_capacity(runs.len());
-        for n in runs {
-            let tail = rest.split_off(n);
-            shares.push(std::mem::replace(&mut rest, tail));
-        }
-        let mut shares = shares.into_iter();
-        let mine = shares.next().unwrap_or_default();
+        // Work sharing, not a fixed split: each thread claims the next request until none is
+        // left, so a helper the scheduler starts late (a busy box) costs nothing: the caller
+        // simply copies more. The lock per slot is uncontended (each index is claimed once).
+        let slots: Vec<parking_lot::Mutex<Option<LocalReq<'_, '_>>>> = locals
+            .into_iter()
+            .map(|l| parking_lot::Mutex::new(Some(l)))
+            .collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let work = || {
+            let mut out = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(slot) = slots.get(i) else {
+                    return out;
+                };
+                if let Some(req) = slot.lock().take() {
+                    out.push(one(req));
+                }
+            }
+        };
         std::thread::scope(|sc| {
-            let handles: Vec<_> = shares
-                .map(|share| sc.spawn(move || share.into_iter().map(one).collect::<Vec<_>>()))
-                .collect();
-            let mut out: Vec<_> = mine.into_iter().map(one).collect();
+            let handles: Vec<_> = (0..helpers).map(|_| sc.spawn(work)).collect();
+            let mut out = work();
             for h in handles {
                 match h.join() {
                     Ok(r) => out.extend(r),
@@ -924,7 +917,7 @@ impl TransferRequest<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{host_id_from, split_by_bytes};
+    use super::{copy_helpers, host_id_from};
 
     #[test]
     fn node_name_replaces_the_hostname_in_the_host_id() {
@@ -955,29 +948,17 @@ mod tests {
     }
 
     #[test]
-    fn split_by_bytes_keeps_small_batches_whole_and_halves_big_ones() {
+    fn copy_helpers_only_for_batches_worth_sharing() {
         let mib = 1u64 << 20;
-        // 32 objects of 512 KiB = 16 MiB: two runs of 16 objects.
-        assert_eq!(split_by_bytes(&[mib / 2; 32], 2, 2 * mib), vec![16, 16]);
-        // Under 2 x 2 MiB: one run, whatever the thread count.
-        assert_eq!(split_by_bytes(&[mib / 2; 7], 2, 2 * mib), vec![7]);
-        assert_eq!(split_by_bytes(&[mib; 8], 1, 2 * mib), vec![8]);
-        // Never more runs than requests; uneven sizes balance by bytes, in order.
-        assert_eq!(split_by_bytes(&[10 * mib], 4, 2 * mib), vec![1]);
-        assert_eq!(
-            split_by_bytes(&[6 * mib, mib, mib, mib, mib, mib, mib], 2, 2 * mib),
-            vec![1, 6]
-        );
-        assert_eq!(split_by_bytes(&[mib; 9], 3, 2 * mib), vec![3, 3, 3]);
-        // Every request lands in exactly one run.
-        for n in 1..40usize {
-            for parts in 1..5 {
-                let lens: Vec<u64> = (0..n as u64).map(|i| (i % 5 + 1) * mib / 2).collect();
-                let runs = split_by_bytes(&lens, parts, 2 * mib);
-                assert_eq!(runs.iter().sum::<usize>(), n);
-                assert!(runs.len() <= parts && runs.iter().all(|&r| r > 0));
-            }
-        }
-        assert_eq!(split_by_bytes(&[], 2, 2 * mib), Vec::<usize>::new());
+        // A vLLM batch: 32 objects of 512 KiB = 16 MiB: one helper with 2 copy threads.
+        assert_eq!(copy_helpers(&[mib / 2; 32], 2), 1);
+        assert_eq!(copy_helpers(&[mib / 2; 32], 4), 3);
+        // Under two shares of 2 MiB: the caller alone, whatever the thread count.
+        assert_eq!(copy_helpers(&[mib / 2; 7], 4), 0);
+        assert_eq!(copy_helpers(&[mib; 8], 1), 0);
+        // Never more threads than requests.
+        assert_eq!(copy_helpers(&[10 * mib], 4), 0);
+        assert_eq!(copy_helpers(&[10 * mib, 10 * mib], 4), 1);
+        assert_eq!(copy_helpers(&[], 2), 0);
     }
 }
