@@ -4,7 +4,10 @@
 The workload is vLLM's MooncakeStoreConnector's: an object is one KV block, one piece per layer
 (default 32 layers x 16 KiB = 512 KiB), saved with batch_put_from_multi_buffers and loaded with
 batch_get_into_multi_buffers, in batches of 32 objects, ~256 MiB moved each way. Every load is
-compared byte for byte. GB/s = 1e9 bytes/s over the whole pass; p50/p99 are per batch call.
+compared byte for byte. Load buffers are touched before the gets, as vLLM's KV cache is
+(--cold-dst: not). Each worker also measures memcpy of the same pieces (the ceiling of a
+one-thread memcpy path) and reports the machine's load average next to every row.
+GB/s = 1e9 bytes/s over the whole pass; p50/p99 are per batch call.
 
 Two modes, as vLLM runs them:
   embedded          the benchmark process owns a segment (global_segment_size > 0) and is the
@@ -120,6 +123,11 @@ def workload(store, args, tag: str) -> dict:
     # A KV cache as vLLM lays it out: one region per layer, blocks of `piece` bytes in each.
     src = np.random.default_rng(5).integers(0, 256, (args.layers, n_objects, piece), dtype=np.uint8)
     dst = np.zeros_like(src)
+    if not args.cold_dst:
+        # vLLM's KV cache is allocated and zeroed (touched) at engine start, long before any
+        # load: fill it, so a get measures the store, not the kernel zeroing fresh pages on
+        # first touch (the same ~25 ms per 256 MiB on both sides). --cold-dst measures that too.
+        dst.fill(0)
     for buf in (src, dst):
         rc = store.register_buffer(buf.ctypes.data, buf.nbytes)
         if rc != 0:
@@ -360,6 +368,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32, help="pieces per object")
     ap.add_argument("--piece-kib", type=int, default=16, help="bytes per piece")
     ap.add_argument("--runs", type=int, default=1, help="repeat each side; the median run is kept")
+    ap.add_argument("--cold-dst", action="store_true",
+                    help="load into never-touched buffers (first-touch page faults inside the gets)")
     ap.add_argument("--no-upstream", action="store_true", help="measure lunakv only")
     ap.add_argument("--lunakv-python", default=str(REPO / ".venv" / "bin" / "python"))
     ap.add_argument("--upstream-venv", default="/tmp/mc-upstream-venv")
@@ -369,10 +379,12 @@ def main() -> int:
         return worker(args)
 
     common = ["--modes", args.modes, "--total-mib", str(args.total_mib), "--batch", str(args.batch),
-              "--layers", str(args.layers), "--piece-kib", str(args.piece_kib), "--bin-dir", args.bin_dir]
+              "--layers", str(args.layers), "--piece-kib", str(args.piece_kib), "--bin-dir", args.bin_dir,
+              *(["--cold-dst"] if args.cold_dst else [])]
     me = str(Path(__file__).resolve())
     print(f"== workload: objects of {args.layers} x {args.piece_kib} KiB, batches of {args.batch}, "
-          f"~{args.total_mib} MiB each way, modes {args.modes}", flush=True)
+          f"~{args.total_mib} MiB each way, modes {args.modes}, "
+          f"{'cold' if args.cold_dst else 'warm'} load buffers", flush=True)
 
     def median(runs: list[list[dict]]) -> list[dict]:
         """Per mode, the run whose put + get is the median (put and get stay from one run)."""
