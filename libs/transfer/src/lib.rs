@@ -381,21 +381,10 @@ pub trait Transport: Send + Sync {
 
     /// One request through [`Transport::write`] or [`Transport::read`].
     fn execute(&self, t: &Target, req: &mut TransferRequest<'_>) -> Result<(), TransferError> {
-        match req {
-            TransferRequest::Write {
-                generation,
-                key,
-                offset,
-                src,
-                ..
-            } => self.write(t, *generation, key, *offset, src),
-            TransferRequest::Read {
-                generation,
-                offset,
-                dst,
-                ..
-            } => self.read(t, *generation, *offset, dst),
-        }
+        req.dispatch(
+            |_, generation, key, offset, src| self.write(t, generation, key, offset, src),
+            |_, generation, offset, dst| self.read(t, generation, offset, dst),
+        )
     }
 }
 
@@ -622,21 +611,10 @@ impl TransferEngine {
     /// One request, on the calling thread, routed like [`TransferEngine::write`] /
     /// [`TransferEngine::read`].
     pub fn execute(&self, req: &mut TransferRequest<'_>) -> Result<(), TransferError> {
-        match req {
-            TransferRequest::Write {
-                target,
-                generation,
-                key,
-                offset,
-                src,
-            } => self.write(target, *generation, key, *offset, src),
-            TransferRequest::Read {
-                target,
-                generation,
-                offset,
-                dst,
-            } => self.read(target, *generation, *offset, dst),
-        }
+        req.dispatch(
+            |t, generation, key, offset, src| self.write(t, generation, key, offset, src),
+            |t, generation, offset, dst| self.read(t, generation, offset, dst),
+        )
     }
 
     /// Writes the concatenation of `src` (scatter-gather: one piece per layer is fine) at
@@ -795,27 +773,11 @@ impl TransferEngine {
     }
 
     /// Runs a batch's in-process requests: on the calling thread, or, when the batch is large
-    /// enough, shared out over up to `copy_threads` threads (the caller's included). Each request is still one entry written or read whole by one thread, with the
-    /// same invalidate -> copy -> commit and pin -> copy -> unpin as alone.
+    /// enough, shared out over up to `copy_threads` threads (the caller's included). Each
+    /// request is still one entry written or read whole by one thread, with the same
+    /// invalidate -> copy -> commit and pin -> copy -> unpin as alone.
     fn run_locals(&self, locals: Vec<LocalReq<'_, '_>>) -> Vec<(usize, Result<(), TransferError>)> {
-        let one = |(i, s, r): LocalReq<'_, '_>| {
-            let out = match r {
-                TransferRequest::Write {
-                    target,
-                    generation,
-                    key,
-                    offset,
-                    src,
-                } => local::write(&s, target, *generation, key, *offset, src),
-                TransferRequest::Read {
-                    target,
-                    generation,
-                    offset,
-                    dst,
-                } => local::read(&s, target, *generation, *offset, dst),
-            };
-            (i, out)
-        };
+        let one = |(i, s, r): LocalReq<'_, '_>| (i, local::execute(&s, r));
         let lens: Vec<u64> = locals.iter().map(|(_, _, r)| r.len()).collect();
         let helpers = copy_helpers(&lens, self.copy_threads);
         if helpers == 0 {
@@ -901,6 +863,31 @@ const _: () = {
 };
 
 impl TransferRequest<'_> {
+    /// Runs `write(target, generation, key, offset, src)` or `read(target, generation, offset,
+    /// dst)` for this request: the one place a request is taken apart, for every path that
+    /// executes one (engine, transports, the in-process segment).
+    pub(crate) fn dispatch<R>(
+        &mut self,
+        write: impl FnOnce(&Target, u64, &str, u64, &[&[u8]]) -> R,
+        read: impl FnOnce(&Target, u64, u64, &mut [&mut [u8]]) -> R,
+    ) -> R {
+        match self {
+            TransferRequest::Write {
+                target,
+                generation,
+                key,
+                offset,
+                src,
+            } => write(target, *generation, key, *offset, src),
+            TransferRequest::Read {
+                target,
+                generation,
+                offset,
+                dst,
+            } => read(target, *generation, *offset, dst),
+        }
+    }
+
     /// Payload bytes of this request.
     pub fn len(&self) -> u64 {
         match self {

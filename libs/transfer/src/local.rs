@@ -17,7 +17,7 @@ use crate::mem::{Mapping, copy_bytes};
 use crate::server::{OVERWRITE_PIN_WAIT, Shared};
 use crate::table::PinResult;
 use crate::tcp::{check_request, total_len};
-use crate::{SegmentServer, Target, TransferError};
+use crate::{SegmentServer, Target, TransferError, TransferRequest};
 
 struct Attached {
     endpoint: String,
@@ -127,6 +127,14 @@ pub(crate) fn read(
     }
     s.table.unpin(pin);
     Ok(())
+}
+
+/// One batch request against an in-process segment.
+pub(crate) fn execute(s: &Shared, req: &mut TransferRequest<'_>) -> Result<(), TransferError> {
+    req.dispatch(
+        |t, generation, key, offset, src| write(s, t, generation, key, offset, src),
+        |t, generation, offset, dst| read(s, t, generation, offset, dst),
+    )
 }
 
 /// Chunk of one MADV_POPULATE_WRITE call: small enough that shutdown is noticed quickly, and
