@@ -121,6 +121,19 @@ def store_64mb(master):
         p.stop()
 
 
+def connect(master: str, global_segment_size: int = 0):
+    """A set-up MooncakeDistributedStore: embedded with `global_segment_size` > 0, else a pure
+    requester."""
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    # vLLM's positional order: local_hostname, metadata_server, global_segment_size,
+    # local_buffer_size, protocol, device_name, master_server_address.
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", global_segment_size, 16 << 20, "tcp", "", master)
+    assert rc == 0
+    return s
+
+
 # === a vLLM-like KV cache ===
 
 class KvCache:

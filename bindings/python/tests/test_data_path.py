@@ -9,17 +9,20 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import start_store, vllm_key
+from conftest import connect, start_store, vllm_key
 from mooncake.store import MooncakeDistributedStore
 
 MB = 1 << 20
 
 
-def connect(master: str, global_segment_size: int = 0) -> MooncakeDistributedStore:
-    s = MooncakeDistributedStore()
-    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", global_segment_size, 16 * MB, "tcp", "", master)
-    assert rc == 0
-    return s
+def store_in_mode(request, master: str, mode: str) -> MooncakeDistributedStore:
+    """A client owning a 64 MB segment (embedded), or a requester of a 64 MB lunakv-store on this
+    host (standalone-shm: bytes move through the store's memfd)."""
+    if mode == "embedded":
+        return connect(master, 64 * MB)
+    proc, _ = start_store(master, "64MB")
+    request.addfinalizer(proc.stop)
+    return connect(master)
 
 
 class OffsetCache:
@@ -53,12 +56,7 @@ def test_big_batches_at_odd_alignments_round_trip(request, master, mode, offset)
     """One 16 MiB batch (32 blocks x 32 layers x 16 KiB: split over copy threads in embedded
     mode) saved from a cache `offset` bytes into a page and loaded into another at a different
     offset: every byte arrives, nothing around the caches is touched."""
-    if mode == "embedded":
-        s = connect(master, 64 * MB)
-    else:
-        proc, _ = start_store(master, "64MB")
-        request.addfinalizer(proc.stop)
-        s = connect(master)
+    s = store_in_mode(request, master, mode)
     layers, blocks, block_len = 32, 32, 16 * 1024
     src = OffsetCache(layers, blocks, block_len, offset)
     src.arr[:] = np.random.default_rng(offset).integers(0, 256, src.arr.shape, dtype=np.uint8)
@@ -97,12 +95,7 @@ def test_warm_gets_do_not_ask_the_master(request, master_addrs, mode):
     trip: the get-path RPCs stay at zero however many gets run. A client that never saw the keys
     asks once per batch, so the counters do move when a get needs the master."""
     rpc, admin = master_addrs
-    if mode == "embedded":
-        s = connect(rpc, 64 * MB)
-    else:
-        proc, _ = start_store(rpc, "64MB")
-        request.addfinalizer(proc.stop)
-        s = connect(rpc)
+    s = store_in_mode(request, rpc, mode)
     layers, blocks, block_len = 8, 8, 16 * 1024
     src = OffsetCache(layers, blocks, block_len, 0)
     src.arr[:] = np.random.default_rng(3).integers(0, 256, src.arr.shape, dtype=np.uint8)

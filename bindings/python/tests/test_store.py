@@ -19,6 +19,7 @@ from conftest import (
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
     KvCache,
+    connect,
     run_worker,
     start_store,
     vllm_key,
@@ -26,15 +27,6 @@ from conftest import (
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
 MB = 1 << 20
-
-
-def connect(master: str, global_segment_size: int = 0) -> MooncakeDistributedStore:
-    s = MooncakeDistributedStore()
-    # vLLM's positional order: local_hostname, metadata_server, global_segment_size,
-    # local_buffer_size, protocol, device_name, master_server_address.
-    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", global_segment_size, 16 * MB, "tcp", "", master)
-    assert rc == 0
-    return s
 
 
 # === the vLLM store worker's flow, across two processes ===
