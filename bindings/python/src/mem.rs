@@ -26,16 +26,25 @@ impl<'a, 'py> FromPyObject<'a, 'py> for PyInt {
     }
 }
 
-/// The end of this process's user address space, or a bound just above it: the power of two
-/// above a stack address (stacks sit at the top of user space: 2^47 on x86-64 with 4-level
-/// paging, 2^48 on most arm64). An address past it (a kernel address, a sign-extended negative
-/// number) would fault on the first copy and kill the interpreter, so it is refused instead.
+/// A bound at or above the end of this process's user address space: the power of two above a
+/// stack address (stacks sit at the top of user space), and never below 2^47 (x86-64's 4-level
+/// user space; arm64's is 2^48 and comes out of the stack address). An address past it (a
+/// kernel-half pointer, a negative number cast to a pointer) would fault on the first copy and
+/// kill the interpreter, so it is refused instead. 32-bit targets check nothing here.
 fn user_space_end() -> usize {
     static END: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *END.get_or_init(|| {
-        let probe = 0u8;
-        let at = std::hint::black_box(&probe) as *const u8 as usize;
-        (at | 1).checked_next_power_of_two().unwrap_or(usize::MAX)
+        #[cfg(target_pointer_width = "64")]
+        {
+            let probe = 0u8;
+            let at = std::hint::black_box(&probe) as *const u8 as usize;
+            (at | 1)
+                .checked_next_power_of_two()
+                .unwrap_or(usize::MAX)
+                .max(1 << 47)
+        }
+        #[cfg(not(target_pointer_width = "64"))]
+        usize::MAX
     })
 }
 
