@@ -4,7 +4,10 @@
 The workload is vLLM's MooncakeStoreConnector's: an object is one KV block, one piece per layer
 (default 32 layers x 16 KiB = 512 KiB), saved with batch_put_from_multi_buffers and loaded with
 batch_get_into_multi_buffers, in batches of 32 objects, ~256 MiB moved each way. Every load is
-compared byte for byte. GB/s = 1e9 bytes/s over the whole pass; p50/p99 are per batch call.
+compared byte for byte. Load buffers are touched before the gets, as vLLM's KV cache is
+(--cold-dst: not). Each worker also measures memcpy of the same pieces (the ceiling of a
+one-thread memcpy path) and reports the machine's load average next to every row.
+GB/s = 1e9 bytes/s over the whole pass; p50/p99 are per batch call.
 
 Two modes, as vLLM runs them:
   embedded          the benchmark process owns a segment (global_segment_size > 0) and is the
@@ -120,6 +123,11 @@ def workload(store, args, tag: str) -> dict:
     # A KV cache as vLLM lays it out: one region per layer, blocks of `piece` bytes in each.
     src = np.random.default_rng(5).integers(0, 256, (args.layers, n_objects, piece), dtype=np.uint8)
     dst = np.zeros_like(src)
+    if not args.cold_dst:
+        # vLLM's KV cache is allocated and zeroed (touched) at engine start, long before any
+        # load: fill it, so a get measures the store, not the kernel zeroing fresh pages on
+        # first touch (the same ~25 ms per 256 MiB on both sides). --cold-dst measures that too.
+        dst.fill(0)
     for buf in (src, dst):
         rc = store.register_buffer(buf.ctypes.data, buf.nbytes)
         if rc != 0:
@@ -178,6 +186,43 @@ def workload(store, args, tag: str) -> dict:
     }
 
 
+def memcpy_ceiling(args) -> dict:
+    """The C library's memcpy of the very same pieces, in this process: the KV-cache layout
+    (one region per layer) into and out of a page-aligned, warm "segment", batch by batch. This
+    is what an in-process put/get costs with nothing else in the way (numpy copies each 16 KiB
+    run with memmove), so it is the ceiling for a one-thread memcpy path such as upstream's."""
+    import mmap
+
+    import numpy as np
+
+    piece = args.piece_kib * 1024
+    obj = args.layers * piece
+    n_objects = max(args.batch, (args.total_mib * MB) // obj // args.batch * args.batch)
+    kv = np.random.default_rng(6).integers(0, 256, (args.layers, n_objects, piece), dtype=np.uint8)
+    back = np.zeros_like(kv)
+    back.fill(1)  # warm: the ceiling measures copying, not first-touch page faults
+    m = mmap.mmap(-1, n_objects * obj)  # page-aligned, like a segment
+    seg = np.frombuffer(m, dtype=np.uint8).reshape(n_objects, args.layers, piece)
+    seg.fill(1)
+    put_t = get_t = 0.0
+    for first in range(0, n_objects, args.batch):
+        sl = slice(first, first + args.batch)
+        t = time.perf_counter()
+        seg[sl] = kv[:, sl, :].transpose(1, 0, 2)
+        put_t += time.perf_counter() - t
+    for first in range(0, n_objects, args.batch):
+        sl = slice(first, first + args.batch)
+        t = time.perf_counter()
+        back[:, sl, :] = seg[sl].transpose(1, 0, 2)
+        get_t += time.perf_counter() - t
+    if not np.array_equal(kv, back):
+        raise RuntimeError("memcpy ceiling: bytes differ")
+    moved = n_objects * obj
+    del seg
+    m.close()
+    return {"put_gbps": moved / put_t / 1e9, "get_gbps": moved / get_t / 1e9}
+
+
 def store_setup(store, gss: int, master: str) -> None:
     # vLLM's positional order: local_hostname, metadata_server, global_segment_size,
     # local_buffer_size, protocol, device_name, master_server_address.
@@ -213,7 +258,11 @@ def worker(args) -> int:
             m = Proc([exe, f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}"])
             procs.append(m)
             wait_port(port)
+        load = os.getloadavg()[0]
+        ceil = memcpy_ceiling(args)
+        print("RESULT " + json.dumps({"impl": impl, "mode": "memcpy", "load": load, **ceil}), flush=True)
         for mode in args.modes.split(","):
+            load = os.getloadavg()[0]
             if mode == "embedded":
                 s = MooncakeDistributedStore()
                 store_setup(s, gss, master)
@@ -229,7 +278,7 @@ def worker(args) -> int:
                 owner.stop()
             else:
                 raise SystemExit(f"unknown mode {mode}")
-            print("RESULT " + json.dumps({"impl": impl, "mode": mode, **res}), flush=True)
+            print("RESULT " + json.dumps({"impl": impl, "mode": mode, "load": load, **res}), flush=True)
     finally:
         for p in reversed(procs):
             p.stop()
@@ -301,9 +350,13 @@ def ensure_upstream_venv(venv: Path) -> Path | None:
 
 
 def fmt(r: dict) -> str:
+    load = f"   load {r['load']:.2f}" if "load" in r else ""
+    if r["mode"] == "memcpy":
+        return (f"{r['impl']:8} {'memcpy (ceiling)':17} put {r['put_gbps']:6.2f} GB/s"
+                f"{'':31}get {r['get_gbps']:6.2f} GB/s{'':31}{load}")
     return (f"{r['impl']:8} {r['mode']:17} put {r['put_gbps']:6.2f} GB/s (p50 {r['put_p50_us']:8.0f} us,"
             f" p99 {r['put_p99_us']:8.0f} us)   get {r['get_gbps']:6.2f} GB/s (p50 {r['get_p50_us']:8.0f} us,"
-            f" p99 {r['get_p99_us']:8.0f} us)")
+            f" p99 {r['get_p99_us']:8.0f} us){load}")
 
 
 def main() -> int:
@@ -315,6 +368,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32, help="pieces per object")
     ap.add_argument("--piece-kib", type=int, default=16, help="bytes per piece")
     ap.add_argument("--runs", type=int, default=1, help="repeat each side; the median run is kept")
+    ap.add_argument("--cold-dst", action="store_true",
+                    help="load into never-touched buffers (first-touch page faults inside the gets)")
     ap.add_argument("--no-upstream", action="store_true", help="measure lunakv only")
     ap.add_argument("--lunakv-python", default=str(REPO / ".venv" / "bin" / "python"))
     ap.add_argument("--upstream-venv", default="/tmp/mc-upstream-venv")
@@ -324,19 +379,25 @@ def main() -> int:
         return worker(args)
 
     common = ["--modes", args.modes, "--total-mib", str(args.total_mib), "--batch", str(args.batch),
-              "--layers", str(args.layers), "--piece-kib", str(args.piece_kib), "--bin-dir", args.bin_dir]
+              "--layers", str(args.layers), "--piece-kib", str(args.piece_kib), "--bin-dir", args.bin_dir,
+              *(["--cold-dst"] if args.cold_dst else [])]
     me = str(Path(__file__).resolve())
     print(f"== workload: objects of {args.layers} x {args.piece_kib} KiB, batches of {args.batch}, "
-          f"~{args.total_mib} MiB each way, modes {args.modes}", flush=True)
+          f"~{args.total_mib} MiB each way, modes {args.modes}, "
+          f"{'cold' if args.cold_dst else 'warm'} load buffers", flush=True)
 
     def median(runs: list[list[dict]]) -> list[dict]:
+        """Per mode, the run whose put + get is the median (put and get stay from one run)."""
         out = []
         for i in range(len(runs[0])):
             rs = sorted((r[i] for r in runs), key=lambda r: r["put_gbps"] + r["get_gbps"])
             out.append(rs[len(rs) // 2])
         return out
 
-    env = dict(os.environ)
+    # numpy's OpenBLAS threads spin after numpy calls and take a core from whichever side is
+    # measured on a small box; neither side uses BLAS.
+    quiet = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    env = dict(os.environ, **quiet)
     env.setdefault("LUNAKV_LOG", "error")
     lunakv_cmd = [args.lunakv_python, me, *common, "--worker", "lunakv"]
     upstream_cmd = None
@@ -349,7 +410,7 @@ def main() -> int:
             print("upstream skipped: `unshare` is missing (it keeps upstream's 0.0.0.0 listeners off the network)")
         else:
             uenv = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_METADATA_SERVER="P2PHANDSHAKE",
-                        GLOG_minloglevel="2", MC_LOG_LEVEL="ERROR")
+                        GLOG_minloglevel="2", MC_LOG_LEVEL="ERROR", **quiet)
             inner = " ".join(["exec", str(py), me, *common, "--worker", "upstream"])
             upstream_cmd = ["unshare", "-n", "sh", "-c", f"ip link set lo up && {inner}"]
 
@@ -376,7 +437,7 @@ def main() -> int:
         by_mode = {r["mode"]: r for r in upstream}
         for r in lunakv:
             u = by_mode.get(r["mode"])
-            if not u:
+            if not u or r["mode"] == "memcpy":
                 continue
             put, get = r["put_gbps"] / u["put_gbps"], r["get_gbps"] / u["get_gbps"]
             verdict = "ok" if min(put, get) >= 2 else "BELOW 2x"

@@ -9,7 +9,7 @@ use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::mem::{INVALID_PARAMS, Range, disjoint};
+use crate::mem::{INVALID_PARAMS, PyInt, Range, disjoint};
 use crate::types::{ReplicaDescriptor, ReplicateConfig};
 
 /// Answer of a call whose Rust side panicked (the panic is logged, never propagated).
@@ -570,8 +570,8 @@ impl MooncakeDistributedStore {
         &self,
         py: Python<'_>,
         keys: Vec<String>,
-        buffer_ptrs: Vec<i128>,
-        sizes: Vec<i128>,
+        buffer_ptrs: Vec<PyInt>,
+        sizes: Vec<PyInt>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i64> {
         match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
@@ -585,8 +585,8 @@ impl MooncakeDistributedStore {
         &self,
         py: Python<'_>,
         keys: Vec<String>,
-        buffer_ptrs: Vec<i128>,
-        sizes: Vec<i128>,
+        buffer_ptrs: Vec<PyInt>,
+        sizes: Vec<PyInt>,
     ) -> Vec<i64> {
         match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
             Some(r) => self.get_ranges(py, keys, r),
@@ -601,8 +601,8 @@ impl MooncakeDistributedStore {
         &self,
         py: Python<'_>,
         keys: Vec<String>,
-        all_buffer_ptrs: Vec<Vec<i128>>,
-        all_sizes: Vec<Vec<i128>>,
+        all_buffer_ptrs: Vec<Vec<PyInt>>,
+        all_sizes: Vec<Vec<PyInt>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i64> {
         match multi_ranges(keys.len(), &all_buffer_ptrs, &all_sizes) {
@@ -619,8 +619,8 @@ impl MooncakeDistributedStore {
         &self,
         py: Python<'_>,
         keys: Vec<String>,
-        all_buffer_ptrs: Vec<Vec<i128>>,
-        all_sizes: Vec<Vec<i128>>,
+        all_buffer_ptrs: Vec<Vec<PyInt>>,
+        all_sizes: Vec<Vec<PyInt>>,
         prefer_alloc_in_same_node: bool,
     ) -> Vec<i64> {
         let _ = prefer_alloc_in_same_node;
@@ -735,8 +735,8 @@ fn as_bytes<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
 /// Per-key single ranges; None when the list lengths disagree.
 fn single_ranges(
     n: usize,
-    ptrs: &[i128],
-    sizes: &[i128],
+    ptrs: &[PyInt],
+    sizes: &[PyInt],
 ) -> Option<Vec<Result<Vec<Range>, String>>> {
     if ptrs.len() != n || sizes.len() != n {
         tracing::error!(
@@ -749,7 +749,7 @@ fn single_ranges(
     Some(
         ptrs.iter()
             .zip(sizes)
-            .map(|(&p, &s)| Range::new(p, s).map(|r| vec![r]))
+            .map(|(p, s)| Range::new(p.0, s.0).map(|r| vec![r]))
             .collect(),
     )
 }
@@ -757,8 +757,8 @@ fn single_ranges(
 /// Per-key lists of ranges; None when the outer list lengths disagree.
 fn multi_ranges(
     n: usize,
-    ptrs: &[Vec<i128>],
-    sizes: &[Vec<i128>],
+    ptrs: &[Vec<PyInt>],
+    sizes: &[Vec<PyInt>],
 ) -> Option<Vec<Result<Vec<Range>, String>>> {
     if ptrs.len() != n || sizes.len() != n {
         tracing::error!(

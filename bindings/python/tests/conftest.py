@@ -76,17 +76,25 @@ class Proc:
 
 
 @pytest.fixture
-def master():
-    """A lunakv-master on 127.0.0.1 with ephemeral ports; yields its rpc address."""
+def master_addrs():
+    """A lunakv-master on 127.0.0.1 with ephemeral ports; yields ``(rpc, admin)`` addresses
+    (admin serves /metrics)."""
     with tempfile.TemporaryDirectory(prefix="lunakv-py-master-") as d:
         p = Proc(
             "lunakv-master",
             ["--rpc_address=127.0.0.1", "--rpc_port=0", "--metrics_port=0", f"--data_dir={d}"],
         )
         try:
-            yield p.wait_for("listening")["rpc"].strip('",')
+            line = p.wait_for("listening")
+            yield line["rpc"].strip('",'), line["admin"].strip('",')
         finally:
             p.stop()
+
+
+@pytest.fixture
+def master(master_addrs):
+    """A lunakv-master on 127.0.0.1 with ephemeral ports; yields its rpc address."""
+    yield master_addrs[0]
 
 
 def start_store(master_addr: str, size: str) -> tuple[Proc, str]:
@@ -111,6 +119,19 @@ def store_64mb(master):
         yield seg
     finally:
         p.stop()
+
+
+def connect(master: str, global_segment_size: int = 0):
+    """A set-up MooncakeDistributedStore: embedded with `global_segment_size` > 0, else a pure
+    requester."""
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    # vLLM's positional order: local_hostname, metadata_server, global_segment_size,
+    # local_buffer_size, protocol, device_name, master_server_address.
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", global_segment_size, 16 << 20, "tcp", "", master)
+    assert rc == 0
+    return s
 
 
 # === a vLLM-like KV cache ===

@@ -19,6 +19,7 @@ from conftest import (
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
     KvCache,
+    connect,
     run_worker,
     start_store,
     vllm_key,
@@ -26,15 +27,6 @@ from conftest import (
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
 MB = 1 << 20
-
-
-def connect(master: str, global_segment_size: int = 0) -> MooncakeDistributedStore:
-    s = MooncakeDistributedStore()
-    # vLLM's positional order: local_hostname, metadata_server, global_segment_size,
-    # local_buffer_size, protocol, device_name, master_server_address.
-    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", global_segment_size, 16 * MB, "tcp", "", master)
-    assert rc == 0
-    return s
 
 
 # === the vLLM store worker's flow, across two processes ===
@@ -299,6 +291,15 @@ def test_bad_pointers_and_sizes_are_rejected_cleanly(master, store_64mb):
     assert s.batch_put_from_multi_buffers(["a"], [[ptr, ptr + 16]], [[16]]) == [INVALID_PARAMS]
     assert s.batch_put_from_multi_buffers(["a", "b"], [[ptr]], [[16], [16]]) == [INVALID_PARAMS] * 2
     assert s.batch_get_into_multi_buffers(["a"], [[ptr]], [[16], [16]]) == [INVALID_PARAMS]
+    # ints past 64 bits inside the lists are refused with -600, never raised
+    assert s.batch_put_from_multi_buffers(["a"], [[1 << 64]], [[16]]) == [INVALID_PARAMS]
+    assert s.batch_put_from_multi_buffers(["a"], [[ptr]], [[-(1 << 65)]]) == [INVALID_PARAMS]
+    assert s.batch_put_from(["a"], [(1 << 63) + 4096], [16]) == [INVALID_PARAMS]
+    assert s.batch_get_into_multi_buffers(["a"], [[ptr]], [[1 << 100]]) == [INVALID_PARAMS]
+    # kernel-half addresses are refused, not dereferenced (that would kill the interpreter)
+    assert s.get_into("p", 0xFFFF_8000_0000_0000, 64) == INVALID_PARAMS
+    assert s.put_from("p", 0x8000_0000_0000_1000, 64) == INVALID_PARAMS
+    assert s.batch_get_into_multi_buffers(["a"], [[ptr, 1 << 62]], [[16, 16]]) == [INVALID_PARAMS]
     # one bad key does not spoil the others
     r = s.batch_put_from_multi_buffers(["good", "bad"], [[ptr, ptr + 64], [0]], [[64, 64], [64]])
     assert r == [0, INVALID_PARAMS]
@@ -318,6 +319,8 @@ def test_bad_pointers_and_sizes_are_rejected_cleanly(master, store_64mb):
         s.put_from("p", "not a pointer", 10)
     with pytest.raises(TypeError):
         s.batch_is_exist("not-a-list-of-keys")
+    with pytest.raises(TypeError):
+        s.batch_put_from_multi_buffers(["a"], [[float(ptr)]], [[16]])
     s.close()
 
 
@@ -478,3 +481,23 @@ def test_second_setup_replaces_the_first(master, store_64mb):
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", "127.0.0.1:1") != 0
     assert s.get("first") == b""  # the failed setup left it unset, not half-connected
     s.close()
+
+
+def test_local_hostname_from_the_environment_as_vllm_sets_it(master, monkeypatch):
+    """An empty local_hostname falls back to MOONCAKE_REQUESTER_LOCAL_HOSTNAME, then VLLM_HOST_IP
+    (vLLM's get_ip()); with neither, setup fails (non-zero) instead of guessing."""
+    for v in ("MOONCAKE_REQUESTER_LOCAL_HOSTNAME", "MOONCAKE_LOCAL_HOSTNAME", "VLLM_HOST_IP"):
+        monkeypatch.delenv(v, raising=False)
+    s = MooncakeDistributedStore()
+    assert s.setup("", "P2PHANDSHAKE", 16 * MB, 16 * MB, "tcp", "", master) != 0
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    assert s.setup("", "P2PHANDSHAKE", 16 * MB, 16 * MB, "tcp", "", master) == 0
+    assert s.get_hostname().startswith("127.0.0.1:")
+    assert s.put("h", b"x") == 0 and s.get("h") == b"x"
+    # The requester variable wins: VLLM_HOST_IP now names an address this host cannot bind.
+    monkeypatch.setenv("VLLM_HOST_IP", "192.0.2.1")
+    assert s.setup("", "P2PHANDSHAKE", 16 * MB, 16 * MB, "tcp", "", master) != 0
+    monkeypatch.setenv("MOONCAKE_REQUESTER_LOCAL_HOSTNAME", "127.0.0.1")
+    assert s.setup("", "P2PHANDSHAKE", 16 * MB, 16 * MB, "tcp", "", master) == 0
+    assert s.get_hostname().startswith("127.0.0.1:")
+    assert s.close() == 0
