@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use lunakv_tests::otlp::{Collector, SpanRecord};
-use lunakv_tests::pd::{Bootstrap, Sidecar, Sim, fresh_host, post};
+use lunakv_tests::pd::{Bootstrap, Sidecar, Sim, fresh_host, post, request};
 use lunakv_tests::{Master, Proc, Store, child_env};
 use serde_json::json;
 
@@ -186,6 +186,14 @@ fn a_pd_request_through_sidecar_bootstrap_prefill_and_decode_is_one_trace() {
     assert_eq!(r.header("x-request-id"), Some("otel-req-1"));
     assert_eq!(r.json()["id"], "cmpl-otel-req-1", "{}", r.text());
     assert!(decode.stat("kv_bytes_received") > 0, "the KV never moved");
+    // Probes and scrapes as a kubelet and Prometheus send them: no trace context.
+    for path in ["/health", "/health", "/lunakv/sidecar/metrics"] {
+        assert_eq!(
+            request(sidecar.http, "GET", path, &[], b"").status,
+            200,
+            "{path}"
+        );
+    }
 
     // The engines export on their own schedule; the sidecar holds its spans until it drains.
     let in_trace = |service: &str| {
@@ -236,6 +244,14 @@ fn a_pd_request_through_sidecar_bootstrap_prefill_and_decode_is_one_trace() {
         ],
     );
     let spans = collector.spans();
+    let probes: Vec<&SpanRecord> = spans
+        .iter()
+        .filter(|s| s.service == sc && s.attr("path").is_some_and(|p| p != "/v1/completions"))
+        .collect();
+    assert!(
+        probes.is_empty(),
+        "health probes and scrapes must not start traces: {probes:?}"
+    );
     let trace: Vec<&SpanRecord> = spans.iter().filter(|s| s.trace_id == trace_id).collect();
     // One trace, entered once: the caller's span is the only parent outside it.
     let ids: Vec<&str> = trace.iter().map(|s| s.span_id.as_str()).collect();

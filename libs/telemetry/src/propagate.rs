@@ -63,7 +63,7 @@ pub fn serve_under(span: &Span, headers: &http::HeaderMap) {
 }
 
 /// Whether `headers` carry a valid `traceparent`.
-fn carries_context(headers: &http::HeaderMap) -> bool {
+pub fn carries_context(headers: &http::HeaderMap) -> bool {
     TraceContextPropagator::new()
         .extract(&HeaderExtractor(headers))
         .span()

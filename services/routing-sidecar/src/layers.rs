@@ -63,7 +63,15 @@ where
             _ => new_request_id(),
         };
         req.headers_mut().insert("x-request-id", rid.clone());
-        let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = ?rid, otel.kind = tracing::field::Empty);
+        // Kubelet probes and metric scrapes arrive every few seconds: without a caller's trace
+        // they get no span, so they neither start traces nor flood the collector.
+        let quiet = matches!(req.uri().path(), "/health" | crate::METRICS_PATH)
+            && !lunakv_telemetry::propagate::carries_context(req.headers());
+        let span = if quiet {
+            tracing::Span::none()
+        } else {
+            tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = ?rid, otel.kind = tracing::field::Empty)
+        };
         // The request continues its caller's trace (docs/TRACING.md).
         lunakv_telemetry::propagate::serve_under(&span, req.headers());
         let fut = self.inner.call(req);
