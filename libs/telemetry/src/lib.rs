@@ -21,9 +21,12 @@
 //! [`render`] turns a Prometheus [`Registry`] into the text exposition format for a `/metrics`
 //! route. Registries are owned by each service instance, not global, so tests can run several
 //! services in one process.
+//!
+//! [`shutdown_signal`] is the SIGTERM/SIGINT wait each binary hands its server to start the drain.
 
 mod export;
 pub mod propagate;
+mod shutdown;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -33,6 +36,7 @@ use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 pub use export::ExportError;
+pub use shutdown::shutdown_signal;
 
 /// Set while an OTLP exporter is installed; read by every propagation hook, so with tracing off
 /// they cost one relaxed load.

@@ -77,20 +77,6 @@ async fn state(cli: &Cli) -> anyhow::Result<Arc<dyn BootstrapState>> {
     )))
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = term.recv() => {},
-        },
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the service");
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -109,6 +95,12 @@ async fn main() -> anyhow::Result<()> {
     };
     let state = state(&cli).await?;
     let listeners = Listeners::bind(&cfg).await.context("cannot start")?;
-    lunakv_bootstrap::serve(cfg, listeners, state, shutdown_signal()).await?;
+    lunakv_bootstrap::serve(
+        cfg,
+        listeners,
+        state,
+        lunakv_telemetry::shutdown_signal("lunakv-bootstrap"),
+    )
+    .await?;
     Ok(())
 }

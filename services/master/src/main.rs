@@ -123,26 +123,6 @@ impl Cli {
     }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => tokio::select! {
-                _ = ctrl_c => {},
-                _ = term.recv() => {},
-            },
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the master");
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -159,6 +139,11 @@ async fn main() -> anyhow::Result<()> {
     }
     let cfg = loaded.config;
     let listeners = Listeners::bind(&cfg).await?;
-    lunakv_master::serve(cfg, listeners, shutdown_signal()).await?;
+    lunakv_master::serve(
+        cfg,
+        listeners,
+        lunakv_telemetry::shutdown_signal("lunakv-master"),
+    )
+    .await?;
     Ok(())
 }

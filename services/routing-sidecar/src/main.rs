@@ -3,20 +3,6 @@
 
 use lunakv_sidecar::{ConfigError, SidecarConfig};
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = term.recv() => {},
-        },
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the sidecar");
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-}
-
 fn main() {
     let cli = match lunakv_sidecar::parse_args(std::env::args_os()) {
         Ok(c) => c,
@@ -64,7 +50,9 @@ fn main() {
                 std::process::exit(1);
             }
         };
-        if let Err(e) = lunakv_sidecar::serve(bound, shutdown_signal()).await {
+        if let Err(e) =
+            lunakv_sidecar::serve(bound, lunakv_telemetry::shutdown_signal("lunakv-sidecar")).await
+        {
             eprintln!("lunakv-sidecar: {e}");
             std::process::exit(1);
         }

@@ -29,22 +29,11 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the runtime")?;
-    rt.block_on(lunakv_store::serve(cfg, shutdown_signal()))?;
-    Ok(())
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot listen for SIGTERM; stopping on Ctrl-C only");
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
+    // Installed inside the runtime, before serve: a SIGTERM right after startup still drains.
+    let shutdown = {
+        let _in_runtime = rt.enter();
+        lunakv_telemetry::shutdown_signal("lunakv-store")
     };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    rt.block_on(lunakv_store::serve(cfg, shutdown))?;
+    Ok(())
 }

@@ -56,19 +56,6 @@ struct Cli {
     transfer_timeout_s: u64,
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = term.recv() => {},
-        },
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -108,6 +95,6 @@ async fn main() -> anyhow::Result<()> {
         keep_alive: Duration::from_millis(cli.timeout_keep_alive_ms),
         transfer_timeout: Duration::from_secs(cli.transfer_timeout_s.max(1)),
     };
-    lunakv_engine_sim::run(cfg, shutdown_signal()).await?;
+    lunakv_engine_sim::run(cfg, lunakv_telemetry::shutdown_signal("lunakv-engine-sim")).await?;
     Ok(())
 }
