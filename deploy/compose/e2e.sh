@@ -9,7 +9,8 @@
 # 4. puts and gets objects through the store with the CLI container on the stack's network
 #    (the HA master found through etcd from the engine's mooncake_config.json, and by --master
 #    master:50051), and checks the bytes, the leader election and the master's view of the pool,
-# 5. runs `lunakv doctor` in the CLI container (every check passes) and once with a mismatched
+# 5. starts a second bootstrap replica on the etcd table and checks it lists the prefill engine,
+#    then runs `lunakv doctor` in the CLI container (every check passes) and once with a mismatched
 #    sidecar connector (it must fail that row),
 # 6. fills the store-client's 64 MB segment past the eviction watermark and checks that evicted
 #    objects went to the SSD tier (the offload volume grew) and come back byte-exact,
@@ -54,6 +55,7 @@ cleanup() {
     if [ "${KEEP_STACK:-0}" = 1 ]; then
         echo "KEEP_STACK=1: the stack is still up; stop it with: COMPOSE_PROJECT_NAME=$COMPOSE_PROJECT_NAME docker-compose down -v"
     else
+        docker rm -f "${COMPOSE_PROJECT_NAME}_bootstrap_replica" >/dev/null 2>&1 || true
         "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
     fi
     rm -rf "$WORK"
@@ -166,6 +168,27 @@ if has_metric "http://$ADMIN/metrics" '^master_total_capacity_bytes [1-9]'; then
     ok "master /metrics reports the pool's capacity"
 else
     fail "master_total_capacity_bytes is not > 0 on http://$ADMIN/metrics"
+fi
+
+step "a second bootstrap replica answers from the shared etcd table"
+# Beside the first one (same network namespace, other ports), with nothing registered at it:
+# prefill-0 in its /query can only have come from etcd.
+# (docker run: docker-compose 1.x cannot `run` a service that shares another's network.)
+docker run -d --name "${COMPOSE_PROJECT_NAME}_bootstrap_replica" \
+    --network "container:$("${COMPOSE[@]}" ps -q prefill)" lunakv/bootstrap:dev \
+    --host=127.0.0.1 --port=8997 --grpc-port=8996 --etcd-endpoints=etcd:2379 --cluster-id=mooncake_cluster >/dev/null
+replica_query=""
+for _ in $(seq 1 30); do
+    replica_query=$(docker exec "${COMPOSE_PROJECT_NAME}_bootstrap_replica" bash -c \
+        'exec 3<>/dev/tcp/127.0.0.1/8997 && printf "GET /query HTTP/1.0\r\nHost: x\r\n\r\n" >&3 && cat <&3' 2>/dev/null || true)
+    grep -q '"prefill-0"' <<<"$replica_query" && break
+    sleep 1
+done
+docker rm -f "${COMPOSE_PROJECT_NAME}_bootstrap_replica" >/dev/null 2>&1 || true
+if grep -q '"prefill-0"' <<<"$replica_query"; then
+    ok "bootstrap replica lists prefill-0 from etcd: $(tail -n1 <<<"$replica_query")"
+else
+    fail "bootstrap replica on the shared etcd table does not list prefill-0: $replica_query"
 fi
 
 step "lunakv doctor inside the stack"
