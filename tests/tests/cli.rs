@@ -182,3 +182,79 @@ fn config_checks_and_their_messages() {
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("missing.json"), "{}", stderr(&out));
 }
+
+/// `make run` is `lunakv up`: a master and a store that form a pool, a mooncake_config.json an
+/// engine can use, and a SIGTERM that stops both children instead of orphaning them.
+#[test]
+fn up_serves_a_pool_and_stops_both_children_on_sigterm() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut up = Command::new(bin("lunakv"))
+        .args(["--json", "up", "--rpc-port=0", "--metrics-port=0"])
+        .args([
+            "--store-port=0",
+            "--store-metrics-port=0",
+            "--segment-size=32MB",
+        ])
+        .arg("--run-dir")
+        .arg(dir.path())
+        .env_remove("MOONCAKE_MASTER")
+        .env_remove("MOONCAKE_CONFIG_PATH")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn lunakv up");
+    let mut first = String::new();
+    std::io::BufReader::new(up.stdout.take().expect("stdout"))
+        .read_line(&mut first)
+        .expect("read the ready line");
+    let ready: serde_json::Value = serde_json::from_str(&first).expect("ready line is JSON");
+    let pids: Vec<u64> = ["master_pid", "store_pid"]
+        .iter()
+        .map(|k| {
+            ready[k]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{k} in {ready}"))
+        })
+        .collect();
+
+    // The written config reaches the pool: a put through it, then the master sees the segment.
+    let config = ready["config_path"]
+        .as_str()
+        .expect("config_path")
+        .to_string();
+    let put = lunakv(&["--config", &config, "put", "up-key", "-"], Some(b"hello"));
+    assert!(put.status.success(), "put via {config}: {}", stderr(&put));
+    let master = ready["master"].as_str().expect("master").to_string();
+    let out = lunakv(&["--master", &master, "--json", "status"], None);
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status json");
+    assert_eq!(s["capacity_bytes"].as_u64(), Some(32 << 20), "{s}");
+    assert_eq!(s["keys"], 1, "{s}");
+
+    let sent = Command::new("kill")
+        .args(["-TERM", &up.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(sent.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(st) = up.try_wait().expect("wait") {
+            break st;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "lunakv up still running after SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(
+        status.success(),
+        "lunakv up exits cleanly on SIGTERM: {status:?}"
+    );
+    for pid in pids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "child {pid} outlived lunakv up"
+        );
+    }
+}

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use lunakv_proto::ErrorCode;
 use serde::Serialize;
+use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use crate::args::UpArgs;
 use crate::error::Coded;
@@ -55,6 +56,9 @@ pub fn run(a: &UpArgs, json: bool) -> anyhow::Result<ExitCode> {
         .data_dir
         .clone()
         .unwrap_or_else(|| a.run_dir.join("master"));
+    // Before any child exists: a stop that arrives while they start, or right after the banner,
+    // is then held for wait_for_stop instead of killing `up` alone and orphaning them.
+    let stop = StopSignals::install()?;
     let mut stack = Stack::start(&StackOptions {
         bin_dir: bin_dir(a.bin_dir.as_deref())?,
         rpc_port: a.rpc_port,
@@ -103,7 +107,7 @@ pub fn run(a: &UpArgs, json: bool) -> anyhow::Result<ExitCode> {
         );
     }
 
-    let outcome = wait_for_stop(&mut stack);
+    let outcome = stop.wait(&mut stack);
     eprintln!("lunakv up: stopping the store (it unmounts), then the master");
     let stopped = stack.stop();
     // A dead child is the error to report (and exit non-zero for); the stop result comes next.
@@ -155,26 +159,53 @@ fn print_banner(
     println!("Ctrl-C stops both.");
 }
 
-/// Blocks until SIGINT/SIGTERM/SIGHUP (Ok) or a child dies (Err naming it).
-fn wait_for_stop(stack: &mut Stack) -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let mut int = signal(SignalKind::interrupt())?;
-        let mut term = signal(SignalKind::terminate())?;
-        let mut hup = signal(SignalKind::hangup())?;
-        let mut tick = tokio::time::interval(Duration::from_millis(250));
-        loop {
-            tokio::select! {
-                _ = int.recv() => return Ok(()),
-                _ = term.recv() => return Ok(()),
-                _ = hup.recv() => return Ok(()),
-                _ = tick.tick() => stack.check_alive()?,
+/// SIGINT, SIGTERM and SIGHUP handlers, with the small runtime that waits on them.
+struct StopSignals {
+    rt: tokio::runtime::Runtime,
+    int: Signal,
+    term: Signal,
+    hup: Signal,
+}
+
+impl StopSignals {
+    fn install() -> anyhow::Result<Self> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (int, term, hup) = {
+            let _in_runtime = rt.enter();
+            let listen = |kind: SignalKind, name: &str| {
+                signal(kind).with_context(|| format!("cannot listen for {name}"))
+            };
+            (
+                listen(SignalKind::interrupt(), "SIGINT")?,
+                listen(SignalKind::terminate(), "SIGTERM")?,
+                listen(SignalKind::hangup(), "SIGHUP")?,
+            )
+        };
+        Ok(Self { rt, int, term, hup })
+    }
+
+    /// Blocks until one of the signals (Ok) or a child dies (Err naming it).
+    fn wait(self, stack: &mut Stack) -> anyhow::Result<()> {
+        let Self {
+            rt,
+            mut int,
+            mut term,
+            mut hup,
+        } = self;
+        rt.block_on(async {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tokio::select! {
+                    _ = int.recv() => return Ok(()),
+                    _ = term.recv() => return Ok(()),
+                    _ = hup.recv() => return Ok(()),
+                    _ = tick.tick() => stack.check_alive()?,
+                }
             }
-        }
-    })
+        })
+    }
 }
 
 #[cfg(test)]
