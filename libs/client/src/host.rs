@@ -107,6 +107,7 @@ impl SegmentHost {
         .map_err(|e| {
             ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind))
         })?;
+        server.set_cluster_id(&opts.cluster_id);
         // Fresh pages cost a fault per 4 KiB on the first put into them (7-12x slower than warm
         // memory); fault the head of the segment in on a background thread. Capped so a 40 GB
         // pool does not commit all its RAM at start.
@@ -170,6 +171,7 @@ impl SegmentHost {
         let req = pb::UnmountSegmentRequest {
             client_id: self.client_id.clone(),
             segment_name: self.info.name.clone(),
+            instance_id: self.info.instance_id.clone(),
         };
         let res = tokio::time::timeout(self.rpc_timeout, master.unmount_segment(req)).await;
         self.server.shutdown();
@@ -298,6 +300,11 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
             client_id: m.client_id.clone(),
             touched_keys: touched,
             disk_dropped: dropped,
+            mounted_segments: m
+                .server
+                .as_ref()
+                .map(|s| vec![s.info().name])
+                .unwrap_or_default(),
         };
         // One attempt per tick (the next tick retries); the ping of a paused leader is
         // abandoned as soon as the leader key names another master.
@@ -356,6 +363,7 @@ pub(crate) fn descriptor(
         protocol: protocol.to_owned(),
         enable_offload,
         disk_capacity_bytes: 0,
+        instance_id: info.instance_id.clone(),
     }
 }
 

@@ -28,6 +28,10 @@ use crate::host::{Rpc, connect_master, master_client, rpc_error};
 /// new leader's index rebuild (at most 3 s), with room to spare.
 pub const FAILOVER_BUDGET: Duration = Duration::from_secs(30);
 
+/// How long a single master's call keeps retrying a "rebuilding" answer: the master's recovery
+/// grace (3 s) with room to spare. Any other failure is returned at once.
+pub const REBUILD_BUDGET: Duration = Duration::from_secs(6);
+
 /// gRPC metadata naming the leader on a follower's redirect.
 const LEADER_HEADER: &str = "x-lunakv-leader";
 
@@ -199,10 +203,21 @@ impl MasterLink {
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         if !self.0.ha {
-            return f(self.client())
-                .await
-                .map(tonic::Response::into_inner)
-                .map_err(|s| rpc_error(&self.0.spec, &s));
+            // A restarted master answers "rebuilding" until its owners remounted: wait that
+            // out rather than report a miss (or a refused put) that is not true.
+            let deadline = tokio::time::Instant::now() + REBUILD_BUDGET;
+            loop {
+                match f(self.client()).await {
+                    Ok(r) => return Ok(r.into_inner()),
+                    Err(s)
+                        if s.metadata().contains_key(lunakv_proto::headers::REBUILDING)
+                            && tokio::time::Instant::now() < deadline =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    Err(s) => return Err(rpc_error(&self.0.spec, &s)),
+                }
+            }
         }
         let deadline = tokio::time::Instant::now() + FAILOVER_BUDGET;
         let mut changed = self.subscribe();

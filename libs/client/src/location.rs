@@ -51,6 +51,7 @@ impl ReplicaLocation {
                 host_id: seg.host_id.clone(),
                 shm_socket: (!seg.shm_socket.is_empty()).then(|| seg.shm_socket.clone()),
                 size: seg.size,
+                instance_id: (!seg.instance_id.is_empty()).then(|| seg.instance_id.clone()),
             },
             offset: r.offset,
             disk,

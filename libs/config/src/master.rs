@@ -59,6 +59,13 @@ pub struct MasterConfig {
     /// lunakv: keys a client must put in one vLLM key namespace before the cross-instance rule
     /// counts it; two such clients that never share a key flag the namespace (`lunakv doctor`).
     pub namespace_min_keys: u64,
+    /// lunakv: most objects the index may hold (0 = no limit). At the limit the least recently
+    /// used ones are dropped and, if none can be, puts are refused: the master's memory is
+    /// bounded (~530 B per vLLM-shaped key) instead of growing until it is killed.
+    pub max_keys: u64,
+    /// lunakv: share of the pool's capacity one client may hold reserved by puts it started and
+    /// has not ended; a PutStart past it is refused, so one stuck writer cannot block every put.
+    pub put_reservation_limit_ratio: f64,
     /// HA (upstream `--enable_ha`): campaign for leadership in etcd; followers redirect clients.
     pub enable_ha: bool,
     /// etcd client endpoints, `;`-separated as upstream (`h1:2379;h2:2379`; `etcd://` accepted).
@@ -89,6 +96,8 @@ impl Default for MasterConfig {
             enable_offload: false,
             promotion_on_hit: false,
             namespace_min_keys: 64,
+            max_keys: 50_000_000,
+            put_reservation_limit_ratio: 0.5,
             enable_ha: false,
             etcd_endpoints: String::new(),
             ha_backend_type: "etcd".to_string(),
@@ -122,6 +131,8 @@ const KEYS: &[(&str, Kind)] = &[
     ("enable_offload", Kind::Bool),
     ("promotion_on_hit", Kind::Bool),
     ("namespace_min_keys", Kind::Num),
+    ("max_keys", Kind::Num),
+    ("put_reservation_limit_ratio", Kind::Num),
     ("enable_ha", Kind::Bool),
     ("etcd_endpoints", Kind::Str),
     ("ha_backend_type", Kind::Str),
@@ -305,6 +316,11 @@ impl MasterConfig {
         }
         check_positive("client_ttl", self.client_ttl, "s", "10")?;
         check_positive("namespace_min_keys", self.namespace_min_keys, "keys", "64")?;
+        check_ratio(
+            "put_reservation_limit_ratio",
+            self.put_reservation_limit_ratio,
+            "0.5",
+        )?;
         check_positive(
             "put_start_discard_timeout_sec",
             self.put_start_discard_timeout_sec,

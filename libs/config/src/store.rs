@@ -245,20 +245,49 @@ impl StoreConfig {
         HostPort::parse_master("--master_server_address", &self.master_server_address)
     }
 
-    /// The unix socket path for same-host requesters: `--shm_socket` if given, else
-    /// `$XDG_RUNTIME_DIR/lunakv-store-<port>.sock`, else `/tmp/lunakv-store-<port>.sock`.
-    /// `bound_port` is the transfer port actually bound (so `--port=0` gets a unique name).
+    /// `--shm_socket` names the socket file itself (not a directory to put it in).
+    pub fn shm_socket_is_exact(&self) -> bool {
+        self.shm_socket
+            .as_ref()
+            .is_some_and(|p| !(p.as_os_str().to_string_lossy().ends_with('/') || p.is_dir()))
+    }
+
+    /// The unix socket path for same-host requesters. The file name carries the segment's
+    /// identity, `lunakv-store-<cluster_id>-<host>-<port>.sock`, so two stacks sharing a runtime
+    /// directory (two clusters, or two network namespaces of one host) never share a socket. It
+    /// sits in `--shm_socket` when that names a directory (an existing one, or a path ending in
+    /// `/`, as the k8s overlays pass a hostPath), else in `$XDG_RUNTIME_DIR`, else `/tmp`. Any
+    /// other `--shm_socket` is the socket's exact path. `bound_port` is the transfer port
+    /// actually bound (so `--port=0` gets a unique name).
     pub fn shm_socket_path(
         &self,
         bound_port: u16,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> PathBuf {
-        if let Some(p) = &self.shm_socket {
-            return p.clone();
-        }
-        let dir = env("XDG_RUNTIME_DIR")
-            .filter(|d| !d.is_empty())
-            .unwrap_or_else(|| "/tmp".to_string());
-        PathBuf::from(dir).join(format!("lunakv-store-{bound_port}.sock"))
+        let dir = match &self.shm_socket {
+            Some(p) if !self.shm_socket_is_exact() => p.clone(),
+            Some(p) => return p.clone(),
+            None => PathBuf::from(
+                env("XDG_RUNTIME_DIR")
+                    .filter(|d| !d.is_empty())
+                    .unwrap_or_else(|| "/tmp".to_string()),
+            ),
+        };
+        let name = format!(
+            "lunakv-store-{}-{}-{bound_port}.sock",
+            self.cluster_id, self.host
+        );
+        // Only characters that are safe in one path component (a cluster id is free text).
+        let name: String = name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        dir.join(name)
     }
 }

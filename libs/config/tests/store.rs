@@ -295,11 +295,23 @@ fn shm_socket_path() {
     let c = StoreConfig::default();
     assert_eq!(
         c.shm_socket_path(50052, &|_| None),
-        PathBuf::from("/tmp/lunakv-store-50052.sock")
+        PathBuf::from("/tmp/lunakv-store-mooncake_cluster-127.0.0.1-50052.sock")
     );
     assert_eq!(
         c.shm_socket_path(41234, &env_of(&[("XDG_RUNTIME_DIR", "/run/user/1000")])),
-        PathBuf::from("/run/user/1000/lunakv-store-41234.sock")
+        PathBuf::from("/run/user/1000/lunakv-store-mooncake_cluster-127.0.0.1-41234.sock")
+    );
+    // Two stacks sharing a runtime directory: other cluster or other host, other socket.
+    let other = parse(&["--cluster_id=team b", "--host=127.0.0.2"]).unwrap();
+    assert_eq!(
+        other.shm_socket_path(50052, &|_| None),
+        PathBuf::from("/tmp/lunakv-store-team_b-127.0.0.2-50052.sock")
+    );
+    // A directory (the k8s hostPath) gets the generated name inside it.
+    let c = parse(&["--shm_socket=/run/lunakv/"]).unwrap();
+    assert_eq!(
+        c.shm_socket_path(50052, &|_| None),
+        PathBuf::from("/run/lunakv/lunakv-store-mooncake_cluster-127.0.0.1-50052.sock")
     );
     let c = parse(&["--shm_socket=/dev/shm/x.sock"]).unwrap();
     assert_eq!(

@@ -25,3 +25,10 @@ pub mod bootstrap {
 
 /// Re-exported so that users of the generated clients need not depend on tonic directly.
 pub use tonic;
+
+/// gRPC metadata of the master's `UNAVAILABLE` answers that tell a client what to do.
+pub mod headers {
+    /// A master that has just started (or was just elected) and is rebuilding its object index
+    /// from the owners' inventories: retry shortly at the same master, HA or not.
+    pub const REBUILDING: &str = "x-lunakv-rebuilding";
+}

@@ -116,6 +116,7 @@ fn main() {
         host_id: parts[1].to_string(),
         shm_socket: Some(parts[2].to_string()),
         size: SEG,
+        instance_id: None,
     };
     let tcp = TransferEngine::new(TransferOptions {
         enable_shm: false,

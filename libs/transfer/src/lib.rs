@@ -153,6 +153,21 @@ pub struct SegmentInfo {
     /// The segment's RDMA descriptor (device, gid, region address/length/rkey) once
     /// [`SegmentServer::enable_rdma`] registered it; publish it with [`RdmaDescriptor::to_hex`].
     pub rdma: Option<RdmaDescriptor>,
+    /// Random per server instance (a new one each time a segment's memory is created): the
+    /// master hands it out with the segment, and a same-host requester checks the ATTACH
+    /// answer against it, so it never maps another segment that took over the socket path.
+    pub instance_id: String,
+}
+
+/// Who answers an ATTACH: a requester maps the memfd only if this is the segment the master
+/// named.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SegmentIdentity {
+    pub cluster_id: String,
+    /// Segment name, `host:port`.
+    pub name: String,
+    /// [`SegmentInfo::instance_id`].
+    pub instance_id: String,
 }
 
 /// One committed object in a segment's entry table.
@@ -229,6 +244,10 @@ pub struct Target {
     pub shm_socket: Option<String>,
     /// Segment size; ranges past it are refused before anything is sent.
     pub size: u64,
+    /// The segment's [`SegmentInfo::instance_id`] as the master knows it. shm maps only a
+    /// segment whose ATTACH answer carries this id; `None` (a master that predates it) skips
+    /// the check.
+    pub instance_id: Option<String>,
 }
 
 impl From<&SegmentInfo> for Target {
@@ -238,6 +257,7 @@ impl From<&SegmentInfo> for Target {
             host_id: i.host_id.clone(),
             shm_socket: i.shm_socket.clone(),
             size: i.size,
+            instance_id: Some(i.instance_id.clone()),
         }
     }
 }
@@ -305,6 +325,12 @@ pub enum TransferError {
     Timeout,
     #[error("shm unavailable: {0}")]
     ShmUnavailable(String),
+    /// A live process already serves the shm socket path: never unlinked, since its clients
+    /// would then map this segment instead of theirs.
+    #[error(
+        "the shm socket {path} is in use by a live process ({owner}); give this store a path of its own (--shm_socket=<file or directory/>) or stop that process"
+    )]
+    ShmSocketInUse { path: String, owner: String },
     /// The request itself is invalid (zero length, key too long, refused by the owner).
     #[error("invalid transfer request: {0}")]
     InvalidArgument(String),
@@ -341,6 +367,10 @@ impl TransferError {
             TransferError::Protocol(m) => TransferError::Protocol(m.clone()),
             TransferError::Timeout => TransferError::Timeout,
             TransferError::ShmUnavailable(m) => TransferError::ShmUnavailable(m.clone()),
+            TransferError::ShmSocketInUse { path, owner } => TransferError::ShmSocketInUse {
+                path: path.clone(),
+                owner: owner.clone(),
+            },
             TransferError::InvalidArgument(m) => TransferError::InvalidArgument(m.clone()),
             TransferError::RdmaUnavailable(m) => TransferError::RdmaUnavailable(m.clone()),
         }

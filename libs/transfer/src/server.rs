@@ -20,8 +20,8 @@ use crate::mem::Mapping;
 use crate::table::{PinId, PinResult, Table};
 use crate::wire::{self, Op, Request, Response, Status};
 use crate::{
-    ColdItem, ColdTier, Entry, SegmentInfo, SegmentServerConfig, SegmentStats, TransferError,
-    host_id, tune_socket,
+    ColdItem, ColdTier, Entry, SegmentIdentity, SegmentInfo, SegmentServerConfig, SegmentStats,
+    TransferError, host_id, tune_socket,
 };
 
 /// How long a WRITE waits for readers of the entries it overwrites before writing anyway.
@@ -61,6 +61,8 @@ pub(crate) struct Shared {
     next_conn: AtomicU64,
     /// The owner's disk tier, if it offloads.
     cold: std::sync::OnceLock<Arc<dyn ColdTier>>,
+    /// What ATTACH answers when asked ([`wire::FLAG_IDENTITY`]).
+    identity: parking_lot::RwLock<SegmentIdentity>,
 }
 
 /// Owns a memfd-backed segment plus its entry table and serves it over tcp (and a unix socket
@@ -70,6 +72,10 @@ pub struct SegmentServer {
     local_addr: SocketAddr,
     info: SegmentInfo,
     unix_path: Option<PathBuf>,
+    /// A clone of the unix listener (shutdown wakes its accept through it, not through the
+    /// path, which another process may have taken over) and the socket file's (dev, inode), so
+    /// shutdown unlinks only the file it created.
+    unix_wake: Option<(UnixListener, (u64, u64))>,
     acceptors: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -96,13 +102,7 @@ impl SegmentServer {
             .map_err(|e| TransferError::Io(cfg.bind.to_string(), e))?;
         let unix = match &cfg.shm_socket {
             Some(path) => {
-                // A socket file left by a previous run would make bind fail with EADDRINUSE.
-                if std::fs::symlink_metadata(path).is_ok_and(|m| {
-                    use std::os::unix::fs::FileTypeExt;
-                    m.file_type().is_socket()
-                }) {
-                    let _ = std::fs::remove_file(path);
-                }
+                remove_stale_socket(path)?;
                 let l = UnixListener::bind(path).map_err(|e| {
                     TransferError::ShmUnavailable(format!(
                         "cannot bind shm socket {}: {e}; pick a writable path or disable shm",
@@ -137,6 +137,7 @@ impl SegmentServer {
             host_id: host_id(),
             shm_socket: cfg.shm_socket.as_ref().map(|p| p.display().to_string()),
             rdma: None,
+            instance_id: new_instance_id(),
         };
         let shared = Arc::new(Shared {
             mem,
@@ -147,7 +148,23 @@ impl SegmentServer {
             next_conn: AtomicU64::new(0),
             cold: std::sync::OnceLock::new(),
             rdma: crate::rdma::ServerRdma::default(),
+            identity: parking_lot::RwLock::new(SegmentIdentity {
+                cluster_id: String::new(),
+                name: info.name.clone(),
+                instance_id: info.instance_id.clone(),
+            }),
         });
+        let unix_wake = match (&unix, &cfg.shm_socket) {
+            (Some(l), Some(path)) => {
+                let clone = l
+                    .try_clone()
+                    .map_err(|e| TransferError::Io(path.display().to_string(), e))?;
+                let st = rustix::fs::stat(path)
+                    .map_err(|e| TransferError::Io(path.display().to_string(), e.into()))?;
+                Some((clone, (st.st_dev as u64, st.st_ino as u64)))
+            }
+            _ => None,
+        };
         let mut acceptors = Vec::new();
         let s = shared.clone();
         acceptors.push(spawn("lunakv-seg-accept", move || accept_tcp(s, listener))?);
@@ -161,6 +178,7 @@ impl SegmentServer {
             local_addr,
             info,
             unix_path: cfg.shm_socket,
+            unix_wake,
             acceptors: Mutex::new(acceptors),
         })
     }
@@ -189,6 +207,12 @@ impl SegmentServer {
         // (so dropped, deregistering the region) before `mem` is unmapped. Queue pairs that
         // could touch the region belong to connection threads, which hold `shared` alive.
         unsafe { self.shared.rdma.enable(mem.ptr_at(0), mem.len() as usize) }
+    }
+
+    /// The cluster this segment is mounted in, for the identity ATTACH answers (the owner
+    /// learns it from its configuration; the server itself does not care).
+    pub fn set_cluster_id(&self, cluster_id: &str) {
+        self.shared.identity.write().cluster_id = cluster_id.to_owned();
     }
 
     /// Plugs in the disk tier: OFFLOAD and LOAD are served from then on (before, OFFLOAD stores
@@ -240,8 +264,9 @@ impl SegmentServer {
             self.local_addr
         };
         let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
-        if let Some(p) = &self.unix_path {
-            let _ = UnixStream::connect(p);
+        if let Some((l, _)) = &self.unix_wake {
+            // A blocked accept on a shut-down listening socket returns at once (EINVAL).
+            let _ = rustix::net::shutdown(l, rustix::net::Shutdown::Both);
         }
         for h in self.acceptors.lock().drain(..) {
             let _ = h.join();
@@ -252,7 +277,9 @@ impl SegmentServer {
                 Live::Unix(s) => s.shutdown(Shutdown::Both),
             };
         }
-        if let Some(p) = &self.unix_path {
+        if let (Some(p), Some((_, ours))) = (&self.unix_path, &self.unix_wake)
+            && rustix::fs::stat(p).is_ok_and(|st| (st.st_dev as u64, st.st_ino as u64) == *ours)
+        {
             let _ = std::fs::remove_file(p);
         }
         tracing::info!(addr = %self.local_addr, "segment server stopped");
@@ -771,7 +798,7 @@ fn serve<S: Stream>(
                 }
             }
             Op::Attach => {
-                send_fd(&wr, shared)?;
+                send_fd(&wr, shared, wire::wants_identity(&hdr))?;
                 shared.counters.shm_attaches.fetch_add(1, Ordering::Relaxed);
             }
             Op::RdmaConnect => {
@@ -879,15 +906,23 @@ fn offload(shared: &Shared, items: &[(u64, u64)]) -> (u64, Vec<u64>) {
     (stored, failed)
 }
 
-/// ATTACH: the response header travels with the memfd in SCM_RIGHTS.
-fn send_fd<S: AsFd>(sock: &S, shared: &Shared) -> io::Result<()> {
+/// ATTACH: the response header travels with the memfd in SCM_RIGHTS, followed by the
+/// segment's identity when the requester asked for it.
+fn send_fd<S: AsFd>(sock: &S, shared: &Shared, identity: bool) -> io::Result<()> {
     use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
-    let hdr = Response {
+    let body = if identity {
+        wire::encode_identity(&shared.identity.read())
+    } else {
+        Vec::new()
+    };
+    let mut hdr = Response {
         status: Status::Ok,
         value: shared.mem.len(),
-        len: 0,
+        len: body.len() as u64,
     }
-    .encode();
+    .encode()
+    .to_vec();
+    hdr.extend_from_slice(&body);
     let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut cmsg = SendAncillaryBuffer::new(&mut space);
     let fds = [shared.mem.fd().as_fd()];
@@ -901,4 +936,50 @@ fn send_fd<S: AsFd>(sock: &S, shared: &Shared) -> io::Result<()> {
         w.write_all(&hdr[sent..])?;
     }
     Ok(())
+}
+
+/// A random id for one server instance (128 bits, hex).
+fn new_instance_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// Makes room for the shm socket: a file left by a dead owner goes; a socket some live
+/// process still accepts on is never unlinked (its requesters would silently map our segment
+/// instead of theirs), and refusing names that process.
+fn remove_stale_socket(path: &std::path::Path) -> Result<(), TransferError> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !meta.file_type().is_socket() {
+        // bind reports EADDRINUSE with the path; never delete a file that is not a socket.
+        return Ok(());
+    }
+    match UnixStream::connect(path) {
+        Ok(s) => {
+            let owner = match rustix::net::sockopt::socket_peercred(&s) {
+                Ok(c) => {
+                    let pid = c.pid.as_raw_nonzero().get();
+                    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                        .map(|c| c.trim().to_owned())
+                        .unwrap_or_else(|_| "unknown".into());
+                    format!("pid {pid}, {comm}")
+                }
+                Err(_) => "pid unknown".into(),
+            };
+            Err(TransferError::ShmSocketInUse {
+                path: path.display().to_string(),
+                owner,
+            })
+        }
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            // Nobody listens: a previous run's leftover.
+            let _ = std::fs::remove_file(path);
+            Ok(())
+        }
+        Err(e) => Err(TransferError::ShmUnavailable(format!(
+            "cannot probe the existing shm socket {}: {e}; remove it if no store uses it, or pick another --shm_socket",
+            path.display()
+        ))),
+    }
 }

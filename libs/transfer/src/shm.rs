@@ -15,7 +15,7 @@ use crate::mem::{Mapping, copy_in, copy_out};
 use crate::tcp::{breaks_conn, check_request, io_err, recv_status, total_len};
 use crate::vio::write_all_gather;
 use crate::wire::{self, Op, Request, Response, Status};
-use crate::{Target, TransferError, Transport};
+use crate::{SegmentIdentity, Target, TransferError, Transport};
 
 /// One attached segment: our mapping of the owner's memfd plus pooled unix connections.
 struct Attachment {
@@ -26,6 +26,8 @@ struct Attachment {
     idle: Mutex<Vec<UnixStream>>,
     /// The owner reads trace contexts (its ATTACH answer carried [`wire::FEATURE_TRACE`]).
     traces: bool,
+    /// Who answered the ATTACH (`None` from an owner that predates identities).
+    identity: Option<SegmentIdentity>,
 }
 
 impl Attachment {
@@ -51,6 +53,34 @@ fn fd_ident(fd: &OwnedFd) -> io::Result<(u64, u64)> {
     Ok((st.st_dev as u64, st.st_ino as u64))
 }
 
+/// What an ATTACH answered.
+struct Attached {
+    stream: UnixStream,
+    fd: OwnedFd,
+    size: u64,
+    features: u8,
+    identity: Option<SegmentIdentity>,
+}
+
+/// An owner that predates identities cannot prove it is the expected segment; only a master
+/// that predates them (no expected id) lets it through.
+fn matches_expected(got: Option<&SegmentIdentity>, expected: Option<&str>) -> bool {
+    match expected {
+        None | Some("") => true,
+        Some(want) => got.is_some_and(|g| g.instance_id == want),
+    }
+}
+
+fn describe(id: Option<&SegmentIdentity>) -> String {
+    match id {
+        Some(i) => format!(
+            "segment {} of cluster {:?} (instance {})",
+            i.name, i.cluster_id, i.instance_id
+        ),
+        None => "a store that does not say which segment it serves".into(),
+    }
+}
+
 fn unavailable(path: &str, e: impl std::fmt::Display) -> TransferError {
     TransferError::ShmUnavailable(format!(
         "cannot attach segment over {path}: {e}; check the owner runs on this host and the path is reachable, or set LUNAKV_DISABLE_SHM=1"
@@ -66,16 +96,16 @@ impl ShmTransport {
         }
     }
 
-    /// Connects and ATTACHes: returns the stream, the memfd with its size, and the owner's
-    /// features byte.
-    fn connect(&self, path: &str) -> Result<(UnixStream, OwnedFd, u64, u8), TransferError> {
+    /// Connects and ATTACHes: returns the stream, the memfd with its size, the owner's
+    /// features byte and its identity (if it sent one).
+    fn connect(&self, path: &str) -> Result<Attached, TransferError> {
         use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
         let s = UnixStream::connect(path).map_err(|e| unavailable(path, e))?;
         s.set_read_timeout(Some(self.io_timeout))
             .map_err(|e| unavailable(path, e))?;
         s.set_write_timeout(Some(self.io_timeout))
             .map_err(|e| unavailable(path, e))?;
-        let req = Request::bare(Op::Attach).encode();
+        let req = Request::bare(Op::Attach).encode_identity_request();
         write_all_gather(&mut &s, &[&req], &[]).map_err(|e| unavailable(path, e))?;
         let mut hdr = [0u8; wire::RESP_LEN];
         let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
@@ -111,25 +141,69 @@ impl ShmTransport {
             ));
         }
         let fd = fd.ok_or_else(|| unavailable(path, "ATTACH carried no file descriptor"))?;
-        Ok((s, fd, resp.value, wire::features(&hdr)))
+        let identity = if resp.len == 0 {
+            None
+        } else if resp.len > wire::MAX_IDENTITY_LEN {
+            return Err(unavailable(
+                path,
+                format!("ATTACH identity of {} bytes", resp.len),
+            ));
+        } else {
+            let mut body = vec![0u8; resp.len as usize];
+            io::Read::read_exact(&mut &s, &mut body).map_err(|e| unavailable(path, e))?;
+            Some(
+                wire::decode_identity(&body)
+                    .ok_or_else(|| unavailable(path, "malformed ATTACH identity"))?,
+            )
+        };
+        Ok(Attached {
+            stream: s,
+            fd,
+            size: resp.value,
+            features: wire::features(&hdr),
+            identity,
+        })
     }
 
-    fn attachment(&self, path: &str) -> Result<Arc<Attachment>, TransferError> {
-        if let Some(a) = self.attachments.read().get(path) {
+    /// The attachment behind `path`, mapping it first if needed. With `expected` (the
+    /// instance id the master named), only a segment whose ATTACH answer carries that id is
+    /// mapped: another stack's store that took over the path is refused before one byte moves.
+    fn attachment(
+        &self,
+        path: &str,
+        expected: Option<&str>,
+    ) -> Result<Arc<Attachment>, TransferError> {
+        if let Some(a) = self.attachments.read().get(path)
+            && matches_expected(a.identity.as_ref(), expected)
+        {
             return Ok(a.clone());
         }
-        let (s, fd, size, features) = self.connect(path)?;
-        let ident = fd_ident(&fd).map_err(|e| unavailable(path, e))?;
-        let map = Mapping::map(fd, size).map_err(|e| unavailable(path, e))?;
+        let at = self.connect(path)?;
+        if !matches_expected(at.identity.as_ref(), expected) {
+            return Err(TransferError::ShmUnavailable(format!(
+                "{path} is served by {}, not by the segment instance {} the master named: another store took over this socket path; using tcp",
+                describe(at.identity.as_ref()),
+                expected.unwrap_or_default()
+            )));
+        }
+        let ident = fd_ident(&at.fd).map_err(|e| unavailable(path, e))?;
+        let map = Mapping::map(at.fd, at.size).map_err(|e| unavailable(path, e))?;
         let a = Arc::new(Attachment {
             map,
             ident,
-            idle: Mutex::new(vec![s]),
-            traces: features & wire::FEATURE_TRACE != 0,
+            idle: Mutex::new(vec![at.stream]),
+            traces: at.features & wire::FEATURE_TRACE != 0,
+            identity: at.identity,
         });
         let mut w = self.attachments.write();
         // Another thread may have attached meanwhile; keep one mapping per segment.
-        Ok(w.entry(path.to_string()).or_insert(a).clone())
+        match w.get(path) {
+            Some(cur) if matches_expected(cur.identity.as_ref(), expected) => Ok(cur.clone()),
+            _ => {
+                w.insert(path.to_string(), a.clone());
+                Ok(a)
+            }
+        }
     }
 
     /// Attaches `t`'s segment if not yet attached.
@@ -137,7 +211,7 @@ impl ShmTransport {
         let path = t.shm_socket.as_deref().ok_or_else(|| {
             TransferError::ShmUnavailable(format!("{} offers no shm socket", t.endpoint))
         })?;
-        self.attachment(path).map(|_| ())
+        self.attachment(path, t.instance_id.as_deref()).map(|_| ())
     }
 
     /// Drops a cached attachment (owner restarted or went away); the next call re-attaches.
@@ -152,14 +226,14 @@ impl ShmTransport {
         if let Some(s) = a.idle.lock().pop() {
             return Ok(s);
         }
-        let (s, fd, _, _) = self.connect(path)?;
-        let ident = fd_ident(&fd).map_err(|e| unavailable(path, e))?;
-        if ident != a.ident {
+        let at = self.connect(path)?;
+        let ident = fd_ident(&at.fd).map_err(|e| unavailable(path, e))?;
+        if ident != a.ident || at.identity != a.identity {
             return Err(TransferError::ShmUnavailable(format!(
                 "the segment behind {path} was replaced (owner restarted); re-attaching"
             )));
         }
-        Ok(s)
+        Ok(at.stream)
     }
 
     fn checkin(&self, a: &Attachment, s: UnixStream) {
@@ -181,7 +255,7 @@ impl ShmTransport {
         })?;
         let mut retried = false;
         loop {
-            let a = self.attachment(path)?;
+            let a = self.attachment(path, t.instance_id.as_deref())?;
             let r = self.checkout(path, &a).and_then(|mut s| {
                 let r = f(&a, &mut s);
                 if !matches!(&r, Err(e) if breaks_conn(e)) {

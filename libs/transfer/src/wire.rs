@@ -39,8 +39,42 @@ pub const FLAGS_AT: usize = 5;
 pub const FLAG_TRACE: u8 = 1;
 /// Response feature: this peer reads the trace context of [`FLAG_TRACE`] requests.
 pub const FEATURE_TRACE: u8 = 1;
+/// Request flag on ATTACH: answer with the segment's identity ([`encode_identity`]) after the
+/// response header, `len` bytes. Older servers ignore it and answer with `len` 0.
+pub const FLAG_IDENTITY: u8 = 2;
+/// Response feature: this peer answers [`FLAG_IDENTITY`].
+pub const FEATURE_IDENTITY: u8 = 2;
 /// What this crate's servers understand; every response they send carries it.
-pub const FEATURES: u8 = FEATURE_TRACE;
+pub const FEATURES: u8 = FEATURE_TRACE | FEATURE_IDENTITY;
+/// Longest identity an ATTACH answer may carry (three short strings).
+pub const MAX_IDENTITY_LEN: u64 = 1024;
+
+/// The identity body: cluster id, segment name and instance id, each a little-endian u16
+/// length then UTF-8 bytes.
+pub fn encode_identity(id: &crate::SegmentIdentity) -> Vec<u8> {
+    let mut b = Vec::new();
+    for s in [&id.cluster_id, &id.name, &id.instance_id] {
+        let bytes = &s.as_bytes()[..s.len().min(300)];
+        b.extend_from_slice(&(bytes.len() as u16).to_le_bytes());
+        b.extend_from_slice(bytes);
+    }
+    b
+}
+
+/// Decodes an identity body; `None` when it is malformed.
+pub fn decode_identity(mut b: &[u8]) -> Option<crate::SegmentIdentity> {
+    let mut field = || {
+        let n = usize::from(u16::from_le_bytes(b.get(..2)?.try_into().ok()?));
+        let s = std::str::from_utf8(b.get(2..2 + n)?).ok()?.to_owned();
+        b = &b[2 + n..];
+        Some(s)
+    };
+    Some(crate::SegmentIdentity {
+        cluster_id: field()?,
+        name: field()?,
+        instance_id: field()?,
+    })
+}
 /// The trace context: version 0, then the W3C trace id (16 bytes), parent span id (8) and
 /// trace flags (1) of the requester's span, i.e. a binary `traceparent`.
 pub const TRACE_LEN: usize = 26;
@@ -229,6 +263,13 @@ impl Request {
         b
     }
 
+    /// Encodes with [`FLAG_IDENTITY`] set (an ATTACH that wants the segment's identity).
+    pub fn encode_identity_request(&self) -> [u8; REQ_LEN] {
+        let mut b = self.encode();
+        b[FLAGS_AT] |= FLAG_IDENTITY;
+        b
+    }
+
     /// Encodes with [`FLAG_TRACE`] set when `trace` is given; returns the header and the bytes
     /// to send right after it (empty without a trace).
     pub fn encode_with<'t>(&self, trace: Option<&'t [u8; TRACE_LEN]>) -> ([u8; REQ_LEN], &'t [u8]) {
@@ -300,6 +341,11 @@ impl Response {
 /// Whether a request header carries a trace context.
 pub fn is_traced(b: &[u8; REQ_LEN]) -> bool {
     b[FLAGS_AT] & FLAG_TRACE != 0
+}
+
+/// The request asks for the segment's identity ([`FLAG_IDENTITY`]).
+pub fn wants_identity(b: &[u8; REQ_LEN]) -> bool {
+    b[FLAGS_AT] & FLAG_IDENTITY != 0
 }
 
 /// The features byte of a response header (0 from peers that predate it).

@@ -127,6 +127,7 @@ fn target(addr: SocketAddr) -> Target {
         host_id: "another-host".into(),
         shm_socket: None,
         size: 64 << 20,
+        instance_id: None,
     }
 }
 

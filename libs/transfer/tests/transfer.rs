@@ -702,3 +702,94 @@ fn shm_reattaches_after_owner_restart() {
     );
     assert_eq!(again.inventory().len(), 1);
 }
+
+/// Two segments on one host, and the socket path the master named for one of them now leads
+/// to the other (another stack's store took the path over). Before identities, the requester
+/// mapped whatever answered: its get returned the other segment's bytes with rc=0, and its put
+/// landed in the other memfd. Now the ATTACH answer must carry the instance id the master
+/// named; anything else is refused and the transfer goes over tcp to the right owner.
+#[test]
+fn shm_never_maps_a_segment_other_than_the_one_the_master_named() {
+    let ours = server();
+    let theirs = server();
+    let Some(e) = shm_engine(&ours.target) else {
+        return;
+    };
+    let mine = pattern(4096, 1);
+    let foreign = pattern(4096, 2);
+    // Same generation and offset in both: what two fresh clusters used to hand out.
+    tcp_engine()
+        .write(&ours.target, 4_294_967_297, "victim", 0, &[&mine])
+        .unwrap();
+    tcp_engine()
+        .write(&theirs.target, 4_294_967_297, "victim", 0, &[&foreign])
+        .unwrap();
+    std::fs::rename(&theirs.sock, &ours.sock).unwrap();
+
+    assert_eq!(
+        read_vec(&e, &ours.target, 4_294_967_297, 0, 4096).unwrap(),
+        mine,
+        "a get through a hijacked socket path returned another segment's bytes"
+    );
+    e.write(&ours.target, 7, "after", 8192, &[b"mine"]).unwrap();
+    assert!(
+        !e.uses_shm(&ours.target),
+        "the refused path is remembered and tcp used"
+    );
+    assert_eq!(
+        read_vec(&tcp_engine(), &ours.target, 7, 8192, 4).unwrap(),
+        b"mine"
+    );
+    assert!(
+        matches!(
+            read_vec(&tcp_engine(), &theirs.target, 7, 8192, 4),
+            Err(TransferError::Stale { .. })
+        ),
+        "the put landed in the other segment"
+    );
+    assert_eq!(
+        theirs.server.stats().shm_attaches,
+        1,
+        "only the refused probe"
+    );
+}
+
+/// A store starting on a socket path that a live store serves refuses, naming that process,
+/// instead of unlinking it (which silently redirected the first store's requesters).
+#[test]
+fn a_live_shm_socket_is_never_unlinked() {
+    let first = server();
+    let err = SegmentServer::start(SegmentServerConfig {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        size: SEG,
+        shm_socket: Some(first.sock.clone()),
+        advertise_host: None,
+    })
+    .err()
+    .expect("a second server on a live socket path");
+    let msg = err.to_string();
+    assert!(
+        matches!(err, TransferError::ShmSocketInUse { .. })
+            && msg.contains(&format!("pid {}", std::process::id())),
+        "{msg}"
+    );
+    // The first one still serves its requesters over shm.
+    if let Some(e) = shm_engine(&first.target) {
+        e.write(&first.target, 1, "k", 0, &[b"still mine"]).unwrap();
+        assert_eq!(
+            read_vec(&e, &first.target, 1, 0, 10).unwrap(),
+            b"still mine"
+        );
+    }
+    // A leftover file nobody listens on is replaced.
+    let dir = tempfile::tempdir().unwrap();
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    SegmentServer::start(SegmentServerConfig {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        size: SEG,
+        shm_socket: Some(stale),
+        advertise_host: None,
+    })
+    .expect("a stale socket file is replaced");
+}

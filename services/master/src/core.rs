@@ -45,6 +45,10 @@ pub struct CoreConfig {
     /// Keys a client must put in a namespace before the unshared-instances rule counts it
     /// (`namespace_min_keys`; see [`crate::namespaces`]).
     pub namespace_min_keys: u64,
+    /// Most objects in the index (0 = no limit).
+    pub max_keys: u64,
+    /// Share of total capacity one client may hold reserved by unfinished puts.
+    pub put_reservation_limit_ratio: f64,
 }
 
 impl CoreConfig {
@@ -63,6 +67,8 @@ impl CoreConfig {
             enable_offload: c.enable_offload,
             promotion_on_hit: c.promotion_on_hit,
             namespace_min_keys: c.namespace_min_keys,
+            max_keys: c.max_keys,
+            put_reservation_limit_ratio: c.put_reservation_limit_ratio,
         }
     }
 }
@@ -86,6 +92,10 @@ pub struct SegmentDesc {
     /// SSD tier limit of the owner; 0 = no usable disk tier. (Absent in older persisted records.)
     #[serde(default)]
     pub disk_capacity: u64,
+    /// The owner's segment server instance ([`lunakv_transfer::SegmentInfo::instance_id`]);
+    /// empty from owners that predate it.
+    #[serde(default)]
+    pub instance_id: String,
 }
 
 /// One object a segment already holds, reported at mount.
@@ -162,6 +172,16 @@ pub enum CoreError {
     InvalidArgument(String),
     #[error("segment {0:?} is not mounted")]
     SegmentNotFound(String),
+    #[error(
+        "segment {segment:?} belongs to client {owner:?} (instance {instance:?}), not to \
+         {caller:?}: only its owner may unmount it; a dead owner's segment goes after client_ttl"
+    )]
+    NotOwner {
+        segment: String,
+        owner: String,
+        instance: String,
+        caller: String,
+    },
     #[error(
         "offload mismatch: store-client segment {segment:?} has --enable_offload=true but this \
          master runs without it, so objects evicted from its DRAM could never be found on its \
@@ -293,6 +313,14 @@ pub struct ReplicaInfo {
     pub kind: &'static str,
 }
 
+/// A discarded put's ranges, held until its writer can no longer be copying into them.
+struct Quarantined {
+    until: Instant,
+    key: String,
+    client_id: String,
+    frees: Vec<PendingFree>,
+}
+
 /// Result of a mount.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MountOutcome {
@@ -312,8 +340,16 @@ pub struct MasterCore {
     hasher: std::collections::hash_map::RandomState,
     segments: Mutex<HashMap<String, Segment>>,
     clients: Mutex<HashMap<String, ClientEntry>>,
-    /// Ranges of discarded puts, freed once their release deadline passes.
-    quarantine: Mutex<Vec<(Instant, Vec<PendingFree>)>>,
+    /// Ranges of discarded puts, freed once their release deadline passes (or at once when
+    /// their writer revokes them or dies).
+    quarantine: Mutex<Vec<Quarantined>>,
+    /// Bytes each client holds reserved by puts it has not ended: recounted by every
+    /// [`Self::sweep_puts`] and raised by each PutStart in between (a leaf lock).
+    reserved: Mutex<HashMap<String, u64>>,
+    /// Objects in the index as of the last sweep (the key limit's cheap check).
+    approx_keys: AtomicU64,
+    /// Ranges of puts whose writer died, to free on the next [`Self::release_orphaned`].
+    orphaned: Mutex<Vec<PendingFree>>,
     eviction_lock: tokio::sync::Mutex<()>,
     /// Promotions reserved by gets, waiting for [`MasterCore::run_promotions`] (a leaf lock).
     promotions: Mutex<Vec<PendingPromotion>>,
@@ -338,6 +374,9 @@ impl MasterCore {
             segments: Mutex::new(HashMap::new()),
             clients: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(Vec::new()),
+            reserved: Mutex::new(HashMap::new()),
+            approx_keys: AtomicU64::new(0),
+            orphaned: Mutex::new(Vec::new()),
             eviction_lock: tokio::sync::Mutex::new(()),
             promotions: Mutex::new(Vec::new()),
             promotion_wanted: tokio::sync::Notify::new(),
@@ -554,6 +593,34 @@ impl MasterCore {
         Ok(displaced)
     }
 
+    /// [`Self::unmount`] on behalf of `client_id`: only the client that mounted the segment,
+    /// and (when `instance_id` is given) only for the server instance it mounted.
+    pub fn unmount_owned(
+        &self,
+        client_id: &str,
+        segment_name: &str,
+        instance_id: &str,
+    ) -> Result<u64, CoreError> {
+        {
+            let segs = self.segments.lock();
+            let seg = segs
+                .get(segment_name)
+                .ok_or_else(|| CoreError::SegmentNotFound(segment_name.to_string()))?;
+            if seg.client_id != client_id
+                || (!instance_id.is_empty() && seg.desc.instance_id != instance_id)
+            {
+                self.metrics.foreign_unmounts_refused_total.inc();
+                return Err(CoreError::NotOwner {
+                    segment: segment_name.to_string(),
+                    owner: seg.client_id.clone(),
+                    instance: seg.desc.instance_id.clone(),
+                    caller: client_id.to_string(),
+                });
+            }
+        }
+        self.unmount(segment_name)
+    }
+
     /// Unmounts a segment: its replicas are dropped (objects left without one disappear).
     /// Returns the number of objects that disappeared.
     pub fn unmount(&self, segment_name: &str) -> Result<u64, CoreError> {
@@ -587,15 +654,16 @@ impl MasterCore {
     }
 
     /// A client's liveness signal. Returns `true` ("remount required") when the client was not
-    /// known (the master restarted or declared it dead); it is known from then on.
-    pub fn ping(&self, client_id: &str, touched_keys: &[String]) -> bool {
+    /// known (the master restarted or declared it dead), or when one of the segments it says
+    /// it serves (`mounted`) is not mounted for it here; it is known from then on.
+    pub fn ping(&self, client_id: &str, touched_keys: &[String], mounted: &[String]) -> bool {
         let now = Instant::now();
         let remount = {
             let mut clients = self.clients.lock();
             match clients.get_mut(client_id) {
                 Some(c) => {
                     c.last_seen = now;
-                    false
+                    mounted.iter().any(|s| !c.segments.contains(s))
                 }
                 None => {
                     clients.insert(
@@ -633,6 +701,9 @@ impl MasterCore {
                 .collect()
         };
         let mut out = Vec::new();
+        for (id, _) in &dead {
+            self.orphan_puts_of(id);
+        }
         for (id, segs) in dead {
             if segs.is_empty() {
                 // A pure requester that went away (an engine restart): nothing to clean up.
@@ -657,6 +728,37 @@ impl MasterCore {
         out
     }
 
+    /// A dead writer's unfinished puts and quarantined ranges: out of the index now, their
+    /// ranges freed by the next [`Self::release_orphaned`].
+    fn orphan_puts_of(&self, client_id: &str) {
+        let mut frees = self.unquarantine(|q| q.client_id == client_id);
+        let mut puts = 0u64;
+        for shard in &self.shards {
+            let mut shard = shard.lock();
+            let keys: Vec<String> = shard
+                .iter()
+                .filter(|(_, o)| o.state == ObjectState::Processing && o.client_id == client_id)
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in keys {
+                if let Some(o) = shard.remove(&k) {
+                    frees.extend(self.pending_frees(&o));
+                    puts += 1;
+                }
+            }
+        }
+        self.reserved.lock().remove(client_id);
+        if !frees.is_empty() {
+            tracing::warn!(
+                client_id,
+                unfinished_puts = puts,
+                ranges = frees.len(),
+                "client died with puts in progress; their reservations are freed now"
+            );
+            self.orphaned.lock().extend(frees);
+        }
+    }
+
     // === puts ===
 
     /// Starts a put: places `replica_num` replicas on distinct segments, evicting once if
@@ -668,11 +770,14 @@ impl MasterCore {
         size: u64,
         opts: &PutOptions,
     ) -> Result<(u64, Vec<ReplicaView>), OpError> {
+        self.admit_put(client_id, size, opts).await?;
         match self.try_place(client_id, key, size, opts) {
             Err(e) if e.code == ErrorCode::NoAvailableHandle => {}
             other => return other,
         }
         if self.total_capacity() > 0 {
+            // Bounded: at most max(eviction_ratio x capacity, this put's bytes), and only for
+            // a put that fits one segment (admit_put refused the rest).
             let need = align_up(size)
                 .unwrap_or(u64::MAX)
                 .saturating_mul(u64::from(opts.replica_num.max(1)));
@@ -683,6 +788,68 @@ impl MasterCore {
             self.metrics.put_start_alloc_failures_total.inc();
         }
         r
+    }
+
+    /// What no eviction can fix is refused before anything is evicted: an object larger than
+    /// every segment (it would wipe the pool and fail anyway), a client past its reservation
+    /// limit, and the index at `max_keys` with nothing evictable.
+    async fn admit_put(
+        &self,
+        client_id: &str,
+        size: u64,
+        opts: &PutOptions,
+    ) -> Result<(), OpError> {
+        let len = align_up(size).unwrap_or(u64::MAX);
+        let (largest, capacity) = {
+            let segs = self.segments.lock();
+            (
+                segs.values().map(|s| s.alloc.capacity()).max(),
+                segs.values().map(|s| s.alloc.capacity()).sum::<u64>(),
+            )
+        };
+        if let Some(largest) = largest
+            && len > largest
+        {
+            self.metrics.put_start_oversized_total.inc();
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                format!(
+                    "an object of {size} bytes can never fit: the largest segment holds \
+                     {largest} bytes (the pool {capacity}); split the object or start \
+                     store-clients with a larger --global_segment_size"
+                ),
+            ));
+        }
+        let wanted = len.saturating_mul(u64::from(opts.replica_num.max(1)));
+        let limit = (capacity as f64 * self.cfg.put_reservation_limit_ratio) as u64;
+        let held = self.reserved.lock().get(client_id).copied().unwrap_or(0);
+        if capacity > 0 && held > 0 && held.saturating_add(wanted) > limit {
+            self.metrics.put_start_reservation_refused_total.inc();
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                format!(
+                    "client {client_id:?} already holds {held} bytes in puts it has not ended; \
+                     one client may hold at most {limit} (put_reservation_limit_ratio {} of \
+                     the pool): end or revoke those puts first",
+                    self.cfg.put_reservation_limit_ratio
+                ),
+            ));
+        }
+        let max = self.cfg.max_keys;
+        if max > 0 && self.approx_keys.load(Ordering::Relaxed) >= max {
+            self.enforce_key_limit().await;
+            if self.key_count() >= max {
+                self.metrics.put_start_key_limit_refused_total.inc();
+                return Err(OpError::new(
+                    ErrorCode::NoAvailableHandle,
+                    format!(
+                        "the master holds max_keys = {max} objects and none can be evicted \
+                         (leased, pinned or being put); raise max_keys or remove objects"
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn try_place(
@@ -766,6 +933,7 @@ impl MasterCore {
             });
         }
         drop(segs);
+        let placed = replicas.len() as u64;
         let generation = self.next_generation()?;
         let soft_ttl = self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl);
         shard.insert(
@@ -785,6 +953,12 @@ impl MasterCore {
             },
         );
         drop(shard);
+        *self
+            .reserved
+            .lock()
+            .entry(client_id.to_string())
+            .or_default() += len.saturating_mul(placed);
+        self.approx_keys.fetch_add(1, Ordering::Relaxed);
         self.namespaces.record_put(client_id, key, false);
         Ok((generation, views))
     }
@@ -795,27 +969,52 @@ impl MasterCore {
         let o = shard
             .get_mut(key)
             .ok_or_else(|| not_found(key, "no put in progress"))?;
+        if o.state == ObjectState::Processing {
+            self.unreserve(o);
+        }
         o.state = ObjectState::Complete;
         o.last_access = Instant::now();
         Ok(())
     }
 
-    /// Abandons a put in progress; its ranges are freed through their owners.
-    pub async fn put_revoke(&self, key: &str) -> Result<(), OpError> {
+    /// Abandons a put in progress; its ranges are freed through their owners. A put already
+    /// discarded as a zombie is still held in quarantine: its writer's revoke frees it now
+    /// (`client_id` empty = any client).
+    pub async fn put_revoke(&self, client_id: &str, key: &str) -> Result<(), OpError> {
         let frees = {
             let mut shard = self.shard(key).lock();
             match shard.get(key) {
-                None => return Err(not_found(key, "no put in progress")),
+                None => {
+                    let frees = self.unquarantine(|q| {
+                        q.key == key && (client_id.is_empty() || q.client_id == client_id)
+                    });
+                    if frees.is_empty() {
+                        return Err(not_found(key, "no put in progress"));
+                    }
+                    tracing::info!(
+                        key,
+                        client_id,
+                        "revoke of a discarded put: its ranges are freed now"
+                    );
+                    self.metrics
+                        .put_reservations_reclaimed_total
+                        .inc_by(frees.len() as u64);
+                    frees
+                }
                 Some(o) if o.state == ObjectState::Complete => {
                     return Err(OpError::new(
                         ErrorCode::InvalidWrite,
                         format!("key {key:?} is complete; remove it instead of revoking"),
                     ));
                 }
-                Some(_) => {}
+                Some(_) => shard
+                    .remove(key)
+                    .map(|o| {
+                        self.unreserve(&o);
+                        self.pending_frees(&o)
+                    })
+                    .unwrap_or_default(),
             }
-            let o = shard.remove(key);
-            o.map(|o| self.pending_frees(&o)).unwrap_or_default()
         };
         self.release(frees).await;
         Ok(())
@@ -1509,8 +1708,17 @@ impl MasterCore {
     pub async fn sweep_puts(&self) -> u64 {
         let now = Instant::now();
         let mut discarded = 0;
+        let mut keys = 0u64;
+        let mut reserved: HashMap<String, u64> = HashMap::new();
         for shard in &self.shards {
             let mut shard = shard.lock();
+            keys += shard.len() as u64;
+            for o in shard.values() {
+                if o.state == ObjectState::Processing {
+                    let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
+                    *reserved.entry(o.client_id.clone()).or_default() += bytes;
+                }
+            }
             let stale: Vec<String> = shard
                 .iter()
                 .filter(|(_, o)| {
@@ -1524,22 +1732,102 @@ impl MasterCore {
                     tracing::warn!(key = %k, client_id = %o.client_id, generation = o.generation, "put never ended; discarded");
                     let frees = self.pending_frees(&o);
                     // The writer may still be copying into these ranges: they stay allocated
-                    // until put_start + put_release_timeout.
-                    self.quarantine
-                        .lock()
-                        .push((o.put_start + self.cfg.put_release_timeout, frees));
+                    // until put_start + put_release_timeout, its revoke, or its death.
+                    self.quarantine.lock().push(Quarantined {
+                        until: o.put_start + self.cfg.put_release_timeout,
+                        key: k.clone(),
+                        client_id: o.client_id.clone(),
+                        frees,
+                    });
                     discarded += 1;
                 }
             }
         }
-        let due: Vec<PendingFree> = {
-            let mut q = self.quarantine.lock();
-            let (due, keep): (Vec<_>, Vec<_>) = q.drain(..).partition(|(t, _)| *t <= now);
-            *q = keep;
-            due.into_iter().flat_map(|(_, f)| f).collect()
-        };
+        // Discarded puts are no longer reservations (their ranges wait in quarantine).
+        *self.reserved.lock() = reserved;
+        self.approx_keys.store(keys, Ordering::Relaxed);
+        let due = self.unquarantine(|q| q.until <= now);
         self.release(due).await;
         discarded
+    }
+
+    /// A put of `o` ended or was revoked: its bytes no longer count against its client
+    /// (other exits are corrected by the next sweep's recount).
+    fn unreserve(&self, o: &Object) {
+        let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
+        if let Some(r) = self.reserved.lock().get_mut(&o.client_id) {
+            *r = r.saturating_sub(bytes);
+        }
+    }
+
+    /// Takes the quarantined puts `pick` selects; returns their ranges to free.
+    fn unquarantine(&self, pick: impl Fn(&Quarantined) -> bool) -> Vec<PendingFree> {
+        let mut q = self.quarantine.lock();
+        let (due, keep): (Vec<_>, Vec<_>) = q.drain(..).partition(|e| pick(e));
+        *q = keep;
+        due.into_iter().flat_map(|e| e.frees).collect()
+    }
+
+    /// Frees what [`Self::expire_clients`] took from dead writers: their unfinished puts and
+    /// quarantined ranges (nobody is left to copy into them).
+    pub async fn release_orphaned(&self) {
+        let frees = std::mem::take(&mut *self.orphaned.lock());
+        if !frees.is_empty() {
+            self.metrics
+                .put_reservations_reclaimed_total
+                .inc_by(frees.len() as u64);
+            self.release(frees).await;
+        }
+    }
+
+    /// At `max_keys`: drops the least recently used objects (DRAM and disk copies alike) down
+    /// to 95% of the limit. Leased, pinned and unfinished objects stay. Returns keys dropped.
+    pub async fn enforce_key_limit(&self) -> u64 {
+        let max = self.cfg.max_keys;
+        if max == 0 {
+            return 0;
+        }
+        let _guard = self.eviction_lock.lock().await;
+        let count = self.key_count();
+        self.approx_keys.store(count, Ordering::Relaxed);
+        if count < max {
+            return 0;
+        }
+        let excess = count - max * 19 / 20;
+        let now = Instant::now();
+        let mut candidates: Vec<(bool, Instant, String, u64)> = Vec::new();
+        for shard in &self.shards {
+            for (k, o) in shard.lock().iter() {
+                if o.state == ObjectState::Complete && !o.leased(now) && !o.hard_pinned {
+                    candidates.push((o.soft_pinned(now), o.last_access, k.clone(), o.generation));
+                }
+            }
+        }
+        candidates.sort_by_key(|c| (c.0, c.1));
+        let mut frees = Vec::new();
+        let mut dropped = 0u64;
+        for (_, _, key, generation) in candidates.into_iter().take(excess as usize) {
+            let mut shard = self.shard(&key).lock();
+            if shard
+                .get(&key)
+                .is_some_and(|o| o.generation == generation && !o.leased(Instant::now()))
+                && let Some(o) = shard.remove(&key)
+            {
+                frees.extend(self.pending_frees(&o));
+                dropped += 1;
+            }
+        }
+        self.release(frees).await;
+        self.approx_keys
+            .fetch_sub(dropped.min(count), Ordering::Relaxed);
+        self.metrics.key_limit_evictions_total.inc_by(dropped);
+        self.metrics.evicted_key_count.inc_by(dropped);
+        tracing::warn!(
+            max_keys = max,
+            dropped,
+            "object index at max_keys: dropped the least recently used objects"
+        );
+        dropped
     }
 
     // === views ===
@@ -1577,6 +1865,8 @@ impl MasterCore {
             .set(i64::try_from(cap).unwrap_or(i64::MAX));
         m.key_count
             .set(i64::try_from(self.key_count()).unwrap_or(i64::MAX));
+        m.max_keys
+            .set(i64::try_from(self.cfg.max_keys).unwrap_or(i64::MAX));
         m.active_clients
             .set(i64::try_from(self.active_clients()).unwrap_or(i64::MAX));
         let (disk_cap, disk_used, disk_keys) = self.disk_totals();

@@ -34,6 +34,7 @@ fn desc(name: &str, size: u64) -> SegmentDesc {
         protocol: "tcp".into(),
         enable_offload: false,
         disk_capacity: 0,
+        instance_id: format!("i-{name}"),
     }
 }
 
@@ -117,12 +118,13 @@ async fn put_start_errors() {
         .expect_err("too big");
     assert_eq!(err.code, ErrorCode::NoAvailableHandle);
     assert!(
-        err.message.contains("largest free range"),
+        err.message.contains("can never fit") && err.message.contains("largest segment"),
         "{}",
         err.message
     );
-    // The first failure (nothing mounted) counts too.
-    assert_eq!(core.metrics.put_start_alloc_failures_total.get(), 2);
+    // The first failure (nothing mounted) counts; the oversized one has its own counter.
+    assert_eq!(core.metrics.put_start_alloc_failures_total.get(), 1);
+    assert_eq!(core.metrics.put_start_oversized_total.get(), 1);
 }
 
 #[tokio::test]
@@ -188,12 +190,18 @@ async fn put_revoke_frees_and_refuses_complete_objects() {
     let (core, notifier) = new_core(cfg());
     mount(&core, "cl", "a:1", 1 << 20);
     let (g, _) = core.put_start("cl", "k", 100, &opts(1)).await.expect("put");
-    core.put_revoke("k").await.expect("revoke");
+    core.put_revoke("", "k").await.expect("revoke");
     assert_eq!(notifier.freed(), vec![(g, 0)]);
     assert_eq!(core.key_count(), 0);
     put(&core, "k", 100, &opts(1)).await;
-    assert_eq!(code(core.put_revoke("k").await), ErrorCode::InvalidWrite);
-    assert_eq!(code(core.put_revoke("x").await), ErrorCode::ObjectNotFound);
+    assert_eq!(
+        code(core.put_revoke("", "k").await),
+        ErrorCode::InvalidWrite
+    );
+    assert_eq!(
+        code(core.put_revoke("", "x").await),
+        ErrorCode::ObjectNotFound
+    );
 }
 
 /// Ten 10-block objects fill a 100-block segment.
@@ -230,7 +238,7 @@ async fn eviction_takes_lru_first_soft_pins_last_and_never_leased_or_hard_pinned
     full_segment(&core).await;
     core.get_replica_list("k0").expect("lease k0");
     // k3 touched through a Ping: it becomes the most recently used.
-    core.ping("cl", &["k3".to_string()]);
+    core.ping("cl", &["k3".to_string()], &[]);
 
     assert_eq!(core.evict(0).await, 1, "10% = one object");
     assert!(
@@ -358,13 +366,19 @@ async fn silent_clients_lose_their_segments() {
         ..opts(1)
     };
     put(&core, "only-b", 100, &o).await;
-    assert!(!core.ping("alive", &[]), "known client");
-    assert!(core.ping("stranger", &[]), "unknown client must remount");
-    assert!(!core.ping("stranger", &[]), "known after its first ping");
+    assert!(!core.ping("alive", &[], &[]), "known client");
+    assert!(
+        core.ping("stranger", &[], &[]),
+        "unknown client must remount"
+    );
+    assert!(
+        !core.ping("stranger", &[], &[]),
+        "known after its first ping"
+    );
     assert_eq!(core.active_clients(), 3);
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        core.ping("alive", &[]);
+        core.ping("alive", &[], &[]);
     }
     let dead = core.expire_clients();
     let mut ids: Vec<_> = dead.iter().map(|(c, _)| c.as_str()).collect();
@@ -376,7 +390,10 @@ async fn silent_clients_lose_their_segments() {
         core.get_replica_list("both").expect("kept").replicas.len(),
         1
     );
-    assert!(core.ping("dead", &[]), "a dead client is told to remount");
+    assert!(
+        core.ping("dead", &[], &[]),
+        "a dead client is told to remount"
+    );
 }
 
 #[tokio::test]
@@ -733,4 +750,170 @@ async fn namespace_sharing_is_counted_at_put_and_at_lookup() {
     assert_eq!((n.keys_put, n.shared_keys), (2, 2));
     let b = n.clients.iter().find(|c| c.client_id == "b").expect("b");
     assert_eq!((b.put_already_held, b.found_from_other), (1, 1));
+}
+
+// === one call must not take the pool down (issue: reliability) ===
+
+#[tokio::test]
+async fn oversized_put_is_refused_at_once_and_evicts_nothing() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    for i in 0..50 {
+        put(&core, &format!("k{i}"), BLOCK, &opts(1)).await;
+    }
+    let err = core
+        .put_start("cl", "huge", BLOCK * 300, &opts(1))
+        .await
+        .expect_err("larger than the pool");
+    assert_eq!(err.code, ErrorCode::NoAvailableHandle);
+    assert!(err.message.contains("can never fit"), "{}", err.message);
+    assert_eq!(core.key_count(), 50, "an oversized put wiped the cache");
+    assert_eq!(core.metrics.evicted_key_count.get(), 0);
+}
+
+#[tokio::test]
+async fn only_the_owner_unmounts_and_a_forgotten_owner_is_told_to_remount() {
+    let (core, _) = new_core(cfg());
+    core.mount("owner", "c", desc("a:1", 1 << 20), vec![])
+        .expect("mount");
+    put(&core, "victim", 100, &opts(1)).await;
+    let e = core
+        .unmount_owned("attacker", "a:1", "")
+        .expect_err("a foreign unmount");
+    assert!(matches!(e, CoreError::NotOwner { .. }), "{e}");
+    assert!(e.to_string().contains("only its owner"), "{e}");
+    // The owner's predecessor instance cannot unmount the new one either.
+    assert!(matches!(
+        core.unmount_owned("owner", "a:1", "an-older-instance"),
+        Err(CoreError::NotOwner { .. })
+    ));
+    assert!(
+        core.query_key("victim").is_some(),
+        "the victim's data is intact"
+    );
+    assert_eq!(core.metrics.foreign_unmounts_refused_total.get(), 2);
+    assert!(
+        !core.ping("owner", &[], &["a:1".to_string()]),
+        "all mounted"
+    );
+    // A segment the master lost while its owner lives: the owner's next ping remounts it.
+    core.unmount("a:1").expect("unmount");
+    assert!(
+        core.ping("owner", &[], &["a:1".to_string()]),
+        "an owner whose segment the master forgot must remount"
+    );
+    core.unmount_owned("owner", "a:1", "i-a:1")
+        .expect_err("already gone");
+    core.mount("owner", "c", desc("a:1", 1 << 20), vec![])
+        .expect("remount");
+    assert_eq!(core.unmount_owned("owner", "a:1", "i-a:1").expect("own"), 0);
+}
+
+#[tokio::test]
+async fn one_client_cannot_reserve_the_whole_pool() {
+    let (core, _) = new_core(CoreConfig {
+        put_reservation_limit_ratio: 0.5,
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    for i in 0..5 {
+        core.put_start("zombie", &format!("z{i}"), BLOCK * 10, &opts(1))
+            .await
+            .expect("within the limit");
+    }
+    let err = core
+        .put_start("zombie", "z5", BLOCK * 10, &opts(1))
+        .await
+        .expect_err("past half the pool");
+    assert_eq!(err.code, ErrorCode::NoAvailableHandle);
+    assert!(
+        err.message.contains("put_reservation_limit_ratio"),
+        "{}",
+        err.message
+    );
+    // Everyone else still puts.
+    for i in 0..4 {
+        put(&core, &format!("ok{i}"), BLOCK * 10, &opts(1)).await;
+    }
+    // Ended puts stop counting.
+    core.put_end("z0").expect("end");
+    core.put_start("zombie", "z5", BLOCK * 10, &opts(1))
+        .await
+        .expect("room again after an end");
+}
+
+#[tokio::test]
+async fn a_revoke_after_the_discard_frees_the_space() {
+    let (core, _) = new_core(CoreConfig {
+        put_discard_timeout: Duration::from_millis(50),
+        put_release_timeout: Duration::from_secs(600),
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    core.put_start("w", "k", BLOCK * 60, &opts(1))
+        .await
+        .expect("put");
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    assert_eq!(core.sweep_puts().await, 1, "discarded");
+    assert_eq!(core.allocated_bytes(), BLOCK * 60, "quarantined, not free");
+    core.put_revoke("w", "k")
+        .await
+        .expect("a late revoke is not -704");
+    assert_eq!(core.allocated_bytes(), 0, "the revoke freed the range");
+    assert_eq!(core.metrics.put_reservations_reclaimed_total.get(), 1);
+}
+
+#[tokio::test]
+async fn a_dead_writers_reservations_go_at_once() {
+    let (core, _) = new_core(CoreConfig {
+        client_ttl: Duration::from_millis(100),
+        put_discard_timeout: Duration::from_secs(30),
+        put_release_timeout: Duration::from_secs(600),
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    core.ping("w", &[], &[]);
+    core.put_start("w", "half-written", BLOCK * 60, &opts(1))
+        .await
+        .expect("put");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    core.ping("cl", &[], &[]);
+    core.expire_clients();
+    core.release_orphaned().await;
+    assert!(core.query_key("half-written").is_none());
+    assert_eq!(
+        core.allocated_bytes(),
+        0,
+        "a dead writer's reservation must not wait for put_start_release_timeout"
+    );
+}
+
+#[tokio::test]
+async fn the_index_is_bounded_by_max_keys() {
+    let (core, _) = new_core(CoreConfig {
+        max_keys: 20,
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", 1 << 20);
+    for i in 0..40 {
+        put(&core, &format!("k{i}"), 100, &opts(1)).await;
+        core.sweep_puts().await;
+        assert!(core.key_count() <= 20, "{} keys", core.key_count());
+    }
+    assert!(core.query_key("k39").is_some(), "the newest stays");
+    assert!(
+        core.query_key("k0").is_none(),
+        "the least recently used goes"
+    );
+    assert!(core.metrics.key_limit_evictions_total.get() >= 20);
+    // Nothing evictable (all leased): refused with the limit named, nothing lost.
+    for i in 0..40 {
+        let _ = core.get_replica_list(&format!("k{i}"));
+    }
+    core.sweep_puts().await;
+    let err = core
+        .put_start("cl", "more", 100, &opts(1))
+        .await
+        .expect_err("at the limit with nothing evictable");
+    assert!(err.message.contains("max_keys"), "{}", err.message);
 }

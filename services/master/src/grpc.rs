@@ -16,6 +16,7 @@ use crate::core::{
 use crate::ha::{CoreSlot, HaState};
 use crate::metrics::Rpc;
 use crate::persist::{self, PersistError};
+use crate::recovery::RecoveryGate;
 
 /// Whole-call failures of the gRPC edge.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +36,7 @@ pub fn to_status(e: ServiceError) -> Status {
             CoreError::ClusterMismatch { .. } | CoreError::OffloadMismatch { .. },
         ) => Status::failed_precondition(e.to_string()),
         ServiceError::Core(CoreError::SegmentNotFound(_)) => Status::not_found(e.to_string()),
+        ServiceError::Core(CoreError::NotOwner { .. }) => Status::permission_denied(e.to_string()),
         ServiceError::Core(CoreError::InvalidArgument(_)) | ServiceError::Invalid(_) => {
             Status::invalid_argument(e.to_string())
         }
@@ -79,6 +81,7 @@ impl TryFrom<pb::SegmentDescriptor> for SegmentDesc {
             } else {
                 0
             },
+            instance_id: d.instance_id,
         })
     }
 }
@@ -94,6 +97,7 @@ impl From<&SegmentDesc> for pb::SegmentDescriptor {
             protocol: d.protocol.clone(),
             enable_offload: d.enable_offload,
             disk_capacity_bytes: d.disk_capacity,
+            instance_id: d.instance_id.clone(),
         }
     }
 }
@@ -201,6 +205,8 @@ pub struct MasterService {
     put_end: Arc<Notify>,
     /// HA: the role and lease gate every RPC passes (None = single master, no gate).
     ha: Option<Arc<HaState>>,
+    /// A single master's rebuild after a restart (HA keeps its own, per term, in `ha`).
+    recovery: Arc<RecoveryGate>,
 }
 
 /// A request admitted by the HA gate: the core of the current term, and the term to confirm
@@ -212,7 +218,7 @@ struct Admitted {
 
 impl MasterService {
     pub fn new(core: Arc<MasterCore>, meta: Arc<dyn MetaStore>, put_end: Arc<Notify>) -> Self {
-        MasterService::with_slot(CoreSlot::new(core), meta, put_end, None)
+        MasterService::with_slot(CoreSlot::new(core), meta, put_end, None, Arc::default())
     }
 
     /// A service over a swappable core, gated by `ha` when set.
@@ -221,12 +227,14 @@ impl MasterService {
         meta: Arc<dyn MetaStore>,
         put_end: Arc<Notify>,
         ha: Option<Arc<HaState>>,
+        recovery: Arc<RecoveryGate>,
     ) -> Self {
         MasterService {
             slot,
             meta,
             put_end,
             ha,
+            recovery,
         }
     }
 
@@ -235,6 +243,11 @@ impl MasterService {
     fn admit(&self, mounting: bool) -> Result<Admitted, Status> {
         let core = self.slot.get();
         let term = match &self.ha {
+            None if !mounting && !self.recovery.done(&core) => {
+                return Err(RecoveryGate::refusal(
+                    "this lunakv-master has just restarted",
+                ));
+            }
             None => None,
             Some(ha) => Some(ha.admit(&core, mounting)?),
         };
@@ -284,9 +297,9 @@ impl MasterService {
         key_result(r)
     }
 
-    async fn put_revoke_one(&self, core: &MasterCore, key: &str) -> pb::KeyResult {
+    async fn put_revoke_one(&self, core: &MasterCore, client_id: &str, key: &str) -> pb::KeyResult {
         let r = match check_key(key) {
-            Ok(()) => core.put_revoke(key).await,
+            Ok(()) => core.put_revoke(client_id, key).await,
             Err(e) => Err(e),
         };
         key_result(r)
@@ -370,7 +383,9 @@ impl pb::master_server::Master for MasterService {
         let a = self.admit(true)?;
         let req = request.into_inner();
         let result: Result<u64, ServiceError> = async {
-            let dropped = a.core.unmount(&req.segment_name)?;
+            let dropped =
+                a.core
+                    .unmount_owned(&req.client_id, &req.segment_name, &req.instance_id)?;
             persist::forget_segment(self.meta.as_ref(), &req.segment_name).await?;
             Ok(dropped)
         }
@@ -399,7 +414,9 @@ impl pb::master_server::Master for MasterService {
                 ServiceError::Invalid("client_id is empty: send the id used at mount".into()),
             );
         }
-        let remount_required = a.core.ping(&req.client_id, &req.touched_keys);
+        let remount_required =
+            a.core
+                .ping(&req.client_id, &req.touched_keys, &req.mounted_segments);
         if !req.disk_dropped.is_empty() {
             let dropped: Vec<(String, u64)> = req
                 .disk_dropped
@@ -489,9 +506,8 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::PutRevokeRequest>,
     ) -> Result<Response<pb::KeyResult>, Status> {
         let a = self.admit(false)?;
-        let r = self
-            .put_revoke_one(&a.core, &request.into_inner().key)
-            .await;
+        let req = request.into_inner();
+        let r = self.put_revoke_one(&a.core, &req.client_id, &req.key).await;
         self.done(&a, Rpc::PutRevoke, r.code != 0, r)
     }
 
@@ -500,9 +516,10 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::BatchKeysRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
         let a = self.admit(false)?;
+        let req = request.into_inner();
         let mut results = Vec::new();
-        for k in &request.into_inner().keys {
-            results.push(self.put_revoke_one(&a.core, k).await);
+        for k in &req.keys {
+            results.push(self.put_revoke_one(&a.core, &req.client_id, k).await);
         }
         let failed = any_failed(results.iter().map(|r| &r.code));
         self.done(

@@ -27,13 +27,15 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use lunakv_meta::etcd::WatchEvent;
 use lunakv_meta::layout::{self, LeaderView};
 use lunakv_meta::{EtcdClient, MetaStore, WriteFence};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
+
+use crate::recovery::RecoveryGate;
 use prometheus::{IntCounter, IntGauge, Opts, Registry};
 use tokio::sync::watch;
 use tonic::Status;
@@ -51,8 +53,7 @@ pub const SAFETY_MARGIN: Duration = Duration::from_millis(1500);
 /// renewing less often makes failover faster. 2 s keeps 1.5 s of slack before the local
 /// deadline (TTL - SAFETY_MARGIN = 3.5 s) for a slow renewal.
 pub const KEEPALIVE_EVERY: Duration = Duration::from_millis(2000);
-/// Longest a new leader waits for known segments to remount before serving objects.
-pub const RECOVERY_GRACE: Duration = Duration::from_secs(3);
+pub use crate::recovery::RECOVERY_GRACE;
 /// Timeout of each etcd call made by the election loop.
 pub const ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// gRPC metadata naming the leader (`host:port`) on a redirect.
@@ -109,11 +110,6 @@ impl HaMetrics {
     }
 }
 
-struct Recovery {
-    until: Instant,
-    waiting: BTreeSet<String>,
-}
-
 /// Shared HA state: the role, the local lease deadline, the known leader.
 pub struct HaState {
     base: Instant,
@@ -121,8 +117,7 @@ pub struct HaState {
     deadline_ns: AtomicU64,
     /// Term while leading, 0 otherwise.
     term: AtomicU64,
-    recovering: AtomicBool,
-    recovery: Mutex<Option<Recovery>>,
+    recovery: RecoveryGate,
     leader: RwLock<Option<LeaderView>>,
     me: RwLock<LeaderView>,
     pub metrics: HaMetrics,
@@ -152,8 +147,7 @@ impl HaState {
             base: Instant::now(),
             deadline_ns: AtomicU64::new(0),
             term: AtomicU64::new(0),
-            recovering: AtomicBool::new(false),
-            recovery: Mutex::new(None),
+            recovery: RecoveryGate::default(),
             leader: RwLock::new(None),
             me: RwLock::new(LeaderView {
                 address: String::new(),
@@ -247,10 +241,9 @@ impl HaState {
                  process was paused); it refuses requests and steps down",
             ));
         }
-        if !mounting && self.recovering.load(Ordering::Acquire) && !self.recovery_done(core) {
-            return Err(Status::unavailable(format!(
-                "this lunakv-master was just elected leader (term {term}) and is rebuilding its \
-                 object index from the store-clients' inventories; retry in a moment"
+        if !mounting && !self.recovery.done(core) {
+            return Err(RecoveryGate::refusal(&format!(
+                "this lunakv-master was just elected leader (term {term})"
             )));
         }
         Ok(term)
@@ -269,36 +262,10 @@ impl HaState {
         ))
     }
 
-    fn recovery_done(&self, core: &MasterCore) -> bool {
-        let mut r = self.recovery.lock();
-        let done = match r.as_mut() {
-            None => true,
-            Some(rec) => {
-                if Instant::now() >= rec.until {
-                    if !rec.waiting.is_empty() {
-                        tracing::warn!(missing = ?rec.waiting, "serving without segments that did not remount within the recovery grace");
-                    }
-                    true
-                } else {
-                    let mounted: BTreeSet<String> =
-                        core.segments().into_iter().map(|s| s.name).collect();
-                    rec.waiting.retain(|s| !mounted.contains(s));
-                    rec.waiting.is_empty()
-                }
-            }
-        };
-        if done {
-            *r = None;
-            self.recovering.store(false, Ordering::Release);
-            tracing::info!("object index rebuilt; serving");
-        }
-        done
-    }
-
     fn step_down(&self, reason: &str) {
         let was = self.term.swap(0, Ordering::AcqRel);
         self.deadline_ns.store(0, Ordering::Release);
-        self.recovering.store(false, Ordering::Release);
+        self.recovery.clear();
         self.metrics.is_leader.set(0);
         if was != 0 {
             *self.leader.write() = None;
@@ -611,30 +578,16 @@ impl Election {
             }
         };
         let n_known = known.len();
-        *ha.recovery.lock() = Some(Recovery {
-            until: Instant::now() + RECOVERY_GRACE,
-            waiting: known.clone(),
-        });
-        // Segments that did not remount within the grace belong to dead owners: forget their
-        // records, or every later failover would wait the full grace for them again.
         {
-            let (ha, slot, meta) = (ha.clone(), self.slot.clone(), self.service_meta.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep(RECOVERY_GRACE).await;
-                if ha.leading_term() != Some(term) {
-                    return;
-                }
-                let mounted: BTreeSet<String> =
-                    slot.get().segments().into_iter().map(|s| s.name).collect();
-                for name in known.difference(&mounted) {
-                    tracing::warn!(segment = %name, "segment did not remount after the leader change; forgetting its record");
-                    if let Err(e) = persist::forget_segment(meta.as_ref(), name).await {
-                        tracing::warn!(segment = %name, error = %e, "cannot forget the segment record");
-                    }
-                }
-            });
+            let ha = ha.clone();
+            tokio::spawn(crate::recovery::forget_unmounted(
+                known.clone(),
+                self.slot.clone(),
+                self.service_meta.clone(),
+                move || ha.leading_term() == Some(term),
+            ));
         }
-        ha.recovering.store(true, Ordering::Release);
+        ha.recovery.begin(known, RECOVERY_GRACE);
         self.fence.set(key.as_bytes(), lease);
         *ha.leader.write() = Some(LeaderView {
             address: self.address.clone(),

@@ -42,6 +42,7 @@ pub mod metrics;
 pub mod namespaces;
 pub mod notifier;
 pub mod persist;
+pub mod recovery;
 pub mod server;
 
 pub use lunakv_config::master::{MasterConfig, MasterConfigSources};

@@ -63,6 +63,13 @@ struct Cli {
     /// counts it [default: 64].
     #[arg(long = "namespace_min_keys")]
     namespace_min_keys: Option<u64>,
+    /// Most objects the index may hold; the least recently used go at the limit (0 = no
+    /// limit) [default: 50000000].
+    #[arg(long = "max_keys")]
+    max_keys: Option<u64>,
+    /// Share of the pool one client may hold reserved by unfinished puts [default: 0.5].
+    #[arg(long = "put_reservation_limit_ratio")]
+    put_reservation_limit_ratio: Option<f64>,
     /// HA: campaign for leadership in etcd; standbys redirect clients to the leader.
     #[arg(long = "enable_ha", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     enable_ha: Option<bool>,
@@ -115,6 +122,11 @@ impl Cli {
             self.promotion_on_hit.map(|v| v.to_string()),
         );
         add("namespace_min_keys", s(&self.namespace_min_keys));
+        add("max_keys", s(&self.max_keys));
+        add(
+            "put_reservation_limit_ratio",
+            self.put_reservation_limit_ratio.map(|v| v.to_string()),
+        );
         add("enable_ha", self.enable_ha.map(|v| v.to_string()));
         add("etcd_endpoints", self.etcd_endpoints.clone());
         add("ha_backend_type", self.ha_backend_type.clone());

@@ -79,6 +79,20 @@ pub struct Metrics {
     pub successful_evictions_total: IntCounter,
     /// PutStarts that found no room even after eviction.
     pub put_start_alloc_failures_total: IntCounter,
+    /// PutStarts refused before any eviction: larger than every segment.
+    pub put_start_oversized_total: IntCounter,
+    /// PutStarts refused: the client holds too much in unfinished puts.
+    pub put_start_reservation_refused_total: IntCounter,
+    /// PutStarts refused: the index is at max_keys and nothing could be dropped.
+    pub put_start_key_limit_refused_total: IntCounter,
+    /// Ranges of unfinished puts freed because their writer died or revoked them late.
+    pub put_reservations_reclaimed_total: IntCounter,
+    /// Objects dropped because the index reached max_keys.
+    pub key_limit_evictions_total: IntCounter,
+    /// The max_keys limit (0 = none).
+    pub max_keys: IntGauge,
+    /// UnmountSegment calls refused because the caller does not own the segment.
+    pub foreign_unmounts_refused_total: IntCounter,
     /// SSD tier: disk capacity of mounted offloading owners, and what the index holds there.
     pub disk_capacity_bytes: IntGauge,
     pub disk_used_bytes: IntGauge,
@@ -160,6 +174,41 @@ impl Metrics {
                 &r,
                 "master_put_start_alloc_failures_total",
                 "PutStarts with no room even after eviction",
+            ),
+            put_start_oversized_total: counter(
+                &r,
+                "master_put_start_oversized_total",
+                "PutStarts refused at once: the object is larger than every segment",
+            ),
+            put_start_reservation_refused_total: counter(
+                &r,
+                "master_put_start_reservation_refused_total",
+                "PutStarts refused: the client holds put_reservation_limit_ratio of the pool in unfinished puts",
+            ),
+            put_start_key_limit_refused_total: counter(
+                &r,
+                "master_put_start_key_limit_refused_total",
+                "PutStarts refused: the index is at max_keys and nothing can be evicted",
+            ),
+            put_reservations_reclaimed_total: counter(
+                &r,
+                "master_put_reservations_reclaimed_total",
+                "Ranges of unfinished puts freed early (writer died, or revoked after the discard)",
+            ),
+            key_limit_evictions_total: counter(
+                &r,
+                "master_key_limit_evictions_total",
+                "Objects dropped because the index reached max_keys",
+            ),
+            max_keys: gauge(
+                &r,
+                "master_max_keys",
+                "The max_keys limit of the object index (0 = none)",
+            ),
+            foreign_unmounts_refused_total: counter(
+                &r,
+                "master_foreign_unmounts_refused_total",
+                "UnmountSegment calls refused: the caller is not the segment's owner",
             ),
             disk_capacity_bytes: gauge(
                 &r,

@@ -57,12 +57,20 @@ pub async fn check_cluster_id(
     }
 }
 
-/// Increments the persisted epoch and returns the new value (1 on a fresh store).
+/// The first epoch of a fresh store: random in [1, 2^31], so two clusters never hand out the
+/// same generations (a requester that reached the wrong stack's segment would otherwise find
+/// "its" generation there and read foreign bytes) and 2^31 restarts or campaigns stay.
+fn first_epoch() -> u32 {
+    rand::random_range(1..=1u32 << 31)
+}
+
+/// Increments the persisted epoch and returns the new value (a random base on a fresh store,
+/// see [`first_epoch`]).
 pub async fn bump_epoch(store: &dyn MetaStore) -> Result<u32, PersistError> {
     loop {
         let current = store.get(EPOCH_KEY).await?;
         let n: u32 = match &current {
-            None => 0,
+            None => first_epoch() - 1,
             Some(v) => std::str::from_utf8(v)
                 .ok()
                 .and_then(|s| s.parse().ok())
@@ -124,8 +132,12 @@ mod tests {
     #[tokio::test]
     async fn epoch_increments_and_cluster_id_is_checked() {
         let s = MemMetaStore::new();
-        assert_eq!(bump_epoch(&s).await.expect("bump"), 1);
-        assert_eq!(bump_epoch(&s).await.expect("bump"), 2);
+        let first = bump_epoch(&s).await.expect("bump");
+        assert!((1..=1 << 31).contains(&first), "{first}");
+        assert_eq!(bump_epoch(&s).await.expect("bump"), first + 1);
+        // Two fresh clusters start from different bases (a repeat has odds of 2^-31).
+        let other = bump_epoch(&MemMetaStore::new()).await.expect("bump");
+        assert_ne!(other, first, "two fresh clusters share generations");
         check_cluster_id(&s, "a", "/d").await.expect("first");
         check_cluster_id(&s, "a", "/d").await.expect("same");
         let msg = check_cluster_id(&s, "b", "/d")
@@ -155,6 +167,7 @@ mod tests {
             protocol: "tcp".into(),
             enable_offload: false,
             disk_capacity: 0,
+            instance_id: "abc".into(),
         };
         save_segment(&s, &d).await.expect("save");
         assert_eq!(known_segments(&s).await.expect("list"), vec![d]);

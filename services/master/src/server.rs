@@ -21,6 +21,8 @@ use crate::grpc::MasterService;
 use crate::ha::{CoreSlot, Election, HaState};
 use crate::notifier::{OwnerNotifier, TransferNotifier};
 use crate::persist::{self, PersistError};
+use crate::recovery::{RECOVERY_GRACE, RecoveryGate};
+use std::collections::BTreeSet;
 
 /// File name of the embedded metadata store inside `data_dir`.
 pub const META_FILE: &str = "meta.redb";
@@ -98,6 +100,9 @@ pub struct Master {
     meta: Arc<dyn MetaStore>,
     tick: Duration,
     ha: Option<HaSetup>,
+    /// A single master's rebuild window, and the segments it waits for.
+    recovery: Arc<RecoveryGate>,
+    known: BTreeSet<String>,
 }
 
 /// What an HA master adds: the etcd client, the unfenced cluster namespace (election, epoch),
@@ -161,12 +166,19 @@ impl Master {
             "master state opened; owners remount with their inventories on their next ping"
         );
         let core = Arc::new(MasterCore::new(core_cfg, epoch, notifier));
+        // Until the owners remounted, "not found" would be a lie: object RPCs answer
+        // UNAVAILABLE (rebuilding) and clients retry (docs/HA.md).
+        let known: BTreeSet<String> = known.into_iter().map(|d| d.name).collect();
+        let recovery = Arc::new(RecoveryGate::default());
+        recovery.begin(known.clone(), RECOVERY_GRACE);
         Ok(Master {
             cfg,
             slot: CoreSlot::new(core),
             meta,
             tick: Duration::from_millis(100),
             ha: None,
+            recovery,
+            known,
         })
     }
 
@@ -207,6 +219,8 @@ impl Master {
             slot: CoreSlot::new(core),
             meta,
             tick: Duration::from_millis(100),
+            recovery: Arc::default(),
+            known: BTreeSet::new(),
             ha: Some(HaSetup {
                 state: HaState::new(&cfg.cluster_id, &endpoints.to_string()),
                 etcd,
@@ -252,7 +266,16 @@ impl Master {
             self.meta.clone(),
             put_end.clone(),
             ha_state.clone(),
+            self.recovery.clone(),
         );
+        if self.ha.is_none() && !self.known.is_empty() {
+            tokio::spawn(crate::recovery::forget_unmounted(
+                self.known.clone(),
+                self.slot.clone(),
+                self.meta.clone(),
+                || true,
+            ));
+        }
         let mut rx = stop_rx.clone();
         let grpc = tokio::spawn(
             tonic::transport::Server::builder()
@@ -408,6 +431,8 @@ async fn background(
                         }
                     }
                 }
+                core.release_orphaned().await;
+                core.enforce_key_limit().await;
                 core.evict_if_needed().await;
             }
             _ = put_end.notified() => {

@@ -62,7 +62,7 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
     let client_id = format!("store-{}", uuid_like());
     let env = lunakv_config::process_env;
     let shm_socket = cfg.enable_shm.then(|| {
-        if cfg.port == 0 && cfg.shm_socket.is_none() {
+        if cfg.port == 0 && !cfg.shm_socket_is_exact() {
             // An ephemeral port is unknown until bound; keep the socket name unique anyway.
             let dir = cfg.shm_socket_path(0, &env);
             dir.with_file_name(format!("lunakv-store-{}.sock", uuid_like()))

@@ -1,0 +1,114 @@
+//! The window after a master takes over an empty object index, HA or not: until every segment
+//! recorded in the MetaStore has remounted with its inventory (or [`RECOVERY_GRACE`] passed),
+//! object RPCs answer `UNAVAILABLE` with [`REBUILDING_HEADER`], and clients retry. Without it a
+//! restarted master answers "not found" for objects that exist and "no segment is mounted" for
+//! puts until the owners' next ping.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tonic::Status;
+use tonic::metadata::MetadataValue;
+
+use crate::core::MasterCore;
+use crate::ha::CoreSlot;
+
+/// The longest a master waits for recorded segments to remount before serving without them.
+pub const RECOVERY_GRACE: Duration = Duration::from_secs(3);
+
+/// Set on every "rebuilding" refusal: a client retries it, HA or not, for at most the grace.
+pub const REBUILDING_HEADER: &str = lunakv_proto::headers::REBUILDING;
+
+struct Waiting {
+    until: Instant,
+    segments: BTreeSet<String>,
+}
+
+/// Whether the index is still being rebuilt. Cheap when it is not (one atomic load).
+#[derive(Default)]
+pub struct RecoveryGate {
+    active: AtomicBool,
+    waiting: Mutex<Option<Waiting>>,
+}
+
+impl RecoveryGate {
+    /// Starts a recovery that waits for `known` segments (none: nothing to wait for).
+    pub fn begin(&self, known: BTreeSet<String>, grace: Duration) {
+        if known.is_empty() {
+            self.clear();
+            return;
+        }
+        *self.waiting.lock() = Some(Waiting {
+            until: Instant::now() + grace,
+            segments: known,
+        });
+        self.active.store(true, Ordering::Release);
+    }
+
+    /// Ends any recovery (a master that steps down).
+    pub fn clear(&self) {
+        *self.waiting.lock() = None;
+        self.active.store(false, Ordering::Release);
+    }
+
+    /// True once every awaited segment is mounted in `core`, or the grace has passed.
+    pub fn done(&self, core: &MasterCore) -> bool {
+        if !self.active.load(Ordering::Acquire) {
+            return true;
+        }
+        let mut w = self.waiting.lock();
+        let done = match w.as_mut() {
+            None => true,
+            Some(rec) if Instant::now() >= rec.until => {
+                tracing::warn!(missing = ?rec.segments, "serving without segments that did not remount within the recovery grace");
+                true
+            }
+            Some(rec) => {
+                let mounted: BTreeSet<String> =
+                    core.segments().into_iter().map(|s| s.name).collect();
+                rec.segments.retain(|s| !mounted.contains(s));
+                rec.segments.is_empty()
+            }
+        };
+        if done && w.take().is_some() {
+            self.active.store(false, Ordering::Release);
+            tracing::info!("object index rebuilt; serving");
+        }
+        done
+    }
+
+    /// The refusal while rebuilding: `why` says which master and why it is empty.
+    pub fn refusal(why: &str) -> Status {
+        let mut s = Status::unavailable(format!(
+            "{why} and is rebuilding its object index from the store-clients' inventories; \
+             retry in a moment"
+        ));
+        s.metadata_mut()
+            .insert(REBUILDING_HEADER, MetadataValue::from_static("1"));
+        s
+    }
+}
+
+/// After the grace: segments that did not remount belong to dead owners. Forgets their
+/// records, or every later restart or failover would wait the full grace for them again.
+/// `still_ours` is false once this master no longer serves the term that waited.
+pub async fn forget_unmounted(
+    known: BTreeSet<String>,
+    slot: std::sync::Arc<CoreSlot>,
+    meta: std::sync::Arc<dyn lunakv_meta::MetaStore>,
+    still_ours: impl Fn() -> bool,
+) {
+    tokio::time::sleep(RECOVERY_GRACE).await;
+    if !still_ours() {
+        return;
+    }
+    let mounted: BTreeSet<String> = slot.get().segments().into_iter().map(|s| s.name).collect();
+    for name in known.difference(&mounted) {
+        tracing::warn!(segment = %name, "segment did not remount after the master took over; forgetting its record");
+        if let Err(e) = crate::persist::forget_segment(meta.as_ref(), name).await {
+            tracing::warn!(segment = %name, error = %e, "cannot forget the segment record");
+        }
+    }
+}
