@@ -149,13 +149,13 @@ async fn metrics(State(app): State<App>) -> Response {
         (
             "registrations_total",
             "counter",
-            "Accepted POST /register calls (first registrations and renewals).",
+            "Accepted registrations, HTTP and gRPC (first registrations and renewals).",
             c.registrations.load(Ordering::Relaxed),
         ),
         (
             "registrations_rejected_total",
             "counter",
-            "Refused registrations (engine id mismatch, duplicate, invalid).",
+            "Refused registrations (engine id mismatch, duplicate, invalid, lease out of range).",
             c.rejected.load(Ordering::Relaxed),
         ),
         (
