@@ -329,7 +329,9 @@ impl Proxy {
             )
         };
         let busy = |e: OverBudget| {
-            tracing::warn!(
+            // Counted in lunakv_sidecar_body_budget_refused_total; a WARN per refusal would let
+            // a burst of large bodies flood the log.
+            tracing::debug!(
                 limit = e.limit_bytes,
                 "request refused: --max-buffered-body-bytes is in use by other requests"
             );
