@@ -283,6 +283,41 @@ pub fn request(
     exchange(s, addr, method, path, headers, body).expect("read the answer")
 }
 
+/// [`request`] from the source address `src` (a loopback host other than 127.0.0.1), as a peer
+/// on that host would send it.
+pub fn request_from(
+    src: IpAddr,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Resp {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let s = rt
+        .block_on(async {
+            let sock = if src.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()?
+            } else {
+                tokio::net::TcpSocket::new_v6()?
+            };
+            sock.bind(SocketAddr::new(src, 0))?;
+            sock.connect(addr).await?.into_std()
+        })
+        .expect("connect from the source address");
+    s.set_nonblocking(false).ok();
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok();
+    exchange(s, addr, method, path, headers, body).expect("read the answer")
+}
+
+/// POSTs JSON from the source address `src` (see [`request_from`]).
+pub fn post_from(src: IpAddr, addr: SocketAddr, path: &str, body: &serde_json::Value) -> Resp {
+    request_from(src, addr, "POST", path, &[], body.to_string().as_bytes())
+}
+
 /// Sends one request on `s` (any stream: plain or TLS) and reads the whole answer.
 pub fn exchange(
     mut s: impl Read + Write,

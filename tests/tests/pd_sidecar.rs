@@ -770,3 +770,107 @@ fn every_disaggregated_route_goes_through_prefill_never_silently_decode_only() {
     assert_eq!(sc.metric("lunakv_sidecar_prefill_retries_total"), 0);
     assert_eq!(sc.metric("lunakv_sidecar_disaggregated_total"), 3);
 }
+
+/// The resident set of process `pid`, in bytes (VmRSS of /proc/<pid>/status).
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap_or_else(|| panic!("no VmRSS in /proc/{pid}/status"))
+}
+
+/// A sidecar counter or gauge.
+fn sidecar_metric(sc: &Sidecar, name: &str) -> i64 {
+    let text = request(sc.http, "GET", "/lunakv/sidecar/metrics", &[], b"").text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in the sidecar's metrics:\n{text}"))
+}
+
+#[test]
+fn parallel_large_bodies_stay_within_the_buffer_budget() {
+    use std::io::{Read, Write};
+    const MIB: usize = 1 << 20;
+    const BODY: usize = 60 * MIB;
+    let prefill = nixl_prefill();
+    let d = decoder(&[]);
+    // Room for two 60 MiB bodies at once (each charged 4 times its size), not three.
+    let budget = 512 * MIB;
+    let sc = Sidecar::start(
+        &d,
+        "nixlv2",
+        8998,
+        &[format!("--max-buffered-body-bytes={budget}")],
+    );
+    let target = prefill.http.to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+         x-prefiller-host-port: {target}\r\nContent-Length: {BODY}\r\nConnection: close\r\n\r\n",
+        sc.http
+    );
+    let connect = || {
+        let s = std::net::TcpStream::connect(sc.http).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).ok();
+        s
+    };
+    // Two clients send all but the last byte of their bodies: the sidecar buffers both.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = connect();
+        s.write_all(head.as_bytes()).unwrap();
+        let mut body = vec![b' '; BODY - 1];
+        body[0] = b'{';
+        s.write_all(&body).unwrap();
+        held.push(s);
+    }
+    let full = wait_until(Duration::from_secs(30), || {
+        (sidecar_metric(&sc, "lunakv_sidecar_buffered_body_bytes") >= 2 * 4 * BODY as i64)
+            .then_some(())
+    });
+    assert!(full.is_some(), "the two bodies were never buffered");
+    // Six more arrive while those are held: each is refused at once with the limit and the
+    // flag named, before its body is read.
+    for _ in 0..6 {
+        let mut s = connect();
+        s.write_all(head.as_bytes()).unwrap();
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.starts_with("HTTP/1.1 503"), "{text}");
+        assert!(
+            text.contains("--max-buffered-body-bytes") && text.contains(&budget.to_string()),
+            "{text}"
+        );
+        assert!(
+            text.to_ascii_lowercase().contains("retry-after: 1"),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        sidecar_metric(&sc, "lunakv_sidecar_body_budget_refused_total"),
+        6
+    );
+    // Memory, not time: two buffered bodies plus the process itself, far from 8 x 60 MiB.
+    let rss = rss_bytes(sc.proc.pid());
+    assert!(
+        rss < 320 * MIB as u64,
+        "sidecar RSS {} MiB with two 60 MiB bodies held",
+        rss / MIB as u64
+    );
+    // The clients leave: the budget comes back and requests go through again.
+    drop(held);
+    let freed = wait_until(Duration::from_secs(10), || {
+        (sidecar_metric(&sc, "lunakv_sidecar_buffered_body_bytes") == 0).then_some(())
+    });
+    assert!(freed.is_some(), "the budget was not released");
+    let hdr = [("x-prefiller-host-port", target.as_str())];
+    let body = completion(&format!("{PROMPT} after the flood"), false);
+    let want = expected(&d, "/v1/completions", &body);
+    let r = post(sc.http, "/v1/completions", &hdr, &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(output_of(&r.json()), want);
+}

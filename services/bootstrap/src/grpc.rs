@@ -1,8 +1,8 @@
 //! The gRPC API (`lunakv.bootstrap.v1.Bootstrap`) over the same table as the HTTP API.
 
+use std::net::{IpAddr, Ipv6Addr};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use lunakv_proto::bootstrap as pb;
 use lunakv_proto::bootstrap::bootstrap_server::{Bootstrap, BootstrapServer};
@@ -10,22 +10,21 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::state::{BootstrapState, RegisterError, StateError, Table, Worker};
+use crate::api::Api;
+use crate::state::{RegisterError, StateError, Table, Worker};
 
 /// The tonic service.
 pub struct BootstrapService {
-    state: Arc<dyn BootstrapState>,
-    lease: Duration,
+    api: Arc<Api>,
     stop: watch::Receiver<bool>,
 }
 
 /// Builds the server half for `tonic::transport::Server::add_service`.
-pub fn server(
-    state: Arc<dyn BootstrapState>,
-    lease: Duration,
+pub(crate) fn server(
+    api: Arc<Api>,
     stop: watch::Receiver<bool>,
 ) -> BootstrapServer<BootstrapService> {
-    BootstrapServer::new(BootstrapService { state, lease, stop })
+    BootstrapServer::new(BootstrapService { api, stop })
 }
 
 fn to_pb(t: &Table) -> pb::QueryResponse {
@@ -55,7 +54,12 @@ fn to_pb(t: &Table) -> pb::QueryResponse {
 
 fn status(e: RegisterError) -> Status {
     match e {
-        RegisterError::Invalid(_) => Status::invalid_argument(e.to_string()),
+        RegisterError::Invalid(_) | RegisterError::LeaseOutOfRange { .. } => {
+            Status::invalid_argument(e.to_string())
+        }
+        RegisterError::TableFull { .. } | RegisterError::PeerFull { .. } => {
+            Status::resource_exhausted(e.to_string())
+        }
         RegisterError::Unavailable(_) => Status::unavailable(e.to_string()),
         _ => Status::already_exists(e.to_string()),
     }
@@ -73,17 +77,17 @@ impl Bootstrap for BootstrapService {
         &self,
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
+        // Served over TcpListenerStream, so the peer is always known; without it the
+        // registration counts under `::` and is never probed (no addr is on that host).
+        let peer = req
+            .remote_addr()
+            .map_or(IpAddr::V6(Ipv6Addr::UNSPECIFIED), |a| a.ip());
         let r = req.into_inner();
         let w = r
             .worker
             .ok_or_else(|| Status::invalid_argument("worker is missing"))?;
-        let ttl = if r.lease_ttl_ms > 0 {
-            Duration::from_millis(r.lease_ttl_ms)
-        } else {
-            self.lease
-        };
         let out = self
-            .state
+            .api
             .register(
                 Worker {
                     engine_id: w.engine_id,
@@ -92,12 +96,13 @@ impl Bootstrap for BootstrapService {
                     pp_rank: w.pp_rank,
                     addr: w.addr,
                 },
-                ttl,
+                Some(r.lease_ttl_ms),
+                peer,
             )
             .await
             .map_err(status)?;
         Ok(Response::new(pb::RegisterResponse {
-            lease_ttl_ms: out.lease.as_millis() as u64,
+            lease_ttl_ms: u64::try_from(out.lease.as_millis()).unwrap_or(u64::MAX),
             replaced_engine_ids: out.replaced,
         }))
     }
@@ -107,7 +112,7 @@ impl Bootstrap for BootstrapService {
         _req: Request<pb::QueryRequest>,
     ) -> Result<Response<pb::QueryResponse>, Status> {
         Ok(Response::new(to_pb(
-            &self.state.query().await.map_err(unavailable)?,
+            &self.api.state.query().await.map_err(unavailable)?,
         )))
     }
 
@@ -121,6 +126,7 @@ impl Bootstrap for BootstrapService {
         }
         let ranks = (!r.all).then_some((r.dp_rank, r.tp_rank, r.pp_rank));
         let removed = self
+            .api
             .state
             .deregister(&r.engine_id, ranks)
             .await
@@ -134,7 +140,7 @@ impl Bootstrap for BootstrapService {
         &self,
         _req: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        let state = self.state.clone();
+        let state = self.api.state.clone();
         let mut changes = state.subscribe();
         let mut stop = self.stop.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(8);

@@ -2,49 +2,34 @@
 //! `GET /metrics` (Prometheus text).
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::atomic::Ordering;
 
 use axum::Json;
 use axum::Router;
-use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
+use axum::extract::{ConnectInfo, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::state::{BootstrapState, RegisterError, Table, Worker};
+use crate::api::Api;
+use crate::state::{RegisterError, Table, Worker};
 
-#[derive(Clone)]
-struct App {
-    state: Arc<dyn BootstrapState>,
-    lease: Duration,
-    counters: Arc<Counters>,
-}
+type App = Arc<Api>;
 
-/// HTTP API counters, served at `/metrics`.
-#[derive(Debug, Default)]
-struct Counters {
-    registrations: AtomicU64,
-    rejected: AtomicU64,
-    queries: AtomicU64,
-}
-
-/// The router for the HTTP listener.
-pub fn router(state: Arc<dyn BootstrapState>, lease: Duration) -> Router {
+/// The router for the HTTP listener; serve it with
+/// `into_make_service_with_connect_info::<SocketAddr>()` (registrations need the peer's IP).
+pub(crate) fn router(api: Arc<Api>) -> Router {
     Router::new()
         .route("/register", post(register))
         .route("/query", get(query))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
-        .with_state(App {
-            state,
-            lease,
-            counters: Arc::default(),
-        })
+        .with_state(api)
         // Lease renewals and probes come every few seconds: spans only inside a trace.
         .layer(lunakv_telemetry::propagate::HttpServerLayer::new().quiet(&[
             "/register",
@@ -75,17 +60,16 @@ fn detail(status: StatusCode, msg: impl Into<String>) -> Response {
 
 async fn register(
     State(app): State<App>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     body: Result<Json<RegisterBody>, JsonRejection>,
 ) -> Response {
     let Json(b) = match body {
         Ok(b) => b,
-        Err(e) => return detail(StatusCode::BAD_REQUEST, e.body_text()),
+        Err(e) => {
+            app.counters.rejected.fetch_add(1, Ordering::Relaxed);
+            return detail(StatusCode::BAD_REQUEST, e.body_text());
+        }
     };
-    let ttl = b
-        .lease_ttl_ms
-        .filter(|&ms| ms > 0)
-        .map(Duration::from_millis)
-        .unwrap_or(app.lease);
     let w = Worker {
         engine_id: b.engine_id,
         dp_rank: b.dp_rank,
@@ -93,18 +77,19 @@ async fn register(
         pp_rank: b.pp_rank,
         addr: b.addr,
     };
-    match app.state.register(w, ttl).await {
-        Ok(_) => {
-            app.counters.registrations.fetch_add(1, Ordering::Relaxed);
-            Json(json!({ "status": "ok" })).into_response()
-        }
+    match app.register(w, b.lease_ttl_ms, peer.ip()).await {
+        Ok(_) => Json(json!({ "status": "ok" })).into_response(),
         Err(e @ RegisterError::Unavailable(_)) => {
             detail(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
         }
-        Err(e) => {
-            app.counters.rejected.fetch_add(1, Ordering::Relaxed);
-            detail(StatusCode::BAD_REQUEST, e.to_string())
+        // The table cannot grow: 507 Insufficient Storage; one peer's share: 429.
+        Err(e @ RegisterError::TableFull { .. }) => {
+            detail(StatusCode::INSUFFICIENT_STORAGE, e.to_string())
         }
+        Err(e @ RegisterError::PeerFull { .. }) => {
+            detail(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+        }
+        Err(e) => detail(StatusCode::BAD_REQUEST, e.to_string()),
     }
 }
 
@@ -147,7 +132,8 @@ async fn metrics(State(app): State<App>) -> Response {
         (Err(e), _) | (_, Err(e)) => return detail(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     };
     let c = &app.counters;
-    let rows: [(&str, &str, &str, u64); 5] = [
+    let limits = app.cfg.limits;
+    let rows: [(&str, &str, &str, u64); 9] = [
         (
             "engines",
             "gauge",
@@ -163,14 +149,38 @@ async fn metrics(State(app): State<App>) -> Response {
         (
             "registrations_total",
             "counter",
-            "Accepted POST /register calls (first registrations and renewals).",
+            "Accepted registrations, HTTP and gRPC (first registrations and renewals).",
             c.registrations.load(Ordering::Relaxed),
         ),
         (
             "registrations_rejected_total",
             "counter",
-            "Refused registrations (engine id mismatch, duplicate, invalid).",
+            "Refused registrations (engine id mismatch, duplicate, invalid, lease out of range).",
             c.rejected.load(Ordering::Relaxed),
+        ),
+        (
+            "registrations_over_limit_total",
+            "counter",
+            "New workers refused over --max-registrations or --max-registrations-per-peer.",
+            c.over_limit.load(Ordering::Relaxed),
+        ),
+        (
+            "registrations_unprobed_total",
+            "counter",
+            "New workers whose addr is not on the registering peer's host: never probed.",
+            c.unprobed.load(Ordering::Relaxed),
+        ),
+        (
+            "registrations_limit",
+            "gauge",
+            "Live workers the table holds at most (--max-registrations).",
+            limits.max_registrations as u64,
+        ),
+        (
+            "registrations_per_peer_limit",
+            "gauge",
+            "Live workers one source IP may register (--max-registrations-per-peer).",
+            limits.max_per_peer as u64,
         ),
         (
             "queries_total",

@@ -13,11 +13,29 @@
 //! A gRPC API (`proto/lunakv/bootstrap.proto`) offers Register / Query / Deregister / Watch.
 //!
 //! ## Leases (what upstream lacks, llm-d #2187)
-//! Every registration carries a lease (default [`DEFAULT_LEASE`], `--lease-ttl`). It is renewed
-//! by registering the same worker again (the engine's heartbeat; lunakv's engine simulator does
-//! this) or, for engines that register once and never again (vLLM), by the prober: every
-//! `lease/3` the service opens a TCP connection to each worker's side-channel `addr` and renews
-//! the lease if it connects (`--probe-workers=false` turns this off). A dead engine therefore
+//! Every registration carries a lease (default [`DEFAULT_LEASE`], `--lease-ttl`; a request's
+//! `lease_ttl_ms` may ask for 1 ms ..= [`MAX_LEASE`], anything else is refused naming the field).
+//! It is renewed by registering the same worker again (the engine's heartbeat; lunakv's engine
+//! simulator does this) or, for engines that register once and never again (vLLM), by the
+//! prober: every `lease/3` the service opens a TCP connection to each worker's side-channel
+//! `addr` and renews the lease if it connects (`--probe-workers=false` turns this off).
+//!
+//! The prober only dials an `addr` on the registering peer's own host, as checked when it
+//! registered ([`state::on_peer_host`]): an `ip:port` whose IP is the source IP of the
+//! registering connection, or, for a peer on loopback, one of this host's interface addresses
+//! (vLLM's workers post to the bootstrap at 127.0.0.1 or their own IP and name their pod IP).
+//! Any other `addr` (another host, 127.0.0.2 from 127.0.0.1, a name) is accepted but never
+//! probed, with a warning and `lunakv_bootstrap_registrations_unprobed_total`: its lease lapses
+//! unless it registers again. Otherwise any peer could make the service dial any address every
+//! few seconds (SSRF, port scans). `--probe-any-host=true` restores dialling every `addr`, for
+//! deployments where NAT hides the engines' addresses and only trusted peers reach the service.
+//!
+//! ## Limits
+//! At most `--max-registrations` (4096) live workers, and `--max-registrations-per-peer` (256)
+//! first registered from one source IP; a new worker beyond either is refused (HTTP 507 or 429
+//! with a `detail` naming the limit and its flag; gRPC RESOURCE_EXHAUSTED) and counted in
+//! `lunakv_bootstrap_registrations_over_limit_total`. Renewals are never refused, and workers
+//! already registered keep answering `/query`. A dead engine therefore
 //! disappears one lease after it stops answering, and a restarted prefill engine with a new
 //! engine id is accepted when either its old lease lapsed or it registers on the same address
 //! as the old one (restart in place); see [`state`] for the exact rules.
@@ -35,6 +53,7 @@
 //! registrations: register through one, query through another; leases, replacement and
 //! expiry behave as on one server.
 
+mod api;
 pub mod grpc;
 pub mod http;
 pub mod shared;
@@ -47,11 +66,18 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+pub use api::lease_from_request;
 pub use shared::SharedState;
-pub use state::{BootstrapState, MemoryState, RegisterError, StateError, Table, Worker};
+pub use state::{
+    BootstrapState, Limits, MemoryState, Origin, ProbeTarget, RegisterError, StateError, Table,
+    Worker,
+};
 
 /// Lease granted when the request names none.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+/// Longest lease a registration may ask for (`lease_ttl_ms`) or `--lease-ttl` may set: a worker
+/// that dies keeps its table entry at most this long.
+pub const MAX_LEASE: Duration = Duration::from_secs(3600);
 /// vLLM's default bootstrap port.
 pub const DEFAULT_HTTP_PORT: u16 = 8998;
 pub const DEFAULT_GRPC_PORT: u16 = 8999;
@@ -80,6 +106,10 @@ pub struct BootstrapConfig {
     pub lease: Duration,
     /// Renew leases of workers whose side-channel address accepts a TCP connection.
     pub probe_workers: bool,
+    /// Also probe addresses that are not on the registering peer's host (see the crate docs).
+    pub probe_any_host: bool,
+    /// The table's bounds (the table enforces them; here for `/metrics`).
+    pub limits: Limits,
 }
 
 impl Default for BootstrapConfig {
@@ -90,7 +120,33 @@ impl Default for BootstrapConfig {
             grpc_port: DEFAULT_GRPC_PORT,
             lease: DEFAULT_LEASE,
             probe_workers: true,
+            probe_any_host: false,
+            limits: Limits::DEFAULT,
         }
+    }
+}
+
+impl BootstrapConfig {
+    /// Checks what clap cannot; the message names the flag.
+    pub fn validate(&self) -> Result<(), BootstrapError> {
+        if self.lease.is_zero() || self.lease > MAX_LEASE {
+            return Err(BootstrapError::Config(format!(
+                "--lease-ttl={:?} is out of range: 1ms..={}s",
+                self.lease,
+                MAX_LEASE.as_secs()
+            )));
+        }
+        for (flag, v) in [
+            ("--max-registrations", self.limits.max_registrations),
+            ("--max-registrations-per-peer", self.limits.max_per_peer),
+        ] {
+            if v == 0 {
+                return Err(BootstrapError::Config(format!(
+                    "{flag}=0 would refuse every registration; it must be at least 1"
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -164,21 +220,29 @@ pub async fn serve(
     let http_addr = local(&listeners.http)?;
     let grpc_addr = local(&listeners.grpc)?;
     let (stop_tx, stop_rx) = watch::channel(false);
+    let api = Arc::new(api::Api {
+        state: state.clone(),
+        cfg: cfg.clone(),
+        counters: api::Counters::default(),
+    });
 
     let mut rx = stop_rx.clone();
     let http = tokio::spawn(
-        axum::serve(listeners.http, http::router(state.clone(), cfg.lease))
-            .with_graceful_shutdown(async move {
-                let _ = rx.changed().await;
-            })
-            .into_future(),
+        axum::serve(
+            listeners.http,
+            http::router(api.clone()).into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move {
+            let _ = rx.changed().await;
+        })
+        .into_future(),
     );
     let mut rx = stop_rx.clone();
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .tcp_nodelay(true)
             .trace_fn(lunakv_telemetry::propagate::grpc_server_span)
-            .add_service(grpc::server(state.clone(), cfg.lease, stop_rx.clone()))
+            .add_service(grpc::server(api.clone(), stop_rx.clone()))
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
                 async move {
@@ -189,7 +253,7 @@ pub async fn serve(
     let upkeep = tokio::spawn(upkeep(state.clone(), cfg.clone(), stop_rx.clone()));
 
     println!("lunakv-bootstrap listening http={http_addr} grpc={grpc_addr}");
-    tracing::info!(%http_addr, %grpc_addr, lease = ?cfg.lease, probe = cfg.probe_workers, "lunakv-bootstrap serving");
+    tracing::info!(%http_addr, %grpc_addr, lease = ?cfg.lease, probe = cfg.probe_workers, probe_any_host = cfg.probe_any_host, limits = ?cfg.limits, "lunakv-bootstrap serving");
 
     shutdown.await;
     tracing::info!("shutting down");
@@ -234,22 +298,24 @@ async fn upkeep(
         }
         if cfg.probe_workers && last_probe.elapsed() >= probe_every {
             last_probe = tokio::time::Instant::now();
-            let workers = match state.workers().await {
-                Ok(w) => w,
+            let targets = match state.probe_targets().await {
+                Ok(t) => t,
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot list workers to probe");
                     continue;
                 }
             };
-            let probes = workers.into_iter().map(|w| {
+            let probes = targets.into_iter().filter_map(|t| {
+                let dial = dial_target(&t, cfg.probe_any_host)?;
                 let state = state.clone();
-                async move {
-                    if probe(&w.addr).await
+                let w = t.worker;
+                Some(async move {
+                    if probe(&dial).await
                         && let Err(e) = state.renew(&w).await
                     {
                         tracing::warn!(error = %e, addr = %w.addr, "cannot renew a probed worker");
                     }
-                }
+                })
             });
             futures_join_all(probes).await;
         }
@@ -265,15 +331,25 @@ async fn futures_join_all<F: std::future::Future<Output = ()> + Send + 'static>(
     }
 }
 
-/// True if `addr` (`tcp://host:port`, `http://host:port` or `host:port`) accepts a connection.
-async fn probe(addr: &str) -> bool {
-    let hp = addr
-        .trim()
-        .trim_start_matches("tcp://")
-        .trim_start_matches("http://")
-        .trim_end_matches('/');
+/// What the prober dials for `t`, if anything: the address checked at registration to be on the
+/// registering peer's host (an IP, never a name resolved later), or whatever `addr` names with
+/// `any_host`. Entries written by a version that recorded no peer are dialled as before,
+/// so a rolling upgrade does not drop engines that registered once (vLLM).
+fn dial_target(t: &ProbeTarget, any_host: bool) -> Option<String> {
+    if any_host || t.peer.is_none() {
+        return Some(state::host_port(&t.worker.addr).to_string());
+    }
+    t.probe.map(|sa| sa.to_string())
+}
+
+/// True if `host_port` accepts a connection within a second.
+async fn probe(host_port: &str) -> bool {
     matches!(
-        tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(hp)).await,
+        tokio::time::timeout(
+            Duration::from_secs(1),
+            tokio::net::TcpStream::connect(host_port)
+        )
+        .await,
         Ok(Ok(_))
     )
 }
@@ -298,6 +374,82 @@ mod tests {
         let env = |_: &str| Some("nope".to_string());
         assert!(port_from_env(&env).is_err());
         assert_eq!(port_from_env(&|_| None).unwrap(), None);
+    }
+
+    #[test]
+    fn the_prober_dials_only_the_registering_peers_host() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let me = ip("10.0.0.5");
+        let none = Vec::new;
+        assert_eq!(
+            state::on_peer_host("tcp://10.0.0.5:7000", me, none),
+            Some("10.0.0.5:7000".parse().unwrap())
+        );
+        assert_eq!(state::on_peer_host("tcp://10.0.0.6:7000", me, none), None);
+        assert_eq!(
+            state::on_peer_host("tcp://metadata.internal:80", me, none),
+            None
+        );
+        assert_eq!(state::on_peer_host("garbage", me, none), None);
+        // An IPv4 peer seen through a dual-stack listener is the same host.
+        assert!(state::on_peer_host("tcp://10.0.0.5:1", ip("::ffff:10.0.0.5"), none).is_some());
+        // A loopback peer is on this host: it may name this host's interface addresses (vLLM
+        // registers at 127.0.0.1 naming its pod IP), not any loopback or remote address.
+        let local = || vec![ip("127.0.0.1"), ip("10.0.0.9")];
+        let lo = ip("127.0.0.1");
+        assert!(state::on_peer_host("tcp://10.0.0.9:5", lo, local).is_some());
+        assert_eq!(state::on_peer_host("tcp://127.0.0.2:5", lo, local), None);
+        assert_eq!(state::on_peer_host("tcp://10.0.0.6:5", lo, local), None);
+        // A remote peer may not name this host's addresses.
+        assert_eq!(state::on_peer_host("tcp://10.0.0.9:5", me, local), None);
+
+        let t = |addr: &str, peer: Option<IpAddr>, probe: Option<&str>| ProbeTarget {
+            worker: Worker {
+                engine_id: "e".into(),
+                dp_rank: 0,
+                tp_rank: 0,
+                pp_rank: 0,
+                addr: addr.into(),
+            },
+            peer,
+            probe: probe.map(|p| p.parse().unwrap()),
+        };
+        assert_eq!(
+            dial_target(
+                &t("tcp://10.0.0.5:7000", Some(me), Some("10.0.0.5:7000")),
+                false
+            )
+            .as_deref(),
+            Some("10.0.0.5:7000")
+        );
+        assert_eq!(
+            dial_target(&t("tcp://10.0.0.6:7000", Some(me), None), false),
+            None
+        );
+        assert_eq!(
+            dial_target(&t("tcp://10.0.0.6:7000", Some(me), None), true).as_deref(),
+            Some("10.0.0.6:7000")
+        );
+        // Written by an older replica (no peer recorded): probed as it was.
+        assert_eq!(
+            dial_target(&t("tcp://10.0.0.6:7000", None, None), false).as_deref(),
+            Some("10.0.0.6:7000")
+        );
+    }
+
+    #[test]
+    fn lease_range() {
+        let d = Duration::from_secs(10);
+        assert_eq!(lease_from_request(None, d).unwrap(), d);
+        assert_eq!(lease_from_request(Some(0), d).unwrap(), d);
+        assert_eq!(
+            lease_from_request(Some(1500), d).unwrap(),
+            Duration::from_millis(1500)
+        );
+        let e = lease_from_request(Some(u64::MAX), d).unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains("lease_ttl_ms=18446744073709551615"), "{m}");
+        assert!(m.contains("1..=3600000"), "{m}");
     }
 
     #[test]

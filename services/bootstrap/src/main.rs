@@ -8,7 +8,7 @@ use clap::Parser;
 use std::time::Duration;
 
 use lunakv_bootstrap::{
-    BootstrapConfig, BootstrapState, Listeners, MemoryState, SharedState, parse_duration,
+    BootstrapConfig, BootstrapState, Limits, Listeners, MemoryState, SharedState, parse_duration,
     port_from_env,
 };
 use lunakv_meta::{EtcdClient, EtcdMetaStore};
@@ -26,12 +26,23 @@ struct Cli {
     /// gRPC port.
     #[arg(long = "grpc-port", default_value_t = lunakv_bootstrap::DEFAULT_GRPC_PORT)]
     grpc_port: u16,
-    /// Default lease of a registration (e.g. 10s, 500ms).
+    /// Default lease of a registration (e.g. 10s, 500ms; at most 1h).
     #[arg(long = "lease-ttl", default_value = "10s", value_parser = parse_duration)]
     lease_ttl: std::time::Duration,
     /// Renew the lease of workers whose side-channel addr accepts a TCP connection.
     #[arg(long = "probe-workers", default_value_t = true, action = clap::ArgAction::Set)]
     probe_workers: bool,
+    /// Also probe addrs that are not on the registering peer's host (only where NAT hides the
+    /// engines' addresses and only trusted peers reach the bootstrap: any peer could otherwise
+    /// make the service dial any address).
+    #[arg(long = "probe-any-host", default_value_t = false, action = clap::ArgAction::Set)]
+    probe_any_host: bool,
+    /// Live workers the table holds at most; a new one beyond is refused (507).
+    #[arg(long = "max-registrations", default_value_t = Limits::DEFAULT.max_registrations)]
+    max_registrations: usize,
+    /// Live workers one source IP may register; a new one beyond is refused (429).
+    #[arg(long = "max-registrations-per-peer", default_value_t = Limits::DEFAULT.max_per_peer)]
+    max_registrations_per_peer: usize,
     /// Keep the table in etcd so replicas share it (comma or `;` list of host:port); unset =
     /// embedded, in memory.
     #[arg(long = "etcd-endpoints", env = "LUNAKV_BOOTSTRAP_ETCD_ENDPOINTS")]
@@ -45,13 +56,13 @@ struct Cli {
 }
 
 /// The table: embedded, or in etcd when endpoints are given (checked before serving).
-async fn state(cli: &Cli) -> anyhow::Result<Arc<dyn BootstrapState>> {
+async fn state(cli: &Cli, limits: Limits) -> anyhow::Result<Arc<dyn BootstrapState>> {
     let Some(eps) = cli
         .etcd_endpoints
         .as_deref()
         .filter(|e| !e.trim().is_empty())
     else {
-        return Ok(Arc::new(MemoryState::new()));
+        return Ok(Arc::new(MemoryState::new().with_limits(limits)));
     };
     for (flag, v) in [("--cluster-id", &cli.cluster_id), ("--group", &cli.group)] {
         anyhow::ensure!(
@@ -71,10 +82,9 @@ async fn state(cli: &Cli) -> anyhow::Result<Arc<dyn BootstrapState>> {
         .with_context(|| format!("cannot reach etcd at {eps} (--etcd-endpoints)"))?;
     let prefix = SharedState::prefix_for(&cli.cluster_id, &cli.group);
     tracing::info!(etcd = %eps, %prefix, "bootstrap table shared through etcd");
-    Ok(Arc::new(SharedState::new(
-        Arc::new(EtcdMetaStore::new(client)),
-        prefix,
-    )))
+    Ok(Arc::new(
+        SharedState::new(Arc::new(EtcdMetaStore::new(client)), prefix).with_limits(limits),
+    ))
 }
 
 #[tokio::main]
@@ -92,8 +102,14 @@ async fn main() -> anyhow::Result<()> {
         grpc_port: cli.grpc_port,
         lease: cli.lease_ttl,
         probe_workers: cli.probe_workers,
+        probe_any_host: cli.probe_any_host,
+        limits: Limits {
+            max_registrations: cli.max_registrations,
+            max_per_peer: cli.max_registrations_per_peer,
+        },
     };
-    let state = state(&cli).await?;
+    cfg.validate()?;
+    let state = state(&cli, cfg.limits).await?;
     let listeners = Listeners::bind(&cfg).await.context("cannot start")?;
     lunakv_bootstrap::serve(
         cfg,

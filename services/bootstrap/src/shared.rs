@@ -25,9 +25,9 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use crate::state::{
-    BootstrapState, Change, DpEntry, DpSlots, RegisterError, Registered, Slot, StateError, Table,
-    Worker, apply_deregister, apply_register, apply_renew, live_entry, live_table, live_workers,
-    now_ms, sweep, validate,
+    BootstrapState, Change, Counts, DpEntry, DpSlots, Limits, Origin, ProbeTarget, RegisterError,
+    Registered, Slot, StateError, Table, Worker, apply_deregister, apply_register, apply_renew,
+    live_entry, live_table, live_targets, live_workers, now_ms, sweep, validate,
 };
 
 /// Compare-and-swap attempts before a change gives up (only under heavy contention).
@@ -44,6 +44,7 @@ pub struct SharedState {
     version: watch::Sender<u64>,
     /// The live table as this replica last saw it (to tell watchers about others' changes).
     seen: Mutex<BTreeMap<u32, DpEntry>>,
+    limits: Limits,
 }
 
 impl SharedState {
@@ -58,7 +59,13 @@ impl SharedState {
             prefix,
             version: watch::channel(0).0,
             seen: Mutex::new(BTreeMap::new()),
+            limits: Limits::DEFAULT,
         }
+    }
+
+    pub fn with_limits(mut self, limits: Limits) -> SharedState {
+        self.limits = limits;
+        self
     }
 
     /// `mooncake-store/<cluster_id>/bootstrap/<group>/`.
@@ -168,10 +175,33 @@ impl SharedState {
 
 #[async_trait]
 impl BootstrapState for SharedState {
-    async fn register(&self, w: Worker, ttl: Duration) -> Result<Registered, RegisterError> {
+    async fn register(
+        &self,
+        w: Worker,
+        ttl: Duration,
+        origin: Origin,
+    ) -> Result<Registered, RegisterError> {
         validate(&w)?;
-        self.update(w.dp_rank, |slots, now| apply_register(slots, &w, ttl, now))
-            .await
+        let limits = self.limits;
+        let first = self
+            .update(w.dp_rank, |slots, now| {
+                apply_register(slots, &w, ttl, now, origin, &limits, None)
+            })
+            .await;
+        match first {
+            Err(crate::state::Refused::NeedCounts) => {}
+            r => return r.map_err(Into::into),
+        }
+        // A new worker: count the other ranks (one listing, only for new workers, never for
+        // the renewals that are most registrations), then apply again.
+        let mut ranks = self.load().await?;
+        ranks.remove(&w.dp_rank);
+        let others = Counts::of(ranks.values(), origin.peer.to_canonical(), now_ms());
+        self.update(w.dp_rank, |slots, now| {
+            apply_register(slots, &w, ttl, now, origin, &limits, Some(&others))
+        })
+        .await
+        .map_err(Into::into)
     }
 
     async fn query(&self) -> Result<Table, StateError> {
@@ -228,6 +258,10 @@ impl BootstrapState for SharedState {
         Ok(live_workers(&self.load().await?, now_ms()))
     }
 
+    async fn probe_targets(&self) -> Result<Vec<ProbeTarget>, StateError> {
+        Ok(live_targets(&self.load().await?, now_ms()))
+    }
+
     fn subscribe(&self) -> watch::Receiver<u64> {
         self.version.subscribe()
     }
@@ -236,13 +270,19 @@ impl BootstrapState for SharedState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::tests::{rules, w};
+    use crate::state::tests::{O, SMALL, limits, rules, w};
     use lunakv_meta::MemMetaStore;
 
     #[tokio::test]
     async fn shared_state_follows_the_rules() {
         let store: Arc<dyn MetaStore> = Arc::new(MemMetaStore::new());
         rules(&SharedState::new(store, "t/")).await;
+    }
+
+    #[tokio::test]
+    async fn shared_state_enforces_the_limits() {
+        let store: Arc<dyn MetaStore> = Arc::new(MemMetaStore::new());
+        limits(&SharedState::new(store, "t/").with_limits(SMALL)).await;
     }
 
     #[tokio::test]
@@ -255,17 +295,17 @@ mod tests {
             SharedState::new(store.clone(), &prefix),
         );
         let ttl = Duration::from_secs(30);
-        a.register(w("E", 0, 0, "tcp://h:1"), ttl).await.unwrap();
+        a.register(w("E", 0, 0, "tcp://h:1"), ttl, O).await.unwrap();
         assert_eq!(b.query().await.unwrap().entries[&0].engine_id, "E");
         // B enforces A's registration.
         assert!(matches!(
-            b.register(w("F", 0, 1, "tcp://h:2"), ttl).await,
+            b.register(w("F", 0, 1, "tcp://h:2"), ttl, O).await,
             Err(RegisterError::EngineIdMismatch { .. })
         ));
         // A watcher on B hears about A's change at B's next upkeep.
         let mut rx = b.subscribe();
         rx.mark_unchanged();
-        a.register(w("E", 1, 0, "tcp://h:3"), ttl).await.unwrap();
+        a.register(w("E", 1, 0, "tcp://h:3"), ttl, O).await.unwrap();
         b.expire().await.unwrap();
         assert!(rx.has_changed().unwrap());
         // Garbage under the prefix does not wedge the rank.
@@ -273,7 +313,7 @@ mod tests {
             .put(&format!("{prefix}dp/7"), b"not json")
             .await
             .unwrap();
-        b.register(w("G", 7, 0, "tcp://h:4"), ttl).await.unwrap();
+        b.register(w("G", 7, 0, "tcp://h:4"), ttl, O).await.unwrap();
         assert_eq!(a.query().await.unwrap().entries[&7].engine_id, "G");
     }
 }

@@ -1,5 +1,6 @@
 //! Body plumbing: the boxed body type, a body that holds a guard until it is finished or dropped
-//! (in-flight gauges), the streaming `cached_tokens` rewrite, and vLLM-style error responses.
+//! (in-flight gauges), the streaming `cached_tokens` rewrite, vLLM-style error responses, and
+//! the budget of request-body bytes buffered at once ([`BodyBudget`]).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -41,6 +42,7 @@ where
 pub fn error_response(status: StatusCode, msg: impl Into<String>) -> Response<Body> {
     let kind = match status.as_u16() {
         400 => "BadRequestError",
+        429 => "RateLimitError",
         403 => "PermissionDeniedError",
         404 => "NotFoundError",
         413 => "RequestEntityTooLargeError",
@@ -57,6 +59,106 @@ pub fn error_response(status: StatusCode, msg: impl Into<String>) -> Response<Bo
         HeaderValue::from_static("application/json"),
     );
     r
+}
+
+/// How many copies of a request body the disaggregated flows hold at most, and so how many
+/// times its size a body is charged against [`BodyBudget`]: while parsing, the raw bytes and
+/// the parsed map; then the map, each leg's serialized body, and one leg's map being built.
+pub const BODY_COPIES: usize = 4;
+
+/// The memory the disaggregated routes may spend on request bodies at once (each charged
+/// [`BODY_COPIES`] times its size), across every connection
+/// and listener (`--max-buffered-body-bytes`). Those routes buffer the whole body (they rewrite
+/// the JSON for both legs), so without it N parallel large bodies cost N times several times
+/// `--max-body-bytes`. Counted in KiB so any byte budget fits the semaphore's `u32`
+/// acquisitions.
+pub struct BodyBudget {
+    sem: Arc<tokio::sync::Semaphore>,
+    limit_bytes: usize,
+    metrics: Arc<Metrics>,
+}
+
+/// Part of the budget, held until the request's flow ends; released when dropped.
+pub struct BodyPermit {
+    permit: tokio::sync::OwnedSemaphorePermit,
+    metrics: Arc<Metrics>,
+}
+
+/// Why a body did not fit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OverBudget {
+    pub limit_bytes: usize,
+}
+
+fn kib(bytes: usize) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+}
+
+impl BodyBudget {
+    pub fn new(limit_bytes: usize, metrics: Arc<Metrics>) -> BodyBudget {
+        let permits = (kib(limit_bytes) as usize).min(tokio::sync::Semaphore::MAX_PERMITS);
+        BodyBudget {
+            sem: Arc::new(tokio::sync::Semaphore::new(permits)),
+            limit_bytes,
+            metrics,
+        }
+    }
+
+    pub fn limit_bytes(&self) -> usize {
+        self.limit_bytes
+    }
+
+    /// An empty permit, to [`BodyBudget::grow`] as the body arrives.
+    pub fn empty(&self) -> BodyPermit {
+        self.reserve(0)
+            .expect("a zero-permit acquisition always succeeds")
+    }
+
+    /// Reserves `bytes` now, without waiting: a request is refused rather than queued, so a
+    /// burst of huge bodies cannot hold every connection open.
+    pub fn reserve(&self, bytes: usize) -> Result<BodyPermit, OverBudget> {
+        let n = kib(bytes);
+        let permit = self.sem.clone().try_acquire_many_owned(n).map_err(|_| {
+            self.metrics
+                .body_budget_refused
+                .fetch_add(1, Ordering::Relaxed);
+            OverBudget {
+                limit_bytes: self.limit_bytes,
+            }
+        })?;
+        self.metrics
+            .buffered_body_bytes
+            .fetch_add(i64::from(n) * 1024, Ordering::Relaxed);
+        Ok(BodyPermit {
+            permit,
+            metrics: self.metrics.clone(),
+        })
+    }
+
+    /// Grows `p` to cover `total` bytes (a body of unknown length, frame by frame).
+    pub fn grow(&self, p: &mut BodyPermit, total: usize) -> Result<(), OverBudget> {
+        let held = p.permit.num_permits();
+        let want = kib(total) as usize;
+        if want > held {
+            let mut more = self.reserve((want - held) * 1024)?;
+            // All of `more`'s permits move into `p`, so `more` drops holding none and its Drop
+            // subtracts nothing from the gauge; `p`'s Drop gives back the whole.
+            let n = more.permit.num_permits();
+            if let Some(taken) = more.permit.split(n) {
+                p.permit.merge(taken);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for BodyPermit {
+    fn drop(&mut self) {
+        let n = self.permit.num_permits() as i64;
+        self.metrics
+            .buffered_body_bytes
+            .fetch_sub(n * 1024, Ordering::Relaxed);
+    }
 }
 
 /// Decrements a gauge once, when dropped.

@@ -128,6 +128,11 @@ pub struct Cli {
     /// Largest request body accepted on the disaggregated routes (413 beyond).
     #[arg(long = "max-body-bytes", default_value_t = 64 << 20)]
     pub max_body_bytes: usize,
+    /// Memory the disaggregated routes may spend on request bodies at once, all requests
+    /// together, each body charged 4 times its size (raw, parsed, one copy per leg); a body that
+    /// does not fit is refused with 503 (lunakv's own flag).
+    #[arg(long = "max-buffered-body-bytes", default_value_t = 512 << 20)]
+    pub max_buffered_body_bytes: usize,
     /// Accepted for compatibility; sampling parameters always go to the prefiller unchanged.
     #[arg(long = "enable-prefiller-sampling", env = "ENABLE_PREFILLER_SAMPLING", default_value_t = false, action = ArgAction::Set,
           num_args = 0..=1, require_equals = true, default_missing_value = "true")]
@@ -206,6 +211,7 @@ pub struct SidecarConfig {
     pub max_idle_conns_per_host: usize,
     pub idle_conn_timeout: Duration,
     pub max_body_bytes: usize,
+    pub max_buffered_body_bytes: usize,
     pub worker_threads: usize,
 }
 
@@ -242,6 +248,16 @@ impl SidecarConfig {
         if c.max_body_bytes == 0 {
             return Err(ConfigError::Invalid("--max-body-bytes must be > 0".into()));
         }
+        let one = c.max_body_bytes.saturating_mul(crate::body::BODY_COPIES);
+        if c.max_buffered_body_bytes < one {
+            return Err(ConfigError::Invalid(format!(
+                "--max-buffered-body-bytes={} is below {} x --max-body-bytes={} (= {one}; a body is charged {} times its size): a body of the allowed size could never be buffered; raise it or lower --max-body-bytes",
+                c.max_buffered_body_bytes,
+                crate::body::BODY_COPIES,
+                c.max_body_bytes,
+                crate::body::BODY_COPIES
+            )));
+        }
         Ok(SidecarConfig {
             host: c.host,
             port: c.port,
@@ -262,6 +278,7 @@ impl SidecarConfig {
             max_idle_conns_per_host: c.max_idle_conns_per_host,
             idle_conn_timeout: c.idle_conn_timeout,
             max_body_bytes: c.max_body_bytes,
+            max_buffered_body_bytes: c.max_buffered_body_bytes,
             worker_threads: c.worker_threads,
         })
     }
@@ -304,6 +321,20 @@ mod tests {
         assert!(c.secure_proxy);
         assert!(!c.ssrf);
         assert!(c.idle_conn_timeout < Duration::from_secs(5));
+        assert_eq!(c.max_buffered_body_bytes, 512 << 20);
+    }
+
+    #[test]
+    fn body_budget_must_hold_one_body() {
+        let e = SidecarConfig::from_cli(
+            cli(&["--max-body-bytes=1000", "--max-buffered-body-bytes=3999"]).unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--max-buffered-body-bytes=3999") && e.contains("--max-body-bytes=1000"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -68,6 +68,7 @@ struct FileConfig {
     ssrf_allowlist_file: Option<PathBuf>,
     idle_conn_timeout: Option<String>,
     max_body_bytes: Option<usize>,
+    max_buffered_body_bytes: Option<usize>,
     worker_threads: Option<usize>,
     // Upstream keys with no implementation here: refused by name (see the module docs).
     ec_connector: Option<serde_yaml::Value>,
@@ -257,6 +258,11 @@ impl FileConfig {
             set!(idle_conn_timeout, "idle_conn_timeout", Some(d));
         }
         set!(max_body_bytes, "max_body_bytes", self.max_body_bytes);
+        set!(
+            max_buffered_body_bytes,
+            "max_buffered_body_bytes",
+            self.max_buffered_body_bytes
+        );
         set!(worker_threads, "worker_threads", self.worker_threads);
         Ok(())
     }

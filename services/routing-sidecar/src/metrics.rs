@@ -18,6 +18,10 @@ pub struct Metrics {
     pub decode_errors: AtomicU64,
     /// Upstream response bodies still being relayed.
     pub upstream_streams: AtomicI64,
+    /// Request-body bytes held against `--max-buffered-body-bytes` (KiB-rounded).
+    pub buffered_body_bytes: AtomicI64,
+    /// Requests refused because their body did not fit `--max-buffered-body-bytes`.
+    pub body_budget_refused: AtomicU64,
     /// Time from a request's arrival to its response headers.
     pub latency: Latency,
     /// Responses by status class, 1xx..5xx (index = class - 1).
@@ -127,6 +131,18 @@ impl Metrics {
             "Upstream bodies being relayed.",
             "gauge",
             self.upstream_streams.load(Ordering::Relaxed),
+        );
+        c(
+            "buffered_body_bytes",
+            "Request-body bytes buffered now (held against --max-buffered-body-bytes).",
+            "gauge",
+            self.buffered_body_bytes.load(Ordering::Relaxed),
+        );
+        c(
+            "body_budget_refused_total",
+            "Requests refused (503) because --max-buffered-body-bytes was in use.",
+            "counter",
+            g(&self.body_budget_refused),
         );
         let h = "lunakv_sidecar_request_duration_seconds";
         let _ = writeln!(

@@ -15,14 +15,18 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
-use http_body_util::{BodyExt, Limited};
+use http_body::Body as _;
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{Map, Value, json};
 use tracing::Instrument;
 
-use crate::body::{self, Body, GaugeGuard, Guarded, SseRewrite, error_response, rewrite_cached};
+use crate::body::{
+    self, Body, BodyBudget, BodyPermit, GaugeGuard, Guarded, OverBudget, SseRewrite,
+    error_response, rewrite_cached,
+};
 use crate::cache::{BootstrapCache, Engines};
 use crate::config::{Connector, SidecarConfig};
 use crate::metrics::Metrics;
@@ -49,6 +53,8 @@ pub struct Shared {
     pub prefill_client: HttpClient,
     pub decode_client: HttpClient,
     pub cache: BootstrapCache,
+    /// Request-body bytes buffered at once (`--max-buffered-body-bytes`).
+    pub body_budget: BodyBudget,
     pub allow: Option<Arc<Allowlist>>,
     pub metrics: Arc<Metrics>,
 }
@@ -306,31 +312,76 @@ impl Proxy {
         Response::from_parts(parts, body)
     }
 
-    /// Body read with the size limit, parsed as a JSON object.
-    async fn read_json(&self, body: Incoming) -> Result<Map<String, Value>, Response<Body>> {
-        let bytes = match Limited::new(body, self.shared.cfg.max_body_bytes)
-            .collect()
-            .await
-        {
-            Ok(b) => b.to_bytes(),
-            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-                return Err(error_response(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    format!(
-                        "request body exceeds {} bytes (--max-body-bytes)",
-                        self.shared.cfg.max_body_bytes
-                    ),
-                ));
-            }
-            Err(e) => {
-                return Err(error_response(
+    /// Body read within `--max-body-bytes` and the shared `--max-buffered-body-bytes`, parsed
+    /// as a JSON object. The permit covers [`body::BODY_COPIES`] times the body's size (the raw
+    /// bytes, then the parsed body and a serialized copy per leg) until the caller drops it,
+    /// when the request's flow ends.
+    async fn read_json(
+        &self,
+        mut body: Incoming,
+    ) -> Result<(Map<String, Value>, BodyPermit), Response<Body>> {
+        let max = self.shared.cfg.max_body_bytes;
+        let budget = &self.shared.body_budget;
+        let too_large = || {
+            error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body exceeds {max} bytes (--max-body-bytes)"),
+            )
+        };
+        let busy = |e: OverBudget| {
+            // Counted in lunakv_sidecar_body_budget_refused_total; a WARN per refusal would let
+            // a burst of large bodies flood the log.
+            tracing::debug!(
+                limit = e.limit_bytes,
+                "request refused: --max-buffered-body-bytes is in use by other requests"
+            );
+            let mut r = error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "the sidecar is already buffering its limit of {} bytes of request bodies (--max-buffered-body-bytes); retry shortly",
+                    e.limit_bytes
+                ),
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        };
+        // A declared length is checked and reserved before a byte is read; a chunked body
+        // reserves as it arrives.
+        let declared = body
+            .size_hint()
+            .exact()
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+        if declared.is_some_and(|n| n > max) {
+            return Err(too_large());
+        }
+        let charge = |n: usize| n.saturating_mul(body::BODY_COPIES);
+        let mut permit = match declared {
+            Some(n) => budget.reserve(charge(n)).map_err(busy)?,
+            None => budget.empty(),
+        };
+        let mut buf = bytes::BytesMut::with_capacity(declared.unwrap_or(0));
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| {
+                error_response(
                     StatusCode::BAD_REQUEST,
                     format!("cannot read the request body: {e}"),
-                ));
+                )
+            })?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            let total = buf.len().saturating_add(data.len());
+            if total > max {
+                return Err(too_large());
             }
-        };
-        match serde_json::from_slice::<Value>(&bytes) {
-            Ok(Value::Object(m)) => Ok(m),
+            if declared.is_none() {
+                budget.grow(&mut permit, charge(total)).map_err(busy)?;
+            }
+            buf.extend_from_slice(&data);
+        }
+        match serde_json::from_slice::<Value>(&buf) {
+            Ok(Value::Object(m)) => Ok((m, permit)),
             Ok(_) => Err(error_response(
                 StatusCode::BAD_REQUEST,
                 "request body must be a JSON object",
@@ -368,7 +419,9 @@ impl Proxy {
                 "Forbidden: prefill target not allowed by SSRF protection",
             );
         }
-        let original = match self.read_json(body).await {
+        // `_permit` lives until this function returns: the body, parsed and copied for both
+        // legs, is held until then.
+        let (original, _permit) = match self.read_json(body).await {
             Ok(m) => m,
             Err(r) => return r,
         };
@@ -453,14 +506,20 @@ impl Proxy {
         Ok(r)
     }
 
+    /// A leg's body, serialized: the legs hold bytes, not a second parsed copy, so a buffered
+    /// request costs at most [`crate::body::BODY_COPIES`] times its size.
+    fn json_bytes(m: &Map<String, Value>) -> Bytes {
+        // A map of JSON values with string keys always serializes.
+        Bytes::from(serde_json::to_vec(m).unwrap_or_default())
+    }
+
     /// Sends a prefill request and buffers its (small, non-streaming) answer.
     async fn prefill(
         &self,
         ctx: &Ctx,
-        body: &Map<String, Value>,
+        bytes: Bytes,
         dp_rank: Option<u32>,
     ) -> Result<Answer, UpstreamError> {
-        let bytes = Bytes::from(Value::Object(body.clone()).to_string());
         let extra = dp_rank.map(|r| ("x-data-parallel-rank", r.to_string()));
         let req = Self::upstream_request(&ctx.prefill_url, &ctx.headers, bytes, extra)
             .map_err(|_| UpstreamError::Other(ctx.prefill_url.clone(), "bad url".into()))?;
@@ -483,12 +542,7 @@ impl Proxy {
         })
     }
 
-    async fn decode(
-        &self,
-        ctx: &Ctx,
-        body: Map<String, Value>,
-    ) -> Result<Response<Incoming>, UpstreamError> {
-        let bytes = Bytes::from(Value::Object(body).to_string());
+    async fn decode(&self, ctx: &Ctx, bytes: Bytes) -> Result<Response<Incoming>, UpstreamError> {
         let req = Self::upstream_request(&ctx.decode_url, &ctx.headers, bytes, None)
             .map_err(|_| UpstreamError::Other(ctx.decode_url.clone(), "bad url".into()))?;
         self.shared
@@ -547,12 +601,16 @@ impl Proxy {
         } else {
             Value::Null
         };
-        let pbody = Self::prefill_body(&original, params);
+        let pbody = Self::json_bytes(&Self::prefill_body(&original, params));
         let rid = Self::request_id(&ctx.headers);
         let mut n = 0;
         let a = loop {
             let span = tracing::info_span!("prefill", target = %ctx.host_port, request_id = ?rid, attempt = n);
-            let fail = match self.prefill(ctx, &pbody, None).instrument(span).await {
+            let fail = match self
+                .prefill(ctx, pbody.clone(), None)
+                .instrument(span)
+                .await
+            {
                 Ok(a) if a.status.is_success() => break a,
                 Ok(a) => {
                     self.shared
@@ -599,6 +657,13 @@ impl Proxy {
             }
         }
         let span = tracing::info_span!("decode", request_id = ?rid, disaggregated = true);
+        // Only the decode body's bytes stay alive while it runs.
+        drop(pbody);
+        let dbody = {
+            let bytes = Self::json_bytes(&dbody);
+            drop(dbody);
+            bytes
+        };
         match self.decode(ctx, dbody).instrument(span).await {
             Ok(resp) => self.relay(resp, cached).await,
             Err(e) => self.decode_error(e),
@@ -741,19 +806,24 @@ impl Proxy {
                 "xfer-{}",
                 uuid::Builder::from_random_bytes(rand::random()).into_uuid()
             );
-            let pbody = Self::prefill_body(
+            // Each leg's map is serialized and dropped at once: with the original, the two
+            // serialized bodies and one map being built, at most four copies are alive.
+            let pbody = Self::json_bytes(&Self::prefill_body(
                 original,
                 json!({"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": transfer_id}),
-            );
-            let mut dbody = original.clone();
-            dbody.insert(
-                "kv_transfer_params".into(),
-                json!({"do_remote_prefill": true, "do_remote_decode": false, "transfer_id": transfer_id,
-                       "remote_bootstrap_addr": format!("http://{}", self.bootstrap_authority(ctx)),
-                       "remote_engine_id": engine_id}),
-            );
+            ));
+            let dbody = {
+                let mut d = original.clone();
+                d.insert(
+                    "kv_transfer_params".into(),
+                    json!({"do_remote_prefill": true, "do_remote_decode": false, "transfer_id": transfer_id,
+                           "remote_bootstrap_addr": format!("http://{}", self.bootstrap_authority(ctx)),
+                           "remote_engine_id": engine_id}),
+                );
+                Self::json_bytes(&d)
+            };
             let prefill = self
-                .prefill(ctx, &pbody, Some(dp))
+                .prefill(ctx, pbody, Some(dp))
                 .instrument(tracing::info_span!("prefill", %transfer_id, dp));
             let decode = self
                 .decode(ctx, dbody)

@@ -117,6 +117,7 @@ pub async fn bind(cfg: SidecarConfig) -> Result<Bound, SidecarError> {
         prefill_client: client(&cfg, cfg.skip_verify.prefiller)?,
         decode_client: client(&cfg, cfg.skip_verify.decoder)?,
         cache: BootstrapCache::new(1024),
+        body_budget: crate::body::BodyBudget::new(cfg.max_buffered_body_bytes, metrics.clone()),
         allow,
         metrics,
         cfg,
