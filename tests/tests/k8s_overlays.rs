@@ -8,7 +8,8 @@
 //!   (`MooncakeConfig::from_json_str` + `validate`), and the mode pairing holds: embedded needs
 //!   global_segment_size > 0; standalone-store needs 0 and a store-client DaemonSet;
 //! - enable_offload agrees across the engine config, the master and the store-clients (and the
-//!   offload overlay has it on all three);
+//!   offload overlay has it on all three); a store-client with the SSD tier has a
+//!   terminationGracePeriodSeconds that covers its shutdown drain plus 10 s;
 //! - serving pods that run MooncakeStoreConnector read MOONCAKE_CONFIG_PATH from a mounted
 //!   ConfigMap and share one PYTHONHASHSEED;
 //! - a routing sidecar is a native sidecar (initContainer, restartPolicy Always) whose
@@ -431,6 +432,32 @@ fn check_overlay(overlay: &str, objs: &[Value]) -> Checked {
         failures.push(format!(
             "serving pods use different PYTHONHASHSEEDs {seeds:?}: instances would never share a block"
         ));
+    }
+
+    // --- graceful stop: the SSD tier drain must finish before the kubelet's SIGKILL ----------
+    // On SIGTERM a store-client with the SSD tier writes its DRAM objects to disk for up to
+    // --offload_drain_timeout_sec, then unmounts (up to 5 s); the pod's grace period (30 s
+    // unless set) must cover both, or a rolling update loses the objects the drain was writing.
+    for (p, c) in &store_pods {
+        if !bool_flag(c, "--enable_offload") {
+            continue;
+        }
+        let drain: u64 = flag(c, "--offload_drain_timeout_sec")
+            .or_else(|| env(c, lunakv_config::store::OFFLOAD_DRAIN_TIMEOUT_ENV))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(lunakv_config::store::DEFAULT_OFFLOAD_DRAIN_TIMEOUT_SEC);
+        let grace = p
+            .spec
+            .pointer("/terminationGracePeriodSeconds")
+            .and_then(Value::as_u64)
+            .unwrap_or(30);
+        if grace < drain + 10 {
+            failures.push(format!(
+                "{}: terminationGracePeriodSeconds {grace} does not cover the SSD drain ({drain} s) plus the unmount and exit (10 s): the kubelet kills the drain; raise it to at least {}",
+                p.workload,
+                drain + 10
+            ));
+        }
     }
 
     // --- same-node shm: engines map the store's memory instead of going through tcp ----------

@@ -8,12 +8,15 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use lunakv_proto::master as pb;
 use lunakv_proto::master::master_client::MasterClient;
 use lunakv_telemetry::propagate::GrpcInject;
-use lunakv_transfer::{ColdTier, SegmentInfo, SegmentServer, SegmentServerConfig};
+use lunakv_transfer::{
+    ColdTier, DrainProgress, DrainReport, SegmentInfo, SegmentServer, SegmentServerConfig,
+};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::codegen::InterceptedService;
@@ -72,8 +75,10 @@ pub struct SegmentHost {
     client_id: String,
     master: MasterLink,
     stop: watch::Sender<bool>,
-    heartbeat: Option<JoinHandle<()>>,
+    heartbeat: parking_lot::Mutex<Option<JoinHandle<()>>>,
     rpc_timeout: Duration,
+    /// Set once [`SegmentHost::drain_and_unmount`] unmounted: `shutdown` then only stops.
+    unmounted: AtomicBool,
 }
 
 impl SegmentHost {
@@ -143,8 +148,9 @@ impl SegmentHost {
             client_id: opts.client_id,
             master,
             stop,
-            heartbeat: Some(heartbeat),
+            heartbeat: parking_lot::Mutex::new(Some(heartbeat)),
             rpc_timeout: opts.rpc_timeout,
+            unmounted: AtomicBool::new(false),
         })
     }
 
@@ -162,20 +168,104 @@ impl SegmentHost {
 
     /// Graceful stop: unmount (the master drops this segment's replicas at once instead of after
     /// client_ttl), then close the listeners.
-    pub async fn shutdown(mut self) -> Result<(), ClientError> {
+    pub async fn shutdown(self) -> Result<(), ClientError> {
+        self.stop_heartbeat().await;
+        let res = if self.unmounted.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            self.unmount(self.rpc_timeout).await
+        };
+        self.server.shutdown();
+        res
+    }
+
+    /// Graceful stop of an owner with a disk tier (`lunakv-store --enable_offload`, on SIGTERM):
+    /// writes the objects only in DRAM to the disk tier, newest first, until `budget` is spent,
+    /// then unmounts and stops serving. The restarted owner mounts the drained objects back with
+    /// its disk inventory (same directory), so a rolling update keeps them.
+    ///
+    /// Order, and why:
+    /// 1. Drain while still mounted and serving: gets keep being answered from DRAM during the
+    ///    drain, and the master's FREE/OFFLOAD keep working (the drain undoes its copy of an
+    ///    object the master frees meanwhile, see `lunakv_transfer::ColdDrain`).
+    /// 2. Stop the heartbeat (so no re-mount can follow), unmount: the master forgets this
+    ///    segment's replicas and places no new object here. Objects are clean misses until the
+    ///    restart re-mounts them.
+    /// 3. Drain again what was written between the first pass and the unmount, within the same
+    ///    budget; stop serving; count what is lost.
+    ///
+    /// A segment without a disk tier just unmounts (every object is dropped, as `shutdown`).
+    /// The report is returned even when the unmount failed (the master then expires the segment
+    /// after client_ttl); `progress` is updated while it runs, for /metrics.
+    pub async fn drain_and_unmount(
+        &self,
+        budget: Duration,
+        progress: Arc<DrainProgress>,
+    ) -> (Option<DrainReport>, Result<(), ClientError>) {
+        let deadline = Instant::now() + budget;
+        let Some(drain) = self.server.begin_drain(progress) else {
+            self.stop_heartbeat().await;
+            let res = self.unmount(self.rpc_timeout).await;
+            self.unmounted.store(true, Ordering::SeqCst);
+            self.server.shutdown();
+            return (None, res);
+        };
+        // Later passes take what was written during the earlier ones; bounded so a steady stream
+        // of puts cannot hold the unmount back for the whole budget.
+        let drain = run_blocking(drain, move |d| d.run(deadline, 3)).await;
+        self.stop_heartbeat().await;
+        // The unmount must not eat the whole grace period when the master is away.
+        let res = self.unmount(self.rpc_timeout.min(UNMOUNT_TIMEOUT)).await;
+        self.unmounted.store(true, Ordering::SeqCst);
+        let drain = match drain {
+            Some(d) => run_blocking(d, move |d| d.run(deadline, 1)).await,
+            None => None,
+        };
+        self.server.shutdown();
+        let report = match drain {
+            Some(d) => tokio::task::spawn_blocking(move || d.finish()).await.ok(),
+            None => None,
+        };
+        match &report {
+            Some(r) => tracing::info!(
+                drained = r.drained,
+                dropped = r.dropped,
+                drained_bytes = r.drained_bytes,
+                dropped_bytes = r.dropped_bytes,
+                already_on_disk = r.already_on_disk,
+                freed_meanwhile = r.freed_meanwhile,
+                no_room = r.no_room,
+                budget_spent = r.budget_spent,
+                write_failed = r.write_failed,
+                elapsed_ms = r.elapsed.as_millis() as u64,
+                budget_ms = budget.as_millis() as u64,
+                "shutdown drain finished: {} objects drained to the disk tier, {} dropped",
+                r.drained,
+                r.dropped
+            ),
+            None => tracing::error!(
+                "shutdown drain did not finish (its task failed); objects still in DRAM are lost"
+            ),
+        }
+        (report, res)
+    }
+
+    async fn stop_heartbeat(&self) {
         let _ = self.stop.send(true);
-        if let Some(h) = self.heartbeat.take() {
+        let h = self.heartbeat.lock().take();
+        if let Some(h) = h {
             let _ = h.await;
         }
+    }
+
+    async fn unmount(&self, timeout: Duration) -> Result<(), ClientError> {
         let mut master = self.master.client();
         let req = pb::UnmountSegmentRequest {
             client_id: self.client_id.clone(),
             segment_name: self.info.name.clone(),
             instance_id: self.info.instance_id.clone(),
         };
-        let res = tokio::time::timeout(self.rpc_timeout, master.unmount_segment(req)).await;
-        self.server.shutdown();
-        match res {
+        match tokio::time::timeout(timeout, master.unmount_segment(req)).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(status)) => Err(rpc_error(&self.master.addr(), &status)),
             Err(_) => Err(ClientError::Rpc {
@@ -184,6 +274,23 @@ impl SegmentHost {
             }),
         }
     }
+}
+
+/// Longest the drain's unmount waits for the master.
+const UNMOUNT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs `f` on the drain on a blocking thread (disk writes and fsyncs); `None` if that thread
+/// panicked (the drain and its pins are gone then, and the table stops watching).
+async fn run_blocking(
+    mut drain: lunakv_transfer::ColdDrain,
+    f: impl FnOnce(&mut lunakv_transfer::ColdDrain) + Send + 'static,
+) -> Option<lunakv_transfer::ColdDrain> {
+    tokio::task::spawn_blocking(move || {
+        f(&mut drain);
+        drain
+    })
+    .await
+    .ok()
 }
 
 impl Drop for SegmentHost {

@@ -46,6 +46,14 @@ pub const DEFAULT_METRICS_PORT: u16 = 9004;
 pub const DEFAULT_OFFLOAD_FILE_STORAGE_PATH: &str = "/data/file_storage";
 /// Upstream's default for MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES: 2 TB (binary, as all sizes here).
 pub const DEFAULT_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES: u64 = 2 << 40;
+/// Seconds a graceful stop (SIGTERM) with the SSD tier spends writing DRAM objects to disk
+/// before it unmounts. Kubernetes kills a pod 30 s after SIGTERM unless the pod says otherwise;
+/// 20 s leaves room for the unmount (at most 5 s) and the exit inside that default.
+pub const DEFAULT_OFFLOAD_DRAIN_TIMEOUT_SEC: u64 = 20;
+/// Upper bound of `--offload_drain_timeout_sec`: a drain that long is a configuration mistake.
+pub const MAX_OFFLOAD_DRAIN_TIMEOUT_SEC: u64 = 3600;
+/// Env twin of `--offload_drain_timeout_sec` (the flag wins).
+pub const OFFLOAD_DRAIN_TIMEOUT_ENV: &str = "LUNAKV_OFFLOAD_DRAIN_TIMEOUT_SEC";
 
 /// The store-client's configuration (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
@@ -107,6 +115,16 @@ pub struct StoreConfig {
     #[arg(long = "metrics_port", alias = "metrics-port", default_value_t = DEFAULT_METRICS_PORT)]
     pub metrics_port: u16,
 
+    /// With --enable_offload: on SIGTERM/SIGINT, seconds spent writing the objects still in DRAM
+    /// to the SSD tier (newest first) before unmounting, so a restart on the same directory
+    /// serves them; what does not fit in time is dropped (and counted). 0 = drop them at once.
+    /// Keep it below the pod's terminationGracePeriodSeconds (docs/OFFLOAD.md).
+    #[arg(
+        long = "offload_drain_timeout_sec", alias = "offload-drain-timeout-sec",
+        env = OFFLOAD_DRAIN_TIMEOUT_ENV, default_value_t = DEFAULT_OFFLOAD_DRAIN_TIMEOUT_SEC
+    )]
+    pub offload_drain_timeout_sec: u64,
+
     /// MOONCAKE_OFFLOAD_FILE_STORAGE_PATH (env only, as upstream).
     #[arg(skip = PathBuf::from(DEFAULT_OFFLOAD_FILE_STORAGE_PATH))]
     pub offload_file_storage_path: PathBuf,
@@ -138,6 +156,7 @@ impl Default for StoreConfig {
             metrics_port: DEFAULT_METRICS_PORT,
             offload_file_storage_path: PathBuf::from(DEFAULT_OFFLOAD_FILE_STORAGE_PATH),
             offload_total_size_limit_bytes: DEFAULT_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES,
+            offload_drain_timeout_sec: DEFAULT_OFFLOAD_DRAIN_TIMEOUT_SEC,
         }
     }
 }
@@ -165,7 +184,7 @@ impl StoreConfig {
     }
 
     /// Checks, in this order: master address, host, global_segment_size, protocol, ports,
-    /// cluster_id. Warnings: offload not implemented, metadata server ignored.
+    /// offload_drain_timeout_sec, cluster_id. Warnings: offload not implemented, metadata server ignored.
     pub fn validate(&self) -> Result<Vec<ConfigWarning>, ConfigError> {
         self.master_address()?;
         let host = self.host.trim();
@@ -202,6 +221,18 @@ impl StoreConfig {
                 reason: "it is also the transfer --port".to_string(),
                 fix: format!(
                     "use another port, e.g. --metrics_port={DEFAULT_METRICS_PORT}, or 0 for a free one"
+                ),
+            });
+        }
+        if self.offload_drain_timeout_sec > MAX_OFFLOAD_DRAIN_TIMEOUT_SEC {
+            return Err(ConfigError::Invalid {
+                field: "--offload_drain_timeout_sec".to_string(),
+                value: self.offload_drain_timeout_sec.to_string(),
+                reason: format!(
+                    "more than {MAX_OFFLOAD_DRAIN_TIMEOUT_SEC} s; a stop must finish inside the pod's grace period"
+                ),
+                fix: format!(
+                    "give seconds below terminationGracePeriodSeconds, e.g. --offload_drain_timeout_sec={DEFAULT_OFFLOAD_DRAIN_TIMEOUT_SEC}"
                 ),
             });
         }

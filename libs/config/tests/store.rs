@@ -319,3 +319,22 @@ fn shm_socket_path() {
         PathBuf::from("/dev/shm/x.sock")
     );
 }
+
+#[test]
+fn offload_drain_timeout() {
+    assert_eq!(parse(&[]).unwrap().offload_drain_timeout_sec, 20);
+    let c = parse(&["--offload_drain_timeout_sec=0"]).unwrap();
+    assert_eq!(c.offload_drain_timeout_sec, 0);
+    assert!(c.validate().is_ok());
+    let c = parse(&["--offload-drain-timeout-sec", "45"]).unwrap();
+    assert_eq!(c.offload_drain_timeout_sec, 45);
+    assert!(parse(&["--offload_drain_timeout_sec=soon"]).is_err());
+    // Instant + u64::MAX seconds would overflow: far too long is refused with the fix.
+    let c = parse(&["--offload_drain_timeout_sec=18446744073709551615"]).unwrap();
+    let e = c.validate().unwrap_err().to_string();
+    assert!(
+        e.starts_with("--offload_drain_timeout_sec '18446744073709551615' is invalid")
+            && e.contains("terminationGracePeriodSeconds"),
+        "{e}"
+    );
+}

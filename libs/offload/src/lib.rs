@@ -905,6 +905,16 @@ impl DiskTier {
         Ok(reclaimed)
     }
 
+    /// Closes the bucket being appended to: the next write starts a new one. A shutdown drain
+    /// calls it first, so everything it writes sits after every older object and the size limit
+    /// (oldest bucket first) drops those older objects before any drained one.
+    pub fn seal(&self) {
+        let _w = self.writer.lock();
+        let mut g = self.inner.lock();
+        g.current = None;
+        self.reclaim_empty(&mut g);
+    }
+
     /// Drops whole buckets, oldest first, until `need` more bytes fit under the limit.
     fn make_room(&self, g: &mut Inner, need: u64) -> Result<(), OffloadError> {
         let mut victims = Vec::new();

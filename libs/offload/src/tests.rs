@@ -79,6 +79,30 @@ fn fifo_drops_oldest_buckets_at_the_limit() {
 }
 
 #[test]
+fn after_seal_the_limit_drops_every_older_object_first() {
+    let d = tempfile::tempdir().unwrap();
+    // Bucket bounds far above the objects: without the seal all ten would share one bucket.
+    let mut c = cfg(d.path(), 100_000);
+    c.bucket_max_bytes = 1 << 20;
+    c.bucket_max_keys = 500;
+    let (t, _) = DiskTier::open(c).unwrap();
+    for i in 1..=5 {
+        put(&t, i, 10_000);
+    }
+    t.seal();
+    // A drain of up to the limit: the five older objects go, none of the new ones.
+    for i in 11..=20 {
+        put(&t, i, 10_000);
+    }
+    for i in 1..=5 {
+        assert_eq!(t.size_of(i), None, "older object {i} should have made room");
+    }
+    for i in 11..=20 {
+        check(&t, i, 10_000);
+    }
+}
+
+#[test]
 fn lru_keeps_what_is_read() {
     let d = tempfile::tempdir().unwrap();
     let mut c = cfg(d.path(), 100_000);

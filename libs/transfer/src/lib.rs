@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+mod drain;
 mod local;
 mod mem;
 mod raw;
@@ -44,6 +45,7 @@ mod trace;
 mod vio;
 pub mod wire;
 
+pub use drain::{ColdDrain, DrainProgress, DrainReport};
 pub use raw::RawRequest;
 pub use rdma::{
     PeerRdma, RDMA_COMPILED, RdmaDescriptor, RdmaTransport, Route, RouteFacts, rdma_check,
@@ -79,6 +81,13 @@ pub trait ColdTier: Send + Sync + 'static {
     fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, String>;
     /// Forgets objects (the master removed them).
     fn remove(&self, generations: &[u64]);
+    /// Called once before a shutdown drain ([`SegmentServer::begin_drain`]): how many bytes the
+    /// drain may write without the tier's own size limit dropping any of them again (older
+    /// objects may go to make room). A tier may prepare, e.g. start a new file so that the
+    /// drained objects sit after every older one. Default: no bound.
+    fn prepare_drain(&self) -> u64 {
+        u64::MAX
+    }
 }
 
 /// Socket buffer size for transfer connections: a 4 MiB object fits in flight at once.

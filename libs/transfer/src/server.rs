@@ -60,7 +60,7 @@ pub(crate) struct Shared {
     conns: Mutex<HashMap<u64, Live>>,
     next_conn: AtomicU64,
     /// The owner's disk tier, if it offloads.
-    cold: std::sync::OnceLock<Arc<dyn ColdTier>>,
+    pub(crate) cold: std::sync::OnceLock<Arc<dyn ColdTier>>,
     /// What ATTACH answers when asked ([`wire::FLAG_IDENTITY`]).
     identity: parking_lot::RwLock<SegmentIdentity>,
 }
@@ -885,6 +885,8 @@ fn offload(shared: &Shared, items: &[(u64, u64)]) -> (u64, Vec<u64>) {
     }
     match cold.store(&batch) {
         Ok(done) => {
+            // A shutdown drain keeps these disk copies: they are the master's replicas now.
+            shared.table.note_offloaded(&done);
             stored += done.len() as u64;
             let done: std::collections::HashSet<u64> = done.into_iter().collect();
             failed.extend(

@@ -34,6 +34,22 @@ struct Inner {
     used: u64,
     /// Ids of entries read since the last `take_touched_keys`.
     touched: HashSet<u64>,
+    /// Set while a shutdown drain runs (see [`DrainWatch`]).
+    drain: Option<DrainWatch>,
+}
+
+/// What the master did, during a shutdown drain, to the generations the drain copied to disk.
+/// The master does not know those disk copies: a FREE of one (a remove, an overwrite, a plain
+/// eviction) must take the copy away again, or a restart would bring the object back; an OFFLOAD
+/// made the copy the master's own disk replica, which stays.
+#[derive(Default)]
+struct DrainWatch {
+    /// Generations the drain pinned to copy (bounded by the table's entries).
+    taken: HashSet<u64>,
+    /// Of those, the ones a FREE or OFFLOAD dropped from DRAM.
+    freed: HashSet<u64>,
+    /// Of those, the ones an OFFLOAD stored (the master now holds a disk replica of them).
+    offloaded: HashSet<u64>,
 }
 
 /// A pin on an entry; hand it back to [`Table::unpin`].
@@ -201,6 +217,13 @@ impl Table {
                 pinned.push(id);
             }
         }
+        if let Some(w) = g.drain.as_mut() {
+            for &(generation, _) in items {
+                if w.taken.contains(&generation) {
+                    w.freed.insert(generation);
+                }
+            }
+        }
         pinned.is_empty() || self.wait_gone(&mut g, &pinned, deadline)
     }
 
@@ -258,6 +281,75 @@ impl Table {
             g.touched.remove(&id);
         }
         keys
+    }
+
+    /// Live entries `(generation, offset, len)`, the most recently committed first (entry ids
+    /// grow with every commit), for a shutdown drain that writes the newest objects first.
+    pub(crate) fn newest_first(&self) -> Vec<(u64, u64, u64)> {
+        let g = self.inner.lock();
+        let mut ids: Vec<u64> = g.by_offset.values().copied().collect();
+        ids.sort_unstable_by(|a, b| b.cmp(a));
+        ids.iter()
+            .map(|id| {
+                let r = &g.entries[id];
+                (r.generation, r.offset, r.len)
+            })
+            .collect()
+    }
+
+    /// Starts recording what FREE and OFFLOAD do to the generations a drain takes.
+    pub(crate) fn watch_drain(&self) {
+        self.inner
+            .lock()
+            .drain
+            .get_or_insert_with(DrainWatch::default);
+    }
+
+    /// [`Self::pin_at`] for the drain: also records `generation` as taken, in the same lock, so
+    /// a FREE that lands from now on is seen.
+    pub(crate) fn pin_for_drain(
+        &self,
+        generation: u64,
+        offset: u64,
+    ) -> Option<(PinId, String, u64)> {
+        let mut g = self.inner.lock();
+        let pinned = {
+            let &id = g.by_gen.get(&generation)?;
+            let rec = g.entries.get_mut(&id)?;
+            if rec.offset != offset {
+                return None;
+            }
+            rec.pins += 1;
+            (PinId(id), rec.key.clone(), rec.len)
+        };
+        if let Some(w) = g.drain.as_mut() {
+            w.taken.insert(generation);
+        }
+        Some(pinned)
+    }
+
+    /// OFFLOAD stored these generations on disk for the master (a no-op without a drain).
+    pub(crate) fn note_offloaded(&self, generations: &[u64]) {
+        let mut g = self.inner.lock();
+        if let Some(w) = g.drain.as_mut() {
+            for gen_ in generations {
+                if w.taken.contains(gen_) {
+                    w.offloaded.insert(*gen_);
+                }
+            }
+        }
+    }
+
+    /// Ends the watch; returns the taken generations the master freed and did not offload
+    /// (their disk copies must go).
+    pub(crate) fn end_drain_watch(&self) -> Vec<u64> {
+        let Some(w) = self.inner.lock().drain.take() else {
+            return Vec::new();
+        };
+        w.freed
+            .into_iter()
+            .filter(|g| !w.offloaded.contains(g))
+            .collect()
     }
 
     /// (entries, used bytes)

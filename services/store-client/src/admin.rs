@@ -47,9 +47,12 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     m.reads.set(st.reads as i64);
     m.writes.set(st.writes as i64);
     m.shm_attaches.set(st.shm_attaches as i64);
+    let set = |g: &prometheus::IntGauge, v: u64| g.set(i64::try_from(v).unwrap_or(i64::MAX));
+    set(&m.drain_drained, m.drain.drained());
+    set(&m.drain_drained_bytes, m.drain.drained_bytes());
+    set(&m.drain_dropped, m.drain.dropped());
     if let Some(t) = &m.tier {
         let d = t.stats();
-        let set = |g: &prometheus::IntGauge, v: u64| g.set(i64::try_from(v).unwrap_or(i64::MAX));
         set(&m.disk_capacity, d.capacity_bytes);
         set(&m.disk_used, d.used_bytes);
         set(&m.disk_live, d.live_bytes);

@@ -2,8 +2,10 @@
 //!
 //! The standalone store-client (upstream's `mooncake_client`): owns a DRAM segment of
 //! `--global_segment_size`, serves it on `--port` (50052) through the transfer library, mounts it
-//! with the master, pings, and unmounts on a graceful stop. Engines in standalone-store mode are
-//! pure requesters against it, so the pool survives engine restarts.
+//! with the master, pings, and unmounts on a graceful stop; with the SSD tier it first writes the
+//! objects still in DRAM to disk (`--offload_drain_timeout_sec`, docs/OFFLOAD.md), so a rolling
+//! update keeps them. Engines in standalone-store mode are pure requesters against it, so the
+//! pool survives engine restarts.
 //!
 //! The segment logic itself is [`lunakv_client::SegmentHost`], shared with embedded-mode
 //! engines; this crate adds the flags, the admin HTTP endpoint (/metrics, /health) and the
@@ -127,6 +129,8 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
     .await?;
     let host = Arc::new(host);
 
+    let drain_on = tier.is_some();
+    let drain_progress = metrics.drain.clone();
     let metrics = Metrics { tier, ..metrics };
     let admin_addr = SocketAddr::new(ip, cfg.metrics_port);
     let listener = tokio::net::TcpListener::bind(admin_addr)
@@ -154,7 +158,22 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
     tracing::info!(segment = %info.name, size = info.size, shm = ?info.shm_socket, "serving");
 
     shutdown.await;
-    tracing::info!("shutting down: unmounting the segment");
+    // With the SSD tier, the objects still in DRAM go to disk first (newest first, within
+    // --offload_drain_timeout_sec) so the restarted store serves them; /metrics stays up and
+    // shows the drain's progress meanwhile.
+    if drain_on {
+        let budget = Duration::from_secs(cfg.offload_drain_timeout_sec);
+        tracing::info!(
+            budget_s = cfg.offload_drain_timeout_sec,
+            "shutting down: draining DRAM objects to the SSD tier, then unmounting"
+        );
+        let (_, unmounted) = host.drain_and_unmount(budget, drain_progress).await;
+        if let Err(e) = unmounted {
+            tracing::warn!(error = %e, "unmount after the drain failed; the master expires the segment after client_ttl");
+        }
+    } else {
+        tracing::info!("shutting down: unmounting the segment");
+    }
     let _ = stop_admin.send(());
     let _ = admin.await;
     match Arc::try_unwrap(host) {
@@ -193,6 +212,10 @@ pub(crate) struct Metrics {
     pub(crate) disk_compactions: IntGauge,
     pub(crate) disk_compacted: IntGauge,
     pub(crate) tier: Option<Arc<lunakv_offload::DiskTier>>,
+    pub(crate) drain_drained: IntGauge,
+    pub(crate) drain_drained_bytes: IntGauge,
+    pub(crate) drain_dropped: IntGauge,
+    pub(crate) drain: Arc<lunakv_transfer::DrainProgress>,
 }
 
 impl Metrics {
@@ -275,6 +298,19 @@ impl Metrics {
                 "Dead bytes returned by compaction",
             ),
             tier: None,
+            drain_drained: g(
+                "lunakv_store_drain_drained_objects",
+                "Shutdown drain: DRAM objects written to the SSD tier so far (a restart serves them)",
+            ),
+            drain_drained_bytes: g(
+                "lunakv_store_drain_drained_bytes",
+                "Shutdown drain: bytes of those objects",
+            ),
+            drain_dropped: g(
+                "lunakv_store_drain_dropped_objects",
+                "Shutdown drain: DRAM objects lost (budget spent, no room, write error); set when it ends",
+            ),
+            drain: Arc::default(),
             writes: g(
                 "lunakv_store_transfer_writes_total",
                 "Write requests served",

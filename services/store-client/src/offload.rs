@@ -44,6 +44,14 @@ impl ColdTier for Tier {
             tracing::warn!(error = %e, "removing objects from the disk tier failed");
         }
     }
+
+    fn prepare_drain(&self) -> u64 {
+        // The drain's objects then sit in buckets newer than every older object, so the size
+        // limit (oldest bucket first) drops all of those before any drained one; up to the
+        // limit, the drain never drops what it wrote itself.
+        self.0.seal();
+        self.0.config().limit_bytes
+    }
 }
 
 impl DiskInventory for Tier {
