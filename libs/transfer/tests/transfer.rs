@@ -30,6 +30,7 @@ fn server_with(size: u64, shm: bool) -> Fixture {
         size,
         shm_socket: shm.then(|| sock.clone()),
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     let target = Target::from(&server.info());
@@ -619,6 +620,7 @@ fn listener_binds_only_the_configured_address() {
         size: 4096,
         shm_socket: None,
         advertise_host: Some("node-a".into()),
+        ..Default::default()
     })
     .unwrap();
     assert_eq!(
@@ -671,6 +673,7 @@ fn shutdown_stops_serving_and_reconnect_after_restart_works() {
         size: SEG,
         shm_socket: Some(f.sock.clone()),
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     e.write(&f.target, 2, "k2", 0, &[b"xyz"]).unwrap();
@@ -692,6 +695,7 @@ fn shm_reattaches_after_owner_restart() {
         size: SEG,
         shm_socket: Some(f.sock.clone()),
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     // The old mapping belongs to the dead owner; the write must land in the new memfd.

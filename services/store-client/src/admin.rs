@@ -47,6 +47,10 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     m.reads.set(st.reads as i64);
     m.writes.set(st.writes as i64);
     m.shm_attaches.set(st.shm_attaches as i64);
+    let cs = s.host.server().conn_stats();
+    m.conns_open.set((cs.open_tcp + cs.open_shm) as i64);
+    m.conns_refused.set(cs.refused_total as i64);
+    m.bad_frames.set(cs.bad_frames_total as i64);
     if let Some(t) = &m.tier {
         let d = t.stats();
         let set = |g: &prometheus::IntGauge, v: u64| g.set(i64::try_from(v).unwrap_or(i64::MAX));
