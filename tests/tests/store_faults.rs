@@ -270,7 +270,7 @@ fn raise_own_fd_limit() -> u64 {
 /// A `lunakv-store` whose open-file limit is `nofile` (soft and hard), as on a host that never
 /// raised it: a flood exhausts it quickly.
 fn store_with_fd_limit(master: &str, nofile: u64, env: &[(&str, &str)]) -> Store {
-    let mut args = vec![
+    let args = vec![
         "-c".to_owned(),
         format!("ulimit -n {nofile} && exec \"$0\" \"$@\""),
         lunakv_tests::bin("lunakv-store").display().to_string(),

@@ -47,7 +47,7 @@ pub fn raise_fd_limit() -> io::Result<(Option<u64>, Option<u64>)> {
     let mut l = getrlimit(Resource::Nofile);
     if l.current != l.maximum {
         l.current = l.maximum;
-        setrlimit(Resource::Nofile, l.clone())?;
+        setrlimit(Resource::Nofile, l)?;
     }
     Ok((l.current, l.maximum))
 }
