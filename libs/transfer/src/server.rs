@@ -411,15 +411,20 @@ fn admit(shared: &Shared, peer: Option<IpAddr>) -> Option<Slot> {
         .conns_refused
         .fetch_add(1, Ordering::Relaxed);
     if let Some(suppressed) = shared.refused_log.check(peer) {
+        let peer_is_tcp = peer.is_some();
         let peer = peer_name(peer);
         match refusal {
             Refusal::Peer { open, cap } => tracing::warn!(
                 %peer, open, cap, suppressed,
                 "refusing a transfer connection: this peer holds the most connections one peer may (see lunakv-store --transfer_max_conns_per_peer)"
             ),
-            Refusal::Global { open, cap } => tracing::warn!(
+            Refusal::Global { open, cap } if peer_is_tcp => tracing::warn!(
                 %peer, open, cap, suppressed,
                 "refusing a transfer connection: the server holds the most connections it may (see lunakv-store --transfer_max_conns)"
+            ),
+            Refusal::Global { open, cap } => tracing::warn!(
+                %peer, open, cap, suppressed,
+                "refusing an shm connection: the shm socket holds the most connections its share of the fd limit allows (raise `ulimit -n`)"
             ),
         }
     }
