@@ -250,3 +250,266 @@ fn rdma_without_a_device_is_one_clear_line_never_a_fallback() {
     .expect("client refuses rdma");
     assert!(e.to_string().contains("\"tcp\""), "{e}");
 }
+
+/// Raises this test process's soft open-file limit to the hard one; returns the new soft limit.
+fn raise_own_fd_limit() -> u64 {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit on our own process with a valid struct.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut l);
+        l.rlim_cur = l.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut l);
+    }
+    l.rlim_cur
+}
+
+/// A `lunakv-store` whose open-file limit is `nofile` (soft and hard), as on a host that never
+/// raised it: a flood exhausts it quickly.
+fn store_with_fd_limit(master: &str, nofile: u64, env: &[(&str, &str)]) -> Store {
+    let args = vec![
+        "-c".to_owned(),
+        format!("ulimit -n {nofile} && exec \"$0\" \"$@\""),
+        lunakv_tests::bin("lunakv-store").display().to_string(),
+        format!("--master_server_address={master}"),
+        "--host=127.0.0.1".to_owned(),
+        "--port=0".to_owned(),
+        "--metrics_port=0".to_owned(),
+        "--global_segment_size=16MB".to_owned(),
+    ];
+    let proc =
+        lunakv_tests::Proc::spawn_path(std::path::Path::new("/bin/sh"), "lunakv-store", &args, env);
+    store_from(proc)
+}
+
+fn store_from(proc: lunakv_tests::Proc) -> Store {
+    let line = proc.wait_for_line("listening", Duration::from_secs(40));
+    let f = lunakv_tests::fields(&line);
+    Store {
+        transfer: f["transfer"].parse().expect("transfer address"),
+        admin: f.get("admin").and_then(|a| a.parse().ok()),
+        proc,
+    }
+}
+
+fn store_metric(store: &Store, name: &str) -> Option<f64> {
+    let (_, body) = lunakv_tests::http_get(store.admin.expect("admin address"), "/metrics");
+    body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (n, v) = l.split_once(' ')?;
+        (n == name).then(|| v.trim().parse().ok())?
+    })
+}
+
+/// Opens up to `n` idle connections to `to` from the loopback address `from` (another peer
+/// than the test's clients on 127.0.0.1), all at once; returns the ones that connected.
+fn flood(from: &str, to: std::net::SocketAddr, n: usize) -> Vec<std::net::TcpStream> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let src: std::net::SocketAddr = format!("{from}:0").parse().expect("source address");
+    rt.block_on(async {
+        let tries = (0..n).map(|_| async move {
+            let s = tokio::net::TcpSocket::new_v4().ok()?;
+            s.bind(src).ok()?;
+            let c = tokio::time::timeout(Duration::from_secs(2), s.connect(to))
+                .await
+                .ok()?
+                .ok()?;
+            c.into_std().ok()
+        });
+        futures::future::join_all(tries)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    })
+}
+
+#[test]
+fn connection_flood_from_one_peer_leaves_tcp_and_shm_gets_working() {
+    let own = raise_own_fd_limit();
+    // Enough idle connections to exhaust a store held to 1024 descriptors several times over.
+    let n = 2000.min(own.saturating_sub(400) as usize);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(dir.path(), &[]);
+    // The cap comes from the environment (a flag works too), so an older store still starts.
+    let store = store_with_fd_limit(
+        &m.addr(),
+        1024,
+        &[("LUNAKV_TRANSFER_MAX_CONNS_PER_PEER", "64")],
+    );
+    let value = pattern(17, 300_000);
+    tcp_requester(&m.addr())
+        .put("flood-victim", &value)
+        .expect("put before the flood");
+
+    let held = flood("127.0.0.2", store.transfer, n);
+    assert!(!held.is_empty(), "the flood could not connect at all");
+    // Fresh clients during the flood: new tcp connections, a new shm attach.
+    let tcp = tcp_requester(&m.addr());
+    assert_eq!(
+        tcp.get("flood-victim").expect("tcp get during the flood"),
+        value
+    );
+    let attaches = store_metric(&store, "lunakv_store_shm_attaches_total").unwrap_or(0.0);
+    let shm = requester(&m.addr());
+    assert_eq!(
+        shm.get("flood-victim").expect("shm get during the flood"),
+        value
+    );
+    assert!(
+        store_metric(&store, "lunakv_store_shm_attaches_total").unwrap_or(0.0) > attaches,
+        "the get did not go through shm"
+    );
+    let refused = store_metric(&store, "lunakv_store_transfer_connections_refused_total")
+        .expect("refused metric");
+    let open = store_metric(&store, "lunakv_store_transfer_connections").expect("open metric");
+    eprintln!(
+        "flood of {n}: {} connected, store holds {open}, refused {refused}",
+        held.len()
+    );
+    assert!(
+        refused > 0.0,
+        "nothing refused: the per-peer cap did not apply"
+    );
+    assert!(
+        open <= 64.0 + 16.0,
+        "{open} connections open despite a cap of 64 per peer"
+    );
+    assert!(
+        store
+            .proc
+            .output()
+            .matches("refusing a transfer connection")
+            .count()
+            <= 2,
+        "refusals are logged once per peer per 30 s"
+    );
+    drop(held);
+}
+
+/// Anonymous resident memory of `pid` in bytes (heap and stacks; the segment is shared memory).
+fn rss_anon(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("RssAnon");
+    kb << 10
+}
+
+#[test]
+fn free_header_flood_keeps_store_memory_bounded() {
+    use lunakv_transfer::wire::{MAX_FREE_ITEMS, Op, Request};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(dir.path(), &[]);
+    let store = Store::start(&m.addr(), "8MB", &[]);
+    let pid = store.proc.pid();
+    let before = rss_anon(pid);
+    // Each header claims a million FREE pairs (16 MiB) and never sends them.
+    let hdr = Request {
+        key_len: MAX_FREE_ITEMS,
+        ..Request::bare(Op::Free)
+    }
+    .encode();
+    let conns: Vec<TcpStream> = (0..100)
+        .map(|_| {
+            let mut s = TcpStream::connect(store.transfer).expect("connect");
+            s.write_all(&hdr).expect("header");
+            s
+        })
+        .collect();
+    // Every header has been read once the store holds all 100 connections (or its memory
+    // already shows it).
+    let mut peak = 0;
+    wait_until(Duration::from_secs(20), || {
+        peak = peak.max(rss_anon(pid));
+        let open = store_metric(&store, "lunakv_store_transfer_connections").unwrap_or(0.0);
+        (open >= 100.0 || peak > before + (512 << 20)).then_some(())
+    });
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_millis(50));
+        peak = peak.max(rss_anon(pid));
+    }
+    let grew = peak.saturating_sub(before);
+    eprintln!(
+        "store RssAnon before {} MiB, peak under 100 FREE headers {} MiB",
+        before >> 20,
+        peak >> 20
+    );
+    assert!(
+        grew < 64 << 20,
+        "100 FREE headers without a body grew the store by {} MiB",
+        grew >> 20
+    );
+    drop(conns);
+    // Still serving.
+    let c = tcp_requester(&m.addr());
+    c.put("after-free-flood", b"ok").expect("put");
+    assert_eq!(c.get("after-free-flood").expect("get"), b"ok");
+}
+
+#[test]
+fn bad_frames_from_one_peer_log_a_bounded_number_of_warnings() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(dir.path(), &[]);
+    let store = Store::start(&m.addr(), "8MB", &[]);
+    let frames = 300;
+    for _ in 0..frames {
+        let mut s = TcpStream::connect(store.transfer).expect("connect");
+        s.write_all(&[0xde; 40]).expect("garbage");
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+        // The store closes the connection: a bad frame ends only that one.
+        let _ = s.read(&mut [0u8; 64]);
+    }
+    let counted = wait_until(Duration::from_secs(10), || {
+        let n = store_metric(&store, "lunakv_store_transfer_bad_frames_total")?;
+        (n >= frames as f64).then_some(n)
+    });
+    let warnings = store.proc.output().matches("sent a bad frame").count();
+    assert!(
+        warnings <= 2,
+        "{warnings} warnings for {frames} bad frames from one peer"
+    );
+    assert_eq!(
+        counted,
+        Some(frames as f64),
+        "the metric counts every bad frame"
+    );
+    let c = tcp_requester(&m.addr());
+    c.put("after-garbage", b"ok").expect("put after bad frames");
+}
+
+#[test]
+fn store_restarted_while_its_port_is_held_binds_once_it_is_free() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(dir.path(), &[]);
+    // What a kill -9 leaves behind: the port held by someone else for a while.
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").expect("hold a port");
+    let port = holder.local_addr().expect("addr").port();
+    let args: Vec<String> = vec![
+        format!("--master_server_address={}", m.addr()),
+        "--host=127.0.0.1".into(),
+        format!("--port={port}"),
+        "--metrics_port=0".into(),
+        "--global_segment_size=8MB".into(),
+    ];
+    let proc = lunakv_tests::Proc::spawn("lunakv-store", &args, &[]);
+    proc.wait_for_line("transfer port in use", Duration::from_secs(20));
+    drop(holder);
+    let store = store_from(proc);
+    assert_eq!(store.transfer.port(), port);
+    assert_eq!(
+        store.proc.output().matches("transfer port in use").count(),
+        1,
+        "the retry is logged once"
+    );
+    let c = tcp_requester(&m.addr());
+    c.put("after-bind-retry", b"ok").expect("put");
+    assert_eq!(c.get("after-bind-retry").expect("get"), b"ok");
+}

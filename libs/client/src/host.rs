@@ -15,7 +15,8 @@ use lunakv_proto::master as pb;
 use lunakv_proto::master::master_client::MasterClient;
 use lunakv_telemetry::propagate::GrpcInject;
 use lunakv_transfer::{
-    ColdTier, DrainProgress, DrainReport, SegmentInfo, SegmentServer, SegmentServerConfig,
+    ColdTier, ConnLimits, DrainProgress, DrainReport, SegmentInfo, SegmentServer,
+    SegmentServerConfig,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -48,6 +49,10 @@ pub struct HostOptions {
     pub enable_offload: bool,
     pub ping_interval: Duration,
     pub rpc_timeout: Duration,
+    /// Caps and idle timeout of the transfer listener's connections.
+    pub limits: ConnLimits,
+    /// How long to retry binding `bind` while its port is in use.
+    pub bind_retry: Duration,
 }
 
 /// What the host needs from an owner's disk tier besides serving it ([`ColdTier`]): its
@@ -97,21 +102,25 @@ impl SegmentHost {
         opts: HostOptions,
         disk: Option<HostDisk>,
     ) -> Result<SegmentHost, ClientError> {
+        // Bound before dialling the master: that connection's source port, picked from the
+        // ephemeral range, must not be the one we are about to listen on.
+        let server = SegmentServer::start(SegmentServerConfig {
+            bind: opts.bind,
+            size: opts.size,
+            shm_socket: opts.shm_socket.clone(),
+            advertise_host: opts.advertise_host.clone(),
+            limits: opts.limits.clone(),
+            bind_retry: opts.bind_retry,
+        })
+        .map_err(|e| {
+            ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind))
+        })?;
         let master = MasterLink::connect(
             &opts.master_server_address,
             &opts.cluster_id,
             opts.rpc_timeout,
         )
         .await?;
-        let server = SegmentServer::start(SegmentServerConfig {
-            bind: opts.bind,
-            size: opts.size,
-            shm_socket: opts.shm_socket.clone(),
-            advertise_host: opts.advertise_host.clone(),
-        })
-        .map_err(|e| {
-            ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind))
-        })?;
         server.set_cluster_id(&opts.cluster_id);
         // Fresh pages cost a fault per 4 KiB on the first put into them (7-12x slower than warm
         // memory); fault the head of the segment in on a background thread. Capped so a 40 GB

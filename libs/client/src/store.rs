@@ -127,6 +127,9 @@ impl StoreClient {
                 enable_offload: false,
                 ping_interval: Duration::from_secs(1),
                 rpc_timeout: opts.rpc_timeout,
+                limits: Default::default(),
+                // An ephemeral port is never in use.
+                bind_retry: Duration::ZERO,
             };
             let host = rt.block_on(SegmentHost::start(host_opts))?;
             // Our own segment lives in this process: reach it by memcpy, not through a socket.

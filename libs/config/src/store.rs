@@ -42,6 +42,13 @@ pub const DEFAULT_METADATA_SERVER: &str = "P2PHANDSHAKE";
 pub const DEFAULT_CLUSTER_ID: &str = "mooncake_cluster";
 /// Admin HTTP (/metrics, /health) of the store-client; the master's is 9003. 0 = ephemeral.
 pub const DEFAULT_METRICS_PORT: u16 = 9004;
+/// Most transfer connections one source IP may hold open (lunakv-transfer's default).
+pub const DEFAULT_TRANSFER_MAX_CONNS_PER_PEER: u32 = 256;
+/// A transfer connection idle this long is closed; pooled requesters reconnect unseen.
+pub const DEFAULT_TRANSFER_IDLE_TIMEOUT_SEC: u64 = 120;
+/// How long a store retries binding its transfer port while it is in use (after a kill -9 a
+/// connection may hold it as its source port for a while).
+pub const DEFAULT_BIND_RETRY_SEC: u64 = 30;
 /// Upstream's default for MOONCAKE_OFFLOAD_FILE_STORAGE_PATH.
 pub const DEFAULT_OFFLOAD_FILE_STORAGE_PATH: &str = "/data/file_storage";
 /// Upstream's default for MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES: 2 TB (binary, as all sizes here).
@@ -125,6 +132,29 @@ pub struct StoreConfig {
     )]
     pub offload_drain_timeout_sec: u64,
 
+    /// Most transfer connections one source IP may hold open; more are closed at accept and
+    /// counted in lunakv_store_transfer_connections_refused_total. 0 = no per-peer cap.
+    #[arg(long = "transfer_max_conns_per_peer", alias = "transfer-max-conns-per-peer", env = "LUNAKV_TRANSFER_MAX_CONNS_PER_PEER", default_value_t = DEFAULT_TRANSFER_MAX_CONNS_PER_PEER)]
+    pub transfer_max_conns_per_peer: u32,
+
+    /// Most transfer connections in all; 0 = derived from the open-file limit (3 descriptors
+    /// each, a reserve kept for shm requesters and the master, at most 8192).
+    #[arg(
+        long = "transfer_max_conns",
+        alias = "transfer-max-conns",
+        env = "LUNAKV_TRANSFER_MAX_CONNS",
+        default_value_t = 0
+    )]
+    pub transfer_max_conns: u32,
+
+    /// Seconds a transfer connection may send nothing before it is closed; 0 = never.
+    #[arg(long = "transfer_idle_timeout_sec", alias = "transfer-idle-timeout-sec", env = "LUNAKV_TRANSFER_IDLE_TIMEOUT_SEC", default_value_t = DEFAULT_TRANSFER_IDLE_TIMEOUT_SEC)]
+    pub transfer_idle_timeout_sec: u64,
+
+    /// Seconds to keep retrying the transfer port's bind while it is in use; 0 = fail at once.
+    #[arg(long = "bind_retry_sec", alias = "bind-retry-sec", env = "LUNAKV_BIND_RETRY_SEC", default_value_t = DEFAULT_BIND_RETRY_SEC)]
+    pub bind_retry_sec: u64,
+
     /// MOONCAKE_OFFLOAD_FILE_STORAGE_PATH (env only, as upstream).
     #[arg(skip = PathBuf::from(DEFAULT_OFFLOAD_FILE_STORAGE_PATH))]
     pub offload_file_storage_path: PathBuf,
@@ -154,6 +184,10 @@ impl Default for StoreConfig {
             shm_socket: None,
             enable_shm: true,
             metrics_port: DEFAULT_METRICS_PORT,
+            transfer_max_conns_per_peer: DEFAULT_TRANSFER_MAX_CONNS_PER_PEER,
+            transfer_max_conns: 0,
+            transfer_idle_timeout_sec: DEFAULT_TRANSFER_IDLE_TIMEOUT_SEC,
+            bind_retry_sec: DEFAULT_BIND_RETRY_SEC,
             offload_file_storage_path: PathBuf::from(DEFAULT_OFFLOAD_FILE_STORAGE_PATH),
             offload_total_size_limit_bytes: DEFAULT_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES,
             offload_drain_timeout_sec: DEFAULT_OFFLOAD_DRAIN_TIMEOUT_SEC,

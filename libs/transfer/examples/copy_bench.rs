@@ -41,6 +41,7 @@ fn main() {
         size: CACHE as u64,
         shm_socket: None,
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     s.prefault_in_background(CACHE as u64)

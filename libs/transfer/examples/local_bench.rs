@@ -33,6 +33,7 @@ fn run(mode: &str, batches: usize) -> Row {
         size: seg,
         shm_socket: Some(sock),
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     let t = Target::from(&s.info());

@@ -21,6 +21,7 @@ fn serve() {
         size: SEG,
         shm_socket: Some(sock),
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     let i = s.info();

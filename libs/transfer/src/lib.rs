@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 mod drain;
+mod guard;
 mod local;
 mod mem;
 mod raw;
@@ -46,6 +47,7 @@ mod vio;
 pub mod wire;
 
 pub use drain::{ColdDrain, DrainProgress, DrainReport};
+pub use guard::raise_fd_limit;
 pub use raw::RawRequest;
 pub use rdma::{
     PeerRdma, RDMA_COMPILED, RdmaDescriptor, RdmaTransport, Route, RouteFacts, rdma_check,
@@ -54,7 +56,7 @@ pub use rdma::{
 pub use region::{
     MemoryRegistry, OwnedRegion, RegionDesc, RegionServer, RegionServerConfig, RegionStats,
 };
-pub use server::SegmentServer;
+pub use server::{ConnStats, SegmentServer};
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;
 pub use wire::DISK_OFFSET;
@@ -145,6 +147,59 @@ pub struct SegmentServerConfig {
     pub shm_socket: Option<PathBuf>,
     /// Host used in the advertised name/endpoint; defaults to the bound ip.
     pub advertise_host: Option<String>,
+    /// What peers of the tcp listener may hold open.
+    pub limits: ConnLimits,
+    /// How long to keep retrying a `bind` whose port is in use before failing (see
+    /// [`DEFAULT_BIND_RETRY`]); zero fails at once.
+    pub bind_retry: Duration,
+}
+
+impl Default for SegmentServerConfig {
+    /// Loopback, an ephemeral port, no segment (set `size`), tcp only, default limits.
+    fn default() -> Self {
+        SegmentServerConfig {
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            size: 0,
+            shm_socket: None,
+            advertise_host: None,
+            limits: ConnLimits::default(),
+            bind_retry: DEFAULT_BIND_RETRY,
+        }
+    }
+}
+
+/// Most tcp connections one source IP may hold open on a segment server by default.
+pub const DEFAULT_MAX_CONNS_PER_PEER: u32 = 256;
+/// A tcp connection idle this long (no request) is closed by default.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a segment server retries binding a port in use by default.
+pub const DEFAULT_BIND_RETRY: Duration = Duration::from_secs(30);
+
+/// Bounds on the connections of a [`SegmentServer`]: one process must not be able to take the
+/// descriptors (and threads) every other requester needs. A connection over a cap is closed
+/// right after accept and counted ([`SegmentServer::conn_stats`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnLimits {
+    /// Most tcp connections open from one source IP; 0 = no per-peer cap.
+    pub max_conns_per_peer: u32,
+    /// Most tcp connections open in all; 0 = derived from the soft RLIMIT_NOFILE at start
+    /// (3 descriptors each, a reserve kept for the shm socket's connections, the master link
+    /// and files, at most 8192).
+    pub max_conns: u32,
+    /// A tcp connection that sends no request for this long is closed; pooled requesters
+    /// reconnect on their next request without an error. `None` keeps idle connections forever.
+    /// A connection that stalls inside a frame this long is cut off too.
+    pub idle_timeout: Option<Duration>,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        ConnLimits {
+            max_conns_per_peer: DEFAULT_MAX_CONNS_PER_PEER,
+            max_conns: 0,
+            idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
+        }
+    }
 }
 
 /// What a segment owner tells the master about its segment.

@@ -247,6 +247,7 @@ mod tests {
             size: 72 * MIB as u64,
             shm_socket: None,
             advertise_host: None,
+            ..Default::default()
         })
         .unwrap();
         assert_eq!(resident(&s, 0, 72 * MIB), 0, "a fresh segment is sparse");

@@ -5,17 +5,18 @@
 
 use std::collections::HashMap;
 use std::io::{self, BufReader, IoSlice, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
+use crate::guard::{AcceptBackoff, Admission, Caps, PeerLog, Refusal, Slot, peer_name};
 use crate::mem::Mapping;
 use crate::table::{PinId, PinResult, Table};
 use crate::wire::{self, Op, Request, Response, Status};
@@ -33,6 +34,15 @@ const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_PINS_PER_CONN: usize = 1 << 16;
 /// Buffer for request headers: pipelined small requests are parsed from one read.
 const READ_BUF: usize = 16 * 1024;
+/// FREE and OFFLOAD bodies are read and applied this many pairs at a time (64 KiB), so a
+/// header claiming a million pairs costs nothing until the pairs arrive.
+const PAIRS_PER_CHUNK: usize = 4096;
+/// Bytes all LOADs together may hold in buffers (a disk object is read whole, its checksum
+/// verified, then sent). A LOAD over the budget waits for the others; a single larger object
+/// waits until it is alone.
+const LOAD_BUDGET: u64 = 1 << 30;
+/// A connection keeps its LOAD buffer between requests only up to this capacity.
+const LOAD_BUF_KEEP: usize = 1 << 20;
 
 #[derive(Default)]
 pub(crate) struct Counters {
@@ -41,6 +51,49 @@ pub(crate) struct Counters {
     pub(crate) reads: AtomicU64,
     pub(crate) writes: AtomicU64,
     pub(crate) shm_attaches: AtomicU64,
+    pub(crate) conns_refused: AtomicU64,
+    pub(crate) bad_frames: AtomicU64,
+}
+
+/// Connection counters of a segment server (the store's /metrics shows them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConnStats {
+    /// tcp connections open now.
+    pub open_tcp: u64,
+    /// shm (unix socket) connections open now.
+    pub open_shm: u64,
+    /// Connections closed at accept because a cap was reached (tcp and shm).
+    pub refused_total: u64,
+    /// Connections closed because they sent a malformed or oversized frame.
+    pub bad_frames_total: u64,
+    /// The caps in force: tcp in all, tcp per source IP (0 = none), shm.
+    pub max_tcp: u64,
+    pub max_tcp_per_peer: u64,
+    pub max_shm: u64,
+}
+
+/// Bytes of LOAD buffers in use, against [`LOAD_BUDGET`].
+#[derive(Default)]
+struct LoadBudget {
+    used: Mutex<u64>,
+    freed: Condvar,
+}
+
+impl LoadBudget {
+    fn take(&self, want: u64) -> u64 {
+        let want = want.min(LOAD_BUDGET);
+        let mut used = self.used.lock();
+        while *used + want > LOAD_BUDGET {
+            self.freed.wait(&mut used);
+        }
+        *used += want;
+        want
+    }
+
+    fn give(&self, n: u64) {
+        *self.used.lock() -= n;
+        self.freed.notify_all();
+    }
 }
 
 enum Live {
@@ -63,6 +116,12 @@ pub(crate) struct Shared {
     pub(crate) cold: std::sync::OnceLock<Arc<dyn ColdTier>>,
     /// What ATTACH answers when asked ([`wire::FLAG_IDENTITY`]).
     identity: parking_lot::RwLock<SegmentIdentity>,
+    admission: Arc<Admission>,
+    /// tcp connections idle this long are closed (SO_RCVTIMEO, set once per connection).
+    idle_timeout: Option<Duration>,
+    bad_frame_log: PeerLog,
+    refused_log: PeerLog,
+    load_budget: LoadBudget,
 }
 
 /// Owns a memfd-backed segment plus its entry table and serves it over tcp (and a unix socket
@@ -93,10 +152,7 @@ impl SegmentServer {
                 cfg.size
             ))
         })?;
-        let listener = TcpListener::bind(cfg.bind).map_err(|e| TransferError::Bind {
-            addr: cfg.bind.to_string(),
-            source: e,
-        })?;
+        let listener = crate::guard::bind_tcp(cfg.bind, cfg.bind_retry)?;
         let local_addr = listener
             .local_addr()
             .map_err(|e| TransferError::Io(cfg.bind.to_string(), e))?;
@@ -153,6 +209,11 @@ impl SegmentServer {
                 name: info.name.clone(),
                 instance_id: info.instance_id.clone(),
             }),
+            admission: Admission::new(Caps::resolve(&cfg.limits, crate::guard::fd_limit())),
+            idle_timeout: cfg.limits.idle_timeout.filter(|t| !t.is_zero()),
+            bad_frame_log: PeerLog::default(),
+            refused_log: PeerLog::default(),
+            load_budget: LoadBudget::default(),
         });
         let unix_wake = match (&unix, &cfg.shm_socket) {
             (Some(l), Some(path)) => {
@@ -172,7 +233,8 @@ impl SegmentServer {
             let s = shared.clone();
             acceptors.push(spawn("lunakv-seg-shm", move || accept_unix(s, unix))?);
         }
-        tracing::info!(addr = %local_addr, size = cfg.size, shm = ?cfg.shm_socket, "segment server started");
+        let caps = shared.admission.caps;
+        tracing::info!(addr = %local_addr, size = cfg.size, shm = ?cfg.shm_socket, max_conns = caps.tcp, max_conns_per_peer = caps.per_peer, max_shm_conns = caps.unix, idle_timeout = ?shared.idle_timeout, "segment server started");
         Ok(SegmentServer {
             shared,
             local_addr,
@@ -245,6 +307,22 @@ impl SegmentServer {
         }
     }
 
+    /// Open connections, refusals and bad frames.
+    pub fn conn_stats(&self) -> ConnStats {
+        let c = &self.shared.counters;
+        let (tcp, unix) = self.shared.admission.open();
+        let caps = self.shared.admission.caps;
+        ConnStats {
+            open_tcp: u64::from(tcp),
+            open_shm: u64::from(unix),
+            refused_total: c.conns_refused.load(Ordering::Relaxed),
+            bad_frames_total: c.bad_frames.load(Ordering::Relaxed),
+            max_tcp: u64::from(caps.tcp),
+            max_tcp_per_peer: u64::from(caps.per_peer),
+            max_shm: u64::from(caps.unix),
+        }
+    }
+
     /// Stops the listeners and closes every connection (their pins are released). Idempotent.
     pub fn shutdown(&self) {
         if self.shared.stopping.swap(true, Ordering::SeqCst) {
@@ -300,49 +378,95 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 }
 
 fn accept_tcp(shared: Arc<Shared>, listener: TcpListener) {
-    for conn in listener.incoming() {
+    let mut backoff = AcceptBackoff::new("tcp");
+    loop {
+        let conn = listener.accept();
         if shared.stopping.load(Ordering::SeqCst) {
             return;
         }
         match conn {
-            Ok(stream) => {
+            Ok((stream, peer)) => {
+                backoff.succeeded();
+                let Some(slot) = admit(&shared, Some(peer.ip())) else {
+                    continue;
+                };
                 tune_socket(&stream);
                 let _ = stream.set_write_timeout(Some(SEND_TIMEOUT));
+                // Once per connection, so the request path pays nothing for it.
+                let _ = stream.set_read_timeout(shared.idle_timeout);
                 if let Ok(clone) = stream.try_clone() {
-                    spawn_conn(&shared, stream, Live::Tcp(clone), false);
+                    spawn_conn(&shared, stream, Live::Tcp(clone), false, slot);
                 }
             }
-            Err(e) => {
-                // EMFILE and friends: back off instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            Err(e) => backoff.failed(&e),
         }
     }
 }
 
 fn accept_unix(shared: Arc<Shared>, listener: UnixListener) {
-    for conn in listener.incoming() {
+    let mut backoff = AcceptBackoff::new("shm");
+    loop {
+        let conn = listener.accept();
         if shared.stopping.load(Ordering::SeqCst) {
             return;
         }
         match conn {
-            Ok(stream) => {
+            Ok((stream, _)) => {
+                backoff.succeeded();
+                let Some(slot) = admit(&shared, None) else {
+                    continue;
+                };
                 let _ = stream.set_write_timeout(Some(SEND_TIMEOUT));
                 if let Ok(clone) = stream.try_clone() {
-                    spawn_conn(&shared, stream, Live::Unix(clone), true);
+                    spawn_conn(&shared, stream, Live::Unix(clone), true, slot);
                 }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "accept on the shm socket failed");
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            Err(e) => backoff.failed(&e),
         }
     }
 }
 
-/// Registers the connection (so shutdown can close it) and serves it on its own thread.
-fn spawn_conn<S: Stream + Send + 'static>(shared: &Arc<Shared>, stream: S, live: Live, unix: bool) {
+/// A slot for a new connection from `peer` (`None`: the shm socket), or `None` after counting
+/// and (rate-limited) logging the refusal; the caller then drops the stream, closing it.
+fn admit(shared: &Shared, peer: Option<IpAddr>) -> Option<Slot> {
+    let refusal = match shared.admission.admit(peer) {
+        Ok(slot) => return Some(slot),
+        Err(r) => r,
+    };
+    shared
+        .counters
+        .conns_refused
+        .fetch_add(1, Ordering::Relaxed);
+    if let Some(suppressed) = shared.refused_log.check(peer) {
+        let peer_is_tcp = peer.is_some();
+        let peer = peer_name(peer);
+        match refusal {
+            Refusal::Peer { open, cap } => tracing::warn!(
+                %peer, open, cap, suppressed,
+                "refusing a transfer connection: this peer holds the most connections one peer may (see lunakv-store --transfer_max_conns_per_peer)"
+            ),
+            Refusal::Global { open, cap } if peer_is_tcp => tracing::warn!(
+                %peer, open, cap, suppressed,
+                "refusing a transfer connection: the server holds the most connections it may (see lunakv-store --transfer_max_conns)"
+            ),
+            Refusal::Global { open, cap } => tracing::warn!(
+                %peer, open, cap, suppressed,
+                "refusing an shm connection: the shm socket holds the most connections its share of the fd limit allows (raise `ulimit -n`)"
+            ),
+        }
+    }
+    None
+}
+
+/// Registers the connection (so shutdown can close it) and serves it on its own thread, which
+/// holds its admission `slot` until it ends.
+fn spawn_conn<S: Stream + Send + 'static>(
+    shared: &Arc<Shared>,
+    stream: S,
+    live: Live,
+    unix: bool,
+    slot: Slot,
+) {
     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     shared.conns.lock().insert(id, live);
     let s = shared.clone();
@@ -356,11 +480,17 @@ fn spawn_conn<S: Stream + Send + 'static>(shared: &Arc<Shared>, stream: S, live:
             .into(),
         )
         .spawn(move || {
-            run_conn(&s, stream, unix);
+            run_conn(&s, stream, unix, slot);
             s.conns.lock().remove(&id);
         });
     if let Err(e) = r {
-        tracing::warn!(error = %e, "cannot spawn a connection thread; dropping the connection");
+        if shared.refused_log.check(None).is_some() {
+            tracing::warn!(error = %e, "cannot spawn a connection thread; dropping the connection");
+        }
+        shared
+            .counters
+            .conns_refused
+            .fetch_add(1, Ordering::Relaxed);
         shared.conns.lock().remove(&id);
     }
 }
@@ -368,15 +498,22 @@ fn spawn_conn<S: Stream + Send + 'static>(shared: &Arc<Shared>, stream: S, live:
 /// A connected stream either listener hands out.
 trait Stream: Read + Write + AsFd + Sized {
     fn clone_stream(&self) -> io::Result<Self>;
+    fn clear_read_timeout(&self) -> io::Result<()>;
 }
 impl Stream for TcpStream {
     fn clone_stream(&self) -> io::Result<Self> {
         self.try_clone()
     }
+    fn clear_read_timeout(&self) -> io::Result<()> {
+        self.set_read_timeout(None)
+    }
 }
 impl Stream for UnixStream {
     fn clone_stream(&self) -> io::Result<Self> {
         self.try_clone()
+    }
+    fn clear_read_timeout(&self) -> io::Result<()> {
+        self.set_read_timeout(None)
     }
 }
 
@@ -393,7 +530,7 @@ impl From<io::Error> for End {
     }
 }
 
-fn run_conn<S: Stream>(shared: &Shared, stream: S, unix: bool) {
+fn run_conn<S: Stream>(shared: &Shared, stream: S, unix: bool, slot: Slot) {
     let mut pins: Vec<(u64, u64, u64, PinId)> = Vec::new();
     let end = match stream.clone_stream() {
         Ok(r) => serve(
@@ -415,9 +552,13 @@ fn run_conn<S: Stream>(shared: &Shared, stream: S, unix: bool) {
         End::Closed => {}
         End::Io(e) => tracing::debug!(error = %e, "transfer connection closed"),
         End::Garbage(why) => {
-            tracing::warn!(%why, "closing a transfer connection that sent a bad frame")
+            shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+            if let Some(suppressed) = shared.bad_frame_log.check(slot.peer()) {
+                tracing::warn!(peer = %peer_name(slot.peer()), %why, suppressed, "closing a transfer connection that sent a bad frame");
+            }
         }
     }
+    drop(slot);
 }
 
 fn reply<W: Write>(w: &mut W, status: Status, value: u64, msg: &str) -> io::Result<()> {
@@ -455,6 +596,16 @@ fn serve<S: Stream>(
             Ok(0) => return Err(End::Closed),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            // The idle timeout (SO_RCVTIMEO) between frames: a quiet close, the requester's
+            // pool reconnects on its next request.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(End::Closed);
+            }
             Err(e) => return Err(End::Io(e)),
         }
         if let Err(e) = rd.read_exact(&mut hdr[1..]) {
@@ -606,32 +757,22 @@ fn serve<S: Stream>(
                         wire::MAX_FREE_ITEMS
                     )));
                 }
-                free_buf.resize(count as usize * 16, 0);
-                rd.read_exact(&mut free_buf)?;
-                let items: Vec<(u64, u64)> = free_buf
-                    .chunks_exact(16)
-                    .map(|c| {
-                        let (g, o) = c.split_at(8);
-                        (
-                            u64::from_le_bytes(g.try_into().unwrap_or_default()),
-                            u64::from_le_bytes(o.try_into().unwrap_or_default()),
-                        )
-                    })
-                    .collect();
-                let disk: Vec<u64> = items
-                    .iter()
-                    .filter(|(_, o)| *o == wire::DISK_OFFSET)
-                    .map(|(g, _)| *g)
-                    .collect();
-                if !disk.is_empty()
-                    && let Some(cold) = shared.cold.get()
-                {
-                    cold.remove(&disk);
-                }
-                if shared
-                    .table
-                    .free(&items, Duration::from_millis(u64::from(req.aux)))
-                {
+                let deadline = Instant::now() + Duration::from_millis(u64::from(req.aux));
+                let mut pinned = Vec::new();
+                for_each_chunk(&mut rd, &mut free_buf, count as usize, |items| {
+                    let disk: Vec<u64> = items
+                        .iter()
+                        .filter(|(_, o)| *o == wire::DISK_OFFSET)
+                        .map(|(g, _)| *g)
+                        .collect();
+                    if !disk.is_empty()
+                        && let Some(cold) = shared.cold.get()
+                    {
+                        cold.remove(&disk);
+                    }
+                    pinned.extend(shared.table.retire_items(items));
+                })?;
+                if shared.table.wait_unpinned(&pinned, deadline) {
                     reply(&mut wr, Status::Ok, 0, "")?;
                 } else {
                     reply(
@@ -650,15 +791,19 @@ fn serve<S: Stream>(
                         wire::MAX_FREE_ITEMS
                     )));
                 }
-                free_buf.resize(count as usize * 16, 0);
-                rd.read_exact(&mut free_buf)?;
-                let items = parse_pairs(&free_buf);
-                let (stored, failed) = offload(shared, &items);
-                // Durable (or failed): now the DRAM entries go, exactly as FREE.
-                shared
-                    .table
-                    .free(&items, Duration::from_millis(u64::from(req.aux)));
-                let body: Vec<u8> = failed.iter().flat_map(|g| g.to_le_bytes()).collect();
+                let deadline = Instant::now() + Duration::from_millis(u64::from(req.aux));
+                let mut pinned = Vec::new();
+                let mut stored = 0u64;
+                // Grows only with pairs actually received (8 of every 16 bytes at most).
+                let mut body: Vec<u8> = Vec::new();
+                for_each_chunk(&mut rd, &mut free_buf, count as usize, |items| {
+                    let (s, failed) = offload(shared, items);
+                    stored += s;
+                    body.extend(failed.iter().flat_map(|g| g.to_le_bytes()));
+                    // Durable (or failed): now the DRAM entries go, exactly as FREE.
+                    pinned.extend(shared.table.retire_items(items));
+                })?;
+                shared.table.wait_unpinned(&pinned, deadline);
                 let hdr = Response {
                     status: Status::Ok,
                     value: stored,
@@ -702,8 +847,11 @@ fn serve<S: Stream>(
                     reply(&mut wr, Status::Stale, 0, "")?;
                     continue;
                 }
+                // Only a real object of this length gets here; the budget bounds how many
+                // such buffers all connections hold at once.
+                let taken = shared.load_budget.take(req.len);
                 load_buf.resize(req.len as usize, 0);
-                match cold.load(req.generation, &mut load_buf) {
+                let r = match cold.load(req.generation, &mut load_buf) {
                     Ok(true) => {
                         shared.counters.reads.fetch_add(1, Ordering::Relaxed);
                         shared
@@ -716,18 +864,21 @@ fn serve<S: Stream>(
                             len: req.len,
                         }
                         .encode();
-                        crate::vio::write_all_gather(&mut wr, &[&hdr, &load_buf], &[])?;
+                        crate::vio::write_all_gather(&mut wr, &[&hdr, &load_buf], &[])
                     }
-                    Ok(false) => reply(&mut wr, Status::Stale, 0, "")?,
+                    Ok(false) => reply(&mut wr, Status::Stale, 0, ""),
                     Err(msg) => {
                         tracing::warn!(generation = req.generation, error = %msg, "disk load failed");
-                        reply(&mut wr, Status::Stale, 0, "")?
+                        reply(&mut wr, Status::Stale, 0, "")
                     }
-                }
-                // Keep the buffer for the next load unless it is very large.
-                if load_buf.capacity() > 64 << 20 {
+                };
+                // Keep the buffer for the next load only while small: idle connections must
+                // not sit on big buffers outside the budget.
+                if load_buf.capacity() > LOAD_BUF_KEEP {
                     load_buf = Vec::new();
                 }
+                shared.load_budget.give(taken);
+                r?;
             }
             Op::Promote => {
                 let key_len = req.key_len as usize;
@@ -818,6 +969,9 @@ fn serve<S: Stream>(
                 match answer {
                     Ok((qp, desc)) => {
                         rdma_qps.push(qp);
+                        // The queue pair lives as long as this connection, and RDMA reads
+                        // leave it quiet: it is not idle.
+                        wr.clear_read_timeout()?;
                         let hdr = Response {
                             status: Status::Ok,
                             value: 0,
@@ -837,6 +991,25 @@ fn serve<S: Stream>(
             }
         }
     }
+}
+
+/// Reads a FREE/OFFLOAD body of `count` pairs [`PAIRS_PER_CHUNK`] at a time into `buf`, and
+/// hands each chunk to `f` as it arrives.
+fn for_each_chunk<R: Read>(
+    rd: &mut R,
+    buf: &mut Vec<u8>,
+    count: usize,
+    mut f: impl FnMut(&[(u64, u64)]),
+) -> io::Result<()> {
+    let mut left = count;
+    while left > 0 {
+        let n = left.min(PAIRS_PER_CHUNK);
+        buf.resize(n * 16, 0);
+        rd.read_exact(buf)?;
+        f(&parse_pairs(buf));
+        left -= n;
+    }
+    Ok(())
 }
 
 fn parse_pairs(buf: &[u8]) -> Vec<(u64, u64)> {

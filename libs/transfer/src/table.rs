@@ -200,10 +200,10 @@ impl Table {
         g.used += len;
     }
 
-    /// FREE: drops the entries `(generation, offset)` and waits until their pins are gone.
-    /// Returns false if `timeout` elapsed with pins still held (the entries are dropped anyway).
-    pub(crate) fn free(&self, items: &[(u64, u64)], timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
+    /// FREE, first half: drops the entries `(generation, offset)` (new reads answer STALE) and
+    /// returns those still pinned, for [`Table::wait_unpinned`]. Two halves so a FREE body is
+    /// applied chunk by chunk as it arrives; the pinned list is bounded by the table.
+    pub(crate) fn retire_items(&self, items: &[(u64, u64)]) -> Vec<u64> {
         let mut g = self.inner.lock();
         let mut pinned = Vec::new();
         for &(generation, offset) in items {
@@ -224,7 +224,17 @@ impl Table {
                 }
             }
         }
-        pinned.is_empty() || self.wait_gone(&mut g, &pinned, deadline)
+        pinned
+    }
+
+    /// Waits until every retired entry in `pinned` lost its last pin; false if `deadline`
+    /// passed first.
+    pub(crate) fn wait_unpinned(&self, pinned: &[u64], deadline: Instant) -> bool {
+        if pinned.is_empty() {
+            return true;
+        }
+        let mut g = self.inner.lock();
+        self.wait_gone(&mut g, pinned, deadline)
     }
 
     fn wait_gone(

@@ -499,22 +499,60 @@ impl TcpTransport {
     }
 
     /// Requests to one endpoint, pipelined on one connection. Answers arrive in request order.
+    /// A pooled connection the owner closed meanwhile (its idle timeout, a restart) fails
+    /// before any answer; the batch then runs once more on a fresh connection, so callers never
+    /// see it (every request is idempotent: same bytes, same generation).
     fn pipeline(
         &self,
         t: &Target,
         reqs: &mut [&mut TransferRequest<'_>],
     ) -> Vec<Result<(), TransferError>> {
         let endpoint = t.endpoint.as_str();
-        let mut out: Vec<Option<Result<(), TransferError>>> =
-            (0..reqs.len()).map(|_| None).collect();
         let pool = self.pool(endpoint);
-        let mut conn = match self.checkout(&pool, endpoint) {
-            Ok((c, _)) => c,
-            Err(e) => return fail_all(out, &e),
+        let n = reqs.len();
+        let unanswered = move || (0..n).map(|_| None).collect::<Vec<_>>();
+        let (mut conn, mut reused) = match self.checkout(&pool, endpoint) {
+            Ok(c) => c,
+            Err(e) => return fail_all(unanswered(), &e),
         };
+        loop {
+            let mut out = unanswered();
+            match self.pipeline_on(t, reqs, &mut conn, &mut out) {
+                Ok(()) => {
+                    self.checkin(&pool, conn);
+                    return out.into_iter().map(|r| r.unwrap_or(Ok(()))).collect();
+                }
+                Err((e, answered)) => {
+                    if reused && !answered && matches!(e, TransferError::Io(..)) {
+                        reused = false;
+                        match self.connect(endpoint) {
+                            Ok(c) => {
+                                conn = c;
+                                continue;
+                            }
+                            Err(e) => return fail_all(out, &e),
+                        }
+                    }
+                    return fail_all(out, &e);
+                }
+            }
+        }
+    }
+
+    /// One pass of [`Self::pipeline`] on `conn`, filling `out`. `Err((error, answered))`: the
+    /// connection broke; `answered` says whether any answer had arrived on it.
+    fn pipeline_on(
+        &self,
+        t: &Target,
+        reqs: &mut [&mut TransferRequest<'_>],
+        conn: &mut TcpConn,
+        out: &mut [Option<Result<(), TransferError>>],
+    ) -> Result<(), (TransferError, bool)> {
+        let endpoint = t.endpoint.as_str();
+        let mut answered = false;
         let trace = match conn.trace_context(endpoint, Op::Read) {
             Ok(t) => t,
-            Err(e) => return fail_all(out, &e),
+            Err(e) => return Err((e, answered)),
         };
         let trace = trace.as_ref();
         let mut i = 0;
@@ -559,7 +597,7 @@ impl TcpTransport {
                 };
                 match r {
                     Ok(()) => sent[k - i] = true,
-                    Err(e) if breaks_conn(&e) => return fail_all(out, &e),
+                    Err(e) if breaks_conn(&e) => return Err((e, answered)),
                     Err(e) => out[k] = Some(Err(e)),
                 }
             }
@@ -591,14 +629,14 @@ impl TcpTransport {
                 if let Err(e) = &r
                     && breaks_conn(e)
                 {
-                    return fail_all(out, e);
+                    return Err((e.duplicate(), answered));
                 }
+                answered = true;
                 out[k] = Some(r);
             }
             i = j;
         }
-        self.checkin(&pool, conn);
-        out.into_iter().map(|r| r.unwrap_or(Ok(()))).collect()
+        Ok(())
     }
 }
 

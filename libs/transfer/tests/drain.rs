@@ -80,6 +80,7 @@ fn segment(tier: Arc<FakeTier>, n: u64) -> (SegmentServer, Target) {
         size: 1 << 20,
         shm_socket: None,
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     assert!(server.set_cold_tier(tier));

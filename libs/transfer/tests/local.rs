@@ -25,6 +25,7 @@ fn server() -> Fx {
         size: SEG,
         shm_socket: Some(dir.path().join("seg.sock")),
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     let t = Target::from(&server.info());

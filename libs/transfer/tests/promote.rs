@@ -61,6 +61,7 @@ fn promote_fills_the_range_and_commits_under_the_same_generation() {
         size: 1 << 20,
         shm_socket: None,
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     let tier = Arc::new(FakeTier::default());

@@ -21,6 +21,7 @@ fn server() -> SegmentServer {
         size: SEG,
         shm_socket: None,
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap()
 }

@@ -223,6 +223,7 @@ fn the_real_servers_stay_in_step_with_traced_frames() {
         size: 4 << 20,
         shm_socket: Some(dir.path().join("seg.sock")),
         advertise_host: None,
+        ..Default::default()
     })
     .expect("segment server");
     let t = Target::from(&server.info());

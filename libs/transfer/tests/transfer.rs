@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use lunakv_transfer::wire::{self, Op, Request, Response, Status};
 use lunakv_transfer::{
-    SegmentServer, SegmentServerConfig, Target, TransferEngine, TransferError, TransferOptions,
-    TransferRequest, host_id,
+    ConnLimits, SegmentServer, SegmentServerConfig, Target, TransferEngine, TransferError,
+    TransferOptions, TransferRequest, host_id,
 };
 
 const SEG: u64 = 16 << 20;
@@ -30,6 +30,7 @@ fn server_with(size: u64, shm: bool) -> Fixture {
         size,
         shm_socket: shm.then(|| sock.clone()),
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     let target = Target::from(&server.info());
@@ -619,6 +620,7 @@ fn listener_binds_only_the_configured_address() {
         size: 4096,
         shm_socket: None,
         advertise_host: Some("node-a".into()),
+        ..Default::default()
     })
     .unwrap();
     assert_eq!(
@@ -671,6 +673,7 @@ fn shutdown_stops_serving_and_reconnect_after_restart_works() {
         size: SEG,
         shm_socket: Some(f.sock.clone()),
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     e.write(&f.target, 2, "k2", 0, &[b"xyz"]).unwrap();
@@ -692,6 +695,7 @@ fn shm_reattaches_after_owner_restart() {
         size: SEG,
         shm_socket: Some(f.sock.clone()),
         advertise_host: None,
+        ..Default::default()
     })
     .unwrap();
     // The old mapping belongs to the dead owner; the write must land in the new memfd.
@@ -764,6 +768,7 @@ fn a_live_shm_socket_is_never_unlinked() {
         size: SEG,
         shm_socket: Some(first.sock.clone()),
         advertise_host: None,
+        ..Default::default()
     })
     .err()
     .expect("a second server on a live socket path");
@@ -790,6 +795,92 @@ fn a_live_shm_socket_is_never_unlinked() {
         size: SEG,
         shm_socket: Some(stale),
         advertise_host: None,
+        ..Default::default()
     })
     .expect("a stale socket file is replaced");
+}
+
+fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn pooled_connections_closed_by_the_idle_timeout_reconnect_without_an_error() {
+    let server = SegmentServer::start(SegmentServerConfig {
+        size: SEG,
+        limits: ConnLimits {
+            idle_timeout: Some(Duration::from_millis(200)),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let t = Target::from(&server.info());
+    let e = tcp_engine();
+    let idle_out = || wait_for("the idle timeout", || server.conn_stats().open_tcp == 0);
+    e.write(&t, 1, "a", 0, &[b"alpha"]).unwrap();
+    e.write(&t, 2, "b", 4096, &[b"bravo"]).unwrap();
+    // Each call below finds its pooled connection closed by the owner.
+    idle_out();
+    assert_eq!(read_vec(&e, &t, 1, 0, 5).unwrap(), b"alpha");
+    idle_out();
+    let (mut a, mut b) = ([0u8; 5], [0u8; 5]);
+    let mut reads = vec![
+        TransferRequest::Read {
+            target: &t,
+            generation: 1,
+            offset: 0,
+            dst: vec![&mut a[..]],
+        },
+        TransferRequest::Read {
+            target: &t,
+            generation: 2,
+            offset: 4096,
+            dst: vec![&mut b[..]],
+        },
+    ];
+    for r in e.batch(&mut reads) {
+        r.expect("batch on a connection the owner closed");
+    }
+    drop(reads);
+    assert_eq!((&a, &b), (b"alpha", b"bravo"));
+    idle_out();
+    e.free(&t.endpoint, &[(1, 0)], Duration::from_secs(1))
+        .expect("free on a connection the owner closed");
+    // An idle close is quiet: no bad frame.
+    assert_eq!(server.conn_stats().bad_frames_total, 0);
+}
+
+#[test]
+fn connections_over_the_per_peer_cap_are_closed_and_counted() {
+    let server = SegmentServer::start(SegmentServerConfig {
+        size: SEG,
+        limits: ConnLimits {
+            max_conns_per_peer: 2,
+            idle_timeout: None,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let addr = server.local_addr();
+    let conns: Vec<TcpStream> = (0..5).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    wait_for("3 refusals", || server.conn_stats().refused_total == 3);
+    // The zero-length READ probe: every server answers it with BAD_REQUEST.
+    let served = conns
+        .iter()
+        .filter(|s| {
+            let mut s: &TcpStream = s;
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut hdr = [0u8; wire::RESP_LEN];
+            s.write_all(&Request::bare(Op::Read).encode()).is_ok() && s.read_exact(&mut hdr).is_ok()
+        })
+        .count();
+    assert_eq!(served, 2);
+    let st = server.conn_stats();
+    assert_eq!((st.open_tcp, st.max_tcp_per_peer), (2, 2));
 }

@@ -51,6 +51,10 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     set(&m.drain_drained, m.drain.drained());
     set(&m.drain_drained_bytes, m.drain.drained_bytes());
     set(&m.drain_dropped, m.drain.dropped());
+    let cs = s.host.server().conn_stats();
+    m.conns_open.set((cs.open_tcp + cs.open_shm) as i64);
+    m.conns_refused.set(cs.refused_total as i64);
+    m.bad_frames.set(cs.bad_frames_total as i64);
     if let Some(t) = &m.tier {
         let d = t.stats();
         set(&m.disk_capacity, d.capacity_bytes);

@@ -123,6 +123,13 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
             enable_offload: cfg.enable_offload,
             ping_interval: Duration::from_secs(1),
             rpc_timeout: Duration::from_secs(10),
+            limits: lunakv_transfer::ConnLimits {
+                max_conns_per_peer: cfg.transfer_max_conns_per_peer,
+                max_conns: cfg.transfer_max_conns,
+                idle_timeout: (cfg.transfer_idle_timeout_sec > 0)
+                    .then(|| Duration::from_secs(cfg.transfer_idle_timeout_sec)),
+            },
+            bind_retry: Duration::from_secs(cfg.bind_retry_sec),
         },
         disk,
     )
@@ -197,6 +204,9 @@ pub(crate) struct Metrics {
     pub(crate) reads: IntGauge,
     pub(crate) writes: IntGauge,
     pub(crate) shm_attaches: IntGauge,
+    pub(crate) conns_open: IntGauge,
+    pub(crate) conns_refused: IntGauge,
+    pub(crate) bad_frames: IntGauge,
     pub(crate) offload_enabled: IntGauge,
     pub(crate) offload_open_errors: IntGauge,
     pub(crate) disk_capacity: IntGauge,
@@ -318,6 +328,18 @@ impl Metrics {
             shm_attaches: g(
                 "lunakv_store_shm_attaches_total",
                 "Same-host requesters that mapped this segment over the shm socket",
+            ),
+            conns_open: g(
+                "lunakv_store_transfer_connections",
+                "Open transfer connections (tcp and shm socket)",
+            ),
+            conns_refused: g(
+                "lunakv_store_transfer_connections_refused_total",
+                "Transfer connections closed at accept: a per-peer or global cap was reached",
+            ),
+            bad_frames: g(
+                "lunakv_store_transfer_bad_frames_total",
+                "Transfer connections closed for a malformed or oversized frame",
             ),
             registry,
         }

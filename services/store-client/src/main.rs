@@ -19,6 +19,13 @@ fn main() -> anyhow::Result<()> {
     let mut cfg = Cli::parse().store;
     // Held until main returns: dropping it flushes the spans still queued (docs/TRACING.md).
     let _telemetry = lunakv_telemetry::init("lunakv-store");
+    // Connection caps are sized from the fd limit: take all the operator allows.
+    match lunakv_transfer::raise_fd_limit() {
+        Ok((soft, hard)) => tracing::debug!(?soft, ?hard, "open-file limit"),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot raise the soft open-file limit to the hard one")
+        }
+    }
     let mut warnings = cfg.apply_env(&lunakv_config::process_env)?;
     warnings.extend(cfg.validate()?);
     for w in &warnings {
