@@ -222,7 +222,7 @@ impl SegmentServer {
                     .map_err(|e| TransferError::Io(path.display().to_string(), e))?;
                 let st = rustix::fs::stat(path)
                     .map_err(|e| TransferError::Io(path.display().to_string(), e.into()))?;
-                Some((clone, (st.st_dev as u64, st.st_ino as u64)))
+                Some((clone, crate::shm::stat_ident(&st)))
             }
             _ => None,
         };
@@ -356,7 +356,7 @@ impl SegmentServer {
             };
         }
         if let (Some(p), Some((_, ours))) = (&self.unix_path, &self.unix_wake)
-            && rustix::fs::stat(p).is_ok_and(|st| (st.st_dev as u64, st.st_ino as u64) == *ours)
+            && rustix::fs::stat(p).is_ok_and(|st| crate::shm::stat_ident(&st) == *ours)
         {
             let _ = std::fs::remove_file(p);
         }

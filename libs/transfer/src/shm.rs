@@ -50,7 +50,14 @@ pub struct ShmTransport {
 
 fn fd_ident(fd: &OwnedFd) -> io::Result<(u64, u64)> {
     let st = rustix::fs::fstat(fd)?;
-    Ok((st.st_dev as u64, st.st_ino as u64))
+    Ok(stat_ident(&st))
+}
+
+/// (st_dev, st_ino): which file this is, whatever path or descriptor led to it.
+// Both are u64 on x86-64 but not on every target libc serves.
+#[allow(clippy::unnecessary_cast)]
+pub(crate) fn stat_ident(st: &rustix::fs::Stat) -> (u64, u64) {
+    (st.st_dev as u64, st.st_ino as u64)
 }
 
 /// What an ATTACH answered.
