@@ -584,6 +584,7 @@ impl Election {
                 known.clone(),
                 self.slot.clone(),
                 self.service_meta.clone(),
+                stop.clone(),
                 move || ha.leading_term() == Some(term),
             ));
         }

@@ -98,10 +98,16 @@ pub async fn forget_unmounted(
     known: BTreeSet<String>,
     slot: std::sync::Arc<CoreSlot>,
     meta: std::sync::Arc<dyn lunakv_meta::MetaStore>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
     still_ours: impl Fn() -> bool,
 ) {
-    tokio::time::sleep(RECOVERY_GRACE).await;
-    if !still_ours() {
+    // A stopping master lets go of its MetaStore at once (a restart in the same process must
+    // be able to open the file again).
+    tokio::select! {
+        _ = tokio::time::sleep(RECOVERY_GRACE) => {}
+        _ = stop.changed() => return,
+    }
+    if *stop.borrow() || !still_ours() {
         return;
     }
     let mounted: BTreeSet<String> = slot.get().segments().into_iter().map(|s| s.name).collect();

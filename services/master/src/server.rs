@@ -273,6 +273,7 @@ impl Master {
                 self.known.clone(),
                 self.slot.clone(),
                 self.meta.clone(),
+                stop_rx.clone(),
                 || true,
             ));
         }
