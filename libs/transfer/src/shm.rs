@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 
-use crate::mem::{Mapping, copy_in, copy_out};
+use crate::mem::{Mapping, copy_in_any, copy_out_any};
 use crate::tcp::{breaks_conn, check_request, io_err, recv_status, total_len};
 use crate::vio::write_all_gather;
 use crate::wire::{self, Op, Request, Response, Status};
@@ -224,7 +224,7 @@ impl Transport for ShmTransport {
                     size: a.map.len(),
                 });
             };
-            copy_in(&a.map, off, src);
+            copy_in_any(&a.map, off, src)?;
             let trace = a.trace();
             let (hdr, tc) = Request {
                 op: Op::Commit,
@@ -270,11 +270,12 @@ impl Transport for ShmTransport {
             let (hdr, tc) = req.encode_with(trace.as_ref());
             write_all_gather(s, &[&hdr, tc], &[]).map_err(|e| io_err(path, e))?;
             recv_status(s, path, generation, offset, len)?;
-            copy_out(&a.map, off, dst);
+            let copied = copy_out_any(&a.map, off, dst);
             // UNPIN has no answer: the next request on this connection is ordered after it, and
             // if the connection dies the owner drops the pin anyway.
             req.op = Op::Unpin;
-            write_all_gather(s, &[&req.encode()], &[]).map_err(|e| io_err(path, e))
+            write_all_gather(s, &[&req.encode()], &[]).map_err(|e| io_err(path, e))?;
+            copied
         })
     }
 }
