@@ -126,10 +126,19 @@ def test_store_calls_move_device_buffers(request, monkeypatch, master, mode, kin
     assert s.batch_is_exist(keys) == [0] * blocks
     ptrs, sizes = src.addrs(list(range(blocks)))
     assert s.batch_put_from_multi_buffers(keys, ptrs, sizes) == [0] * blocks
+    put_syncs = dev.device_stats()["syncs"] - before["syncs"]
     assert s.batch_is_exist(keys) == [1] * blocks
     order = list(reversed(range(blocks)))
     dptrs, dsizes = dst.addrs(order)
+    mid = dev.device_stats()
     assert s.batch_get_into_multi_buffers(keys, dptrs, dsizes) == [layers * block_len] * blocks
+    get_syncs = dev.device_stats()["syncs"] - mid["syncs"]
+    if kind != "host" and mode == "embedded":
+        # 1.5 MB: one copy thread, so the whole batch synchronizes once each way.
+        assert (put_syncs, get_syncs) == (1, 1)
+    if kind != "host" and mode == "standalone-shm":
+        # Once per connection the batch is spread over (at most 4), not once per object (8).
+        assert 1 <= put_syncs <= 4 and 1 <= get_syncs <= 4, (put_syncs, get_syncs)
     for i, blk in enumerate(order):
         assert dst.block(blk) == src.block(i), f"block {i} -> {blk}"
 

@@ -41,6 +41,7 @@ struct Api {
     device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
     primary_ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
     ctx_set_current: unsafe extern "C" fn(CuContext) -> CuResult,
+    ctx_get_current: unsafe extern "C" fn(*mut CuContext) -> CuResult,
     pointer_get_attribute: unsafe extern "C" fn(*mut c_void, c_int, CuDevicePtr) -> CuResult,
     stream_create: unsafe extern "C" fn(*mut CuStream, c_uint) -> CuResult,
     stream_destroy: unsafe extern "C" fn(CuStream) -> CuResult,
@@ -79,6 +80,27 @@ fn dlerror() -> String {
     }
 }
 
+/// The function `names[0]` (else an older alias) of the library `handle`, as `F`.
+///
+/// # Safety
+/// `F` must be the function pointer type of that symbol's C signature.
+unsafe fn sym<F: Copy>(handle: usize, names: &[&CStr]) -> Result<F, DeviceError> {
+    const { assert!(std::mem::size_of::<F>() == std::mem::size_of::<*mut c_void>()) };
+    for n in names {
+        // SAFETY: a live handle and a NUL-terminated name.
+        let p = unsafe { libc::dlsym(handle as *mut c_void, n.as_ptr()) };
+        if !p.is_null() {
+            // SAFETY: `F` is a function pointer of the same size (checked above) whose type
+            // matches the symbol (the caller's contract).
+            return Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) });
+        }
+    }
+    Err(DeviceError::Unavailable(format!(
+        "libcuda.so.1 lacks {:?}: the NVIDIA driver is too old (need CUDA 11 or newer)",
+        names[0]
+    )))
+}
+
 impl Cuda {
     /// Opens libcuda.so.1, resolves the calls, runs cuInit and counts devices.
     pub fn load() -> Result<Cuda, DeviceError> {
@@ -97,57 +119,25 @@ impl Cuda {
                 *HANDLE.get_or_init(|| h as usize)
             }
         };
-        let sym = |names: &[&CStr]| -> Result<*mut c_void, DeviceError> {
-            for n in names {
-                // SAFETY: a live handle and a NUL-terminated name.
-                let p = unsafe { libc::dlsym(handle as *mut c_void, n.as_ptr()) };
-                if !p.is_null() {
-                    return Ok(p);
-                }
-            }
-            Err(DeviceError::Unavailable(format!(
-                "libcuda.so.1 lacks {:?}: the NVIDIA driver is too old (need CUDA 11 or newer)",
-                names[0]
-            )))
-        };
-        // SAFETY (every transmute below): each symbol is the driver API function of that name,
+        // SAFETY (every `sym` below): each symbol is the driver API function of that name,
         // whose C signature the field's type spells out (cuda.h).
         let api = unsafe {
             Api {
-                init: std::mem::transmute::<*mut c_void, _>(sym(&[c"cuInit"])?),
-                device_get_count: std::mem::transmute::<*mut c_void, _>(sym(&[
-                    c"cuDeviceGetCount",
-                ])?),
-                device_get: std::mem::transmute::<*mut c_void, _>(sym(&[c"cuDeviceGet"])?),
-                primary_ctx_retain: std::mem::transmute::<*mut c_void, _>(sym(&[
-                    c"cuDevicePrimaryCtxRetain",
-                ])?),
-                ctx_set_current: std::mem::transmute::<*mut c_void, _>(sym(&[c"cuCtxSetCurrent"])?),
-                pointer_get_attribute: std::mem::transmute::<*mut c_void, _>(sym(&[
-                    c"cuPointerGetAttribute",
-                ])?),
-                stream_create: std::mem::transmute::<*mut c_void, _>(sym(&[c"cuStreamCreate"])?),
-                stream_destroy: std::mem::transmute::<*mut c_void, _>(sym(&[
-                    c"cuStreamDestroy_v2",
-                    c"cuStreamDestroy",
-                ])?),
-                stream_synchronize: std::mem::transmute::<*mut c_void, _>(sym(&[
-                    c"cuStreamSynchronize",
-                ])?),
-                memcpy_dtoh_async: std::mem::transmute::<*mut c_void, _>(sym(&[
-                    c"cuMemcpyDtoHAsync_v2",
-                ])?),
-                memcpy_htod_async: std::mem::transmute::<*mut c_void, _>(sym(&[
-                    c"cuMemcpyHtoDAsync_v2",
-                ])?),
-                mem_host_register: std::mem::transmute::<*mut c_void, _>(sym(&[
-                    c"cuMemHostRegister_v2",
-                    c"cuMemHostRegister",
-                ])?),
-                mem_host_unregister: std::mem::transmute::<*mut c_void, _>(sym(&[
-                    c"cuMemHostUnregister",
-                ])?),
-                get_error_name: std::mem::transmute::<*mut c_void, _>(sym(&[c"cuGetErrorName"])?),
+                init: sym(handle, &[c"cuInit"])?,
+                device_get_count: sym(handle, &[c"cuDeviceGetCount"])?,
+                device_get: sym(handle, &[c"cuDeviceGet"])?,
+                primary_ctx_retain: sym(handle, &[c"cuDevicePrimaryCtxRetain"])?,
+                ctx_set_current: sym(handle, &[c"cuCtxSetCurrent"])?,
+                ctx_get_current: sym(handle, &[c"cuCtxGetCurrent"])?,
+                pointer_get_attribute: sym(handle, &[c"cuPointerGetAttribute"])?,
+                stream_create: sym(handle, &[c"cuStreamCreate"])?,
+                stream_destroy: sym(handle, &[c"cuStreamDestroy_v2", c"cuStreamDestroy"])?,
+                stream_synchronize: sym(handle, &[c"cuStreamSynchronize"])?,
+                memcpy_dtoh_async: sym(handle, &[c"cuMemcpyDtoHAsync_v2"])?,
+                memcpy_htod_async: sym(handle, &[c"cuMemcpyHtoDAsync_v2"])?,
+                mem_host_register: sym(handle, &[c"cuMemHostRegister_v2", c"cuMemHostRegister"])?,
+                mem_host_unregister: sym(handle, &[c"cuMemHostUnregister"])?,
+                get_error_name: sym(handle, &[c"cuGetErrorName"])?,
             }
         };
         let mut c = Cuda {
@@ -222,6 +212,21 @@ impl Cuda {
         Ok(ctx)
     }
 
+    /// Registration needs a current context: the thread's own (torch's device) if it has one,
+    /// else device 0's primary context. Returns what to restore.
+    fn bind_for_pinning(&self) -> Result<u64, DeviceError> {
+        let mut cur: CuContext = std::ptr::null_mut();
+        // SAFETY: valid out pointer.
+        self.check("cuCtxGetCurrent", unsafe {
+            (self.api.ctx_get_current)(&mut cur)
+        })?;
+        if cur.is_null() {
+            self.bind_thread(0)
+        } else {
+            Ok(cur as usize as u64)
+        }
+    }
+
     fn attribute(&self, attr: c_int, addr: usize) -> Result<Option<c_uint>, DeviceError> {
         let mut v: c_uint = 0;
         // SAFETY: both attributes asked for are 32-bit values written to `v`.
@@ -266,16 +271,30 @@ impl DeviceLayer for Cuda {
         }
     }
 
-    fn bind_thread(&self, ordinal: u32) -> Result<(), DeviceError> {
+    fn bind_thread(&self, ordinal: u32) -> Result<u64, DeviceError> {
         let ctx = self.context(ordinal)?;
-        // SAFETY: a retained primary context.
-        self.check("cuCtxSetCurrent", unsafe {
-            (self.api.ctx_set_current)(ctx)
-        })
+        let mut prev: CuContext = std::ptr::null_mut();
+        // SAFETY: valid out pointer; null (no context) is a valid answer.
+        self.check("cuCtxGetCurrent", unsafe {
+            (self.api.ctx_get_current)(&mut prev)
+        })?;
+        if prev != ctx {
+            // SAFETY: a retained primary context.
+            self.check("cuCtxSetCurrent", unsafe {
+                (self.api.ctx_set_current)(ctx)
+            })?;
+        }
+        Ok(prev as usize as u64)
+    }
+
+    fn restore_thread(&self, previous: u64) {
+        // SAFETY: a context that was current on this thread (or null); ours stay retained, and
+        // one torch made current is kept alive by torch.
+        let _ = unsafe { (self.api.ctx_set_current)(previous as usize as CuContext) };
     }
 
     fn stream_create(&self, ordinal: u32) -> Result<StreamId, DeviceError> {
-        self.bind_thread(ordinal)?;
+        let _ = ordinal; // bound by the caller (Copier::stream)
         let mut s: CuStream = std::ptr::null_mut();
         // SAFETY: valid out pointer; the device's context is current on this thread.
         self.check("cuStreamCreate", unsafe {
@@ -319,19 +338,23 @@ impl DeviceLayer for Cuda {
     }
 
     unsafe fn pin(&self, addr: usize, len: usize) -> Result<(), DeviceError> {
-        // Registration needs a current context; PORTABLE makes it count for every context.
-        self.bind_thread(0)?;
+        // PORTABLE: the pinning counts for every context, whichever is current here.
+        let prev = self.bind_for_pinning()?;
         // SAFETY: the caller's contract (mapped host memory, kept until unpin).
-        self.check("cuMemHostRegister", unsafe {
+        let r = self.check("cuMemHostRegister", unsafe {
             (self.api.mem_host_register)(addr as *mut c_void, len, CU_MEMHOSTREGISTER_PORTABLE)
-        })
+        });
+        self.restore_thread(prev);
+        r
     }
 
     unsafe fn unpin(&self, addr: usize) -> Result<(), DeviceError> {
-        self.bind_thread(0)?;
+        let prev = self.bind_for_pinning()?;
         // SAFETY: the caller's contract (registered by `pin`, no copy in flight).
-        self.check("cuMemHostUnregister", unsafe {
+        let r = self.check("cuMemHostUnregister", unsafe {
             (self.api.mem_host_unregister)(addr as *mut c_void)
-        })
+        });
+        self.restore_thread(prev);
+        r
     }
 }

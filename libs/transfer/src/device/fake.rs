@@ -222,14 +222,16 @@ impl DeviceLayer for &'static Fake {
         self.blind
     }
 
-    fn bind_thread(&self, ordinal: u32) -> Result<(), DeviceError> {
+    fn bind_thread(&self, ordinal: u32) -> Result<u64, DeviceError> {
         if ordinal != 0 {
             return Err(DeviceError::Invalid(format!(
                 "the fake device has ordinal 0 only, not {ordinal}"
             )));
         }
-        Ok(())
+        Ok(0)
     }
+
+    fn restore_thread(&self, _previous: u64) {}
 
     fn stream_create(&self, ordinal: u32) -> Result<StreamId, DeviceError> {
         self.bind_thread(ordinal)?;

@@ -86,9 +86,13 @@ pub trait DeviceLayer: Send + Sync + 'static {
     /// Where `addr` lives. Plain host memory is `Ok(Host)`, never an error.
     fn classify(&self, addr: usize) -> Result<MemKind, DeviceError>;
     /// Makes device `ordinal`'s context current on the calling thread (CUDA: its primary
-    /// context, the one torch uses). Streams of that device are used only after this.
-    fn bind_thread(&self, ordinal: u32) -> Result<(), DeviceError>;
-    /// A new stream on device `ordinal` (bound on this thread).
+    /// context, the one torch uses). Streams of that device are used only after this. Returns
+    /// what was current before, for [`DeviceLayer::restore_thread`].
+    fn bind_thread(&self, ordinal: u32) -> Result<u64, DeviceError>;
+    /// Makes `previous` (from [`DeviceLayer::bind_thread`]) current again, so the caller's
+    /// thread (torch's, with its own current device) is left as it was.
+    fn restore_thread(&self, previous: u64);
+    /// A new stream on device `ordinal`; call after binding `ordinal` on this thread.
     fn stream_create(&self, ordinal: u32) -> Result<StreamId, DeviceError>;
     fn stream_destroy(&self, stream: StreamId);
     /// Queues a copy of `len` bytes from `src` to `dst` on `stream`.
@@ -304,6 +308,8 @@ pub struct Copier {
     streams: Vec<(u32, StreamId, bool)>,
     /// The ordinal whose context is current on this thread.
     bound: Option<u32>,
+    /// What was current on this thread before the first bind; restored on drop.
+    saved: Option<u64>,
     /// A copier is used by the thread that made it (its contexts are current there).
     _not_send: std::marker::PhantomData<*const ()>,
 }
@@ -315,15 +321,13 @@ impl Copier {
             layer,
             streams: Vec::new(),
             bound: None,
+            saved: None,
             _not_send: std::marker::PhantomData,
         })
     }
 
     fn stream(&mut self, ordinal: u32) -> Result<usize, DeviceError> {
-        if self.bound != Some(ordinal) {
-            self.layer.bind_thread(ordinal)?;
-            self.bound = Some(ordinal);
-        }
+        self.bind(ordinal)?;
         if let Some(i) = self.streams.iter().position(|s| s.0 == ordinal) {
             return Ok(i);
         }
@@ -339,6 +343,15 @@ impl Copier {
         };
         self.streams.push((ordinal, s, false));
         Ok(self.streams.len() - 1)
+    }
+
+    fn bind(&mut self, ordinal: u32) -> Result<(), DeviceError> {
+        if self.bound != Some(ordinal) {
+            let prev = self.layer.bind_thread(ordinal)?;
+            self.saved.get_or_insert(prev);
+            self.bound = Some(ordinal);
+        }
+        Ok(())
     }
 
     /// Queues a device-to-host copy of `len` bytes from device address `src` to `dst`.
@@ -401,12 +414,9 @@ impl Copier {
             if !queued {
                 continue;
             }
-            if self.bound != Some(ordinal) {
-                if let Err(e) = self.layer.bind_thread(ordinal) {
-                    first.get_or_insert(e);
-                    continue;
-                }
-                self.bound = Some(ordinal);
+            if let Err(e) = self.bind(ordinal) {
+                first.get_or_insert(e);
+                continue;
             }
             if let Err(e) = self.layer.synchronize(s) {
                 first.get_or_insert(e);
@@ -431,6 +441,10 @@ impl Drop for Copier {
             } else {
                 self.layer.stream_destroy(s);
             }
+        }
+        drop(idle);
+        if let Some(prev) = self.saved.take() {
+            self.layer.restore_thread(prev);
         }
     }
 }

@@ -18,7 +18,7 @@ fn fake_device_memory_is_classified_and_reached_only_through_copies() {
         l.classify(d + 3 * 4096 + 4).unwrap(),
         MemKind::Device { ordinal: 0 }
     );
-    let host = vec![0u8; 64];
+    let host = [0u8; 64];
     assert_eq!(l.classify(host.as_ptr() as usize).unwrap(), MemKind::Host);
 
     // Copies run at synchronize, not before (a real DMA may finish any time before it).
@@ -123,5 +123,20 @@ fn classification_without_a_layer_is_host() {
         );
         assert!(!super::any_device(&[&v[..]]));
         assert!(super::Copier::new().is_none());
+    }
+}
+
+#[test]
+fn without_an_nvidia_driver_cuda_does_not_load_and_says_why() {
+    match super::cuda::Cuda::load() {
+        // A machine with a GPU and its driver: nothing to check here (docs/GPU.md).
+        Ok(c) => assert_eq!(DeviceLayer::name(&c), "cuda"),
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("libcuda.so.1") || msg.contains("CUDA driver"),
+                "{msg}"
+            );
+        }
     }
 }
