@@ -873,11 +873,16 @@ impl TransferEngine {
             Ok(r) if r.len <= src.len() => r,
             _ => return ERR_INVALID_ARGUMENT,
         };
-        // SAFETY: the caller promises `dest_address` is `length` writable bytes (upstream's
-        // contract); `src` is a Python bytes object, which cannot overlap caller memory it
-        // wrote through a raw pointer.
-        unsafe { r.slice_mut() }.copy_from_slice(&src[..r.len]);
-        0
+        // SAFETY: the caller promises `dest_address` is `length` writable bytes, host or device
+        // (upstream's contract); `src` is a Python bytes object, which cannot overlap caller
+        // memory it wrote through a raw pointer.
+        match unsafe { lunakv_transfer::device::write_to(r.ptr, &src[..r.len]) } {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!("lunakv: write_bytes_to_buffer: {e}");
+                FAILED
+            }
+        }
     }
 
     /// `length` bytes at `source_address` (upstream's helper); `b""` for a bad pointer/size.
@@ -888,8 +893,17 @@ impl TransferEngine {
         length: i128,
     ) -> Bound<'py, PyBytes> {
         match Range::new(source_address, length) {
-            // SAFETY: the caller promises `length` readable bytes at `source_address`.
-            Ok(r) => PyBytes::new(py, unsafe { r.slice() }),
+            Ok(r) => {
+                let mut v = vec![0u8; r.len];
+                // SAFETY: the caller promises `length` readable bytes (host or device) there.
+                match unsafe { lunakv_transfer::device::read_from(r.ptr, &mut v) } {
+                    Ok(()) => PyBytes::new(py, &v),
+                    Err(e) => {
+                        tracing::error!("lunakv: read_bytes_from_buffer: {e}");
+                        PyBytes::new(py, b"")
+                    }
+                }
+            }
             Err(msg) => {
                 tracing::error!("lunakv: read_bytes_from_buffer refused: {msg}");
                 PyBytes::new(py, b"")

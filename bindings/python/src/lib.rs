@@ -20,6 +20,8 @@
 //!   resized, for the duration of the call, as upstream requires. The module rejects what it can
 //!   check with -600: a null pointer, a negative size, a range that wraps the address space, and
 //!   destination ranges that overlap each other.
+//! - A buffer may be GPU memory (torch CUDA tensors' `data_ptr()`): every call detects it and
+//!   copies by DMA, never with the CPU (docs/GPU.md; `register_buffer` classifies it once).
 //!
 //! ## Threads and safety
 //! Every `StoreClient` call runs with the GIL released (`Python::detach`), so vLLM's sending and
@@ -48,6 +50,7 @@ mod engine;
 mod mem;
 mod shared;
 mod store;
+mod testing;
 mod types;
 
 use pyo3::prelude::*;
@@ -63,6 +66,14 @@ fn _lunakv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::TransferEngine>()?;
     m.add_function(wrap_pyfunction!(store::close_all, m)?)?;
     m.add_function(wrap_pyfunction!(flush_traces, m)?)?;
+    // The device test double, re-exported by `mooncake._lunakv_testing` (tests only).
+    m.add_function(wrap_pyfunction!(testing::device_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::device_alloc, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::device_free, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::device_read, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::device_write, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::device_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::host_only_read, m)?)?;
     let atexit = m.py().import("atexit")?;
     // atexit runs hooks last-registered first: traces are flushed after the clients closed.
     atexit.call_method1("register", (m.getattr("_flush_traces")?,))?;

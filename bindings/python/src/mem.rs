@@ -95,6 +95,10 @@ impl Range {
             .collect()
     }
 
+    /// The range may be GPU memory (a CUDA tensor's `data_ptr()`): such a slice is only handed
+    /// to lunakv-transfer, whose paths classify every piece and copy device pieces by DMA,
+    /// never with the CPU (`lunakv_transfer::device`, docs/GPU.md).
+    ///
     /// # Safety
     /// The caller of the Python method promised that `ptr..ptr+len` is readable memory that
     /// stays valid and unmodified by others for the duration of the call (upstream's contract).

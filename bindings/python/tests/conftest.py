@@ -18,6 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# The device test double (docs/GPU.md) for the whole suite: test_device.py hands the module
+# CPU-inaccessible "device" buffers; every other test's host buffers must behave exactly as with
+# no device layer. Set before the module's first transfer, which is when the layer is chosen.
+os.environ.setdefault("LUNAKV_DEVICE", "fake")
+
 REPO = Path(__file__).resolve().parents[3]
 BIN_DIR = Path(os.environ.get("LUNAKV_BIN_DIR", REPO / "target" / "debug"))
 WORKER = Path(__file__).resolve().parent / "kv_worker.py"

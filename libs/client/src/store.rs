@@ -866,7 +866,10 @@ impl StoreClient {
     }
 
     /// Records a caller buffer that transfers will use. tcp and shm need no registration; it is
-    /// kept so misuse (overlaps, unknown buffers) is reported the same way RDMA will need.
+    /// kept so misuse (overlaps, unknown buffers) is reported the same way RDMA will need. A GPU
+    /// buffer (vLLM registers its CUDA KV cache) is classified here once, so pieces inside it
+    /// are copied by DMA without a driver call per piece (docs/GPU.md). Buffers given to
+    /// `put_parts` / `get_into_parts` / `batch_*` may be device memory whether registered or not.
     pub fn register_buffer(&self, ptr: usize, len: usize) -> Result<()> {
         if ptr == 0 || len == 0 {
             return Err(ClientError::InvalidParams(format!(
@@ -887,13 +890,21 @@ impl StoreClient {
             )));
         }
         b.insert(ptr, len);
+        let kind = lunakv_transfer::device::register_range(ptr, len);
+        tracing::debug!(ptr, len, ?kind, "buffer registered");
         Ok(())
     }
 
     pub fn unregister_buffer(&self, ptr: usize) -> Result<()> {
-        self.buffers.lock().remove(&ptr).map(|_| ()).ok_or_else(|| {
-            ClientError::InvalidParams(format!("buffer {ptr:#x} was never registered"))
-        })
+        self.buffers
+            .lock()
+            .remove(&ptr)
+            .map(|_| ())
+            .ok_or_else(|| {
+                ClientError::InvalidParams(format!("buffer {ptr:#x} was never registered"))
+            })?;
+        lunakv_transfer::device::unregister_range(ptr);
+        Ok(())
     }
 
     /// Stops the heartbeat and, in embedded mode, unmounts this client's segment. Idempotent.
@@ -902,6 +913,10 @@ impl StoreClient {
             return Ok(());
         }
         let _ = self.heartbeat_stop.send(true);
+        // The device layer forgets this client's buffers (their memory may be freed next).
+        for (&ptr, _) in std::mem::take(&mut *self.buffers.lock()).iter() {
+            lunakv_transfer::device::unregister_range(ptr);
+        }
         if let Some(h) = self.host.lock().take() {
             self.engine.detach_local(h.server());
             self.rt.block_on(h.shutdown())?;

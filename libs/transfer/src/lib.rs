@@ -21,7 +21,8 @@
 //! Transports implement [`Transport`]: tcp everywhere, shm when the target is on this host
 //! (equal [`host_id`]) and offers a socket, rdma (cargo feature `rdma`, engines built with
 //! [`TransferEngine::with_rdma`]) when both sides have a device; [`select_route`] is the rule
-//! (docs/RDMA.md). Everything is blocking std I/O on std threads: on small boxes that beats an
+//! (docs/RDMA.md). Caller pieces may be GPU memory: [`device`] detects it and every path copies
+//! it by DMA (docs/GPU.md). Everything is blocking std I/O on std threads: on small boxes that beats an
 //! async runtime for bulk copies, and the hot paths do not allocate per request.
 
 use std::net::SocketAddr;
@@ -31,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+pub mod device;
 mod drain;
 mod guard;
 mod local;
@@ -402,6 +404,15 @@ pub enum TransferError {
     /// is one line naming the fix), or a peer refused `RDMA_CONNECT`.
     #[error("{0}")]
     RdmaUnavailable(String),
+    /// A copy to or from device (GPU) memory failed (docs/GPU.md).
+    #[error("device memory: {0}")]
+    Device(String),
+}
+
+impl From<device::DeviceError> for TransferError {
+    fn from(e: device::DeviceError) -> TransferError {
+        TransferError::Device(e.to_string())
+    }
 }
 
 impl TransferError {
@@ -437,6 +448,7 @@ impl TransferError {
             },
             TransferError::InvalidArgument(m) => TransferError::InvalidArgument(m.clone()),
             TransferError::RdmaUnavailable(m) => TransferError::RdmaUnavailable(m.clone()),
+            TransferError::Device(m) => TransferError::Device(m.clone()),
         }
     }
 }
@@ -679,6 +691,13 @@ impl TransferEngine {
         }
     }
 
+    /// True when requests to `t` would take rdma but carry device pieces: the rdma transport
+    /// registers caller memory with the NIC, which device memory needs GPUDirect for, so they
+    /// go over tcp, staged (docs/GPU.md). `has_device` is only asked on an rdma route.
+    fn rdma_skips_device(&self, t: &Target, has_device: impl FnOnce() -> bool) -> bool {
+        self.rdma.is_some() && self.route_for(t) == Route::Rdma && has_device()
+    }
+
     /// Runs `op` on the chosen transport; if shm turns out unusable, remembers that and uses tcp.
     fn route<R>(
         &self,
@@ -724,6 +743,9 @@ impl TransferEngine {
         if let Some(s) = self.local.find(t) {
             return local::write(&s, t, generation, key, offset, src);
         }
+        if self.rdma_skips_device(t, || device::any_device(src)) {
+            return self.tcp.write(t, generation, key, offset, src);
+        }
         self.route(t, |tr| tr.write(t, generation, key, offset, src))
     }
 
@@ -737,6 +759,9 @@ impl TransferEngine {
     ) -> Result<(), TransferError> {
         if let Some(s) = self.local.find(t) {
             return local::read(&s, t, generation, offset, dst);
+        }
+        if self.rdma_skips_device(t, || device::any_device_mut(dst)) {
+            return self.tcp.read(t, generation, offset, dst);
         }
         self.route(t, |tr| tr.read(t, generation, offset, dst))
     }
@@ -800,7 +825,13 @@ impl TransferEngine {
             let idx: Vec<usize> = v.iter().map(|(i, _)| *i).collect();
             let mut rs: Vec<&mut TransferRequest<'_>> =
                 v.iter_mut().map(|(_, r)| &mut **r).collect();
-            let out = self.pick(t).submit(t, &mut rs);
+            let tr: &dyn Transport =
+                if self.rdma_skips_device(t, || rs.iter().any(|r| r.has_device())) {
+                    &self.tcp
+                } else {
+                    self.pick(t)
+                };
+            let out = tr.submit(t, &mut rs);
             idx.into_iter().zip(out).collect()
         };
         // Units on other threads send the caller's trace context too.
@@ -871,6 +902,20 @@ impl TransferEngine {
     /// request is still one entry written or read whole by one thread, with the same
     /// invalidate -> copy -> commit and pin -> copy -> unpin as alone.
     fn run_locals(&self, locals: Vec<LocalReq<'_, '_>>) -> Vec<(usize, Result<(), TransferError>)> {
+        // With device pieces (all puts or all gets, as clients batch them), each thread queues
+        // its requests' DMA on its stream and synchronizes once before committing/unpinning.
+        if device::layer().is_some() && locals.len() > 1 {
+            let reads = locals
+                .iter()
+                .filter(|(_, _, r)| matches!(r, TransferRequest::Read { .. }))
+                .count();
+            // A read pinned by this thread would stall a later overlapping write of the same
+            // batch (it waits for pins), so mixed batches keep one sync per request.
+            let one_direction = reads == 0 || reads == locals.len();
+            if one_direction && locals.iter().any(|(_, _, r)| r.has_device()) {
+                return self.run_locals_queued(locals);
+            }
+        }
         let one = |(i, s, r): LocalReq<'_, '_>| (i, local::execute(&s, r));
         let lens: Vec<u64> = locals.iter().map(|(_, _, r)| r.len()).collect();
         let helpers = copy_helpers(&lens, self.copy_threads);
@@ -897,6 +942,58 @@ impl TransferEngine {
                 }
             }
         };
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..helpers).map(|_| sc.spawn(work)).collect();
+            let mut out = work();
+            for h in handles {
+                match h.join() {
+                    Ok(r) => out.extend(r),
+                    Err(p) => std::panic::resume_unwind(p),
+                }
+            }
+            out
+        })
+    }
+
+    /// [`TransferEngine::run_locals`] for a batch with device pieces: the same work sharing,
+    /// but each thread starts its requests on one [`device::Copier`], synchronizes it once, then
+    /// commits or unpins them.
+    fn run_locals_queued(
+        &self,
+        locals: Vec<LocalReq<'_, '_>>,
+    ) -> Vec<(usize, Result<(), TransferError>)> {
+        let lens: Vec<u64> = locals.iter().map(|(_, _, r)| r.len()).collect();
+        let helpers = copy_helpers(&lens, self.copy_threads);
+        let slots: Vec<parking_lot::Mutex<Option<LocalReq<'_, '_>>>> = locals
+            .into_iter()
+            .map(|l| parking_lot::Mutex::new(Some(l)))
+            .collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let work = || {
+            let mut out = Vec::new();
+            let Some(mut c) = device::Copier::new() else {
+                return out;
+            };
+            let mut started = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(slot) = slots.get(i) else { break };
+                if let Some((i, s, r)) = slot.lock().take() {
+                    match local::start(&s, r, &mut c) {
+                        Ok(q) => started.push((i, s, q)),
+                        Err(e) => out.push((i, Err(e))),
+                    }
+                }
+            }
+            let synced = c.sync().map_err(TransferError::from);
+            for (i, s, q) in started {
+                out.push((i, q.finish(&s, &synced)));
+            }
+            out
+        };
+        if helpers == 0 {
+            return work();
+        }
         std::thread::scope(|sc| {
             let handles: Vec<_> = (0..helpers).map(|_| sc.spawn(work)).collect();
             let mut out = work();
@@ -993,6 +1090,14 @@ impl TransferRequest<'_> {
     /// True if the request moves no bytes (it will be refused).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// True if a piece is device memory ([`device`]).
+    pub fn has_device(&self) -> bool {
+        match self {
+            TransferRequest::Read { dst, .. } => device::any_device_mut(dst),
+            TransferRequest::Write { src, .. } => device::any_device(src),
+        }
     }
 }
 

@@ -13,7 +13,8 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::RwLock;
 
-use crate::mem::{Mapping, copy_bytes};
+use crate::device::Copier;
+use crate::mem::{Mapping, copy_in_any, copy_out_any, queue_in, queue_out};
 use crate::server::{OVERWRITE_PIN_WAIT, Shared};
 use crate::table::PinResult;
 use crate::tcp::{check_request, total_len};
@@ -88,14 +89,11 @@ pub(crate) fn write(
     let off = bounds(&s.mem, offset, len)?;
     // Retire what lives there (new reads answer STALE) and wait for readers still copying it.
     s.table.invalidate_range(offset, len, OVERWRITE_PIN_WAIT);
-    let mut at = off;
-    for piece in src {
-        // SAFETY: [off, off+len) is inside the mapping (checked above) and its entries were just
-        // retired with their readers waited for, so nobody reads the range while we fill it.
-        // `copy_bytes` stays correct even if a caller passed bytes of the segment (memmove).
-        unsafe { copy_bytes(s.mem.ptr_at(at), piece.as_ptr(), piece.len()) };
-        at += piece.len();
-    }
+    // [off, off+len) is inside the mapping (checked above) and its entries were just retired
+    // with their readers waited for, so nobody reads the range while we fill it. Device pieces
+    // are one DMA each into the (pinned) segment; host pieces a CPU copy that stays correct even
+    // if a caller passed bytes of the segment (memmove).
+    copy_in_any(&s.mem, off, src)?;
     s.table.commit(generation, key.to_owned(), offset, len);
     s.counters.writes.fetch_add(1, Ordering::Relaxed);
     s.counters.bytes_written.fetch_add(len, Ordering::Relaxed);
@@ -119,14 +117,117 @@ pub(crate) fn read(
     };
     s.counters.reads.fetch_add(1, Ordering::Relaxed);
     s.counters.bytes_read.fetch_add(len, Ordering::Relaxed);
-    let mut at = off;
-    for piece in dst.iter_mut() {
-        // SAFETY: bounds-checked and pinned: no WRITE or FREE reuses the range until the unpin.
-        unsafe { copy_bytes(piece.as_mut_ptr(), s.mem.ptr_at(at), piece.len()) };
-        at += piece.len();
-    }
+    // Bounds-checked and pinned: no WRITE or FREE reuses the range until the unpin.
+    let copied = copy_out_any(&s.mem, off, dst);
     s.table.unpin(pin);
-    Ok(())
+    copied
+}
+
+/// A request whose device copies are queued on a [`Copier`]: finished by [`Queued::finish`]
+/// once the copier synchronized.
+pub(crate) enum Queued {
+    /// Bytes are in place after the sync: commit the entry.
+    Write {
+        generation: u64,
+        key: String,
+        offset: u64,
+        len: u64,
+    },
+    /// The entry is pinned until the copy out of it finished.
+    Read(crate::table::PinId),
+}
+
+/// Starts a request of a batch with device pieces: the checks, invalidation or pin, and the
+/// copies (host pieces done, device pieces queued on `c`). Several are started, `c` is
+/// synchronized once, then each is finished: one synchronize per batch and thread.
+pub(crate) fn start(
+    s: &Shared,
+    req: &mut TransferRequest<'_>,
+    c: &mut Copier,
+) -> Result<Queued, TransferError> {
+    match req {
+        TransferRequest::Write {
+            target,
+            generation,
+            key,
+            offset,
+            src,
+        } => {
+            let (generation, offset) = (*generation, *offset);
+            let len = total_len(src.iter().map(|p| p.len()));
+            check_request(target, Some(*key), offset, len)?;
+            let off = bounds(&s.mem, offset, len)?;
+            s.table.invalidate_range(offset, len, OVERWRITE_PIN_WAIT);
+            // Retired and waited for, as in `write`: nobody reads the range until the commit.
+            queue_in(&s.mem, off, src, c)?;
+            Ok(Queued::Write {
+                generation,
+                key: (*key).to_owned(),
+                offset,
+                len,
+            })
+        }
+        TransferRequest::Read {
+            target,
+            generation,
+            offset,
+            dst,
+        } => {
+            let (generation, offset) = (*generation, *offset);
+            let len = total_len(dst.iter().map(|p| p.len()));
+            check_request(target, None, offset, len)?;
+            let off = bounds(&s.mem, offset, len)?;
+            let pin = match s.table.pin(generation, offset, len) {
+                PinResult::Pinned(p) => p,
+                PinResult::Stale => return Err(TransferError::Stale { generation }),
+            };
+            s.counters.reads.fetch_add(1, Ordering::Relaxed);
+            s.counters.bytes_read.fetch_add(len, Ordering::Relaxed);
+            // Pinned: not rewritten before `finish` unpins it.
+            match queue_out(&s.mem, off, dst, c) {
+                Ok(()) => Ok(Queued::Read(pin)),
+                Err(e) => {
+                    // Copies already queued out of the range must land before it is unpinned.
+                    let _ = c.sync();
+                    s.table.unpin(pin);
+                    Err(e)
+                }
+            }
+        }
+    }
+}
+
+impl Queued {
+    /// Completes a started request once its copier synchronized (`synced`: that sync's result).
+    pub(crate) fn finish(
+        self,
+        s: &Shared,
+        synced: &Result<(), TransferError>,
+    ) -> Result<(), TransferError> {
+        match self {
+            Queued::Write {
+                generation,
+                key,
+                offset,
+                len,
+            } => {
+                if let Err(e) = synced {
+                    return Err(e.duplicate());
+                }
+                s.table.commit(generation, key, offset, len);
+                s.counters.writes.fetch_add(1, Ordering::Relaxed);
+                s.counters.bytes_written.fetch_add(len, Ordering::Relaxed);
+                Ok(())
+            }
+            Queued::Read(pin) => {
+                s.table.unpin(pin);
+                synced
+                    .as_ref()
+                    .map(|_| ())
+                    .map_err(TransferError::duplicate)
+            }
+        }
+    }
 }
 
 /// One batch request against an in-process segment.

@@ -3,6 +3,7 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::OnceLock;
 
 use rustix::fs::{MemfdFlags, ftruncate, memfd_create};
 use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
@@ -12,6 +13,8 @@ pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
     fd: OwnedFd,
+    /// Parts pinned for device DMA, made when the first device copy touches the mapping.
+    pins: OnceLock<crate::device::HostPins>,
 }
 
 // SAFETY: the mapping is plain shared memory; it is only accessed through raw pointers whose
@@ -52,7 +55,12 @@ impl Mapping {
         };
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| std::io::Error::other("mmap returned null"))?;
-        Ok(Mapping { ptr, len, fd })
+        Ok(Mapping {
+            ptr,
+            len,
+            fd,
+            pins: OnceLock::new(),
+        })
     }
 
     pub(crate) fn len(&self) -> u64 {
@@ -82,12 +90,103 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        // Unpinned before the pages go away (cuMemHostUnregister needs them mapped).
+        drop(self.pins.take());
         // SAFETY: ptr/len are exactly what mmap returned, and no borrowed slice outlives `self`
         // (slices are only made for the duration of one syscall or memcpy).
         if let Err(e) = unsafe { munmap(self.ptr.as_ptr().cast(), self.len) } {
             tracing::warn!(error = %e, "munmap of a segment failed");
         }
     }
+}
+
+impl Mapping {
+    /// Pins the parts of `[offset, offset+len)` not pinned yet, so a device copy is one DMA
+    /// straight into or out of the mapping.
+    fn pin_for_dma(&self, offset: usize, len: usize) {
+        self.pins
+            .get_or_init(|| crate::device::HostPins::new(self.ptr.as_ptr() as usize, self.len))
+            .ensure(offset, len);
+    }
+}
+
+/// Copies `src` pieces (host or device) into the mapping at `offset`: host pieces now, device
+/// pieces queued on `c` as one DMA each into the (pinned) mapping. The range must have been
+/// checked, and must not be read before `c` synchronized.
+pub(crate) fn queue_in(
+    m: &Mapping,
+    offset: usize,
+    src: &[&[u8]],
+    c: &mut crate::device::Copier,
+) -> Result<(), crate::TransferError> {
+    let len = src.iter().map(|p| p.len()).sum();
+    if crate::device::any_device(src) {
+        m.pin_for_dma(offset, len);
+    }
+    // SAFETY: the caller checked the range and keeps readers off it until the sync.
+    unsafe { crate::device::gather(c, m.ptr_at(offset), src, 0, len) }?;
+    Ok(())
+}
+
+/// Copies the mapping at `offset` into `dst` pieces (host or device): host pieces now, device
+/// pieces queued on `c`. The range must have been checked and must stay unmodified until `c`
+/// synchronized.
+pub(crate) fn queue_out(
+    m: &Mapping,
+    offset: usize,
+    dst: &mut [&mut [u8]],
+    c: &mut crate::device::Copier,
+) -> Result<(), crate::TransferError> {
+    let len = dst.iter().map(|p| p.len()).sum();
+    if crate::device::any_device_mut(dst) {
+        m.pin_for_dma(offset, len);
+    }
+    // SAFETY: the caller checked the range and pinned it until the sync.
+    unsafe { crate::device::scatter(c, m.ptr_at(offset), dst, 0, len) }?;
+    Ok(())
+}
+
+/// [`copy_in`] for pieces that may be device memory: device pieces are one DMA each straight
+/// into the (pinned) mapping, synchronized once. The range must have been checked.
+pub(crate) fn copy_in_any(
+    m: &Mapping,
+    offset: usize,
+    src: &[&[u8]],
+) -> Result<(), crate::TransferError> {
+    if !crate::device::any_device(src) {
+        copy_in(m, offset, src);
+        return Ok(());
+    }
+    let len = src.iter().map(|p| p.len()).sum();
+    m.pin_for_dma(offset, len);
+    let mut c = crate::device::Copier::new()
+        .ok_or_else(|| crate::TransferError::Device("no device layer".into()))?;
+    // SAFETY: the caller checked the range; nobody reads it until the sync (its entries were
+    // retired or are not committed yet).
+    unsafe { crate::device::gather(&mut c, m.ptr_at(offset), src, 0, len) }?;
+    c.sync()?;
+    Ok(())
+}
+
+/// [`copy_out`] for pieces that may be device memory (one DMA per device piece, one sync).
+pub(crate) fn copy_out_any(
+    m: &Mapping,
+    offset: usize,
+    dst: &mut [&mut [u8]],
+) -> Result<(), crate::TransferError> {
+    if !crate::device::any_device_mut(dst) {
+        copy_out(m, offset, dst);
+        return Ok(());
+    }
+    let len = dst.iter().map(|p| p.len()).sum();
+    m.pin_for_dma(offset, len);
+    let mut c = crate::device::Copier::new()
+        .ok_or_else(|| crate::TransferError::Device("no device layer".into()))?;
+    // SAFETY: the caller checked the range and pinned its entry: it is not rewritten before
+    // the sync below.
+    unsafe { crate::device::scatter(&mut c, m.ptr_at(offset), dst, 0, len) }?;
+    c.sync()?;
+    Ok(())
 }
 
 /// Copies `src` pieces into the mapping at `offset`. The range must have been checked.

@@ -3,8 +3,10 @@
 //! tcp connections (the same pool and framing as segment transfers) and address a peer's
 //! [`crate::RegionServer`] by absolute address, as upstream's `transfer_sync_write` does.
 
-use crate::tcp::{PIPELINE_DEPTH, TcpConn, breaks_conn, io_err, recv_status, total_len};
-use crate::vio::{read_exact_scatter, write_all_gather};
+use crate::tcp::{
+    PIPELINE_DEPTH, TcpConn, breaks_conn, io_err, read_into, recv_status, total_len, write_from,
+};
+use crate::vio::write_all_gather;
 use crate::wire::{Op, Request, TRACE_LEN};
 use crate::{TransferEngine, TransferError};
 
@@ -91,7 +93,7 @@ fn send(
         } => {
             check(*remote_addr, len)?;
             let (hdr, tc) = header(Op::RawWrite, *remote_addr, len, trace);
-            write_all_gather(&mut conn.stream, &[&hdr, tc], src).map_err(|e| io_err(ep, e))
+            write_from(&mut conn.stream, &[&hdr, tc], src).map_err(|e| io_err(ep, e))
         }
         RawRequest::Read { remote_addr, .. } => {
             check(*remote_addr, len)?;
@@ -116,7 +118,7 @@ fn recv(conn: &mut TcpConn, ep: &str, r: &mut RawRequest<'_>) -> Result<(), Tran
                     "{ep} answered {got} bytes for a {len} byte raw read"
                 )));
             }
-            read_exact_scatter(&mut conn.stream, dst).map_err(|e| io_err(ep, e))
+            read_into(&mut conn.stream, dst).map_err(|e| io_err(ep, e))
         }
     }
 }

@@ -64,6 +64,9 @@ impl RegionDesc {
 pub(crate) struct Region {
     desc: RegionDesc,
     live: RwLock<bool>,
+    /// Caller memory on a GPU (classified once at registration): peers' bytes go through
+    /// staging buffers and DMA, never a CPU copy.
+    device: bool,
     /// Owned memory (from [`MemoryRegistry::alloc`]); `None` for caller memory.
     _owned: Option<Mapping>,
 }
@@ -134,9 +137,14 @@ impl MemoryRegistry {
             addr,
             len,
         };
+        // Caller memory is classified once here; the range stays known to the device layer
+        // (so local sources inside it are looked up, not asked of the driver) until deregistered.
+        let device = owned.is_none()
+            && crate::device::register_range(addr as usize, len as usize).is_device();
         let region = Arc::new(Region {
             desc,
             live: RwLock::new(true),
+            device,
             _owned: owned,
         });
         regions.insert(addr, region.clone());
@@ -179,6 +187,9 @@ impl MemoryRegistry {
             return false;
         };
         *region.live.write() = false;
+        if region._owned.is_none() {
+            crate::device::unregister_range(addr as usize);
+        }
         true
     }
 
@@ -516,7 +527,11 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), String> {
                     // `find`) that cannot be deregistered while `with_ptr` holds its read lock;
                     // the registrant promised nothing reads it through a reference meanwhile.
                     let dst = unsafe { std::slice::from_raw_parts_mut(p, n) };
-                    rd.read_exact(dst)
+                    if region.device {
+                        crate::device::staging::read_exact_staged(&mut rd, &mut [dst])
+                    } else {
+                        rd.read_exact(dst)
+                    }
                 });
                 match r {
                     Some(r) => r.map_err(io)?,
@@ -547,7 +562,11 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), String> {
                 let r = region.with_ptr(addr, |p| {
                     // SAFETY: as for RAW_WRITE; the slice only lives for this writev.
                     let src = unsafe { std::slice::from_raw_parts(p.cast_const(), n) };
-                    crate::vio::write_all_gather(&mut wr, &[&hdr, src], &[])
+                    if region.device {
+                        crate::device::staging::write_all_staged(&mut wr, &[&hdr], &[src])
+                    } else {
+                        crate::vio::write_all_gather(&mut wr, &[&hdr, src], &[])
+                    }
                 });
                 match r {
                     Some(r) => r.map_err(io)?,

@@ -11,11 +11,12 @@ use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 
-use crate::mem::{Mapping, copy_in, copy_out};
+use crate::device::Copier;
+use crate::mem::{Mapping, copy_in_any, copy_out_any, queue_in, queue_out};
 use crate::tcp::{breaks_conn, check_request, io_err, recv_status, total_len};
 use crate::vio::write_all_gather;
 use crate::wire::{self, Op, Request, Response, Status};
-use crate::{SegmentIdentity, Target, TransferError, Transport};
+use crate::{SegmentIdentity, Target, TransferError, TransferRequest, Transport};
 
 /// One attached segment: our mapping of the owner's memfd plus pooled unix connections.
 struct Attachment {
@@ -281,6 +282,177 @@ impl ShmTransport {
     }
 }
 
+impl ShmTransport {
+    /// A batch with device pieces on one connection: every request's DMA is queued on one
+    /// stream and synchronized once, then the puts are committed (or the gets unpinned). Puts
+    /// and gets are not mixed here (clients batch one direction); a mixed batch runs one by one.
+    fn submit_device(
+        &self,
+        t: &Target,
+        reqs: &mut [&mut TransferRequest<'_>],
+    ) -> Vec<Result<(), TransferError>> {
+        let n = reqs.len();
+        let fail = |e: &TransferError| (0..n).map(|_| Err(e.duplicate())).collect();
+        let path = match t.shm_socket.as_deref() {
+            Some(p) => p,
+            None => {
+                return fail(&TransferError::ShmUnavailable(format!(
+                    "{} offers no shm socket",
+                    t.endpoint
+                )));
+            }
+        };
+        let a = match self.attachment(path, t.instance_id.as_deref()) {
+            Ok(a) => a,
+            Err(e) => return fail(&e),
+        };
+        let mut s = match self.checkout(path, &a) {
+            Ok(s) => s,
+            Err(e) => return fail(&e),
+        };
+        let Some(mut c) = Copier::new() else {
+            return fail(&TransferError::Device("no device layer".into()));
+        };
+        let trace = a.trace();
+        let mut out: Vec<Option<Result<(), TransferError>>> = (0..n).map(|_| None).collect();
+        // Requests whose copies are queued: (index, request header to send after the sync).
+        let mut queued: Vec<(usize, Request)> = Vec::with_capacity(n);
+        let mut broken: Option<TransferError> = None;
+        for (i, r) in reqs.iter_mut().enumerate() {
+            let res = match &mut **r {
+                TransferRequest::Write {
+                    generation,
+                    key,
+                    offset,
+                    src,
+                    ..
+                } => {
+                    let len = total_len(src.iter().map(|p| p.len()));
+                    check_request(t, Some(*key), *offset, len)
+                        .and_then(|()| {
+                            let (off, _) =
+                                a.map
+                                    .check(*offset, len)
+                                    .ok_or(TransferError::OutOfBounds {
+                                        offset: *offset,
+                                        len,
+                                        size: a.map.len(),
+                                    })?;
+                            queue_in(&a.map, off, src, &mut c)
+                        })
+                        .map(|()| {
+                            queued.push((
+                                i,
+                                Request {
+                                    op: Op::Commit,
+                                    generation: *generation,
+                                    offset: *offset,
+                                    len,
+                                    key_len: key.len() as u32,
+                                    aux: 0,
+                                },
+                            ))
+                        })
+                }
+                TransferRequest::Read {
+                    generation,
+                    offset,
+                    dst,
+                    ..
+                } => {
+                    let len = total_len(dst.iter().map(|p| p.len()));
+                    let req = Request {
+                        op: Op::Pin,
+                        generation: *generation,
+                        offset: *offset,
+                        len,
+                        key_len: 0,
+                        aux: 0,
+                    };
+                    check_request(t, None, *offset, len)
+                        .and_then(|()| {
+                            a.map.check(*offset, len).ok_or(TransferError::OutOfBounds {
+                                offset: *offset,
+                                len,
+                                size: a.map.len(),
+                            })
+                        })
+                        .and_then(|(off, _)| {
+                            let (hdr, tc) = req.encode_with(trace.as_ref());
+                            write_all_gather(&mut s, &[&hdr, tc], &[])
+                                .map_err(|e| io_err(path, e))?;
+                            recv_status(&mut s, path, *generation, *offset, len)?;
+                            // Pinned from here: unpinned after the sync below.
+                            queued.push((
+                                i,
+                                Request {
+                                    op: Op::Unpin,
+                                    ..req
+                                },
+                            ));
+                            queue_out(&a.map, off, dst, &mut c)
+                        })
+                }
+            };
+            if let Err(e) = res {
+                if breaks_conn(&e) {
+                    broken = Some(e);
+                    break;
+                }
+                out[i] = Some(Err(e));
+            }
+        }
+        let synced = c.sync().map_err(TransferError::from);
+        for (i, req) in queued {
+            if let Some(e) = &broken {
+                out[i].get_or_insert(Err(e.duplicate()));
+                continue;
+            }
+            let r = match req.op {
+                Op::Commit => match &synced {
+                    Err(e) => Err(e.duplicate()),
+                    Ok(()) => {
+                        let key = match &*reqs[i] {
+                            TransferRequest::Write { key, .. } => *key,
+                            TransferRequest::Read { .. } => "",
+                        };
+                        let (hdr, tc) = req.encode_with(trace.as_ref());
+                        write_all_gather(&mut s, &[&hdr, tc, key.as_bytes()], &[])
+                            .map_err(|e| io_err(path, e))
+                            .and_then(|()| {
+                                recv_status(&mut s, path, req.generation, req.offset, req.len)
+                                    .map(|_| ())
+                            })
+                    }
+                },
+                // UNPIN has no answer (see `read`); the copy's own result is the request's.
+                _ => write_all_gather(&mut s, &[&req.encode()], &[])
+                    .map_err(|e| io_err(path, e))
+                    .and_then(|()| synced.as_ref().map(|_| ()).map_err(|e| e.duplicate())),
+            };
+            if let Err(e) = &r
+                && breaks_conn(e)
+            {
+                broken = Some(e.duplicate());
+            }
+            // A request already answered (its copy failed to queue) keeps that answer.
+            out[i].get_or_insert(r);
+        }
+        if broken.is_none() {
+            self.checkin(&a, s);
+        }
+        out.into_iter()
+            .map(|r| match (r, &broken) {
+                (Some(r), _) => r,
+                (None, Some(e)) => Err(e.duplicate()),
+                (None, None) => Err(TransferError::Protocol(
+                    "an shm batch request got no result".into(),
+                )),
+            })
+            .collect()
+    }
+}
+
 impl Transport for ShmTransport {
     fn name(&self) -> &'static str {
         "shm"
@@ -305,7 +477,7 @@ impl Transport for ShmTransport {
                     size: a.map.len(),
                 });
             };
-            copy_in(&a.map, off, src);
+            copy_in_any(&a.map, off, src)?;
             let trace = a.trace();
             let (hdr, tc) = Request {
                 op: Op::Commit,
@@ -351,11 +523,30 @@ impl Transport for ShmTransport {
             let (hdr, tc) = req.encode_with(trace.as_ref());
             write_all_gather(s, &[&hdr, tc], &[]).map_err(|e| io_err(path, e))?;
             recv_status(s, path, generation, offset, len)?;
-            copy_out(&a.map, off, dst);
+            let copied = copy_out_any(&a.map, off, dst);
             // UNPIN has no answer: the next request on this connection is ordered after it, and
             // if the connection dies the owner drops the pin anyway.
             req.op = Op::Unpin;
-            write_all_gather(s, &[&req.encode()], &[]).map_err(|e| io_err(path, e))
+            write_all_gather(s, &[&req.encode()], &[]).map_err(|e| io_err(path, e))?;
+            copied
         })
+    }
+
+    fn submit(
+        &self,
+        t: &Target,
+        reqs: &mut [&mut TransferRequest<'_>],
+    ) -> Vec<Result<(), TransferError>> {
+        let reads = reqs
+            .iter()
+            .filter(|r| matches!(r, TransferRequest::Read { .. }))
+            .count();
+        if reqs.len() > 1
+            && (reads == 0 || reads == reqs.len())
+            && reqs.iter().any(|r| r.has_device())
+        {
+            return self.submit_device(t, reqs);
+        }
+        reqs.iter_mut().map(|r| self.execute(t, r)).collect()
     }
 }

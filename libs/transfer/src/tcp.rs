@@ -3,13 +3,14 @@
 //! and the caller's pieces.
 
 use std::collections::HashMap;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 
+use crate::device::staging::{read_exact_staged, write_all_staged};
 use crate::vio::{read_exact_scatter, write_all_gather};
 use crate::wire::{self, Op, Request, Response, Status};
 use crate::{Target, TransferError, TransferRequest, Transport, tune_socket};
@@ -193,7 +194,7 @@ impl TcpConn {
             aux: 0,
         }
         .encode_with(trace);
-        write_all_gather(&mut self.stream, &[&hdr, tc, key.as_bytes()], src)
+        write_from(&mut self.stream, &[&hdr, tc, key.as_bytes()], src)
     }
 
     fn send_read(
@@ -229,7 +230,27 @@ impl TcpConn {
                 "{endpoint} answered {got} bytes for a {len} byte read"
             )));
         }
-        read_exact_scatter(&mut self.stream, dst).map_err(|e| io_err(endpoint, e))
+        read_into(&mut self.stream, dst).map_err(|e| io_err(endpoint, e))
+    }
+}
+
+/// Reads a payload into caller pieces: straight from the socket, or through staging buffers
+/// when a piece is device memory.
+pub(crate) fn read_into<R: Read>(r: &mut R, dst: &mut [&mut [u8]]) -> io::Result<()> {
+    if crate::device::any_device_mut(dst) {
+        read_exact_staged(r, dst)
+    } else {
+        read_exact_scatter(r, dst)
+    }
+}
+
+/// Writes a header and caller pieces: one gathered write, or through staging buffers when a
+/// piece is device memory.
+pub(crate) fn write_from<W: Write>(w: &mut W, head: &[&[u8]], body: &[&[u8]]) -> io::Result<()> {
+    if crate::device::any_device(body) {
+        write_all_staged(w, head, body)
+    } else {
+        write_all_gather(w, head, body)
     }
 }
 

@@ -1,0 +1,142 @@
+//! Unit tests of the device layer: the test double's semantics and the classification rules.
+//! They use private `Fake` instances (leaked to `'static`), never the process-wide layer.
+
+use super::fake::Fake;
+use super::{CopyDir, DeviceLayer, MemKind};
+
+fn fake() -> &'static Fake {
+    Box::leak(Box::new(Fake::new(false)))
+}
+
+#[test]
+fn fake_device_memory_is_classified_and_reached_only_through_copies() {
+    let f = fake();
+    let l: &dyn DeviceLayer = &f;
+    let d = f.alloc(3 * 4096 + 5).unwrap();
+    assert_eq!(l.classify(d).unwrap(), MemKind::Device { ordinal: 0 });
+    assert_eq!(
+        l.classify(d + 3 * 4096 + 4).unwrap(),
+        MemKind::Device { ordinal: 0 }
+    );
+    let host = [0u8; 64];
+    assert_eq!(l.classify(host.as_ptr() as usize).unwrap(), MemKind::Host);
+
+    // Copies run at synchronize, not before (a real DMA may finish any time before it).
+    let src: Vec<u8> = (0..100u8).collect();
+    let s = l.stream_create(0).unwrap();
+    // SAFETY: `src` outlives the synchronize; the device range lies in the allocation.
+    unsafe {
+        l.copy_async(s, CopyDir::HostToDevice, d + 10, src.as_ptr() as usize, 100)
+            .unwrap()
+    };
+    assert_eq!(
+        f.read(d + 10, 100).unwrap(),
+        vec![0u8; 100],
+        "queued, not run"
+    );
+    l.synchronize(s).unwrap();
+    assert_eq!(f.read(d + 10, 100).unwrap(), src);
+
+    let mut back = vec![0u8; 100];
+    // SAFETY: `back` is not read before the synchronize.
+    unsafe {
+        l.copy_async(
+            s,
+            CopyDir::DeviceToHost,
+            back.as_mut_ptr() as usize,
+            d + 10,
+            100,
+        )
+        .unwrap()
+    };
+    l.synchronize(s).unwrap();
+    assert_eq!(back, src);
+
+    // A copy past the allocation is refused, not performed.
+    // SAFETY: refused before any byte moves.
+    let past = unsafe {
+        l.copy_async(
+            s,
+            CopyDir::DeviceToHost,
+            back.as_mut_ptr() as usize,
+            d,
+            3 * 4096 + 6,
+        )
+    };
+    assert!(past.is_err());
+    let st = f.stats();
+    assert_eq!((st.h2d_copies, st.d2h_copies, st.syncs), (1, 1, 2));
+    l.stream_destroy(s);
+    f.free(d).unwrap();
+    assert_eq!(
+        l.classify(d).unwrap(),
+        MemKind::Host,
+        "freed memory is no device memory"
+    );
+    assert!(f.free(d).is_err());
+}
+
+#[test]
+fn fake_pins_like_cu_mem_host_register() {
+    let f = fake();
+    let l: &dyn DeviceLayer = &f;
+    let buf = vec![0u8; 8192];
+    let a = buf.as_ptr() as usize;
+    // SAFETY: the double only records the range.
+    unsafe {
+        l.pin(a, 8192).unwrap();
+        assert!(
+            l.pin(a + 4096, 10).is_err(),
+            "overlapping registration is refused"
+        );
+    }
+    assert_eq!(l.classify(a + 100).unwrap(), MemKind::HostRegistered);
+    // SAFETY: as above.
+    unsafe {
+        l.unpin(a).unwrap();
+        assert!(l.unpin(a).is_err());
+    }
+    assert_eq!(l.classify(a).unwrap(), MemKind::Host);
+    assert_eq!(f.stats().pinned_bytes, 0);
+}
+
+#[test]
+fn a_blind_fake_still_allocates_but_the_data_path_sees_host_memory() {
+    let f: &'static Fake = Box::leak(Box::new(Fake::new(true)));
+    let l: &dyn DeviceLayer = &f;
+    let d = f.alloc(4096).unwrap();
+    assert!(l.blind());
+    assert_eq!(super::classify_with(l, d), MemKind::Host);
+    f.free(d).unwrap();
+}
+
+#[test]
+fn classification_without_a_layer_is_host() {
+    // The process-wide layer of this test binary is never installed and LUNAKV_DEVICE is not
+    // set by the test harness, so it is either none or a real CUDA driver.
+    if super::layer().is_none() {
+        let v = [1u8; 16];
+        assert_eq!(super::kind_of(v.as_ptr() as usize, 16), MemKind::Host);
+        assert_eq!(
+            super::register_range(v.as_ptr() as usize, 16),
+            MemKind::Host
+        );
+        assert!(!super::any_device(&[&v[..]]));
+        assert!(super::Copier::new().is_none());
+    }
+}
+
+#[test]
+fn without_an_nvidia_driver_cuda_does_not_load_and_says_why() {
+    match super::cuda::Cuda::load() {
+        // A machine with a GPU and its driver: nothing to check here (docs/GPU.md).
+        Ok(c) => assert_eq!(DeviceLayer::name(&c), "cuda"),
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("libcuda.so.1") || msg.contains("CUDA driver"),
+                "{msg}"
+            );
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! Device (GPU) pieces on every path of the transfer library, with the test double installed as
+//! this test binary's device layer: its "device" memory is `PROT_NONE`, so a path that touched
+//! it with the CPU would kill the binary (docs/GPU.md).
+
+use lunakv_transfer::device::{self, MemKind, fake};
+use lunakv_transfer::{
+    MemoryRegistry, RegionServer, RegionServerConfig, SegmentServer, SegmentServerConfig, Target,
+    TransferEngine, TransferOptions, TransferRequest,
+};
+
+fn double() -> &'static fake::Fake {
+    fake::install(false).expect("the test double is this binary's only device layer")
+}
+
+/// `len` bytes of fake device memory, freed on drop.
+struct Dev {
+    addr: usize,
+    len: usize,
+}
+
+impl Dev {
+    fn new(len: usize) -> Dev {
+        Dev {
+            addr: double().alloc(len).unwrap(),
+            len,
+        }
+    }
+    fn piece(&self, off: usize, len: usize) -> &[u8] {
+        assert!(off + len <= self.len);
+        // SAFETY: a slice over device memory, only ever handed to the transfer library, which
+        // must not dereference it (that is what these tests check).
+        unsafe { std::slice::from_raw_parts((self.addr + off) as *const u8, len) }
+    }
+    #[allow(clippy::mut_from_ref)]
+    fn piece_mut(&self, off: usize, len: usize) -> &mut [u8] {
+        assert!(off + len <= self.len);
+        // SAFETY: as `piece`; each test takes disjoint ranges.
+        unsafe { std::slice::from_raw_parts_mut((self.addr + off) as *mut u8, len) }
+    }
+    fn bytes(&self, off: usize, len: usize) -> Vec<u8> {
+        double().read(self.addr + off, len).unwrap()
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let _ = double().free(self.addr);
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 11) as u8)
+        .collect()
+}
+
+struct Fx {
+    s: SegmentServer,
+    t: Target,
+    _d: tempfile::TempDir,
+}
+
+fn server() -> Fx {
+    let dir = tempfile::tempdir().unwrap();
+    let s = SegmentServer::start(SegmentServerConfig {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        size: 32 << 20,
+        shm_socket: Some(dir.path().join("seg.sock")),
+        advertise_host: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let t = Target::from(&s.info());
+    Fx { s, t, _d: dir }
+}
+
+/// Writes a 3-piece object (device, host, device; 2.5 MiB + odd: several staging chunks) and
+/// reads it back into (host, device) pieces over `e`.
+fn round_trip(e: &TransferEngine, t: &Target, g: u64, seed: u8) {
+    let (a, b, c) = (1_300_001usize, 777usize, 1_400_003usize);
+    let want = pattern(a + b + c, seed);
+    let dev = Dev::new(a + c + 64);
+    double().write(dev.addr + 1, &want[..a]).unwrap();
+    double().write(dev.addr + 1 + a, &want[a + b..]).unwrap();
+    let src = [dev.piece(1, a), &want[a..a + b], dev.piece(1 + a, c)];
+    e.write(t, g, "k", 4096, &src).unwrap();
+
+    let out = Dev::new(want.len() + 3);
+    let mut host = vec![0u8; 1000];
+    {
+        let mut dst = [&mut host[..], out.piece_mut(3, want.len() - 1000)];
+        e.read(t, g, 4096, &mut dst).unwrap();
+    }
+    assert_eq!(&host[..], &want[..1000]);
+    assert_eq!(out.bytes(3, want.len() - 1000), &want[1000..]);
+}
+
+#[test]
+fn device_pieces_on_the_in_process_shm_and_tcp_paths() {
+    double();
+    let fx = server();
+    let local = TransferEngine::new(TransferOptions::default());
+    local.attach_local(&fx.s);
+    let shm = TransferEngine::new(TransferOptions {
+        enable_shm: true,
+        ..TransferOptions::default()
+    });
+    let tcp = TransferEngine::new(TransferOptions {
+        enable_shm: false,
+        ..TransferOptions::default()
+    });
+    let before = double().stats();
+    round_trip(&local, &fx.t, 1, 1);
+    let mid = double().stats();
+    // In-process: one DMA per device piece, straight into / out of the pinned segment.
+    assert_eq!(mid.d2h_copies - before.d2h_copies, 2);
+    assert_eq!(mid.h2d_copies - before.h2d_copies, 1);
+    assert!(mid.pinned_bytes > 0, "the segment was pinned for DMA");
+    assert!(shm.uses_shm(&fx.t));
+    round_trip(&shm, &fx.t, 2, 2);
+    round_trip(&tcp, &fx.t, 3, 3);
+    // What the tcp engine wrote from device memory, read into host memory in-process.
+    let mut v = vec![0u8; 1_300_001 + 777 + 1_400_003];
+    local.read(&fx.t, 3, 4096, &mut [&mut v[..]]).unwrap();
+    assert_eq!(v, pattern(v.len(), 3));
+}
+
+#[test]
+fn a_batch_of_host_and_device_objects_lands_where_each_belongs() {
+    double();
+    let fx = server();
+    let e = TransferEngine::new(TransferOptions {
+        copy_threads: 2,
+        ..TransferOptions::default()
+    });
+    e.attach_local(&fx.s);
+    let n = 3 << 20;
+    let dev = Dev::new(4 * n);
+    let host: Vec<Vec<u8>> = (0..4).map(|i| pattern(n, 10 + i as u8)).collect();
+    for i in [1usize, 3] {
+        double().write(dev.addr + i * n, &host[i]).unwrap();
+    }
+    let keys = ["a", "b", "c", "d"];
+    let mut reqs: Vec<TransferRequest<'_>> = (0..4)
+        .map(|i| TransferRequest::Write {
+            target: &fx.t,
+            generation: 100 + i as u64,
+            key: keys[i],
+            offset: (i * n) as u64,
+            src: vec![if i % 2 == 1 {
+                dev.piece(i * n, n)
+            } else {
+                &host[i][..]
+            }],
+        })
+        .collect();
+    assert!(e.batch(&mut reqs).iter().all(|r| r.is_ok()));
+    drop(reqs);
+    let out = Dev::new(4 * n);
+    let mut hout = vec![vec![0u8; n]; 4];
+    {
+        let mut it = hout.iter_mut();
+        let mut reqs: Vec<TransferRequest<'_>> = (0..4)
+            .map(|i| {
+                let h = it.next().unwrap();
+                TransferRequest::Read {
+                    target: &fx.t,
+                    generation: 100 + i as u64,
+                    offset: (i * n) as u64,
+                    dst: vec![if i % 2 == 0 {
+                        out.piece_mut(i * n, n)
+                    } else {
+                        &mut h[..]
+                    }],
+                }
+            })
+            .collect();
+        assert!(e.batch(&mut reqs).iter().all(|r| r.is_ok()));
+    }
+    for i in 0..4 {
+        let got = if i % 2 == 0 {
+            out.bytes(i * n, n)
+        } else {
+            hout[i].clone()
+        };
+        assert_eq!(got, host[i], "object {i}");
+    }
+}
+
+#[test]
+fn raw_regions_on_a_device_are_written_and_read_by_dma() {
+    double();
+    let registry = MemoryRegistry::new();
+    let server = RegionServer::start(
+        RegionServerConfig {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            advertise_host: None,
+        },
+        registry.clone(),
+    )
+    .unwrap();
+    let n = 2_500_001;
+    let region = Dev::new(n + 10);
+    // SAFETY: fake device memory stays allocated until after deregistration below.
+    let desc = unsafe { registry.register_raw(region.addr, n + 10) }.unwrap();
+    assert_eq!(
+        device::kind_of(region.addr + 5, 10),
+        MemKind::Device { ordinal: 0 },
+        "classified once at registration"
+    );
+    let e = TransferEngine::new(TransferOptions::default());
+    let src_dev = Dev::new(n);
+    let want = pattern(n, 42);
+    double().write(src_dev.addr, &want).unwrap();
+    e.write_raw(server.endpoint(), desc.addr + 7, &[src_dev.piece(0, n)])
+        .unwrap();
+    assert_eq!(region.bytes(7, n), want);
+    let mut host = vec![0u8; n];
+    e.read_raw(server.endpoint(), desc.addr + 7, &mut [&mut host[..]])
+        .unwrap();
+    assert_eq!(host, want);
+    assert!(registry.deregister(desc.addr));
+    assert_eq!(
+        device::kind_of(region.addr + 5, 10),
+        MemKind::Device { ordinal: 0 }
+    );
+}
