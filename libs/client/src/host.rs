@@ -13,7 +13,9 @@ use std::time::Duration;
 use lunakv_proto::master as pb;
 use lunakv_proto::master::master_client::MasterClient;
 use lunakv_telemetry::propagate::GrpcInject;
-use lunakv_transfer::{ColdTier, SegmentInfo, SegmentServer, SegmentServerConfig};
+use lunakv_transfer::{
+    ColdTier, ProtocolChoice, SegmentInfo, SegmentServer, SegmentServerConfig, WireProtocol,
+};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::codegen::InterceptedService;
@@ -41,7 +43,9 @@ pub struct HostOptions {
     pub size: u64,
     /// Unix socket that offers the memfd to same-host requesters (None = tcp only).
     pub shm_socket: Option<PathBuf>,
-    pub protocol: String,
+    /// The protocol asked for and the one to serve, already resolved (and its fallback
+    /// already logged) by the caller: [`ProtocolChoice::resolve`].
+    pub protocol: ProtocolChoice,
     pub enable_offload: bool,
     pub ping_interval: Duration,
     pub rpc_timeout: Duration,
@@ -74,6 +78,7 @@ pub struct SegmentHost {
     stop: watch::Sender<bool>,
     heartbeat: Option<JoinHandle<()>>,
     rpc_timeout: Duration,
+    protocol: ProtocolChoice,
 }
 
 impl SegmentHost {
@@ -113,11 +118,19 @@ impl SegmentHost {
         if let Err(e) = server.prefault_in_background(opts.size.min(PREFAULT_CAP)) {
             tracing::debug!(error = %e, "prefault not started");
         }
-        if opts.protocol == "rdma" {
-            // Registers the segment with the device so peers can READ/WRITE it one-sided.
-            server
-                .enable_rdma()
-                .map_err(|e| ClientError::Config(e.to_string()))?;
+        let mut protocol = opts.protocol.clone();
+        if protocol.effective == WireProtocol::Rdma {
+            // Registers the segment with the device so peers can READ/WRITE it one-sided. The
+            // device opened, so what fails here is the registration itself (`ulimit -l`): the
+            // segment is still served over tcp, with the one warning line.
+            if let Err(e) = server.enable_rdma() {
+                protocol = ProtocolChoice::rdma_unavailable(lunakv_transfer::rdma::reason_of(
+                    &e.to_string(),
+                ));
+                if let Some(w) = protocol.warning() {
+                    tracing::warn!("{w}");
+                }
+            }
         }
         if let Some(d) = &disk {
             server.set_cold_tier(d.cold.clone());
@@ -128,7 +141,7 @@ impl SegmentHost {
             master: master.clone(),
             client_id: opts.client_id.clone(),
             cluster_id: opts.cluster_id.clone(),
-            protocol: opts.protocol.clone(),
+            protocol: protocol.clone(),
             enable_offload: opts.enable_offload,
             server: Some(server.clone()),
             disk: disk.map(|d| d.inventory),
@@ -144,11 +157,17 @@ impl SegmentHost {
             stop,
             heartbeat: Some(heartbeat),
             rpc_timeout: opts.rpc_timeout,
+            protocol,
         })
     }
 
     pub fn info(&self) -> &SegmentInfo {
         &self.info
+    }
+
+    /// The protocol this segment was asked for and the one it serves (as mounted).
+    pub fn protocol(&self) -> &ProtocolChoice {
+        &self.protocol
     }
 
     pub fn server(&self) -> &SegmentServer {
@@ -197,7 +216,7 @@ pub(crate) struct Mounter {
     pub(crate) master: MasterLink,
     pub(crate) client_id: String,
     pub(crate) cluster_id: String,
-    pub(crate) protocol: String,
+    pub(crate) protocol: ProtocolChoice,
     pub(crate) enable_offload: bool,
     pub(crate) server: Option<Arc<SegmentServer>>,
     pub(crate) disk: Option<Arc<dyn DiskInventory>>,
@@ -344,7 +363,7 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
 
 pub(crate) fn descriptor(
     info: &SegmentInfo,
-    protocol: &str,
+    protocol: &ProtocolChoice,
     enable_offload: bool,
 ) -> pb::SegmentDescriptor {
     pb::SegmentDescriptor {
@@ -353,9 +372,11 @@ pub(crate) fn descriptor(
         size: info.size,
         host_id: info.host_id.clone(),
         shm_socket: info.shm_socket.clone().unwrap_or_default(),
-        protocol: protocol.to_owned(),
+        protocol: protocol.effective.as_str().to_owned(),
         enable_offload,
         disk_capacity_bytes: 0,
+        requested_protocol: protocol.requested.as_str().to_owned(),
+        protocol_reason: protocol.reason_str().to_owned(),
     }
 }
 

@@ -46,8 +46,8 @@ pub mod wire;
 
 pub use raw::RawRequest;
 pub use rdma::{
-    PeerRdma, RDMA_COMPILED, RdmaDescriptor, RdmaTransport, Route, RouteFacts, rdma_check,
-    rdma_devices, select_route,
+    PeerRdma, ProtocolChoice, RDMA_COMPILED, RdmaDescriptor, RdmaTransport, Route, RouteFacts,
+    WireProtocol, rdma_check, rdma_devices, select_route,
 };
 pub use region::{
     MemoryRegistry, OwnedRegion, RegionDesc, RegionServer, RegionServerConfig, RegionStats,

@@ -81,11 +81,19 @@ pub struct SegmentDesc {
     pub size: u64,
     pub host_id: String,
     pub shm_socket: String,
+    /// The protocol the owner serves ("tcp" or "rdma").
     pub protocol: String,
     pub enable_offload: bool,
     /// SSD tier limit of the owner; 0 = no usable disk tier. (Absent in older persisted records.)
     #[serde(default)]
     pub disk_capacity: u64,
+    /// The protocol the owner was configured with ("rdma" while `protocol` is "tcp": RDMA was
+    /// unavailable there). Older owners and persisted records leave it empty (= `protocol`).
+    #[serde(default)]
+    pub requested_protocol: String,
+    /// Why `protocol` differs from `requested_protocol`; empty when they agree.
+    #[serde(default)]
+    pub protocol_reason: String,
 }
 
 /// One object a segment already holds, reported at mount.

@@ -34,6 +34,8 @@ fn desc(name: &str, size: u64) -> SegmentDesc {
         protocol: "tcp".into(),
         enable_offload: false,
         disk_capacity: 0,
+        requested_protocol: "tcp".into(),
+        protocol_reason: String::new(),
     }
 }
 

@@ -155,6 +155,8 @@ mod tests {
             protocol: "tcp".into(),
             enable_offload: false,
             disk_capacity: 0,
+            requested_protocol: "tcp".into(),
+            protocol_reason: String::new(),
         };
         save_segment(&s, &d).await.expect("save");
         assert_eq!(known_segments(&s).await.expect("list"), vec![d]);
