@@ -50,6 +50,21 @@ bench-python:
 clean:
 	$(CARGO) clean
 
+.PHONY: gpu-bundle test-gpu
+
+## Everything `make test-gpu` needs on a bare NVIDIA GPU machine (no network, no cargo; Python 3
+## with torch and numpy): stripped release lunakv-master + lunakv-store, the abi3 wheel and the
+## script, in target/gpu-bundle (BUNDLE_DIR=...), checked to be under 64 MiB. RDMA=1 builds
+## them with the `rdma` feature (docs/RDMA.md).
+gpu-bundle:
+	tools/gpu/bundle.sh
+
+## vLLM's store and P/D calls on CUDA tensors (embedded, standalone shm and tcp, P/D writes), bytes
+## compared on the GPU, GB/s next to torch's pinned copy; one SKIP line without a GPU. On the GPU
+## machine itself: copy target/gpu-bundle there and run ./test_gpu.sh (docs/GPU.md).
+test-gpu: gpu-bundle
+	$${BUNDLE_DIR:-$${CARGO_TARGET_DIR:-target}/gpu-bundle}/test_gpu.sh $(ARGS)
+
 .PHONY: images e2e-compose
 
 ## Container images lunakv/{master,store,bootstrap,sidecar,engine-sim,cli,etcd}:dev: cargo build

@@ -22,10 +22,11 @@ const UNSHARED: &str = "instances never share a block: PYTHONHASHSEED or hash al
 /// The master's default `namespace_min_keys`.
 const MIN_KEYS: usize = 64;
 
-const ALL_ROWS: [&str; 8] = [
+const ALL_ROWS: [&str; 9] = [
     "engine_config",
     "master",
     "store_clients",
+    "protocol",
     "offload_write",
     "offload_config",
     "bootstrap",

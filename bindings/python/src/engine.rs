@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use lunakv_transfer::{
-    MemoryRegistry, OwnedRegion, RawRequest, RegionServer, RegionServerConfig,
-    TransferEngine as RawEngine,
+    MemoryRegistry, OwnedRegion, ProtocolChoice, RawRequest, RegionServer, RegionServerConfig,
+    TransferEngine as RawEngine, WireProtocol,
 };
 use parking_lot::{Condvar, Mutex, RwLock};
 use pyo3::prelude::*;
@@ -88,6 +88,8 @@ struct Active {
     managed: Mutex<HashMap<u64, OwnedRegion>>,
     batches: Mutex<HashMap<u64, Arc<Pending>>>,
     next_batch: AtomicU64,
+    /// The protocol `initialize` asked for and the one served.
+    protocol: ProtocolChoice,
 }
 
 impl Active {
@@ -121,17 +123,28 @@ impl TransferEngine {
     }
 
     fn init(&self, py: Python<'_>, local_hostname: &str, protocol: &str) -> i64 {
-        match protocol.trim().to_ascii_lowercase().as_str() {
-            "" | "tcp" => {}
-            "rdma" => tracing::warn!(
-                "lunakv: TransferEngine protocol 'rdma' is served over tcp in this build (vLLM's MooncakeConnector defaults to rdma; set kv_connector_extra_config.mooncake_protocol=\"tcp\" to silence this)"
-            ),
-            other => {
-                tracing::error!(
-                    "lunakv: TransferEngine protocol '{other}' is not available: use \"tcp\""
-                );
-                return ERR_INVALID_ARGUMENT;
-            }
+        let protocol = match protocol.trim() {
+            "" => ProtocolChoice::tcp(),
+            p => match WireProtocol::parse(p) {
+                Some(WireProtocol::Tcp) => ProtocolChoice::tcp(),
+                Some(WireProtocol::Rdma) => match ProtocolChoice::resolve(WireProtocol::Rdma) {
+                    // The device is there, but raw P/D regions only move over tcp (docs/RDMA.md).
+                    c if !c.fell_back() => ProtocolChoice::rdma_unavailable(
+                        "lunakv's P/D raw transfers (TransferEngine) have no RDMA path yet",
+                    ),
+                    c => c,
+                },
+                None => {
+                    tracing::error!(
+                        "lunakv: TransferEngine protocol '{p}' is not available: use \"tcp\" or \"rdma\""
+                    );
+                    return ERR_INVALID_ARGUMENT;
+                }
+            },
+        };
+        // vLLM's MooncakeConnector defaults to rdma: one line, then tcp.
+        if let Some(w) = protocol.warning() {
+            tracing::warn!("lunakv TransferEngine: {w}");
         }
         let host = Some(local_hostname.trim().to_owned())
             .filter(|h| !h.is_empty())
@@ -172,6 +185,7 @@ impl TransferEngine {
                 managed: Mutex::new(HashMap::new()),
                 batches: Mutex::new(HashMap::new()),
                 next_batch: AtomicU64::new(1),
+                protocol,
             })
         });
         match started {
@@ -477,6 +491,12 @@ impl TransferEngine {
     fn get_rpc_port(&self) -> i64 {
         self.active()
             .map_or(FAILED, |a| i64::from(a.server.local_addr().port()))
+    }
+
+    /// lunakv: `{"requested", "effective", "reason"}` of the protocol `initialize` was given
+    /// (`None` before initialize). "rdma" on a machine or build without it serves "tcp".
+    fn _protocol_info(&self) -> Option<HashMap<&'static str, String>> {
+        self.active().map(|a| protocol_info(&a.protocol))
     }
 
     /// lunakv: this engine's session id, `"host:rpc_port"` ("" before initialize).
@@ -941,4 +961,14 @@ impl TransferEngine {
             ("out_of_bounds", s.out_of_bounds),
         ])
     }
+}
+
+/// The protocol choice as Python sees it: `{"requested", "effective", "reason", "display"}`.
+pub(crate) fn protocol_info(p: &ProtocolChoice) -> HashMap<&'static str, String> {
+    HashMap::from([
+        ("requested", p.requested.as_str().to_owned()),
+        ("effective", p.effective.as_str().to_owned()),
+        ("reason", p.reason_str().to_owned()),
+        ("display", p.to_string()),
+    ])
 }

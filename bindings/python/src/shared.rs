@@ -12,6 +12,9 @@ use lunakv_transfer::{TransferEngine, TransferOptions};
 
 static WITH_SHM: OnceLock<Arc<TransferEngine>> = OnceLock::new();
 static WITHOUT_SHM: OnceLock<Arc<TransferEngine>> = OnceLock::new();
+/// Engines that also move bytes over RDMA (`protocol: "rdma"` on a build and machine with it).
+static RDMA_WITH_SHM: OnceLock<Arc<TransferEngine>> = OnceLock::new();
+static RDMA_WITHOUT_SHM: OnceLock<Arc<TransferEngine>> = OnceLock::new();
 
 /// The process's engine for clients that use shm (`true`) or not (`false`).
 pub fn engine(enable_shm: bool) -> Arc<TransferEngine> {
@@ -23,6 +26,33 @@ pub fn engine(enable_shm: bool) -> Arc<TransferEngine> {
         }))
     })
     .clone()
+}
+
+/// The process's engine for a client that asked for `rdma`: one with the RDMA transport when
+/// this build has it and a device opens, else the plain one (the client then serves tcp and
+/// says so in one warning line).
+pub fn engine_for_rdma(enable_shm: bool) -> Arc<TransferEngine> {
+    if lunakv_transfer::rdma_check().is_err() {
+        return engine(enable_shm);
+    }
+    let cell = if enable_shm {
+        &RDMA_WITH_SHM
+    } else {
+        &RDMA_WITHOUT_SHM
+    };
+    if let Some(e) = cell.get() {
+        return e.clone();
+    }
+    match TransferEngine::with_rdma(TransferOptions {
+        enable_shm,
+        ..TransferOptions::default()
+    }) {
+        Ok(e) => cell.get_or_init(|| Arc::new(e)).clone(),
+        Err(e) => {
+            tracing::debug!(error = %e, "rdma engine not opened");
+            engine(enable_shm)
+        }
+    }
 }
 
 /// The engine for raw P/D transfers (they always go over tcp, so either instance serves):

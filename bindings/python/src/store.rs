@@ -104,7 +104,11 @@ impl MooncakeDistributedStore {
         }
         let hostname = opts.local_hostname.clone();
         let connected = detached(py, Err(None), move || {
-            let engine = crate::shared::engine(opts.enable_shm);
+            let engine = if opts.protocol == "rdma" {
+                crate::shared::engine_for_rdma(opts.enable_shm)
+            } else {
+                crate::shared::engine(opts.enable_shm)
+            };
             let c = StoreClient::connect_with_engine(opts, engine).map_err(Some)?;
             // A requester's connect makes no RPC, so a peer that accepts TCP but never answers
             // would pass. Upstream's setup talks to the master; so does this one: one
@@ -386,6 +390,14 @@ impl MooncakeDistributedStore {
     /// `TransferEngine._transfer_engine_id()` when the two modules share one). 0 before setup.
     fn _transfer_engine_id(&self) -> usize {
         self.client().map_or(0, |c| crate::shared::id(c.engine()))
+    }
+
+    /// lunakv: `{"requested", "effective", "reason", "display"}` of the protocol setup was
+    /// given (`None` before setup). "rdma" where this build or machine has none serves "tcp";
+    /// `display` is `tcp (rdma unavailable: <reason>)` as `lunakv status` shows it.
+    fn _protocol_info(&self) -> Option<std::collections::HashMap<&'static str, String>> {
+        self.client()
+            .map(|c| crate::engine::protocol_info(c.protocol()))
     }
 
     /// This client's address: its segment ("host:port") in embedded mode, else the hostname

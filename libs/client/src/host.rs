@@ -15,8 +15,8 @@ use lunakv_proto::master as pb;
 use lunakv_proto::master::master_client::MasterClient;
 use lunakv_telemetry::propagate::GrpcInject;
 use lunakv_transfer::{
-    ColdTier, ConnLimits, DrainProgress, DrainReport, SegmentInfo, SegmentServer,
-    SegmentServerConfig,
+    ColdTier, ConnLimits, DrainProgress, DrainReport, ProtocolChoice, SegmentInfo, SegmentServer,
+    SegmentServerConfig, WireProtocol,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -45,7 +45,9 @@ pub struct HostOptions {
     pub size: u64,
     /// Unix socket that offers the memfd to same-host requesters (None = tcp only).
     pub shm_socket: Option<PathBuf>,
-    pub protocol: String,
+    /// The protocol asked for and the one to serve, already resolved (and its fallback
+    /// already logged) by the caller: [`ProtocolChoice::resolve`].
+    pub protocol: ProtocolChoice,
     pub enable_offload: bool,
     pub ping_interval: Duration,
     pub rpc_timeout: Duration,
@@ -84,6 +86,7 @@ pub struct SegmentHost {
     rpc_timeout: Duration,
     /// Set once [`SegmentHost::drain_and_unmount`] unmounted: `shutdown` then only stops.
     unmounted: AtomicBool,
+    protocol: ProtocolChoice,
 }
 
 impl SegmentHost {
@@ -128,11 +131,19 @@ impl SegmentHost {
         if let Err(e) = server.prefault_in_background(opts.size.min(PREFAULT_CAP)) {
             tracing::debug!(error = %e, "prefault not started");
         }
-        if opts.protocol == "rdma" {
-            // Registers the segment with the device so peers can READ/WRITE it one-sided.
-            server
-                .enable_rdma()
-                .map_err(|e| ClientError::Config(e.to_string()))?;
+        let mut protocol = opts.protocol.clone();
+        if protocol.effective == WireProtocol::Rdma {
+            // Registers the segment with the device so peers can READ/WRITE it one-sided. The
+            // device opened, so what fails here is the registration itself (`ulimit -l`): the
+            // segment is still served over tcp, with the one warning line.
+            if let Err(e) = server.enable_rdma() {
+                protocol = ProtocolChoice::rdma_unavailable(lunakv_transfer::rdma::reason_of(
+                    &e.to_string(),
+                ));
+                if let Some(w) = protocol.warning() {
+                    tracing::warn!("{w}");
+                }
+            }
         }
         if let Some(d) = &disk {
             server.set_cold_tier(d.cold.clone());
@@ -143,7 +154,7 @@ impl SegmentHost {
             master: master.clone(),
             client_id: opts.client_id.clone(),
             cluster_id: opts.cluster_id.clone(),
-            protocol: opts.protocol.clone(),
+            protocol: protocol.clone(),
             enable_offload: opts.enable_offload,
             server: Some(server.clone()),
             disk: disk.map(|d| d.inventory),
@@ -160,11 +171,17 @@ impl SegmentHost {
             heartbeat: parking_lot::Mutex::new(Some(heartbeat)),
             rpc_timeout: opts.rpc_timeout,
             unmounted: AtomicBool::new(false),
+            protocol,
         })
     }
 
     pub fn info(&self) -> &SegmentInfo {
         &self.info
+    }
+
+    /// The protocol this segment was asked for and the one it serves (as mounted).
+    pub fn protocol(&self) -> &ProtocolChoice {
+        &self.protocol
     }
 
     pub fn server(&self) -> &SegmentServer {
@@ -315,7 +332,7 @@ pub(crate) struct Mounter {
     pub(crate) master: MasterLink,
     pub(crate) client_id: String,
     pub(crate) cluster_id: String,
-    pub(crate) protocol: String,
+    pub(crate) protocol: ProtocolChoice,
     pub(crate) enable_offload: bool,
     pub(crate) server: Option<Arc<SegmentServer>>,
     pub(crate) disk: Option<Arc<dyn DiskInventory>>,
@@ -467,7 +484,7 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
 
 pub(crate) fn descriptor(
     info: &SegmentInfo,
-    protocol: &str,
+    protocol: &ProtocolChoice,
     enable_offload: bool,
 ) -> pb::SegmentDescriptor {
     pb::SegmentDescriptor {
@@ -476,10 +493,12 @@ pub(crate) fn descriptor(
         size: info.size,
         host_id: info.host_id.clone(),
         shm_socket: info.shm_socket.clone().unwrap_or_default(),
-        protocol: protocol.to_owned(),
+        protocol: protocol.effective.as_str().to_owned(),
         enable_offload,
         disk_capacity_bytes: 0,
         instance_id: info.instance_id.clone(),
+        requested_protocol: protocol.requested.as_str().to_owned(),
+        protocol_reason: protocol.reason_str().to_owned(),
     }
 }
 

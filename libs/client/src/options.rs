@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use lunakv_transfer::WireProtocol;
+
 use crate::ClientError;
 
 /// The two topologies of the seed document.
@@ -80,20 +82,20 @@ impl ClientOptions {
                 "master_server_address is empty: set it to the master's host:port, e.g. \"127.0.0.1:50051\"".to_owned(),
             ));
         }
-        match self.protocol.as_str() {
-            "tcp" => {}
-            // With the `rdma` feature, "rdma" is accepted only when a device exists; otherwise
-            // one line names the fix. Never a silent fallback to tcp.
-            "rdma" if lunakv_transfer::RDMA_COMPILED => {
-                lunakv_transfer::rdma_check().map_err(|e| ClientError::Config(e.to_string()))?;
-            }
-            other => {
-                return Err(ClientError::Config(format!(
-                    "protocol '{other}' is not available in this build: use \"tcp\" (same-host segments use shared memory automatically; \"rdma\" needs a build with the `rdma` feature and an RDMA device)"
-                )));
-            }
-        }
+        self.wire_protocol()?;
         Ok(())
+    }
+
+    /// The requested protocol. "rdma" is always accepted (vLLM's and llm-d's default): the
+    /// client serves it where the build and a device allow, else tcp with one warning line
+    /// ([`lunakv_transfer::ProtocolChoice::resolve`]).
+    pub fn wire_protocol(&self) -> Result<WireProtocol, ClientError> {
+        WireProtocol::parse(&self.protocol).ok_or_else(|| {
+            ClientError::Config(format!(
+                "protocol '{}' is not a known protocol: use \"tcp\" or \"rdma\" (same-host segments use shared memory automatically)",
+                self.protocol
+            ))
+        })
     }
 }
 
@@ -107,8 +109,8 @@ pub struct ReplicateConfig {
 }
 
 impl ClientOptions {
-    /// Builds options from a loaded, validated mooncake_config.json. The protocol must be tcp:
-    /// lunakv never falls back silently from what the file asks for.
+    /// Builds options from a loaded, validated mooncake_config.json. `"protocol": "rdma"` is
+    /// kept as asked; connect serves tcp with one warning line where RDMA is unavailable.
     pub fn from_mooncake_config(
         cfg: &lunakv_config::MooncakeConfig,
     ) -> Result<ClientOptions, ClientError> {
@@ -146,28 +148,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rdma_is_refused_in_one_line_naming_tcp() {
+    fn rdma_is_accepted_and_unknown_protocols_are_refused_in_one_line() {
+        for p in ["rdma", "RDMA", "tcp"] {
+            let o = ClientOptions {
+                protocol: p.to_owned(),
+                ..ClientOptions::default()
+            };
+            assert!(o.validate().is_ok(), "{p} must be accepted on any machine");
+        }
         let o = ClientOptions {
-            protocol: "rdma".to_owned(),
+            protocol: "nvlink".to_owned(),
             ..ClientOptions::default()
         };
-        if lunakv_transfer::rdma_check().is_ok() {
-            // A machine with a device: rdma is accepted.
-            assert!(o.validate().is_ok());
-            return;
-        }
         let ClientError::Config(msg) = o.validate().unwrap_err() else {
             panic!("a config error");
         };
         assert!(!msg.contains('\n'), "{msg}");
-        assert!(msg.contains("\"tcp\""), "{msg}");
-        if !lunakv_transfer::RDMA_COMPILED {
-            // Builds without the feature keep the original refusal.
-            assert!(msg.contains("is not available in this build"), "{msg}");
-        } else {
-            assert!(msg.starts_with("protocol \"rdma\": "), "{msg}");
-        }
-        let tcp = ClientOptions::default();
-        assert!(tcp.validate().is_ok());
+        assert!(msg.contains("'nvlink'") && msg.contains("\"tcp\""), "{msg}");
     }
 }

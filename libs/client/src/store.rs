@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use lunakv_proto::master as pb;
 use lunakv_proto::{ErrorCode, validate_key};
-use lunakv_transfer::{TransferEngine, TransferError, TransferOptions, TransferRequest};
+use lunakv_transfer::{
+    ProtocolChoice, TransferEngine, TransferError, TransferOptions, TransferRequest, WireProtocol,
+};
 use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
@@ -36,23 +38,31 @@ pub struct StoreClient {
     closed: AtomicBool,
     /// Set when the engine config's enable_offload differs from the master's.
     offload_mismatch: Option<String>,
+    /// The protocol asked for and the one this client serves.
+    protocol: ProtocolChoice,
 }
 
 impl StoreClient {
     /// Connects to the master and, in embedded mode, starts serving and mounts this client's
     /// own segment. Fails fast with a clear error when the master is unreachable.
     pub fn connect(opts: ClientOptions) -> Result<StoreClient> {
+        let mut protocol = ProtocolChoice::resolve(opts.wire_protocol()?);
         let topts = TransferOptions {
             enable_shm: opts.enable_shm,
             ..TransferOptions::default()
         };
-        let engine = if opts.protocol == "rdma" {
-            // Fails in one line when the build or the machine has no RDMA (see options.rs).
-            TransferEngine::with_rdma(topts).map_err(|e| ClientError::Config(e.to_string()))?
+        let engine = if protocol.effective == WireProtocol::Rdma {
+            TransferEngine::with_rdma(topts.clone()).unwrap_or_else(|e| {
+                // The device listed but did not open: served over tcp, said once below.
+                protocol = ProtocolChoice::rdma_unavailable(lunakv_transfer::rdma::reason_of(
+                    &e.to_string(),
+                ));
+                TransferEngine::new(topts)
+            })
         } else {
             TransferEngine::new(topts)
         };
-        StoreClient::connect_with_engine(opts, Arc::new(engine))
+        StoreClient::connect_resolved(opts, Arc::new(engine), protocol)
     }
 
     /// As [`StoreClient::connect`], but moves bytes with `engine`, a transfer engine shared with
@@ -63,7 +73,25 @@ impl StoreClient {
         opts: ClientOptions,
         engine: Arc<TransferEngine>,
     ) -> Result<StoreClient> {
+        let mut protocol = ProtocolChoice::resolve(opts.wire_protocol()?);
+        if protocol.effective == WireProtocol::Rdma && !engine.has_rdma() {
+            protocol = ProtocolChoice::rdma_unavailable(
+                "the transfer engine this client shares was opened without RDMA",
+            );
+        }
+        StoreClient::connect_resolved(opts, engine, protocol)
+    }
+
+    /// Connects with the protocol already resolved; logs its fallback, if any, in one line.
+    fn connect_resolved(
+        opts: ClientOptions,
+        engine: Arc<TransferEngine>,
+        mut protocol: ProtocolChoice,
+    ) -> Result<StoreClient> {
         opts.validate()?;
+        if let Some(w) = protocol.warning() {
+            tracing::warn!("lunakv client: {w}");
+        }
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("lunakv-client")
@@ -123,7 +151,7 @@ impl StoreClient {
                 shm_socket: opts
                     .enable_shm
                     .then(|| shm_dir.join(format!("lunakv-embedded-{client_id}.sock"))),
-                protocol: opts.protocol.clone(),
+                protocol: protocol.clone(),
                 enable_offload: false,
                 ping_interval: Duration::from_secs(1),
                 rpc_timeout: opts.rpc_timeout,
@@ -132,6 +160,8 @@ impl StoreClient {
                 bind_retry: Duration::ZERO,
             };
             let host = rt.block_on(SegmentHost::start(host_opts))?;
+            // A registration that failed after the device opened fell back (and said so).
+            protocol = host.protocol().clone();
             // Our own segment lives in this process: reach it by memcpy, not through a socket.
             engine.attach_local(host.server());
             Some(host)
@@ -147,7 +177,7 @@ impl StoreClient {
                 master: master.clone(),
                 client_id: client_id.clone(),
                 cluster_id: opts.cluster_id.clone(),
-                protocol: opts.protocol.clone(),
+                protocol: protocol.clone(),
                 enable_offload: false,
                 server: None,
                 disk: None,
@@ -167,6 +197,7 @@ impl StoreClient {
             buffers: Mutex::new(BTreeMap::new()),
             closed: AtomicBool::new(false),
             offload_mismatch,
+            protocol,
         })
     }
 
@@ -174,6 +205,12 @@ impl StoreClient {
     /// master's (`None` when they agree or the config did not say).
     pub fn offload_mismatch(&self) -> Option<&str> {
         self.offload_mismatch.as_deref()
+    }
+
+    /// The protocol asked for and the one this client serves: `tcp (rdma unavailable: ...)`
+    /// where `rdma` was asked on a build or machine without it.
+    pub fn protocol(&self) -> &ProtocolChoice {
+        &self.protocol
     }
 
     /// The transfer engine this client moves bytes with.

@@ -170,12 +170,6 @@ pub enum ConfigError {
     #[error("{field} '{value}' is not a known protocol; use \"tcp\"")]
     UnknownProtocol { field: String, value: String },
 
-    /// `rdma` where this build cannot provide it.
-    #[error(
-        "{field} '{value}': this lunakv build does not route transfers over RDMA (the transport is the `rdma` cargo feature of lunakv-transfer, see docs/RDMA.md); use \"tcp\" (same-host peers still get shared memory)"
-    )]
-    RdmaUnsupported { field: String, value: String },
-
     /// Any other bad value: `reason` says what is wrong with it, `fix` what to write instead.
     #[error("{field} '{value}' is invalid: {reason}; {fix}")]
     Invalid {

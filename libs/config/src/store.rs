@@ -3,8 +3,8 @@
 //! Flag names and defaults are Mooncake `mooncake_client`'s, so llm-d's DaemonSet arguments work
 //! unchanged: `--master_server_address=...:50051 --host=$(POD_IP) --port=50052
 //! --global_segment_size=40GB --enable_offload=true --metadata_server=P2PHANDSHAKE`
-//! (its `--protocol=rdma` is refused with a clear message until lunakv-store is wired to the RDMA
-//! transport, docs/RDMA.md).
+//! (`--protocol=rdma` is served over RDMA where the build and a device allow, else over tcp with
+//! one warning line, docs/RDMA.md).
 //!
 //! `StoreConfig` is a clap [`Args`](clap::Args) struct; the binary flattens it into its parser:
 //! ```ignore
@@ -81,7 +81,8 @@ pub struct StoreConfig {
     #[arg(long = "global_segment_size", alias = "global-segment-size", default_value = DEFAULT_GLOBAL_SEGMENT_SIZE, value_parser = parse_size)]
     pub global_segment_size: u64,
 
-    /// Transfer protocol: tcp (rdma needs the `rdma` build feature).
+    /// Transfer protocol: tcp, or rdma (served over tcp, with one warning, where this build or
+    /// machine has no RDMA).
     #[arg(long = "protocol", default_value = "tcp", value_parser = parse_protocol)]
     pub protocol: Protocol,
 
@@ -247,7 +248,8 @@ impl StoreConfig {
             });
         }
         // `--protocol=rdma` is a valid value here; whether this build and machine can serve it
-        // (the `rdma` feature, a device) is checked by the binary, which can probe the device.
+        // (the `rdma` feature, a device) is decided by the binary, which probes the device and
+        // falls back to tcp with one warning line.
         if self.port != 0 && self.port == self.metrics_port {
             return Err(ConfigError::Invalid {
                 field: "--metrics_port".to_string(),

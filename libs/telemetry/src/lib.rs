@@ -265,6 +265,14 @@ pub fn render(registry: &Registry) -> String {
     String::from_utf8(buf).unwrap_or_else(|e| format!("# metrics were not utf-8: {e}\n"))
 }
 
+/// A Prometheus label value escaped for the text format (backslash, quote, newline), for
+/// hand-written info gauges whose labels come from peers or configs.
+pub fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 /// The content type to send with [`render`]'s output.
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 

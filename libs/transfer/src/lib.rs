@@ -52,8 +52,8 @@ pub use drain::{ColdDrain, DrainProgress, DrainReport};
 pub use guard::raise_fd_limit;
 pub use raw::RawRequest;
 pub use rdma::{
-    PeerRdma, RDMA_COMPILED, RdmaDescriptor, RdmaTransport, Route, RouteFacts, rdma_check,
-    rdma_devices, select_route,
+    PeerRdma, ProtocolChoice, RDMA_COMPILED, RdmaDescriptor, RdmaTransport, Route, RouteFacts,
+    WireProtocol, rdma_check, rdma_devices, select_route,
 };
 pub use region::{
     MemoryRegistry, OwnedRegion, RegionDesc, RegionServer, RegionServerConfig, RegionStats,

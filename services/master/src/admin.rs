@@ -45,6 +45,7 @@ async fn metrics(State(s): State<AdminState>) -> Response {
     core.refresh_gauges();
     let mut text = lunakv_telemetry::render(&core.metrics.registry);
     text.push_str(&core.namespaces.render_metrics());
+    text.push_str(&render_segment_protocols(&core));
     if let Some(ha) = &s.ha {
         text.push_str(&lunakv_telemetry::render(&ha.metrics.registry));
     }
@@ -53,6 +54,35 @@ async fn metrics(State(s): State<AdminState>) -> Response {
         text,
     )
         .into_response()
+}
+
+/// `master_segment_protocol_info{segment,requested,effective,reason} 1` per mounted segment:
+/// a store or embedded engine asked for rdma but serving tcp shows up here, not only in its log.
+fn render_segment_protocols(core: &MasterCore) -> String {
+    use std::fmt::Write as _;
+    let name = "master_segment_protocol_info";
+    let mut o = format!(
+        "# HELP {name} Protocol each mounted segment was configured with and the one it serves\n# TYPE {name} gauge\n"
+    );
+    for seg in core.segments() {
+        let Some(d) = core.segment_desc(&seg.name) else {
+            continue;
+        };
+        let requested = if d.requested_protocol.is_empty() {
+            &d.protocol
+        } else {
+            &d.requested_protocol
+        };
+        let _ = writeln!(
+            o,
+            "{name}{{segment=\"{}\",requested=\"{}\",effective=\"{}\",reason=\"{}\"}} 1",
+            lunakv_telemetry::escape_label(&d.name),
+            lunakv_telemetry::escape_label(requested),
+            lunakv_telemetry::escape_label(&d.protocol),
+            lunakv_telemetry::escape_label(&d.protocol_reason)
+        );
+    }
+    o
 }
 
 /// `OK` for a single master; with HA `OK role=leader|follower term=N leader=host:port`

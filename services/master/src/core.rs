@@ -87,6 +87,7 @@ pub struct SegmentDesc {
     pub size: u64,
     pub host_id: String,
     pub shm_socket: String,
+    /// The protocol the owner serves ("tcp" or "rdma").
     pub protocol: String,
     pub enable_offload: bool,
     /// SSD tier limit of the owner; 0 = no usable disk tier. (Absent in older persisted records.)
@@ -96,6 +97,13 @@ pub struct SegmentDesc {
     /// empty from owners that predate it.
     #[serde(default)]
     pub instance_id: String,
+    /// The protocol the owner was configured with ("rdma" while `protocol` is "tcp": RDMA was
+    /// unavailable there). Older owners and persisted records leave it empty (= `protocol`).
+    #[serde(default)]
+    pub requested_protocol: String,
+    /// Why `protocol` differs from `requested_protocol`; empty when they agree.
+    #[serde(default)]
+    pub protocol_reason: String,
 }
 
 /// One object a segment already holds, reported at mount.

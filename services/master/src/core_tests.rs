@@ -35,6 +35,8 @@ fn desc(name: &str, size: u64) -> SegmentDesc {
         enable_offload: false,
         disk_capacity: 0,
         instance_id: format!("i-{name}"),
+        requested_protocol: "tcp".into(),
+        protocol_reason: String::new(),
     }
 }
 

@@ -74,7 +74,13 @@ impl TryFrom<pb::SegmentDescriptor> for SegmentDesc {
             size: d.size,
             host_id: d.host_id,
             shm_socket: d.shm_socket,
+            requested_protocol: if d.requested_protocol.is_empty() {
+                d.protocol.clone()
+            } else {
+                d.requested_protocol
+            },
             protocol: d.protocol,
+            protocol_reason: d.protocol_reason,
             enable_offload: d.enable_offload,
             disk_capacity: if d.enable_offload {
                 d.disk_capacity_bytes
@@ -98,6 +104,8 @@ impl From<&SegmentDesc> for pb::SegmentDescriptor {
             enable_offload: d.enable_offload,
             disk_capacity_bytes: d.disk_capacity,
             instance_id: d.instance_id.clone(),
+            requested_protocol: d.requested_protocol.clone(),
+            protocol_reason: d.protocol_reason.clone(),
         }
     }
 }

@@ -168,6 +168,8 @@ mod tests {
             enable_offload: false,
             disk_capacity: 0,
             instance_id: "abc".into(),
+            requested_protocol: "tcp".into(),
+            protocol_reason: String::new(),
         };
         save_segment(&s, &d).await.expect("save");
         assert_eq!(known_segments(&s).await.expect("list"), vec![d]);

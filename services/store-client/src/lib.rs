@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use lunakv_client::{ClientError, HostDisk, HostOptions, SegmentHost};
 use lunakv_config::StoreConfig;
-use prometheus::{IntGauge, Registry};
+use lunakv_transfer::{ProtocolChoice, WireProtocol};
+use prometheus::{IntGauge, IntGaugeVec, Registry};
 
 mod admin;
 mod offload;
@@ -27,10 +28,6 @@ pub use offload::EVICTION_POLICY_ENV;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// `--protocol=rdma` without the `rdma` build feature or without a device: one line, naming
-    /// the fix (use tcp). Never a silent fallback.
-    #[error("{0}")]
-    Rdma(String),
     #[error(
         "--host '{0}' is not an IP address: the transfer listener binds exactly this address; pass this node's IP, e.g. --host=127.0.0.1"
     )]
@@ -58,8 +55,14 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
         .host
         .parse()
         .map_err(|_| StoreError::BadHost(cfg.host.clone()))?;
-    if cfg.protocol == lunakv_config::Protocol::Rdma {
-        lunakv_transfer::rdma_check().map_err(|e| StoreError::Rdma(e.to_string()))?;
+    // `--protocol=rdma` (llm-d's DaemonSet) is served where this build has the transport and a
+    // device opens; otherwise one warning line says why and the segment is served over tcp.
+    let protocol = ProtocolChoice::resolve(match cfg.protocol {
+        lunakv_config::Protocol::Tcp => WireProtocol::Tcp,
+        lunakv_config::Protocol::Rdma => WireProtocol::Rdma,
+    });
+    if let Some(w) = protocol.warning() {
+        tracing::warn!("lunakv-store: {w}");
     }
     let client_id = format!("store-{}", uuid_like());
     let env = lunakv_config::process_env;
@@ -119,7 +122,7 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
             advertise_host: None,
             size: cfg.global_segment_size,
             shm_socket,
-            protocol: cfg.protocol.as_str().to_owned(),
+            protocol,
             enable_offload: cfg.enable_offload,
             ping_interval: Duration::from_secs(1),
             rpc_timeout: Duration::from_secs(10),
@@ -135,6 +138,15 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
     )
     .await?;
     let host = Arc::new(host);
+    let protocol = host.protocol();
+    metrics
+        .protocol_info
+        .with_label_values(&[
+            protocol.requested.as_str(),
+            protocol.effective.as_str(),
+            protocol.reason_str(),
+        ])
+        .set(1);
 
     let drain_on = tier.is_some();
     let drain_progress = metrics.drain.clone();
@@ -159,8 +171,12 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
 
     let info = host.info().clone();
     println!(
-        "lunakv-store listening transfer={} admin={} segment={} size={}",
-        info.transfer_endpoint, admin_addr, info.name, info.size
+        "lunakv-store listening transfer={} admin={} segment={} size={} protocol={}",
+        info.transfer_endpoint,
+        admin_addr,
+        info.name,
+        info.size,
+        host.protocol().effective
     );
     tracing::info!(segment = %info.name, size = info.size, shm = ?info.shm_socket, "serving");
 
@@ -207,6 +223,8 @@ pub(crate) struct Metrics {
     pub(crate) conns_open: IntGauge,
     pub(crate) conns_refused: IntGauge,
     pub(crate) bad_frames: IntGauge,
+    /// `{requested, effective, reason} 1`: what `--protocol` asked for and what is served.
+    pub(crate) protocol_info: IntGaugeVec,
     pub(crate) offload_enabled: IntGauge,
     pub(crate) offload_open_errors: IntGauge,
     pub(crate) disk_capacity: IntGauge,
@@ -341,6 +359,20 @@ impl Metrics {
                 "lunakv_store_transfer_bad_frames_total",
                 "Transfer connections closed for a malformed or oversized frame",
             ),
+            protocol_info: {
+                let v = IntGaugeVec::new(
+                    prometheus::Opts::new(
+                        "lunakv_store_protocol_info",
+                        "Protocol --protocol asked for, the one served, and why they differ",
+                    ),
+                    &["requested", "effective", "reason"],
+                )
+                .expect("static metric definition");
+                registry
+                    .register(Box::new(v.clone()))
+                    .expect("unique metric name");
+                v
+            },
             registry,
         }
     }

@@ -9,6 +9,7 @@
 //!   flight. Without it, [`RdmaTransport`] is an uninhabited type and every entry point answers
 //!   one line naming the fix.
 
+mod choice;
 mod desc;
 mod select;
 #[cfg(feature = "rdma")]
@@ -17,6 +18,7 @@ mod verbs;
 use std::any::Any;
 use std::sync::OnceLock;
 
+pub use choice::{ProtocolChoice, WireProtocol, reason_of};
 pub use desc::{
     RDMA_DESC_FIXED_LEN, RDMA_DESC_MAGIC, RDMA_DESC_MAX_LEN, RDMA_DESC_VERSION,
     RDMA_DEVICE_NAME_MAX, RdmaDescriptor, RdmaDescriptorError,

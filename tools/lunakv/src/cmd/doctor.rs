@@ -37,6 +37,8 @@ pub enum Outcome {
     Pass,
     Fail,
     Skip,
+    /// Works, but not as configured (e.g. rdma asked, tcp served); does not fail the run.
+    Warn,
 }
 
 impl Outcome {
@@ -45,6 +47,7 @@ impl Outcome {
             Outcome::Pass => "pass",
             Outcome::Fail => "fail",
             Outcome::Skip => "skip",
+            Outcome::Warn => "warn",
         }
     }
 }
@@ -76,6 +79,15 @@ impl Check {
         Check {
             name,
             status: Outcome::Fail,
+            detail: detail.into(),
+            fix: Some(fix.into()),
+        }
+    }
+
+    fn warn(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
+        Check {
+            name,
+            status: Outcome::Warn,
             detail: detail.into(),
             fix: Some(fix.into()),
         }
@@ -157,6 +169,7 @@ pub fn run(
         _ => (None, None),
     };
     checks.push(check_store_clients(a, status.as_ref()));
+    checks.push(check_protocol(status.as_ref()));
     checks.push(check_offload_write(a, client.as_ref(), status.as_ref()));
     checks.push(check_offload_config(
         engine.as_ref(),
@@ -206,7 +219,10 @@ fn render(master: &str, checks: &[Check]) -> String {
         o,
         "\n{}",
         if failed == 0 {
-            "all checks passed (or were skipped)".to_string()
+            match checks.iter().filter(|c| c.status == Outcome::Warn).count() {
+                0 => "all checks passed (or were skipped)".to_string(),
+                n => format!("all checks passed (or were skipped), {n} warning(s)"),
+            }
         } else {
             format!("{failed} check(s) failed")
         }
@@ -305,6 +321,40 @@ fn check_store_clients(a: &DoctorArgs, status: Option<&pb::ClusterStatus>) -> Ch
             dead.join("; "),
             "restart the dead lunakv-store (its pod or unit) and check its log; the master \
              drops its segment and objects after client_ttl",
+        )
+    }
+}
+
+/// Every segment serves the protocol it was configured with. llm-d's manifests say rdma; a
+/// pod without a device serves tcp (one line in its log), and this row makes that visible.
+fn check_protocol(status: Option<&pb::ClusterStatus>) -> Check {
+    const NAME: &str = "protocol";
+    let Some(status) = status else {
+        return Check::skip(NAME, "the master is unreachable");
+    };
+    if status.segments.is_empty() {
+        return Check::skip(NAME, "no segment is mounted");
+    }
+    let mut served = Vec::new();
+    let mut fell_back = Vec::new();
+    for g in &status.segments {
+        let Some(d) = &g.segment else { continue };
+        let p = crate::cmd::status::segment_protocol(d);
+        if p.fell_back() {
+            fell_back.push(format!("{}: {p}", d.name));
+        } else {
+            served.push(format!("{} {}", d.name, p.effective));
+        }
+    }
+    if fell_back.is_empty() {
+        Check::pass(NAME, served.join(", "))
+    } else {
+        Check::warn(
+            NAME,
+            fell_back.join("; "),
+            "bytes move over tcp there (same-host peers still use shared memory); for RDMA run a \
+             build with the `rdma` feature on a node with an RDMA device (docs/RDMA.md), or set \
+             \"protocol\": \"tcp\" / --protocol=tcp to state what is served",
         )
     }
 }

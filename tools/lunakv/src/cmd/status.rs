@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use lunakv_proto::master as pb;
+use lunakv_transfer::ProtocolChoice;
 use serde::Serialize;
 
 use crate::error::Coded;
@@ -55,7 +56,14 @@ struct SegmentJson {
     used_bytes: u64,
     objects: u64,
     last_ping_ms_ago: u64,
+    /// The protocol served ("tcp" or "rdma").
     protocol: String,
+    /// The protocol configured; differs from `protocol` where RDMA was unavailable.
+    requested_protocol: String,
+    /// Why they differ ("" when they agree).
+    protocol_reason: String,
+    /// `tcp`, `rdma`, or `tcp (rdma unavailable: <reason>)`, as the table shows it.
+    protocol_display: String,
     shm: bool,
     enable_offload: bool,
     disk_capacity_bytes: u64,
@@ -83,6 +91,7 @@ impl StatusJson {
                 .iter()
                 .map(|g| {
                     let d = g.segment.clone().unwrap_or_default();
+                    let p = segment_protocol(&d);
                     SegmentJson {
                         name: d.name,
                         transfer_endpoint: d.transfer_endpoint,
@@ -91,7 +100,10 @@ impl StatusJson {
                         used_bytes: g.used_bytes,
                         objects: g.object_count,
                         last_ping_ms_ago: g.last_ping_ms_ago,
-                        protocol: d.protocol,
+                        protocol: p.effective.as_str().to_owned(),
+                        requested_protocol: p.requested.as_str().to_owned(),
+                        protocol_reason: p.reason_str().to_owned(),
+                        protocol_display: p.to_string(),
                         shm: !d.shm_socket.is_empty(),
                         enable_offload: d.enable_offload,
                         disk_capacity_bytes: g.disk_capacity_bytes,
@@ -102,6 +114,11 @@ impl StatusJson {
                 .collect(),
         }
     }
+}
+
+/// What a segment's owner was configured with and serves (older owners: just `protocol`).
+pub fn segment_protocol(d: &pb::SegmentDescriptor) -> ProtocolChoice {
+    ProtocolChoice::from_wire(&d.requested_protocol, &d.protocol, &d.protocol_reason)
 }
 
 fn percent(part: u64, whole: u64) -> f64 {
@@ -152,11 +169,12 @@ fn render(master: &str, s: &pb::ClusterStatus) -> String {
         );
         return o;
     }
-    let rows: Vec<[String; 7]> = s
+    let rows: Vec<[String; 8]> = s
         .segments
         .iter()
         .map(|g| {
             let d = g.segment.clone().unwrap_or_default();
+            let protocol = segment_protocol(&d).to_string();
             [
                 d.name,
                 human_bytes(d.size),
@@ -178,6 +196,7 @@ fn render(master: &str, s: &pb::ClusterStatus) -> String {
                 },
                 format!("{:.1} s ago", g.last_ping_ms_ago as f64 / 1000.0),
                 g.client_id.clone(),
+                protocol,
             ]
         })
         .collect();
@@ -189,6 +208,7 @@ fn render(master: &str, s: &pb::ClusterStatus) -> String {
         "DISK",
         "LAST PING",
         "CLIENT",
+        "PROTOCOL",
     ];
     let mut width: Vec<usize> = head.iter().map(|h| h.len()).collect();
     for r in &rows {
@@ -269,5 +289,22 @@ mod tests {
         assert_eq!(v["keys"], 3);
         assert_eq!(v["segments"][0]["objects"], 3);
         assert_eq!(v["segments"][0]["shm"], true);
+        assert_eq!(v["segments"][0]["protocol_display"], "tcp");
+    }
+
+    #[test]
+    fn a_segment_that_fell_back_from_rdma_says_why() {
+        let mut s = sample();
+        let d = s.segments[0].segment.as_mut().expect("segment");
+        d.requested_protocol = "rdma".into();
+        d.protocol_reason = "no RDMA device found".into();
+        let t = render("127.0.0.1:50051", &s);
+        assert!(
+            t.contains("tcp (rdma unavailable: no RDMA device found)"),
+            "{t}"
+        );
+        let v = serde_json::to_value(StatusJson::from_proto("m:1", &s)).expect("json");
+        assert_eq!(v["segments"][0]["protocol"], "tcp");
+        assert_eq!(v["segments"][0]["requested_protocol"], "rdma");
     }
 }
