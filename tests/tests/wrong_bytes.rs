@@ -197,3 +197,57 @@ fn a_restarted_single_master_never_answers_a_false_miss() {
         m.proc.output()
     );
 }
+
+/// An owner with more objects than one default-sized gRPC message can list (tens of thousands of
+/// vLLM-shaped keys: their inventory is over 4 MiB) remounts after a master restart, and every
+/// object is served again. Before, the master refused the remount ("message length too large")
+/// and, after the recovery grace, answered "not found" for every one of them.
+#[test]
+fn an_owner_with_a_large_inventory_remounts_after_a_master_restart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut m = Master::start(dir.path(), &[]);
+    let _store = Store::start(&m.addr(), "256MB", &["--enable_shm=false"]);
+    let writer = tcp_requester(&m.addr());
+    // vLLM's MooncakeStoreConnector key shape: model, tp/pp ranks, then the block hash.
+    let key = |i: usize| {
+        format!(
+            "meta-llama/Llama-3.1-8B-Instruct@tp_rank:0@pp_rank:0@pcp0@dcp0@{:064x}",
+            i as u128 * 0x9e37_79b9_7f4a_7c15
+        )
+    };
+    let n = 40_000;
+    let cfg = lunakv_client::ReplicateConfig::default();
+    let value = [7u8; 64];
+    for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
+        let keys: Vec<String> = chunk.iter().map(|&i| key(i)).collect();
+        let items: Vec<(&str, Vec<&[u8]>)> = keys
+            .iter()
+            .map(|k| (k.as_str(), vec![&value[..]]))
+            .collect();
+        for r in writer.batch_put(&items, &cfg) {
+            r.expect("batch put");
+        }
+    }
+    m.restart();
+    let c = tcp_requester(&m.addr());
+    let mut missing = Vec::new();
+    for i in (0..n).step_by(997) {
+        match c.get(&key(i)) {
+            Ok(v) => assert_eq!(v, value, "{}", key(i)),
+            Err(e) => missing.push(format!("{i}: {e}")),
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "{} objects missing after the restart: {:?}\nmaster:\n{}",
+        missing.len(),
+        &missing[..missing.len().min(3)],
+        m.proc
+            .output()
+            .lines()
+            .rev()
+            .take(20)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

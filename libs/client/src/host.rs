@@ -369,11 +369,18 @@ impl Mounter {
         let n = inventory.len();
         let mut segment = descriptor(&info, &self.protocol, self.enable_offload);
         segment.disk_capacity_bytes = self.disk.as_ref().map_or(0, |d| d.capacity());
+        let instance_id = segment.instance_id.clone();
+        // The master takes at most 4 MiB per message (gRPC's default): tens of thousands of
+        // vLLM-shaped keys are more than that, so the inventory goes in parts.
+        let mut parts = inventory_parts(inventory).into_iter();
+        let first = parts.next().unwrap_or_default();
+        let rest: Vec<Vec<pb::InventoryItem>> = parts.collect();
         let req = pb::MountSegmentRequest {
             client_id: self.client_id.clone(),
             cluster_id: self.cluster_id.clone(),
             segment: Some(segment),
-            inventory,
+            inventory: first,
+            inventory_follows: !rest.is_empty(),
         };
         let resp = self
             .master
@@ -382,16 +389,61 @@ impl Mounter {
                 async move { m.mount_segment(req).await }
             })
             .await?;
+        let (mut accepted, mut rejected) = (resp.accepted_objects, resp.rejected_generations.len());
+        let n_parts = rest.len() + 1;
+        let last = rest.len();
+        for (i, items) in rest.into_iter().enumerate() {
+            let req = pb::MountInventoryRequest {
+                client_id: self.client_id.clone(),
+                segment_name: info.name.clone(),
+                instance_id: instance_id.clone(),
+                items,
+                last: i + 1 == last,
+            };
+            let resp = self
+                .master
+                .call(|mut m| {
+                    let req = req.clone();
+                    async move { m.mount_inventory(req).await }
+                })
+                .await?;
+            accepted += resp.accepted_objects;
+            rejected += resp.rejected_generations.len();
+        }
         tracing::info!(
             segment = %info.name,
             size = info.size,
             inventory = n,
-            accepted = resp.accepted_objects,
-            rejected = resp.rejected_generations.len(),
+            parts = n_parts,
+            accepted,
+            rejected,
             "segment mounted"
         );
         Ok(())
     }
+}
+
+/// Encoded bytes per inventory part: well under the master's 4 MiB message limit.
+const INVENTORY_PART_BYTES: usize = 1 << 20;
+
+/// Splits an inventory into parts of at most [`INVENTORY_PART_BYTES`] encoded (at least one
+/// item each, and one empty part for an empty inventory).
+fn inventory_parts(items: Vec<pb::InventoryItem>) -> Vec<Vec<pb::InventoryItem>> {
+    use lunakv_proto::prost::Message;
+    let mut parts = vec![Vec::new()];
+    let mut bytes = 0;
+    for item in items {
+        // Field tag + length prefix: a few bytes over the item itself.
+        let len = item.encoded_len() + 8;
+        let cur = parts.last_mut().expect("parts is never empty");
+        if !cur.is_empty() && bytes + len > INVENTORY_PART_BYTES {
+            parts.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += len;
+        parts.last_mut().expect("parts is never empty").push(item);
+    }
+    parts
 }
 
 pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Receiver<bool>) {
@@ -551,4 +603,34 @@ fn source_chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inventory_parts_stay_under_the_message_limit_and_keep_every_item() {
+        assert_eq!(inventory_parts(Vec::new()), vec![Vec::new()]);
+        let items: Vec<pb::InventoryItem> = (0..40_000u64)
+            .map(|i| pb::InventoryItem {
+                key: format!("model@tp_rank:0@pp_rank:0@{i:064x}"),
+                offset: i * 4096,
+                size: 4096,
+                generation: (7 << 32) | i,
+                kind: pb::ReplicaKind::Memory as i32,
+            })
+            .collect();
+        let parts = inventory_parts(items.clone());
+        assert!(parts.len() > 1);
+        for p in &parts {
+            let req = pb::MountInventoryRequest {
+                items: p.clone(),
+                ..Default::default()
+            };
+            let len = lunakv_proto::prost::Message::encoded_len(&req);
+            assert!(len <= INVENTORY_PART_BYTES, "{len}");
+        }
+        assert_eq!(parts.concat(), items);
+    }
 }

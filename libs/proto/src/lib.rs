@@ -23,6 +23,8 @@ pub mod bootstrap {
     tonic::include_proto!("lunakv.bootstrap.v1");
 }
 
+/// Re-exported for message sizes (`Message::encoded_len`) without a direct prost dependency.
+pub use prost;
 /// Re-exported so that users of the generated clients need not depend on tonic directly.
 pub use tonic;
 

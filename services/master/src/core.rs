@@ -239,6 +239,10 @@ struct Segment {
     client_id: String,
     mount_id: u64,
     alloc: OffsetAllocator,
+    /// The owner's whole inventory is indexed. Until then nothing is placed here: the
+    /// allocator does not yet know every range the owner holds, and a new object could land on
+    /// one of them.
+    complete: bool,
 }
 
 struct ClientEntry {
@@ -428,6 +432,20 @@ impl MasterCore {
         desc: SegmentDesc,
         inventory: Vec<InventoryItem>,
     ) -> Result<MountOutcome, CoreError> {
+        self.mount_parts(client_id, cluster_id, desc, inventory, false)
+    }
+
+    /// [`MasterCore::mount`] with the first part of the inventory. With `inventory_follows`
+    /// the rest arrives through [`MasterCore::mount_inventory`] (an inventory can be larger
+    /// than one gRPC message) and the segment takes no placements until its last part.
+    pub fn mount_parts(
+        &self,
+        client_id: &str,
+        cluster_id: &str,
+        desc: SegmentDesc,
+        inventory: Vec<InventoryItem>,
+        inventory_follows: bool,
+    ) -> Result<MountOutcome, CoreError> {
         if cluster_id != self.cfg.cluster_id {
             return Err(CoreError::ClusterMismatch {
                 ours: self.cfg.cluster_id.clone(),
@@ -457,6 +475,7 @@ impl MasterCore {
                     desc: desc.clone(),
                     client_id: client_id.to_string(),
                     mount_id,
+                    complete: false,
                 },
             );
             old.map(|o| (o.client_id, o.mount_id))
@@ -479,21 +498,85 @@ impl MasterCore {
             c.last_seen = Instant::now();
             c.segments.insert(name.clone());
         }
+        let out = self.index_inventory(client_id, &desc, mount_id, inventory, !inventory_follows);
+        tracing::info!(segment = %name, client_id, size = desc.size, accepted = out.accepted, rejected = out.rejected_generations.len(), inventory_follows, "segment mounted");
+        Ok(out)
+    }
+
+    /// A further part of the inventory of a segment mounted with `inventory_follows`; `last`
+    /// opens it to placements. Refused unless `client_id` owns the mount `instance_id` names:
+    /// an owner that meets this refusal mounts again from the start.
+    pub fn mount_inventory(
+        &self,
+        client_id: &str,
+        segment_name: &str,
+        instance_id: &str,
+        items: Vec<InventoryItem>,
+        last: bool,
+    ) -> Result<MountOutcome, CoreError> {
+        let (desc, mount_id) = {
+            let segs = self.segments.lock();
+            let seg = segs
+                .get(segment_name)
+                .ok_or_else(|| CoreError::SegmentNotFound(segment_name.to_string()))?;
+            if seg.client_id != client_id || seg.desc.instance_id != instance_id || seg.complete {
+                return Err(CoreError::InvalidArgument(format!(
+                    "no inventory of segment {segment_name:?} (instance {instance_id:?}) from \
+                     client {client_id:?} is awaited: mount the segment again with its inventory"
+                )));
+            }
+            (seg.desc.clone(), seg.mount_id)
+        };
+        if let Some(c) = self.clients.lock().get_mut(client_id) {
+            c.last_seen = Instant::now();
+        }
+        let out = self.index_inventory(client_id, &desc, mount_id, items, last);
+        if last {
+            tracing::info!(segment = %segment_name, client_id, "segment inventory complete; placing objects there");
+        }
+        Ok(out)
+    }
+
+    /// Indexes `items` into the mount `mount_id`; `complete` then opens the segment to
+    /// placements (if that mount is still the current one).
+    fn index_inventory(
+        &self,
+        client_id: &str,
+        desc: &SegmentDesc,
+        mount_id: u64,
+        items: Vec<InventoryItem>,
+        complete: bool,
+    ) -> MountOutcome {
         let mut out = MountOutcome::default();
-        for item in inventory {
-            match self.index_inventory_item(client_id, &desc, mount_id, &item) {
+        for item in items {
+            match self.index_inventory_item(client_id, desc, mount_id, &item) {
                 Ok(displaced) => {
                     out.accepted += 1;
                     out.displaced.extend(displaced);
                 }
                 Err(reason) => {
-                    tracing::warn!(segment = %name, key = %item.key, generation = item.generation, %reason, "inventory entry rejected");
+                    tracing::warn!(segment = %desc.name, key = %item.key, generation = item.generation, %reason, "inventory entry rejected");
                     out.rejected_generations.push(item.generation);
                 }
             }
         }
-        tracing::info!(segment = %name, client_id, size = desc.size, accepted = out.accepted, rejected = out.rejected_generations.len(), "segment mounted");
-        Ok(out)
+        if complete
+            && let Some(seg) = self.segments.lock().get_mut(&desc.name)
+            && seg.mount_id == mount_id
+        {
+            seg.complete = true;
+        }
+        out
+    }
+
+    /// Segments whose owner's whole inventory is indexed.
+    pub fn complete_segments(&self) -> BTreeSet<String> {
+        self.segments
+            .lock()
+            .iter()
+            .filter(|(_, s)| s.complete)
+            .map(|(n, _)| n.clone())
+            .collect()
     }
 
     fn index_inventory_item(
@@ -808,13 +891,22 @@ impl MasterCore {
         opts: &PutOptions,
     ) -> Result<(), OpError> {
         let len = align_up(size).unwrap_or(u64::MAX);
-        let (largest, capacity) = {
+        let (largest, capacity, complete) = {
             let segs = self.segments.lock();
             (
                 segs.values().map(|s| s.alloc.capacity()).max(),
                 segs.values().map(|s| s.alloc.capacity()).sum::<u64>(),
+                segs.values().filter(|s| s.complete).count(),
             )
         };
+        if largest.is_some() && complete == 0 {
+            // Evicting would only drop objects the inventories just brought back.
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                "every mounted segment is still receiving its owner's inventory: retry in a \
+                 moment",
+            ));
+        }
         if let Some(largest) = largest
             && len > largest
         {
@@ -894,7 +986,7 @@ impl MasterCore {
         let len = align_up(size).unwrap_or(u64::MAX);
         let mut order: Vec<&String> = segs
             .iter()
-            .filter(|(_, s)| s.alloc.largest_free() >= len)
+            .filter(|(_, s)| s.complete && s.alloc.largest_free() >= len)
             .map(|(n, _)| n)
             .collect();
         order.shuffle(&mut rand::rng());
@@ -904,7 +996,8 @@ impl MasterCore {
             let pref = order.remove(pos);
             order.insert(0, pref);
         }
-        let wanted = (opts.replica_num.max(1) as usize).min(segs.len());
+        let complete = segs.values().filter(|s| s.complete).count();
+        let wanted = (opts.replica_num.max(1) as usize).min(complete);
         if order.len() < wanted {
             let largest = segs.values().map(|s| s.alloc.largest_free()).max();
             return Err(OpError::new(
@@ -1077,7 +1170,7 @@ impl MasterCore {
             o.replicas.iter().filter(|r| r.disk).find_map(|r| {
                 let seg = segs
                     .get_mut(&r.segment)
-                    .filter(|s| s.mount_id == r.mount_id)?;
+                    .filter(|s| s.mount_id == r.mount_id && s.complete)?;
                 let offset = seg.alloc.allocate(o.size)?;
                 Some(PendingPromotion {
                     key: key.to_string(),

@@ -458,6 +458,67 @@ async fn mount_with_inventory_rebuilds_the_index() {
     assert_eq!(reps[0].offset, BLOCK * 3);
 }
 
+/// An inventory in parts: nothing is placed in the segment until the last part, so a new
+/// object can never land on a range the owner still holds; a part from anyone but the mount's
+/// owner, or after the last, is refused.
+#[tokio::test]
+async fn an_inventory_in_parts_opens_the_segment_only_after_the_last() {
+    let (core, _) = new_core(cfg());
+    let old = 3u64 << 32;
+    core.mount_parts(
+        "cl",
+        "c",
+        desc("a:1", BLOCK * 8),
+        vec![item("k1", 0, 64, old | 1)],
+        true,
+    )
+    .expect("first part");
+    assert!(core.complete_segments().is_empty());
+    core.get_replica_list("k1")
+        .expect("k1 after the first part");
+    let e = core
+        .put_start("cl", "early", 64, &opts(1))
+        .await
+        .expect_err("no placement before the last part");
+    assert!(e.message.contains("inventory"), "{}", e.message);
+    core.get_replica_list("k1")
+        .expect("k1 after the refused put");
+    let e = core
+        .mount_inventory("intruder", "a:1", "i-a:1", vec![], true)
+        .expect_err("not the owner");
+    assert!(e.to_string().contains("mount the segment again"), "{e}");
+    core.mount_inventory(
+        "cl",
+        "a:1",
+        "i-a:1",
+        vec![item("k2", BLOCK, 64, old | 2)],
+        false,
+    )
+    .map(|o| assert_eq!((o.accepted, o.rejected_generations), (1, vec![])))
+    .expect("middle part");
+    assert!(core.complete_segments().is_empty());
+    core.mount_inventory(
+        "cl",
+        "a:1",
+        "i-a:1",
+        vec![item("k3", BLOCK * 2, 64, old | 3)],
+        true,
+    )
+    .expect("last part");
+    assert!(core.complete_segments().contains("a:1"));
+    for k in ["k1", "k2", "k3"] {
+        core.get_replica_list(k).expect("indexed");
+    }
+    let (_, reps) = core.put_start("cl", "n", 64, &opts(1)).await.expect("put");
+    assert_eq!(
+        reps[0].offset,
+        BLOCK * 3,
+        "never on a range the inventory named"
+    );
+    core.mount_inventory("cl", "a:1", "i-a:1", vec![], true)
+        .expect_err("no part is awaited after the last");
+}
+
 #[tokio::test]
 async fn inventory_keeps_the_newer_generation_and_merges_replicas() {
     let (core, notifier) = new_core(cfg());

@@ -363,9 +363,13 @@ impl pb::master_server::Master for MasterService {
                 .ok_or_else(|| ServiceError::Invalid("segment is missing".into()))?
                 .try_into()?;
             let inventory = req.inventory.into_iter().map(InventoryItem::from).collect();
-            let out = a
-                .core
-                .mount(&req.client_id, &req.cluster_id, desc.clone(), inventory)?;
+            let out = a.core.mount_parts(
+                &req.client_id,
+                &req.cluster_id,
+                desc.clone(),
+                inventory,
+                req.inventory_follows,
+            )?;
             if !out.displaced.is_empty() {
                 let core = a.core.clone();
                 let displaced = out.displaced.clone();
@@ -381,6 +385,37 @@ impl pb::master_server::Master for MasterService {
         match result {
             Ok(r) => self.done(&a, Rpc::MountSegment, false, r),
             Err(e) => self.fail(&a, Rpc::MountSegment, e),
+        }
+    }
+
+    async fn mount_inventory(
+        &self,
+        request: Request<pb::MountInventoryRequest>,
+    ) -> Result<Response<pb::MountSegmentResponse>, Status> {
+        let a = self.admit(true)?;
+        let req = request.into_inner();
+        let items = req.items.into_iter().map(InventoryItem::from).collect();
+        let result = a.core.mount_inventory(
+            &req.client_id,
+            &req.segment_name,
+            &req.instance_id,
+            items,
+            req.last,
+        );
+        match result {
+            Ok(out) => {
+                if !out.displaced.is_empty() {
+                    let core = a.core.clone();
+                    let displaced = out.displaced.clone();
+                    tokio::spawn(async move { core.release(displaced).await });
+                }
+                let r = pb::MountSegmentResponse {
+                    accepted_objects: out.accepted,
+                    rejected_generations: out.rejected_generations,
+                };
+                self.done(&a, Rpc::MountInventory, false, r)
+            }
+            Err(e) => self.fail(&a, Rpc::MountInventory, e.into()),
         }
     }
 

@@ -20,12 +20,13 @@ pub enum Rpc {
     BatchRemove,
     RemoveAll,
     MountSegment,
+    MountInventory,
     UnmountSegment,
     Ping,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 16] = [
+    pub const ALL: [Rpc; 17] = [
         Rpc::PutStart,
         Rpc::BatchPutStart,
         Rpc::PutEnd,
@@ -40,6 +41,7 @@ impl Rpc {
         Rpc::BatchRemove,
         Rpc::RemoveAll,
         Rpc::MountSegment,
+        Rpc::MountInventory,
         Rpc::UnmountSegment,
         Rpc::Ping,
     ];
@@ -60,6 +62,7 @@ impl Rpc {
             Rpc::BatchRemove => "batch_remove",
             Rpc::RemoveAll => "remove_all",
             Rpc::MountSegment => "mount_segment",
+            Rpc::MountInventory => "mount_inventory",
             Rpc::UnmountSegment => "unmount_segment",
             Rpc::Ping => "ping",
         }

@@ -66,8 +66,9 @@ impl RecoveryGate {
                 true
             }
             Some(rec) => {
-                let mounted: BTreeSet<String> =
-                    core.segments().into_iter().map(|s| s.name).collect();
+                // Mounted with its whole inventory: a segment whose inventory is still
+                // arriving would answer "not found" for the objects still to come.
+                let mounted = core.complete_segments();
                 rec.segments.retain(|s| !mounted.contains(s));
                 rec.segments.is_empty()
             }

@@ -60,6 +60,7 @@ async fn mount(
         cluster_id: "mooncake_cluster".into(),
         segment: Some(segment(name, 1 << 20)),
         inventory,
+        inventory_follows: false,
     })
     .await
     .expect("mount")
@@ -232,6 +233,7 @@ async fn grpc_round_trip_codes_and_admin_routes() {
             cluster_id: "other".into(),
             segment: Some(segment("127.0.0.1:7002", 100)),
             inventory: vec![],
+            inventory_follows: false,
         })
         .await
         .expect_err("mismatch");
