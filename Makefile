@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-pd bench-python clean
+.PHONY: all build release run test lint fmt bench bench-pd bench-failover bench-python clean
 
 all: build
 
@@ -41,6 +41,11 @@ bench: release
 ## against raw loopback TCP, in one run.
 bench-pd: release
 	$(CARGO) test --release -p lunakv-tests --test pd_bench -- --ignored --nocapture
+
+## HA failover: kill -9 of the leader under load in paired trials (standby revoke vs lease
+## expiry), p50/p99 reattach, lost/wrong objects, false failovers under CPU starvation. Needs etcd.
+bench-failover: release
+	$(CARGO) test --release -p lunakv-tests --test ha -- --ignored --nocapture ha_bench
 
 ## From Python: batch put/get GB/s for vLLM-shaped objects in both modes, side by side with
 ## upstream's PyPI package when it can be installed (BENCH_ARGS=--no-upstream to skip it).

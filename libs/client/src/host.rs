@@ -453,10 +453,13 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
     // A new HA leader knows nobody: ping it at once (it answers remount_required and the
     // inventory goes over) instead of waiting for the next tick.
     let mut leader_changed = m.master.subscribe();
+    // Right after a leader change the new leader may not serve yet (its election is still
+    // settling): retry quickly for a moment instead of waiting for the next tick.
+    let mut changed_at: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = leader_changed.changed() => {}
+            _ = leader_changed.changed() => changed_at = Some(tokio::time::Instant::now()),
             _ = stop.changed() => return,
         }
         if *stop.borrow() {
@@ -501,9 +504,15 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
         };
         let Some(outcome) = outcome else {
             // Ping the new leader right away.
+            changed_at = Some(tokio::time::Instant::now());
             tick.reset_immediately();
             continue;
         };
+        if outcome.as_ref().is_ok_and(|r| r.is_err())
+            && changed_at.is_some_and(|t| t.elapsed() < LEADER_SETTLE)
+        {
+            tick.reset_after(LEADER_SETTLE_RETRY);
+        }
         match outcome {
             Ok(Ok(resp)) => {
                 if !healthy {
@@ -533,6 +542,10 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
         }
     }
 }
+
+/// How long after a leader change a failed ping is retried every [`LEADER_SETTLE_RETRY`].
+const LEADER_SETTLE: Duration = Duration::from_secs(3);
+const LEADER_SETTLE_RETRY: Duration = Duration::from_millis(50);
 
 pub(crate) fn descriptor(
     info: &SegmentInfo,

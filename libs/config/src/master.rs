@@ -75,6 +75,14 @@ pub struct MasterConfig {
     /// lunakv: the host published in the leader key for clients to dial, when `rpc_address` is
     /// a wildcard (0.0.0.0 / ::). Default: `rpc_address`.
     pub advertise_address: String,
+    /// lunakv: TTL of the leader's etcd lease in seconds. It bounds failover when a leader's
+    /// host dies or is cut off; 2 s is etcd's smallest lease with its default
+    /// `--heartbeat-interval`/`--election-timeout` (a smaller request is raised to it).
+    pub ha_lease_ttl_sec: u64,
+    /// lunakv: standbys dial the leader's RPC port; when it refuses connections (its process is
+    /// gone, the host is up) they revoke its lease at once instead of waiting for it to expire.
+    /// Turn off where master-to-master traffic is rejected with a TCP reset by policy.
+    pub ha_fast_takeover: bool,
 }
 
 impl Default for MasterConfig {
@@ -102,6 +110,8 @@ impl Default for MasterConfig {
             etcd_endpoints: String::new(),
             ha_backend_type: "etcd".to_string(),
             advertise_address: String::new(),
+            ha_lease_ttl_sec: 2,
+            ha_fast_takeover: true,
         }
     }
 }
@@ -137,6 +147,8 @@ const KEYS: &[(&str, Kind)] = &[
     ("etcd_endpoints", Kind::Str),
     ("ha_backend_type", Kind::Str),
     ("advertise_address", Kind::Str),
+    ("ha_lease_ttl_sec", Kind::Num),
+    ("ha_fast_takeover", Kind::Bool),
 ];
 
 /// Upstream master keys lunakv accepts and ignores (with a warning): the features behind them
@@ -410,6 +422,15 @@ impl MasterConfig {
             });
         }
         self.etcd()?;
+        if !(1..=60).contains(&self.ha_lease_ttl_sec) {
+            return Err(MasterConfigError::Invalid {
+                field: "ha_lease_ttl_sec",
+                value: self.ha_lease_ttl_sec.to_string(),
+                fix: "use 1..=60 seconds: the leader lease bounds how long a dead leader's host \
+                      blocks failover (2, the default, is etcd's smallest lease)"
+                    .to_string(),
+            });
+        }
         let wildcard = self
             .rpc_address
             .parse::<std::net::IpAddr>()
@@ -443,6 +464,11 @@ impl MasterConfig {
     pub fn advertised_host(&self) -> &str {
         let a = self.advertise_address.trim();
         if a.is_empty() { &self.rpc_address } else { a }
+    }
+
+    /// `ha_lease_ttl_sec` as a duration.
+    pub fn ha_lease_ttl(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.ha_lease_ttl_sec)
     }
 
     /// `put_start_discard_timeout_sec` as a duration.

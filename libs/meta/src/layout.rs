@@ -4,7 +4,7 @@
 //!
 //! | key (under `mooncake-store/<cluster_id>/`) | value | lifetime |
 //! |---|---|---|
-//! | `master_view` | the leader: JSON `{"address","admin","term"}` | leader's lease (5 s TTL) |
+//! | `master_view` | the leader: JSON `{"address","admin","term"}` | leader's lease (`ha_lease_ttl_sec`, 2 s) |
 //! | `master/epoch` | the last leader term (decimal); high 32 bits of generations | permanent |
 //! | `master/cluster_id` | the cluster id (a sanity check, as in the embedded store) | permanent |
 //! | `segments/<name>` | a mounted segment's descriptor (transfer endpoint, size, ...) | until unmounted |
@@ -20,8 +20,6 @@ pub const LEADER_KEY: &str = "master_view";
 pub const SEGMENTS_PREFIX: &str = "segments/";
 /// P/D bootstrap tables (`lunakv-bootstrap --etcd-endpoints`), relative to the cluster prefix.
 pub const BOOTSTRAP_PREFIX: &str = "bootstrap/";
-/// The leader lease's TTL (upstream's `master_view` lease).
-pub const LEADER_LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// `mooncake-store/<cluster_id>/`.
 pub fn cluster_prefix(cluster_id: &str) -> String {

@@ -141,6 +141,9 @@ async fn ha_status(State(s): State<AdminState>) -> Response {
         "leader": l.as_ref().map(|l| &l.address),
         "term": l.as_ref().map_or(0, |l| l.term),
         "lease_left_ms": ha.lease_left().map(|d| d.as_millis() as u64),
+        "lease_ttl_ms": ha.granted_ttl().map(|d| d.as_millis() as u64),
+        "fast_takeover": ha.fast_takeover(),
+        "fast_takeovers_total": ha.metrics.fast_takeovers_total.get(),
         "leader_changes_total": ha.metrics.leader_changes_total.get(),
     }))
     .into_response()

@@ -82,6 +82,14 @@ struct Cli {
     /// Host published in etcd for clients to dial [default: rpc_address].
     #[arg(long = "advertise_address")]
     advertise_address: Option<String>,
+    /// HA: TTL of the leader's etcd lease in seconds; bounds failover when a leader's host
+    /// dies [default: 2, etcd's smallest].
+    #[arg(long = "ha_lease_ttl_sec")]
+    ha_lease_ttl_sec: Option<u64>,
+    /// HA: standbys revoke the lease of a leader whose RPC port refuses connections (its
+    /// process is gone) instead of waiting for it to expire [default: true].
+    #[arg(long = "ha_fast_takeover", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    ha_fast_takeover: Option<bool>,
 }
 
 impl Cli {
@@ -131,6 +139,11 @@ impl Cli {
         add("etcd_endpoints", self.etcd_endpoints.clone());
         add("ha_backend_type", self.ha_backend_type.clone());
         add("advertise_address", self.advertise_address.clone());
+        add("ha_lease_ttl_sec", s(&self.ha_lease_ttl_sec));
+        add(
+            "ha_fast_takeover",
+            self.ha_fast_takeover.map(|v| v.to_string()),
+        );
         out
     }
 }

@@ -328,6 +328,8 @@ impl Master {
                 notifier: h.notifier,
                 address: host_port(&host, rpc_addr.port()),
                 admin: host_port(&host, admin_addr.port()),
+                lease_ttl: self.cfg.ha_lease_ttl(),
+                fast_takeover: self.cfg.ha_fast_takeover,
             };
             tokio::spawn(election.run(stop_rx))
         });
