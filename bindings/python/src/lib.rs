@@ -92,7 +92,6 @@ fn init_logging() {
         .log_env(&["LUNAKV_LOG", "RUST_LOG"])
         .default_log_filter("warn")
         .log_target(false)
-        .ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .install();
     *TELEMETRY.lock() = Some(t);
 }

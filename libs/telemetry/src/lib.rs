@@ -6,7 +6,9 @@
 //! subscriber:
 //!
 //! - logs filtered by `RUST_LOG` (default `info`), written to stderr so that stdout stays free
-//!   for machine-readable lines such as the master's `listening` line;
+//!   for machine-readable lines such as the master's `listening` line; coloured only when
+//!   stderr is a terminal and `NO_COLOR` is unset (<https://no-color.org>), one JSON object per
+//!   line with `LUNAKV_LOG_FORMAT=json` (for log collectors);
 //! - when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, every
 //!   `tracing` span also becomes an OpenTelemetry span exported over OTLP, honouring the standard
 //!   `OTEL_*` variables (docs/TRACING.md). Without it no exporter, thread or runtime is created,
@@ -118,7 +120,8 @@ impl<'a> Init<'a> {
         self
     }
 
-    /// Colours in log lines [default: the `tracing-subscriber` default].
+    /// Colours in log lines [default: when stderr is a terminal]. `NO_COLOR` (non-empty)
+    /// turns them off regardless.
     pub fn ansi(mut self, on: bool) -> Self {
         self.ansi = Some(on);
         self
@@ -142,14 +145,21 @@ impl<'a> Init<'a> {
                 .with_tracer(p.tracer())
                 .with_filter(trace_filter)
         });
-        let mut fmt = tracing_subscriber::fmt::layer()
+        let (format, format_problem) = log_format(env);
+        let no_color = env("NO_COLOR").is_some_and(|v| !v.is_empty());
+        let ansi = !no_color
+            && self
+                .ansi
+                .unwrap_or_else(|| std::io::IsTerminal::is_terminal(&std::io::stderr()));
+        let fmt = tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
             .with_target(self.log_target);
-        if let Some(on) = self.ansi {
-            fmt = fmt.with_ansi(on);
-        }
+        let fmt_layer = match format {
+            LogFormat::Json => fmt.json().with_ansi(false).with_filter(log_filter).boxed(),
+            LogFormat::Text => fmt.with_ansi(ansi).with_filter(log_filter).boxed(),
+        };
         let installed = tracing_subscriber::registry()
-            .with(fmt.with_filter(log_filter))
+            .with(fmt_layer)
             .with(trace_layer)
             .try_init()
             .is_ok();
@@ -168,9 +178,13 @@ impl<'a> Init<'a> {
             traces,
             "telemetry initialised"
         );
-        for p in [log_problem, trace_problem.filter(|_| traces)]
-            .into_iter()
-            .flatten()
+        for p in [
+            log_problem,
+            format_problem,
+            trace_problem.filter(|_| traces),
+        ]
+        .into_iter()
+        .flatten()
         {
             tracing::warn!("{p}");
         }
@@ -178,6 +192,32 @@ impl<'a> Init<'a> {
             tracing::error!("{e}; traces are not exported");
         }
         Telemetry { pipeline }
+    }
+}
+
+/// How log lines are written (`LUNAKV_LOG_FORMAT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// `LUNAKV_LOG_FORMAT`: `text` (default) or `json`; anything else is text with a message
+/// naming the variable, its value and the choices.
+fn log_format(env: &dyn Fn(&str) -> Option<String>) -> (LogFormat, Option<String>) {
+    let Some(v) = env("LUNAKV_LOG_FORMAT").filter(|v| !v.trim().is_empty()) else {
+        return (LogFormat::Text, None);
+    };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "text" => (LogFormat::Text, None),
+        "json" => (LogFormat::Json, None),
+        _ => (
+            LogFormat::Text,
+            Some(format!(
+                "LUNAKV_LOG_FORMAT={v:?} is not a log format; using text. Use \"text\" or \
+                 \"json\" (one JSON object per line)"
+            )),
+        ),
     }
 }
 
@@ -280,6 +320,21 @@ pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8
 mod tests {
     use super::*;
     use prometheus::{IntCounter, Opts};
+
+    #[test]
+    fn log_format_is_text_unless_json_is_asked_and_a_bad_value_names_the_choices() {
+        let env = |v: &'static str| move |k: &str| (k == "LUNAKV_LOG_FORMAT").then(|| v.into());
+        assert_eq!(log_format(&|_: &str| None), (LogFormat::Text, None));
+        assert_eq!(log_format(&env("JSON")).0, LogFormat::Json);
+        assert_eq!(log_format(&env("text")), (LogFormat::Text, None));
+        let (f, problem) = log_format(&env("xml"));
+        let problem = problem.expect("a message");
+        assert_eq!(f, LogFormat::Text);
+        assert!(
+            problem.contains("LUNAKV_LOG_FORMAT=\"xml\"") && problem.contains("\"json\""),
+            "{problem}"
+        );
+    }
 
     #[test]
     fn renders_a_registry_as_text() {

@@ -1,0 +1,79 @@
+//! Logs a collector can parse, from the real binaries: no ANSI colour when stderr is not a
+//! terminal (a pod's, compose's), colour on a terminal unless `NO_COLOR` is set, and one JSON
+//! object per line with `LUNAKV_LOG_FORMAT=json`.
+
+use std::process::Command;
+use std::time::Duration;
+
+use lunakv_tests::{Master, Store, bin, child_env};
+
+const ESC: char = '\u{1b}';
+
+#[test]
+fn piped_logs_carry_no_colour() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(dir.path(), &[]);
+    let s = Store::start(&m.addr(), "16MB", &["--enable_shm=false"]);
+    s.proc
+        .wait_for_line("segment mounted", Duration::from_secs(20));
+    for (name, out) in [("master", m.proc.output()), ("store", s.proc.output())] {
+        assert!(out.lines().count() > 2, "{name} logged nothing:\n{out}");
+        let coloured = out.lines().filter(|l| l.contains(ESC)).count();
+        assert_eq!(
+            coloured, 0,
+            "{name}: {coloured} lines with escape codes:\n{out}"
+        );
+    }
+}
+
+#[test]
+fn json_logs_are_one_object_per_line() {
+    let _env = child_env(&[("LUNAKV_LOG_FORMAT", "json")]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(dir.path(), &[]);
+    let s = Store::start(&m.addr(), "16MB", &["--enable_shm=false"]);
+    s.proc
+        .wait_for_line("segment mounted", Duration::from_secs(20));
+    for (name, out) in [("master", m.proc.output()), ("store", s.proc.output())] {
+        // stdout's machine-readable "listening" line is not a log line.
+        let logs: Vec<&str> = out.lines().filter(|l| !l.contains("listening ")).collect();
+        assert!(logs.len() > 2, "{name} logged nothing:\n{out}");
+        for l in logs {
+            let v: serde_json::Value = serde_json::from_str(l)
+                .unwrap_or_else(|e| panic!("{name}: not a JSON line ({e}): {l}"));
+            assert!(
+                v["level"].is_string() && v["fields"]["message"].is_string(),
+                "{l}"
+            );
+        }
+    }
+}
+
+/// Runs the master on a pseudo-terminal (util-linux `script`) for a moment; returns what it
+/// printed there.
+fn on_a_terminal(env: &[(&str, &str)]) -> String {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cmd = format!(
+        "{} --rpc_address=127.0.0.1 --rpc_port=0 --metrics_port=0 --data_dir={}",
+        bin("lunakv-master").display(),
+        dir.path().display()
+    );
+    let out = Command::new("timeout")
+        .args(["-s", "TERM", "3", "script", "-qec", &cmd, "/dev/null"])
+        .env("RUST_LOG", "info")
+        .env_remove("NO_COLOR")
+        .envs(env.iter().copied())
+        .output()
+        .expect("timeout + script (util-linux) run");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn a_terminal_gets_colour_unless_no_color_is_set() {
+    let tty = on_a_terminal(&[]);
+    assert!(tty.contains("lunakv-master serving"), "{tty}");
+    assert!(tty.contains(ESC), "no colour on a terminal:\n{tty}");
+    let plain = on_a_terminal(&[("NO_COLOR", "1")]);
+    assert!(plain.contains("lunakv-master serving"), "{plain}");
+    assert!(!plain.contains(ESC), "NO_COLOR=1 still coloured:\n{plain}");
+}
