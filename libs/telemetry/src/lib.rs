@@ -313,6 +313,33 @@ pub fn escape_label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// The process-wide families every service's `/metrics` ends with: `process_*` (CPU seconds,
+/// resident memory, open fds, start time; Linux) and `lunakv_build_info{service,version} 1`.
+/// Registered once per process (the first `service` named wins); append it once per scrape.
+pub fn render_process(service: &str) -> String {
+    static PROCESS: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
+    let registry = PROCESS.get_or_init(|| {
+        let r = Registry::new();
+        // Both only fail on a duplicate name in this fresh registry.
+        let _ = r.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ));
+        if let Ok(info) = prometheus::IntGaugeVec::new(
+            prometheus::Opts::new(
+                "lunakv_build_info",
+                "Build of this lunakv process (always 1)",
+            ),
+            &["service", "version"],
+        ) {
+            info.with_label_values(&[service, env!("CARGO_PKG_VERSION")])
+                .set(1);
+            let _ = r.register(Box::new(info));
+        }
+        r
+    });
+    render(registry)
+}
+
 /// The content type to send with [`render`]'s output.
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -334,6 +361,20 @@ mod tests {
             problem.contains("LUNAKV_LOG_FORMAT=\"xml\"") && problem.contains("\"json\""),
             "{problem}"
         );
+    }
+
+    #[test]
+    fn process_families_and_build_info_render() {
+        let text = render_process("test-service");
+        assert!(
+            text.contains("lunakv_build_info{service=\"test-service\",version=\""),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE process_cpu_seconds_total counter"),
+            "{text}"
+        );
+        assert!(text.contains("process_resident_memory_bytes"), "{text}");
     }
 
     #[test]

@@ -195,10 +195,11 @@ async fn metrics(State(app): State<App>) -> Response {
         let _ = writeln!(out, "# TYPE lunakv_bootstrap_{name} {kind}");
         let _ = writeln!(out, "lunakv_bootstrap_{name} {v}");
     }
+    out.push_str(&lunakv_telemetry::render_process("lunakv-bootstrap"));
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            lunakv_telemetry::METRICS_CONTENT_TYPE,
         )],
         out,
     )

@@ -49,6 +49,7 @@ async fn metrics(State(s): State<AdminState>) -> Response {
     if let Some(ha) = &s.ha {
         text.push_str(&lunakv_telemetry::render(&ha.metrics.registry));
     }
+    text.push_str(&lunakv_telemetry::render_process("lunakv-master"));
     (
         [(header::CONTENT_TYPE, lunakv_telemetry::METRICS_CONTENT_TYPE)],
         text,

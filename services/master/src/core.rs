@@ -1466,7 +1466,7 @@ impl MasterCore {
                 target,
                 "eviction pass"
             );
-            self.metrics.evicted_key_count.inc_by(evicted);
+            self.metrics.evicted(evicted);
             self.metrics.successful_evictions_total.inc();
         }
         self.release(frees).await;
@@ -1922,7 +1922,7 @@ impl MasterCore {
         self.approx_keys
             .fetch_sub(dropped.min(count), Ordering::Relaxed);
         self.metrics.key_limit_evictions_total.inc_by(dropped);
-        self.metrics.evicted_key_count.inc_by(dropped);
+        self.metrics.evicted(dropped);
         tracing::warn!(
             max_keys = max,
             dropped,
@@ -1964,8 +1964,9 @@ impl MasterCore {
             .set(i64::try_from(used).unwrap_or(i64::MAX));
         m.total_capacity_bytes
             .set(i64::try_from(cap).unwrap_or(i64::MAX));
-        m.key_count
-            .set(i64::try_from(self.key_count()).unwrap_or(i64::MAX));
+        let keys = i64::try_from(self.key_count()).unwrap_or(i64::MAX);
+        m.key_count.set(keys);
+        m.keys.set(keys);
         m.max_keys
             .set(i64::try_from(self.cfg.max_keys).unwrap_or(i64::MAX));
         m.active_clients
@@ -1975,8 +1976,9 @@ impl MasterCore {
             .set(i64::try_from(disk_cap).unwrap_or(i64::MAX));
         m.disk_used_bytes
             .set(i64::try_from(disk_used).unwrap_or(i64::MAX));
-        m.disk_key_count
-            .set(i64::try_from(disk_keys).unwrap_or(i64::MAX));
+        let disk_keys = i64::try_from(disk_keys).unwrap_or(i64::MAX);
+        m.disk_key_count.set(disk_keys);
+        m.disk_keys.set(disk_keys);
     }
 
     pub fn segments(&self) -> Vec<SegmentInfo> {

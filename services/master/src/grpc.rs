@@ -222,6 +222,8 @@ pub struct MasterService {
 struct Admitted {
     core: Arc<MasterCore>,
     term: Option<u64>,
+    /// For `master_rpc_duration_seconds`.
+    started: std::time::Instant,
 }
 
 impl MasterService {
@@ -249,6 +251,7 @@ impl MasterService {
     /// The HA gate before acting (role, local lease deadline, recovery). `mounting` RPCs are
     /// how a new leader rebuilds its index, so they pass during recovery.
     fn admit(&self, mounting: bool) -> Result<Admitted, Status> {
+        let started = std::time::Instant::now();
         let core = self.slot.get();
         let term = match &self.ha {
             None if !mounting && !self.recovery.done(&core) => {
@@ -259,7 +262,11 @@ impl MasterService {
             None => None,
             Some(ha) => Some(ha.admit(&core, mounting)?),
         };
-        Ok(Admitted { core, term })
+        Ok(Admitted {
+            core,
+            term,
+            started,
+        })
     }
 
     /// The HA gate before acknowledging a mutation: still leading, same term, lease valid.
@@ -333,13 +340,13 @@ impl MasterService {
         failed: bool,
         body: T,
     ) -> Result<Response<T>, Status> {
-        a.core.metrics.record(rpc, failed);
+        a.core.metrics.record(rpc, failed, a.started.elapsed());
         self.confirm(a)?;
         Ok(Response::new(body))
     }
 
     fn fail<T>(&self, a: &Admitted, rpc: Rpc, e: ServiceError) -> Result<Response<T>, Status> {
-        a.core.metrics.record(rpc, true);
+        a.core.metrics.record(rpc, true, a.started.elapsed());
         self.confirm(a)?;
         Err(to_status(e))
     }

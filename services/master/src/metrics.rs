@@ -75,9 +75,14 @@ pub struct Metrics {
     pub allocated_bytes: IntGauge,
     pub total_capacity_bytes: IntGauge,
     pub key_count: IntGauge,
+    /// `master_keys`: `master_key_count` under a name `promtool check metrics` accepts (the
+    /// upstream name stays for upstream's dashboards).
+    pub keys: IntGauge,
     pub active_clients: IntGauge,
     /// Keys removed by eviction since start.
     pub evicted_key_count: IntCounter,
+    /// `master_evicted_keys_total`, the promtool-clean twin of `master_evicted_key_count`.
+    pub evicted_keys_total: IntCounter,
     /// Eviction passes that freed at least one key.
     pub successful_evictions_total: IntCounter,
     /// PutStarts that found no room even after eviction.
@@ -100,6 +105,8 @@ pub struct Metrics {
     pub disk_capacity_bytes: IntGauge,
     pub disk_used_bytes: IntGauge,
     pub disk_key_count: IntGauge,
+    /// `master_disk_keys`, the promtool-clean twin of `master_disk_key_count`.
+    pub disk_keys: IntGauge,
     /// Objects moved from DRAM to an owner's disk by eviction.
     pub offloaded_keys_total: IntCounter,
     /// Offloads the owner could not complete (the objects were evicted instead).
@@ -115,6 +122,8 @@ pub struct Metrics {
     /// Promotions the owner could not complete (the object stays served from disk).
     pub promotion_failures_total: IntCounter,
     requests: Vec<(IntCounter, IntCounter)>,
+    /// `master_rpc_duration_seconds{rpc}`: admission to answer, per RPC.
+    durations: prometheus::HistogramVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -158,6 +167,20 @@ impl Metrics {
                 )
             })
             .collect();
+        let durations = prometheus::HistogramVec::new(
+            prometheus::HistogramOpts::new(
+                "master_rpc_duration_seconds",
+                "Time from admission to answer of each master RPC",
+            )
+            .buckets(vec![
+                50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
+                1.0,
+            ]),
+            &["rpc"],
+        )
+        .expect("static metric definition");
+        r.register(Box::new(durations.clone()))
+            .expect("metric names are unique within a fresh registry");
         Metrics {
             allocated_bytes: gauge(&r, "master_allocated_bytes", "Bytes allocated in segments"),
             total_capacity_bytes: gauge(
@@ -166,8 +189,10 @@ impl Metrics {
                 "Bytes of all mounted segments",
             ),
             key_count: gauge(&r, "master_key_count", "Objects in the index"),
+            keys: gauge(&r, "master_keys", "Objects in the index"),
             active_clients: gauge(&r, "master_active_clients", "Clients that ping"),
             evicted_key_count: counter(&r, "master_evicted_key_count", "Keys evicted"),
+            evicted_keys_total: counter(&r, "master_evicted_keys_total", "Keys evicted"),
             successful_evictions_total: counter(
                 &r,
                 "master_successful_evictions_total",
@@ -224,6 +249,7 @@ impl Metrics {
                 "Bytes of objects held on store-client disks",
             ),
             disk_key_count: gauge(&r, "master_disk_key_count", "Objects with a disk replica"),
+            disk_keys: gauge(&r, "master_disk_keys", "Objects with a disk replica"),
             offloaded_keys_total: counter(
                 &r,
                 "master_offloaded_keys_total",
@@ -260,12 +286,22 @@ impl Metrics {
                 "Promotions on hit the owner could not complete",
             ),
             requests,
+            durations,
             registry: r,
         }
     }
 
     /// Counts one call of `rpc`, failed or not.
-    pub fn record(&self, rpc: Rpc, failed: bool) {
+    /// Counts `n` evicted keys under both names.
+    pub fn evicted(&self, n: u64) {
+        self.evicted_key_count.inc_by(n);
+        self.evicted_keys_total.inc_by(n);
+    }
+
+    pub fn record(&self, rpc: Rpc, failed: bool, took: std::time::Duration) {
+        self.durations
+            .with_label_values(&[rpc.name()])
+            .observe(took.as_secs_f64());
         let idx = Rpc::ALL.iter().position(|r| *r == rpc).unwrap_or(0);
         if let Some((req, fail)) = self.requests.get(idx) {
             req.inc();

@@ -204,7 +204,15 @@ impl Proxy {
             return Response::new(body::empty());
         }
         if path == crate::METRICS_PATH && req.method() == Method::GET {
-            return Response::new(body::full(m.render()));
+            let mut text = m.render();
+            text.push_str(&lunakv_telemetry::render_process("lunakv-sidecar"));
+            let mut r = Response::new(body::full(text));
+            // Prometheus 3 refuses a scrape without a Content-Type.
+            r.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static(lunakv_telemetry::METRICS_CONTENT_TYPE),
+            );
+            return r;
         }
         let disagg = req.method() == Method::POST && DISAGG_ROUTES.contains(&path);
         if disagg && let Some(v) = req.headers().get(PREFILLER_HEADER) {

@@ -36,42 +36,52 @@ pub(crate) async fn serve(
     }
 }
 
+/// Moves a counter up to the cumulative `total` read from the server's stats. Scrapes are
+/// serialized (see `metrics_text`), so two cannot both add the same difference.
+fn advance(c: &prometheus::IntCounter, total: u64) {
+    let cur = c.get();
+    if total > cur {
+        c.inc_by(total - cur);
+    }
+}
+
 async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
+    let _one_scrape_at_a_time = s.metrics.scrape.lock().unwrap_or_else(|p| p.into_inner());
     let st = s.host.server().stats();
     let m = &s.metrics;
     m.capacity.set(s.host.info().size as i64);
     m.used.set(st.used_bytes as i64);
     m.objects.set(st.entries as i64);
-    m.bytes_read.set(st.bytes_read as i64);
-    m.bytes_written.set(st.bytes_written as i64);
-    m.reads.set(st.reads as i64);
-    m.writes.set(st.writes as i64);
-    m.shm_attaches.set(st.shm_attaches as i64);
+    advance(&m.bytes_read, st.bytes_read);
+    advance(&m.bytes_written, st.bytes_written);
+    advance(&m.reads, st.reads);
+    advance(&m.writes, st.writes);
+    advance(&m.shm_attaches, st.shm_attaches);
     let set = |g: &prometheus::IntGauge, v: u64| g.set(i64::try_from(v).unwrap_or(i64::MAX));
     set(&m.drain_drained, m.drain.drained());
     set(&m.drain_drained_bytes, m.drain.drained_bytes());
     set(&m.drain_dropped, m.drain.dropped());
     let cs = s.host.server().conn_stats();
     m.conns_open.set((cs.open_tcp + cs.open_shm) as i64);
-    m.conns_refused.set(cs.refused_total as i64);
-    m.bad_frames.set(cs.bad_frames_total as i64);
+    advance(&m.conns_refused, cs.refused_total);
+    advance(&m.bad_frames, cs.bad_frames_total);
     if let Some(t) = &m.tier {
         let d = t.stats();
         set(&m.disk_capacity, d.capacity_bytes);
         set(&m.disk_used, d.used_bytes);
         set(&m.disk_live, d.live_bytes);
         set(&m.disk_objects, d.objects);
-        set(&m.disk_written, d.bytes_written_total);
-        set(&m.disk_loaded, d.bytes_loaded_total);
-        set(&m.disk_loads, d.loads_total);
-        set(&m.disk_evicted, d.evicted_objects_total);
-        set(&m.disk_corrupt, d.corrupt_objects_total);
-        set(&m.disk_write_errors, d.write_errors_total);
-        set(&m.disk_compactions, d.compactions_total);
-        set(&m.disk_compacted, d.compacted_bytes_total);
+        advance(&m.disk_written, d.bytes_written_total);
+        advance(&m.disk_loaded, d.bytes_loaded_total);
+        advance(&m.disk_loads, d.loads_total);
+        advance(&m.disk_evicted, d.evicted_objects_total);
+        advance(&m.disk_corrupt, d.corrupt_objects_total);
+        advance(&m.disk_write_errors, d.write_errors_total);
+        advance(&m.disk_compactions, d.compactions_total);
+        advance(&m.disk_compacted, d.compacted_bytes_total);
     }
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        lunakv_telemetry::render(&m.registry),
+        [(header::CONTENT_TYPE, lunakv_telemetry::METRICS_CONTENT_TYPE)],
+        lunakv_telemetry::render(&m.registry) + &lunakv_telemetry::render_process("lunakv-store"),
     )
 }

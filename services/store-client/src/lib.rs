@@ -19,7 +19,7 @@ use std::time::Duration;
 use lunakv_client::{ClientError, HostDisk, HostOptions, SegmentHost};
 use lunakv_config::StoreConfig;
 use lunakv_transfer::{ProtocolChoice, WireProtocol};
-use prometheus::{IntGauge, IntGaugeVec, Registry};
+use prometheus::{IntCounter, IntGauge, IntGaugeVec, Registry};
 
 mod admin;
 mod offload;
@@ -215,14 +215,14 @@ pub(crate) struct Metrics {
     pub(crate) capacity: IntGauge,
     pub(crate) used: IntGauge,
     pub(crate) objects: IntGauge,
-    pub(crate) bytes_read: IntGauge,
-    pub(crate) bytes_written: IntGauge,
-    pub(crate) reads: IntGauge,
-    pub(crate) writes: IntGauge,
-    pub(crate) shm_attaches: IntGauge,
+    pub(crate) bytes_read: IntCounter,
+    pub(crate) bytes_written: IntCounter,
+    pub(crate) reads: IntCounter,
+    pub(crate) writes: IntCounter,
+    pub(crate) shm_attaches: IntCounter,
     pub(crate) conns_open: IntGauge,
-    pub(crate) conns_refused: IntGauge,
-    pub(crate) bad_frames: IntGauge,
+    pub(crate) conns_refused: IntCounter,
+    pub(crate) bad_frames: IntCounter,
     /// `{requested, effective, reason} 1`: what `--protocol` asked for and what is served.
     pub(crate) protocol_info: IntGaugeVec,
     pub(crate) offload_enabled: IntGauge,
@@ -231,19 +231,21 @@ pub(crate) struct Metrics {
     pub(crate) disk_used: IntGauge,
     pub(crate) disk_live: IntGauge,
     pub(crate) disk_objects: IntGauge,
-    pub(crate) disk_written: IntGauge,
-    pub(crate) disk_loaded: IntGauge,
-    pub(crate) disk_loads: IntGauge,
-    pub(crate) disk_evicted: IntGauge,
-    pub(crate) disk_corrupt: IntGauge,
-    pub(crate) disk_write_errors: IntGauge,
-    pub(crate) disk_compactions: IntGauge,
-    pub(crate) disk_compacted: IntGauge,
+    pub(crate) disk_written: IntCounter,
+    pub(crate) disk_loaded: IntCounter,
+    pub(crate) disk_loads: IntCounter,
+    pub(crate) disk_evicted: IntCounter,
+    pub(crate) disk_corrupt: IntCounter,
+    pub(crate) disk_write_errors: IntCounter,
+    pub(crate) disk_compactions: IntCounter,
+    pub(crate) disk_compacted: IntCounter,
     pub(crate) tier: Option<Arc<lunakv_offload::DiskTier>>,
     pub(crate) drain_drained: IntGauge,
     pub(crate) drain_drained_bytes: IntGauge,
     pub(crate) drain_dropped: IntGauge,
     pub(crate) drain: Arc<lunakv_transfer::DrainProgress>,
+    /// Held for one scrape: counters advance by differences that two scrapes must not share.
+    pub(crate) scrape: Arc<std::sync::Mutex<()>>,
 }
 
 impl Metrics {
@@ -255,6 +257,14 @@ impl Metrics {
                 .register(Box::new(g.clone()))
                 .expect("unique metric name");
             g
+        };
+        // Cumulative values sampled from the server's stats at scrape time, typed as counters.
+        let c = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).expect("static metric definition");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric name");
+            c
         };
         Metrics {
             capacity: g(
@@ -269,15 +279,15 @@ impl Metrics {
                 "lunakv_store_objects",
                 "Objects whose bytes this store holds",
             ),
-            bytes_read: g(
+            bytes_read: c(
                 "lunakv_store_transfer_read_bytes_total",
                 "Bytes served to readers",
             ),
-            bytes_written: g(
+            bytes_written: c(
                 "lunakv_store_transfer_written_bytes_total",
                 "Bytes received from writers",
             ),
-            reads: g("lunakv_store_transfer_reads_total", "Read requests served"),
+            reads: c("lunakv_store_transfer_reads_total", "Read requests served"),
             offload_enabled: g(
                 "lunakv_store_offload_enabled",
                 "1 when the SSD tier is open and serving",
@@ -296,32 +306,32 @@ impl Metrics {
             ),
             disk_live: g("lunakv_store_disk_live_bytes", "Bytes of objects on disk"),
             disk_objects: g("lunakv_store_disk_objects", "Objects on disk"),
-            disk_written: g(
+            disk_written: c(
                 "lunakv_store_disk_written_bytes_total",
                 "Bytes offloaded to disk",
             ),
-            disk_loaded: g(
+            disk_loaded: c(
                 "lunakv_store_disk_loaded_bytes_total",
                 "Bytes served from disk",
             ),
-            disk_loads: g("lunakv_store_disk_loads_total", "Objects served from disk"),
-            disk_evicted: g(
+            disk_loads: c("lunakv_store_disk_loads_total", "Objects served from disk"),
+            disk_evicted: c(
                 "lunakv_store_disk_evicted_objects_total",
                 "Disk objects dropped at the size limit",
             ),
-            disk_corrupt: g(
+            disk_corrupt: c(
                 "lunakv_store_disk_corrupt_objects_total",
                 "Disk objects that failed their checksum (dropped, never served)",
             ),
-            disk_write_errors: g(
+            disk_write_errors: c(
                 "lunakv_store_disk_write_errors_total",
                 "Offload batches that failed to write",
             ),
-            disk_compactions: g(
+            disk_compactions: c(
                 "lunakv_store_disk_compactions_total",
                 "Buckets rewritten without their dead space (before any live object is dropped)",
             ),
-            disk_compacted: g(
+            disk_compacted: c(
                 "lunakv_store_disk_compacted_bytes_total",
                 "Dead bytes returned by compaction",
             ),
@@ -339,11 +349,12 @@ impl Metrics {
                 "Shutdown drain: DRAM objects lost (budget spent, no room, write error); set when it ends",
             ),
             drain: Arc::default(),
-            writes: g(
+            scrape: Arc::default(),
+            writes: c(
                 "lunakv_store_transfer_writes_total",
                 "Write requests served",
             ),
-            shm_attaches: g(
+            shm_attaches: c(
                 "lunakv_store_shm_attaches_total",
                 "Same-host requesters that mapped this segment over the shm socket",
             ),
@@ -351,11 +362,11 @@ impl Metrics {
                 "lunakv_store_transfer_connections",
                 "Open transfer connections (tcp and shm socket)",
             ),
-            conns_refused: g(
+            conns_refused: c(
                 "lunakv_store_transfer_connections_refused_total",
                 "Transfer connections closed at accept: a per-peer or global cap was reached",
             ),
-            bad_frames: g(
+            bad_frames: c(
                 "lunakv_store_transfer_bad_frames_total",
                 "Transfer connections closed for a malformed or oversized frame",
             ),
