@@ -32,7 +32,7 @@ if [ ! -x "$VENV/bin/python" ]; then
         exit 1
     }
 fi
-"$VENV/bin/python" -m pip install -q "maturin>=1.9.4,<2" pytest numpy
+"$VENV/bin/python" -m pip install -q "maturin>=1.9.4,<2" pytest numpy grpcio grpcio-reflection grpcio-health-checking
 
 echo "== wheel (profile $PROFILE)"
 rm -f "$target"/wheels/lunakv-*.whl

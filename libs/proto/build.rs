@@ -12,7 +12,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for f in &files {
         println!("cargo:rerun-if-changed={}", f.display());
     }
+    // For gRPC server reflection (grpcurl, grpcio's reflection client).
+    let descriptors =
+        std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("lunakv_descriptor.bin");
     tonic_prost_build::configure()
+        .file_descriptor_set_path(descriptors)
         .build_server(true)
         .build_client(true)
         .compile_protos(&files, &[root])?;

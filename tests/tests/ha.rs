@@ -276,6 +276,19 @@ fn kill9_leader_under_load_loses_no_acknowledged_object() {
     let (_, st) = m.http_get("/ha_status");
     let st: serde_json::Value = serde_json::from_str(&st).expect("ha_status json");
     assert_eq!(st["lease_ttl_ms"], 2000, "the default leader lease: {st}");
+    // grpc.health.v1: the Master service is SERVING only at the leader; every live master's
+    // process ("") is SERVING (a Deployment's readiness must not depend on leadership).
+    const SERVING: i32 = 1;
+    const NOT_SERVING: i32 = 2;
+    for (i, master) in c.masters.iter().enumerate().filter(|(i, _)| *i != old) {
+        let want = if i == new { SERVING } else { NOT_SERVING };
+        let got = wait_until(Duration::from_secs(5), || {
+            let s = grpc_health(master.rpc, "lunakv.master.v1.Master");
+            (s == want).then_some(s)
+        });
+        assert_eq!(got, Some(want), "master {i} (leader {new})");
+        assert_eq!(grpc_health(master.rpc, ""), SERVING);
+    }
     println!(
         "kill -9 failover: reattach {:.2} s (death of the leader -> first put acknowledged by the \
          new one); {} objects acknowledged and verified; {} put / {} get errors during the \
@@ -286,6 +299,28 @@ fn kill9_leader_under_load_loses_no_acknowledged_object() {
         load.get_errors.load(Ordering::Relaxed),
         load.gets_ok.load(Ordering::Relaxed),
     );
+}
+
+/// `grpc.health.v1` status of `service` at one master (the numeric ServingStatus).
+fn grpc_health(addr: std::net::SocketAddr, service: &str) -> i32 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("uri")
+            .timeout(Duration::from_secs(5))
+            .connect_lazy();
+        tonic_health::pb::health_client::HealthClient::new(ch)
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .expect("health check")
+            .into_inner()
+            .status
+    })
 }
 
 /// A PutStart sent straight to one master, bypassing the client library's leader following.

@@ -25,6 +25,34 @@ pub mod bootstrap {
 
 /// Re-exported for message sizes (`Message::encoded_len`) without a direct prost dependency.
 pub use prost;
+/// The encoded descriptors of every lunakv proto, for gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("lunakv_descriptor");
+
+/// gRPC server reflection (`grpc.reflection.v1` and the `v1alpha` that grpcurl and grpcio's
+/// reflection client still ask for) over lunakv's protos and `grpc.health.v1`.
+pub fn reflection() -> (
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+    tonic_reflection::server::v1alpha::ServerReflectionServer<
+        impl tonic_reflection::server::v1alpha::ServerReflection,
+    >,
+) {
+    let build = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    (
+        build()
+            .build_v1()
+            .expect("lunakv's descriptor set is built from its protos"),
+        build()
+            .build_v1alpha()
+            .expect("lunakv's descriptor set is built from its protos"),
+    )
+}
+
 /// Re-exported so that users of the generated clients need not depend on tonic directly.
 pub use tonic;
 

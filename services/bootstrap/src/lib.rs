@@ -237,12 +237,24 @@ pub async fn serve(
         })
         .into_future(),
     );
+    // grpc.health.v1: "" is SERVING while the process runs (bootstraps are active-active).
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_service_status(
+            "lunakv.bootstrap.v1.Bootstrap",
+            tonic_health::ServingStatus::Serving,
+        )
+        .await;
+    let (reflection_v1, reflection_v1alpha) = lunakv_proto::reflection();
     let mut rx = stop_rx.clone();
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .tcp_nodelay(true)
             .trace_fn(lunakv_telemetry::propagate::grpc_server_span)
             .add_service(grpc::server(api.clone(), stop_rx.clone()))
+            .add_service(health)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
                 async move {

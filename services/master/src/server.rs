@@ -277,6 +277,13 @@ impl Master {
                 || true,
             ));
         }
+        let (health_reporter, health) = tonic_health::server::health_reporter();
+        tokio::spawn(report_health(
+            health_reporter,
+            ha_state.clone(),
+            stop_rx.clone(),
+        ));
+        let (reflection_v1, reflection_v1alpha) = lunakv_proto::reflection();
         let mut rx = stop_rx.clone();
         let grpc = tokio::spawn(
             tonic::transport::Server::builder()
@@ -286,6 +293,9 @@ impl Master {
                     "Ping",
                 ]))
                 .add_service(MasterServer::new(svc))
+                .add_service(health)
+                .add_service(reflection_v1)
+                .add_service(reflection_v1alpha)
                 .serve_with_incoming_shutdown(
                     // Builder::tcp_nodelay only applies to listeners tonic binds itself; with
                     // Nagle on, a response written as two frames stalls 40 ms on delayed ACKs.
@@ -505,4 +515,40 @@ pub async fn start_master(master: Master) -> Result<RunningMaster, ServeError> {
 /// [`Master::open`] + [`start_master`].
 pub async fn start(cfg: MasterConfig) -> Result<RunningMaster, ServeError> {
     start_master(Master::open(cfg).await?).await
+}
+
+/// `grpc.health.v1`: the process (`""`) is SERVING while it runs; the `lunakv.master.v1.Master`
+/// service is SERVING on a single master, and under HA only while this master leads (a
+/// follower redirects every call). Probes that must not depend on leadership (a Deployment's
+/// readiness: followers must count as ready) ask for `""`.
+async fn report_health(
+    reporter: tonic_health::server::HealthReporter,
+    ha: Option<Arc<HaState>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let Some(ha) = ha else {
+        reporter.set_serving::<MasterServer<MasterService>>().await;
+        return;
+    };
+    let mut leading = None;
+    loop {
+        let now = ha.role() == crate::ha::Role::Leader;
+        if leading != Some(now) {
+            if now {
+                reporter.set_serving::<MasterServer<MasterService>>().await;
+            } else {
+                reporter
+                    .set_not_serving::<MasterServer<MasterService>>()
+                    .await;
+            }
+            leading = Some(now);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = stop.changed() => {
+                reporter.set_not_serving::<MasterServer<MasterService>>().await;
+                return;
+            }
+        }
+    }
 }
