@@ -1347,6 +1347,41 @@ fn check_hardening(objs: &[Value], pods: &[Pod<'_>], failures: &mut Vec<String>)
                     ));
                 }
             }
+            // The API server refuses a probe with more than one handler (a patch that adds grpc:
+            // to a probe that had httpGet: merges into both).
+            for probe in ["readinessProbe", "livenessProbe", "startupProbe"] {
+                if let Some(p) = c.get(probe) {
+                    let handlers = ["httpGet", "grpc", "tcpSocket", "exec"]
+                        .iter()
+                        .filter(|h| p.get(**h).is_some())
+                        .count();
+                    if handlers != 1 {
+                        failures.push(format!("{who}: {probe} has {handlers} handlers"));
+                    }
+                }
+            }
+            // The master and the bootstrap serve grpc.health.v1: readiness asks it on the gRPC
+            // port for the process (service ""), which a standby master also answers SERVING.
+            if is_image(c, "lunakv/master") || is_image(c, "lunakv/bootstrap") {
+                let grpc_port = c
+                    .pointer("/readinessProbe/grpc/port")
+                    .and_then(Value::as_u64);
+                let service = c
+                    .pointer("/readinessProbe/grpc/service")
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                let declared = container_ports(c);
+                match grpc_port {
+                    None => failures.push(format!("{who}: readinessProbe is not a grpc: probe")),
+                    Some(port) if !declared.iter().any(|(n, p)| *p == port && (n == "rpc" || n == "grpc")) => {
+                        failures.push(format!("{who}: grpc readinessProbe port {port} is not its gRPC port"))
+                    }
+                    Some(_) if !service.is_empty() => failures.push(format!(
+                        "{who}: grpc readinessProbe asks for service {service:?}; ask for \"\" (a standby master must stay ready)"
+                    )),
+                    Some(_) => {}
+                }
+            }
             // A startupProbe keeps liveness off a store mounting its SSD tier or a master
             // rebuilding, and must point at a declared port.
             if is_image(c, "lunakv/store") || is_image(c, "lunakv/master") {
