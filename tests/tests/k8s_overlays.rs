@@ -77,7 +77,7 @@ fn render(kubectl: &Path, dir: &Path) -> Vec<Value> {
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8(out.stdout).expect("utf-8 manifests");
-    serde_yaml::Deserializer::from_str(&text)
+    serde_norway::Deserializer::from_str(&text)
         .map(|d| Value::deserialize(d).expect("rendered YAML parses"))
         .filter(|v| !v.is_null())
         .collect()
@@ -1681,7 +1681,7 @@ fn host_references_resolve_like_cluster_dns() {
         host_ports(r#"{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_both"}"#).is_empty()
     );
 
-    let objs: Vec<Value> = serde_yaml::Deserializer::from_str(
+    let objs: Vec<Value> = serde_norway::Deserializer::from_str(
         "kind: Namespace\nmetadata: {name: lunakv}\n---\n\
          kind: Service\nmetadata: {name: m, namespace: lunakv}\nspec: {ports: [{port: 50051}]}\n---\n\
          kind: Service\nmetadata: {name: e, namespace: lunakv}\nspec: {clusterIP: None, ports: [{port: 2379}]}\n---\n\

@@ -10,6 +10,8 @@
 //! - [`master`]: the master's flags and `master.yaml` (owned by the master's author).
 //! - [`connectors`]: does a routing sidecar's `--kv-connector` match its engines'
 //!   `--kv-transfer-config` (`lunakv doctor` and the Kubernetes overlay test).
+//! - [`duration`]: Go durations (`1m30s`) as llm-d's flags write them, for the sidecar and the
+//!   bootstrap.
 //! - [`size`]: human sizes, `"80GB"` = 80 GiB as in vLLM's parser; also a serde `with` module.
 //!
 //! Shared pieces live here: one [`ConfigError`] whose variants callers can branch on and whose
@@ -23,6 +25,7 @@
 
 pub mod client;
 pub mod connectors;
+pub mod duration;
 pub mod etcd;
 pub mod master;
 pub mod size;
@@ -34,6 +37,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 pub use client::{Mode, MooncakeConfig};
+pub use duration::{DurationError, parse_duration};
 pub use etcd::{EtcdEndpoints, MasterAddress};
 pub use size::{SizeError, parse_size};
 pub use store::StoreConfig;

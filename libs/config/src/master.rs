@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use serde_yaml::{Mapping, Value};
+use serde_norway::{Mapping, Value};
 
 /// Prefix of the environment variables that set master keys.
 pub const ENV_PREFIX: &str = "LUNAKV_MASTER_";
@@ -276,8 +276,8 @@ impl MasterConfig {
         }
         merge(&mut merged, flag_layer, "the command line", &mut warnings)?;
 
-        let config: MasterConfig =
-            serde_yaml::from_value(Value::Mapping(merged.clone())).map_err(|e| {
+        let config: MasterConfig = serde_norway::from_value(Value::Mapping(merged.clone()))
+            .map_err(|e| {
                 // Keys are checked already, so this is a type error; find which key for the message.
                 bad_value_from_serde(&merged, &e.to_string())
             })?;
@@ -505,7 +505,7 @@ fn check_positive(
 }
 
 fn parse_yaml(path: &Path, text: &str) -> Result<Mapping, MasterConfigError> {
-    let value: Value = serde_yaml::from_str(text).map_err(|e| MasterConfigError::Parse {
+    let value: Value = serde_norway::from_str(text).map_err(|e| MasterConfigError::Parse {
         path: path.display().to_string(),
         message: e.to_string(),
     })?;
@@ -601,14 +601,14 @@ fn typed(key: &str, raw: &str, source: &str) -> Result<Value, MasterConfigError>
 }
 
 fn bad_value_from_serde(merged: &Mapping, message: &str) -> MasterConfigError {
-    // serde_yaml does not always name the field; find it by deserializing one key at a time.
+    // serde_norway does not always name the field; find it by deserializing one key at a time.
     let culprit = merged.iter().find(|(k, v)| {
         let mut one = Mapping::new();
         one.insert((*k).clone(), (*v).clone());
-        serde_yaml::from_value::<MasterConfig>(Value::Mapping(one)).is_err()
+        serde_norway::from_value::<MasterConfig>(Value::Mapping(one)).is_err()
     });
     let show = |v: &Value| {
-        serde_yaml::to_string(v)
+        serde_norway::to_string(v)
             .unwrap_or_default()
             .trim()
             .to_string()
@@ -622,7 +622,7 @@ fn bad_value_from_serde(merged: &Mapping, message: &str) -> MasterConfigError {
             fix: message.to_string(),
         };
     };
-    let default = serde_yaml::to_value(MasterConfig::default())
+    let default = serde_norway::to_value(MasterConfig::default())
         .ok()
         .and_then(|d| d.get(key.as_str()).map(show))
         .unwrap_or_default();

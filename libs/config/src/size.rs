@@ -357,7 +357,7 @@ mod tests {
         let e = get(r#"{"size": true}"#).unwrap_err().to_string();
         assert!(e.contains("expected a size in bytes"), "{e}");
         // Through YAML too (the master's config file).
-        let y: Holder = serde_yaml::from_str("size: 40GB").unwrap();
+        let y: Holder = serde_norway::from_str("size: 40GB").unwrap();
         assert_eq!(y.size, 40 << 30);
         assert_eq!(
             serde_json::to_string(&Holder { size: 5 }).unwrap(),

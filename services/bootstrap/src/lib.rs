@@ -163,27 +163,8 @@ pub fn port_from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<u16>
     Ok(None)
 }
 
-/// Parses `500ms`, `10s`, `2m` or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, mul_ms) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 1.0)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1000.0)
-    } else if let Some(n) = s.strip_suffix('m') {
-        (n, 60_000.0)
-    } else {
-        (s, 1000.0)
-    };
-    let v: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("'{s}' is not a duration (try 500ms, 10s, 2m)"))?;
-    if !v.is_finite() || v < 0.0 {
-        return Err(format!("'{s}' is not a duration"));
-    }
-    Ok(Duration::from_micros((v * mul_ms * 1000.0) as u64))
-}
+/// Go durations (`500ms`, `1m30s`) or a bare number of seconds.
+pub use lunakv_config::parse_duration;
 
 /// Bound listeners (bind first, then report the real addresses).
 pub struct Listeners {
@@ -462,14 +443,5 @@ mod tests {
         let m = e.to_string();
         assert!(m.contains("lease_ttl_ms=18446744073709551615"), "{m}");
         assert!(m.contains("1..=3600000"), "{m}");
-    }
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("200ms").unwrap(), Duration::from_millis(200));
-        assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
-        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
-        assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
-        assert!(parse_duration("x").is_err());
     }
 }

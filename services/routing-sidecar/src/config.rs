@@ -284,23 +284,8 @@ impl SidecarConfig {
     }
 }
 
-/// Parses `200ms`, `1s`, `1.5s`, `2m` (Go duration style) or bare seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, ms) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 1.0)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1000.0)
-    } else if let Some(n) = s.strip_suffix('m') {
-        (n, 60_000.0)
-    } else {
-        (s, 1000.0)
-    };
-    match num.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(Duration::from_micros((v * ms * 1000.0) as u64)),
-        _ => Err(format!("'{s}' is not a duration (e.g. 200ms, 1s)")),
-    }
-}
+/// Go durations (`200ms`, `1m30s`) as llm-d's flags write them, or bare seconds.
+pub use lunakv_config::parse_duration;
 
 #[cfg(test)]
 mod tests {
@@ -322,6 +307,20 @@ mod tests {
         assert!(!c.ssrf);
         assert!(c.idle_conn_timeout < Duration::from_secs(5));
         assert_eq!(c.max_buffered_body_bytes, 512 << 20);
+    }
+
+    #[test]
+    fn durations_are_go_durations_as_llm_d_writes_them() {
+        let c = SidecarConfig::from_cli(
+            cli(&["--idle-conn-timeout=1m30s", "--prefill-retry-backoff=1.5s"]).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(c.idle_conn_timeout, Duration::from_secs(90));
+        assert_eq!(c.prefill_retry_backoff, Duration::from_millis(1500));
+        let e = cli(&["--idle-conn-timeout=1m30"])
+            .expect_err("no unit")
+            .to_string();
+        assert!(e.contains("1m30s"), "{e}");
     }
 
     #[test]

@@ -71,16 +71,16 @@ struct FileConfig {
     max_buffered_body_bytes: Option<usize>,
     worker_threads: Option<usize>,
     // Upstream keys with no implementation here: refused by name (see the module docs).
-    ec_connector: Option<serde_yaml::Value>,
-    p2p_connector_port: Option<serde_yaml::Value>,
-    enable_speculative_prefill: Option<serde_yaml::Value>,
-    enable_p2p_pull: Option<serde_yaml::Value>,
-    tls_min_version: Option<serde_yaml::Value>,
-    tls_cipher_suites: Option<serde_yaml::Value>,
-    pool_group: Option<serde_yaml::Value>,
-    decode_chunk_size: Option<serde_yaml::Value>,
-    metrics_port: Option<serde_yaml::Value>,
-    metrics_cert_dir: Option<serde_yaml::Value>,
+    ec_connector: Option<serde_norway::Value>,
+    p2p_connector_port: Option<serde_norway::Value>,
+    enable_speculative_prefill: Option<serde_norway::Value>,
+    enable_p2p_pull: Option<serde_norway::Value>,
+    tls_min_version: Option<serde_norway::Value>,
+    tls_cipher_suites: Option<serde_norway::Value>,
+    pool_group: Option<serde_norway::Value>,
+    decode_chunk_size: Option<serde_norway::Value>,
+    metrics_port: Option<serde_norway::Value>,
+    metrics_cert_dir: Option<serde_norway::Value>,
 }
 
 fn bad(source: &str, msg: impl std::fmt::Display) -> ConfigError {
@@ -107,7 +107,7 @@ pub fn merge(cli: &mut Cli, m: &ArgMatches) -> Result<(), ConfigError> {
     if text.trim().is_empty() {
         return Ok(());
     }
-    let f: FileConfig = serde_yaml::from_str(&text).map_err(|e| bad(&source, e))?;
+    let f: FileConfig = serde_norway::from_str(&text).map_err(|e| bad(&source, e))?;
     f.apply(cli, m, &source)
 }
 
