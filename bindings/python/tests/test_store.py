@@ -19,6 +19,7 @@ from conftest import (
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
     KvCache,
+    Proc,
     connect,
     run_worker,
     start_store,
@@ -130,7 +131,9 @@ def test_concurrent_threads_share_one_store(master, store_64mb):
 
 # === error paths ===
 
-def test_setup_against_a_dead_master_returns_nonzero():
+def test_setup_against_a_dead_master_returns_nonzero(monkeypatch):
+    # setup waits for a master that is not up yet (30 s by default); a short wait here.
+    monkeypatch.setenv("LUNAKV_SETUP_WAIT_SEC", "1")
     s = MooncakeDistributedStore()
     started = time.monotonic()
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", "127.0.0.1:1") != 0
@@ -151,6 +154,45 @@ def test_setup_against_a_dead_master_returns_nonzero():
     # Still unusable, and still no exception.
     assert s.is_exist("k") == INVALID_PARAMS
     assert s.close() == 0
+
+
+def test_setup_waits_for_a_master_started_after_it(monkeypatch, tmp_path):
+    """vLLM and the master start in one rollout: a setup that begins before the master listens
+    waits for it (bounded by LUNAKV_SETUP_WAIT_SEC) and returns 0 once it answers, where it
+    used to return RPC_FAIL at once."""
+    monkeypatch.setenv("LUNAKV_SETUP_WAIT_SEC", "120")
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    addr = f"127.0.0.1:{port}"
+    s = MooncakeDistributedStore()
+    result = {}
+    calling = threading.Event()
+
+    def run_setup() -> None:
+        calling.set()
+        result["rc"] = s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MB, 16 * MB, "tcp", "", addr)
+
+    t = threading.Thread(target=run_setup)
+    t.start()
+    calling.wait()
+    time.sleep(1)  # let setup find nothing there; the outcome does not depend on it
+    master = Proc(
+        "lunakv-master",
+        ["--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_port=0",
+         f"--data_dir={tmp_path}"],
+    )
+    try:
+        master.wait_for("listening")
+        t.join(timeout=120)
+        assert not t.is_alive(), "setup never returned"
+        assert result["rc"] == 0
+        assert s.put("late-master", b"v") == 0
+        assert s.get("late-master") == b"v"
+        assert s.close() == 0
+    finally:
+        master.stop()
 
 
 def test_setup_against_a_silent_master_fails_and_releases_the_gil():
@@ -474,7 +516,8 @@ def test_exit_without_close_unmounts_the_embedded_segment(master):
     s.close()
 
 
-def test_second_setup_replaces_the_first(master, store_64mb):
+def test_second_setup_replaces_the_first(master, store_64mb, monkeypatch):
+    monkeypatch.setenv("LUNAKV_SETUP_WAIT_SEC", "0")
     s = connect(master)
     assert s.put("first", b"1") == 0
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", master) == 0

@@ -23,8 +23,8 @@ use tokio::task::JoinHandle;
 use tonic::codegen::InterceptedService;
 use tonic::transport::Channel;
 
-use crate::ClientError;
 use crate::link::MasterLink;
+use crate::{ClientError, MasterWait, startup};
 
 /// Bytes of a new segment faulted in ahead of use (see `SegmentHost::start`).
 const PREFAULT_CAP: u64 = 1 << 30;
@@ -87,6 +87,111 @@ pub struct SegmentHost {
     /// Set once [`SegmentHost::drain_and_unmount`] unmounted: `shutdown` then only stops.
     unmounted: AtomicBool,
     protocol: ProtocolChoice,
+    status: MountStatus,
+}
+
+/// Whether a segment is mounted with the master: a store-client's readiness. Cheap to clone;
+/// every clone sees the same flag.
+#[derive(Debug, Clone, Default)]
+pub struct MountStatus(Arc<AtomicBool>);
+
+impl MountStatus {
+    pub fn is_mounted(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    fn set(&self, mounted: bool) {
+        self.0.store(mounted, Ordering::SeqCst);
+    }
+}
+
+/// A segment that is bound and served but not yet mounted ([`SegmentHost::bind`]): peers can
+/// connect, the master does not know it yet.
+pub struct BoundSegment {
+    opts: HostOptions,
+    server: Arc<SegmentServer>,
+    info: SegmentInfo,
+    protocol: ProtocolChoice,
+    disk: Option<Arc<dyn DiskInventory>>,
+    status: MountStatus,
+}
+
+impl BoundSegment {
+    pub fn info(&self) -> &SegmentInfo {
+        &self.info
+    }
+
+    /// The server, for its counters while the mount waits (a store-client's /metrics).
+    pub fn server(&self) -> &Arc<SegmentServer> {
+        &self.server
+    }
+
+    /// The protocol asked for and the one this segment serves.
+    pub fn protocol(&self) -> &ProtocolChoice {
+        &self.protocol
+    }
+
+    /// The flag the [`SegmentHost`] keeps up to date once mounted; false until then.
+    pub fn status(&self) -> MountStatus {
+        self.status.clone()
+    }
+
+    /// Connects to the master and mounts, waiting per `wait` while the master cannot be
+    /// reached yet (see `startup` for what fails at once). Dropping the future stops the wait
+    /// and the segment server.
+    pub async fn mount(self, wait: MasterWait) -> Result<SegmentHost, ClientError> {
+        let opts = self.opts;
+        let mut waiting = startup::master_wait(
+            &opts.master_server_address,
+            format!("to mount segment {}", self.info.name),
+            wait,
+        );
+        let master = startup::connect_link(
+            &opts.master_server_address,
+            &opts.cluster_id,
+            opts.rpc_timeout,
+            &mut waiting,
+        )
+        .await?;
+        let mounter = Mounter {
+            master: master.clone(),
+            client_id: opts.client_id.clone(),
+            cluster_id: opts.cluster_id.clone(),
+            protocol: self.protocol.clone(),
+            enable_offload: opts.enable_offload,
+            server: Some(self.server.clone()),
+            disk: self.disk,
+            status: self.status.clone(),
+        };
+        loop {
+            match mounter.mount_once(opts.rpc_timeout).await {
+                Ok(()) => break,
+                Err(status) => {
+                    // A follower names the leader: the next attempt goes there.
+                    master.follow_redirect(&status);
+                    let e = rpc_error(&master.addr(), &status);
+                    if !startup::retryable(&status) || !waiting.retry_after(&e).await {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        waiting.reached();
+        let (stop, stop_rx) = watch::channel(false);
+        let heartbeat = tokio::spawn(heartbeat(mounter, opts.ping_interval, stop_rx));
+        Ok(SegmentHost {
+            server: self.server,
+            info: self.info,
+            client_id: opts.client_id,
+            master,
+            stop,
+            heartbeat: parking_lot::Mutex::new(Some(heartbeat)),
+            rpc_timeout: opts.rpc_timeout,
+            unmounted: AtomicBool::new(false),
+            protocol: self.protocol,
+            status: self.status,
+        })
+    }
 }
 
 impl SegmentHost {
@@ -105,6 +210,13 @@ impl SegmentHost {
         opts: HostOptions,
         disk: Option<HostDisk>,
     ) -> Result<SegmentHost, ClientError> {
+        Self::bind(opts, disk)?.mount(MasterWait::NoWait).await
+    }
+
+    /// The first half of [`Self::start_with_disk`]: binds and serves the segment, without the
+    /// master. A service that must answer probes while it waits for its master
+    /// (`lunakv-store`) binds first, reports, then [`BoundSegment::mount`]s.
+    pub fn bind(opts: HostOptions, disk: Option<HostDisk>) -> Result<BoundSegment, ClientError> {
         // Bound before dialling the master: that connection's source port, picked from the
         // ephemeral range, must not be the one we are about to listen on.
         let server = SegmentServer::start(SegmentServerConfig {
@@ -118,12 +230,6 @@ impl SegmentHost {
         .map_err(|e| {
             ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind))
         })?;
-        let master = MasterLink::connect(
-            &opts.master_server_address,
-            &opts.cluster_id,
-            opts.rpc_timeout,
-        )
-        .await?;
         server.set_cluster_id(&opts.cluster_id);
         // Fresh pages cost a fault per 4 KiB on the first put into them (7-12x slower than warm
         // memory); fault the head of the segment in on a background thread. Capped so a 40 GB
@@ -150,28 +256,13 @@ impl SegmentHost {
         }
         let server = Arc::new(server);
         let info = server.info();
-        let mounter = Mounter {
-            master: master.clone(),
-            client_id: opts.client_id.clone(),
-            cluster_id: opts.cluster_id.clone(),
-            protocol: protocol.clone(),
-            enable_offload: opts.enable_offload,
-            server: Some(server.clone()),
-            disk: disk.map(|d| d.inventory),
-        };
-        mounter.mount().await?;
-        let (stop, stop_rx) = watch::channel(false);
-        let heartbeat = tokio::spawn(heartbeat(mounter, opts.ping_interval, stop_rx));
-        Ok(SegmentHost {
+        Ok(BoundSegment {
+            opts,
             server,
             info,
-            client_id: opts.client_id,
-            master,
-            stop,
-            heartbeat: parking_lot::Mutex::new(Some(heartbeat)),
-            rpc_timeout: opts.rpc_timeout,
-            unmounted: AtomicBool::new(false),
             protocol,
+            disk: disk.map(|d| d.inventory),
+            status: MountStatus::default(),
         })
     }
 
@@ -190,6 +281,11 @@ impl SegmentHost {
 
     pub fn client_id(&self) -> &str {
         &self.client_id
+    }
+
+    /// Whether the master knows this segment now (false while re-mounting and once unmounted).
+    pub fn status(&self) -> MountStatus {
+        self.status.clone()
     }
 
     /// Graceful stop: unmount (the master drops this segment's replicas at once instead of after
@@ -285,6 +381,8 @@ impl SegmentHost {
     }
 
     async fn unmount(&self, timeout: Duration) -> Result<(), ClientError> {
+        // Leaving the pool: not ready from here on, whatever the master answers.
+        self.status.set(false);
         let mut master = self.master.client();
         let req = pb::UnmountSegmentRequest {
             client_id: self.client_id.clone(),
@@ -336,13 +434,39 @@ pub(crate) struct Mounter {
     pub(crate) enable_offload: bool,
     pub(crate) server: Option<Arc<SegmentServer>>,
     pub(crate) disk: Option<Arc<dyn DiskInventory>>,
+    /// Set after every successful mount, cleared while a re-mount is due.
+    pub(crate) status: MountStatus,
+}
+
+/// A mount as the requests that make it: MountSegment with the first part of the inventory,
+/// then one MountInventory per further part.
+struct MountPlan {
+    first: pb::MountSegmentRequest,
+    rest: Vec<pb::MountInventoryRequest>,
+    info: SegmentInfo,
+    /// Inventory items in all.
+    items: usize,
+}
+
+/// What the master accepted over a plan's requests.
+#[derive(Default)]
+struct MountTally {
+    accepted: u64,
+    rejected: usize,
+}
+
+impl MountTally {
+    fn add(&mut self, accepted: u64, rejected: usize) {
+        self.accepted += accepted;
+        self.rejected += rejected;
+    }
 }
 
 impl Mounter {
-    async fn mount(&self) -> Result<(), ClientError> {
-        let Some(server) = &self.server else {
-            return Ok(());
-        };
+    /// The requests that mount the segment as it is now (with its inventory); `None` for a
+    /// pure requester.
+    fn plan(&self) -> Option<MountPlan> {
+        let server = self.server.as_ref()?;
         let info = server.info();
         let mut inventory: Vec<pb::InventoryItem> = server
             .inventory()
@@ -366,7 +490,7 @@ impl Mounter {
                 }
             }));
         }
-        let n = inventory.len();
+        let items = inventory.len();
         let mut segment = descriptor(&info, &self.protocol, self.enable_offload);
         segment.disk_capacity_bytes = self.disk.as_ref().map_or(0, |d| d.capacity());
         let instance_id = segment.instance_id.clone();
@@ -375,31 +499,48 @@ impl Mounter {
         let mut parts = inventory_parts(inventory).into_iter();
         let first = parts.next().unwrap_or_default();
         let rest: Vec<Vec<pb::InventoryItem>> = parts.collect();
-        let req = pb::MountSegmentRequest {
+        let last = rest.len();
+        let first = pb::MountSegmentRequest {
             client_id: self.client_id.clone(),
             cluster_id: self.cluster_id.clone(),
             segment: Some(segment),
             inventory: first,
             inventory_follows: !rest.is_empty(),
         };
-        let resp = self
-            .master
-            .call(|mut m| {
-                let req = req.clone();
-                async move { m.mount_segment(req).await }
-            })
-            .await?;
-        let (mut accepted, mut rejected) = (resp.accepted_objects, resp.rejected_generations.len());
-        let n_parts = rest.len() + 1;
-        let last = rest.len();
-        for (i, items) in rest.into_iter().enumerate() {
-            let req = pb::MountInventoryRequest {
+        let rest = rest
+            .into_iter()
+            .enumerate()
+            .map(|(i, items)| pb::MountInventoryRequest {
                 client_id: self.client_id.clone(),
                 segment_name: info.name.clone(),
                 instance_id: instance_id.clone(),
                 items,
                 last: i + 1 == last,
-            };
+            })
+            .collect();
+        Some(MountPlan {
+            first,
+            rest,
+            info,
+            items,
+        })
+    }
+
+    /// Mounts (or re-mounts) through the link, with its HA and rebuild retries.
+    async fn mount(&self) -> Result<(), ClientError> {
+        let Some(plan) = self.plan() else {
+            return Ok(());
+        };
+        let resp = self
+            .master
+            .call(|mut m| {
+                let req = plan.first.clone();
+                async move { m.mount_segment(req).await }
+            })
+            .await?;
+        let mut tally = MountTally::default();
+        tally.add(resp.accepted_objects, resp.rejected_generations.len());
+        for req in &plan.rest {
             let resp = self
                 .master
                 .call(|mut m| {
@@ -407,19 +548,49 @@ impl Mounter {
                     async move { m.mount_inventory(req).await }
                 })
                 .await?;
-            accepted += resp.accepted_objects;
-            rejected += resp.rejected_generations.len();
+            tally.add(resp.accepted_objects, resp.rejected_generations.len());
         }
+        self.mounted(&plan, &tally);
+        Ok(())
+    }
+
+    /// One mount attempt with the master's own status, so that a starting owner can tell a
+    /// refusal from a master that is not ready yet (`startup::retryable`). A failure part-way
+    /// is retried from MountSegment, which starts the inventory again.
+    async fn mount_once(&self, timeout: Duration) -> Result<(), tonic::Status> {
+        let Some(plan) = self.plan() else {
+            return Ok(());
+        };
+        let timed_out = |rpc: &str| tonic::Status::deadline_exceeded(format!("{rpc} timed out"));
+        let mut m = self.master.client();
+        let resp = tokio::time::timeout(timeout, m.mount_segment(plan.first.clone()))
+            .await
+            .map_err(|_| timed_out("MountSegment"))??
+            .into_inner();
+        let mut tally = MountTally::default();
+        tally.add(resp.accepted_objects, resp.rejected_generations.len());
+        for req in &plan.rest {
+            let resp = tokio::time::timeout(timeout, m.mount_inventory(req.clone()))
+                .await
+                .map_err(|_| timed_out("MountInventory"))??
+                .into_inner();
+            tally.add(resp.accepted_objects, resp.rejected_generations.len());
+        }
+        self.mounted(&plan, &tally);
+        Ok(())
+    }
+
+    fn mounted(&self, plan: &MountPlan, tally: &MountTally) {
+        self.status.set(true);
         tracing::info!(
-            segment = %info.name,
-            size = info.size,
-            inventory = n,
-            parts = n_parts,
-            accepted,
-            rejected,
+            segment = %plan.info.name,
+            size = plan.info.size,
+            inventory = plan.items,
+            parts = plan.rest.len() + 1,
+            accepted = tally.accepted,
+            rejected = tally.rejected,
             "segment mounted"
         );
-        Ok(())
     }
 }
 
@@ -520,6 +691,8 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
                     healthy = true;
                 }
                 if resp.into_inner().remount_required && m.server.is_some() {
+                    // Not ready until the new master knows the segment again.
+                    m.status.set(false);
                     tracing::warn!(master = %m.master.addr(), "master does not know this client (restarted, or a new HA leader): mounting again with inventory");
                     if let Err(e) = m.mount().await {
                         tracing::warn!(error = %e, "re-mount failed; retrying on the next ping");

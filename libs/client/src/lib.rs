@@ -24,13 +24,14 @@ mod host;
 mod link;
 mod location;
 mod options;
+mod startup;
 mod store;
 
 pub use error::ClientError;
-pub use host::{DiskInventory, HostDisk, HostOptions, SegmentHost};
+pub use host::{BoundSegment, DiskInventory, HostDisk, HostOptions, MountStatus, SegmentHost};
 pub use location::{Location, ReplicaLocation};
 pub use lunakv_proto::ErrorCode;
-pub use options::{ClientOptions, Mode, ReplicateConfig};
+pub use options::{ClientOptions, MasterWait, Mode, ReplicateConfig};
 pub use store::StoreClient;
 
 /// Result alias for the client API.

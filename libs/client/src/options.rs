@@ -16,6 +16,32 @@ pub enum Mode {
     StandaloneStore,
 }
 
+/// What connecting does while the master cannot be reached yet (not yet listening, etcd down,
+/// no leader elected): that is a startup-order problem that waiting fixes. A refusal (a
+/// cluster_id or enable_offload mismatch) and a malformed address fail at once whatever this says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MasterWait {
+    /// Fail on the first attempt (the CLI, tests).
+    #[default]
+    NoWait,
+    /// Retry for at most this long, then fail with the last error (the Python `setup`).
+    AtMost(Duration),
+    /// Retry until the master answers; the caller stops it by dropping the future
+    /// (`lunakv-store` on SIGTERM).
+    Forever,
+}
+
+impl MasterWait {
+    /// The limit as [`lunakv_telemetry::wait::PeerWait::limit`] takes it.
+    pub(crate) fn limit(self) -> Option<Duration> {
+        match self {
+            MasterWait::NoWait => Some(Duration::ZERO),
+            MasterWait::AtMost(d) => Some(d),
+            MasterWait::Forever => None,
+        }
+    }
+}
+
 /// Everything a [`crate::StoreClient`] needs. Field names follow mooncake_config.json.
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
@@ -41,6 +67,8 @@ pub struct ClientOptions {
     /// The engine config's `enable_offload`, when it states one: at connect the client compares
     /// it with the master's and warns on a mismatch ([`crate::StoreClient::offload_mismatch`]).
     pub enable_offload: Option<bool>,
+    /// Whether connecting waits for a master that is not reachable yet (default: no).
+    pub master_wait: MasterWait,
 }
 
 impl Default for ClientOptions {
@@ -58,6 +86,7 @@ impl Default for ClientOptions {
             location_cache_capacity: 1 << 20,
             shm_dir: None,
             enable_offload: None,
+            master_wait: MasterWait::NoWait,
         }
     }
 }

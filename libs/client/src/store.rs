@@ -99,12 +99,25 @@ impl StoreClient {
             .build()
             .map_err(|e| ClientError::Config(format!("cannot start the client runtime: {e}")))?;
         let client_id = uuid::Uuid::new_v4().to_string();
-        // `host:port`, or `etcd://h1:2379;h2:2379` to find and follow the HA leader.
-        let master = rt.block_on(MasterLink::connect(
-            &opts.master_server_address,
-            &opts.cluster_id,
-            opts.rpc_timeout,
-        ))?;
+        // `host:port`, or `etcd://h1:2379;h2:2379` to find and follow the HA leader. A master
+        // that is not reachable yet is waited for as `opts.master_wait` says (the Python
+        // setup waits a little, the CLI not at all).
+        let master = rt.block_on(async {
+            let mut waiting = crate::startup::master_wait(
+                &opts.master_server_address,
+                "to connect this client".to_owned(),
+                opts.master_wait,
+            );
+            let link = crate::startup::connect_link(
+                &opts.master_server_address,
+                &opts.cluster_id,
+                opts.rpc_timeout,
+                &mut waiting,
+            )
+            .await?;
+            waiting.reached();
+            Ok::<_, ClientError>(link)
+        })?;
 
         // The seed's rule: enable_offload is set together on the engine config, the master and
         // the store-client. Compare with the master's now, while someone reads the log.
@@ -159,7 +172,7 @@ impl StoreClient {
                 // An ephemeral port is never in use.
                 bind_retry: Duration::ZERO,
             };
-            let host = rt.block_on(SegmentHost::start(host_opts))?;
+            let host = rt.block_on(SegmentHost::bind(host_opts, None)?.mount(opts.master_wait))?;
             // A registration that failed after the device opened fell back (and said so).
             protocol = host.protocol().clone();
             // Our own segment lives in this process: reach it by memcpy, not through a socket.
@@ -181,6 +194,7 @@ impl StoreClient {
                 enable_offload: false,
                 server: None,
                 disk: None,
+                status: Default::default(),
             };
             rt.spawn(crate::host::heartbeat(m, Duration::from_secs(1), stop_rx));
         }

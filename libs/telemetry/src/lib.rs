@@ -25,10 +25,14 @@
 //! services in one process.
 //!
 //! [`shutdown_signal`] is the SIGTERM/SIGINT wait each binary hands its server to start the drain.
+//!
+//! [`wait`] is how a service waits for a peer at startup (the master, etcd, a decode engine):
+//! backoff, one WARN line, one more every 30 s while waiting, one INFO line when it answers.
 
 mod export;
 pub mod propagate;
 mod shutdown;
+pub mod wait;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

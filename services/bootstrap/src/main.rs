@@ -1,4 +1,5 @@
-//! `lunakv-bootstrap`: parse flags, bind, serve the bootstrap APIs until SIGTERM/SIGINT, drain.
+//! `lunakv-bootstrap`: parse flags, bind, wait for etcd (with `--etcd-endpoints`), serve the
+//! bootstrap APIs until SIGTERM/SIGINT, drain.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use lunakv_bootstrap::{
     port_from_env,
 };
 use lunakv_meta::{EtcdClient, EtcdMetaStore};
+use lunakv_telemetry::wait::PeerWait;
 
 /// vLLM-compatible Mooncake P/D bootstrap service with leased registrations.
 #[derive(Debug, Parser)]
@@ -55,7 +57,9 @@ struct Cli {
     group: String,
 }
 
-/// The table: embedded, or in etcd when endpoints are given (checked before serving).
+/// The table: embedded, or in etcd when endpoints are given. An etcd that does not answer yet
+/// (started together with this service) is waited for: one WARN line, one more every 30 s,
+/// one INFO line when it answers. Malformed flags and endpoints fail at once.
 async fn state(cli: &Cli, limits: Limits) -> anyhow::Result<Arc<dyn BootstrapState>> {
     let Some(eps) = cli
         .etcd_endpoints
@@ -75,12 +79,18 @@ async fn state(cli: &Cli, limits: Limits) -> anyhow::Result<Arc<dyn BootstrapSta
         .map(|e| e.trim().to_string())
         .filter(|e| !e.is_empty())
         .collect();
-    let client = EtcdClient::connect(&endpoints, Duration::from_secs(3))?;
-    client
-        .check()
-        .await
-        .with_context(|| format!("cannot reach etcd at {eps} (--etcd-endpoints)"))?;
+    let client = EtcdClient::connect(&endpoints, Duration::from_secs(3))
+        .with_context(|| format!("--etcd-endpoints={eps}"))?;
     let prefix = SharedState::prefix_for(&cli.cluster_id, &cli.group);
+    let mut waiting = PeerWait::new(
+        format!("etcd at {eps}"),
+        format!("(--etcd-endpoints) to share the bootstrap table {prefix}"),
+    );
+    // Every failure of a reachable-or-not etcd is one waiting can fix: the endpoints parsed.
+    while let Err(e) = client.check().await {
+        waiting.retry_after(&e).await;
+    }
+    waiting.reached();
     tracing::info!(etcd = %eps, %prefix, "bootstrap table shared through etcd");
     Ok(Arc::new(
         SharedState::new(Arc::new(EtcdMetaStore::new(client)), prefix).with_limits(limits),
@@ -108,15 +118,18 @@ async fn main() -> anyhow::Result<()> {
             max_per_peer: cli.max_registrations_per_peer,
         },
     };
+    // Installed before any wait, so SIGTERM stops a bootstrap that is still waiting for etcd.
+    let mut shutdown = Box::pin(lunakv_telemetry::shutdown_signal("lunakv-bootstrap"));
     cfg.validate()?;
-    let state = state(&cli, cfg.limits).await?;
+    // Bound before the wait: a port in use is a configuration error, reported at once.
     let listeners = Listeners::bind(&cfg).await.context("cannot start")?;
-    lunakv_bootstrap::serve(
-        cfg,
-        listeners,
-        state,
-        lunakv_telemetry::shutdown_signal("lunakv-bootstrap"),
-    )
-    .await?;
+    let state = tokio::select! {
+        s = state(&cli, cfg.limits) => s?,
+        () = &mut shutdown => {
+            tracing::info!("shutting down before serving (etcd never answered)");
+            return Ok(());
+        }
+    };
+    lunakv_bootstrap::serve(cfg, listeners, state, shutdown).await?;
     Ok(())
 }

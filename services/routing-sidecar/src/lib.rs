@@ -34,6 +34,7 @@ pub mod config;
 pub mod file;
 pub mod layers;
 pub mod metrics;
+pub mod peers;
 pub mod proxy;
 pub mod server;
 pub mod ssrf;

@@ -30,6 +30,7 @@ use crate::body::{
 use crate::cache::{BootstrapCache, Engines};
 use crate::config::{Connector, SidecarConfig};
 use crate::metrics::Metrics;
+use crate::peers::{DECODE_ENGINE, PREFILL_BOOTSTRAP, PREFILL_ENGINE, PeerLog};
 use crate::ssrf::{Allowlist, split_host_port};
 
 /// The header the scheduler sets to the chosen prefill pod(s).
@@ -57,6 +58,8 @@ pub struct Shared {
     pub body_budget: BodyBudget,
     pub allow: Option<Arc<Allowlist>>,
     pub metrics: Arc<Metrics>,
+    /// Upstreams that refuse connections, logged once (and every 30 s) instead of per request.
+    pub peers: Arc<PeerLog>,
 }
 
 /// One listener's service: the shared state plus its model server (data-parallel rank).
@@ -146,6 +149,12 @@ enum UpstreamError {
     Connect(String, String),
     #[error("request to {0} failed: {1}")]
     Other(String, String),
+}
+
+/// Why a bootstrap `/query` failed: refused connections are logged per peer and period.
+enum QueryError {
+    Refused(UpstreamError),
+    Failed(String),
 }
 
 fn classify(url: &str, e: hyper_util::client::legacy::Error) -> UpstreamError {
@@ -259,7 +268,10 @@ impl Proxy {
             .instrument(span)
             .await
         {
-            Ok(resp) => self.relay(resp, None).await,
+            Ok(resp) => {
+                self.shared.peers.reachable(DECODE_ENGINE, &self.decoder);
+                self.relay(resp, None).await
+            }
             Err(e) => self.decode_error(classify(&self.decoder, e)),
         }
     }
@@ -269,7 +281,16 @@ impl Proxy {
             .metrics
             .decode_errors
             .fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(error = %e, "decode request failed");
+        // A decode engine still loading its model refuses every request: one line, not one
+        // per request (counted in decode_errors either way).
+        match &e {
+            UpstreamError::Connect(..) => {
+                self.shared
+                    .peers
+                    .unreachable(DECODE_ENGINE, &self.decoder, &e);
+            }
+            UpstreamError::Other(..) => tracing::warn!(error = %e, "decode request failed"),
+        }
         match e {
             UpstreamError::Connect(..) => error_response(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -569,6 +590,19 @@ impl Proxy {
         (v, cached)
     }
 
+    /// A prefill engine that refuses connections is logged once per period (see [`PeerLog`]);
+    /// any other failure once per request.
+    fn log_prefill_failure(&self, ctx: &Ctx, e: &UpstreamError, what: &str) {
+        match e {
+            UpstreamError::Connect(..) => {
+                self.shared
+                    .peers
+                    .unreachable(PREFILL_ENGINE, &ctx.host_port, e);
+            }
+            UpstreamError::Other(..) => tracing::warn!(error = %e, "{what}"),
+        }
+    }
+
     fn prefill_error(&self, e: &UpstreamError) -> Response<Body> {
         match e {
             UpstreamError::Connect(..) => error_response(
@@ -619,8 +653,12 @@ impl Proxy {
                 .instrument(span)
                 .await
             {
-                Ok(a) if a.status.is_success() => break a,
+                Ok(a) if a.status.is_success() => {
+                    self.shared.peers.reachable(PREFILL_ENGINE, &ctx.host_port);
+                    break a;
+                }
                 Ok(a) => {
+                    self.shared.peers.reachable(PREFILL_ENGINE, &ctx.host_port);
                     self.shared
                         .metrics
                         .prefill_failures
@@ -636,7 +674,7 @@ impl Proxy {
                         .metrics
                         .prefill_failures
                         .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(error = %e, "prefill failed");
+                    self.log_prefill_failure(ctx, &e, "prefill failed");
                     self.prefill_error(&e)
                 }
             };
@@ -688,44 +726,60 @@ impl Proxy {
             .metrics
             .bootstrap_queries
             .fetch_add(1, Ordering::Relaxed);
-        let url = format!("http://{}/query", self.bootstrap_authority(ctx));
-        let fail = |msg: String| {
-            tracing::warn!(%url, "bootstrap query failed: {msg}");
+        let authority = self.bootstrap_authority(ctx);
+        let url = format!("http://{authority}/query");
+        let answer = |msg: &str| {
             error_response(
                 StatusCode::BAD_GATEWAY,
                 format!("bootstrap query {url} failed: {msg}"),
             )
+        };
+        let fail = |msg: String| {
+            tracing::warn!(%url, "bootstrap query failed: {msg}");
+            answer(&msg)
         };
         let mut req = Request::new(body::empty());
         *req.uri_mut() = url.parse().map_err(|e| fail(format!("{e}")))?;
         let span = lunakv_telemetry::propagate::http_client_span(&Method::GET, req.uri());
         lunakv_telemetry::propagate::inject_http(&span, req.headers_mut());
         let call = async {
-            let resp = self
-                .shared
-                .prefill_client
-                .request(req)
-                .await
-                .map_err(|e| classify(&url, e).to_string())?;
+            let resp = self.shared.prefill_client.request(req).await.map_err(|e| {
+                match classify(&url, e) {
+                    // Refused: logged per bootstrap once per period, not per request.
+                    e @ UpstreamError::Connect(..) => QueryError::Refused(e),
+                    e @ UpstreamError::Other(..) => QueryError::Failed(e.to_string()),
+                }
+            })?;
+            self.shared.peers.reachable(PREFILL_BOOTSTRAP, &authority);
             let status = resp.status();
             let body = resp
                 .into_body()
                 .collect()
                 .await
-                .map_err(|e| e.to_string())?
+                .map_err(|e| QueryError::Failed(e.to_string()))?
                 .to_bytes();
             if !status.is_success() {
-                return Err(format!("answered {status}"));
+                return Err(QueryError::Failed(format!("answered {status}")));
             }
-            serde_json::from_slice::<Value>(&body).map_err(|e| format!("not JSON: {e}"))
+            serde_json::from_slice::<Value>(&body)
+                .map_err(|e| QueryError::Failed(format!("not JSON: {e}")))
         };
         let v = match tokio::time::timeout(BOOTSTRAP_TIMEOUT, call)
             .instrument(span)
             .await
-        {
-            Ok(Ok(v)) => v,
-            Ok(Err(e)) => return Err(fail(e)),
-            Err(_) => return Err(fail(format!("no answer within {BOOTSTRAP_TIMEOUT:?}"))),
+            .unwrap_or_else(|_| {
+                Err(QueryError::Failed(format!(
+                    "no answer within {BOOTSTRAP_TIMEOUT:?}"
+                )))
+            }) {
+            Ok(v) => v,
+            Err(QueryError::Failed(msg)) => return Err(fail(msg)),
+            Err(QueryError::Refused(refused)) => {
+                self.shared
+                    .peers
+                    .unreachable(PREFILL_BOOTSTRAP, &authority, &refused);
+                return Err(answer(&refused.to_string()));
+            }
         };
         let engines = Engines::from_query(&v)
             .ok_or_else(|| fail("no prefill engine is registered".into()))?;
@@ -848,14 +902,18 @@ impl Proxy {
             };
             // On a failed prefill, returning drops `decode`, which cancels the decode leg.
             let a = match p {
-                Ok(a) if a.status.is_success() => a,
+                Ok(a) if a.status.is_success() => {
+                    self.shared.peers.reachable(PREFILL_ENGINE, &ctx.host_port);
+                    a
+                }
                 Ok(a) => {
+                    self.shared.peers.reachable(PREFILL_ENGINE, &ctx.host_port);
                     tracing::warn!(status = %a.status, "prefill answered an error; decode cancelled");
                     let retry = a.retryable();
                     return self.prefill_failed(ctx, a.into_response(), retry);
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "prefill failed; decode cancelled");
+                    self.log_prefill_failure(ctx, &e, "prefill failed; decode cancelled");
                     return self.prefill_failed(ctx, self.prefill_error(&e), true);
                 }
             };
@@ -864,6 +922,9 @@ impl Proxy {
                 Some(d) => d,
                 None => decode.await,
             };
+            if d.is_ok() {
+                self.shared.peers.reachable(DECODE_ENGINE, &self.decoder);
+            }
             match d {
                 Ok(resp) if resp.status().is_success() => return Attempt::Relay(resp, cached),
                 Ok(resp) if from_cache && *stale_retry_left => {

@@ -19,6 +19,7 @@ use crate::cache::BootstrapCache;
 use crate::config::SidecarConfig;
 use crate::layers::{InflightLayer, RequestIdLayer};
 use crate::metrics::Metrics;
+use crate::peers::PeerLog;
 use crate::proxy::{DecoderBase, HttpClient, Proxy, Shared};
 use crate::ssrf::Allowlist;
 use crate::{SidecarError, tls};
@@ -113,6 +114,16 @@ pub async fn bind(cfg: SidecarConfig) -> Result<Bound, SidecarError> {
         })?;
         listeners.push((l, decoder, base));
     }
+    // The decode engine usually starts after this sidecar (vLLM loads its model first): say
+    // so once, and once when it answers, instead of once per request meanwhile.
+    let peers = Arc::new(PeerLog::default());
+    for (_, decoder, base) in &listeners {
+        background.push(tokio::spawn(crate::peers::wait_for_decoder(
+            peers.clone(),
+            base.authority.to_string(),
+            decoder.to_string(),
+        )));
+    }
     let shared = Arc::new(Shared {
         prefill_client: client(&cfg, cfg.skip_verify.prefiller)?,
         decode_client: client(&cfg, cfg.skip_verify.decoder)?,
@@ -120,6 +131,7 @@ pub async fn bind(cfg: SidecarConfig) -> Result<Bound, SidecarError> {
         body_budget: crate::body::BodyBudget::new(cfg.max_buffered_body_bytes, metrics.clone()),
         allow,
         metrics,
+        peers,
         cfg,
     });
     Ok(Bound {

@@ -1,38 +1,62 @@
-//! The store-client's admin HTTP: /metrics (Prometheus text) and /health.
+//! The store-client's admin HTTP: /metrics (Prometheus text), /health (liveness: the process
+//! answers) and /ready (readiness: 200 once the segment is mounted with the master, 503 before,
+//! while re-mounting after a master restart, and once unmounted at shutdown).
 
 use std::future::Future;
 use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::header;
+use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use lunakv_client::SegmentHost;
+use lunakv_client::MountStatus;
+use lunakv_transfer::SegmentServer;
 
 use crate::Metrics;
 
+/// What the admin routes read. Built before the mount, so they answer while the store waits
+/// for its master.
 #[derive(Clone)]
-struct AdminState {
-    host: Arc<SegmentHost>,
-    metrics: Metrics,
+pub(crate) struct AdminState {
+    pub(crate) server: Arc<SegmentServer>,
+    pub(crate) segment: String,
+    pub(crate) size: u64,
+    pub(crate) status: MountStatus,
+    pub(crate) master: String,
+    pub(crate) metrics: Metrics,
 }
 
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
-    host: Arc<SegmentHost>,
-    metrics: Metrics,
+    state: AdminState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     let app = Router::new()
         .route("/metrics", get(metrics_text))
         .route("/health", get(|| async { "OK" }))
-        .with_state(AdminState { host, metrics });
+        .route("/ready", get(ready))
+        .with_state(state);
     if let Err(e) = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
     {
         tracing::error!(error = %e, "admin server stopped");
+    }
+}
+
+async fn ready(State(s): State<AdminState>) -> impl IntoResponse {
+    if s.status.is_mounted() {
+        (StatusCode::OK, "ready".to_string())
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: segment {} is not mounted with lunakv-master at {} (waiting for the \
+                 master, re-mounting after a master restart, or shutting down)",
+                s.segment, s.master
+            ),
+        )
     }
 }
 
@@ -47,9 +71,10 @@ fn advance(c: &prometheus::IntCounter, total: u64) {
 
 async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     let _one_scrape_at_a_time = s.metrics.scrape.lock().unwrap_or_else(|p| p.into_inner());
-    let st = s.host.server().stats();
+    let st = s.server.stats();
     let m = &s.metrics;
-    m.capacity.set(s.host.info().size as i64);
+    m.capacity.set(s.size as i64);
+    m.mounted.set(i64::from(s.status.is_mounted()));
     m.used.set(st.used_bytes as i64);
     m.objects.set(st.entries as i64);
     advance(&m.bytes_read, st.bytes_read);
@@ -61,7 +86,7 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     set(&m.drain_drained, m.drain.drained());
     set(&m.drain_drained_bytes, m.drain.drained_bytes());
     set(&m.drain_dropped, m.drain.dropped());
-    let cs = s.host.server().conn_stats();
+    let cs = s.server.conn_stats();
     m.conns_open.set((cs.open_tcp + cs.open_shm) as i64);
     advance(&m.conns_refused, cs.refused_total);
     advance(&m.bad_frames, cs.bad_frames_total);

@@ -8,15 +8,16 @@
 //! pool survives engine restarts.
 //!
 //! The segment logic itself is [`lunakv_client::SegmentHost`], shared with embedded-mode
-//! engines; this crate adds the flags, the admin HTTP endpoint (/metrics, /health) and the
-//! lifecycle.
+//! engines; this crate adds the flags, the admin HTTP endpoint (/metrics, /health for liveness,
+//! /ready for readiness: 503 until the segment is mounted) and the lifecycle. A store started
+//! before its master waits for it (one WARN line, then one every 30 s) instead of exiting.
 
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lunakv_client::{ClientError, HostDisk, HostOptions, SegmentHost};
+use lunakv_client::{ClientError, HostDisk, HostOptions, MasterWait, SegmentHost};
 use lunakv_config::StoreConfig;
 use lunakv_transfer::{ProtocolChoice, WireProtocol};
 use prometheus::{IntCounter, IntGauge, IntGaugeVec, Registry};
@@ -48,8 +49,13 @@ pub enum StoreError {
     Offload(String),
 }
 
-/// Serves until `shutdown` resolves, then unmounts and stops. Prints one line once bound:
-/// `lunakv-store listening transfer=IP:PORT admin=IP:PORT segment=NAME size=BYTES`.
+/// Serves until `shutdown` resolves, then unmounts and stops. Prints two lines on stdout: once
+/// the transfer and admin ports are bound,
+/// `lunakv-store bound transfer=IP:PORT admin=IP:PORT segment=NAME size=BYTES master=ADDR`,
+/// and once the segment is mounted (which waits for the master as long as it takes),
+/// `lunakv-store listening transfer=IP:PORT admin=IP:PORT segment=NAME size=BYTES protocol=P`.
+/// SIGTERM while waiting returns `Ok` at once; only a configuration error (a refused mount, a
+/// malformed address, a cluster_id mismatch) returns an error.
 pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Result<(), StoreError> {
     let ip: IpAddr = cfg
         .host
@@ -113,9 +119,9 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
             inventory: a,
         }
     });
-    let host = SegmentHost::start_with_disk(
+    let bound = SegmentHost::bind(
         HostOptions {
-            master_server_address: master,
+            master_server_address: master.clone(),
             client_id,
             cluster_id: cfg.cluster_id.clone(),
             bind: SocketAddr::new(ip, cfg.port),
@@ -135,10 +141,8 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
             bind_retry: Duration::from_secs(cfg.bind_retry_sec),
         },
         disk,
-    )
-    .await?;
-    let host = Arc::new(host);
-    let protocol = host.protocol();
+    )?;
+    let protocol = bound.protocol();
     metrics
         .protocol_info
         .with_label_values(&[
@@ -151,6 +155,8 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
     let drain_on = tier.is_some();
     let drain_progress = metrics.drain.clone();
     let metrics = Metrics { tier, ..metrics };
+    // The admin port comes up before the mount: liveness (/health) answers while the store
+    // waits for its master, and readiness (/ready) says 503 until the segment is mounted.
     let admin_addr = SocketAddr::new(ip, cfg.metrics_port);
     let listener = tokio::net::TcpListener::bind(admin_addr)
         .await
@@ -164,12 +170,49 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
             addr: admin_addr,
             source,
         })?;
+    let info = bound.info().clone();
     let (stop_admin, admin_stopped) = tokio::sync::oneshot::channel::<()>();
-    let admin = tokio::spawn(admin::serve(listener, host.clone(), metrics, async {
-        let _ = admin_stopped.await;
-    }));
+    let admin = tokio::spawn(admin::serve(
+        listener,
+        admin::AdminState {
+            server: bound.server().clone(),
+            segment: info.name.clone(),
+            size: info.size,
+            status: bound.status(),
+            master: master.clone(),
+            metrics,
+        },
+        async {
+            let _ = admin_stopped.await;
+        },
+    ));
+    println!(
+        "lunakv-store bound transfer={} admin={} segment={} size={} master={}",
+        info.transfer_endpoint, admin_addr, info.name, info.size, master
+    );
 
-    let info = host.info().clone();
+    // Until the master answers: a store started before its master (a DaemonSet rolling out
+    // with the master) waits instead of exiting, and SIGTERM still stops it at once. Only a
+    // configuration error ends the wait (lunakv_client's startup rules).
+    tokio::pin!(shutdown);
+    let mounted = tokio::select! {
+        r = bound.mount(MasterWait::Forever) => r,
+        () = &mut shutdown => {
+            tracing::info!("shutting down before the segment was mounted");
+            let _ = stop_admin.send(());
+            let _ = admin.await;
+            return Ok(());
+        }
+    };
+    let host = match mounted {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = stop_admin.send(());
+            let _ = admin.await;
+            return Err(e.into());
+        }
+    };
+
     println!(
         "lunakv-store listening transfer={} admin={} segment={} size={} protocol={}",
         info.transfer_endpoint,
@@ -199,12 +242,7 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
     }
     let _ = stop_admin.send(());
     let _ = admin.await;
-    match Arc::try_unwrap(host) {
-        Ok(h) => h.shutdown().await?,
-        Err(_) => tracing::warn!(
-            "segment still referenced at shutdown; the master will expire it after client_ttl"
-        ),
-    }
+    host.shutdown().await?;
     Ok(())
 }
 
@@ -213,6 +251,8 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
 pub(crate) struct Metrics {
     pub(crate) registry: Registry,
     pub(crate) capacity: IntGauge,
+    /// 1 while the segment is mounted with the master (what /ready answers).
+    pub(crate) mounted: IntGauge,
     pub(crate) used: IntGauge,
     pub(crate) objects: IntGauge,
     pub(crate) bytes_read: IntCounter,
@@ -270,6 +310,11 @@ impl Metrics {
             capacity: g(
                 "lunakv_store_segment_capacity_bytes",
                 "Bytes of DRAM this store serves",
+            ),
+            mounted: g(
+                "lunakv_store_segment_mounted",
+                "1 while the segment is mounted with the master (/ready answers 200); 0 while \
+                 waiting for the master, re-mounting, or shutting down",
             ),
             used: g(
                 "lunakv_store_segment_used_bytes",

@@ -133,6 +133,17 @@ pub struct DoctorArgs {
     #[arg(long, value_name = "JSON")]
     pub kv_transfer_config: Option<String>,
 
+    /// The engine's `vllm serve` arguments as one string (as `ps -o args=` shows them, or the
+    /// pod spec's args joined): doctor reads --disable-log-stats and --kv-transfer-config there
+    /// for the vllm_stats row (vLLM #43828).
+    #[arg(long, value_name = "ARGS", allow_hyphen_values = true)]
+    pub vllm_args: Option<String>,
+
+    /// The engine's vLLM version (`vllm --version`, or GET /version on the engine), for the
+    /// vllm_stats row: which releases have the fix.
+    #[arg(long, value_name = "X.Y.Z")]
+    pub vllm_version: Option<String>,
+
     /// A segment whose owner has not pinged the master for longer is reported dead.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub stale_ping_ms: u64,
@@ -264,6 +275,9 @@ mod tests {
             "--port=8000 --kv-connector=mooncake",
             "--kv-transfer-config",
             "{}",
+            "--vllm-args",
+            "--disable-log-stats --port=8000",
+            "--vllm-version=0.32.0",
             "--config",
             "/tmp/m.json",
         ]);
@@ -276,6 +290,11 @@ mod tests {
             d.sidecar_args.as_deref(),
             Some("--port=8000 --kv-connector=mooncake")
         );
+        assert_eq!(
+            d.vllm_args.as_deref(),
+            Some("--disable-log-stats --port=8000")
+        );
+        assert_eq!(d.vllm_version.as_deref(), Some("0.32.0"));
         assert_eq!(d.stale_ping_ms, 5000);
     }
 

@@ -178,6 +178,7 @@ pub fn run(
     ));
     checks.push(check_bootstrap(a));
     checks.push(check_connectors(a));
+    checks.push(check_vllm_stats(a));
     checks.push(check_key_consistency(client.as_ref()));
 
     let failed = checks.iter().any(|c| c.status == Outcome::Fail);
@@ -748,6 +749,96 @@ fn check_connectors(a: &DoctorArgs) -> Check {
     }
 }
 
+/// vLLM #43828: a MultiConnector running MooncakeConnector kills the API server at its first
+/// successful transfer unless vLLM's stats are off. The rule is `lunakv_config::connectors`'s,
+/// shared with the Kubernetes overlay test.
+fn check_vllm_stats(a: &DoctorArgs) -> Check {
+    use lunakv_config::connectors::{
+        StatsRisk, VLLM_STATS_FIX, VLLM_STATS_ISSUE, VllmVersion, parse_vllm_args, vllm_stats_risk,
+    };
+    const NAME: &str = "vllm_stats";
+    let input_fix = "pass the engine's `vllm serve` arguments as one string, e.g. \
+                     --vllm-args \"$(ps -o args= -p <vllm pid>)\"";
+    let args = match a.vllm_args.as_deref().map(parse_vllm_args) {
+        None => None,
+        Some(Ok(v)) => Some(v),
+        Some(Err(e)) => return Check::fail(NAME, format!("--vllm-args: {e}"), input_fix),
+    };
+    let version = match a.vllm_version.as_deref().map(str::parse::<VllmVersion>) {
+        None => None,
+        Some(Ok(v)) => Some(v),
+        Some(Err(e)) => {
+            return Check::fail(
+                NAME,
+                format!("--vllm-version: {e}"),
+                "pass what `vllm --version` prints",
+            );
+        }
+    };
+    // The engine's connectors: from its command line, else from --kv-transfer-config (whose
+    // JSON errors the connectors row reports).
+    let kv = args
+        .as_ref()
+        .and_then(|a| a.kv_transfer_config.clone())
+        .or_else(|| {
+            a.kv_transfer_config
+                .as_deref()
+                .and_then(|k| serde_json::from_str(k).ok())
+        });
+    let Some(kv) = kv else {
+        return Check::skip(
+            NAME,
+            "no --vllm-args with a --kv-transfer-config, and no valid --kv-transfer-config given",
+        );
+    };
+    let on = version.map_or_else(
+        || "vLLM (version not given: --vllm-version)".to_string(),
+        |v| format!("vLLM {v}"),
+    );
+    match vllm_stats_risk(&kv, args.as_ref().map(|a| a.stats_disabled), version) {
+        StatsRisk::NotAffected => Check::pass(
+            NAME,
+            format!(
+                "the engine runs no MooncakeConnector inside a MultiConnector: {VLLM_STATS_ISSUE} \
+                 does not apply"
+            ),
+        ),
+        StatsRisk::Avoided => Check::pass(
+            NAME,
+            format!(
+                "MultiConnector with MooncakeConnector on {on}, stats off (--disable-log-stats): \
+                 {VLLM_STATS_ISSUE} is avoided"
+            ),
+        ),
+        StatsRisk::Fixed(v) => Check::pass(
+            NAME,
+            format!("vLLM {v} contains {VLLM_STATS_FIX}: {VLLM_STATS_ISSUE} is fixed"),
+        ),
+        StatsRisk::Crashes { .. } => Check::warn(
+            NAME,
+            format!(
+                "MultiConnector runs MooncakeConnector with stats on (no --disable-log-stats) \
+                 on {on}: the API server dies after its first successful KV transfer \
+                 ({VLLM_STATS_ISSUE}: \"AssertionError: MooncakeConnector is not contained in \
+                 the list of registered connectors with Prometheus metrics support\")"
+            ),
+            format!(
+                "add --disable-log-stats to the prefill and decode `vllm serve` arguments (the \
+                 pd-mooncake overlay does), or run the vLLM release that contains \
+                 {VLLM_STATS_FIX}"
+            ),
+        ),
+        StatsRisk::Unknown => Check::skip(
+            NAME,
+            format!(
+                "the engine runs MooncakeConnector inside a MultiConnector, which \
+                 {VLLM_STATS_ISSUE} crashes unless --disable-log-stats is given: pass \
+                 --vllm-args to check"
+            ),
+        ),
+    }
+}
+
 fn check_key_consistency(client: Option<&StoreClient>) -> Check {
     const NAME: &str = "key_consistency";
     let Some(client) = client else {
@@ -886,6 +977,66 @@ mod tests {
         let after = t.lines().skip_while(|l| !l.starts_with("bootstrap")).nth(1);
         assert_eq!(after.map(str::trim), Some("fix: start it"), "{t}");
         assert!(t.contains("1 check(s) failed"), "{t}");
+    }
+
+    fn doctor_args(vllm_args: Option<&str>, kv: Option<&str>, version: Option<&str>) -> DoctorArgs {
+        DoctorArgs {
+            store: vec![],
+            offload_dir: None,
+            bootstrap: None,
+            sidecar_args: None,
+            kv_transfer_config: kv.map(str::to_string),
+            vllm_args: vllm_args.map(str::to_string),
+            vllm_version: version.map(str::to_string),
+            stale_ping_ms: 5000,
+        }
+    }
+
+    #[test]
+    fn vllm_stats_warns_on_multiconnector_with_mooncake_and_stats_on() {
+        let multi = r#"{"kv_connector":"MultiConnector","kv_role":"kv_producer","kv_connector_extra_config":{"connectors":[{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"},{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_both"}]}}"#;
+        let serve = format!("vllm serve Qwen/Qwen3-0.6B --port=8000 --kv-transfer-config={multi}");
+        // Stats on, vLLM 0.32.0: a warning naming the issue, with the flag as the fix.
+        let c = check_vllm_stats(&doctor_args(Some(&serve), None, Some("0.32.0")));
+        assert_eq!(c.status, Outcome::Warn, "{c:?}");
+        assert!(
+            c.detail.contains("vLLM issue #43828") && c.detail.contains("0.32.0"),
+            "{c:?}"
+        );
+        assert!(
+            c.fix
+                .as_deref()
+                .unwrap_or_default()
+                .contains("--disable-log-stats")
+        );
+        // The flag avoids it.
+        let c = check_vllm_stats(&doctor_args(
+            Some(&format!("{serve} --disable-log-stats")),
+            None,
+            None,
+        ));
+        assert_eq!(c.status, Outcome::Pass, "{c:?}");
+        // Only the JSON: cannot tell whether stats are on.
+        let c = check_vllm_stats(&doctor_args(None, Some(multi), None));
+        assert_eq!(c.status, Outcome::Skip, "{c:?}");
+        assert!(c.detail.contains("--vllm-args"), "{c:?}");
+        // Not the affected composition.
+        let store_only = r#"{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_both"}"#;
+        let c = check_vllm_stats(&doctor_args(
+            Some(&format!("--kv-transfer-config={store_only}")),
+            None,
+            Some("0.32.0"),
+        ));
+        assert_eq!(c.status, Outcome::Pass, "{c:?}");
+        // No input at all, and bad input.
+        assert_eq!(
+            check_vllm_stats(&doctor_args(None, None, None)).status,
+            Outcome::Skip
+        );
+        assert_eq!(
+            check_vllm_stats(&doctor_args(Some(&serve), None, Some("latest"))).status,
+            Outcome::Fail
+        );
     }
 
     #[test]

@@ -1,0 +1,114 @@
+//! Reaching the master at startup, when it may not be up yet.
+//!
+//! A store-client (or an engine) started before its master is a startup-order problem, not a
+//! configuration error: it waits ([`crate::MasterWait`], logged by
+//! [`lunakv_telemetry::wait::PeerWait`]) instead of exiting, so a DaemonSet does not crash-loop.
+//! What waiting cannot fix fails at once:
+//!
+//! - a malformed address (`ClientError::Config`: bad `host:port`, bad etcd endpoint list);
+//! - with `etcd://`, no leader for this cluster_id while etcd holds leaders of other clusters
+//!   (after the 10 s the link itself waits for one): a cluster_id mismatch;
+//! - a mount the master refuses ([`retryable`] is false): cluster_id or enable_offload mismatch
+//!   (FAILED_PRECONDITION), an invalid segment (INVALID_ARGUMENT), another owner's segment
+//!   (PERMISSION_DENIED), a request too large (RESOURCE_EXHAUSTED), a peer that is not a
+//!   lunakv-master (UNIMPLEMENTED), ...
+//!
+//! What waiting fixes: nothing listening at the address, etcd unreachable, no leader elected
+//! yet, a master still rebuilding its index or a follower (UNAVAILABLE), a timeout, a
+//! transient failure of the master's metadata store (INTERNAL).
+
+use std::time::Duration;
+
+use lunakv_telemetry::wait::PeerWait;
+
+use crate::ClientError;
+use crate::link::MasterLink;
+
+/// The hint `link::no_leader` gives when etcd has leaders of other clusters only: the one
+/// connect error about an existing etcd that retrying cannot fix.
+const CLUSTER_MISMATCH_HINT: &str = "must match the masters' --cluster_id";
+
+/// Whether waiting may fix a failure of [`MasterLink::connect`].
+fn connect_retryable(e: &ClientError) -> bool {
+    match e {
+        ClientError::Rpc { message, .. } => !message.contains(CLUSTER_MISMATCH_HINT),
+        _ => false,
+    }
+}
+
+/// Whether waiting may fix a master's answer to a mount (see the module docs).
+pub(crate) fn retryable(status: &tonic::Status) -> bool {
+    use tonic::Code;
+    matches!(
+        status.code(),
+        Code::Unavailable
+            | Code::DeadlineExceeded
+            | Code::Cancelled
+            | Code::Aborted
+            | Code::Internal
+            | Code::Unknown
+    )
+}
+
+/// [`MasterLink::connect`], retried per `wait` while the failure is one waiting can fix.
+pub(crate) async fn connect_link(
+    spec: &str,
+    cluster_id: &str,
+    timeout: Duration,
+    wait: &mut PeerWait,
+) -> Result<MasterLink, ClientError> {
+    loop {
+        match MasterLink::connect(spec, cluster_id, timeout).await {
+            Ok(link) => return Ok(link),
+            Err(e) if connect_retryable(&e) => {
+                if !wait.retry_after(&e).await {
+                    return Err(e);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The wait for the master at `spec`, `purpose` saying what for.
+pub(crate) fn master_wait(spec: &str, purpose: String, wait: crate::MasterWait) -> PeerWait {
+    PeerWait::new(format!("lunakv-master at {}", spec.trim()), purpose).limit(wait.limit())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_waiting_can_fix() {
+        let rpc = |m: &str| ClientError::Rpc {
+            addr: "a".into(),
+            message: m.into(),
+        };
+        assert!(connect_retryable(&rpc(
+            "cannot connect (connection refused): is lunakv-master running there?"
+        )));
+        assert!(connect_retryable(&rpc(
+            "no lunakv-master leads cluster \"c\" (etcd key k is absent): start lunakv-master \
+             with --enable_ha"
+        )));
+        assert!(!connect_retryable(&rpc(
+            "etcd has leaders for cluster_id [\"a\"]: the cluster_id of this client (\"b\") must \
+             match the masters' --cluster_id"
+        )));
+        assert!(!connect_retryable(&ClientError::Config(
+            "bad address".into()
+        )));
+
+        assert!(retryable(&tonic::Status::unavailable("rebuilding")));
+        assert!(retryable(&tonic::Status::deadline_exceeded("slow")));
+        assert!(retryable(&tonic::Status::internal("etcd write failed")));
+        assert!(!retryable(&tonic::Status::failed_precondition(
+            "cluster_id mismatch"
+        )));
+        assert!(!retryable(&tonic::Status::invalid_argument("segment.size")));
+        assert!(!retryable(&tonic::Status::permission_denied("not owner")));
+        assert!(!retryable(&tonic::Status::resource_exhausted("too large")));
+        assert!(!retryable(&tonic::Status::unimplemented("not a master")));
+    }
+}
