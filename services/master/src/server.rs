@@ -195,10 +195,17 @@ impl Master {
                 endpoints: endpoints.to_string(),
                 message: e.to_string(),
             })?;
-        etcd.check().await.map_err(|e| ServeError::Etcd {
-            endpoints: endpoints.to_string(),
-            message: e.to_string(),
-        })?;
+        // etcd not up yet is what a rolling start looks like: wait for it (one WARN, then one
+        // every 30 s) instead of exiting into a crash loop. The endpoints parsed, so nothing
+        // here is a configuration error.
+        let mut waiting = lunakv_telemetry::wait::PeerWait::new(
+            format!("etcd at {endpoints}"),
+            "(--etcd_endpoints) to campaign for leadership",
+        );
+        while let Err(e) = etcd.check().await {
+            waiting.retry_after(&e).await;
+        }
+        waiting.reached();
         let prefix = layout::cluster_prefix(&cfg.cluster_id);
         let election_meta: Arc<dyn MetaStore> = Arc::new(Prefixed::new(
             Arc::new(EtcdMetaStore::new(etcd.clone())),
@@ -463,7 +470,16 @@ pub async fn serve(
     listeners: Listeners,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    Master::open(cfg).await?.run(listeners, shutdown).await
+    let mut shutdown = Box::pin(shutdown);
+    // Opening can wait for etcd (HA); a SIGTERM then stops the wait.
+    let master = tokio::select! {
+        m = Master::open(cfg) => m?,
+        () = &mut shutdown => {
+            tracing::info!("shutting down before serving (etcd never answered)");
+            return Ok(());
+        }
+    };
+    master.run(listeners, shutdown).await
 }
 
 /// A master running in the background (for tests and embedding).
