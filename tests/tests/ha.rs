@@ -301,8 +301,12 @@ fn kill9_leader_under_load_loses_no_acknowledged_object() {
     );
 }
 
-/// `grpc.health.v1` status of `service` at one master (the numeric ServingStatus).
-fn grpc_health(addr: std::net::SocketAddr, service: &str) -> i32 {
+/// Runs `f` on a channel straight to one master (no leader following), with `timeout` per call.
+fn on_channel<T>(
+    addr: std::net::SocketAddr,
+    timeout: Duration,
+    f: impl AsyncFnOnce(tonic::transport::Channel) -> T,
+) -> T {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -310,8 +314,15 @@ fn grpc_health(addr: std::net::SocketAddr, service: &str) -> i32 {
     rt.block_on(async move {
         let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .expect("uri")
-            .timeout(Duration::from_secs(5))
+            .timeout(timeout)
             .connect_lazy();
+        f(ch).await
+    })
+}
+
+/// `grpc.health.v1` status of `service` at one master (the numeric ServingStatus).
+fn grpc_health(addr: std::net::SocketAddr, service: &str) -> i32 {
+    on_channel(addr, Duration::from_secs(5), async move |ch| {
         tonic_health::pb::health_client::HealthClient::new(ch)
             .check(tonic_health::pb::HealthCheckRequest {
                 service: service.into(),
@@ -325,15 +336,7 @@ fn grpc_health(addr: std::net::SocketAddr, service: &str) -> i32 {
 
 /// A PutStart sent straight to one master, bypassing the client library's leader following.
 fn raw_put_start(addr: std::net::SocketAddr, key: &str) -> Result<i32, tonic::Status> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    rt.block_on(async move {
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .expect("uri")
-            .timeout(Duration::from_secs(60))
-            .connect_lazy();
+    on_channel(addr, Duration::from_secs(60), async move |ch| {
         let mut m = pb::master_client::MasterClient::new(ch);
         let r = m
             .put_start(pb::PutStartRequest {

@@ -9,14 +9,19 @@ use lunakv_tests::{Master, Store, bin, child_env};
 
 const ESC: char = '\u{1b}';
 
-#[test]
-fn piped_logs_carry_no_colour() {
+/// What a master and a store-client (piped, as in a pod) print up to the store's mount.
+fn master_and_store_logs() -> [(&'static str, String); 2] {
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(dir.path(), &[]);
     let s = Store::start(&m.addr(), "16MB", &["--enable_shm=false"]);
     s.proc
         .wait_for_line("segment mounted", Duration::from_secs(20));
-    for (name, out) in [("master", m.proc.output()), ("store", s.proc.output())] {
+    [("master", m.proc.output()), ("store", s.proc.output())]
+}
+
+#[test]
+fn piped_logs_carry_no_colour() {
+    for (name, out) in master_and_store_logs() {
         assert!(out.lines().count() > 2, "{name} logged nothing:\n{out}");
         let coloured = out.lines().filter(|l| l.contains(ESC)).count();
         assert_eq!(
@@ -29,12 +34,7 @@ fn piped_logs_carry_no_colour() {
 #[test]
 fn json_logs_are_one_object_per_line() {
     let _env = child_env(&[("LUNAKV_LOG_FORMAT", "json")]);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let m = Master::start(dir.path(), &[]);
-    let s = Store::start(&m.addr(), "16MB", &["--enable_shm=false"]);
-    s.proc
-        .wait_for_line("segment mounted", Duration::from_secs(20));
-    for (name, out) in [("master", m.proc.output()), ("store", s.proc.output())] {
+    for (name, out) in master_and_store_logs() {
         // stdout's machine-readable lines ("lunakv-master listening ...", "lunakv-store bound
         // ...", "lunakv-store listening ...") are not log lines.
         let logs: Vec<&str> = out.lines().filter(|l| !l.starts_with("lunakv-")).collect();
