@@ -348,28 +348,18 @@ pub struct Store {
 
 impl Store {
     pub fn start(master: &str, size: &str, extra: &[&str]) -> Store {
-        let mut args = vec![
-            format!("--master_server_address={master}"),
-            "--host=127.0.0.1".to_owned(),
-            "--port=0".to_owned(),
-            "--metrics_port=0".to_owned(),
-            format!("--global_segment_size={size}"),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let proc = Proc::spawn("lunakv-store", &args, &[]);
-        let line = proc.wait_for_line("listening", Duration::from_secs(20));
-        let f = fields(&line);
-        Store {
-            transfer: addr(&line, "transfer"),
-            admin: f.get("admin").and_then(|a| a.parse().ok()),
-            proc,
-        }
+        Store::spawn_until(master, size, extra, "listening")
     }
 
     /// Spawns a store without waiting for its mount: returns once its ports are bound (the
     /// `lunakv-store bound` line), with the admin port already answering, so a test can watch
     /// it wait for a master that is not up yet. `listening` follows once mounted.
     pub fn spawn_unmounted(master: &str, size: &str, extra: &[&str]) -> Store {
+        Store::spawn_until(master, size, extra, "lunakv-store bound")
+    }
+
+    /// Spawns a store and reads its addresses from the first line containing `line_word`.
+    fn spawn_until(master: &str, size: &str, extra: &[&str], line_word: &str) -> Store {
         let mut args = vec![
             format!("--master_server_address={master}"),
             "--host=127.0.0.1".to_owned(),
@@ -379,7 +369,7 @@ impl Store {
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
         let proc = Proc::spawn("lunakv-store", &args, &[]);
-        let line = proc.wait_for_line("lunakv-store bound", Duration::from_secs(20));
+        let line = proc.wait_for_line(line_word, Duration::from_secs(20));
         let f = fields(&line);
         Store {
             transfer: addr(&line, "transfer"),
