@@ -37,6 +37,7 @@ mod drain;
 mod guard;
 mod local;
 mod mem;
+mod optimes;
 mod raw;
 pub mod rdma;
 mod region;
@@ -47,6 +48,8 @@ mod tcp;
 mod trace;
 mod vio;
 pub mod wire;
+
+pub use optimes::{OP_TIME_BOUNDS, OpTimesSnapshot, TimedOp};
 
 pub use drain::{ColdDrain, DrainProgress, DrainReport};
 pub use guard::raise_fd_limit;

@@ -18,6 +18,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::guard::{AcceptBackoff, Admission, Caps, PeerLog, Refusal, Slot, peer_name};
 use crate::mem::Mapping;
+use crate::optimes::TimedOp;
 use crate::table::{PinId, PinResult, Table};
 use crate::wire::{self, Op, Request, Response, Status};
 use crate::{
@@ -53,6 +54,7 @@ pub(crate) struct Counters {
     pub(crate) shm_attaches: AtomicU64,
     pub(crate) conns_refused: AtomicU64,
     pub(crate) bad_frames: AtomicU64,
+    pub(crate) op_times: crate::optimes::OpTimes,
 }
 
 /// Connection counters of a segment server (the store's /metrics shows them).
@@ -305,6 +307,11 @@ impl SegmentServer {
             entries,
             used_bytes,
         }
+    }
+
+    /// Latency histograms of WRITE, COMMIT, READ and PIN as this server handled them.
+    pub fn op_times(&self) -> Vec<crate::OpTimesSnapshot> {
+        self.shared.counters.op_times.snapshot()
     }
 
     /// Open connections, refusals and bad frames.
@@ -628,6 +635,7 @@ fn serve<S: Stream>(
                 req.op
             )));
         }
+        let started = Instant::now();
         match req.op {
             Op::Write | Op::Commit => {
                 let key_len = req.key_len as usize;
@@ -686,6 +694,12 @@ fn serve<S: Stream>(
                     .bytes_written
                     .fetch_add(req.len, Ordering::Relaxed);
                 reply(&mut wr, Status::Ok, 0, "")?;
+                let op = if req.op == Op::Write {
+                    TimedOp::Write
+                } else {
+                    TimedOp::Commit
+                };
+                shared.counters.op_times.observe(op, started.elapsed());
             }
             Op::Read | Op::Pin => {
                 if req.len == 0 {
@@ -725,6 +739,8 @@ fn serve<S: Stream>(
                 if req.op == Op::Pin {
                     pins.push((req.generation, req.offset, req.len, pin));
                     reply(&mut wr, Status::Ok, 0, "")?;
+                    let took = started.elapsed();
+                    shared.counters.op_times.observe(TimedOp::Pin, took);
                     continue;
                 }
                 let hdr = Response {
@@ -739,6 +755,8 @@ fn serve<S: Stream>(
                 let r = crate::vio::write_all_gather(&mut wr, &[&hdr, body], &[]);
                 shared.table.unpin(pin);
                 r?;
+                let took = started.elapsed();
+                shared.counters.op_times.observe(TimedOp::Read, took);
             }
             Op::Unpin => {
                 if let Some(i) = pins

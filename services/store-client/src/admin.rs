@@ -107,6 +107,29 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     }
     (
         [(header::CONTENT_TYPE, lunakv_telemetry::METRICS_CONTENT_TYPE)],
-        lunakv_telemetry::render(&m.registry) + &lunakv_telemetry::render_process("lunakv-store"),
+        lunakv_telemetry::render(&m.registry)
+            + &render_op_times(&s.server.op_times())
+            + &lunakv_telemetry::render_process("lunakv-store"),
     )
+}
+
+/// `lunakv_store_transfer_op_duration_seconds{op}` in the text format, from the segment
+/// server's fixed buckets (the transfer library keeps atomics, not a prometheus histogram).
+fn render_op_times(ops: &[lunakv_transfer::OpTimesSnapshot]) -> String {
+    use std::fmt::Write;
+    const NAME: &str = "lunakv_store_transfer_op_duration_seconds";
+    let mut out = format!(
+        "# HELP {NAME} Time the segment server spent per op, from its header to its reply (tcp \
+         write/read carry the bytes; shm commit/pin do not)\n# TYPE {NAME} histogram\n"
+    );
+    for o in ops {
+        let op = o.op.label();
+        for (bound, n) in lunakv_transfer::OP_TIME_BOUNDS.iter().zip(&o.cumulative) {
+            let _ = writeln!(out, "{NAME}_bucket{{op=\"{op}\",le=\"{bound}\"}} {n}");
+        }
+        let _ = writeln!(out, "{NAME}_bucket{{op=\"{op}\",le=\"+Inf\"}} {}", o.count);
+        let _ = writeln!(out, "{NAME}_sum{{op=\"{op}\"}} {}", o.sum_seconds);
+        let _ = writeln!(out, "{NAME}_count{{op=\"{op}\"}} {}", o.count);
+    }
+    out
 }
