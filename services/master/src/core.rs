@@ -190,6 +190,18 @@ pub enum CoreError {
         instance: String,
         caller: String,
     },
+    /// A MountInventory part nobody awaits (the master restarted, or the segment was mounted
+    /// again or completed since): the owner must start its mount over, so it is ABORTED, which
+    /// owners retry, not INVALID_ARGUMENT, which a starting store treats as fatal.
+    #[error(
+        "no inventory of segment {segment:?} (instance {instance:?}) from client {client:?} is \
+         awaited: mount the segment again with its inventory"
+    )]
+    InventoryNotAwaited {
+        segment: String,
+        instance: String,
+        client: String,
+    },
     #[error(
         "offload mismatch: store-client segment {segment:?} has --enable_offload=true but this \
          master runs without it, so objects evicted from its DRAM could never be found on its \
@@ -516,14 +528,14 @@ impl MasterCore {
     ) -> Result<MountOutcome, CoreError> {
         let (desc, mount_id) = {
             let segs = self.segments.lock();
-            let seg = segs
-                .get(segment_name)
-                .ok_or_else(|| CoreError::SegmentNotFound(segment_name.to_string()))?;
+            let not_awaited = || CoreError::InventoryNotAwaited {
+                segment: segment_name.to_string(),
+                instance: instance_id.to_string(),
+                client: client_id.to_string(),
+            };
+            let seg = segs.get(segment_name).ok_or_else(not_awaited)?;
             if seg.client_id != client_id || seg.desc.instance_id != instance_id || seg.complete {
-                return Err(CoreError::InvalidArgument(format!(
-                    "no inventory of segment {segment_name:?} (instance {instance_id:?}) from \
-                     client {client_id:?} is awaited: mount the segment again with its inventory"
-                )));
+                return Err(not_awaited());
             }
             (seg.desc.clone(), seg.mount_id)
         };

@@ -487,6 +487,17 @@ async fn an_inventory_in_parts_opens_the_segment_only_after_the_last() {
         .mount_inventory("intruder", "a:1", "i-a:1", vec![], true)
         .expect_err("not the owner");
     assert!(e.to_string().contains("mount the segment again"), "{e}");
+    // A part for a segment this master does not know (it restarted between parts) is the same
+    // answer, and on the wire an ABORTED that owners retry by mounting again: a starting store
+    // treats INVALID_ARGUMENT and NOT_FOUND as fatal.
+    let e = core
+        .mount_inventory("cl", "gone:1", "i-gone:1", vec![], true)
+        .expect_err("unknown segment");
+    assert!(matches!(e, CoreError::InventoryNotAwaited { .. }), "{e}");
+    assert_eq!(
+        crate::grpc::to_status(e.into()).code(),
+        tonic::Code::Aborted
+    );
     core.mount_inventory(
         "cl",
         "a:1",

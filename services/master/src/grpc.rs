@@ -36,6 +36,7 @@ pub fn to_status(e: ServiceError) -> Status {
             CoreError::ClusterMismatch { .. } | CoreError::OffloadMismatch { .. },
         ) => Status::failed_precondition(e.to_string()),
         ServiceError::Core(CoreError::SegmentNotFound(_)) => Status::not_found(e.to_string()),
+        ServiceError::Core(CoreError::InventoryNotAwaited { .. }) => Status::aborted(e.to_string()),
         ServiceError::Core(CoreError::NotOwner { .. }) => Status::permission_denied(e.to_string()),
         ServiceError::Core(CoreError::InvalidArgument(_)) | ServiceError::Invalid(_) => {
             Status::invalid_argument(e.to_string())
