@@ -55,8 +55,9 @@ pub use drain::{ColdDrain, DrainProgress, DrainReport};
 pub use guard::raise_fd_limit;
 pub use raw::RawRequest;
 pub use rdma::{
-    PeerRdma, ProtocolChoice, RDMA_COMPILED, RdmaDescriptor, RdmaTransport, Route, RouteFacts,
-    WireProtocol, rdma_check, rdma_devices, select_route,
+    GPUDIRECT_ENV, GpuDirect, PeerRdma, ProtocolChoice, RDMA_COMPILED, RdmaDescriptor,
+    RdmaTransport, Route, RouteFacts, WireProtocol, gpudirect, rdma_check, rdma_devices,
+    select_route,
 };
 pub use region::{
     MemoryRegistry, OwnedRegion, RegionDesc, RegionServer, RegionServerConfig, RegionStats,
@@ -410,6 +411,10 @@ pub enum TransferError {
     /// A copy to or from device (GPU) memory failed (docs/GPU.md).
     #[error("device memory: {0}")]
     Device(String),
+    /// The NIC refused to register device (GPU) memory (no GPUDirect RDMA). The engine
+    /// remembers it and serves such requests over tcp, staged; callers never see it.
+    #[error("GPUDirect RDMA refused: {0}")]
+    GpuDirectRefused(String),
 }
 
 impl From<device::DeviceError> for TransferError {
@@ -452,6 +457,7 @@ impl TransferError {
             TransferError::InvalidArgument(m) => TransferError::InvalidArgument(m.clone()),
             TransferError::RdmaUnavailable(m) => TransferError::RdmaUnavailable(m.clone()),
             TransferError::Device(m) => TransferError::Device(m.clone()),
+            TransferError::GpuDirectRefused(m) => TransferError::GpuDirectRefused(m.clone()),
         }
     }
 }
@@ -694,11 +700,40 @@ impl TransferEngine {
         }
     }
 
-    /// True when requests to `t` would take rdma but carry device pieces: the rdma transport
-    /// registers caller memory with the NIC, which device memory needs GPUDirect for, so they
-    /// go over tcp, staged (docs/GPU.md). `has_device` is only asked on an rdma route.
+    /// True when requests to `t` would take rdma but carry device pieces and GPUDirect was
+    /// refused: the rdma transport registers caller memory with the NIC, which device memory
+    /// needs GPUDirect for, so they go over tcp, staged (docs/GPU.md). `has_device` is only
+    /// asked on an rdma route.
     fn rdma_skips_device(&self, t: &Target, has_device: impl FnOnce() -> bool) -> bool {
-        self.rdma.is_some() && self.route_for(t) == Route::Rdma && has_device()
+        self.rdma.is_some()
+            && !gpudirect().allowed()
+            && self.route_for(t) == Route::Rdma
+            && has_device()
+    }
+
+    /// Serves again over tcp, staged, every request the rdma transport answered with
+    /// [`TransferError::GpuDirectRefused`], and remembers the refusal (one WARN line).
+    fn redo_refused_device(
+        &self,
+        t: &Target,
+        reqs: &mut [&mut TransferRequest<'_>],
+        out: &mut [Result<(), TransferError>],
+    ) {
+        let mut idx = Vec::new();
+        let mut again: Vec<&mut TransferRequest<'_>> = Vec::new();
+        for (k, (r, req)) in out.iter().zip(reqs.iter_mut()).enumerate() {
+            if let Err(TransferError::GpuDirectRefused(why)) = r {
+                gpudirect().refuse(why);
+                idx.push(k);
+                again.push(&mut **req);
+            }
+        }
+        if again.is_empty() {
+            return;
+        }
+        for (k, r) in idx.into_iter().zip(self.tcp.submit(t, &mut again)) {
+            out[k] = r;
+        }
     }
 
     /// Runs `op` on the chosen transport; if shm turns out unusable, remembers that and uses tcp.
@@ -749,7 +784,13 @@ impl TransferEngine {
         if self.rdma_skips_device(t, || device::any_device(src)) {
             return self.tcp.write(t, generation, key, offset, src);
         }
-        self.route(t, |tr| tr.write(t, generation, key, offset, src))
+        match self.route(t, |tr| tr.write(t, generation, key, offset, src)) {
+            Err(TransferError::GpuDirectRefused(why)) => {
+                gpudirect().refuse(&why);
+                self.tcp.write(t, generation, key, offset, src)
+            }
+            r => r,
+        }
     }
 
     /// Reads entry `(generation, offset, total len of dst)` into the `dst` pieces, in order.
@@ -766,7 +807,13 @@ impl TransferEngine {
         if self.rdma_skips_device(t, || device::any_device_mut(dst)) {
             return self.tcp.read(t, generation, offset, dst);
         }
-        self.route(t, |tr| tr.read(t, generation, offset, dst))
+        match self.route(t, |tr| tr.read(t, generation, offset, dst)) {
+            Err(TransferError::GpuDirectRefused(why)) => {
+                gpudirect().refuse(&why);
+                self.tcp.read(t, generation, offset, dst)
+            }
+            r => r,
+        }
     }
 
     /// Runs many requests; results in request order. Requests are grouped per target, each
@@ -834,7 +881,8 @@ impl TransferEngine {
                 } else {
                     self.pick(t)
                 };
-            let out = tr.submit(t, &mut rs);
+            let mut out = tr.submit(t, &mut rs);
+            self.redo_refused_device(t, &mut rs, &mut out);
             idx.into_iter().zip(out).collect()
         };
         // Units on other threads send the caller's trace context too.
@@ -1107,6 +1155,62 @@ impl TransferRequest<'_> {
 #[cfg(test)]
 mod tests {
     use super::{copy_helpers, host_id_from};
+    use super::{
+        SegmentServer, SegmentServerConfig, Target, TransferEngine, TransferError, TransferOptions,
+        TransferRequest, gpudirect,
+    };
+
+    /// What the rdma transport answers for a device piece the NIC refuses (no GPUDirect): the
+    /// engine serves exactly those requests again over tcp and remembers the refusal.
+    #[test]
+    fn requests_refused_by_gpudirect_are_served_over_tcp() {
+        let s = SegmentServer::start(SegmentServerConfig {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            size: 1 << 20,
+            ..Default::default()
+        })
+        .unwrap();
+        let t = Target::from(&s.info());
+        let e = TransferEngine::new(TransferOptions {
+            enable_shm: false,
+            ..TransferOptions::default()
+        });
+        let (a, b) = (vec![1u8; 4096], vec![2u8; 4096]);
+        let mut reqs = [
+            TransferRequest::Write {
+                target: &t,
+                generation: 1,
+                key: "a",
+                offset: 0,
+                src: vec![&a[..]],
+            },
+            TransferRequest::Write {
+                target: &t,
+                generation: 2,
+                key: "b",
+                offset: 4096,
+                src: vec![&b[..]],
+            },
+        ];
+        let mut rs: Vec<&mut TransferRequest<'_>> = reqs.iter_mut().collect();
+        // The first "went over rdma" and failed for another reason; the second was refused.
+        let mut out = vec![
+            Err(TransferError::Timeout),
+            Err(TransferError::GpuDirectRefused("ibv_reg_mr: Bad address".into())),
+        ];
+        e.redo_refused_device(&t, &mut rs, &mut out);
+        assert!(matches!(out[0], Err(TransferError::Timeout)), "{:?}", out[0]);
+        assert!(out[1].is_ok(), "{:?}", out[1]);
+        assert!(!gpudirect().allowed());
+        assert!(gpudirect().describe().contains("Bad address"));
+        let mut got = vec![0u8; 4096];
+        e.read(&t, 2, 4096, &mut [&mut got[..]]).unwrap();
+        assert_eq!(got, b, "the refused write reached the segment over tcp");
+        assert!(
+            e.read(&t, 1, 0, &mut [&mut got[..]]).is_err(),
+            "only the refused request is served again"
+        );
+    }
 
     #[test]
     fn node_name_replaces_the_hostname_in_the_host_id() {

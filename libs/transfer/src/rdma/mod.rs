@@ -11,6 +11,7 @@
 
 mod choice;
 mod desc;
+mod gpudirect;
 mod select;
 #[cfg(feature = "rdma")]
 mod verbs;
@@ -23,6 +24,7 @@ pub use desc::{
     RDMA_DESC_FIXED_LEN, RDMA_DESC_MAGIC, RDMA_DESC_MAX_LEN, RDMA_DESC_VERSION,
     RDMA_DEVICE_NAME_MAX, RdmaDescriptor, RdmaDescriptorError,
 };
+pub use gpudirect::{GPUDIRECT_ENV, GpuDirect, gpudirect};
 pub use select::{PeerRdma, Route, RouteFacts, select_route};
 
 use crate::TransferError;

@@ -32,8 +32,8 @@ use sideway::ibverbs::queue_pair::{
 };
 
 use super::{
-    RDMA_DESC_MAX_LEN, RdmaDescriptor, msg_list_failed, msg_named_missing, msg_no_device,
-    msg_no_kernel_support,
+    RDMA_DESC_MAX_LEN, RdmaDescriptor, gpudirect, msg_list_failed, msg_named_missing,
+    msg_no_device, msg_no_kernel_support,
 };
 use crate::tcp::{TcpTransport, breaks_conn, check_request, io_err, recv_status, total_len};
 use crate::vio::write_all_gather;
@@ -496,6 +496,23 @@ struct RdmaConn {
     mrs: Vec<Arc<MemoryRegion>>,
 }
 
+/// Why a caller piece could not be registered with the NIC.
+enum RegFail {
+    /// Host memory: the request fails (e.g. `ulimit -l`).
+    Host(String),
+    /// Device memory: no GPUDirect; the engine serves the request over tcp, staged.
+    Device(String),
+}
+
+impl RegFail {
+    fn into_error(self, ep: &str) -> TransferError {
+        match self {
+            RegFail::Host(why) => TransferError::Io(ep.to_string(), io::Error::other(why)),
+            RegFail::Device(why) => TransferError::GpuDirectRefused(why),
+        }
+    }
+}
+
 /// The RDMA transport of a requester: one device, queue pairs pooled per endpoint.
 pub struct RdmaTransport {
     dev: Arc<Device>,
@@ -696,6 +713,8 @@ impl RdmaConn {
     }
 
     /// Registers `pieces` and appends their work requests for request `id` at remote `offset`.
+    /// On failure nothing of this request is appended. A device (GPU) piece the NIC refuses is
+    /// [`RegFail::Device`], which the engine serves over tcp instead.
     fn add_wrs(
         &mut self,
         dev: &Device,
@@ -704,7 +723,8 @@ impl RdmaConn {
         pieces: &[(usize, usize)],
         offset: u64,
         wrs: &mut Vec<Wr>,
-    ) -> Result<(), String> {
+    ) -> Result<(), RegFail> {
+        let mark = wrs.len();
         let mut raddr = self.remote.addr + offset;
         let access = if read {
             AccessFlags::LocalWrite
@@ -715,9 +735,29 @@ impl RdmaConn {
             if len == 0 {
                 continue;
             }
+            let on_device = crate::device::kind_of(addr, len).is_device();
+            if on_device && !gpudirect().allowed() {
+                wrs.truncate(mark);
+                return Err(RegFail::Device("refused earlier in this process".into()));
+            }
             // SAFETY: the piece is a live caller buffer borrowed for this whole run; the MR is
-            // dropped (deregistered) at the end of the run, before the borrow ends.
-            let mr = unsafe { dev.register(addr, len, access) }?;
+            // dropped (deregistered) at the end of the run, before the borrow ends. With
+            // GPUDirect (nvidia-peermem) the NIC pins device pages itself, so a device address
+            // registers like host memory.
+            let mr = match unsafe { dev.register(addr, len, access) } {
+                Ok(mr) => mr,
+                Err(why) => {
+                    wrs.truncate(mark);
+                    return Err(if on_device {
+                        RegFail::Device(why)
+                    } else {
+                        RegFail::Host(why)
+                    });
+                }
+            };
+            if on_device {
+                gpudirect().worked();
+            }
             let lkey = mr.lkey();
             self.mrs.push(mr);
             let mut done = 0usize;
@@ -806,6 +846,8 @@ impl RdmaConn {
         }
         let mut wrs = Vec::new();
         let mut failed: HashMap<usize, String> = HashMap::new();
+        // Requests whose registration failed: they send no work requests.
+        let mut refused: HashMap<usize, TransferError> = HashMap::new();
         for &k in &pinned {
             let TransferRequest::Read { offset, dst, .. } = &mut *reqs[k] else {
                 continue;
@@ -814,12 +856,10 @@ impl RdmaConn {
                 .iter_mut()
                 .map(|d| (d.as_mut_ptr() as usize, d.len()))
                 .collect();
-            if let Err(why) = self.add_wrs(dev, k, true, &pieces, *offset, &mut wrs) {
-                failed.insert(k, why);
+            if let Err(e) = self.add_wrs(dev, k, true, &pieces, *offset, &mut wrs) {
+                refused.insert(k, e.into_error(&ep));
             }
         }
-        // Requests whose registration failed send no work requests.
-        wrs.retain(|w| !failed.contains_key(&w.id));
         let run = self.qp.run(&wrs, self.remote.rkey, timeout, &mut failed);
         // UNPIN every pin, one writev, no answers.
         let mut unpins = Vec::with_capacity(pinned.len() * crate::wire::REQ_LEN);
@@ -831,9 +871,10 @@ impl RdmaConn {
         }
         let unpinned = write_all_gather(&mut self.ctl, &[&unpins], &[]).map_err(|e| io_err(&ep, e));
         for &k in &pinned {
-            out[k] = Some(match failed.remove(&k) {
-                Some(why) => Err(TransferError::Io(ep.clone(), io::Error::other(why))),
-                None => Ok(()),
+            out[k] = Some(match (refused.remove(&k), failed.remove(&k)) {
+                (Some(e), _) => Err(e),
+                (None, Some(why)) => Err(TransferError::Io(ep.clone(), io::Error::other(why))),
+                (None, None) => Ok(()),
             });
         }
         if let Err(why) = run {
@@ -873,9 +914,7 @@ impl RdmaConn {
                 src.iter().map(|s| (s.as_ptr() as usize, s.len())).collect();
             match self.add_wrs(dev, k, false, &pieces, *offset, &mut wrs) {
                 Ok(()) => live.push(k),
-                Err(why) => {
-                    out[k] = Some(Err(TransferError::Io(ep.clone(), io::Error::other(why))));
-                }
+                Err(e) => out[k] = Some(Err(e.into_error(&ep))),
             }
         }
         let run = self.qp.run(&wrs, self.remote.rkey, timeout, &mut failed);
