@@ -27,6 +27,7 @@ pub mod client;
 pub mod connectors;
 pub mod duration;
 pub mod etcd;
+pub mod gflags;
 pub mod master;
 pub mod size;
 pub mod store;

@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_norway::{Mapping, Value};
 
+use crate::gflags::{Upstream, UpstreamFlag};
+
 /// Prefix of the environment variables that set master keys.
 pub const ENV_PREFIX: &str = "LUNAKV_MASTER_";
 
@@ -29,6 +31,9 @@ pub struct MasterConfig {
     pub rpc_address: String,
     /// Admin and Prometheus HTTP port.
     pub metrics_port: u16,
+    /// Address the admin/metrics listener binds (upstream `--metrics_host`). Default (empty):
+    /// `rpc_address`. Lets a pod keep its API on the pod IP and its scrape port elsewhere.
+    pub metrics_host: String,
     /// Lease granted by GetReplicaList / ExistKey, in milliseconds (llm-d's master.yaml: 5000).
     pub default_kv_lease_ttl: u64,
     /// Soft-pin duration for puts that ask for one, in milliseconds.
@@ -91,6 +96,7 @@ impl Default for MasterConfig {
             rpc_port: 50051,
             rpc_address: "127.0.0.1".to_string(),
             metrics_port: 9003,
+            metrics_host: String::new(),
             default_kv_lease_ttl: 5000,
             default_kv_soft_pin_ttl: 1_800_000,
             max_kv_soft_pin_ttl: 86_400_000,
@@ -128,6 +134,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("rpc_port", Kind::Num),
     ("rpc_address", Kind::Str),
     ("metrics_port", Kind::Num),
+    ("metrics_host", Kind::Str),
     ("default_kv_lease_ttl", Kind::Num),
     ("default_kv_soft_pin_ttl", Kind::Num),
     ("max_kv_soft_pin_ttl", Kind::Num),
@@ -151,26 +158,113 @@ const KEYS: &[(&str, Kind)] = &[
     ("ha_fast_takeover", Kind::Bool),
 ];
 
-/// Upstream master keys lunakv accepts and ignores (with a warning): the features behind them
-/// are other issues (SSD offload) or are replaced (the HTTP metadata server: lunakv's master
-/// keeps segment metadata itself).
-pub const IGNORED_KEYS: &[&str] = &[
-    "http_metadata_server_port",
-    "http_metadata_server_host",
-    "enable_http_metadata_server",
-    "root_fs_dir",
-    "enable_metric_reporting",
-    "rpc_thread_num",
-    "rpc_conn_timeout_seconds",
-    "rpc_enable_tcp_no_delay",
-    "memory_allocator",
-    "allocation_strategy",
-    "enable_snapshot",
-    "snapshot_interval_seconds",
-    "global_file_segment_size",
-    "offload_on_evict",
-    "offloading_queue_limit",
+/// Upstream `mooncake_master` flags and config keys lunakv does not define: each is ignored
+/// with the reason (in the file, the environment or on the command line) or refused with the
+/// fix. Read from upstream's master.cpp; lunakv's own keys are [`KEYS`].
+pub const UPSTREAM_KEYS: &[UpstreamFlag] = &[
+    ignored("max_threads", false, THREADS),
+    ignored("rpc_thread_num", false, THREADS),
+    ignored(
+        "enable_metric_reporting",
+        true,
+        "metrics are always served on metrics_port (/metrics)",
+    ),
+    ignored(
+        "rpc_conn_timeout_seconds",
+        false,
+        "gRPC connections are HTTP/2 and closed by the client or by keepalive",
+    ),
+    ignored(
+        "rpc_enable_tcp_no_delay",
+        true,
+        "the gRPC server always sets TCP_NODELAY",
+    ),
+    ignored(
+        "memory_allocator",
+        false,
+        "each segment has one offset allocator; there is no cachelib",
+    ),
+    UpstreamFlag {
+        name: "allocation_strategy",
+        boolean: false,
+        treatment: Upstream::OnlyValue {
+            value: "random",
+            fix: "lunakv places replicas at random among the segments with room (upstream's default, random); free_ratio_first and cxl are not implemented, remove the setting",
+        },
+    },
+    ignored("enable_http_metadata_server", true, NO_METADATA_SERVER),
+    ignored("http_metadata_server_port", false, NO_METADATA_SERVER),
+    ignored("http_metadata_server_host", false, NO_METADATA_SERVER),
+    ignored("root_fs_dir", false, SSD_ON_STORES),
+    ignored("global_file_segment_size", false, SSD_ON_STORES),
+    ignored("enable_disk_eviction", true, SSD_ON_STORES),
+    ignored("quota_bytes", false, SSD_ON_STORES),
+    ignored(
+        "offload_on_evict",
+        true,
+        "evicted objects always go to the SSD tier when enable_offload is on",
+    ),
+    ignored("offloading_queue_limit", false, SSD_ON_STORES),
+    ignored(
+        "allow_evict_soft_pinned_objects",
+        true,
+        "soft-pinned objects are evicted last, after every unpinned one",
+    ),
+    ignored("enable_snapshot", true, NO_SNAPSHOTS),
+    ignored("snapshot_interval_seconds", false, NO_SNAPSHOTS),
+    ignored("snapshot_child_timeout_seconds", false, NO_SNAPSHOTS),
+    ignored("snapshot_retention_count", false, NO_SNAPSHOTS),
+    ignored("snapshot_backup_dir", false, NO_SNAPSHOTS),
+    ignored("snapshot_object_store_type", false, NO_SNAPSHOTS),
+    ignored("snapshot_payload_store_type", false, NO_SNAPSHOTS),
+    ignored("snapshot_payload_backend_type", false, NO_SNAPSHOTS),
+    ignored("snapshot_catalog_store_type", false, NO_SNAPSHOTS),
+    ignored("snapshot_catalog_backend_type", false, NO_SNAPSHOTS),
+    ignored("snapshot_catalog_store_connstring", false, NO_SNAPSHOTS),
+    ignored("snapshot_catalog_backend_connstring", false, NO_SNAPSHOTS),
+    refused(
+        "enable_snapshot_restore",
+        true,
+        "the index is rebuilt from the store-clients' inventories when a master starts; there is no snapshot to restore",
+    ),
+    ignored("max_total_finished_tasks", false, NO_TASKS),
+    ignored("max_total_pending_tasks", false, NO_TASKS),
+    ignored("max_total_processing_tasks", false, NO_TASKS),
+    ignored("pending_task_timeout_sec", false, NO_TASKS),
+    ignored("processing_task_timeout_sec", false, NO_TASKS),
+    ignored("max_retry_attempts", false, NO_TASKS),
+    refused(
+        "rpc_interface",
+        false,
+        "resolve the interface's IPv4 address and pass it as --rpc_address (in a pod: --rpc_address=$(POD_IP))",
+    ),
+    refused("enable_cxl", true, NO_CXL),
+    refused("cxl_path", false, NO_CXL),
+    refused("cxl_size", false, NO_CXL),
 ];
+
+const THREADS: &str = "the tokio runtime sizes its worker threads to the CPUs it may use";
+const NO_METADATA_SERVER: &str = "the master keeps segment metadata itself, so no HTTP metadata server is needed (clients say metadata_server P2PHANDSHAKE)";
+const SSD_ON_STORES: &str = "the SSD tier lives on the store-clients (lunakv-store --enable_offload, MOONCAKE_OFFLOAD_* variables; docs/OFFLOAD.md)";
+const NO_SNAPSHOTS: &str = "a master rebuilds its index from the store-clients' inventories (and, with --enable_ha, keeps its view in etcd), so there are no snapshots";
+const NO_TASKS: &str = "lunakv has no copy/move task manager";
+const NO_CXL: &str = "lunakv has no CXL memory support; remove the flag";
+
+const fn ignored(name: &'static str, boolean: bool, why: &'static str) -> UpstreamFlag {
+    UpstreamFlag {
+        name,
+        boolean,
+        treatment: Upstream::Ignored(why),
+    }
+}
+
+const fn refused(name: &'static str, boolean: bool, fix: &'static str) -> UpstreamFlag {
+    UpstreamFlag {
+        name,
+        boolean,
+        treatment: Upstream::Refused(fix),
+    }
+}
 
 /// A master configuration error. Messages name the key, the value and the fix.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -194,6 +288,14 @@ pub enum MasterConfigError {
         source_name: String,
         expected: String,
         fix: String,
+    },
+    #[error(
+        "{key} (from {source_name}) is an upstream Mooncake setting lunakv does not support: {fix}"
+    )]
+    Unsupported {
+        key: String,
+        source_name: String,
+        fix: &'static str,
     },
     #[error("{field} = {value} is invalid: {fix}")]
     Invalid {
@@ -260,7 +362,7 @@ impl MasterConfig {
         let names = KEYS
             .iter()
             .map(|(k, _)| *k)
-            .chain(IGNORED_KEYS.iter().copied());
+            .chain(UPSTREAM_KEYS.iter().map(|u| u.name));
         for key in names {
             let var = format!("{ENV_PREFIX}{}", key.to_ascii_uppercase());
             if let Some(value) = env(&var).filter(|v| !v.is_empty()) {
@@ -365,7 +467,19 @@ impl MasterConfig {
                     .to_string(),
             });
         }
-        if self.rpc_port != 0 && self.rpc_port == self.metrics_port {
+        if !self.metrics_host.is_empty() && self.metrics_host.parse::<std::net::IpAddr>().is_err() {
+            return Err(MasterConfigError::Invalid {
+                field: "metrics_host",
+                value: format!("{:?}", self.metrics_host),
+                fix: "give an IP address for the admin/metrics listener, e.g. 0.0.0.0, or leave \
+                      it unset to bind rpc_address"
+                    .to_string(),
+            });
+        }
+        if self.rpc_port != 0
+            && self.rpc_port == self.metrics_port
+            && self.metrics_bind_address() == self.rpc_address
+        {
             return Err(MasterConfigError::Invalid {
                 field: "metrics_port",
                 value: self.metrics_port.to_string(),
@@ -460,6 +574,15 @@ impl MasterConfig {
         })
     }
 
+    /// The address the admin/metrics listener binds: `metrics_host`, else `rpc_address`.
+    pub fn metrics_bind_address(&self) -> &str {
+        if self.metrics_host.is_empty() {
+            &self.rpc_address
+        } else {
+            &self.metrics_host
+        }
+    }
+
     /// The host clients dial: `advertise_address`, else `rpc_address`.
     pub fn advertised_host(&self) -> &str {
         let a = self.advertise_address.trim();
@@ -550,11 +673,27 @@ fn merge(
                 });
             }
         };
-        if IGNORED_KEYS.contains(&key.as_str()) {
-            warnings.push(format!(
-                "{key} (from {source_name}) is an upstream Mooncake setting lunakv does not \
-                 implement; ignored"
-            ));
+        if let Some(u) = UPSTREAM_KEYS.iter().find(|u| u.name == key) {
+            let text = match &v {
+                Value::String(t) => t.clone(),
+                Value::Bool(b) => b.to_string(),
+                Value::Number(n) => n.to_string(),
+                _ => String::new(),
+            };
+            match u.treatment.judge(&text) {
+                Ok(Some(why)) => warnings.push(format!(
+                    "{key} (from {source_name}) is an upstream Mooncake setting lunakv does not \
+                     implement; ignored: {why}"
+                )),
+                Ok(None) => {}
+                Err(fix) => {
+                    return Err(MasterConfigError::Unsupported {
+                        key,
+                        source_name: source_name.to_string(),
+                        fix,
+                    });
+                }
+            }
             continue;
         }
         if !KEYS.iter().any(|(name, _)| *name == key) {

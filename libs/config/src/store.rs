@@ -26,6 +26,7 @@ use std::path::PathBuf;
 use clap::ArgAction;
 use clap::builder::BoolishValueParser;
 
+use crate::gflags::{Upstream, UpstreamFlag};
 use crate::size::parse_size;
 use crate::{ConfigError, ConfigWarning, HostPort, Protocol};
 
@@ -163,6 +164,109 @@ pub struct StoreConfig {
     /// MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES (env only, as upstream).
     #[arg(skip = DEFAULT_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES)]
     pub offload_total_size_limit_bytes: u64,
+}
+
+/// Upstream `mooncake_client` flags lunakv-store does not define: ignored with the reason or
+/// refused with the fix (read from upstream's client_service main; docs/FLAGS.md).
+pub const UPSTREAM_FLAGS: &[UpstreamFlag] = &[
+    UpstreamFlag {
+        name: "device_names",
+        boolean: false,
+        treatment: Upstream::Ignored(
+            "the RDMA device is chosen with LUNAKV_RDMA_DEVICE (docs/RDMA.md)",
+        ),
+    },
+    UpstreamFlag {
+        name: "threads",
+        boolean: false,
+        treatment: Upstream::Ignored("the segment server sizes its own threads"),
+    },
+    UpstreamFlag {
+        name: "local_buffer_size",
+        boolean: false,
+        treatment: Upstream::Ignored(
+            "the store serves its own segment and needs no staging buffer",
+        ),
+    },
+    UpstreamFlag {
+        name: "start_offload_rpc_server",
+        boolean: true,
+        treatment: Upstream::Ignored("disk-tier reads go through the transfer port"),
+    },
+    UpstreamFlag {
+        name: "graceful_unmount_seconds",
+        boolean: false,
+        treatment: Upstream::Ignored(
+            "SIGTERM drains to the SSD tier for --offload_drain_timeout_sec, then unmounts",
+        ),
+    },
+    UpstreamFlag {
+        name: "tenant_id",
+        boolean: false,
+        treatment: Upstream::OnlyValue {
+            value: "default",
+            fix: "lunakv has no tenants yet: every key is in one namespace; leave tenant_id unset",
+        },
+    },
+    UpstreamFlag {
+        name: "deployment_mode",
+        boolean: false,
+        treatment: Upstream::OnlyValue {
+            value: "Centralization",
+            fix: "lunakv has a master-based (Centralization) pool only; P2P mode is not implemented",
+        },
+    },
+    p2p("tiered_backend_config"),
+    p2p("client_rpc_port"),
+    p2p("rpc_thread_num"),
+    p2p("lock_shard_count"),
+    p2p("route_cache_max_memory"),
+    p2p("route_cache_ttl_ms"),
+    p2p("heartbeat_rpc_port"),
+    UpstreamFlag {
+        name: "config_path",
+        boolean: false,
+        treatment: Upstream::Refused(
+            "lunakv-store takes no config file: pass the settings as flags (upstream's names)",
+        ),
+    },
+    redis("redis_cluster_id"),
+    redis("redis_username"),
+    redis("redis_password"),
+    redis("redis_db_index"),
+    redis("redis_master_view_ttl_sec"),
+    redis("redis_heartbeat_interval_sec"),
+    etcd_tls("etcd_ca_file"),
+    etcd_tls("etcd_cert_file"),
+    etcd_tls("etcd_key_file"),
+];
+
+const fn p2p(name: &'static str) -> UpstreamFlag {
+    UpstreamFlag {
+        name,
+        boolean: false,
+        treatment: Upstream::Ignored("a P2P-mode setting; lunakv's pool is master-based"),
+    }
+}
+
+const fn redis(name: &'static str) -> UpstreamFlag {
+    UpstreamFlag {
+        name,
+        boolean: false,
+        treatment: Upstream::Refused(
+            "lunakv finds an HA master through etcd only: --master_server_address=etcd://h1:2379;h2:2379",
+        ),
+    }
+}
+
+const fn etcd_tls(name: &'static str) -> UpstreamFlag {
+    UpstreamFlag {
+        name,
+        boolean: false,
+        treatment: Upstream::Refused(
+            "etcd TLS is not supported yet; reach etcd over plain http inside the cluster",
+        ),
+    }
 }
 
 fn parse_protocol(s: &str) -> Result<Protocol, ConfigError> {

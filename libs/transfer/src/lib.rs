@@ -1154,11 +1154,11 @@ impl TransferRequest<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{copy_helpers, host_id_from};
     use super::{
         SegmentServer, SegmentServerConfig, Target, TransferEngine, TransferError, TransferOptions,
         TransferRequest, gpudirect,
     };
+    use super::{copy_helpers, host_id_from};
 
     /// What the rdma transport answers for a device piece the NIC refuses (no GPUDirect): the
     /// engine serves exactly those requests again over tcp and remembers the refusal.
@@ -1196,10 +1196,16 @@ mod tests {
         // The first "went over rdma" and failed for another reason; the second was refused.
         let mut out = vec![
             Err(TransferError::Timeout),
-            Err(TransferError::GpuDirectRefused("ibv_reg_mr: Bad address".into())),
+            Err(TransferError::GpuDirectRefused(
+                "ibv_reg_mr: Bad address".into(),
+            )),
         ];
         e.redo_refused_device(&t, &mut rs, &mut out);
-        assert!(matches!(out[0], Err(TransferError::Timeout)), "{:?}", out[0]);
+        assert!(
+            matches!(out[0], Err(TransferError::Timeout)),
+            "{:?}",
+            out[0]
+        );
         assert!(out[1].is_ok(), "{:?}", out[1]);
         assert!(!gpudirect().allowed());
         assert!(gpudirect().describe().contains("Bad address"));

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use lunakv_master::{Listeners, MasterConfig, MasterConfigSources};
 
 /// The lunakv master: placement and metadata for the KV-cache pool (Mooncake-compatible flags).
@@ -12,7 +12,7 @@ use lunakv_master::{Listeners, MasterConfig, MasterConfigSources};
 #[command(name = "lunakv-master", version)]
 struct Cli {
     /// master.yaml (llm-d's keys); flags override it, environment LUNAKV_MASTER_<KEY> sits between.
-    #[arg(long)]
+    #[arg(long, alias = "config_path")]
     config: Option<PathBuf>,
     /// gRPC port [default: 50051].
     #[arg(long = "rpc_port", visible_alias = "port")]
@@ -23,6 +23,9 @@ struct Cli {
     /// Admin + Prometheus HTTP port [default: 9003].
     #[arg(long = "metrics_port")]
     metrics_port: Option<u16>,
+    /// Address the admin + Prometheus listener binds [default: rpc_address].
+    #[arg(long = "metrics_host")]
+    metrics_host: Option<String>,
     /// Lease granted on reads, ms [default: 5000].
     #[arg(long = "default_kv_lease_ttl")]
     default_kv_lease_ttl: Option<u64>,
@@ -74,7 +77,7 @@ struct Cli {
     #[arg(long = "enable_ha", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     enable_ha: Option<bool>,
     /// etcd endpoints for HA, ";"-separated: "h1:2379;h2:2379" (etcd:// accepted).
-    #[arg(long = "etcd_endpoints")]
+    #[arg(long = "etcd_endpoints", alias = "ha_backend_connstring")]
     etcd_endpoints: Option<String>,
     /// HA backend [default: etcd; the only one implemented].
     #[arg(long = "ha_backend_type")]
@@ -104,6 +107,7 @@ impl Cli {
         add("rpc_port", self.rpc_port.map(|v| v.to_string()));
         add("rpc_address", self.rpc_address.clone());
         add("metrics_port", self.metrics_port.map(|v| v.to_string()));
+        add("metrics_host", self.metrics_host.clone());
         add("default_kv_lease_ttl", s(&self.default_kv_lease_ttl));
         add("default_kv_soft_pin_ttl", s(&self.default_kv_soft_pin_ttl));
         add("max_kv_soft_pin_ttl", s(&self.max_kv_soft_pin_ttl));
@@ -150,9 +154,18 @@ impl Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    // Upstream's command lines are gflags (`-rpc_port=50051`, `--noenable_ha`): docs/FLAGS.md.
+    let argv = lunakv_config::gflags::normalize(
+        &Cli::command(),
+        lunakv_config::master::UPSTREAM_KEYS,
+        std::env::args_os(),
+    )?;
+    let cli = Cli::parse_from(&argv.args);
     // Held until main returns: dropping it flushes the spans still queued (docs/TRACING.md).
     let _telemetry = lunakv_telemetry::init("lunakv-master");
+    for w in argv.warnings() {
+        tracing::warn!("{w}");
+    }
     let sources = MasterConfigSources {
         file: cli.config.clone(),
         flags: cli.flags(),

@@ -65,14 +65,15 @@ pub struct Listeners {
 }
 
 impl Listeners {
-    /// Binds `rpc_address:rpc_port` and `rpc_address:metrics_port` exactly (no wildcard).
+    /// Binds `rpc_address:rpc_port` and `metrics_host:metrics_port` (default `rpc_address`)
+    /// exactly (no wildcard unless configured).
     pub async fn bind(cfg: &MasterConfig) -> Result<Listeners, ServeError> {
-        let bind = |what: &'static str, port: u16| {
-            let addr = format!("{}:{port}", cfg.rpc_address);
+        let bind = |what: &'static str, host: &str, port: u16| {
+            let host = host.to_string();
+            let addr = format!("{host}:{port}");
             async move {
                 let a: SocketAddr = (
-                    cfg.rpc_address
-                        .parse::<std::net::IpAddr>()
+                    host.parse::<std::net::IpAddr>()
                         .map_err(|e| ServeError::Bind {
                             what,
                             addr: addr.clone(),
@@ -87,8 +88,13 @@ impl Listeners {
             }
         };
         Ok(Listeners {
-            rpc: bind("rpc", cfg.rpc_port).await?,
-            admin: bind("admin/metrics", cfg.metrics_port).await?,
+            rpc: bind("rpc", &cfg.rpc_address, cfg.rpc_port).await?,
+            admin: bind(
+                "admin/metrics",
+                cfg.metrics_bind_address(),
+                cfg.metrics_port,
+            )
+            .await?,
         })
     }
 }

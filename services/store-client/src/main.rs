@@ -2,7 +2,7 @@
 //! segment, and unmount on SIGTERM/SIGINT.
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 
 #[derive(Parser)]
 #[command(
@@ -16,9 +16,18 @@ struct Cli {
 }
 
 fn main() -> anyhow::Result<()> {
-    let mut cfg = Cli::parse().store;
+    // Upstream's command lines are gflags (`-port=50052`, `--noenable_offload`): docs/FLAGS.md.
+    let argv = lunakv_config::gflags::normalize(
+        &Cli::command(),
+        lunakv_config::store::UPSTREAM_FLAGS,
+        std::env::args_os(),
+    )?;
+    let mut cfg = Cli::parse_from(&argv.args).store;
     // Held until main returns: dropping it flushes the spans still queued (docs/TRACING.md).
     let _telemetry = lunakv_telemetry::init("lunakv-store");
+    for w in argv.warnings() {
+        tracing::warn!("{w}");
+    }
     // Connection caps are sized from the fd limit: take all the operator allows.
     match lunakv_transfer::raise_fd_limit() {
         Ok((soft, hard)) => tracing::debug!(?soft, ?hard, "open-file limit"),

@@ -1,0 +1,173 @@
+//! Upstream's command lines, as scripts and manifests written for `mooncake_master` and
+//! `mooncake_client` pass them (gflags syntax), start lunakv-master and lunakv-store: one-dash
+//! flags, separate values, `--noflag`, upstream flags lunakv ignores (one warning each) and
+//! those it refuses (the reason and the fix). docs/FLAGS.md.
+
+use std::time::Duration;
+
+use lunakv_tests::{Master, Proc, Store, fields, warn_lines};
+
+fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+/// Runs `bin` with `a`, expecting it to exit non-zero at once; returns its output.
+fn refused(bin: &str, a: &[&str]) -> String {
+    let mut p = Proc::spawn(bin, &args(a), &[]);
+    let code = p.wait_exit(Duration::from_secs(10));
+    assert!(
+        code.is_some_and(|c| c != 0),
+        "{bin} {a:?} must exit non-zero, got {code:?}:\n{}",
+        p.output()
+    );
+    p.output()
+}
+
+#[test]
+fn a_mooncake_master_command_line_in_gflags_syntax_starts_the_master() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = format!("-data_dir={}", dir.path().display());
+    // As upstream's docs write them: one dash, a separate value, --noflag, upstream-only flags.
+    let p = Proc::spawn(
+        "lunakv-master",
+        &args(&[
+            "-rpc_address=127.0.0.1",
+            "-rpc_port=0",
+            "-metrics_port",
+            "0",
+            "--noenable_ha",
+            "-default_kv_lease_ttl=5000",
+            "-eviction_high_watermark_ratio",
+            "0.95",
+            "-rpc_thread_num=8",
+            "--enable_http_metadata_server=true",
+            "-http_metadata_server_port=8080",
+            "-allocation_strategy=random",
+            &data,
+        ]),
+        &[],
+    );
+    let line = p.wait_for_line("listening", Duration::from_secs(20));
+    let f = fields(&line);
+    assert!(
+        f.get("rpc").is_some_and(|a| a.starts_with("127.0.0.1:")),
+        "{line}"
+    );
+    let out = p.output();
+    let warns = warn_lines(&out);
+    for flag in ["--rpc_thread_num=8", "--enable_http_metadata_server=true"] {
+        assert!(
+            warns
+                .iter()
+                .any(|w| w.contains(flag) && w.contains("ignored by lunakv")),
+            "one warning naming {flag}: {warns:#?}"
+        );
+    }
+    assert!(
+        !warns.iter().any(|w| w.contains("allocation_strategy")),
+        "random is what lunakv does: no warning: {warns:#?}"
+    );
+}
+
+#[test]
+fn metrics_host_binds_the_admin_listener_apart_from_the_rpc_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Master::start(dir.path(), &["--metrics_host=127.0.0.2"]);
+    assert_eq!(m.rpc.ip().to_string(), "127.0.0.1");
+    assert_eq!(m.admin.ip().to_string(), "127.0.0.2");
+    assert_eq!(m.http_get("/health").0, 200);
+}
+
+#[test]
+fn upstream_master_flags_lunakv_cannot_honour_are_refused_with_the_fix() {
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["-enable_cxl"], &["--enable_cxl=true", "CXL"]),
+        (
+            &["--allocation_strategy=free_ratio_first"],
+            &["free_ratio_first", "random"],
+        ),
+        (
+            &["-rpc_interface", "eth0"],
+            &["--rpc_interface=eth0", "--rpc_address"],
+        ),
+        (&["-metrics_host=not-an-ip"], &["metrics_host", "not-an-ip"]),
+        // Unknown: clap names it in its long form and suggests the closest flag.
+        (&["-rpc_prot=1"], &["--rpc_prot", "--rpc_port"]),
+    ];
+    for (a, wants) in cases {
+        let out = refused("lunakv-master", a);
+        for w in *wants {
+            assert!(out.contains(w), "{a:?}: output must name {w:?}:\n{out}");
+        }
+    }
+}
+
+#[test]
+fn a_mooncake_client_command_line_in_gflags_syntax_starts_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = Master::start(dir.path(), &[]);
+    let master = format!("-master_server_address={}", m.addr());
+    let p = Proc::spawn(
+        "lunakv-store",
+        &args(&[
+            &master,
+            "-host=127.0.0.1",
+            "-port",
+            "0",
+            "-metrics_port=0",
+            "-global_segment_size=16MB",
+            "-protocol=tcp",
+            "-metadata_server=P2PHANDSHAKE",
+            "--noenable_offload",
+            "-threads=4",
+            "-device_names=mlx5_0",
+            "-local_buffer_size",
+            "0",
+            "--tenant_id=default",
+        ]),
+        &[],
+    );
+    p.wait_for_line("listening", Duration::from_secs(20));
+    let out = p.output();
+    let warns = warn_lines(&out);
+    for flag in [
+        "--threads=4",
+        "--device_names=mlx5_0",
+        "--local_buffer_size=0",
+    ] {
+        assert!(
+            warns.iter().any(|w| w.contains(flag)),
+            "one warning naming {flag}: {warns:#?}"
+        );
+    }
+    // llm-d's DaemonSet arguments, unchanged, still start it.
+    let s = Store::start(
+        &m.addr(),
+        "16MB",
+        &[
+            "--protocol=rdma",
+            "--enable_offload=false",
+            "--metadata_server=P2PHANDSHAKE",
+        ],
+    );
+    assert!(s.admin.is_some());
+}
+
+#[test]
+fn upstream_store_flags_lunakv_cannot_honour_are_refused_with_the_fix() {
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["--tenant_id=team-a"],
+            &["--tenant_id=team-a", "no tenants"],
+        ),
+        (&["-deployment_mode=P2P"], &["P2P"]),
+        (&["-redis_password", "x"], &["etcd://"]),
+        (&["-config_path=/etc/client.json"], &["flags"]),
+    ];
+    for (a, wants) in cases {
+        let out = refused("lunakv-store", a);
+        for w in *wants {
+            assert!(out.contains(w), "{a:?}: output must name {w:?}:\n{out}");
+        }
+    }
+}
