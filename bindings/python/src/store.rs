@@ -361,18 +361,14 @@ impl MooncakeDistributedStore {
     ) -> PyResult<i64> {
         // Accepted for signature compatibility. lunakv's master is its own metadata service,
         // transfers need no device list, and the SSD tier is configured on lunakv-store.
-        let _ = (
-            metadata_server,
-            rdma_devices,
-            engine,
-            ssd_offload_path,
-            tenant_id,
-        );
+        let _ = (metadata_server, rdma_devices, engine, ssd_offload_path);
         let _ = (enable_client_http_server, client_http_port);
         if enable_ssd_offload {
-            tracing::warn!(
-                "lunakv: enable_ssd_offload is ignored; run lunakv-store with --enable_offload for the SSD tier"
-            );
+            warn_ignored_offload("enable_ssd_offload");
+        }
+        if let Err(msg) = check_tenant(tenant_id.as_deref()) {
+            tracing::error!("lunakv: setup refused: {msg}");
+            return Ok(INVALID_PARAMS);
         }
         if let Ok(dict) = local_hostname.cast::<PyDict>() {
             return Ok(match setup_args_from_dict(dict) {
@@ -838,6 +834,17 @@ fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, String> {
                 .map_err(|e| format!("config key '{k}': {e}")),
         }
     };
+    check_tenant(get("tenant_id")?.as_deref())?;
+    for k in ["enable_offload", "enable_ssd_offload"] {
+        if get(k)?.is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1")) {
+            warn_ignored_offload(k);
+        }
+    }
+    if let Some(p) = get("ipc_socket_path")?.filter(|p| !p.is_empty()) {
+        tracing::warn!(
+            "lunakv: ipc_socket_path={p:?} is ignored: a requester finds its store's shm socket through the master"
+        );
+    }
     Ok(SetupArgs {
         local_hostname: get("local_hostname")?.unwrap_or_default(),
         global_segment_size: size("global_segment_size")?,
@@ -847,6 +854,24 @@ fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, String> {
             .or(get("master_server_address")?)
             .unwrap_or_else(|| "127.0.0.1:50051".to_owned()),
     })
+}
+
+/// lunakv has no tenant namespaces yet: a tenant other than upstream's default would share
+/// every key with the others, so it is refused instead of merged (vLLM then raises at startup,
+/// as it does against an upstream release without tenants).
+fn check_tenant(tenant_id: Option<&str>) -> Result<(), String> {
+    match tenant_id.map(str::trim) {
+        None | Some("" | "default") => Ok(()),
+        Some(t) => Err(format!(
+            "tenant_id={t:?}: lunakv has no tenant namespaces yet, so this tenant's keys would mix with every other's; remove tenant_id from mooncake_config.json (or set it to \"default\")"
+        )),
+    }
+}
+
+fn warn_ignored_offload(key: &str) {
+    tracing::warn!(
+        "lunakv: {key} is ignored in setup; the SSD tier runs on lunakv-store (--enable_offload, docs/OFFLOAD.md)"
+    );
 }
 
 pub(crate) fn env(name: &str) -> Option<String> {

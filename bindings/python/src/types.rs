@@ -5,19 +5,20 @@ use pyo3::prelude::*;
 
 /// Where and how to place an object's replicas; vLLM builds one per put. Attribute names and
 /// defaults are upstream's. lunakv acts on `replica_num`, `preferred_segment` (else the first of
-/// `preferred_segments`), `with_soft_pin` and `with_hard_pin`; the others are accepted and kept
-/// so that code setting them keeps working.
+/// `preferred_segments`), `with_soft_pin` and `with_hard_pin`. `group_ids` and
+/// `soft_pin_ttl_ms` are deliberately absent: lunakv does not implement them, and vLLM and
+/// SGLang probe `group_ids` and fall back to plain puts, with their own warning, when it is
+/// missing; accepting and ignoring it would break their all-or-nothing group assumption
+/// silently. `prefer_alloc_in_same_node`, `nof_replica_num` and `dfs_replica_num` keep their
+/// defaults' meaning (no same-node preference, no NoF or DFS replicas).
 #[pyclass(module = "mooncake.store", get_all, set_all)]
 #[derive(Debug, Clone)]
 pub struct ReplicateConfig {
     pub replica_num: usize,
     pub preferred_segment: String,
     pub preferred_segments: Vec<String>,
-    /// Per-key routing groups (upstream: Optional[List[str]]); accepted, not used yet.
-    pub group_ids: Option<Vec<String>>,
     pub with_soft_pin: bool,
     pub with_hard_pin: bool,
-    pub soft_pin_ttl_ms: Option<u64>,
     pub prefer_alloc_in_same_node: bool,
     pub nof_replica_num: usize,
     pub dfs_replica_num: usize,
@@ -29,10 +30,8 @@ impl Default for ReplicateConfig {
             replica_num: 1,
             preferred_segment: String::new(),
             preferred_segments: Vec::new(),
-            group_ids: None,
             with_soft_pin: false,
             with_hard_pin: false,
-            soft_pin_ttl_ms: None,
             prefer_alloc_in_same_node: false,
             nof_replica_num: 0,
             dfs_replica_num: 0,
@@ -49,13 +48,10 @@ impl ReplicateConfig {
 
     fn __repr__(&self) -> String {
         format!(
-            "ReplicateConfig(replica_num={}, preferred_segment={:?}, preferred_segments={:?}, group_ids={}, with_soft_pin={}, with_hard_pin={})",
+            "ReplicateConfig(replica_num={}, preferred_segment={:?}, preferred_segments={:?}, with_soft_pin={}, with_hard_pin={})",
             self.replica_num,
             self.preferred_segment,
             self.preferred_segments,
-            self.group_ids
-                .as_ref()
-                .map_or_else(|| "None".to_owned(), |g| format!("{g:?}")),
             if self.with_soft_pin { "True" } else { "False" },
             if self.with_hard_pin { "True" } else { "False" },
         )

@@ -237,6 +237,29 @@ def test_setup_refuses_bad_config_without_raising(master):
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", "not an address") != 0
 
 
+def test_a_tenant_lunakv_cannot_separate_is_refused_not_merged(master, capfd):
+    """vLLM passes tenant_id only when mooncake_config.json names a tenant other than "default".
+    lunakv has no tenant namespaces, so merging that tenant's keys with everyone else's would be
+    silent; setup refuses it (vLLM raises at startup) and names the fix."""
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", master,
+                   tenant_id="team-a") == INVALID_PARAMS
+    assert s.setup({"local_hostname": "127.0.0.1", "master_server_addr": master,
+                    "tenant_id": "team-a"}) == INVALID_PARAMS
+    err = capfd.readouterr().err
+    assert 'tenant_id="team-a"' in err and "no tenant namespaces" in err, err
+    # The default tenant is what lunakv serves.
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", master,
+                   tenant_id="default") == 0
+    s.close()
+    s = MooncakeDistributedStore()
+    assert s.setup({"local_hostname": "127.0.0.1", "master_server_addr": master,
+                    "enable_offload": True, "ipc_socket_path": "/tmp/x.sock"}) == 0
+    err = capfd.readouterr().err
+    assert "enable_offload is ignored" in err and "ipc_socket_path" in err, err
+    s.close()
+
+
 def test_calls_before_setup_and_after_close(master):
     s = MooncakeDistributedStore()
     buf = np.zeros(64, dtype=np.uint8)
@@ -434,11 +457,14 @@ def test_replicate_config_and_preferred_segment(master):
         c = ReplicateConfig()
         assert c.replica_num == 1
         assert c.preferred_segment == ""
-        assert c.group_ids is None
         assert not c.with_soft_pin and not c.with_hard_pin
-        c.group_ids = ["g0", "g1"]
+        # Not implemented, so absent: vLLM and SGLang probe it and fall back to plain puts.
+        assert not hasattr(ReplicateConfig, "group_ids") and not hasattr(c, "group_ids")
+        with pytest.raises(AttributeError):
+            c.group_ids = ["g0", "g1"]
+        with pytest.raises(AttributeError):
+            c.soft_pin_ttl_ms = 1000
         c.with_soft_pin = True
-        assert c.group_ids == ["g0", "g1"]
         assert "replica_num=1" in repr(c)
 
         s = connect(master)
