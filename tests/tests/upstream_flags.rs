@@ -171,3 +171,56 @@ fn upstream_store_flags_lunakv_cannot_honour_are_refused_with_the_fix() {
         }
     }
 }
+
+/// What upstream Mooncake's client library sends first: a 20-byte coro_rpc request header.
+fn coro_rpc_header() -> Vec<u8> {
+    let mut h = vec![lunakv_proto::foreign::CORO_RPC_MAGIC, 1, 0, 0];
+    h.extend_from_slice(&[0u8; 16]);
+    h
+}
+
+#[test]
+fn an_upstream_client_at_the_master_is_named_in_its_log() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let m = Master::start(dir.path(), &[]);
+    let mut c = std::net::TcpStream::connect(m.rpc).unwrap();
+    c.write_all(&coro_rpc_header()).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = [0u8; 64];
+    assert_eq!(c.read(&mut buf).unwrap_or(0), 0, "the master closes it");
+    let line = m
+        .proc
+        .wait_for_line("does not speak gRPC", Duration::from_secs(10));
+    assert!(line.contains("coro_rpc"), "{line}");
+    // A lunakv client right after still works: the check only looks.
+    let r = lunakv_tests::requester(&m.addr());
+    assert!(matches!(r.batch_exists(&["k"])[..], [Ok(false)]));
+}
+
+#[test]
+fn a_lunakv_client_pointed_at_an_upstream_master_says_so() {
+    use std::io::Read;
+    // The double of upstream's mooncake_master: coro_rpc reads a 20-byte header, finds no
+    // magic byte and closes the connection, as yalantinglibs' server does.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let mut h = [0u8; 20];
+            let _ = c.read_exact(&mut h);
+        }
+    });
+    let e = lunakv_client::StoreClient::connect(lunakv_client::ClientOptions {
+        master_server_address: addr.clone(),
+        ..lunakv_client::ClientOptions::default()
+    })
+    .err()
+    .expect("connecting to a coro_rpc master fails");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("does not speak gRPC") && msg.contains("not a lunakv-master"),
+        "{msg}"
+    );
+}

@@ -757,6 +757,12 @@ pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Rpc,
     let endpoint = Channel::from_shared(uri).map_err(|e| ClientError::Config(format!(
         "master_server_address '{addr}' is not a valid address ({e}): use host:port, e.g. \"127.0.0.1:50051\""
     )))?;
+    if let Err(why) = speaks_grpc(addr, timeout).await {
+        return Err(ClientError::Rpc {
+            addr: addr.to_owned(),
+            message: why,
+        });
+    }
     let channel = endpoint
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(3).min(timeout))
@@ -771,6 +777,59 @@ pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Rpc,
             ),
         })?;
     Ok(master_client(channel))
+}
+
+/// One look at what `addr` speaks before tonic connects: a peer that closes the connection on
+/// the HTTP/2 preface, or answers with something other than HTTP/2, is not a lunakv-master
+/// (upstream's `mooncake_master` speaks coro_rpc); without this the first call fails with a bare
+/// transport error. `Err` only when that is certain: a refused or silent peer is left to
+/// tonic's connect and its usual errors.
+async fn speaks_grpc(addr: &str, timeout: Duration) -> Result<(), String> {
+    use lunakv_proto::foreign::{
+        CORO_RPC_MAGIC, HTTP2_EMPTY_SETTINGS, HTTP2_PREFACE, NOT_A_LUNAKV_MASTER,
+        server_speaks_http2,
+    };
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let wait = Duration::from_secs(2).min(timeout);
+    let host = addr.split_once("://").map_or(addr, |(_, rest)| rest);
+    let Ok(Ok(mut s)) = tokio::time::timeout(wait, tokio::net::TcpStream::connect(host)).await
+    else {
+        return Ok(());
+    };
+    let mut hello = HTTP2_PREFACE.to_vec();
+    hello.extend_from_slice(&HTTP2_EMPTY_SETTINGS);
+    if s.write_all(&hello).await.is_err() {
+        return Ok(());
+    }
+    let mut first = [0u8; 9];
+    let mut got = 0;
+    let read = tokio::time::timeout(wait, async {
+        while got < first.len() {
+            match s.read(&mut first[got..]).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got += n,
+            }
+        }
+    })
+    .await;
+    if read.is_err() && got == 0 {
+        // Silent: maybe overloaded; tonic decides.
+        return Ok(());
+    }
+    if server_speaks_http2(&first[..got]) {
+        return Ok(());
+    }
+    let seen = if got == 0 {
+        "it closed the connection on the HTTP/2 preface".to_string()
+    } else if first[0] == CORO_RPC_MAGIC {
+        "it answered with a coro_rpc header".to_string()
+    } else {
+        format!("it answered {:02x?}", &first[..got])
+    };
+    Err(format!(
+        "the master at {addr} does not speak gRPC ({seen}): {NOT_A_LUNAKV_MASTER} (upstream Mooncake's mooncake_master speaks coro_rpc); point master_server_address at a lunakv-master, or use upstream's mooncake package with an upstream master"
+    ))
 }
 
 pub(crate) fn rpc_error(addr: &str, status: &tonic::Status) -> ClientError {

@@ -31,7 +31,10 @@ const CLUSTER_MISMATCH_HINT: &str = "must match the masters' --cluster_id";
 /// Whether waiting may fix a failure of [`MasterLink::connect`].
 fn connect_retryable(e: &ClientError) -> bool {
     match e {
-        ClientError::Rpc { message, .. } => !message.contains(CLUSTER_MISMATCH_HINT),
+        ClientError::Rpc { message, .. } => {
+            !message.contains(CLUSTER_MISMATCH_HINT)
+                && !message.contains(lunakv_proto::foreign::NOT_A_LUNAKV_MASTER)
+        }
         _ => false,
     }
 }
@@ -96,6 +99,11 @@ mod tests {
             "etcd has leaders for cluster_id [\"a\"]: the cluster_id of this client (\"b\") must \
              match the masters' --cluster_id"
         )));
+        assert!(!connect_retryable(&rpc(&format!(
+            "the master at a does not speak gRPC (it closed the connection on the HTTP/2 \
+             preface): {}",
+            lunakv_proto::foreign::NOT_A_LUNAKV_MASTER
+        ))));
         assert!(!connect_retryable(&ClientError::Config(
             "bad address".into()
         )));

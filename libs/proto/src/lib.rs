@@ -6,6 +6,7 @@
 //! CLI (clients). Kept slim on purpose: no business logic lives here.
 
 mod codes;
+pub mod foreign;
 mod keys;
 
 pub use codes::ErrorCode;

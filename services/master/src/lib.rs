@@ -38,6 +38,7 @@ pub mod alloc;
 pub mod core;
 pub mod grpc;
 pub mod ha;
+mod incoming;
 pub mod metrics;
 pub mod namespaces;
 pub mod notifier;

@@ -310,10 +310,7 @@ impl Master {
                 .add_service(reflection_v1)
                 .add_service(reflection_v1alpha)
                 .serve_with_incoming_shutdown(
-                    // Builder::tcp_nodelay only applies to listeners tonic binds itself; with
-                    // Nagle on, a response written as two frames stalls 40 ms on delayed ACKs.
-                    tonic::transport::server::TcpIncoming::from(listeners.rpc)
-                        .with_nodelay(Some(true)),
+                    crate::incoming::grpc_connections(listeners.rpc),
                     async move {
                         let _ = rx.changed().await;
                     },
