@@ -72,13 +72,14 @@ test-gpu: gpu-bundle
 
 .PHONY: images e2e-compose
 
-## Container images lunakv/{master,store,bootstrap,sidecar,engine-sim,cli,etcd}:dev: cargo build
+## Container images lunakv/{master,store,bootstrap,sidecar,engine-sim,cli,etcd,prometheus}:dev: cargo build
 ## --release, then (once) a debootstrap'd debian:bookworm-slim base, then docker build. No registry
 ## needed. LUNAKV_PROFILE=debug builds them from target/debug instead.
 images:
 	deploy/docker/build-images.sh
 
-## The compose stack end to end: images, `docker-compose up -d`, a P/D completion through the
-## sidecar and a put/get through the store, checked, then `docker-compose down -v` (always).
+## The compose stack end to end: images, `docker-compose up -d` with the observability profile,
+## a P/D completion through the sidecar and a put/get through the store, checked, every
+## dashboard query against the stack's Prometheus, then `docker-compose down -v` (always).
 e2e-compose:
 	deploy/compose/e2e.sh

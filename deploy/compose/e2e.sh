@@ -14,17 +14,31 @@
 #    sidecar connector (it must fail that row),
 # 6. fills the store-client's 64 MB segment past the eviction watermark and checks that evicted
 #    objects went to the SSD tier (the offload volume grew) and come back byte-exact,
-# 7. always brings the stack down (`docker-compose down -v`), printing logs if anything failed.
+# 7. monitoring (the `observability` profile, on by default here): Prometheus scrapes every
+#    service (up == 1 for each target), then every PromQL expression of every dashboard panel in
+#    deploy/grafana runs against it and must return data (deploy/compose/dashboard_queries.py
+#    would name any the run cannot feed, and why: none today); trace export is on towards a collector that
+#    is not there (LUNAKV_OTLP_ENDPOINT=http://jaeger:4318, the observability-ui profile's
+#    Jaeger, which cannot be pulled here): each service says so in at most one log line, and
+#    P/D completions stay fast,
+# 8. always brings the stack down (`docker-compose down -v`), printing logs if anything failed.
 #
 # Host ports are published on loopback, on free ports picked by Docker; nothing else is reached.
 # Environment: SKIP_IMAGES=1, LUNAKV_PROFILE=debug (images from target/debug, e.g. after
-# `make test` in CI), KEEP_STACK=1 (leave it running for inspection), E2E_TIMEOUT (s, 120).
+# `make test` in CI), KEEP_STACK=1 (leave it running for inspection), E2E_TIMEOUT (s, 120),
+# COMPOSE_PROFILES (default observability; empty skips step 7), LUNAKV_OTLP_ENDPOINT (default
+# http://jaeger:4318; empty turns trace export off).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-lunakv-e2e}
-export LUNAKV_SIDECAR_PORT=0 LUNAKV_MASTER_ADMIN_PORT=0
+export LUNAKV_SIDECAR_PORT=0 LUNAKV_MASTER_ADMIN_PORT=0 LUNAKV_PROMETHEUS_PORT=0
+# Every command below (up, run, ps, down) sees the same services.
+export COMPOSE_PROFILES=${COMPOSE_PROFILES-observability}
+export LUNAKV_OTLP_ENDPOINT=${LUNAKV_OTLP_ENDPOINT-http://jaeger:4318}
+observability=0
+[[ ",$COMPOSE_PROFILES," == *,observability,* || ",$COMPOSE_PROFILES," == *,observability-ui,* ]] && observability=1
 # A small segment, so a few puts reach the eviction watermark and exercise the SSD tier.
 export LUNAKV_STORE_SEGMENT_SIZE=64MB
 COMPOSE=(docker-compose -f "$ROOT/compose.yaml")
@@ -149,6 +163,16 @@ if echo "hello from compose" | cli --master master:50051 put e2e/hello - >/dev/n
 else
     fail "small object round trip: $(cat "$WORK/cli.err")"
 fi
+# A vLLM-shaped key (MooncakeStoreConnector's <model>@tp_rank:<r>@<chunk hash>) put by one CLI
+# container and found by another (each is its own client): the cross-instance hit the master
+# counts per key namespace (lunakv_namespace_*, the pool dashboard's consistency panels).
+vkey='sim-model@tp_rank:0@00c0ffee'
+if echo "kv block" | cli put "$vkey" - >/dev/null && cli exists "$vkey" >/dev/null \
+    && has_metric "http://$ADMIN/metrics" '^lunakv_namespace_shared_keys_total\{namespace="sim-model@tp_rank:0"\} [1-9]'; then
+    ok "a vLLM-shaped key put by one client and found by another counts as shared in its namespace"
+else
+    fail "vLLM-shaped key $vkey: $(cat "$WORK/cli.err"); $(grep '^lunakv_namespace' "$WORK/metrics.txt" 2>/dev/null | head -n 5)"
+fi
 if cli --json status >"$WORK/status.json"; then
     read -r cap keys segs < <(json 'd["capacity_bytes"], d["keys"], len(d["segments"])' <"$WORK/status.json" | tr -d '(),')
     if [ "${cap:-0}" -gt 0 ] && [ "${keys:-0}" -ge 2 ] && [ "${segs:-0}" -ge 1 ]; then
@@ -238,6 +262,74 @@ if [ "$got" = "$want" ]; then
     ok "the first (evicted) object reads back byte-exact"
 else
     fail "e2e/fill-1 after eviction: sha256 $got, want $want: $(cat "$WORK/cli.err")"
+fi
+
+if [ "$observability" = 1 ]; then
+    step "monitoring: Prometheus scrapes every service; every dashboard query returns data"
+    PROM=$("${COMPOSE[@]}" port prometheus 9090)
+    echo "Prometheus on http://$PROM"
+    # More P/D traffic, timed, while trace export fails (no collector): requests must not wait
+    # on it. It also spreads the sidecar's samples over several scrapes.
+    : >"$WORK/pd-times"
+    for _ in $(seq 1 20); do
+        curl -sS -o /dev/null -w '%{time_total}\n' -m 30 "http://$SIDECAR/v1/chat/completions" \
+            -H 'content-type: application/json' -H 'x-prefiller-host-port: prefill:8200' -d "$body" >>"$WORK/pd-times" || true
+    done
+    read -r n p50 worst < <(python3 -c "import sys; t=sorted(float(x) for x in open('$WORK/pd-times') if x.strip()); print(len(t), int(t[len(t)//2]*1000) if t else -1, int(t[-1]*1000) if t else -1)")
+    if [ "$n" = 20 ] && [ "$worst" -lt 2000 ]; then
+        ok "20 P/D completions with trace export on: p50 ${p50} ms, max ${worst} ms"
+    else
+        fail "P/D completions with trace export on: $n of 20 answered, p50 ${p50} ms, max ${worst} ms"
+    fi
+    # Every target up, and two scrapes of each after the traffic above, so rate() sees it.
+    t_traffic=$(date +%s)
+    # master, store, bootstrap, sidecar, 2 engines, etcd and Prometheus itself
+    want_targets=8
+    targets=""
+    for _ in $(seq 1 30); do
+        targets=$(curl -sS -m 5 "http://$PROM/api/v1/targets?state=active" | python3 -c "
+import json, sys, datetime
+ts = json.load(sys.stdin)['data']['activeTargets']
+after = $t_traffic + 2
+fresh = all(datetime.datetime.fromisoformat(t['lastScrape'][:26].rstrip('Z')).replace(tzinfo=datetime.timezone.utc).timestamp() >= after for t in ts)
+up = [t['labels']['job'] + '/' + t['labels']['instance'] for t in ts if t['health'] == 'up']
+down = [t['labels']['job'] + '/' + t['labels']['instance'] + ': ' + (t.get('lastError') or t['health']) for t in ts if t['health'] != 'up']
+print('fresh' if fresh else 'stale', len(up), ' '.join(sorted(up)), '|', '; '.join(down))
+" 2>/dev/null || true)
+        read -r fresh n_up _ <<<"$targets"
+        [ "$fresh" = fresh ] && [ "${n_up:-0}" -ge "$want_targets" ] && break
+        sleep 1
+    done
+    if [ "${fresh:-}" = fresh ] && [ "${n_up:-0}" -ge "$want_targets" ]; then
+        ok "Prometheus scrapes every service: $(cut -d' ' -f3- <<<"$targets" | cut -d'|' -f1)"
+    else
+        fail "Prometheus targets: $targets"
+    fi
+    if python3 deploy/compose/dashboard_queries.py "http://$PROM" >"$WORK/queries.txt" 2>&1; then
+        ok "every dashboard query runs on the real Prometheus: $(tail -n1 "$WORK/queries.txt")"
+    else
+        fail "dashboard queries: $(tail -n1 "$WORK/queries.txt")"
+    fi
+    cat "$WORK/queries.txt"
+fi
+
+if [ -n "$LUNAKV_OTLP_ENDPOINT" ]; then
+    step "trace export to an absent collector ($LUNAKV_OTLP_ENDPOINT): one line, no flood"
+    # The export is on in every lunakv service; with no collector each must say so once, not
+    # once per batch (the SDK's own lines were two per batch, every 5 s, per service).
+    loud=""
+    said=0
+    for svc in master store bootstrap prefill decode sidecar; do
+        n=$("${COMPOSE[@]}" logs --no-color "$svc" 2>/dev/null | grep -ciE 'export traces|trace export|opentelemetry|otlp' || true)
+        echo "$svc: $n line(s) about trace export"
+        [ "$n" -gt 0 ] && said=$((said + 1))
+        [ "$n" -gt 1 ] && loud="$loud $svc($n)"
+    done
+    if [ -z "$loud" ] && [ "$said" -ge 1 ]; then
+        ok "trace export failing quietly: at most one line per service ($said services said so)"
+    else
+        fail "trace export to an absent collector: too many lines from$loud, or none at all (said=$said)"
+    fi
 fi
 
 echo

@@ -11,7 +11,9 @@
 #    and `docker import` it under that tag. Skipped when the tag exists, so where a registry exists
 #    the real image is used unchanged (pull it first: `docker pull debian:bookworm-slim`).
 # 3. A build context under target/docker-context: bin/ (the release binaries, debug info
-#    stripped), lunakv-probe (the healthcheck), etcd (Debian's etcd-server binary, for compose).
+#    stripped), lunakv-probe (the healthcheck), etcd (Debian's etcd-server binary, for compose),
+#    debs/ (Debian's prometheus package and what it needs beyond the base, for compose's
+#    `observability` profile).
 # 4. `docker build -f deploy/docker/<name>.Dockerfile -t lunakv/<name>:$TAG target/docker-context`.
 #
 # Environment: TAG (default dev), LUNAKV_DEBIAN_MIRROR (default: apt's), SKIP_CARGO=1,
@@ -27,7 +29,7 @@ case "$PROFILE" in release) CARGO_PROFILE=(--release) ;; debug) CARGO_PROFILE=()
     *) echo "build-images: LUNAKV_PROFILE must be release or debug" >&2; exit 2 ;; esac
 BASE_TAG=debian:bookworm-slim
 CTX="$ROOT/target/docker-context"
-ALL=(master store bootstrap sidecar engine-sim cli etcd)
+ALL=(master store bootstrap sidecar engine-sim cli etcd prometheus)
 IMAGES=("$@")
 [ ${#IMAGES[@]} -eq 0 ] && IMAGES=("${ALL[@]}")
 export DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0}
@@ -113,6 +115,27 @@ if [ "$need_etcd" = 1 ]; then
     else
         rm -rf "$tmp"; die "no etcd binary: apt-get download etcd-server failed and /usr/bin/etcd is absent"
     fi
+    rm -rf "$tmp"
+fi
+
+need_prometheus=0
+for i in "${IMAGES[@]}"; do [ "$i" = prometheus ] && need_prometheus=1; done
+if [ "$need_prometheus" = 1 ]; then
+    # Debian's prometheus package and exactly what it needs beyond the base image: apt resolves
+    # against the base's own dpkg status and downloads on the host, so `docker build` installs
+    # them offline (dpkg -i) and needs no network, like the etcd image.
+    log "apt: downloading prometheus and its dependencies missing from $BASE_TAG"
+    tmp=$(mktemp -d)
+    mkdir -p "$tmp/archives/partial" "$CTX/debs"
+    docker run --rm --entrypoint cat "$BASE_TAG" /var/lib/dpkg/status >"$tmp/status" \
+        || { rm -rf "$tmp"; die "cannot read the dpkg status of $BASE_TAG"; }
+    if ! apt-get install -qq --download-only --no-install-recommends \
+        -o Debug::NoLocking=1 -o Dir::State::status="$tmp/status" \
+        -o Dir::Cache::archives="$tmp/archives" prometheus >"$tmp/apt.log" 2>&1; then
+        cat "$tmp/apt.log" >&2; rm -rf "$tmp"
+        die "apt-get could not download prometheus (run apt-get update first?)"
+    fi
+    mv "$tmp"/archives/*.deb "$CTX/debs/"
     rm -rf "$tmp"
 fi
 

@@ -22,6 +22,11 @@
 //!   Services, ServiceMonitors and PodDisruptionBudgets select something there; every
 //!   `host:port` in args, env and ConfigMap data names a rendered Service with that port or a
 //!   StatefulSet pod behind its headless Service with that container port;
+//! - the optional monitoring component (deploy/k8s/components/servicemonitor) on every
+//!   overlay: ServiceMonitors for the master, store-clients and bootstrap and a PodMonitor for
+//!   the routing sidecars, in the namespace, labelled `release: kube-prometheus-stack`, each
+//!   scraping the port and path its binary serves metrics on, and the dashboards ConfigMap
+//!   (Grafana's sidecar label `grafana_dashboard: "1"`) holding exactly deploy/grafana/*.json;
 //! - hardening: the recommended `app.kubernetes.io/*` labels on every object and pod template
 //!   (never in selectors or volumeClaimTemplates); requests and a memory limit on every lunakv
 //!   and etcd container, the store's limit covering its segment + headroom + memory emptyDirs,
@@ -858,7 +863,7 @@ fn pod_port(objs: &[Value], pod: &str, svc: &str, n: &str, port: u16) -> Result<
 /// Cross-object references the API server, the kubelet and cluster DNS resolve within one
 /// namespace: ConfigMap/Secret/PVC volumes, envFrom and valueFrom, serviceAccountName, volume
 /// mounts, a StatefulSet's serviceName, hostnames in args, env and ConfigMap data, and the
-/// selectors of ServiceMonitors and PodDisruptionBudgets.
+/// selectors of ServiceMonitors, PodMonitors and PodDisruptionBudgets.
 fn check_references(objs: &[Value], pods: &[Pod<'_>], failures: &mut Vec<String>) {
     let optional = |v: &Value| v.pointer("/optional") == Some(&Value::Bool(true));
     let has_key = |o: &Value, key: &str| {
@@ -1052,6 +1057,43 @@ fn check_references(objs: &[Value], pods: &[Pod<'_>], failures: &mut Vec<String>
                     name(m),
                     name(svc)
                 ));
+            }
+        }
+    }
+    for m in objs.iter().filter(|o| s(o, "/kind") == "PodMonitor") {
+        if m.pointer("/spec/namespaceSelector").is_some() {
+            failures.push(format!(
+                "{}: namespaceSelector set; it must scrape its own namespace",
+                name(m)
+            ));
+        }
+        let sel = string_map(m, "/spec/selector/matchLabels");
+        let selected: Vec<&Pod<'_>> = pods
+            .iter()
+            .filter(|p| p.namespace == ns(m) && selects(&sel, &p.labels))
+            .collect();
+        if selected.is_empty() {
+            failures.push(format!(
+                "{} selects no pods in its namespace {} ({sel:?})",
+                name(m),
+                ns(m)
+            ));
+        }
+        // Prometheus' pod discovery lists init containers' ports too, so a native sidecar's
+        // port counts; every selected pod must have it, or that pod is silently not scraped.
+        for ep in arr(m, "/spec/podMetricsEndpoints") {
+            let port = s(ep, "/port");
+            for p in &selected {
+                if !p
+                    .all_containers()
+                    .any(|c| container_ports(c).iter().any(|(n, _)| n == port))
+                {
+                    failures.push(format!(
+                        "{} scrapes port {port}, which no container of {} names",
+                        name(m),
+                        p.workload
+                    ));
+                }
             }
         }
     }
@@ -1624,23 +1666,30 @@ fn every_overlay_renders_and_is_consistent() {
     );
 }
 
-/// The optional ServiceMonitor component renders on top of an overlay and targets real ports.
-#[test]
-fn servicemonitor_component_targets_metrics_ports() {
-    let Some(kubectl) = kubectl() else {
-        println!("SKIPPED k8s_overlays: kubectl not found");
-        return;
-    };
-    // As deploy/k8s/README.md tells operators: the component added to an overlay's
-    // `components:`. The copy sits beside the overlays (kustomize refuses absolute paths);
-    // overlays() skips dot-directories.
+/// The label kube-prometheus-stack's Prometheus selects ServiceMonitors and PodMonitors by
+/// (its Helm release name; deploy/k8s/README.md#monitoring says how to change it).
+const RELEASE_LABEL: (&str, &str) = ("release", "kube-prometheus-stack");
+/// The dashboards ConfigMap and the label Grafana's dashboard sidecar looks for.
+const DASHBOARDS_CONFIGMAP: &str = "lunakv-grafana-dashboards";
+const GRAFANA_SIDECAR_LABEL: (&str, &str) = ("grafana_dashboard", "1");
+/// Where each lunakv service serves its metrics: (image, path, the flag that sets that port).
+const METRICS_ENDPOINTS: &[(&str, &str, &str)] = &[
+    ("lunakv/master", "/metrics", "--metrics_port"),
+    ("lunakv/store", "/metrics", "--metrics_port"),
+    ("lunakv/bootstrap", "/metrics", "--port"),
+    ("lunakv/sidecar", "/lunakv/sidecar/metrics", "--port"),
+];
+
+/// `overlay` with `component` added to its `components:`, as deploy/k8s/README.md tells
+/// operators, rendered. The copy sits beside the overlays (kustomize refuses absolute paths);
+/// overlays() skips dot-directories.
+fn render_with_component(kubectl: &Path, overlay: &str, component: &str) -> Vec<Value> {
     let overlays_dir = repo().join("deploy/k8s/overlays");
     let dir = tempfile::Builder::new()
-        .prefix(".test-servicemonitor-")
+        .prefix(&format!(".test-{overlay}-"))
         .tempdir_in(&overlays_dir)
         .expect("tempdir in deploy/k8s/overlays");
-    let src = overlays_dir.join("standalone-store-offload");
-    for e in std::fs::read_dir(&src).expect("read overlay") {
+    for e in std::fs::read_dir(overlays_dir.join(overlay)).expect("read overlay") {
         let e = e.expect("dir entry");
         if e.file_type().expect("file type").is_file() {
             std::fs::copy(e.path(), dir.path().join(e.file_name())).expect("copy overlay file");
@@ -1650,27 +1699,237 @@ fn servicemonitor_component_targets_metrics_ports() {
     let text = std::fs::read_to_string(&k).expect("read kustomization");
     assert!(
         text.contains("\ncomponents:\n"),
-        "overlay has a components: list"
+        "overlay {overlay} has a components: list"
     );
     let text = text.replacen(
         "\ncomponents:\n",
-        "\ncomponents:\n  - ../../components/servicemonitor\n",
+        &format!("\ncomponents:\n  - ../../components/{component}\n"),
         1,
     );
     std::fs::write(&k, text).expect("write kustomization");
-    let objs = render(&kubectl, dir.path());
-    let monitors: Vec<&Value> = objs
+    render(kubectl, dir.path())
+}
+
+/// The container a Service port sends to, in the pods the Service selects.
+fn service_target<'a>(
+    svc: &Value,
+    port_name: &str,
+    pods: &'a [Pod<'a>],
+) -> Option<(&'a Value, u64)> {
+    let sel = string_map(svc, "/spec/selector");
+    let sp = arr(svc, "/spec/ports")
         .iter()
-        .filter(|o| s(o, "/kind") == "ServiceMonitor")
-        .collect();
-    assert_eq!(monitors.len(), 2, "master and store ServiceMonitors");
-    // check_overlay resolves each one to a Service with that port in its own namespace.
-    let checked = check_overlay("standalone-store-offload+servicemonitor", &objs);
+        .find(|p| s(p, "/name") == port_name)?;
+    let target = sp
+        .pointer("/targetPort")
+        .or_else(|| sp.pointer("/port"))?
+        .clone();
+    pods.iter()
+        .filter(|p| p.namespace == ns(svc) && selects(&sel, &p.labels))
+        .flat_map(|p| p.all_containers())
+        .find_map(|c| {
+            container_ports(c)
+                .into_iter()
+                .find(|(n, num)| match &target {
+                    Value::String(t) => n == t,
+                    t => t.as_u64() == Some(*num),
+                })
+                .map(|(_, num)| (c, num))
+        })
+}
+
+/// What one monitor endpoint scrapes: (monitor, the container behind it, its port, the path).
+fn scraped<'a>(objs: &'a [Value], pods: &'a [Pod<'a>]) -> Vec<(String, &'a Value, u64, String)> {
+    let mut out = Vec::new();
+    for m in objs {
+        let sel = string_map(m, "/spec/selector/matchLabels");
+        match s(m, "/kind") {
+            "ServiceMonitor" => {
+                for svc in objs.iter().filter(|o| {
+                    s(o, "/kind") == "Service"
+                        && ns(o) == ns(m)
+                        && selects(&sel, &string_map(o, "/metadata/labels"))
+                }) {
+                    for ep in arr(m, "/spec/endpoints") {
+                        if let Some((c, port)) = service_target(svc, s(ep, "/port"), pods) {
+                            out.push((name(m), c, port, s(ep, "/path").to_string()));
+                        }
+                    }
+                }
+            }
+            "PodMonitor" => {
+                for p in pods
+                    .iter()
+                    .filter(|p| p.namespace == ns(m) && selects(&sel, &p.labels))
+                {
+                    for ep in arr(m, "/spec/podMetricsEndpoints") {
+                        for c in p.all_containers() {
+                            if let Some((_, port)) = container_ports(c)
+                                .into_iter()
+                                .find(|(n, _)| n == s(ep, "/port"))
+                            {
+                                out.push((name(m), c, port, s(ep, "/path").to_string()));
+                            }
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The monitoring component (ServiceMonitors, the sidecar's PodMonitor, the dashboards
+/// ConfigMap) renders on every overlay into the namespace, with the release label and Grafana's
+/// sidecar label; on pd-mooncake, which runs all four services, each of them is scraped at the
+/// port and path its binary serves metrics on.
+#[test]
+fn monitoring_component_scrapes_every_service_and_ships_the_dashboards() {
+    let Some(kubectl) = kubectl() else {
+        println!("SKIPPED k8s_overlays: kubectl not found");
+        return;
+    };
+    let grafana = repo().join("deploy/grafana");
+    let mut dashboards: BTreeMap<String, Value> = BTreeMap::new();
+    for e in std::fs::read_dir(&grafana).expect("deploy/grafana") {
+        let p = e.expect("dir entry").path();
+        if p.extension().is_some_and(|x| x == "json") {
+            let text = std::fs::read_to_string(&p).expect("read dashboard");
+            dashboards.insert(
+                p.file_name().expect("name").to_string_lossy().into_owned(),
+                serde_json::from_str(&text).expect("dashboard JSON"),
+            );
+        }
+    }
+    assert_eq!(
+        dashboards.len(),
+        4,
+        "deploy/grafana has the four dashboards"
+    );
+
+    let mut failures: Vec<String> = Vec::new();
+    for dir in overlays() {
+        let overlay = dir
+            .file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned();
+        let objs = render_with_component(&kubectl, &overlay, "servicemonitor");
+        let what = format!("{overlay}+servicemonitor");
+        let mut ns_failures = Vec::new();
+        check_namespaces(&objs, &mut ns_failures);
+        failures.extend(ns_failures.into_iter().map(|f| format!("{what}: {f}")));
+
+        let monitors: Vec<&Value> = objs
+            .iter()
+            .filter(|o| matches!(s(o, "/kind"), "ServiceMonitor" | "PodMonitor"))
+            .collect();
+        if monitors.len() != 4 {
+            failures.push(format!(
+                "{what}: {} monitors, want 4 (master, store, bootstrap, sidecar)",
+                monitors.len()
+            ));
+        }
+        for m in &monitors {
+            let labels = string_map(m, "/metadata/labels");
+            if labels.get(RELEASE_LABEL.0).map(String::as_str) != Some(RELEASE_LABEL.1) {
+                failures.push(format!(
+                    "{what}: {} has {}={:?}, want {:?}: kube-prometheus-stack's Prometheus would not select it",
+                    name(m),
+                    RELEASE_LABEL.0,
+                    labels.get(RELEASE_LABEL.0),
+                    RELEASE_LABEL.1
+                ));
+            }
+        }
+
+        match find(&objs, "ConfigMap", NAMESPACE, DASHBOARDS_CONFIGMAP) {
+            None => failures.push(format!(
+                "{what}: no ConfigMap {DASHBOARDS_CONFIGMAP} in {NAMESPACE}"
+            )),
+            Some(cm) => {
+                let labels = string_map(cm, "/metadata/labels");
+                if labels.get(GRAFANA_SIDECAR_LABEL.0).map(String::as_str)
+                    != Some(GRAFANA_SIDECAR_LABEL.1)
+                {
+                    failures.push(format!(
+                        "{what}: {} lacks {}: \"{}\", Grafana's sidecar would not load it",
+                        name(cm),
+                        GRAFANA_SIDECAR_LABEL.0,
+                        GRAFANA_SIDECAR_LABEL.1
+                    ));
+                }
+                let data = cm.pointer("/data").and_then(Value::as_object);
+                let keys: BTreeSet<&String> = data.map(|d| d.keys().collect()).unwrap_or_default();
+                if keys != dashboards.keys().collect() {
+                    failures.push(format!(
+                        "{what}: {} holds {keys:?}, deploy/grafana has {:?}",
+                        name(cm),
+                        dashboards.keys()
+                    ));
+                }
+                for (k, want) in &dashboards {
+                    let got = data
+                        .and_then(|d| d.get(k))
+                        .and_then(Value::as_str)
+                        .and_then(|t| serde_json::from_str::<Value>(t).ok());
+                    if got.as_ref() != Some(want) {
+                        failures.push(format!(
+                            "{what}: {} key {k} is not deploy/grafana/{k}",
+                            name(cm)
+                        ));
+                    }
+                }
+            }
+        }
+
+        if overlay != "pd-mooncake" {
+            continue;
+        }
+        // All four services run here: every monitor resolves (check_overlay's reference
+        // checks), and each service is scraped where its binary serves metrics.
+        failures.extend(check_overlay(&what, &objs).failures);
+        let pods = pods(&objs);
+        let scraped = scraped(&objs, &pods);
+        for (img, path, flag_name) in METRICS_ENDPOINTS {
+            let hits: Vec<_> = scraped
+                .iter()
+                .filter(|(_, c, _, _)| is_image(c, img))
+                .collect();
+            if hits.is_empty() {
+                failures.push(format!("{what}: no monitor scrapes a {img} container"));
+            }
+            for (m, c, port, p) in hits {
+                let serves = flag(c, flag_name).and_then(|v| v.parse::<u64>().ok());
+                if serves != Some(*port) {
+                    failures.push(format!(
+                        "{what}: {m} scrapes {img} on port {port}, but it serves metrics on {flag_name}={serves:?}"
+                    ));
+                }
+                if p != path {
+                    failures.push(format!(
+                        "{what}: {m} scrapes {img} at path {p:?}, it serves metrics at {path:?}"
+                    ));
+                }
+            }
+        }
+        if let Some((m, c, _, _)) = scraped
+            .iter()
+            .find(|(_, c, _, _)| !METRICS_ENDPOINTS.iter().any(|(img, _, _)| is_image(c, img)))
+        {
+            failures.push(format!(
+                "{what}: {m} scrapes container {} ({}), not a lunakv service",
+                s(c, "/name"),
+                image(c)
+            ));
+        }
+    }
     assert!(
-        checked.failures.is_empty(),
+        failures.is_empty(),
         "{} failures:\n  - {}",
-        checked.failures.len(),
-        checked.failures.join("\n  - ")
+        failures.len(),
+        failures.join("\n  - ")
     );
 }
 

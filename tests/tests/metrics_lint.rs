@@ -83,6 +83,8 @@ fn every_service_passes_promtool_and_names_its_build() {
         ("lunakv-store", s.admin.expect("store admin"), "/metrics"),
         ("lunakv-bootstrap", boot.http, "/metrics"),
         ("lunakv-sidecar", sc.http, "/lunakv/sidecar/metrics"),
+        // The vLLM test double serves /metrics where vLLM does; compose's Prometheus scrapes it.
+        ("lunakv-engine-sim", decoder.http, "/metrics"),
     ];
     let mut problems = Vec::new();
     for (service, addr, path) in targets {

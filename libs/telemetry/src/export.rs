@@ -5,13 +5,22 @@
 //! the batch processor's thread hands each batch to it. So `init` works before the service
 //! starts its runtime (`lunakv-store`), inside a host that has none (the Python module), and the
 //! final flush on SIGTERM cannot deadlock on a runtime that is busy shutting down.
+//!
+//! An unreachable collector costs little and says so once: each batch is tried once (no
+//! retries: a CLI's exit flush would wait ~1 s for them), and after a failure the batches of the
+//! next [`COOLDOWN`] are dropped without touching the network. The first failure logs one WARN
+//! naming the endpoint, then one WARN per [`REPORT_EVERY`] while it lasts, and one INFO when
+//! export works again ([`Health`]). The SDK's own per-batch error lines are compiled out (the
+//! workspace builds the opentelemetry crates without `internal-logs`).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::{Key, KeyValue};
-use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_otlp::{
+    Protocol, RetryPolicy, WithExportConfig, WithHttpConfig, WithTonicConfig,
+};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, SpanData, SpanExporter};
@@ -141,11 +150,13 @@ impl Pipeline {
                 Protocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
                     .with_tonic()
                     .with_endpoint(endpoint.clone())
+                    .with_retry_policy(RetryPolicy::disabled())
                     .build(),
                 _ => opentelemetry_otlp::SpanExporter::builder()
                     .with_http()
                     .with_protocol(Protocol::HttpBinary)
                     .with_endpoint(http_url(var, &endpoint))
+                    .with_retry_policy(RetryPolicy::disabled())
                     .build(),
             }
         };
@@ -166,6 +177,7 @@ impl Pipeline {
             .with_batch_exporter(OnRuntime {
                 inner: Arc::new(exporter),
                 rt: runtime.handle().clone(),
+                health: Arc::new(parking_lot::Mutex::new(Health::new(endpoint.clone()))),
             })
             .build();
         Ok(Some(Pipeline { provider, runtime }))
@@ -188,25 +200,177 @@ impl Pipeline {
 
 /// Runs every export of `inner` on the pipeline's runtime: the batch processor calls exporters
 /// from its own plain thread, where neither hyper's client nor tokio timers work.
+/// After a failed export, how long batches are dropped without a try.
+pub(crate) const COOLDOWN: Duration = Duration::from_secs(10);
+/// While exports keep failing, how often that is logged again.
+pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(300);
+
+/// Whether the collector answers, and what has been said about it: decides when a batch is
+/// tried and which failures are worth a log line.
 #[derive(Debug)]
-struct OnRuntime {
-    inner: Arc<opentelemetry_otlp::SpanExporter>,
-    rt: tokio::runtime::Handle,
+pub(crate) struct Health {
+    endpoint: String,
+    /// Set while exports fail: since when, and the batches and spans lost since.
+    failing: Option<Failing>,
 }
 
-impl SpanExporter for OnRuntime {
+#[derive(Debug, Clone, Copy)]
+struct Failing {
+    since: Instant,
+    retry_at: Instant,
+    reported_at: Instant,
+    batches: u64,
+    spans: u64,
+}
+
+/// What [`Health`] wants logged after an export.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Report {
+    /// The first failure: the endpoint and the error.
+    Down { error: String },
+    /// Still failing, [`REPORT_EVERY`] after the last line.
+    StillDown {
+        batches: u64,
+        spans: u64,
+        for_secs: u64,
+    },
+    /// Export works again.
+    Up { batches: u64, spans: u64 },
+}
+
+impl Health {
+    pub(crate) fn new(endpoint: String) -> Health {
+        Health {
+            endpoint,
+            failing: None,
+        }
+    }
+
+    /// Should a batch go out now? No during the cooldown after a failure; the batch's spans are
+    /// counted as lost then.
+    pub(crate) fn attempt(&mut self, now: Instant, spans: usize) -> bool {
+        match &mut self.failing {
+            Some(f) if now < f.retry_at => {
+                f.batches += 1;
+                f.spans += spans as u64;
+                false
+            }
+            _ => true,
+        }
+    }
+
+    /// Records an export's outcome; returns what to log, if anything.
+    pub(crate) fn outcome(
+        &mut self,
+        now: Instant,
+        spans: usize,
+        result: Result<(), String>,
+    ) -> Option<Report> {
+        match (result, &mut self.failing) {
+            (Ok(()), None) => None,
+            (Ok(()), Some(f)) => {
+                let r = Report::Up {
+                    batches: f.batches,
+                    spans: f.spans,
+                };
+                self.failing = None;
+                Some(r)
+            }
+            (Err(error), None) => {
+                self.failing = Some(Failing {
+                    since: now,
+                    retry_at: now + COOLDOWN,
+                    reported_at: now,
+                    batches: 1,
+                    spans: spans as u64,
+                });
+                Some(Report::Down { error })
+            }
+            (Err(_), Some(f)) => {
+                f.batches += 1;
+                f.spans += spans as u64;
+                f.retry_at = now + COOLDOWN;
+                if now.duration_since(f.reported_at) >= REPORT_EVERY {
+                    f.reported_at = now;
+                    Some(Report::StillDown {
+                        batches: f.batches,
+                        spans: f.spans,
+                        for_secs: now.duration_since(f.since).as_secs(),
+                    })
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
+    fn log(&self, r: Report) {
+        let endpoint = &self.endpoint;
+        match r {
+            Report::Down { error } => tracing::warn!(
+                endpoint = %endpoint,
+                %error,
+                "cannot export traces to the OTLP collector; dropping spans, trying again every \
+                 {}s and reporting every {}s while it fails",
+                COOLDOWN.as_secs(),
+                REPORT_EVERY.as_secs()
+            ),
+            Report::StillDown {
+                batches,
+                spans,
+                for_secs,
+            } => tracing::warn!(
+                endpoint = %endpoint,
+                batches,
+                spans,
+                "trace export still failing after {for_secs}s; spans dropped meanwhile"
+            ),
+            Report::Up { batches, spans } => tracing::info!(
+                endpoint = %endpoint,
+                batches,
+                spans,
+                "trace export works again; spans dropped while it failed"
+            ),
+        }
+    }
+}
+
+/// The exporter behind the batch processor: runs each export on the pipeline's runtime (the
+/// processor's thread has none) and keeps an unreachable collector cheap and quiet ([`Health`]).
+#[derive(Debug)]
+struct OnRuntime<E> {
+    inner: Arc<E>,
+    rt: tokio::runtime::Handle,
+    health: Arc<parking_lot::Mutex<Health>>,
+}
+
+impl<E: SpanExporter + Send + Sync + 'static> SpanExporter for OnRuntime<E> {
     fn export(
         &self,
         batch: Vec<SpanData>,
     ) -> impl std::future::Future<Output = OTelSdkResult> + Send {
+        let spans = batch.len();
+        let go = self.health.lock().attempt(Instant::now(), spans);
         let inner = self.inner.clone();
-        let task = self.rt.spawn(async move { inner.export(batch).await });
+        let health = self.health.clone();
+        let task = go.then(|| self.rt.spawn(async move { inner.export(batch).await }));
         async move {
-            task.await.unwrap_or_else(|e| {
+            let Some(task) = task else {
+                return Err(OTelSdkError::InternalFailure(
+                    "the OTLP collector failed recently; batch dropped".into(),
+                ));
+            };
+            let result = task.await.unwrap_or_else(|e| {
                 Err(OTelSdkError::InternalFailure(format!(
                     "the trace export task failed: {e}"
                 )))
-            })
+            });
+            let mut h = health.lock();
+            let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
+            if let Some(r) = h.outcome(Instant::now(), spans, outcome) {
+                h.log(r);
+            }
+            result
         }
     }
 
@@ -219,7 +383,6 @@ impl SpanExporter for OnRuntime {
     }
 
     fn set_resource(&mut self, resource: &Resource) {
-        // Called once while the provider is built, before any export holds a clone.
         if let Some(e) = Arc::get_mut(&mut self.inner) {
             e.set_resource(resource);
         }
@@ -272,6 +435,61 @@ mod tests {
         assert!(endpoint(&env_of(&[on, ("OTEL_TRACES_EXPORTER", "console,otlp")])).is_some());
         // Without an endpoint nothing is built: no runtime, no thread.
         assert!(Pipeline::from_env("t", &env_of(&[])).unwrap().is_none());
+    }
+
+    #[test]
+    fn an_unreachable_collector_is_tried_once_per_cooldown_and_logged_once() {
+        let t0 = Instant::now();
+        let mut h = Health::new("http://c:4318".into());
+        assert!(h.attempt(t0, 3));
+        assert_eq!(h.outcome(t0, 3, Ok(())), None, "success says nothing");
+        assert!(h.attempt(t0, 4));
+        assert_eq!(
+            h.outcome(t0, 4, Err("connection refused".into())),
+            Some(Report::Down {
+                error: "connection refused".into()
+            })
+        );
+        // Within the cooldown: no network, nothing logged, the spans counted.
+        let mut tries = 0;
+        let mut logged = 0;
+        let mut t = t0;
+        while t < t0 + REPORT_EVERY - COOLDOWN {
+            t += Duration::from_millis(500);
+            if h.attempt(t, 2) {
+                tries += 1;
+                logged += h.outcome(t, 2, Err("refused".into())).is_some() as u32;
+            }
+        }
+        let expected = (REPORT_EVERY - COOLDOWN).as_secs() / COOLDOWN.as_secs();
+        assert!(
+            tries as u64 <= expected,
+            "{tries} export attempts in {}s, want at most one per {}s",
+            (REPORT_EVERY - COOLDOWN).as_secs(),
+            COOLDOWN.as_secs()
+        );
+        assert_eq!(logged, 0, "no line per failed batch");
+        // REPORT_EVERY after the first line, one more, with the totals.
+        let t = t0 + REPORT_EVERY + COOLDOWN;
+        assert!(h.attempt(t, 1));
+        match h.outcome(t, 1, Err("refused".into())) {
+            Some(Report::StillDown { batches, spans, .. }) => {
+                assert!(
+                    batches > 100 && spans > 200,
+                    "{batches} batches, {spans} spans"
+                );
+            }
+            other => panic!("want a StillDown report, got {other:?}"),
+        }
+        // The collector answers again: one INFO, and the next failure is news again.
+        let t = t + COOLDOWN;
+        assert!(h.attempt(t, 1));
+        assert!(matches!(h.outcome(t, 1, Ok(())), Some(Report::Up { .. })));
+        assert!(h.attempt(t, 1), "no cooldown once it works");
+        assert!(matches!(
+            h.outcome(t, 1, Err("x".into())),
+            Some(Report::Down { .. })
+        ));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The OpenAI-compatible surface: `/v1/completions`, `/v1/chat/completions` (streaming and
-//! not), `/health`, `/v1/models`, plus the simulator's `/sim/stats` and `/sim/kv/transfer`.
+//! not), `/health`, `/v1/models`, `/metrics` (as vLLM serves it, with the simulator's counters),
+//! plus the simulator's `/sim/stats` and `/sim/kv/transfer`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -24,6 +25,7 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
         .route("/sim/stats", get(stats))
         .route("/sim/kv/transfer", post(transfer))
         .fallback(unrouted)
@@ -32,6 +34,7 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .layer(lunakv_telemetry::propagate::HttpServerLayer::new().quiet(&[
             "/health",
             "/v1/models",
+            "/metrics",
             "/sim/stats",
         ]))
 }
@@ -66,6 +69,22 @@ async fn unrouted(State(sim): State<Arc<Sim>>, uri: axum::http::Uri) -> Response
 
 async fn models(State(sim): State<Arc<Sim>>) -> Response {
     axum::Json(json!({"object": "list", "data": [{"id": sim.cfg.model, "object": "model", "owned_by": "lunakv-engine-sim"}]}))
+        .into_response()
+}
+
+/// The simulator's counters in the Prometheus text format, where vLLM serves its own: the compose
+/// stack's Prometheus scrapes both engines, and a proxy in front of one (the routing sidecar)
+/// passes scrapes through as it would to vLLM.
+async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
+    let mut text = sim.metrics_text();
+    text.push_str(&lunakv_telemetry::render_process("lunakv-engine-sim"));
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        text,
+    )
         .into_response()
 }
 

@@ -182,6 +182,85 @@ impl Sim {
 }
 
 impl Sim {
+    /// [`Sim::stats_json`]'s counters as Prometheus families (`lunakv_engine_sim_*`), labelled
+    /// with this engine's role and id so that a prefill and a decode engine scraped under one
+    /// job stay apart.
+    pub fn metrics_text(&self) -> String {
+        use std::fmt::Write as _;
+        let s = &self.stats;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let labels = format!(
+            "role=\"{}\",engine_id=\"{}\"",
+            format!("{:?}", self.cfg.role).to_lowercase(),
+            lunakv_telemetry::escape_label(&self.cfg.engine_id)
+        );
+        let families: [(&str, &str, &str, u64); 9] = [
+            (
+                "requests_total",
+                "counter",
+                "Generate requests answered",
+                g(&s.requests),
+            ),
+            (
+                "remote_prefills_served_total",
+                "counter",
+                "Prefill requests served for a remote decoder",
+                g(&s.remote_prefills_served),
+            ),
+            (
+                "remote_decodes_total",
+                "counter",
+                "Decodes whose KV came from a prefill engine",
+                g(&s.remote_decodes),
+            ),
+            (
+                "kv_sent_bytes_total",
+                "counter",
+                "KV bytes written to decoders",
+                g(&s.kv_bytes_sent),
+            ),
+            (
+                "kv_received_bytes_total",
+                "counter",
+                "KV bytes received from prefill engines",
+                g(&s.kv_bytes_received),
+            ),
+            (
+                "transfers_ok_total",
+                "counter",
+                "KV transfers that completed",
+                g(&s.transfers_ok),
+            ),
+            (
+                "transfers_failed_total",
+                "counter",
+                "KV transfers that failed",
+                g(&s.transfers_failed),
+            ),
+            (
+                "inflight_requests",
+                "gauge",
+                "Generate requests in progress",
+                g(&s.inflight),
+            ),
+            (
+                "connections_total",
+                "counter",
+                "HTTP connections accepted",
+                g(&s.connections),
+            ),
+        ];
+        let mut out = String::new();
+        for (name, kind, help, v) in families {
+            let _ = writeln!(
+                out,
+                "# HELP lunakv_engine_sim_{name} {help}.\n# TYPE lunakv_engine_sim_{name} {kind}\n\
+                 lunakv_engine_sim_{name}{{{labels}}} {v}"
+            );
+        }
+        out
+    }
+
     pub fn stats_json(&self) -> serde_json::Value {
         let s = &self.stats;
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
