@@ -647,7 +647,7 @@ impl TransferEngine {
     }
 
     /// Upstream's generic form: `opcode` is `TransferOpcode.Read` (0) or `.Write` (1).
-    /// `notify` is accepted; lunakv has no notification channel.
+    /// A `notify` other than None is refused ([`refuse_notify`]).
     #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, opcode, notify = None, transport_hint = None))]
     #[allow(clippy::too_many_arguments)]
     fn transfer_sync(
@@ -661,7 +661,10 @@ impl TransferEngine {
         notify: Option<&Bound<'_, PyAny>>,
         transport_hint: Option<String>,
     ) -> i64 {
-        let _ = (notify, transport_hint);
+        let _ = transport_hint;
+        if refuse_notify("transfer_sync", notify) {
+            return FAILED;
+        }
         let Some(dir) = Dir::from_opcode(opcode) else {
             tracing::error!(
                 "lunakv: transfer_sync refused: opcode {opcode} is not Read (0) or Write (1)"
@@ -692,7 +695,10 @@ impl TransferEngine {
         notify: Option<&Bound<'_, PyAny>>,
         transport_hint: Option<String>,
     ) -> i64 {
-        let _ = (notify, transport_hint);
+        let _ = transport_hint;
+        if refuse_notify("batch_transfer_sync", notify) {
+            return FAILED;
+        }
         let Some(dir) = Dir::from_opcode(opcode) else {
             tracing::error!(
                 "lunakv: batch_transfer_sync refused: opcode {opcode} is not Read (0) or Write (1)"
@@ -971,4 +977,17 @@ pub(crate) fn protocol_info(p: &ProtocolChoice) -> HashMap<&'static str, String>
         ("reason", p.reason_str().to_owned()),
         ("display", p.to_string()),
     ])
+}
+
+/// Upstream delivers a `TransferNotify` to the peer after the transfer; lunakv has no
+/// notification channel, so a transfer that asks for one fails (-1, one error line) instead of
+/// moving the bytes and leaving the peer waiting for a notification that never comes.
+fn refuse_notify(call: &str, notify: Option<&Bound<'_, PyAny>>) -> bool {
+    if notify.is_none_or(|n| n.is_none()) {
+        return false;
+    }
+    tracing::error!(
+        "lunakv: {call} refused: notify is not supported (lunakv has no notification channel, the peer would never receive it); pass notify=None and signal the peer another way"
+    );
+    true
 }

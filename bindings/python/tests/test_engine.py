@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import KvCache, start_store, vllm_key
-from mooncake.engine import TransferEngine, TransferOpcode
+from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
 PEER = Path(__file__).resolve().parent / "te_peer.py"
@@ -198,6 +198,18 @@ def test_error_paths_return_negative_codes():
     dup = src.ctypes.data
     assert a.batch_transfer_sync_read(session, [dup, dup + 8], [target.ctypes.data] * 2, [16, 16]) == -1
     assert a.transfer_sync(session, src.ctypes.data, target.ctypes.data, 16, 5) == -1
+    # A notification lunakv cannot deliver is refused, and nothing is written.
+    target[:16] = 0
+    src[:16] = 9
+    note = TransferNotify("peer", "done")
+    assert a.transfer_sync(session, src.ctypes.data, target.ctypes.data, 16,
+                           TransferOpcode.Write, note) == -1
+    assert a.batch_transfer_sync(session, [src.ctypes.data], [target.ctypes.data], [16],
+                                 TransferOpcode.Write, note) == -1
+    assert (target[:16] == 0).all()
+    assert a.transfer_sync(session, src.ctypes.data, target.ctypes.data, 16,
+                           TransferOpcode.Write, None) == 0
+    assert (target[:16] == 9).all()
 
     # Dead peer: nothing listens there.
     with socket.socket() as s:

@@ -19,7 +19,9 @@ class TransferOpcode(IntEnum):
 
 
 class TransferNotify:
-    """Upstream's notification record; accepted by ``transfer_sync``, never delivered here."""
+    """Upstream's notification record. lunakv has no notification channel: a ``transfer_sync`` /
+    ``batch_transfer_sync`` given one returns -1 with an error line instead of moving the bytes
+    and leaving the peer waiting for a notification that never comes."""
 
     def __init__(self, name: str = "", msg: str = ""):
         self.name = name
