@@ -2006,3 +2006,178 @@ fn host_references_resolve_like_cluster_dns() {
         "no such container port"
     );
 }
+
+/// A client of the policy checks: a pod's namespace (and that namespace's labels) and labels.
+struct Peer {
+    namespace: &'static str,
+    labels: BTreeMap<String, String>,
+}
+
+fn peer(namespace: &'static str, labels: &[(&str, &str)]) -> Peer {
+    Peer {
+        namespace,
+        labels: labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+}
+
+/// Does one `from` entry of a NetworkPolicy admit `p`? As the API server defines it: a
+/// podSelector alone means pods of the policy's namespace; a namespaceSelector alone means every
+/// pod of the matching namespaces (which carry `kubernetes.io/metadata.name`); both, the pods
+/// matching both. An empty selector (`{}`) matches everything in its scope.
+fn from_admits(entry: &Value, policy_ns: &str, p: &Peer) -> bool {
+    let pod_sel = entry.pointer("/podSelector");
+    let ns_sel = entry.pointer("/namespaceSelector");
+    let matches = |sel: &Value, labels: &BTreeMap<String, String>| {
+        let m = string_map(sel, "/matchLabels");
+        m.iter().all(|(k, v)| labels.get(k) == Some(v))
+    };
+    let ns_labels: BTreeMap<String, String> = [(
+        "kubernetes.io/metadata.name".to_string(),
+        p.namespace.to_string(),
+    )]
+    .into();
+    let ns_ok = match ns_sel {
+        Some(sel) => matches(sel, &ns_labels),
+        None => p.namespace == policy_ns,
+    };
+    let pod_ok = pod_sel.is_none_or(|sel| matches(sel, &p.labels));
+    (pod_sel.is_some() || ns_sel.is_some()) && ns_ok && pod_ok
+}
+
+/// Would the NetworkPolicies in `objs` let `p` reach `pod`'s container port `port` (named
+/// `port_name`)? A pod no policy selects accepts everything; a selected one only what a rule
+/// allows.
+fn reachable(objs: &[Value], pod: &Pod<'_>, port: u64, port_name: &str, p: &Peer) -> bool {
+    let policies: Vec<&Value> = objs
+        .iter()
+        .filter(|o| s(o, "/kind") == "NetworkPolicy" && ns(o) == pod.namespace)
+        .filter(|o| {
+            let sel = string_map(o, "/spec/podSelector/matchLabels");
+            sel.iter().all(|(k, v)| pod.labels.get(k) == Some(v))
+        })
+        .filter(|o| {
+            let types = arr(o, "/spec/policyTypes");
+            types.is_empty() || types.iter().any(|t| t.as_str() == Some("Ingress"))
+        })
+        .collect();
+    if policies.is_empty() {
+        return true;
+    }
+    policies.iter().any(|pol| {
+        arr(pol, "/spec/ingress").iter().any(|rule| {
+            let ports = arr(rule, "/ports");
+            let port_ok = ports.is_empty()
+                || ports.iter().any(|pp| match pp.pointer("/port") {
+                    None => true,
+                    Some(Value::Number(n)) => n.as_u64() == Some(port),
+                    Some(Value::String(n)) => n == port_name,
+                    Some(_) => false,
+                });
+            let from = arr(rule, "/from");
+            let from_ok = from.is_empty() || from.iter().any(|f| from_admits(f, &pod.namespace, p));
+            port_ok && from_ok
+        })
+    })
+}
+
+/// lunakv's own workloads, whose every port the policies must close to strangers.
+const CLOSED: &[&str] = &[
+    "lunakv-master",
+    "lunakv-store",
+    "lunakv-bootstrap",
+    "lunakv-etcd",
+];
+
+#[test]
+fn network_policies_close_the_pool_to_strangers_and_keep_every_needed_flow() {
+    let Some(kubectl) = kubectl() else {
+        println!("SKIPPED k8s_overlays: kubectl not found");
+        return;
+    };
+    let mut failures = Vec::new();
+    for dir in overlays() {
+        let overlay = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let objs = render(&kubectl, &dir);
+        let pods = pods(&objs);
+        let install = |labels: &BTreeMap<String, String>| {
+            labels.get("app.kubernetes.io/part-of").map(String::as_str) == Some("lunakv")
+        };
+        let strangers = [
+            peer("default", &[("app", "curious")]),
+            peer(NAMESPACE, &[("app", "curious")]),
+            // The install's own label, but from another namespace.
+            peer("other", &[("app.kubernetes.io/part-of", "lunakv")]),
+        ];
+        let prometheus = peer("monitoring", &[("app.kubernetes.io/name", "prometheus")]);
+        for pod in &pods {
+            let name = pod
+                .labels
+                .get("app.kubernetes.io/name")
+                .cloned()
+                .unwrap_or_default();
+            if !CLOSED.contains(&name.as_str()) {
+                continue;
+            }
+            for c in pod.containers() {
+                for (port_name, port) in container_ports(c) {
+                    for st in &strangers {
+                        if reachable(&objs, pod, port, &port_name, st) {
+                            failures.push(format!(
+                                "{overlay}: {} port {port_name} ({port}) is open to a stranger in namespace {} with labels {:?}",
+                                pod.workload, st.namespace, st.labels
+                            ));
+                        }
+                    }
+                    let metrics = matches!(port_name.as_str(), "metrics")
+                        || (name == "lunakv-bootstrap" && port_name == "http");
+                    if metrics && !reachable(&objs, pod, port, &port_name, &prometheus) {
+                        failures.push(format!(
+                            "{overlay}: Prometheus (namespace monitoring) cannot scrape {} port {port_name}",
+                            pod.workload
+                        ));
+                    }
+                    // Every pod of the install (engines, stores, masters, bootstraps, etcd)
+                    // reaches every lunakv port but etcd's peer port, which only etcd reaches.
+                    for from in pods.iter().filter(|p| install(&p.labels)) {
+                        let from_name = from
+                            .labels
+                            .get("app.kubernetes.io/name")
+                            .map(String::as_str)
+                            .unwrap_or("");
+                        let needed = port_name != "peer" || from_name == "lunakv-etcd";
+                        let p = Peer {
+                            namespace: NAMESPACE,
+                            labels: from.labels.clone(),
+                        };
+                        if needed && !reachable(&objs, pod, port, &port_name, &p) {
+                            failures.push(format!(
+                                "{overlay}: {} cannot reach {} port {port_name} ({port})",
+                                from.workload, pod.workload
+                            ));
+                        }
+                        if !needed && reachable(&objs, pod, port, &port_name, &p) {
+                            failures.push(format!(
+                                "{overlay}: {} reaches etcd's peer port on {}",
+                                from.workload, pod.workload
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        // The policies only work if every workload of the install carries the label they
+        // admit.
+        for pod in &pods {
+            if !install(&pod.labels) {
+                failures.push(format!(
+                    "{overlay}: {} has no app.kubernetes.io/part-of: lunakv label; the network policies would refuse it",
+                    pod.workload
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
