@@ -143,8 +143,9 @@ impl ClientOptions {
     pub fn from_mooncake_config(
         cfg: &lunakv_config::MooncakeConfig,
     ) -> Result<ClientOptions, ClientError> {
+        // host:port or etcd://h1:2379;h2:2379 (HA: the link finds and follows the leader).
         let master = cfg
-            .master_addr()
+            .master_address()
             .map_err(|e| ClientError::Config(e.to_string()))?;
         let local_hostname = if cfg.local_hostname.is_empty() {
             "127.0.0.1".to_owned()
@@ -194,5 +195,31 @@ mod tests {
         };
         assert!(!msg.contains('\n'), "{msg}");
         assert!(msg.contains("'nvlink'") && msg.contains("\"tcp\""), "{msg}");
+    }
+
+    /// llm-d's HA configs (and the ha overlay) name the master as etcd://...: vLLM's setup
+    /// through mooncake_config.json must accept it as the CLI and the store do.
+    #[test]
+    fn a_mooncake_config_may_name_the_master_through_etcd() {
+        let text = r#"{"local_hostname": "10.0.0.7", "metadata_server": "P2PHANDSHAKE",
+            "master_server_address": "etcd://lunakv-etcd-0.lunakv-etcd:2379;lunakv-etcd-1.lunakv-etcd:2379",
+            "global_segment_size": 0, "local_buffer_size": "16MB", "protocol": "tcp"}"#;
+        let cfg = lunakv_config::MooncakeConfig::from_json_str(text, "test")
+            .unwrap()
+            .config;
+        let o = ClientOptions::from_mooncake_config(&cfg).unwrap();
+        assert_eq!(
+            o.master_server_address,
+            "etcd://lunakv-etcd-0.lunakv-etcd:2379;lunakv-etcd-1.lunakv-etcd:2379"
+        );
+        let text = text.replace("etcd://", "redis://");
+        let cfg = lunakv_config::MooncakeConfig::from_json_str(&text, "test")
+            .unwrap()
+            .config;
+        let ClientError::Config(msg) = ClientOptions::from_mooncake_config(&cfg).unwrap_err()
+        else {
+            panic!("a config error");
+        };
+        assert!(msg.contains("redis://") && msg.contains("etcd://"), "{msg}");
     }
 }

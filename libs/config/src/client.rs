@@ -458,12 +458,6 @@ impl MooncakeConfig {
         crate::MasterAddress::parse("master_server_address", &self.master_server_address)
     }
 
-    /// The master's address when it is a single `host:port` (`etcd://...` is an error here;
-    /// use [`master_address`](Self::master_address) to accept both).
-    pub fn master_addr(&self) -> Result<HostPort, ConfigError> {
-        HostPort::parse_master("master_server_address", &self.master_server_address)
-    }
-
     /// `MOONCAKE_PREFERRED_SEGMENT` parsed, if set.
     pub fn preferred_segment(&self) -> Result<Option<HostPort>, ConfigError> {
         self.preferred_segment

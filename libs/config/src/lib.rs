@@ -151,16 +151,6 @@ pub enum ConfigError {
         example: &'static str,
     },
 
-    /// `etcd://...` (HA master discovery) and other schemes, which come in a later issue.
-    #[error(
-        "{field} '{value}': {scheme}:// addresses are not supported yet (etcd/HA master discovery comes in a later release); use host:port, e.g. \"127.0.0.1:50051\""
-    )]
-    UnsupportedAddress {
-        field: String,
-        value: String,
-        scheme: String,
-    },
-
     /// An etcd endpoint list that does not parse.
     #[error(
         "{field} '{value}' is not a valid etcd endpoint list: {reason}; write \"h1:2379;h2:2379\" (or \"etcd://h1:2379;h2:2379\" as a master address)"
@@ -371,19 +361,6 @@ impl HostPort {
             port,
         })
     }
-
-    /// Parses a master address. `etcd://...` (and any other `scheme://`) is
-    /// [`ConfigError::UnsupportedAddress`] until HA master discovery lands.
-    pub fn parse_master(field: &str, value: &str) -> Result<Self, ConfigError> {
-        if let Some((scheme, _)) = value.trim().split_once("://") {
-            return Err(ConfigError::UnsupportedAddress {
-                field: field.to_string(),
-                value: value.to_string(),
-                scheme: scheme.to_string(),
-            });
-        }
-        HostPort::parse(field, value, "127.0.0.1:50051")
-    }
 }
 
 #[cfg(test)]
@@ -427,21 +404,6 @@ mod tests {
         assert_eq!(
             hp("host").unwrap_err().to_string(),
             "f 'host' is not a host:port address: the port is missing; write it like \"127.0.0.1:1\""
-        );
-    }
-
-    #[test]
-    fn master_schemes_not_supported_yet() {
-        let e =
-            HostPort::parse_master("master_server_address", "etcd://h1:2379;h2:2379").unwrap_err();
-        assert!(matches!(&e, ConfigError::UnsupportedAddress { scheme, .. } if scheme == "etcd"));
-        assert_eq!(
-            e.to_string(),
-            "master_server_address 'etcd://h1:2379;h2:2379': etcd:// addresses are not supported yet (etcd/HA master discovery comes in a later release); use host:port, e.g. \"127.0.0.1:50051\""
-        );
-        assert_eq!(
-            HostPort::parse_master("m", "10.0.0.1:50051").unwrap().port,
-            50051
         );
     }
 

@@ -28,7 +28,7 @@ use clap::builder::BoolishValueParser;
 
 use crate::gflags::{Upstream, UpstreamFlag};
 use crate::size::parse_size;
-use crate::{ConfigError, ConfigWarning, HostPort, Protocol};
+use crate::{ConfigError, ConfigWarning, Protocol};
 
 pub const DEFAULT_MASTER_SERVER_ADDRESS: &str = "127.0.0.1:50051";
 /// lunakv binds loopback by default. Upstream's transfer listeners open `0.0.0.0` and `[::]` whatever
@@ -408,12 +408,6 @@ impl StoreConfig {
                 crate::MasterAddress::parse("--master_server_address", &self.master_server_address)
             }
         }
-    }
-
-    /// The master's address when it is a single `host:port` (an etcd address is an error here;
-    /// [`master_address`](Self::master_address) accepts both).
-    pub fn master_addr(&self) -> Result<HostPort, ConfigError> {
-        HostPort::parse_master("--master_server_address", &self.master_server_address)
     }
 
     /// `--shm_socket` names the socket file itself (not a directory to put it in).

@@ -4,7 +4,9 @@ use std::collections::HashMap;
 use std::io::Write;
 
 use lunakv_config::client::{DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LOCAL_BUFFER_SIZE};
-use lunakv_config::{ConfigError, ConfigWarning, HostPort, Loaded, Mode, MooncakeConfig, Protocol};
+use lunakv_config::{
+    ConfigError, ConfigWarning, HostPort, Loaded, MasterAddress, Mode, MooncakeConfig, Protocol,
+};
 
 const GIB: u64 = 1 << 30;
 
@@ -79,11 +81,11 @@ fn llm_d_cpu_config_parses() {
     assert_eq!(config.local_buffer_size, 4 * GIB);
     assert_eq!(config.protocol, Protocol::Rdma);
     assert_eq!(
-        config.master_addr().unwrap(),
-        HostPort {
+        config.master_address().unwrap(),
+        MasterAddress::Direct(HostPort {
             host: "mooncake-master-store.mooncake.svc.cluster.local".into(),
             port: 50051
-        }
+        })
     );
     assert!(warnings.is_empty(), "{warnings:?}");
 }

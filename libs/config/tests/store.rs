@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use clap::Parser;
-use lunakv_config::{ConfigError, ConfigWarning, HostPort, Protocol, StoreConfig};
+use lunakv_config::{ConfigError, ConfigWarning, HostPort, MasterAddress, Protocol, StoreConfig};
 
 const GIB: u64 = 1 << 30;
 
@@ -65,7 +65,7 @@ fn llm_d_daemonset_args_with_tcp() {
     assert_eq!(c.host, "10.1.2.3");
     assert_eq!(c.global_segment_size, 40 * GIB);
     assert!(c.enable_offload);
-    assert_eq!(c.master_addr().unwrap().port, 50051);
+    assert!(matches!(c.master_address().unwrap(), MasterAddress::Direct(hp) if hp.port == 50051));
     // The SSD tier is implemented: offload is a plain switch, no warning.
     assert!(c.validate().unwrap().is_empty());
 }
@@ -218,12 +218,12 @@ fn master_address_checks() {
     assert_eq!(
         parse(&["--master_server_address=[::1]:50051"])
             .unwrap()
-            .master_addr()
+            .master_address()
             .unwrap(),
-        HostPort {
+        MasterAddress::Direct(HostPort {
             host: "::1".into(),
             port: 50051
-        }
+        })
     );
 }
 
