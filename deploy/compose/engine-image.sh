@@ -14,7 +14,9 @@
 #      the module behind MooncakeDistributedStore (upstream's wheel has neither);
 #   3. MooncakeDistributedStore.setup_from_env() (MOONCAKE_CONFIG_PATH, MOONCAKE_MASTER) + put +
 #      get round-trips an object, and the CLI container reads the same bytes back
-#      from the store, so the engine's put reached the stack's pool.
+#      from the store, so the engine's put reached the stack's pool;
+#   4. the init container as Kubernetes runs it (uid 10001, read-only root, no capabilities)
+#      fills a root-owned 0777 volume (an emptyDir's shape), and another uid imports from it.
 # Prints one `ok`/`FAIL` line per check; exits 1 if any failed.
 set -euo pipefail
 
@@ -31,6 +33,9 @@ ok() { printf 'ok   %s\n' "$*"; }
 fail() { printf 'FAIL %s\n' "$*"; failed=$((failed + 1)); }
 
 standin() { "${COMPOSE[@]}" run --rm -T "$@" 2>"$WORK/run.err"; }
+# `run` starts an existing one-shot lunakv-python container as it is; a fresh one copies what
+# the current image holds.
+"${COMPOSE[@]}" rm -fsv lunakv-python >/dev/null 2>&1 || true
 
 # 1. The stand-in alone: no mooncake. (PYTHONPATH= empties the compose-set value.)
 if standin -e PYTHONPATH= vllm-standin python3 -c 'import mooncake' >/dev/null; then
@@ -96,4 +101,21 @@ if got=$("${COMPOSE[@]}" run --rm -T cli get "$key" 2>>"$WORK/run.err") && [ "$g
 else
     fail "lunakv get $key after the engine's put: '${got:-}' $(tail -n 3 "$WORK/run.err")"
 fi
+
+# 4. As the Kubernetes overlays run it: an emptyDir is root's directory with mode 0777, and the
+#    init container runs as uid 10001 with a read-only root and no capabilities
+#    (components/vllm-mooncake/patch-vllm.yaml). A volume prepared the same way stands in.
+vol="${COMPOSE_PROJECT_NAME:-lunakv}-engine-image-emptydir"
+docker volume rm -f "$vol" >/dev/null 2>&1 || true
+docker run --rm -v "$vol:/v" --user 0 --entrypoint bash lunakv/python:dev -c 'chown 0:0 /v && chmod 0777 /v' >/dev/null
+if docker run --rm -v "$vol:/opt/lunakv/python" --user 10001:10001 --read-only --cap-drop ALL \
+    --security-opt no-new-privileges lunakv/python:dev >"$WORK/k8s.out" 2>&1 \
+    && docker run --rm -v "$vol:/opt/lunakv/python:ro" -e PYTHONPATH=/opt/lunakv/python --user 4242 \
+        lunakv/vllm-standin:dev python3 -c 'import mooncake.store, mooncake._lunakv; print(mooncake.store.__file__)' \
+        >>"$WORK/k8s.out" 2>&1; then
+    ok "into an emptyDir-like volume (root, 0777) as uid 10001 with a read-only root; another uid imports it"
+else
+    fail "the init container as Kubernetes runs it: $(tail -n 5 "$WORK/k8s.out")"
+fi
+docker volume rm -f "$vol" >/dev/null 2>&1 || true
 [ "$failed" -eq 0 ]

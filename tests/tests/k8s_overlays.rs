@@ -1858,7 +1858,10 @@ spec:
     };
     assert_eq!(check(GOOD), Ok(()));
     assert_eq!(
-        check(&GOOD.replace("value: '/opt/lunakv/python'", "value: '/x:/opt/lunakv/python'")),
+        check(&GOOD.replace(
+            "value: '/opt/lunakv/python'",
+            "value: '/x:/opt/lunakv/python'"
+        )),
         Ok(()),
         "any PYTHONPATH entry may be the package's"
     );
