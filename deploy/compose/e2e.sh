@@ -9,6 +9,8 @@
 # 4. puts and gets objects through the store with the CLI container on the stack's network
 #    (the HA master found through etcd from the engine's mooncake_config.json, and by --master
 #    master:50051), and checks the bytes, the leader election and the master's view of the pool,
+# 4b. runs deploy/compose/engine-image.sh: lunakv's Python package in a vLLM stand-in through
+#    the lunakv/python init container's volume and PYTHONPATH (profile `engine`),
 # 5. starts a second bootstrap replica on the etcd table and checks it lists the prefill engine,
 #    then runs `lunakv doctor` in the CLI container (every check passes) and once with a mismatched
 #    sidecar connector (it must fail that row),
@@ -192,6 +194,15 @@ if has_metric "http://$ADMIN/metrics" '^master_total_capacity_bytes [1-9]'; then
     ok "master /metrics reports the pool's capacity"
 else
     fail "master_total_capacity_bytes is not > 0 on http://$ADMIN/metrics"
+fi
+
+step "engine image: lunakv's Python package through the lunakv/python init container"
+# deploy/compose/engine-image.sh: the vLLM stand-in gets `mooncake` only from the init
+# container's volume + PYTHONPATH, and its put reaches this stack's store.
+if deploy/compose/engine-image.sh; then
+    ok "engine image: import mooncake.store in the vLLM stand-in is lunakv's, put/get against the stack"
+else
+    fail "engine image (deploy/compose/engine-image.sh, output above)"
 fi
 
 step "a second bootstrap replica answers from the shared etcd table"

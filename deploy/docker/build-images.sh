@@ -12,7 +12,7 @@
 #    the real image is used unchanged (pull it first: `docker pull debian:bookworm-slim`).
 # 3. A build context under target/docker-context: bin/ (the release binaries, debug info
 #    stripped), lunakv-probe (the healthcheck), etcd (Debian's etcd-server binary, for compose),
-#    debs/ (Debian's prometheus package and what it needs beyond the base, for compose's
+#    debs-prometheus/ (Debian's prometheus package and what it needs beyond the base, for compose's
 #    `observability` profile).
 # 4. `docker build -f deploy/docker/<name>.Dockerfile -t lunakv/<name>:$TAG target/docker-context`.
 #
@@ -30,6 +30,9 @@ case "$PROFILE" in release) CARGO_PROFILE=(--release) ;; debug) CARGO_PROFILE=()
 BASE_TAG=debian:bookworm-slim
 CTX="$ROOT/target/docker-context"
 ALL=(master store bootstrap sidecar engine-sim cli etcd prometheus)
+# lunakv/python (the `mooncake` package for engine pods, from the abi3 wheel) and the TEST DOUBLE
+# of vLLM's image that the engine-image test runs it in (deploy/compose/engine-image.sh).
+ALL+=(python vllm-standin)
 IMAGES=("$@")
 [ ${#IMAGES[@]} -eq 0 ] && IMAGES=("${ALL[@]}")
 export DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0}
@@ -126,7 +129,7 @@ if [ "$need_prometheus" = 1 ]; then
     # them offline (dpkg -i) and needs no network, like the etcd image.
     log "apt: downloading prometheus and its dependencies missing from $BASE_TAG"
     tmp=$(mktemp -d)
-    mkdir -p "$tmp/archives/partial" "$CTX/debs"
+    mkdir -p "$tmp/archives/partial" "$CTX/debs-prometheus"
     docker run --rm --entrypoint cat "$BASE_TAG" /var/lib/dpkg/status >"$tmp/status" \
         || { rm -rf "$tmp"; die "cannot read the dpkg status of $BASE_TAG"; }
     if ! apt-get install -qq --download-only --no-install-recommends \
@@ -135,8 +138,81 @@ if [ "$need_prometheus" = 1 ]; then
         cat "$tmp/apt.log" >&2; rm -rf "$tmp"
         die "apt-get could not download prometheus (run apt-get update first?)"
     fi
-    mv "$tmp"/archives/*.deb "$CTX/debs/"
+    mv "$tmp"/archives/*.deb "$CTX/debs-prometheus/"
     rm -rf "$tmp"
+fi
+
+# --- 3b. lunakv/python: the wheel; lunakv/vllm-standin: Debian's python3 --------------------
+# Environment: VENV (a venv with maturin; default <repo>/.venv, created with maturin if absent),
+# LUNAKV_ENGINE_GLIBC (default 2.35, vLLM's Ubuntu 22.04 image: the newest glibc the extension
+# may need). SKIP_CARGO=1 reuses target/python-wheel.
+want_image() { local i; for i in "${IMAGES[@]}"; do [ "$i" = "$1" ] && return 0; done; return 1; }
+
+# The highest GLIBC_x.y symbol version a shared object needs.
+glibc_needed() { objdump -T "$1" | grep -oE 'GLIBC_[0-9]+(\.[0-9]+)+' | sed 's/GLIBC_//' | sort -uV | tail -n1; }
+
+if want_image python; then
+    # The wheel maturin builds from bindings/python (abi3: one build for every CPython >= 3.9),
+    # unpacked into python/ as pip would install it: mooncake/ and lunakv-<v>.dist-info/.
+    VENV=${VENV:-$ROOT/.venv}
+    WHEEL_DIR="$ROOT/target/python-wheel"
+    if [ "${SKIP_CARGO:-0}" = 1 ] && ls "$WHEEL_DIR"/lunakv-*.whl >/dev/null 2>&1; then
+        log "reusing $(basename "$(ls "$WHEEL_DIR"/lunakv-*.whl | head -n1)") (SKIP_CARGO=1)"
+    else
+        if [ ! -x "$VENV/bin/maturin" ]; then
+            log "installing maturin into $VENV"
+            { [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"; } \
+                || die "cannot create $VENV (apt-get install python3-venv, or VENV=<a venv with maturin>)"
+            "$VENV/bin/python" -m pip install -q "maturin>=1.9.4,<2" \
+                || die "pip install maturin into $VENV failed (VENV=<a venv with maturin>)"
+        fi
+        case "$PROFILE" in release) wheel_profile=(--release) ;; debug) wheel_profile=(--profile dev) ;; esac
+        log "maturin build ${wheel_profile[*]} (bindings/python, the mooncake package)"
+        rm -rf "$WHEEL_DIR"
+        "$VENV/bin/maturin" build -q -m "$ROOT/bindings/python/Cargo.toml" "${wheel_profile[@]}" --strip \
+            -i "$VENV/bin/python" -o "$WHEEL_DIR" >&2 || die "maturin build of bindings/python failed"
+    fi
+    wheel=$(ls "$WHEEL_DIR"/lunakv-*.whl | head -n1)
+    case "$(basename "$wheel")" in
+        *-abi3-*) ;;
+        *) die "$(basename "$wheel") is not an abi3 wheel: engines run other Pythons (vLLM's image: 3.12); check pyo3's abi3-py39 feature" ;;
+    esac
+    mkdir -p "$CTX/python"
+    "$VENV/bin/python" -m zipfile -e "$wheel" "$CTX/python"
+    cp "$ROOT/deploy/docker/lunakv-python-install" "$CTX/"
+    # vLLM's image is Ubuntu 22.04 (glibc 2.35): an extension linked against newer symbols
+    # would fail there with "version `GLIBC_2.xx' not found" at `import mooncake.store`.
+    engine_glibc=${LUNAKV_ENGINE_GLIBC:-2.35}
+    so=$(find "$CTX/python/mooncake" -name '_lunakv*.so' | head -n1)
+    [ -n "$so" ] || die "$(basename "$wheel") has no mooncake/_lunakv*.so"
+    need=$(glibc_needed "$so")
+    if [ "$(printf '%s\n%s\n' "$need" "$engine_glibc" | sort -V | tail -n1)" != "$engine_glibc" ]; then
+        die "$(basename "$so") needs glibc $need, newer than the engine image's $engine_glibc (LUNAKV_ENGINE_GLIBC): build the wheel on an older glibc (maturin --compatibility manylinux_2_35 in a manylinux container)"
+    fi
+    log "$(basename "$wheel"): $(basename "$so") needs glibc >= $need (engine image has $engine_glibc)"
+fi
+
+if want_image vllm-standin; then
+    # Debian's python3 and what it needs beyond the base image, downloaded (not installed) on the
+    # host through apt and installed from those files in the image: no network at build time.
+    # media-types satisfies python3's "media-types | mime-support"; the other branch pulls perl.
+    debs="$ROOT/target/docker-debs/python3"
+    mkdir -p "$debs" "$CTX/debs-python3"
+    have=$(docker run --rm --entrypoint dpkg-query "$BASE_TAG" -W -f '${Package}\n') \
+        || die "cannot list the packages of $BASE_TAG"
+    mapfile -t pkgs < <(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts \
+        --no-breaks --no-replaces --no-enhances python3 2>/dev/null | grep -E '^[a-z0-9]' | sort -u \
+        | grep -vxE 'mime-support|mailcap|perl|perl-modules-[0-9.]+|libperl[0-9.]+|libgdbm-compat4' \
+        | grep -vxF -f <(printf '%s\n' "$have"))
+    [ ${#pkgs[@]} -gt 0 ] || die "apt-cache knows no python3 dependencies (run apt-get update)"
+    missing=()
+    for p in "${pkgs[@]}"; do compgen -G "$debs/${p}_*.deb" >/dev/null || missing+=("$p"); done
+    if [ ${#missing[@]} -gt 0 ]; then
+        log "apt-get download ${#missing[@]} packages for the python3 stand-in (cached in ${debs#"$ROOT"/})"
+        (cd "$debs" && apt-get download -qq -o APT::Sandbox::User=root "${missing[@]}" >/dev/null) \
+            || die "apt-get download ${missing[*]} failed (apt-get update first?)"
+    fi
+    for p in "${pkgs[@]}"; do cp "$debs/${p}"_*.deb "$CTX/debs-python3/"; done
 fi
 
 # --- 4. images -------------------------------------------------------------------------------

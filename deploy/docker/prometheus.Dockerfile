@@ -3,11 +3,11 @@
 # prom/prometheus is not an option; where a registry exists any Prometheus >= 2.42 image serves
 # as well, with deploy/prometheus/prometheus.yml mounted the same way).
 # build-images.sh downloads the package and its dependencies on the host (`apt-get download`,
-# into debs/ of the build context), so `docker build` needs no network. Its scrape config is
+# into debs-prometheus/ of the build context), so `docker build` needs no network. Its scrape config is
 # mounted by compose.yaml from deploy/prometheus/prometheus.yml.
 FROM debian:bookworm-slim
 
-COPY debs/ /tmp/debs/
+COPY debs-prometheus/ /tmp/debs/
 # The package's maintainer scripts create the `prometheus` user and try to start the service
 # (policy-rc.d says no: there is no init in a container). Its web UI (/graph, /targets) uses
 # the libjs-* packages it depends on.

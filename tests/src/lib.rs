@@ -426,7 +426,7 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// Minimal HTTP/1.1 GET, enough for the admin endpoints.
+/// GET through lunakv's HTTP client (lunakv-http), for the admin endpoints.
 pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     get_within(addr, path, Duration::from_secs(10))
         .unwrap_or_else(|| panic!("GET http://{addr}{path} failed"))
@@ -439,50 +439,8 @@ pub fn try_http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
 }
 
 fn get_within(addr: SocketAddr, path: &str, timeout: Duration) -> Option<(u16, String)> {
-    use std::io::{Read, Write};
-    let mut s =
-        std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5).min(timeout * 5))
-            .ok()?;
-    s.set_read_timeout(Some(timeout)).ok();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).ok()?;
-    let text = String::from_utf8_lossy(&buf).to_string();
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = match text.split_once("\r\n\r\n") {
-        Some((head, body))
-            if head
-                .to_ascii_lowercase()
-                .contains("transfer-encoding: chunked") =>
-        {
-            dechunk(body)
-        }
-        Some((_, body)) => body.to_owned(),
-        None => String::new(),
-    };
-    (status != 0).then_some((status, body))
-}
-
-fn dechunk(body: &str) -> String {
-    let mut out = String::new();
-    let mut rest = body;
-    while let Some((size, tail)) = rest.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 || tail.len() < n {
-            break;
-        }
-        out.push_str(&tail[..n]);
-        rest = tail[n..].trim_start_matches("\r\n");
-    }
-    out
+    let r = lunakv_http::get_blocking(&format!("http://{addr}{path}"), timeout).ok()?;
+    Some((r.status.as_u16(), r.text()))
 }
 
 /// A port on 127.0.0.1 that nothing listens on (probed and released: another process could

@@ -1,5 +1,8 @@
 //! Harness for the P/D tests: `lunakv-bootstrap`, `lunakv-engine-sim` and `lunakv-sidecar` on
-//! loopback, and a tiny blocking HTTP/1.1 client (requests, SSE reads, early disconnects).
+//! loopback, and a tiny blocking HTTP/1.1 client over a raw socket. It stays hand-written on
+//! purpose (plain GETs go through lunakv-http, `crate::http_get`): the tests bind a chosen source
+//! address per simulated peer, read an SSE stream a chunk at a time, hang up mid-stream and send
+//! headers a client library would normalise or refuse.
 //!
 //! The sidecar finds a prefill host's bootstrap at `<prefill-host>:<bootstrap-port>`, so every
 //! simulated prefill *host* gets its own loopback address (127.x.y.z) with its own bootstrap

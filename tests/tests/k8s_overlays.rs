@@ -12,6 +12,10 @@
 //!   terminationGracePeriodSeconds that covers its shutdown drain plus 10 s;
 //! - serving pods that run MooncakeStoreConnector read MOONCAKE_CONFIG_PATH from a mounted
 //!   ConfigMap and share one PYTHONHASHSEED;
+//! - every container that runs a Mooncake connector (MooncakeStoreConnector or MooncakeConnector,
+//!   top-level or in a MultiConnector) gets lunakv's `mooncake` package, which vLLM's image lacks:
+//!   a PYTHONPATH entry that is an emptyDir mount, filled by a lunakv/python init container that
+//!   runs to completion first and writes that volume at the path it copies to;
 //! - a routing sidecar is a native sidecar (initContainer, restartPolicy Always) whose
 //!   `--kv-connector` matches the connector its pod's engine runs (top-level or nested in a
 //!   MultiConnector), whose `--vllm-port` is the engine's port, and, for mooncake, whose bootstrap
@@ -305,6 +309,66 @@ fn bool_flag(c: &Value, f: &str) -> bool {
     matches!(flag(c, f).as_deref(), Some("true"))
 }
 
+/// The connectors that `import mooncake` (mooncake.store, mooncake.engine).
+const MOONCAKE_CONNECTORS: &[&str] = &["MooncakeStoreConnector", "MooncakeConnector"];
+
+/// Where lunakv/python's entrypoint copies the package without arguments (python.Dockerfile).
+const PYTHON_PACKAGE_DIR: &str = "/opt/lunakv/python";
+
+fn same_dir(a: &str, b: &str) -> bool {
+    a.trim_end_matches('/') == b.trim_end_matches('/')
+}
+
+/// Does engine container `c` of pod `p` get lunakv's `mooncake` package without a rebuilt image?
+/// Some PYTHONPATH entry must be the mount point of an emptyDir that a lunakv/python init
+/// container (a plain one, which runs to completion before the engine starts; a native sidecar
+/// may still be copying) mounts writable at the directory it copies to.
+fn check_python_package(p: &Pod<'_>, c: &Value) -> Result<(), String> {
+    let Some(pythonpath) = env(c, "PYTHONPATH").filter(|v| !v.is_empty()) else {
+        return Err(format!(
+            "no PYTHONPATH; add deploy/k8s/components/vllm-mooncake (an emptyDir at {PYTHON_PACKAGE_DIR} filled by the lunakv/python init container, on PYTHONPATH)"
+        ));
+    };
+    let mut why = Vec::new();
+    for dir in pythonpath.split(':').filter(|d| !d.is_empty()) {
+        let Some(vol) = arr(c, "/volumeMounts")
+            .iter()
+            .find(|m| same_dir(s(m, "/mountPath"), dir))
+            .map(|m| s(m, "/name"))
+        else {
+            why.push(format!("{dir} is no volume mount"));
+            continue;
+        };
+        let empty_dir = arr(p.spec, "/volumes")
+            .iter()
+            .any(|v| s(v, "/name") == vol && v.pointer("/emptyDir").is_some());
+        if !empty_dir {
+            why.push(format!("{dir} is volume {vol}, not an emptyDir"));
+            continue;
+        }
+        let filled = p.init_containers().any(|i| {
+            let dest = arr(i, "/args")
+                .first()
+                .and_then(Value::as_str)
+                .unwrap_or(PYTHON_PACKAGE_DIR);
+            is_image(i, "lunakv/python")
+                && s(i, "/restartPolicy") != "Always"
+                && arr(i, "/volumeMounts").iter().any(|m| {
+                    s(m, "/name") == vol
+                        && same_dir(s(m, "/mountPath"), dest)
+                        && m.pointer("/readOnly") != Some(&Value::Bool(true))
+                })
+        });
+        if filled {
+            return Ok(());
+        }
+        why.push(format!(
+            "no lunakv/python init container (run to completion) copies into volume {vol}"
+        ));
+    }
+    Err(format!("PYTHONPATH={pythonpath}: {}", why.join("; ")))
+}
+
 struct Checked {
     configs: Vec<(String, MooncakeConfig)>,
     failures: Vec<String>,
@@ -500,6 +564,24 @@ fn check_overlay(overlay: &str, objs: &[Value]) -> Checked {
                 other => failures.push(format!(
                     "{who}: MOONCAKE_CONFIG_PATH={path} is not mooncake_config.json of a mounted ConfigMap that has one (volume's ConfigMap: {other:?})"
                 )),
+            }
+        }
+    }
+    for p in &pods {
+        for c in p.containers() {
+            let Some(kv) = kv_transfer_config(c) else {
+                continue;
+            };
+            let kv = connectors(&kv);
+            if !MOONCAKE_CONNECTORS.iter().any(|m| kv.contains(*m)) {
+                continue;
+            }
+            if let Err(e) = check_python_package(p, c) {
+                failures.push(format!(
+                    "{} container {} runs {kv:?} but vLLM's image has no mooncake module: {e}",
+                    p.workload,
+                    s(c, "/name")
+                ));
             }
         }
     }
@@ -1165,7 +1247,7 @@ fn quantity_bytes(q: &Value) -> Option<u64> {
 }
 
 fn is_lunakv(c: &Value) -> bool {
-    ["master", "store", "bootstrap", "sidecar"]
+    ["master", "store", "bootstrap", "sidecar", "python"]
         .iter()
         .any(|n| is_image(c, &format!("lunakv/{n}")))
 }
@@ -2180,4 +2262,86 @@ fn network_policies_close_the_pool_to_strangers_and_keep_every_needed_flow() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The engine-package rule on hand-made pods: the complete wiring passes, and each missing or
+/// wrong piece (PYTHONPATH, the mount, an emptyDir, the init container, one that is a native
+/// sidecar or copies elsewhere) fails with its reason.
+#[test]
+fn python_package_delivery_rules() {
+    const GOOD: &str = "
+kind: Deployment
+metadata: {name: v}
+spec:
+  template:
+    spec:
+      initContainers:
+        - {name: lunakv-python, image: 'lunakv/python:dev', args: [/opt/lunakv/python],
+           volumeMounts: [{name: py, mountPath: /opt/lunakv/python}]}
+      containers:
+        - name: vllm
+          env: [{name: PYTHONPATH, value: '/opt/lunakv/python'}]
+          volumeMounts: [{name: py, mountPath: /opt/lunakv/python, readOnly: true}]
+      volumes: [{name: py, emptyDir: {}}]
+";
+    let check = |yaml: &str| {
+        let objs = vec![serde_norway::from_str::<Value>(yaml).expect("yaml")];
+        let pods = pods(&objs);
+        let c = pods[0].containers().next().expect("vllm container");
+        check_python_package(&pods[0], c)
+    };
+    assert_eq!(check(GOOD), Ok(()));
+    assert_eq!(
+        check(&GOOD.replace(
+            "value: '/opt/lunakv/python'",
+            "value: '/x:/opt/lunakv/python'"
+        )),
+        Ok(()),
+        "any PYTHONPATH entry may be the package's"
+    );
+    for (what, from, to, reason) in [
+        (
+            "no PYTHONPATH",
+            "env: [{name: PYTHONPATH, value: '/opt/lunakv/python'}]",
+            "env: []",
+            "no PYTHONPATH",
+        ),
+        (
+            "PYTHONPATH elsewhere",
+            "value: '/opt/lunakv/python'",
+            "value: '/usr/lib/python3'",
+            "/usr/lib/python3 is no volume mount",
+        ),
+        (
+            "not an emptyDir",
+            "emptyDir: {}",
+            "hostPath: {path: /opt/py}",
+            "not an emptyDir",
+        ),
+        (
+            "no init container",
+            "image: 'lunakv/python:dev'",
+            "image: 'busybox:1'",
+            "no lunakv/python init container",
+        ),
+        (
+            "a native sidecar",
+            "args: [/opt/lunakv/python],",
+            "args: [/opt/lunakv/python], restartPolicy: Always,",
+            "no lunakv/python init container",
+        ),
+        (
+            "copies elsewhere",
+            "args: [/opt/lunakv/python]",
+            "args: [/tmp/other]",
+            "no lunakv/python init container",
+        ),
+    ] {
+        let bad = GOOD.replacen(from, to, 1);
+        assert_ne!(bad, GOOD, "{what}: the substitution must apply");
+        match check(&bad) {
+            Err(e) => assert!(e.contains(reason), "{what}: {e}"),
+            Ok(()) => panic!("{what}: accepted"),
+        }
+    }
 }

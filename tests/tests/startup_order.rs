@@ -2,13 +2,14 @@
 //! longer crash-loops), log the wait once (then at most every 30 s) and once when the peer
 //! answers, stop at once on SIGTERM while waiting, and still exit on a configuration error.
 //! Real binaries on loopback: the store before its master, the bootstrap before etcd, the
-//! sidecar before its decode engine, and a client that waits for its master.
+//! sidecar before its decode engine, a prefill engine before its bootstrap, and a client that
+//! waits for its master.
 
 use std::time::Duration;
 
 use lunakv_client::{ClientOptions, MasterWait, StoreClient};
 use lunakv_meta::testing;
-use lunakv_tests::pd::{Sidecar, Sim, post, request};
+use lunakv_tests::pd::{Bootstrap, Sidecar, Sim, post, request};
 use lunakv_tests::{
     Master, Proc, Store, free_port, http_get, pattern, requester, wait_until, warn_lines,
 };
@@ -256,4 +257,39 @@ fn the_sidecar_logs_an_absent_decoder_once_not_per_request() {
         (request(sc.http, "GET", "/v1/models", &[], b"").status == 200).then_some(())
     });
     assert!(ok.is_some(), "{}", sc.proc.output());
+}
+
+/// compose starts the bootstrap beside the prefill engine only once etcd is healthy; the engine
+/// used to log one WARN per 100 ms attempt meanwhile (47 in 5 s, measured).
+#[test]
+fn a_prefill_engine_started_before_its_bootstrap_warns_once_then_registers() {
+    let host: std::net::IpAddr = [127, 0, 0, 1].into();
+    let port = free_port();
+    let sim = Sim::start(
+        host,
+        0,
+        "prefill",
+        &[
+            format!("--bootstrap=http://{host}:{port}"),
+            "--lease-ttl-ms=1500".to_string(),
+        ],
+    );
+    sim.proc
+        .wait_for_line("waiting for the bootstrap at", Duration::from_secs(20));
+    std::thread::sleep(Duration::from_secs(4));
+    let out = sim.proc.output();
+    let warns = warn_lines(&out);
+    assert_eq!(warns.len(), 1, "{} WARN lines in 4 s:\n{out}", warns.len());
+    println!(
+        "prefill engine: {} WARN line(s) in 4 s without its bootstrap",
+        warns.len()
+    );
+
+    let b = Bootstrap::start(host, port, &[]);
+    sim.wait_registered();
+    let q = b.query();
+    assert_eq!(q["0"]["engine_id"], sim.engine_id.as_str(), "{q}");
+    let out = sim.proc.output();
+    assert!(out.contains("answered after"), "{out}");
+    assert_eq!(warn_lines(&out).len(), 1, "{out}");
 }

@@ -9,8 +9,7 @@
 //! When etcd is not installed the test fails with the fix (CI installs it). Setting
 //! `LUNAKV_SKIP_ETCD=1` explicitly skips etcd tests instead.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -169,22 +168,9 @@ impl EtcdServer {
 
     /// `GET /health` answers `"health":"true"`.
     pub fn healthy(&self) -> bool {
-        let addr: SocketAddr = ([127, 0, 0, 1], self.client_port).into();
-        let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(300)) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-        if write!(
-            s,
-            "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-        )
-        .is_err()
-        {
-            return false;
-        }
-        let mut buf = String::new();
-        let _ = s.read_to_string(&mut buf);
-        buf.contains("\"health\":\"true\"")
+        let url = format!("http://127.0.0.1:{}/health", self.client_port);
+        lunakv_http::get_blocking(&url, Duration::from_secs(2))
+            .is_ok_and(|r| r.text().contains("\"health\":\"true\""))
     }
 
     /// SIGKILL and reap; the data dir stays for [`EtcdServer::restart`].

@@ -10,7 +10,7 @@ use lunakv_master::{Master, MasterConfig, RunningMaster, start_master};
 use lunakv_meta::RedbMetaStore;
 use lunakv_proto::master as pb;
 use lunakv_proto::master::master_client::MasterClient;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncBufReadExt;
 use tonic::transport::Channel;
 
 fn config(dir: &std::path::Path) -> MasterConfig {
@@ -80,18 +80,14 @@ async fn put(c: &mut MasterClient<Channel>, key: &str, size: u64) -> pb::PutStar
 }
 
 async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.expect("write");
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.expect("read");
-    let status = buf
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .expect("status line");
-    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
-    (status, body.unwrap_or_default())
+    let r = lunakv_http::HttpClient::default()
+        .get(
+            &format!("http://{addr}{path}"),
+            std::time::Duration::from_secs(10),
+        )
+        .await
+        .expect("GET");
+    (r.status.as_u16(), r.text())
 }
 
 #[tokio::test]

@@ -1,13 +1,10 @@
-//! A tiny JSON-over-HTTP client (hyper-util) for the bootstrap and the P/D side channel.
+//! JSON over lunakv's HTTP client ([`lunakv_http`]) for the bootstrap and the P/D side channel.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::{Method, Request, StatusCode};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper::{Method, StatusCode};
+use lunakv_http::{HttpClient, HttpError};
 use lunakv_telemetry::propagate;
 use tracing::Instrument;
 
@@ -30,23 +27,11 @@ pub enum CallError {
     Json { url: String, msg: String },
 }
 
-/// Shared, pooled HTTP/1 client.
-#[derive(Clone)]
+/// Shared, pooled HTTP/1 client: lunakv's one client ([`lunakv_http`]) plus JSON and the trace
+/// context.
+#[derive(Clone, Default)]
 pub struct JsonClient {
-    inner: Client<HttpConnector, Full<Bytes>>,
-}
-
-impl Default for JsonClient {
-    fn default() -> Self {
-        let mut http = HttpConnector::new();
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(Duration::from_secs(3)));
-        JsonClient {
-            inner: Client::builder(TokioExecutor::new())
-                .pool_idle_timeout(Duration::from_secs(4))
-                .build(http),
-        }
-    }
+    inner: HttpClient,
 }
 
 impl JsonClient {
@@ -58,51 +43,42 @@ impl JsonClient {
         body: Option<&serde_json::Value>,
         timeout: Duration,
     ) -> Result<serde_json::Value, CallError> {
-        let uri: hyper::Uri = url.parse().map_err(|_| CallError::Url(url.to_string()))?;
         let bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
-        let span = propagate::http_client_span(&method, &uri);
-        let mut req = Request::builder()
-            .method(method)
-            .uri(uri)
-            .header("content-type", "application/json")
-            .body(Full::new(bytes))
-            .map_err(|e| CallError::Url(format!("{url}: {e}")))?;
+        let mut req = lunakv_http::request(method, url, bytes).map_err(|e| match e {
+            HttpError::Url { .. } => CallError::Url(url.to_string()),
+            other => CallError::Url(format!("{url}: {other}")),
+        })?;
+        let span = propagate::http_client_span(req.method(), req.uri());
+        req.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("application/json"),
+        );
         propagate::inject_http(&span, req.headers_mut());
-        let http = |msg: String| CallError::Http {
-            url: url.to_string(),
-            msg,
-        };
-        let fut = async {
-            let resp = self
-                .inner
-                .request(req)
-                .await
-                .map_err(|e| http(format!("{e:?}")))?;
-            let status = resp.status();
-            let body = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| http(e.to_string()))?
-                .to_bytes();
-            Ok::<_, CallError>((status, body))
-        };
-        let (status, body) = tokio::time::timeout(timeout, fut)
+        let resp = self
+            .inner
+            .send(req, timeout)
             .instrument(span.clone())
             .await
-            .map_err(|_| CallError::Timeout {
-                url: url.to_string(),
-                after: timeout,
-            })??;
-        propagate::record_http_status(&span, status);
-        if !status.is_success() {
+            .map_err(|e| match e {
+                HttpError::Timeout { after, .. } => CallError::Timeout {
+                    url: url.to_string(),
+                    after,
+                },
+                HttpError::Url { reason, .. } => CallError::Url(format!("{url}: {reason}")),
+                HttpError::Transport { msg, .. } => CallError::Http {
+                    url: url.to_string(),
+                    msg,
+                },
+            })?;
+        propagate::record_http_status(&span, resp.status);
+        if !resp.status.is_success() {
             return Err(CallError::Status {
                 url: url.to_string(),
-                status,
-                body: String::from_utf8_lossy(&body).into_owned(),
+                status: resp.status,
+                body: resp.text(),
             });
         }
-        serde_json::from_slice(&body).map_err(|e| CallError::Json {
+        serde_json::from_slice(&resp.body).map_err(|e| CallError::Json {
             url: url.to_string(),
             msg: e.to_string(),
         })

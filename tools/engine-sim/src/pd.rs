@@ -18,6 +18,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use hyper::Method;
+use lunakv_telemetry::wait::{MAX_RETRY, PeerWait, Verdict};
 use lunakv_transfer::RawRequest;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -114,7 +115,13 @@ pub async fn register_loop(sim: Arc<Sim>, bootstrap: String) {
         "lease_ttl_ms": sim.cfg.lease.as_millis() as u64,
     });
     let renew_every = (sim.cfg.lease / 3).max(Duration::from_millis(50));
-    let mut registered = false;
+    // The bootstrap may come up after this engine (compose starts it beside the prefill engine,
+    // once etcd is healthy): retry with backoff and warn once per wait, not once per attempt.
+    let peer = format!("the bootstrap at {}", bootstrap.trim_end_matches('/'));
+    let mut wait = Some(PeerWait::new(
+        peer.clone(),
+        format!("to register engine {}", sim.cfg.engine_id),
+    ));
     loop {
         match sim
             .client
@@ -122,23 +129,30 @@ pub async fn register_loop(sim: Arc<Sim>, bootstrap: String) {
             .await
         {
             Ok(_) => {
-                if !registered {
+                if let Some(w) = wait.take() {
+                    w.reached();
                     tracing::info!(%url, engine_id = %sim.cfg.engine_id, "registered with the bootstrap");
                     sim.registered.store(true, Ordering::SeqCst);
                 }
-                registered = true;
+                tokio::time::sleep(renew_every).await;
             }
             Err(e) => {
-                registered = false;
-                tracing::warn!(error = %e, "bootstrap registration failed; retrying");
+                // A renewal that fails starts a new wait (its lease runs out meanwhile).
+                let w = wait.get_or_insert_with(|| {
+                    PeerWait::new(
+                        peer.clone(),
+                        format!("to renew the registration of engine {}", sim.cfg.engine_id),
+                    )
+                });
+                // Decided before the await: `retry_after` would hold a `&dyn Display` across it,
+                // and this loop runs on a spawned (Send) task.
+                let delay = match w.failed(&e) {
+                    Verdict::Retry(d) | Verdict::RetryLogged(d) => d,
+                    Verdict::GiveUp => MAX_RETRY,
+                };
+                tokio::time::sleep(delay).await;
             }
         }
-        let wait = if registered {
-            renew_every
-        } else {
-            Duration::from_millis(100)
-        };
-        tokio::time::sleep(wait).await;
     }
 }
 

@@ -6,8 +6,7 @@
 //! `skip` with the reason. Exit status: 0 when nothing failed, 1 when a check failed, 2 when
 //! doctor itself could not run (bad arguments). docs/DOCTOR.md explains each check.
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::ToSocketAddrs;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -897,60 +896,24 @@ fn check_key_consistency(client: Option<&StoreClient>) -> Check {
     )
 }
 
-// === a small HTTP client for the admin endpoints ===
+// === the admin endpoints, through lunakv's HTTP client ===
 
 /// GET `http://addr{path}` with a short timeout; (status, body).
 fn http_get(addr: &str, path: &str) -> Result<(u16, String), String> {
     let timeout = Duration::from_secs(3);
-    let sock = addr
-        .to_socket_addrs()
+    // Checked first so that a typo reads as one, not as a connection error.
+    addr.to_socket_addrs()
         .map_err(|e| format!("bad address {addr:?} ({e}); give host:port"))?
         .next()
         .ok_or_else(|| format!("{addr:?} resolves to no address"))?;
-    let mut s = TcpStream::connect_timeout(&sock, timeout).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
-    s.set_write_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(|e| e.to_string())?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
-    let text = String::from_utf8_lossy(&buf);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| "not an HTTP response".to_string())?;
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| "not an HTTP response".to_string())?;
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(body)
-    } else {
-        body.to_string()
-    };
-    Ok((code, body))
-}
-
-fn dechunk(body: &str) -> String {
-    let mut out = String::new();
-    let mut rest = body;
-    while let Some((size, tail)) = rest.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 || tail.len() < n {
-            break;
-        }
-        out.push_str(&tail[..n]);
-        rest = tail[n..].trim_start_matches("\r\n");
-    }
-    out
+    let r = lunakv_http::get_blocking(&format!("http://{addr}{path}"), timeout).map_err(
+        |e| match e {
+            lunakv_http::HttpError::Transport { msg, .. } => msg,
+            lunakv_http::HttpError::Timeout { after, .. } => format!("no answer within {after:?}"),
+            other => other.to_string(),
+        },
+    )?;
+    Ok((r.status.as_u16(), r.text()))
 }
 
 #[cfg(test)]
@@ -1045,10 +1008,5 @@ mod tests {
             UNSHARED_MESSAGE,
             "instances never share a block: PYTHONHASHSEED or hash algorithm differs"
         );
-    }
-
-    #[test]
-    fn dechunks() {
-        assert_eq!(dechunk("3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"), "abcde");
     }
 }
