@@ -456,3 +456,44 @@ def test_a_full_queue_drops_and_counts(ctx):
     finally:
         store.stop()
         m.stop()
+
+
+def test_lunakv_status_and_events_commands(events_master):
+    import subprocess
+
+    from conftest import BIN_DIR
+
+    m = events_master
+    store, seg = start_store(m.rpc, "64MB")
+    try:
+        lunakv = str(BIN_DIR / "lunakv")
+        st = subprocess.run([lunakv, "--master", m.rpc, "status"], capture_output=True, text=True, timeout=20)
+        assert st.returncode == 0, st.stderr
+        assert f"kv events on  {m.events}" in st.stdout and f"replay {m.replay}" in st.stdout, st.stdout
+        sub = subprocess.Popen(
+            [lunakv, "--master", m.rpc, "--json", "events", "--count", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while m.status()["subscribers"]["mooncake"] < 1:
+                assert time.monotonic() < deadline, "lunakv events never subscribed"
+                time.sleep(0.05)
+            time.sleep(0.3)
+            s = connect(m.rpc)
+            keys = [vllm_key(i, prefix="cli") for i in range(2)]
+            assert s.put_batch(keys, [b"c"] * 2) == 0
+            out, err = sub.communicate(timeout=15)
+        finally:
+            if sub.poll() is None:
+                sub.kill()
+        assert sub.returncode == 0, err
+        lines = [json.loads(x) for x in out.splitlines()]
+        assert [x["event"][1] for x in lines] == keys
+        assert all(x["topic"] == "mooncake" and x["event"][0] == "BlockStoreEvent" for x in lines)
+        assert lines[0]["event"][5] == "0x" + key_hash(keys[0])
+        s.close()
+    finally:
+        store.stop()

@@ -66,6 +66,9 @@ pub enum Command {
     Up(UpArgs),
     /// Self-contained benchmark: starts its own master and store, measures, stops them.
     Bench(BenchArgs),
+    /// Subscribe to the master's KV events and print them decoded, one line each (--json: one
+    /// JSON object per line) until Ctrl-C or --count (docs/EVENTS.md).
+    Events(EventsArgs),
     /// Internal: the peer process of bench's raw loopback TCP measurement.
     #[command(name = "__tcp-sink", hide = true)]
     TcpSink {
@@ -309,4 +312,21 @@ mod tests {
             Command::TcpSink { port: 0 }
         ));
     }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct EventsArgs {
+    /// The PUB endpoint to subscribe to (default: the master's, from its status).
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    pub endpoint: Option<String>,
+    /// Topic prefix to subscribe to (default: every topic).
+    #[arg(long, default_value = "")]
+    pub topic: String,
+    /// The endpoint carries the vLLM-format stream (with --endpoint; default: the master's
+    /// vLLM stream when it binds one).
+    #[arg(long)]
+    pub vllm: bool,
+    /// Stop after this many events (0 = run until Ctrl-C).
+    #[arg(long, default_value_t = 0)]
+    pub count: u64,
 }
