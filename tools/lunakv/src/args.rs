@@ -175,6 +175,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub offload: bool,
 
+    /// Only the KV events section: put ops/s of small objects with events on and a subscriber
+    /// attached against events off, two stacks in one run (docs/EVENTS.md). Target >= 0.95x.
+    #[arg(long)]
+    pub events: bool,
+
     /// Directory for the --offload section (default: a temp dir; point it at the NVMe volume,
     /// e.g. /data/mooncake-offload, to measure that device).
     #[arg(long, value_name = "DIR")]
