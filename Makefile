@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-pd bench-failover bench-python clean
+.PHONY: all build release run test lint fmt bench bench-events bench-pd bench-failover bench-python clean
 
 all: build
 
@@ -35,6 +35,11 @@ fmt:
 ## p50/p99 next to this machine's memcpy and loopback-TCP limits. `make bench ARGS=--json`.
 bench: release
 	./target/release/lunakv bench $(ARGS)
+
+## KV events: put ops/s of small objects with events on and a subscriber attached, against
+## events off, two stacks alternating in one run (docs/EVENTS.md). Target >= 0.95x.
+bench-events: release
+	./target/release/lunakv bench --events $(ARGS)
 
 ## P/D: sidecar overhead (direct vs through lunakv-sidecar, p50/p99/req/s at concurrency 1 and
 ## 64, against a zero-work and a realistic-GPU-time engine simulator) and KV transfer GB/s

@@ -11,7 +11,8 @@
 # Environment: VENV (default <repo>/.venv), PYTHON (the interpreter that creates the venv,
 # default python3), PROFILE (cargo profile for the wheel: dev, the default, builds fast for
 # tests; use release for a wheel to ship), PYTEST_ARGS (extra pytest arguments).
-# Needs PyPI for maturin, pytest and numpy on the first run.
+# Needs PyPI for maturin, pytest, numpy (and pyzmq, msgpack, msgspec: the KV event tests) on the
+# first run.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -32,7 +33,7 @@ if [ ! -x "$VENV/bin/python" ]; then
         exit 1
     }
 fi
-"$VENV/bin/python" -m pip install -q "maturin>=1.9.4,<2" pytest numpy grpcio grpcio-reflection grpcio-health-checking
+"$VENV/bin/python" -m pip install -q "maturin>=1.9.4,<2" pytest numpy grpcio grpcio-reflection grpcio-health-checking pyzmq msgpack msgspec
 
 echo "== wheel (profile $PROFILE)"
 rm -f "$target"/wheels/lunakv-*.whl

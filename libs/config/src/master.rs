@@ -88,6 +88,41 @@ pub struct MasterConfig {
     /// gone, the host is up) they revoke its lease at once instead of waiting for it to expire.
     /// Turn off where master-to-master traffic is rejected with a TCP reset by policy.
     pub ha_fast_takeover: bool,
+    /// KV events (upstream `--enable_kv_event_publish`; `--enable_kv_events` is accepted as a
+    /// flag alias): publish the index's changes on a ZMQ PUB socket (docs/EVENTS.md).
+    pub enable_kv_event_publish: bool,
+    /// Upstream `--kv_event_publisher_endpoint`: the PUB socket the Mooncake-format stream binds.
+    /// Upstream binds `tcp://*:19997`; lunakv binds loopback unless told otherwise, like its
+    /// other listeners. `tcp://host:*` takes any free port (the master prints it).
+    pub kv_event_publisher_endpoint: String,
+    /// Upstream `--kv_event_publisher_replay_endpoint`: the ROUTER socket answering replay
+    /// requests; empty = no replay.
+    pub kv_event_publisher_replay_endpoint: String,
+    /// Upstream `--kv_event_publisher_topic`: the first frame of every message.
+    pub kv_event_publisher_topic: String,
+    /// Upstream `--kv_event_publisher_hwm`: ZMQ send high-water mark per subscriber, in
+    /// messages; a subscriber that far behind loses batches (and sees the gap).
+    pub kv_event_publisher_hwm: u64,
+    /// Upstream `--kv_event_publisher_max_batch_size`: most events per message.
+    pub kv_event_publisher_max_batch_size: u64,
+    /// Upstream's publisher `max_queue_size`: events waiting for the publisher thread; more are
+    /// dropped and counted (`master_kv_events_dropped_total{reason="queue_full"}`).
+    pub kv_event_publisher_max_queue_size: u64,
+    /// Upstream's publisher `buffer_steps`: batches kept for replay.
+    pub kv_event_publisher_buffer_steps: u64,
+    /// lunakv: tokens per block reported in the events' `block_size` (0 = not known; the put
+    /// does not carry it).
+    pub kv_event_block_size: u64,
+    /// lunakv: a second stream in vLLM's KV-event format (for llm-d's KV-cache indexer). Empty
+    /// = off. Bound when it has a wildcard (`tcp://*:5557`), connected otherwise (llm-d's
+    /// central mode: the scheduler binds, publishers connect).
+    pub kv_events_vllm_endpoint: String,
+    /// lunakv: comma-separated `address:port` of the serving pods that can load from this
+    /// pool; the vLLM stream announces pool blocks on `kv@<pod>@<model>` for each.
+    pub kv_events_vllm_pods: String,
+    /// lunakv: the vLLM stream's `medium` of a block in the pool's DRAM / in its SSD tier.
+    pub kv_events_vllm_medium_dram: String,
+    pub kv_events_vllm_medium_ssd: String,
 }
 
 impl Default for MasterConfig {
@@ -118,6 +153,19 @@ impl Default for MasterConfig {
             advertise_address: String::new(),
             ha_lease_ttl_sec: 2,
             ha_fast_takeover: true,
+            enable_kv_event_publish: false,
+            kv_event_publisher_endpoint: "tcp://127.0.0.1:19997".to_string(),
+            kv_event_publisher_replay_endpoint: String::new(),
+            kv_event_publisher_topic: "mooncake".to_string(),
+            kv_event_publisher_hwm: 100_000,
+            kv_event_publisher_max_batch_size: 50,
+            kv_event_publisher_max_queue_size: 100_000,
+            kv_event_publisher_buffer_steps: 10_000,
+            kv_event_block_size: 0,
+            kv_events_vllm_endpoint: String::new(),
+            kv_events_vllm_pods: String::new(),
+            kv_events_vllm_medium_dram: "lunakv_dram".to_string(),
+            kv_events_vllm_medium_ssd: "lunakv_ssd".to_string(),
         }
     }
 }
@@ -156,6 +204,19 @@ const KEYS: &[(&str, Kind)] = &[
     ("advertise_address", Kind::Str),
     ("ha_lease_ttl_sec", Kind::Num),
     ("ha_fast_takeover", Kind::Bool),
+    ("enable_kv_event_publish", Kind::Bool),
+    ("kv_event_publisher_endpoint", Kind::Str),
+    ("kv_event_publisher_replay_endpoint", Kind::Str),
+    ("kv_event_publisher_topic", Kind::Str),
+    ("kv_event_publisher_hwm", Kind::Num),
+    ("kv_event_publisher_max_batch_size", Kind::Num),
+    ("kv_event_publisher_max_queue_size", Kind::Num),
+    ("kv_event_publisher_buffer_steps", Kind::Num),
+    ("kv_event_block_size", Kind::Num),
+    ("kv_events_vllm_endpoint", Kind::Str),
+    ("kv_events_vllm_pods", Kind::Str),
+    ("kv_events_vllm_medium_dram", Kind::Str),
+    ("kv_events_vllm_medium_ssd", Kind::Str),
 ];
 
 /// Upstream `mooncake_master` flags and config keys lunakv does not define: each is ignored
@@ -241,6 +302,16 @@ pub const UPSTREAM_KEYS: &[UpstreamFlag] = &[
     refused("enable_cxl", true, NO_CXL),
     refused("cxl_path", false, NO_CXL),
     refused("cxl_size", false, NO_CXL),
+    ignored(
+        "kv_event_publisher_send_interval_ms",
+        false,
+        "lunakv sends each KV event batch as soon as it is drained (docs/EVENTS.md)",
+    ),
+    ignored(
+        "kv_event_publisher_auto_port",
+        true,
+        "lunakv binds the KV event port it is given; a taken port is a startup error naming it, not a silent move to a port no subscriber knows",
+    ),
 ];
 
 const THREADS: &str = "the tokio runtime sizes its worker threads to the CPUs it may use";
@@ -500,12 +571,115 @@ impl MasterConfig {
             });
         }
         self.validate_ha()?;
+        self.validate_kv_events()?;
         if self.data_dir.as_os_str().is_empty() {
             return Err(MasterConfigError::Invalid {
                 field: "data_dir",
                 value: "\"\"".to_string(),
                 fix: "give a directory for the master's metadata file, e.g. \
                       ./lunakv-master-data"
+                    .to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// KV event settings: only checked when `enable_kv_event_publish` is on.
+    fn validate_kv_events(&self) -> Result<(), MasterConfigError> {
+        if !self.enable_kv_event_publish {
+            return Ok(());
+        }
+        let endpoint = |field: &'static str, v: &str, required: bool| {
+            if (v.is_empty() && !required)
+                || ["tcp://", "ipc://", "inproc://"]
+                    .iter()
+                    .any(|p| v.starts_with(p) && v.len() > p.len())
+            {
+                Ok(())
+            } else {
+                Err(MasterConfigError::Invalid {
+                    field,
+                    value: format!("{v:?}"),
+                    fix: "give a ZMQ endpoint: tcp://host:port (tcp://127.0.0.1:* for any free \
+                          port), ipc:///path or inproc://name"
+                        .to_string(),
+                })
+            }
+        };
+        endpoint(
+            "kv_event_publisher_endpoint",
+            &self.kv_event_publisher_endpoint,
+            true,
+        )?;
+        endpoint(
+            "kv_event_publisher_replay_endpoint",
+            &self.kv_event_publisher_replay_endpoint,
+            false,
+        )?;
+        endpoint(
+            "kv_events_vllm_endpoint",
+            &self.kv_events_vllm_endpoint,
+            false,
+        )?;
+        let positive = |field: &'static str, v: u64, default: &str| {
+            if v == 0 || v > i32::MAX as u64 {
+                Err(MasterConfigError::Invalid {
+                    field,
+                    value: v.to_string(),
+                    fix: format!("give a count from 1 to {} (default {default})", i32::MAX),
+                })
+            } else {
+                Ok(())
+            }
+        };
+        positive(
+            "kv_event_publisher_hwm",
+            self.kv_event_publisher_hwm,
+            "100000",
+        )?;
+        positive(
+            "kv_event_publisher_max_batch_size",
+            self.kv_event_publisher_max_batch_size,
+            "50",
+        )?;
+        positive(
+            "kv_event_publisher_max_queue_size",
+            self.kv_event_publisher_max_queue_size,
+            "100000",
+        )?;
+        if self.kv_event_publisher_buffer_steps > 10_000_000 {
+            return Err(MasterConfigError::Invalid {
+                field: "kv_event_publisher_buffer_steps",
+                value: self.kv_event_publisher_buffer_steps.to_string(),
+                fix: "keep at most 10000000 batches for replay (default 10000; 0 = none)"
+                    .to_string(),
+            });
+        }
+        for pod in self
+            .kv_events_vllm_pods
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
+            let ok = pod.rsplit_once(':').is_some_and(|(h, p)| {
+                !h.is_empty() && !pod.contains('@') && p.parse::<u16>().is_ok()
+            });
+            if !ok {
+                return Err(MasterConfigError::Invalid {
+                    field: "kv_events_vllm_pods",
+                    value: format!("{pod:?}"),
+                    fix: "list each serving pod as address:port (what llm-d's scheduler calls \
+                          the endpoint), comma-separated: 10.0.0.5:8000,10.0.0.6:8000"
+                        .to_string(),
+                });
+            }
+        }
+        if self.kv_events_vllm_medium_dram.is_empty() || self.kv_events_vllm_medium_ssd.is_empty() {
+            return Err(MasterConfigError::Invalid {
+                field: "kv_events_vllm_medium_dram",
+                value: "\"\"".to_string(),
+                fix: "name both media (defaults lunakv_dram and lunakv_ssd); llm-d weighs them by \
+                      these names"
                     .to_string(),
             });
         }
@@ -1133,5 +1307,46 @@ mod tests {
         assert_eq!(suggest("client_tll"), vec!["client_ttl".to_string()]);
         assert!(suggest("lease_ttl").contains(&"default_kv_lease_ttl".to_string()));
         assert!(suggest("qqqq").is_empty());
+    }
+
+    #[test]
+    fn kv_event_settings_are_checked_only_when_enabled() {
+        let loaded = load_flags(&[("kv_event_publisher_endpoint", "nonsense")]).expect("off");
+        assert!(!loaded.config.enable_kv_event_publish);
+        let loaded = load_flags(&[("enable_kv_event_publish", "true")]).expect("defaults");
+        assert_eq!(loaded.config.kv_event_publisher_topic, "mooncake");
+        assert_eq!(loaded.config.kv_event_publisher_max_batch_size, 50);
+        let err = load_flags(&[
+            ("enable_kv_event_publish", "true"),
+            ("kv_event_publisher_endpoint", "127.0.0.1:19997"),
+        ])
+        .expect_err("no scheme");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("kv_event_publisher_endpoint") && msg.contains("tcp://"),
+            "{msg}"
+        );
+        let err = load_flags(&[
+            ("enable_kv_event_publish", "true"),
+            ("kv_events_vllm_pods", "10.0.0.5:8000,pod-b"),
+        ])
+        .expect_err("pod without a port");
+        assert!(err.to_string().contains("\"pod-b\""), "{err}");
+        let err = load_flags(&[
+            ("enable_kv_event_publish", "true"),
+            ("kv_event_publisher_max_queue_size", "0"),
+        ])
+        .expect_err("empty queue");
+        assert!(
+            err.to_string()
+                .contains("kv_event_publisher_max_queue_size")
+        );
+        let loaded = load_flags(&[("kv_event_publisher_auto_port", "false")]).expect("ignored");
+        assert!(
+            loaded
+                .warnings
+                .iter()
+                .any(|w| w.contains("kv_event_publisher_auto_port"))
+        );
     }
 }

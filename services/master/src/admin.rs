@@ -12,12 +12,14 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get;
 
 use crate::core::MasterCore;
+use crate::events::publisher::Publisher;
 use crate::ha::{CoreSlot, HaState, Role};
 
 #[derive(Clone)]
 struct AdminState {
     slot: Arc<CoreSlot>,
     ha: Option<Arc<HaState>>,
+    events: Option<Arc<Publisher>>,
 }
 
 /// The admin routes over `core` (a single master).
@@ -27,6 +29,15 @@ pub fn router(core: Arc<MasterCore>) -> Router {
 
 /// The admin routes over the current core of `slot`, with HA routes when `ha` is set.
 pub fn router_ha(slot: Arc<CoreSlot>, ha: Option<Arc<HaState>>) -> Router {
+    router_full(slot, ha, None)
+}
+
+/// [`router_ha`] with the KV event publisher's metrics and `/kv_events`.
+pub fn router_full(
+    slot: Arc<CoreSlot>,
+    ha: Option<Arc<HaState>>,
+    events: Option<Arc<Publisher>>,
+) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/metrics/summary", get(summary))
@@ -37,7 +48,8 @@ pub fn router_ha(slot: Arc<CoreSlot>, ha: Option<Arc<HaState>>) -> Router {
         .route("/get_all_segments", get(segments))
         .route("/query_key", get(query_key))
         .route("/namespaces", get(namespaces))
-        .with_state(AdminState { slot, ha })
+        .route("/kv_events", get(kv_events))
+        .with_state(AdminState { slot, ha, events })
 }
 
 async fn metrics(State(s): State<AdminState>) -> Response {
@@ -48,6 +60,9 @@ async fn metrics(State(s): State<AdminState>) -> Response {
     text.push_str(&render_segment_protocols(&core));
     if let Some(ha) = &s.ha {
         text.push_str(&lunakv_telemetry::render(&ha.metrics.registry));
+    }
+    if let Some(p) = &s.events {
+        text.push_str(&lunakv_telemetry::render(&p.stats().registry));
     }
     text.push_str(&lunakv_telemetry::render_process("lunakv-master"));
     (
@@ -195,4 +210,31 @@ async fn query_key(
 /// Per vLLM key namespace: keys put per client, shared keys, and the unshared-instances verdict.
 async fn namespaces(State(s): State<AdminState>) -> Response {
     Json(s.slot.get().namespaces.report()).into_response()
+}
+
+/// `/kv_events`: whether this master publishes KV events, where, and the counters
+/// (`lunakv status` shows it; docs/EVENTS.md).
+async fn kv_events(State(s): State<AdminState>) -> Json<serde_json::Value> {
+    let Some(p) = &s.events else {
+        return Json(serde_json::json!({ "enabled": false }));
+    };
+    let st = p.stats();
+    let by = |v: &prometheus::IntCounterVec, l: &str| v.with_label_values(&[l]).get();
+    let e = p.endpoints();
+    Json(serde_json::json!({
+        "enabled": true,
+        "endpoint": e.endpoint,
+        "replay_endpoint": e.replay_endpoint,
+        "topic": e.topic,
+        "vllm_endpoint": e.vllm_endpoint,
+        "vllm_pods": e.vllm_pods,
+        "published": { "mooncake": by(&st.published, "mooncake"), "vllm": by(&st.published, "vllm") },
+        "dropped": { "queue_full": by(&st.dropped, "queue_full"), "send_failed": by(&st.dropped, "send_failed") },
+        "subscribers": {
+            "mooncake": st.subscribers.with_label_values(&["mooncake"]).get(),
+            "vllm": st.subscribers.with_label_values(&["vllm"]).get(),
+        },
+        "replay_requests": st.replay_requests.get(),
+        "leading": s.ha.as_ref().is_none_or(|h| h.leading_term().is_some()),
+    }))
 }

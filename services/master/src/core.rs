@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 use rand::seq::SliceRandom;
 
 use crate::alloc::{OffsetAllocator, align_up};
+use crate::events::{EventSink, PoolEvent, ReplicaRef, Tiers};
 use crate::metrics::Metrics;
 use crate::namespaces::NamespaceTracker;
 use crate::notifier::OwnerNotifier;
@@ -382,6 +383,15 @@ pub struct MasterCore {
     pub metrics: Metrics,
     /// Per key namespace: keys put per client and how many another client held (a leaf lock).
     pub namespaces: NamespaceTracker,
+    /// KV events (docs/EVENTS.md): where the index's changes go, when publishing is on.
+    events: Option<EventSink>,
+}
+
+fn tiers_of(replicas: &[ReplicaLoc]) -> Tiers {
+    Tiers {
+        dram: replicas.iter().any(|r| !r.disk),
+        ssd: replicas.iter().any(|r| r.disk),
+    }
 }
 
 impl MasterCore {
@@ -407,6 +417,59 @@ impl MasterCore {
             notifier,
             metrics: Metrics::new(),
             namespaces: NamespaceTracker::new(cfg_min_keys),
+            events: None,
+        }
+    }
+
+    /// This core publishes its index's changes into `sink`, starting with a
+    /// [`PoolEvent::Reset`]: a new core (a restart, a new HA term) starts from an empty index,
+    /// which the owners' inventories then refill (each key re-announced as stored).
+    pub fn with_events(mut self, sink: Option<EventSink>) -> MasterCore {
+        if let Some(s) = &sink {
+            s.emit(PoolEvent::Reset);
+        }
+        self.events = sink;
+        self
+    }
+
+    /// Where this core's KV events go, when it publishes them.
+    pub fn events(&self) -> Option<&crate::events::publisher::EventEndpoints> {
+        self.events.as_ref().map(EventSink::endpoints)
+    }
+
+    /// The events' names for `replicas` (a segments lock: call with at most a shard held).
+    fn replica_refs(&self, replicas: &[ReplicaLoc]) -> Vec<ReplicaRef> {
+        let segs = self.segments.lock();
+        replicas
+            .iter()
+            .map(|r| ReplicaRef {
+                disk: r.disk,
+                endpoint: segs
+                    .get(&r.segment)
+                    .filter(|s| s.mount_id == r.mount_id)
+                    .map_or_else(|| r.segment.clone(), |s| s.desc.transfer_endpoint.clone()),
+            })
+            .collect()
+    }
+
+    fn emit_stored(&self, key: &str, replicas: &[ReplicaLoc]) {
+        if let Some(sink) = &self.events {
+            sink.emit(PoolEvent::Stored {
+                key: key.to_string(),
+                replicas: self.replica_refs(replicas),
+            });
+        }
+    }
+
+    /// A complete object's replicas changed from the tiers in `before` to `replicas` (empty:
+    /// the object is gone).
+    fn emit_updated(&self, key: &str, before: Tiers, replicas: &[ReplicaLoc]) {
+        if let Some(sink) = &self.events {
+            sink.emit(PoolEvent::Updated {
+                key: key.to_string(),
+                before,
+                replicas: self.replica_refs(replicas),
+            });
         }
     }
 
@@ -655,7 +718,9 @@ impl MasterCore {
         };
         match shard.get_mut(&item.key) {
             Some(existing) if existing.generation == item.generation => {
+                let before = tiers_of(&existing.replicas);
                 existing.replicas.push(loc);
+                self.emit_updated(&item.key, before, &existing.replicas);
             }
             Some(existing) => {
                 // An older copy: the inventory's is newer, so it wins.
@@ -673,8 +738,10 @@ impl MasterCore {
                     last_access: now,
                     promoting: false,
                 };
+                self.emit_stored(&item.key, &existing.replicas);
             }
             None => {
+                self.emit_stored(&item.key, std::slice::from_ref(&loc));
                 shard.insert(
                     item.key.clone(),
                     Object {
@@ -743,9 +810,14 @@ impl MasterCore {
     fn drop_replicas(&self, segment: &str, mount_id: u64) -> u64 {
         let mut dropped = 0;
         for shard in &self.shards {
-            shard.lock().retain(|_, o| {
+            shard.lock().retain(|k, o| {
+                let before = o.replicas.len();
+                let tiers = tiers_of(&o.replicas);
                 o.replicas
                     .retain(|r| !(r.segment == segment && r.mount_id == mount_id));
+                if o.replicas.len() != before && o.state == ObjectState::Complete {
+                    self.emit_updated(k, tiers, &o.replicas);
+                }
                 let keep = !o.replicas.is_empty();
                 if !keep {
                     dropped += 1;
@@ -1082,11 +1154,15 @@ impl MasterCore {
         let o = shard
             .get_mut(key)
             .ok_or_else(|| not_found(key, "no put in progress"))?;
-        if o.state == ObjectState::Processing {
+        let first = o.state == ObjectState::Processing;
+        if first {
             self.unreserve(o);
         }
         o.state = ObjectState::Complete;
         o.last_access = Instant::now();
+        if first {
+            self.emit_stored(key, &o.replicas);
+        }
         Ok(())
     }
 
@@ -1241,6 +1317,11 @@ impl MasterCore {
                 ));
             }
             let o = shard.remove(key);
+            if let Some(o) = &o
+                && o.state == ObjectState::Complete
+            {
+                self.emit_updated(key, tiers_of(&o.replicas), &[]);
+            }
             o.map(|o| self.pending_frees(&o)).unwrap_or_default()
         };
         self.release(frees).await;
@@ -1265,6 +1346,9 @@ impl MasterCore {
                     removed += 1;
                 }
             }
+        }
+        if let Some(sink) = &self.events {
+            sink.emit(PoolEvent::RemovedAll);
         }
         self.release(frees).await;
         removed
@@ -1417,6 +1501,7 @@ impl MasterCore {
                 continue;
             };
             let has_disk = o.replicas.iter().any(|r| r.disk);
+            let before = tiers_of(&o.replicas);
             let spill_to = if has_disk || !self.cfg.enable_offload {
                 None
             } else {
@@ -1462,9 +1547,11 @@ impl MasterCore {
                         ..t
                     });
                 }
+                self.emit_updated(&key, before, &o.replicas);
                 freed += bytes;
                 evicted += 1;
             } else if let Some(o) = shard.remove(&key) {
+                self.emit_updated(&key, before, &[]);
                 frees.extend(self.pending_frees(&o));
                 freed += bytes;
                 evicted += 1;
@@ -1526,6 +1613,7 @@ impl MasterCore {
                     ),
                 ));
             };
+            let before = tiers_of(&o.replicas);
             let r = o.replicas.remove(i);
             let endpoint = segs
                 .get(&r.segment)
@@ -1545,6 +1633,7 @@ impl MasterCore {
                 disk: true,
                 ..r
             });
+            self.emit_updated(key, before, &o.replicas);
             item
         };
         let generation = item.generation;
@@ -1620,8 +1709,10 @@ impl MasterCore {
                 .get_mut(&f.key)
                 .filter(|o| o.generation == f.generation)
             {
+                let before = tiers_of(&o.replicas);
                 o.replicas
                     .retain(|r| !(r.disk && r.segment == f.segment && r.mount_id == f.mount_id));
+                self.emit_updated(&f.key, before, &o.replicas);
                 if o.replicas.is_empty() {
                     shard.remove(&f.key);
                     dropped += 1;
@@ -1715,6 +1806,7 @@ impl MasterCore {
                 Some(o) => {
                     o.promoting = false;
                     if ok && mounted() {
+                        let before = tiers_of(&o.replicas);
                         o.replicas.insert(
                             0,
                             ReplicaLoc {
@@ -1724,6 +1816,7 @@ impl MasterCore {
                                 disk: false,
                             },
                         );
+                        self.emit_updated(&p.key, before, &o.replicas);
                         true
                     } else {
                         false
@@ -1772,8 +1865,12 @@ impl MasterCore {
             let Some(o) = shard.get_mut(key).filter(|o| o.generation == *generation) else {
                 continue;
             };
+            let before = tiers_of(&o.replicas);
             o.replicas
                 .retain(|r| !(r.disk && owned.contains(&(r.segment.clone(), r.mount_id))));
+            if tiers_of(&o.replicas) != before {
+                self.emit_updated(key, before, &o.replicas);
+            }
             if o.replicas.is_empty() {
                 shard.remove(key);
                 gone += 1;
@@ -1926,6 +2023,7 @@ impl MasterCore {
                 .is_some_and(|o| o.generation == generation && !o.leased(Instant::now()))
                 && let Some(o) = shard.remove(&key)
             {
+                self.emit_updated(&key, tiers_of(&o.replicas), &[]);
                 frees.extend(self.pending_frees(&o));
                 dropped += 1;
             }

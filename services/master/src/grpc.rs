@@ -727,6 +727,20 @@ impl pb::master_server::Master for MasterService {
             disk_capacity_bytes,
             disk_used_bytes,
             promotion_on_hit: core.config().promotion_on_hit,
+            kv_events_enabled: core.events().is_some(),
+            kv_events_endpoint: core
+                .events()
+                .map(|e| e.endpoint.clone())
+                .unwrap_or_default(),
+            kv_events_replay_endpoint: core
+                .events()
+                .and_then(|e| e.replay_endpoint.clone())
+                .unwrap_or_default(),
+            kv_events_topic: core.events().map(|e| e.topic.clone()).unwrap_or_default(),
+            kv_events_vllm_endpoint: core
+                .events()
+                .and_then(|e| e.vllm_endpoint.clone())
+                .unwrap_or_default(),
         }))
     }
 

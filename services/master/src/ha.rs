@@ -425,6 +425,8 @@ pub struct Election {
     pub slot: Arc<CoreSlot>,
     pub core_cfg: CoreConfig,
     pub notifier: Arc<dyn OwnerNotifier>,
+    /// The KV event queue each won term's core feeds (`enable_kv_event_publish`).
+    pub events: Option<crate::events::EventSink>,
     /// This master's addresses (published in the leader key).
     pub address: String,
     pub admin: String,
@@ -672,11 +674,10 @@ impl Election {
             ha: ha.clone(),
             term,
         });
-        self.slot.replace(Arc::new(MasterCore::new(
-            self.core_cfg.clone(),
-            term as u32,
-            notifier,
-        )));
+        self.slot.replace(Arc::new(
+            MasterCore::new(self.core_cfg.clone(), term as u32, notifier)
+                .with_events(self.events.clone()),
+        ));
         let known: BTreeSet<String> = match persist::known_segments(self.meta.as_ref()).await {
             Ok(s) => s.into_iter().map(|d| d.name).collect(),
             Err(e) => {

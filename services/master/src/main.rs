@@ -93,6 +93,46 @@ struct Cli {
     /// process is gone) instead of waiting for it to expire [default: true].
     #[arg(long = "ha_fast_takeover", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     ha_fast_takeover: Option<bool>,
+    /// KV events: publish the pool's block changes on ZMQ (docs/EVENTS.md) [default: false].
+    /// `--enable_kv_events` is upstream's newer name.
+    #[arg(long = "enable_kv_event_publish", visible_alias = "enable_kv_events", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    enable_kv_event_publish: Option<bool>,
+    /// KV events: PUB endpoint of the Mooncake-format stream [default: tcp://127.0.0.1:19997].
+    #[arg(long = "kv_event_publisher_endpoint")]
+    kv_event_publisher_endpoint: Option<String>,
+    /// KV events: ROUTER endpoint answering replay requests [default: none].
+    #[arg(long = "kv_event_publisher_replay_endpoint")]
+    kv_event_publisher_replay_endpoint: Option<String>,
+    /// KV events: topic frame [default: mooncake].
+    #[arg(long = "kv_event_publisher_topic")]
+    kv_event_publisher_topic: Option<String>,
+    /// KV events: ZMQ send high-water mark per subscriber, messages [default: 100000].
+    #[arg(long = "kv_event_publisher_hwm")]
+    kv_event_publisher_hwm: Option<u64>,
+    /// KV events: most events per batch [default: 50].
+    #[arg(long = "kv_event_publisher_max_batch_size")]
+    kv_event_publisher_max_batch_size: Option<u64>,
+    /// KV events: events queued for the publisher; more are dropped and counted [default: 100000].
+    #[arg(long = "kv_event_publisher_max_queue_size")]
+    kv_event_publisher_max_queue_size: Option<u64>,
+    /// KV events: batches kept for replay [default: 10000].
+    #[arg(long = "kv_event_publisher_buffer_steps")]
+    kv_event_publisher_buffer_steps: Option<u64>,
+    /// KV events: tokens per block reported in events [default: 0 = unknown].
+    #[arg(long = "kv_event_block_size")]
+    kv_event_block_size: Option<u64>,
+    /// KV events: vLLM-format stream endpoint; bound with a wildcard, else connected [default: off].
+    #[arg(long = "kv_events_vllm_endpoint")]
+    kv_events_vllm_endpoint: Option<String>,
+    /// KV events: serving pods (address:port, comma-separated) the vLLM stream speaks for.
+    #[arg(long = "kv_events_vllm_pods")]
+    kv_events_vllm_pods: Option<String>,
+    /// KV events: vLLM stream medium of the pool's DRAM [default: lunakv_dram].
+    #[arg(long = "kv_events_vllm_medium_dram")]
+    kv_events_vllm_medium_dram: Option<String>,
+    /// KV events: vLLM stream medium of the SSD tier [default: lunakv_ssd].
+    #[arg(long = "kv_events_vllm_medium_ssd")]
+    kv_events_vllm_medium_ssd: Option<String>,
 }
 
 impl Cli {
@@ -148,6 +188,48 @@ impl Cli {
             "ha_fast_takeover",
             self.ha_fast_takeover.map(|v| v.to_string()),
         );
+        add(
+            "enable_kv_event_publish",
+            self.enable_kv_event_publish.map(|v| v.to_string()),
+        );
+        for (k, v) in [
+            (
+                "kv_event_publisher_endpoint",
+                &self.kv_event_publisher_endpoint,
+            ),
+            (
+                "kv_event_publisher_replay_endpoint",
+                &self.kv_event_publisher_replay_endpoint,
+            ),
+            ("kv_event_publisher_topic", &self.kv_event_publisher_topic),
+            ("kv_events_vllm_endpoint", &self.kv_events_vllm_endpoint),
+            ("kv_events_vllm_pods", &self.kv_events_vllm_pods),
+            (
+                "kv_events_vllm_medium_dram",
+                &self.kv_events_vllm_medium_dram,
+            ),
+            ("kv_events_vllm_medium_ssd", &self.kv_events_vllm_medium_ssd),
+        ] {
+            add(k, v.clone());
+        }
+        for (k, v) in [
+            ("kv_event_publisher_hwm", &self.kv_event_publisher_hwm),
+            (
+                "kv_event_publisher_max_batch_size",
+                &self.kv_event_publisher_max_batch_size,
+            ),
+            (
+                "kv_event_publisher_max_queue_size",
+                &self.kv_event_publisher_max_queue_size,
+            ),
+            (
+                "kv_event_publisher_buffer_steps",
+                &self.kv_event_publisher_buffer_steps,
+            ),
+            ("kv_event_block_size", &self.kv_event_block_size),
+        ] {
+            add(k, s(v));
+        }
         out
     }
 }

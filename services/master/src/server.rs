@@ -17,6 +17,8 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
 use crate::core::{CoreConfig, MasterCore};
+use crate::events::publisher::{EventsError, Publisher};
+use crate::events::{EventSink, EventStats, EventsConfig};
 use crate::grpc::MasterService;
 use crate::ha::{CoreSlot, Election, HaState};
 use crate::notifier::{OwnerNotifier, TransferNotifier};
@@ -50,6 +52,8 @@ pub enum ServeError {
     Server { what: &'static str, message: String },
     #[error("invalid configuration: {0}")]
     Config(String),
+    #[error(transparent)]
+    Events(#[from] EventsError),
     #[error(
         "cannot reach etcd at {endpoints}: {message}; check --etcd_endpoints (\";\"-separated \
          host:port of etcd's client URLs) and that etcd is running"
@@ -109,6 +113,18 @@ pub struct Master {
     /// A single master's rebuild window, and the segments it waits for.
     recovery: Arc<RecoveryGate>,
     known: BTreeSet<String>,
+    /// The KV event publisher (`enable_kv_event_publish`); one per process, fed by each core.
+    events: Option<Arc<Publisher>>,
+}
+
+/// Starts the KV event publisher when the config asks for it.
+fn start_events(cfg: &MasterConfig) -> Result<Option<Arc<Publisher>>, ServeError> {
+    let Some(ec) = EventsConfig::from_master(cfg) else {
+        return Ok(None);
+    };
+    let p = Publisher::start(ec, Arc::new(EventStats::new()))?;
+    tracing::info!(endpoints = ?p.endpoints(), "publishing KV events");
+    Ok(Some(Arc::new(p)))
 }
 
 /// What an HA master adds: the etcd client, the unfenced cluster namespace (election, epoch),
@@ -120,6 +136,7 @@ struct HaSetup {
     fence: Arc<WriteFence>,
     core_cfg: CoreConfig,
     notifier: Arc<dyn OwnerNotifier>,
+    events: Option<EventSink>,
 }
 
 impl Master {
@@ -171,7 +188,11 @@ impl Master {
             known_segments = known.len(),
             "master state opened; owners remount with their inventories on their next ping"
         );
-        let core = Arc::new(MasterCore::new(core_cfg, epoch, notifier));
+        let events = start_events(&cfg)?;
+        let core = Arc::new(
+            MasterCore::new(core_cfg, epoch, notifier)
+                .with_events(events.as_ref().map(|p| p.sink())),
+        );
         // Until the owners remounted, "not found" would be a lie: object RPCs answer
         // UNAVAILABLE (rebuilding) and clients retry (docs/HA.md).
         let known: BTreeSet<String> = known.into_iter().map(|d| d.name).collect();
@@ -185,6 +206,7 @@ impl Master {
             ha: None,
             recovery,
             known,
+            events,
         })
     }
 
@@ -227,6 +249,9 @@ impl Master {
         let core_cfg = CoreConfig::from_master(&cfg);
         // A placeholder core: followers never serve from it; each won term gets a fresh one.
         let core = Arc::new(MasterCore::new(core_cfg.clone(), 0, notifier.clone()));
+        // Every master binds its sockets; only a leader's core feeds them (each won term
+        // starts with a reset, docs/EVENTS.md).
+        let events = start_events(&cfg)?;
         tracing::info!(etcd = %endpoints, %prefix, cluster_id = %cfg.cluster_id, "HA enabled: starting as a follower");
         Ok(Master {
             slot: CoreSlot::new(core),
@@ -241,7 +266,9 @@ impl Master {
                 fence,
                 core_cfg,
                 notifier,
+                events: events.as_ref().map(|p| p.sink()),
             }),
+            events,
             cfg,
         })
     }
@@ -320,7 +347,7 @@ impl Master {
         let admin = tokio::spawn(
             axum::serve(
                 listeners.admin,
-                crate::admin::router_ha(self.slot.clone(), ha_state.clone()),
+                crate::admin::router_full(self.slot.clone(), ha_state.clone(), self.events.clone()),
             )
             .with_graceful_shutdown(async move {
                 let _ = rx.changed().await;
@@ -346,6 +373,7 @@ impl Master {
                 slot: self.slot.clone(),
                 core_cfg: h.core_cfg,
                 notifier: h.notifier,
+                events: h.events,
                 address: host_port(&host, rpc_addr.port()),
                 admin: host_port(&host, admin_addr.port()),
                 lease_ttl: self.cfg.ha_lease_ttl(),
@@ -355,7 +383,18 @@ impl Master {
         });
 
         let ha_note = if election.is_some() { " ha=etcd" } else { "" };
-        println!("lunakv-master listening rpc={rpc_addr} admin={admin_addr}{ha_note}");
+        let events_note = self.events.as_ref().map_or(String::new(), |p| {
+            let e = p.endpoints();
+            let mut note = format!(" events={}", e.endpoint);
+            if let Some(r) = &e.replay_endpoint {
+                note.push_str(&format!(" events_replay={r}"));
+            }
+            if let Some(v) = &e.vllm_endpoint {
+                note.push_str(&format!(" events_vllm={v}"));
+            }
+            note
+        });
+        println!("lunakv-master listening rpc={rpc_addr} admin={admin_addr}{ha_note}{events_note}");
         tracing::info!(%rpc_addr, %admin_addr, cluster_id = %self.cfg.cluster_id, "lunakv-master serving");
 
         shutdown.await;

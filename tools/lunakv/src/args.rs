@@ -66,6 +66,9 @@ pub enum Command {
     Up(UpArgs),
     /// Self-contained benchmark: starts its own master and store, measures, stops them.
     Bench(BenchArgs),
+    /// Subscribe to the master's KV events and print them decoded, one line each (--json: one
+    /// JSON object per line) until Ctrl-C or --count (docs/EVENTS.md).
+    Events(EventsArgs),
     /// Internal: the peer process of bench's raw loopback TCP measurement.
     #[command(name = "__tcp-sink", hide = true)]
     TcpSink {
@@ -171,6 +174,11 @@ pub struct BenchArgs {
     /// directory, and get-from-disk latency for 1 MiB and 4 MiB objects.
     #[arg(long)]
     pub offload: bool,
+
+    /// Only the KV events section: put ops/s of small objects with events on and a subscriber
+    /// attached against events off, two stacks in one run (docs/EVENTS.md). Target >= 0.95x.
+    #[arg(long)]
+    pub events: bool,
 
     /// Directory for the --offload section (default: a temp dir; point it at the NVMe volume,
     /// e.g. /data/mooncake-offload, to measure that device).
@@ -309,4 +317,21 @@ mod tests {
             Command::TcpSink { port: 0 }
         ));
     }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct EventsArgs {
+    /// The PUB endpoint to subscribe to (default: the master's, from its status).
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    pub endpoint: Option<String>,
+    /// Topic prefix to subscribe to (default: every topic).
+    #[arg(long, default_value = "")]
+    pub topic: String,
+    /// The endpoint carries the vLLM-format stream (with --endpoint; default: the master's
+    /// vLLM stream when it binds one).
+    #[arg(long)]
+    pub vllm: bool,
+    /// Stop after this many events (0 = run until Ctrl-C).
+    #[arg(long, default_value_t = 0)]
+    pub count: u64,
 }

@@ -55,6 +55,7 @@ fn main() -> ExitCode {
         Command::Doctor(a) => cmd::doctor::run(&a, &cli.master, &cli.config, json),
         Command::Up(a) => cmd::up::run(&a, json),
         Command::Bench(a) => cmd::bench::run(&a, json),
+        Command::Events(a) => cmd::events::run(&a, &cli.master, &cli.config, json),
         Command::TcpSink { port } => cmd::bench::limits::tcp_sink(port),
     };
     match result {

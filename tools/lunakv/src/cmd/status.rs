@@ -44,7 +44,18 @@ struct StatusJson {
     enable_offload: bool,
     disk_capacity_bytes: u64,
     disk_used_bytes: u64,
+    kv_events: KvEventsJson,
     segments: Vec<SegmentJson>,
+}
+
+/// Whether the master publishes KV events, and where (docs/EVENTS.md).
+#[derive(Debug, Serialize)]
+struct KvEventsJson {
+    enabled: bool,
+    endpoint: String,
+    replay_endpoint: String,
+    topic: String,
+    vllm_endpoint: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -86,6 +97,13 @@ impl StatusJson {
             enable_offload: s.enable_offload,
             disk_capacity_bytes: s.disk_capacity_bytes,
             disk_used_bytes: s.disk_used_bytes,
+            kv_events: KvEventsJson {
+                enabled: s.kv_events_enabled,
+                endpoint: s.kv_events_endpoint.clone(),
+                replay_endpoint: s.kv_events_replay_endpoint.clone(),
+                topic: s.kv_events_topic.clone(),
+                vllm_endpoint: s.kv_events_vllm_endpoint.clone(),
+            },
             segments: s
                 .segments
                 .iter()
@@ -161,6 +179,21 @@ fn render(master: &str, s: &pb::ClusterStatus) -> String {
             human_bytes(s.disk_capacity_bytes),
             percent(s.disk_used_bytes, s.disk_capacity_bytes)
         );
+    }
+    if s.kv_events_enabled {
+        let mut line = format!(
+            "kv events on  {} topic {:?}",
+            s.kv_events_endpoint, s.kv_events_topic
+        );
+        if !s.kv_events_replay_endpoint.is_empty() {
+            line.push_str(&format!("  replay {}", s.kv_events_replay_endpoint));
+        }
+        if !s.kv_events_vllm_endpoint.is_empty() {
+            line.push_str(&format!("  vllm {}", s.kv_events_vllm_endpoint));
+        }
+        let _ = writeln!(o, "{line}");
+    } else {
+        let _ = writeln!(o, "kv events off");
     }
     if s.segments.is_empty() {
         let _ = writeln!(
@@ -290,6 +323,25 @@ mod tests {
         assert_eq!(v["segments"][0]["objects"], 3);
         assert_eq!(v["segments"][0]["shm"], true);
         assert_eq!(v["segments"][0]["protocol_display"], "tcp");
+    }
+
+    #[test]
+    fn kv_events_say_on_and_where() {
+        let t = render("127.0.0.1:50051", &sample());
+        assert!(t.contains("kv events off"), "{t}");
+        let mut s = sample();
+        s.kv_events_enabled = true;
+        s.kv_events_endpoint = "tcp://127.0.0.1:19997".into();
+        s.kv_events_replay_endpoint = "tcp://127.0.0.1:19998".into();
+        s.kv_events_topic = "mooncake".into();
+        let t = render("127.0.0.1:50051", &s);
+        assert!(
+            t.contains("kv events on  tcp://127.0.0.1:19997 topic \"mooncake\"  replay tcp://127.0.0.1:19998"),
+            "{t}"
+        );
+        let v = serde_json::to_value(StatusJson::from_proto("m:1", &s)).expect("json");
+        assert_eq!(v["kv_events"]["enabled"], true);
+        assert_eq!(v["kv_events"]["endpoint"], "tcp://127.0.0.1:19997");
     }
 
     #[test]

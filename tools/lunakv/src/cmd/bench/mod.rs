@@ -5,6 +5,7 @@
 //! Nothing here asserts on timing: a MISS is reported, not failed, because two-process figures on
 //! a 2-core box swing between runs. Compare the ratios measured side by side in one run.
 
+mod events;
 pub mod limits;
 mod offload;
 mod rows;
@@ -93,6 +94,15 @@ struct Report {
 }
 
 pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
+    if a.events {
+        let bins = bin_dir(a.bin_dir.as_deref())?;
+        let r = events::run(&bins, a.quick)?;
+        print!("{}", events::render(&r));
+        if json {
+            print_json(&r)?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     if a.offload {
         let bins = bin_dir(a.bin_dir.as_deref())?;
         let r = offload::run(&bins, a.offload_dir.as_deref(), a.quick)?;
@@ -411,6 +421,7 @@ mod tests {
             bin_dir: None,
             offload: false,
             offload_dir: None,
+            events: false,
         };
         let rows = vec![
             row("tcp_get_4m_single", 1.8, 2000.0),

@@ -92,7 +92,7 @@ fn tier_write(dir: &Path, total: u64, buf: &[u8], rep: u64) -> anyhow::Result<f6
     Ok(r)
 }
 
-struct Svc(Child);
+pub(super) struct Svc(Child);
 impl Drop for Svc {
     fn drop(&mut self) {
         let _ = rustix::process::kill_process(
@@ -103,7 +103,11 @@ impl Drop for Svc {
     }
 }
 
-fn spawn(bin: &Path, args: &[String], env: &[(&str, String)]) -> anyhow::Result<(Svc, String)> {
+pub(super) fn spawn(
+    bin: &Path,
+    args: &[String],
+    env: &[(&str, String)],
+) -> anyhow::Result<(Svc, String)> {
     let mut cmd = Command::new(bin);
     cmd.args(args)
         .stdin(Stdio::null())

@@ -1,0 +1,306 @@
+//! Pool KV events (docs/EVENTS.md): what the master's index gains and loses, published off the
+//! request path on two ZMQ PUB streams.
+//!
+//! - The index emits a [`PoolEvent`] through an [`EventSink`] where it changes: a put's end or
+//!   an inventory bringing a key back (stored), eviction, offload, promotion, remove, a dead
+//!   owner's unmount (replicas changed), `remove_all`, and the start of a core (a leader term or
+//!   a restart: everything before it is void). Emitting is one `try_send` into a bounded queue;
+//!   a full queue drops the event and counts it. Nothing on a request path ever waits on
+//!   publishing.
+//! - One thread ([`publisher`]) owns the ZMQ sockets: it drains the queue into batches, encodes
+//!   them ([`wire`]) in Mooncake's format (and, when configured, vLLM's), sends them with a
+//!   high-water mark, keeps the last batches for replay and answers replay requests.
+
+pub mod publisher;
+pub mod wire;
+
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+
+/// Where a replica lives, as the events name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaRef {
+    /// In the owner's SSD tier (`local_disk`), else its DRAM segment (`memory`).
+    pub disk: bool,
+    /// The owner's transfer endpoint (`host:port`).
+    pub endpoint: String,
+}
+
+/// Which tiers hold an object: the vLLM stream turns a change into BlockStored / BlockRemoved
+/// per medium.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tiers {
+    pub dram: bool,
+    pub ssd: bool,
+}
+
+impl Tiers {
+    pub fn of(replicas: &[ReplicaRef]) -> Tiers {
+        Tiers {
+            dram: replicas.iter().any(|r| !r.disk),
+            ssd: replicas.iter().any(|r| r.disk),
+        }
+    }
+}
+
+/// A change of the master's index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PoolEvent {
+    /// A key became readable: its put ended, or an owner's inventory brought it back.
+    Stored {
+        key: String,
+        replicas: Vec<ReplicaRef>,
+    },
+    /// A key's replicas changed; `replicas` empty = the key is gone. `before` says which tiers
+    /// held it before the change.
+    Updated {
+        key: String,
+        before: Tiers,
+        replicas: Vec<ReplicaRef>,
+    },
+    /// `remove_all`: every key is gone.
+    RemovedAll,
+    /// A core started (master start, new HA leader term): whatever subscribers knew from
+    /// earlier publishers is void, and the index is re-announced as owners remount.
+    Reset,
+}
+
+/// The events' settings, from the master config (`kv_event_publisher_*`, `kv_events_vllm_*`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventsConfig {
+    /// Mooncake stream: PUB socket, bound.
+    pub endpoint: String,
+    /// ROUTER socket answering replay requests; `None` = no replay.
+    pub replay_endpoint: Option<String>,
+    pub topic: String,
+    /// ZMQ send high-water mark of the PUB sockets, in messages.
+    pub hwm: i32,
+    /// Events waiting for the publisher thread; more are dropped and counted.
+    pub max_queue_size: usize,
+    /// Most events in one batch.
+    pub max_batch_size: usize,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// Tokens per block, as the events report it (0 = not known).
+    pub block_size: u32,
+    /// vLLM-format stream, when set: PUB socket, bound when the endpoint has a wildcard
+    /// (`*`, `::`) or is ipc://, connected otherwise (vLLM's rule; llm-d's central mode binds
+    /// the SUB side and publishers connect).
+    pub vllm_endpoint: Option<String>,
+    /// Pods (`address:port` of each serving endpoint) the vLLM stream announces pool blocks
+    /// for: one topic `kv@<pod>@<model>` each.
+    pub vllm_pods: Vec<String>,
+    /// `medium` of a DRAM copy / an SSD copy on the vLLM stream.
+    pub vllm_medium_dram: String,
+    pub vllm_medium_ssd: String,
+}
+
+impl EventsConfig {
+    /// The events' settings, or `None` when `enable_kv_event_publish` is off.
+    pub fn from_master(c: &lunakv_config::master::MasterConfig) -> Option<EventsConfig> {
+        if !c.enable_kv_event_publish {
+            return None;
+        }
+        let opt = |s: &str| (!s.is_empty()).then(|| s.to_string());
+        Some(EventsConfig {
+            endpoint: c.kv_event_publisher_endpoint.clone(),
+            replay_endpoint: opt(&c.kv_event_publisher_replay_endpoint),
+            topic: c.kv_event_publisher_topic.clone(),
+            hwm: i32::try_from(c.kv_event_publisher_hwm).unwrap_or(i32::MAX),
+            max_queue_size: c.kv_event_publisher_max_queue_size as usize,
+            max_batch_size: c.kv_event_publisher_max_batch_size.max(1) as usize,
+            buffer_steps: c.kv_event_publisher_buffer_steps as usize,
+            block_size: u32::try_from(c.kv_event_block_size).unwrap_or(0),
+            vllm_endpoint: opt(&c.kv_events_vllm_endpoint),
+            vllm_pods: c
+                .kv_events_vllm_pods
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect(),
+            vllm_medium_dram: c.kv_events_vllm_medium_dram.clone(),
+            vllm_medium_ssd: c.kv_events_vllm_medium_ssd.clone(),
+        })
+    }
+}
+
+/// The events' metrics, in their own registry: they outlive the per-term core.
+pub struct EventStats {
+    pub registry: Registry,
+    /// Events handed to the publisher, per stream (`mooncake`, `vllm`).
+    pub published: IntCounterVec,
+    pub batches: IntCounterVec,
+    /// Events lost before any subscriber could see them, per reason (`queue_full`,
+    /// `send_failed`).
+    pub dropped: IntCounterVec,
+    /// Connected subscribers (peers of the bound PUB socket; for a connecting vLLM stream, 1
+    /// while the connection is up).
+    pub subscribers: IntGaugeVec,
+    pub replay_requests: IntCounter,
+    pub enabled: IntGauge,
+}
+
+impl std::fmt::Debug for EventStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventStats").finish_non_exhaustive()
+    }
+}
+
+impl Default for EventStats {
+    fn default() -> Self {
+        EventStats::new()
+    }
+}
+
+impl EventStats {
+    pub fn new() -> EventStats {
+        let r = Registry::new();
+        let counter_vec = |name: &str, help: &str, label: &str| {
+            let c = IntCounterVec::new(Opts::new(name, help), &[label]).expect("static metric");
+            r.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let published = counter_vec(
+            "master_kv_events_published_total",
+            "KV events sent on each stream",
+            "stream",
+        );
+        let batches = counter_vec(
+            "master_kv_event_batches_published_total",
+            "KV event batches (ZMQ messages) sent on each stream",
+            "stream",
+        );
+        let dropped = counter_vec(
+            "master_kv_events_dropped_total",
+            "KV events lost before publishing: the publisher queue was full, or the send failed",
+            "reason",
+        );
+        for reason in ["queue_full", "send_failed"] {
+            dropped.with_label_values(&[reason]);
+        }
+        let subscribers = IntGaugeVec::new(
+            Opts::new(
+                "master_kv_event_subscribers",
+                "Connected subscribers of each KV event stream",
+            ),
+            &["stream"],
+        )
+        .expect("static metric");
+        r.register(Box::new(subscribers.clone()))
+            .expect("unique metric");
+        let replay_requests = IntCounter::new(
+            "master_kv_event_replay_requests_total",
+            "Replay requests answered on the replay endpoint",
+        )
+        .expect("static metric");
+        r.register(Box::new(replay_requests.clone()))
+            .expect("unique metric");
+        let enabled = IntGauge::new(
+            "master_kv_events_enabled",
+            "1 when the master publishes KV events (enable_kv_event_publish)",
+        )
+        .expect("static metric");
+        r.register(Box::new(enabled.clone()))
+            .expect("unique metric");
+        EventStats {
+            registry: r,
+            published,
+            batches,
+            dropped,
+            subscribers,
+            replay_requests,
+            enabled,
+        }
+    }
+}
+
+/// The index's end of the event queue. Cloned into every core; [`EventSink::emit`] never
+/// blocks.
+#[derive(Debug, Clone)]
+pub struct EventSink {
+    tx: SyncSender<PoolEvent>,
+    stats: Arc<EventStats>,
+    endpoints: Arc<publisher::EventEndpoints>,
+}
+
+impl EventSink {
+    /// A sink and the queue's other end, holding at most `capacity` events (0 = a rendezvous
+    /// queue: an event is dropped unless the publisher is waiting for it).
+    pub fn channel(
+        capacity: usize,
+        stats: Arc<EventStats>,
+        endpoints: publisher::EventEndpoints,
+    ) -> (EventSink, Receiver<PoolEvent>) {
+        let (tx, rx) = sync_channel(capacity);
+        let endpoints = Arc::new(endpoints);
+        (
+            EventSink {
+                tx,
+                stats,
+                endpoints,
+            },
+            rx,
+        )
+    }
+
+    /// Where the streams are (`lunakv status`).
+    pub fn endpoints(&self) -> &publisher::EventEndpoints {
+        &self.endpoints
+    }
+
+    /// Queues `ev` for publishing; a full queue (or a stopped publisher) drops it and counts.
+    pub fn emit(&self, ev: PoolEvent) {
+        match self.tx.try_send(ev) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                self.stats.dropped.with_label_values(&["queue_full"]).inc();
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                self.stats.dropped.with_label_values(&["send_failed"]).inc();
+            }
+        }
+    }
+
+    pub fn stats(&self) -> &Arc<EventStats> {
+        &self.stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_queue_drops_and_counts_without_blocking() {
+        let stats = Arc::new(EventStats::new());
+        let (sink, rx) = EventSink::channel(2, stats.clone(), Default::default());
+        for _ in 0..5 {
+            sink.emit(PoolEvent::RemovedAll);
+        }
+        assert_eq!(
+            stats.dropped.with_label_values(&["queue_full"]).get(),
+            3,
+            "two fit, three dropped"
+        );
+        assert_eq!(rx.try_iter().count(), 2);
+    }
+
+    #[test]
+    fn tiers_of_replicas() {
+        let r = |disk| ReplicaRef {
+            disk,
+            endpoint: "h:1".into(),
+        };
+        assert_eq!(
+            Tiers::of(&[r(false), r(true)]),
+            Tiers {
+                dram: true,
+                ssd: true
+            }
+        );
+        assert_eq!(Tiers::of(&[]), Tiers::default());
+    }
+}
