@@ -127,7 +127,8 @@ fn prometheus_scrapes_every_lunakv_service_of_compose() {
         if image.starts_with("lunakv/")
             && !matches!(
                 image.split(':').next(),
-                Some("lunakv/etcd" | "lunakv/prometheus")
+                // etcd and Prometheus are not lunakv's code; lunakv/python only copies files.
+                Some("lunakv/etcd" | "lunakv/prometheus" | "lunakv/python")
             )
         {
             let env = svc.pointer("/environment/OTEL_EXPORTER_OTLP_ENDPOINT");
