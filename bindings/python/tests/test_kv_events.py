@@ -400,20 +400,14 @@ def test_offload_and_promotion_move_blocks_between_tiers(ctx, tmp_path, monkeypa
         m.stop()
 
 
-def test_a_subscriber_that_never_reads_does_not_slow_puts(ctx):
+def test_a_subscriber_that_never_reads_does_not_stall_the_publisher(ctx):
+    """With a subscriber that never reads (its high-water mark full at once), every put still
+    succeeds and the publisher still sends every event: ZMQ drops for that subscriber instead
+    of blocking. No timing is asserted here (the bench-events target measures the cost)."""
     m = EventsMaster(["--kv_event_publisher_hwm=16", "--kv_event_publisher_max_batch_size=1"])
     store, _ = start_store(m.rpc, "256MB")
     try:
         s = connect(m.rpc)
-
-        def put_rate(prefix: str, n: int = 1500) -> float:
-            t0 = time.perf_counter()
-            for i in range(n):
-                assert s.put(vllm_key(i, prefix=prefix), b"v" * 64) == 0
-            return n / (time.perf_counter() - t0)
-
-        put_rate("warm", 300)
-        alone = put_rate("alone")
         stuck = ctx.socket(zmq.SUB)
         stuck.setsockopt(zmq.RCVHWM, 1)
         stuck.setsockopt(zmq.SUBSCRIBE, b"")
@@ -422,12 +416,19 @@ def test_a_subscriber_that_never_reads_does_not_slow_puts(ctx):
         while m.status()["subscribers"]["mooncake"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        time.sleep(0.3)
-        with_stuck = put_rate("stuck")
-        # Generous on a shared 2-core machine; the benchmark row measures it properly.
-        assert with_stuck >= 0.5 * alone, (alone, with_stuck)
-        st = m.status()
-        assert st["published"]["mooncake"] >= 3300 - 10, st
+        before = m.status()["published"]["mooncake"]
+        n = 1500
+        for i in range(n):
+            assert s.put(vllm_key(i, prefix="stuck"), b"v" * 64) == 0
+        # A publisher blocked on the stuck subscriber would stop near its high-water mark.
+        deadline = time.monotonic() + 20
+        while True:
+            st = m.status()
+            if st["published"]["mooncake"] >= before + n:
+                break
+            assert time.monotonic() < deadline, (before, st)
+            time.sleep(0.1)
+        assert st["dropped"]["queue_full"] == 0, st
         stuck.close(linger=0)
         s.close()
     finally:
