@@ -5,7 +5,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::var_os("PROTOC").is_none() {
         let protoc = protoc_bin_vendored::protoc_bin_path()?;
         // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
-        unsafe { std::env::set_var("PROTOC", protoc) };
+        #[allow(clippy::disallowed_methods)] // the ban targets threaded code; see the SAFETY note
+        unsafe {
+            std::env::set_var("PROTOC", protoc)
+        };
     }
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     let files = ["lunakv/master.proto", "lunakv/bootstrap.proto"].map(|f| root.join(f));

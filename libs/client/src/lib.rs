@@ -17,6 +17,7 @@
 //!
 //! Gets skip the master when the client already knows the object's generation and location
 //! (see docs/ARCHITECTURE.md, "The generation, and why gets skip the master").
+#![forbid(unsafe_code)]
 
 mod cache;
 mod error;

@@ -22,6 +22,7 @@
 //! (`&dyn Fn(&str) -> Option<String>`), never from the process directly, so tests pass a map
 //! and never call `std::env::set_var`. Production code passes [`process_env`]. An empty value counts
 //! as unset, as in upstream's `if os.getenv(...)` checks.
+#![forbid(unsafe_code)]
 
 pub mod client;
 pub mod connectors;

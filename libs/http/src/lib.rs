@@ -7,6 +7,7 @@
 //! proxy builds its own hyper-util client on the same crates because it streams bodies both ways
 //! and speaks TLS upstream. Hand-written HTTP remains only where a test means to send what a
 //! client library would not (raw SSE reads, early disconnects, malformed requests).
+#![forbid(unsafe_code)]
 
 use std::time::Duration;
 

@@ -18,6 +18,7 @@
 //! - [`Prefixed`]: scopes any store under a key prefix (like etcd's namespace / a chroot).
 //!
 //! [`testing`] starts a real etcd on ephemeral ports for tests.
+#![forbid(unsafe_code)]
 
 pub mod conformance;
 pub mod etcd;

@@ -42,6 +42,7 @@
 //! bucket checks out (bounds and CRC) against the `.compact` file, step 2 happened and the rename
 //! is finished; otherwise it is deleted and the old bucket stays. Readers that picked up the old
 //! file before the switch keep reading it through their open handle.
+#![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;

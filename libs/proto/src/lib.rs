@@ -4,6 +4,7 @@
 //! Mooncake-compatible [`ErrorCode`]s carried in per-item results, and the key rules every side
 //! enforces. Used by the master (server), and by the client library, the store-client and the
 //! CLI (clients). Kept slim on purpose: no business logic lives here.
+#![forbid(unsafe_code)]
 
 mod codes;
 pub mod foreign;

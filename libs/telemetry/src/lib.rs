@@ -28,6 +28,7 @@
 //!
 //! [`wait`] is how a service waits for a peer at startup (the master, etcd, a decode engine):
 //! backoff, one WARN line, one more every 30 s while waiting, one INFO line when it answers.
+#![forbid(unsafe_code)]
 
 mod export;
 pub mod propagate;

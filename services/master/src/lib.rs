@@ -32,6 +32,7 @@
 //! ```
 //! Once bound, the master prints one line on stdout that harnesses of the binary can parse:
 //! `lunakv-master listening rpc=127.0.0.1:PORT admin=127.0.0.1:PORT`.
+#![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod alloc;

@@ -1,5 +1,6 @@
 //! `lunakv-master`: parse flags, load the layered config, init telemetry, serve until
 //! SIGTERM/SIGINT, drain.
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 

@@ -22,11 +22,12 @@
 //! propagated (or created) and the prefill and decode legs are separate tracing spans.
 //!
 //! Configuration: flags over the environment over `--configuration-file` (upstream's YAML,
-//! [`file`]); validated in [`config`] with messages that name the flag or field.
+//! [`file`](mod@file)); validated in [`config`] with messages that name the flag or field.
 //!
 //! The service is a tower stack (see [`layers`]): request id -> in-flight accounting ->
 //! [`proxy::Proxy`], served by hyper-util on one listener per data-parallel rank ([`server`]).
 //! The sidecar's own counters are at [`METRICS_PATH`] (every other path belongs to the engine).
+#![forbid(unsafe_code)]
 
 pub mod body;
 pub mod cache;

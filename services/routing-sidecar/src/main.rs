@@ -1,5 +1,6 @@
 //! `lunakv-sidecar`: parse flags (exit 2 with the reason on bad ones), start the runtime
 //! (`--worker-threads`), bind, serve until SIGTERM/SIGINT, drain.
+#![forbid(unsafe_code)]
 
 use lunakv_sidecar::{ConfigError, SidecarConfig};
 

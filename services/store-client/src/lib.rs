@@ -11,6 +11,7 @@
 //! engines; this crate adds the flags, the admin HTTP endpoint (/metrics, /health for liveness,
 //! /ready for readiness: 503 until the segment is mounted) and the lifecycle. A store started
 //! before its master waits for it (one WARN line, then one every 30 s) instead of exiting.
+#![forbid(unsafe_code)]
 
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};

@@ -1,5 +1,6 @@
 //! `lunakv-store`: parse flags (Mooncake `mooncake_client` names), start telemetry, serve the
 //! segment, and unmount on SIGTERM/SIGINT.
+#![forbid(unsafe_code)]
 
 use anyhow::Context;
 use clap::{CommandFactory, Parser};

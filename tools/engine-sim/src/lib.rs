@@ -29,6 +29,7 @@
 //!
 //! `GET /sim/stats` reports counters (KV bytes sent/received, local prefills, transfers, HTTP
 //! connections and who closed them) that tests use to prove the bytes really moved.
+#![forbid(unsafe_code)]
 
 pub mod api;
 pub mod client;

@@ -1,5 +1,6 @@
 //! `lunakv-engine-sim`: a test double of a vLLM engine (see the crate docs). Parse flags, serve
 //! until SIGTERM/SIGINT.
+#![forbid(unsafe_code)]
 
 use std::net::IpAddr;
 use std::time::Duration;
