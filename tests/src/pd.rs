@@ -33,7 +33,7 @@ pub fn free_port_run(n: u16) -> u16 {
     }
 }
 
-/// A fresh loopback address per call (127.<pid-derived>.<n>.1), so parallel tests and test
+/// A fresh loopback address per call (`127.<pid-derived>.<n>.1`), so parallel tests and test
 /// binaries never share a host.
 pub fn fresh_host() -> IpAddr {
     static N: AtomicU32 = AtomicU32::new(1);

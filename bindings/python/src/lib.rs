@@ -45,6 +45,9 @@
 //! Both share one process-wide `lunakv_transfer::TransferEngine` ([`shared`]): vLLM's
 //! MultiConnector[MooncakeConnector + MooncakeStoreConnector] runs them in one worker process,
 //! and its connections to a peer are pooled once.
+// The crate's API is the Python module; its Rust items are private on purpose, and the map above
+// links them for readers of `cargo doc --document-private-items`.
+#![allow(rustdoc::private_intra_doc_links)]
 
 mod engine;
 mod mem;

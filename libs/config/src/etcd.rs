@@ -74,8 +74,8 @@ pub enum MasterAddress {
 }
 
 impl MasterAddress {
-    /// `host:port` or `etcd://h1:2379;h2:2379`. Other schemes are
-    /// [`ConfigError::UnsupportedAddress`].
+    /// `host:port` or `etcd://h1:2379;h2:2379`. Any other `scheme://` is a
+    /// [`ConfigError::Invalid`] that names the field and the two accepted forms.
     pub fn parse(field: &str, value: &str) -> Result<MasterAddress, ConfigError> {
         let v = value.trim();
         if v.starts_with("etcd://") {

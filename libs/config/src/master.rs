@@ -221,7 +221,7 @@ const KEYS: &[(&str, Kind)] = &[
 
 /// Upstream `mooncake_master` flags and config keys lunakv does not define: each is ignored
 /// with the reason (in the file, the environment or on the command line) or refused with the
-/// fix. Read from upstream's master.cpp; lunakv's own keys are [`KEYS`].
+/// fix. Read from upstream's master.cpp; lunakv's own keys are `KEYS`.
 pub const UPSTREAM_KEYS: &[UpstreamFlag] = &[
     ignored("max_threads", false, THREADS),
     ignored("rpc_thread_num", false, THREADS),

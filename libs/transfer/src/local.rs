@@ -248,7 +248,7 @@ const PREFAULT_THREADS: usize = 2;
 
 impl SegmentServer {
     /// Faults in (allocates) the first `max_bytes` of the segment on background threads (up to
-    /// [`PREFAULT_THREADS`], never more than the machine's cores), so writes into fresh ranges do
+    /// `PREFAULT_THREADS`, never more than the machine's cores), so writes into fresh ranges do
     /// not pay a page fault per 4 KiB. Uses MADV_POPULATE_WRITE (Linux >= 5.14; older kernels: a
     /// no-op). The memory is committed, as if written: size `max_bytes` to what the owner expects
     /// to fill. Stops early on shutdown. Returns the thread that waits for the others, which

@@ -11,7 +11,7 @@
 //! - A worker whose lease lapsed is gone: it disappears from queries, and anyone may take its
 //!   key.
 //!
-//! Every rule looks at one dp rank only, so the rules are written once, over [`DpSlots`], and
+//! Every rule looks at one dp rank only, so the rules are written once, over `DpSlots`, and
 //! both tables apply them: [`MemoryState`] (embedded, the default) and
 //! [`crate::shared::SharedState`] (one MetaStore key per dp rank, shared by replicas).
 //! Lease deadlines are wall-clock milliseconds, so replicas on different hosts agree on them

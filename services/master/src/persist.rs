@@ -65,7 +65,7 @@ fn first_epoch() -> u32 {
 }
 
 /// Increments the persisted epoch and returns the new value (a random base on a fresh store,
-/// see [`first_epoch`]).
+/// see `first_epoch`).
 pub async fn bump_epoch(store: &dyn MetaStore) -> Result<u32, PersistError> {
     loop {
         let current = store.get(EPOCH_KEY).await?;

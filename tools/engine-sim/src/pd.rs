@@ -7,7 +7,7 @@
 //! 2. A prefill request with `kv_transfer_params.do_remote_decode` computes the KV and parks it
 //!    under its `transfer_id`.
 //! 3. The decode engine queries the bootstrap, finds `remote_engine_id`'s worker, registers a
-//!    receive region with its [`RegionServer`], and POSTs `/sim/kv/transfer` with the
+//!    receive region with its [`RegionServer`](lunakv_transfer::RegionServer), and POSTs `/sim/kv/transfer` with the
 //!    transfer_id, its region endpoint and one address per block.
 //! 4. The prefill engine waits for that transfer_id's prefill, WRITES the blocks into the
 //!    decoder's region through `TransferEngine::batch_raw`, and answers FINISH (or ERROR).
