@@ -62,6 +62,28 @@ impl TestCa {
         }
     }
 
+    /// A client certificate whose subject CN is `cn` (etcd's `--client-cert-auth` takes the CN
+    /// as the user name).
+    pub fn issue_client(&self, cn: &str) -> Issued {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("leaf params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let key = rcgen::KeyPair::generate().expect("leaf key");
+        let cert = params.signed_by(&key, &self.issuer).expect("leaf cert");
+        Issued {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            der: cert.der().clone(),
+        }
+    }
+
+    /// The CA certificate, PEM.
+    pub fn ca_pem(&self) -> String {
+        self.issuer.pem()
+    }
+
     /// Roots that trust this CA only.
     pub fn roots(&self) -> rustls::RootCertStore {
         let mut r = rustls::RootCertStore::empty();

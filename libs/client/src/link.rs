@@ -14,9 +14,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lunakv_config::MasterAddress;
-use lunakv_meta::EtcdClient;
 use lunakv_meta::etcd::WatchEvent;
 use lunakv_meta::layout::{self, LeaderView};
+use lunakv_meta::{EtcdClient, EtcdSecurity};
 use parking_lot::RwLock;
 use tokio::sync::watch;
 use tonic::transport::Channel;
@@ -105,8 +105,11 @@ impl MasterLink {
             Ok(MasterAddress::Direct(_)) => unreachable!("an etcd:// address parses as etcd"),
             Err(e) => return Err(ClientError::Config(e.to_string())),
         };
-        let etcd = EtcdClient::connect(&endpoints.to_strings(), Duration::from_secs(3))
+        let security = EtcdSecurity::from_env(&lunakv_config::process_env)
             .map_err(|e| ClientError::Config(e.to_string()))?;
+        let etcd =
+            EtcdClient::connect_with(&endpoints.to_strings(), Duration::from_secs(3), &security)
+                .map_err(|e| ClientError::Config(e.to_string()))?;
         let unreachable = |e: lunakv_meta::MetaError| ClientError::Rpc {
             addr: spec.to_owned(),
             message: format!(

@@ -40,7 +40,7 @@ use std::str::FromStr;
 
 pub use client::{Mode, MooncakeConfig};
 pub use duration::{DurationError, parse_duration};
-pub use etcd::{EtcdEndpoints, MasterAddress};
+pub use etcd::{EtcdCredentials, EtcdEndpoints, MasterAddress};
 pub use size::{SizeError, parse_size};
 pub use store::StoreConfig;
 

@@ -6,6 +6,11 @@
 //! Every call is bounded by the client's timeout: a tonic channel balanced over several endpoints
 //! waits for a ready endpoint rather than failing, so an unbounded call against a dead etcd would
 //! hang forever.
+//!
+//! A secured etcd ([`EtcdSecurity`]) is reached over TLS (its CA, optionally a client certificate
+//! for `--client-cert-auth`) and/or as an etcd user: the client authenticates before its first
+//! call, sends the token with every call, and authenticates again once when etcd says the token
+//! is no longer valid (simple tokens expire after `--auth-token-ttl` of disuse).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -13,7 +18,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::mpsc;
-use tonic::transport::{Channel, Endpoint};
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::{CasOutcome, MetaError, MetaStore, check_key};
 
@@ -23,6 +31,7 @@ pub mod pb {
     tonic::include_proto!("etcdserverpb");
 }
 
+use pb::auth_client::AuthClient;
 use pb::compare::{CompareResult, CompareTarget, TargetUnion};
 use pb::kv_client::KvClient;
 use pb::lease_client::LeaseClient;
@@ -32,12 +41,105 @@ use pb::watch_client::WatchClient;
 
 pub use pb::KeyValue;
 
-/// A connection to an etcd cluster (cheap to clone; clones share the channel).
+/// TLS towards etcd: the CA that signed etcd's certificate and, when etcd runs with
+/// `--client-cert-auth`, this client's certificate and key (all PEM).
+#[derive(Clone)]
+pub struct EtcdTls {
+    pub ca_pem: Vec<u8>,
+    /// `(certificate, key)`.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// Where the CA came from (a file path), for messages.
+    pub ca_source: String,
+}
+
+/// An etcd user (etcd's `auth enable`): its name and password.
+#[derive(Clone)]
+pub struct EtcdAuth {
+    pub user: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The password never reaches a log line.
+        f.debug_struct("EtcdAuth")
+            .field("user", &self.user)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How to reach a secured etcd. The default is plain http without a user, as on loopback.
+#[derive(Clone, Default)]
+pub struct EtcdSecurity {
+    pub tls: Option<EtcdTls>,
+    pub auth: Option<EtcdAuth>,
+}
+
+impl std::fmt::Debug for EtcdSecurity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdSecurity")
+            .field("tls", &self.tls.as_ref().map(|t| &t.ca_source))
+            .field("auth", &self.auth)
+            .finish()
+    }
+}
+
+impl EtcdSecurity {
+    /// From what `LUNAKV_ETCD_*` named ([`lunakv_config::EtcdCredentials`]).
+    pub fn from_credentials(c: &lunakv_config::EtcdCredentials) -> EtcdSecurity {
+        EtcdSecurity {
+            tls: c.ca.as_ref().map(|(path, pem)| EtcdTls {
+                ca_pem: pem.clone(),
+                identity: c.identity.clone(),
+                ca_source: path.display().to_string(),
+            }),
+            auth: c.user.as_ref().map(|(user, password)| EtcdAuth {
+                user: user.clone(),
+                password: password.clone(),
+            }),
+        }
+    }
+
+    /// Reads `LUNAKV_ETCD_*` through `env` (production passes
+    /// [`lunakv_config::process_env`]).
+    pub fn from_env(
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<EtcdSecurity, lunakv_config::ConfigError> {
+        lunakv_config::EtcdCredentials::from_env(env).map(|c| EtcdSecurity::from_credentials(&c))
+    }
+}
+
+/// Adds the current auth token (if any) to every call as etcd's `token` metadata.
+#[derive(Clone, Default)]
+struct TokenInterceptor {
+    token: Arc<parking_lot::RwLock<Option<MetadataValue<Ascii>>>>,
+}
+
+impl Interceptor for TokenInterceptor {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(t) = self.token.read().clone() {
+            req.metadata_mut().insert("token", t);
+        }
+        Ok(req)
+    }
+}
+
+type Svc = InterceptedService<Channel, TokenInterceptor>;
+
+/// A connection to an etcd cluster (cheap to clone; clones share the channel and the token).
 #[derive(Clone)]
 pub struct EtcdClient {
-    kv: KvClient<Channel>,
-    lease: LeaseClient<Channel>,
-    watch: WatchClient<Channel>,
+    kv: KvClient<Svc>,
+    lease: LeaseClient<Svc>,
+    watch: WatchClient<Svc>,
+    auth_rpc: AuthClient<Channel>,
+    auth: Option<EtcdAuth>,
+    token: TokenInterceptor,
+    /// Serialises re-authentication so that a burst of calls with an expired token
+    /// authenticates once.
+    auth_lock: Arc<tokio::sync::Mutex<()>>,
+    /// Added to transport failures: what this client's TLS settings suggest checking.
+    transport_hint: &'static str,
     endpoints: Arc<str>,
     timeout: Duration,
 }
@@ -122,18 +224,103 @@ impl EtcdWatch {
     }
 }
 
+/// What to check when a call fails in transport, given how this client was configured.
+fn transport_hint(security: &EtcdSecurity) -> &'static str {
+    match &security.tls {
+        None => {
+            "; if etcd serves https, set LUNAKV_ETCD_CACERT to the CA that signed its certificate"
+        }
+        Some(t) if t.identity.is_none() => {
+            "; if etcd requires client certificates (--client-cert-auth), set LUNAKV_ETCD_CERT \
+             and LUNAKV_ETCD_KEY"
+        }
+        Some(_) => "",
+    }
+}
+
 fn backend_status(op: &'static str, endpoints: &str, s: &tonic::Status) -> MetaError {
+    let msg = s.message();
+    // etcd's own words for its auth refusals (etcdserver/api/v3rpc/rpctypes), each with the fix.
+    let hint = if msg.contains("user name is empty") {
+        "; etcd has authentication on: set LUNAKV_ETCD_USER and LUNAKV_ETCD_PASSWORD to an etcd \
+         user whose role can read and write lunakv's keys"
+    } else if msg.contains("authentication failed") {
+        "; check LUNAKV_ETCD_USER and LUNAKV_ETCD_PASSWORD (etcdctl user get NAME shows the user)"
+    } else if msg.contains("permission denied") {
+        "; the etcd user's role lacks this key: grant it readwrite on lunakv's prefix \
+         (etcdctl role grant-permission ROLE --prefix=true readwrite mooncake-store/)"
+    } else {
+        ""
+    };
+    // Transport failures (refused connection, TLS handshake) carry the cause in the source
+    // chain, not in the message.
+    let mut cause = String::new();
+    let mut src = std::error::Error::source(s);
+    while let Some(e) = src {
+        cause = format!(": {e}");
+        src = e.source();
+    }
+    let tls_hint = if cause.contains("certificate") || cause.contains("InvalidCertificate") {
+        "; the TLS handshake failed: check LUNAKV_ETCD_CACERT (the CA that signed etcd's \
+         certificate) and, when etcd requires client certificates, LUNAKV_ETCD_CERT and \
+         LUNAKV_ETCD_KEY"
+    } else if cause.contains("tls") || cause.contains("TLS") {
+        "; the TLS handshake failed: an https etcd needs LUNAKV_ETCD_CACERT, a plain-http etcd \
+         must not be given one"
+    } else {
+        ""
+    };
     MetaError::Backend {
         op,
-        message: format!("etcd at {endpoints}: {:?}: {}", s.code(), s.message()),
+        message: format!(
+            "etcd at {endpoints}: {:?}: {msg}{cause}{hint}{tls_hint}",
+            s.code()
+        ),
     }
+}
+
+/// A fresh future for one call of `method` on a clone of `client`: the generated methods borrow
+/// the client mutably, so a retried call needs its own clone and its own copy of the request.
+macro_rules! rpc {
+    ($client:expr, $method:ident, $req:expr) => {{
+        let mut c = $client.clone();
+        let r = $req.clone();
+        async move { c.$method(r).await }
+    }};
+}
+
+/// etcd says the token is unknown or expired (`ErrGRPCInvalidAuthToken`).
+fn token_rejected(s: &tonic::Status) -> bool {
+    s.code() == tonic::Code::Unauthenticated || s.message().contains("invalid auth token")
 }
 
 impl EtcdClient {
     /// A client for `endpoints` (each `host:port` or `http://host:port`). Lazy: nothing is
     /// dialled until the first call; use [`EtcdClient::check`] to fail fast at startup.
     pub fn connect(endpoints: &[String], timeout: Duration) -> Result<EtcdClient, MetaError> {
+        EtcdClient::connect_with(endpoints, timeout, &EtcdSecurity::default())
+    }
+
+    /// [`EtcdClient::connect`] to a secured etcd: over TLS when `security.tls` is set (plain
+    /// `host:port` endpoints then mean `https://`), as `security.auth`'s user when set.
+    pub fn connect_with(
+        endpoints: &[String],
+        timeout: Duration,
+        security: &EtcdSecurity,
+    ) -> Result<EtcdClient, MetaError> {
         let joined: Arc<str> = endpoints.join(";").into();
+        let tls = match &security.tls {
+            None => None,
+            Some(t) => {
+                let mut cfg =
+                    ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&t.ca_pem));
+                if let Some((cert, key)) = &t.identity {
+                    cfg = cfg.identity(Identity::from_pem(cert, key));
+                }
+                Some(cfg)
+            }
+        };
+        let scheme = if tls.is_some() { "https" } else { "http" };
         if endpoints.is_empty() {
             return Err(MetaError::Open {
                 location: "etcd".into(),
@@ -145,13 +332,32 @@ impl EtcdClient {
             let uri = if e.contains("://") {
                 e.clone()
             } else {
-                format!("http://{e}")
+                format!("{scheme}://{e}")
             };
-            let ep = Endpoint::from_shared(uri.clone())
-                .map_err(|err| MetaError::Open {
+            if uri.starts_with("https://") && tls.is_none() {
+                return Err(MetaError::Open {
                     location: format!("etcd {e}"),
-                    message: format!("{err}: write the endpoint as host:port, e.g. 127.0.0.1:2379"),
-                })?
+                    message: "an https:// endpoint needs the CA that signed etcd's certificate: \
+                              set LUNAKV_ETCD_CACERT"
+                        .into(),
+                });
+            }
+            let mut ep = Endpoint::from_shared(uri.clone()).map_err(|err| MetaError::Open {
+                location: format!("etcd {e}"),
+                message: format!("{err}: write the endpoint as host:port, e.g. 127.0.0.1:2379"),
+            })?;
+            if let Some(cfg) = &tls
+                && uri.starts_with("https://")
+            {
+                ep = ep.tls_config(cfg.clone()).map_err(|err| MetaError::Open {
+                    location: format!("etcd {e}"),
+                    message: format!(
+                        "TLS settings refused ({err}): check the PEM files named by \
+                         LUNAKV_ETCD_CACERT, LUNAKV_ETCD_CERT and LUNAKV_ETCD_KEY"
+                    ),
+                })?;
+            }
+            let ep = ep
                 .connect_timeout(timeout.min(Duration::from_secs(3)))
                 .tcp_nodelay(true)
                 // Keep-alive pings detect a dead etcd member on an idle watch stream.
@@ -165,13 +371,93 @@ impl EtcdClient {
         } else {
             Channel::balance_list(eps.into_iter())
         };
+        let token = TokenInterceptor::default();
         Ok(EtcdClient {
-            kv: KvClient::new(channel.clone()),
-            lease: LeaseClient::new(channel.clone()),
-            watch: WatchClient::new(channel),
+            kv: KvClient::with_interceptor(channel.clone(), token.clone()),
+            lease: LeaseClient::with_interceptor(channel.clone(), token.clone()),
+            watch: WatchClient::with_interceptor(channel.clone(), token.clone()),
+            auth_rpc: AuthClient::new(channel),
+            auth: security.auth.clone(),
+            token,
+            auth_lock: Arc::new(tokio::sync::Mutex::new(())),
+            transport_hint: transport_hint(security),
             endpoints: joined,
             timeout,
         })
+    }
+
+    fn status_error(&self, op: &'static str, s: &tonic::Status) -> MetaError {
+        let e = backend_status(op, &self.endpoints, s);
+        let transport = matches!(
+            s.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+        );
+        match e {
+            MetaError::Backend { op, message } if transport && !message.contains("LUNAKV_ETCD") => {
+                MetaError::Backend {
+                    op,
+                    message: format!("{message}{}", self.transport_hint),
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// Authenticates as the configured user unless a token is already held (no-op without a
+    /// user).
+    async fn ensure_token(&self) -> Result<(), MetaError> {
+        let Some(auth) = &self.auth else {
+            return Ok(());
+        };
+        if self.token.token.read().is_some() {
+            return Ok(());
+        }
+        let _one = self.auth_lock.lock().await;
+        if self.token.token.read().is_some() {
+            return Ok(());
+        }
+        let req = pb::AuthenticateRequest {
+            name: auth.user.clone(),
+            password: auth.password.clone(),
+        };
+        let r = self
+            .once("authenticate", self.auth_rpc.clone().authenticate(req))
+            .await
+            .map_err(|e| match e {
+                MetaError::Backend { op, message } => MetaError::Backend {
+                    op,
+                    message: format!("as etcd user {:?}: {message}", auth.user),
+                },
+                other => other,
+            })?;
+        let value = MetadataValue::try_from(r.token.as_str()).map_err(|_| MetaError::Backend {
+            op: "authenticate",
+            message: format!(
+                "etcd at {} returned a token that is not ASCII",
+                self.endpoints
+            ),
+        })?;
+        *self.token.token.write() = Some(value);
+        Ok(())
+    }
+
+    /// One attempt, bounded by the timeout.
+    async fn once<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, MetaError> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(self.status_error(op, &s)),
+            Err(_) => Err(MetaError::Backend {
+                op,
+                message: format!(
+                    "etcd at {} did not answer within {:?}",
+                    self.endpoints, self.timeout
+                ),
+            }),
+        }
     }
 
     /// The endpoints, `;`-separated, for messages.
@@ -179,14 +465,29 @@ impl EtcdClient {
         &self.endpoints
     }
 
-    async fn bounded<T>(
+    /// A call with the token in place; when etcd rejects the token (expired), authenticate
+    /// again and make the call once more. `call` builds the request afresh for the retry.
+    async fn bounded<T, Fut>(
         &self,
         op: &'static str,
-        fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    ) -> Result<T, MetaError> {
-        match tokio::time::timeout(self.timeout, fut).await {
+        mut call: impl FnMut() -> Fut,
+    ) -> Result<T, MetaError>
+    where
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        self.ensure_token().await?;
+        let first = tokio::time::timeout(self.timeout, call()).await;
+        if let Ok(Err(s)) = &first
+            && self.auth.is_some()
+            && token_rejected(s)
+        {
+            *self.token.token.write() = None;
+            self.ensure_token().await?;
+            return self.once(op, call()).await;
+        }
+        match first {
             Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(s)) => Err(backend_status(op, &self.endpoints, &s)),
+            Ok(Err(s)) => Err(self.status_error(op, &s)),
             Err(_) => Err(MetaError::Backend {
                 op,
                 message: format!(
@@ -204,8 +505,14 @@ impl EtcdClient {
             count_only: true,
             ..Default::default()
         };
-        self.bounded("range", self.kv.clone().range(req)).await?;
-        Ok(())
+        match self.bounded("range", || rpc!(self.kv, range, req)).await {
+            // etcd answered, and the user is authenticated: that its role cannot read this
+            // probe key is not a failure (operators grant lunakv's prefix only).
+            Err(MetaError::Backend { message, .. }) if message.contains("permission denied") => {
+                Ok(())
+            }
+            other => other.map(|_| ()),
+        }
     }
 
     /// The key-value at `key` (with its revisions and lease) and the store's revision.
@@ -214,7 +521,7 @@ impl EtcdClient {
             key: key.to_vec(),
             ..Default::default()
         };
-        let r = self.bounded("get", self.kv.clone().range(req)).await?;
+        let r = self.bounded("get", || rpc!(self.kv, range, req)).await?;
         let rev = r.header.map(|h| h.revision).unwrap_or_default();
         Ok((r.kvs.into_iter().next(), rev))
     }
@@ -234,7 +541,7 @@ impl EtcdClient {
             ..Default::default()
         };
         Ok(self
-            .bounded("list_prefix", self.kv.clone().range(req))
+            .bounded("list_prefix", || rpc!(self.kv, range, req))
             .await?
             .kvs)
     }
@@ -247,7 +554,7 @@ impl EtcdClient {
             lease,
             ..Default::default()
         };
-        self.bounded("put", self.kv.clone().put(req)).await?;
+        self.bounded("put", || rpc!(self.kv, put, req)).await?;
         Ok(())
     }
 
@@ -258,7 +565,7 @@ impl EtcdClient {
             ..Default::default()
         };
         Ok(self
-            .bounded("delete", self.kv.clone().delete_range(req))
+            .bounded("delete", || rpc!(self.kv, delete_range, req))
             .await?
             .deleted
             > 0)
@@ -266,7 +573,7 @@ impl EtcdClient {
 
     /// A raw transaction.
     pub async fn txn(&self, req: pb::TxnRequest) -> Result<pb::TxnResponse, MetaError> {
-        self.bounded("txn", self.kv.clone().txn(req)).await
+        self.bounded("txn", || rpc!(self.kv, txn, req)).await
     }
 
     /// Creates `key` = `value` (attached to `lease`) only if it does not exist. `Ok(None)` when
@@ -296,7 +603,7 @@ impl EtcdClient {
             id: 0,
         };
         let r = self
-            .bounded("lease_grant", self.lease.clone().lease_grant(req))
+            .bounded("lease_grant", || rpc!(self.lease, lease_grant, req))
             .await?;
         if !r.error.is_empty() {
             return Err(MetaError::Backend {
@@ -311,18 +618,18 @@ impl EtcdClient {
     pub async fn lease_keep_alive(&self, lease: i64) -> Result<i64, MetaError> {
         // One request per stream: a renewal every second or so does not need a long-lived
         // stream, and a fresh stream never carries a stale, half-broken connection state.
-        let reqs = tokio_stream::iter([pb::LeaseKeepAliveRequest { id: lease }]);
+        let reqs = [pb::LeaseKeepAliveRequest { id: lease }];
         let mut stream = self
-            .bounded(
-                "lease_keep_alive",
-                self.lease.clone().lease_keep_alive(reqs),
-            )
+            .bounded("lease_keep_alive", || {
+                let mut c = self.lease.clone();
+                async move { c.lease_keep_alive(tokio_stream::iter(reqs)).await }
+            })
             .await?;
         let msg = tokio::time::timeout(self.timeout, stream.message()).await;
         match msg {
             Ok(Ok(Some(r))) => Ok(r.ttl),
             Ok(Ok(None)) => Ok(0),
-            Ok(Err(s)) => Err(backend_status("lease_keep_alive", &self.endpoints, &s)),
+            Ok(Err(s)) => Err(self.status_error("lease_keep_alive", &s)),
             Err(_) => Err(MetaError::Backend {
                 op: "lease_keep_alive",
                 message: format!("etcd at {} did not answer in time", self.endpoints),
@@ -333,7 +640,7 @@ impl EtcdClient {
     /// Revokes `lease`, deleting every key attached to it.
     pub async fn lease_revoke(&self, lease: i64) -> Result<(), MetaError> {
         let req = pb::LeaseRevokeRequest { id: lease };
-        self.bounded("lease_revoke", self.lease.clone().lease_revoke(req))
+        self.bounded("lease_revoke", || rpc!(self.lease, lease_revoke, req))
             .await?;
         Ok(())
     }
@@ -354,14 +661,23 @@ impl EtcdClient {
             op: "watch",
             message: "watch request channel closed".into(),
         })?;
+        // The request stream cannot be replayed, so a watch makes one attempt; its caller
+        // re-watches on error, and the token is fresh by then.
+        self.ensure_token().await?;
         let stream = self
-            .bounded(
+            .once(
                 "watch",
                 self.watch
                     .clone()
                     .watch(tokio_stream::wrappers::ReceiverStream::new(rx)),
             )
-            .await?;
+            .await
+            .inspect_err(|e| {
+                let m = e.to_string();
+                if m.contains("Unauthenticated") || m.contains("invalid auth token") {
+                    *self.token.token.write() = None;
+                }
+            })?;
         Ok(EtcdWatch {
             _keep_open: tx,
             stream,

@@ -28,7 +28,7 @@ mod prefixed;
 mod redb_store;
 pub mod testing;
 
-pub use etcd::{EtcdClient, EtcdMetaStore, WriteFence};
+pub use etcd::{EtcdAuth, EtcdClient, EtcdMetaStore, EtcdSecurity, EtcdTls, WriteFence};
 pub use mem::MemMetaStore;
 pub use prefixed::Prefixed;
 pub use redb_store::RedbMetaStore;

@@ -8,6 +8,11 @@
 //! ```
 //! When etcd is not installed the test fails with the fix (CI installs it). Setting
 //! `LUNAKV_SKIP_ETCD=1` explicitly skips etcd tests instead.
+//!
+//! [`EtcdServer::start_tls`] serves clients over TLS (optionally requiring client
+//! certificates) and [`EtcdServer::enable_auth`] turns on etcd's users with Debian's `etcdctl`
+//! (package etcd-client), as an operator would. Health is always asked on a separate plain-http
+//! metrics listener, so it works whatever the client listener requires.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -25,6 +30,13 @@ pub enum EtcdHarnessError {
     NotInstalled,
     #[error("cannot prepare etcd's data dir or ports: {0}")]
     Io(#[from] std::io::Error),
+    #[error(
+        "`etcdctl` was not found on PATH: install Debian's etcd-client \
+         (`apt-get install -y etcd-client`; CI's .ci/run does)"
+    )]
+    NoEtcdctl,
+    #[error("etcdctl {args} failed: {output}")]
+    Etcdctl { args: String, output: String },
     #[error("etcd did not become healthy on {endpoint} within {waited:?}; its log:\n{log}")]
     NotHealthy {
         endpoint: String,
@@ -33,13 +45,28 @@ pub enum EtcdHarnessError {
     },
 }
 
+/// TLS for a test etcd's client listener (PEM files).
+#[derive(Debug, Clone)]
+pub struct EtcdTlsFiles {
+    /// The CA that signed `cert` and, with client-cert auth, the clients' certificates.
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// `Some((cert, key))`: etcd runs with `--client-cert-auth`, and the harness's own etcdctl
+    /// calls present this certificate.
+    pub client: Option<(PathBuf, PathBuf)>,
+}
+
 /// A running etcd; killed (SIGKILL) and its data dir removed on drop.
 pub struct EtcdServer {
     child: Option<Child>,
     client_port: u16,
     peer_port: u16,
+    metrics_port: u16,
     dir: tempfile::TempDir,
     etcd: PathBuf,
+    tls: Option<EtcdTlsFiles>,
+    extra: Vec<String>,
 }
 
 /// Whether `LUNAKV_SKIP_ETCD=1` asks to skip etcd tests.
@@ -76,6 +103,23 @@ fn free_port() -> std::io::Result<u16> {
 impl EtcdServer {
     /// Starts a single-member cluster on free loopback ports and waits until it is healthy.
     pub fn start() -> Result<EtcdServer, EtcdHarnessError> {
+        EtcdServer::start_inner(None, &[])
+    }
+
+    /// [`EtcdServer::start`] with extra etcd flags (e.g. `--auth-token-ttl=1`).
+    pub fn start_with_args(args: &[&str]) -> Result<EtcdServer, EtcdHarnessError> {
+        EtcdServer::start_inner(None, args)
+    }
+
+    /// [`EtcdServer::start`] with a TLS client listener (`https://127.0.0.1:PORT`).
+    pub fn start_tls(tls: EtcdTlsFiles) -> Result<EtcdServer, EtcdHarnessError> {
+        EtcdServer::start_inner(Some(tls), &[])
+    }
+
+    fn start_inner(
+        tls: Option<EtcdTlsFiles>,
+        extra: &[&str],
+    ) -> Result<EtcdServer, EtcdHarnessError> {
         let etcd = etcd_binary().ok_or(EtcdHarnessError::NotInstalled)?;
         let mut last = None;
         // Free ports are probed then released, so another process can take one in between:
@@ -86,8 +130,11 @@ impl EtcdServer {
                 child: None,
                 client_port: free_port()?,
                 peer_port: free_port()?,
+                metrics_port: free_port()?,
                 dir,
                 etcd: etcd.clone(),
+                tls: tls.clone(),
+                extra: extra.iter().map(|s| s.to_string()).collect(),
             };
             match s.launch() {
                 Ok(()) => return Ok(s),
@@ -106,8 +153,18 @@ impl EtcdServer {
     }
 
     fn launch(&mut self) -> Result<(), EtcdHarnessError> {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let client = format!("{scheme}://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let mut tls_args = Vec::new();
+        if let Some(t) = &self.tls {
+            tls_args.push(format!("--cert-file={}", t.cert.display()));
+            tls_args.push(format!("--key-file={}", t.key.display()));
+            if t.client.is_some() {
+                tls_args.push("--client-cert-auth".to_string());
+                tls_args.push(format!("--trusted-ca-file={}", t.ca.display()));
+            }
+        }
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -121,6 +178,12 @@ impl EtcdServer {
             .arg(format!("--initial-advertise-peer-urls={peer}"))
             .arg(format!("--initial-cluster=default={peer}"))
             .arg("--initial-cluster-state=new")
+            .arg(format!(
+                "--listen-metrics-urls=http://127.0.0.1:{}",
+                self.metrics_port
+            ))
+            .args(&tls_args)
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -153,6 +216,86 @@ impl EtcdServer {
         format!("127.0.0.1:{}", self.client_port)
     }
 
+    /// Runs `etcdctl` against this etcd (with the harness's TLS files and `user`, if given).
+    pub fn etcdctl(&self, user: Option<&str>, args: &[&str]) -> Result<String, EtcdHarnessError> {
+        let etcdctl = self
+            .etcd
+            .with_file_name("etcdctl")
+            .is_file()
+            .then(|| self.etcd.with_file_name("etcdctl"))
+            .or_else(|| {
+                let path = std::env::var_os("PATH").unwrap_or_default();
+                std::env::split_paths(&path)
+                    .map(|d| d.join("etcdctl"))
+                    .find(|p| p.is_file())
+            })
+            .ok_or(EtcdHarnessError::NoEtcdctl)?;
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut cmd = Command::new(etcdctl);
+        cmd.env("ETCDCTL_API", "3").arg(format!(
+            "--endpoints={scheme}://127.0.0.1:{}",
+            self.client_port
+        ));
+        if let Some(t) = &self.tls {
+            cmd.arg(format!("--cacert={}", t.ca.display()));
+            if let Some((c, k)) = &t.client {
+                cmd.arg(format!("--cert={}", c.display()));
+                cmd.arg(format!("--key={}", k.display()));
+            }
+        }
+        if let Some(u) = user {
+            cmd.arg(format!("--user={u}"));
+        }
+        let out = cmd.args(args).stdin(Stdio::null()).output()?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !out.status.success() {
+            return Err(EtcdHarnessError::Etcdctl {
+                args: args.join(" "),
+                output: text,
+            });
+        }
+        Ok(text)
+    }
+
+    /// Turns on etcd's authentication as an operator does: a `root` user (password
+    /// `root_password`), then `user` (password `password`) whose role may read and write keys
+    /// under `prefix` only.
+    pub fn enable_auth(
+        &self,
+        root_password: &str,
+        user: &str,
+        password: &str,
+        prefix: &str,
+    ) -> Result<(), EtcdHarnessError> {
+        let root = format!("root:{root_password}");
+        self.etcdctl(None, &["user", "add", &root])?;
+        // etcd 3.4 wants the root role granted before `auth enable`; newer etcds create it.
+        let _ = self.etcdctl(None, &["role", "add", "root"]);
+        self.etcdctl(None, &["user", "grant-role", "root", "root"])?;
+        self.etcdctl(None, &["auth", "enable"])?;
+        let r = Some(root.as_str());
+        let role = format!("{user}-rw");
+        self.etcdctl(r, &["role", "add", &role])?;
+        self.etcdctl(
+            r,
+            &[
+                "role",
+                "grant-permission",
+                &role,
+                "--prefix=true",
+                "readwrite",
+                prefix,
+            ],
+        )?;
+        self.etcdctl(r, &["user", "add", &format!("{user}:{password}")])?;
+        self.etcdctl(r, &["user", "grant-role", user, &role])?;
+        Ok(())
+    }
+
     /// `etcd://127.0.0.1:PORT`, the master address form clients use.
     pub fn etcd_url(&self) -> String {
         format!("etcd://{}", self.endpoint())
@@ -166,9 +309,9 @@ impl EtcdServer {
         self.child.as_ref().map(Child::id)
     }
 
-    /// `GET /health` answers `"health":"true"`.
+    /// `GET /health` (on the metrics listener) answers `"health":"true"`.
     pub fn healthy(&self) -> bool {
-        let url = format!("http://127.0.0.1:{}/health", self.client_port);
+        let url = format!("http://127.0.0.1:{}/health", self.metrics_port);
         lunakv_http::get_blocking(&url, Duration::from_secs(2))
             .is_ok_and(|r| r.text().contains("\"health\":\"true\""))
     }

@@ -12,7 +12,7 @@ use lunakv_bootstrap::{
     BootstrapConfig, BootstrapState, Limits, Listeners, MemoryState, SharedState, parse_duration,
     port_from_env,
 };
-use lunakv_meta::{EtcdClient, EtcdMetaStore};
+use lunakv_meta::{EtcdClient, EtcdMetaStore, EtcdSecurity};
 use lunakv_telemetry::wait::PeerWait;
 
 /// vLLM-compatible Mooncake P/D bootstrap service with leased registrations.
@@ -79,7 +79,8 @@ async fn state(cli: &Cli, limits: Limits) -> anyhow::Result<Arc<dyn BootstrapSta
         .map(|e| e.trim().to_string())
         .filter(|e| !e.is_empty())
         .collect();
-    let client = EtcdClient::connect(&endpoints, Duration::from_secs(3))
+    let security = EtcdSecurity::from_env(&lunakv_config::process_env)?;
+    let client = EtcdClient::connect_with(&endpoints, Duration::from_secs(3), &security)
         .with_context(|| format!("--etcd-endpoints={eps}"))?;
     let prefix = SharedState::prefix_for(&cli.cluster_id, &cli.group);
     let mut waiting = PeerWait::new(

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use lunakv_config::master::MasterConfig;
 use lunakv_meta::{
-    EtcdClient, EtcdMetaStore, MetaError, MetaStore, Prefixed, RedbMetaStore, WriteFence, layout,
+    EtcdClient, EtcdMetaStore, EtcdSecurity, MetaError, MetaStore, Prefixed, RedbMetaStore,
+    WriteFence, layout,
 };
 use lunakv_proto::master::master_server::MasterServer;
 use tokio::net::TcpListener;
@@ -218,11 +219,17 @@ impl Master {
         notifier: Arc<dyn OwnerNotifier>,
     ) -> Result<Master, ServeError> {
         let endpoints = cfg.etcd().map_err(|e| ServeError::Config(e.to_string()))?;
-        let etcd = EtcdClient::connect(&endpoints.to_strings(), crate::ha::ETCD_CALL_TIMEOUT)
-            .map_err(|e| ServeError::Etcd {
-                endpoints: endpoints.to_string(),
-                message: e.to_string(),
-            })?;
+        let security = EtcdSecurity::from_env(&lunakv_config::process_env)
+            .map_err(|e| ServeError::Config(e.to_string()))?;
+        let etcd = EtcdClient::connect_with(
+            &endpoints.to_strings(),
+            crate::ha::ETCD_CALL_TIMEOUT,
+            &security,
+        )
+        .map_err(|e| ServeError::Etcd {
+            endpoints: endpoints.to_string(),
+            message: e.to_string(),
+        })?;
         // etcd not up yet is what a rolling start looks like: wait for it (one WARN, then one
         // every 30 s) instead of exiting into a crash loop. The endpoints parsed, so nothing
         // here is a configuration error.
