@@ -11,7 +11,8 @@
 #    and `docker import` it under that tag. Skipped when the tag exists, so where a registry exists
 #    the real image is used unchanged (pull it first: `docker pull debian:bookworm-slim`).
 # 3. A build context under target/docker-context: bin/ (the release binaries, debug info
-#    stripped), lunakv-probe (the healthcheck), etcd (Debian's etcd-server binary, for compose),
+#    stripped), lunakv-probe (the healthcheck), etcd and etcdctl (Debian's
+#    etcd-server and etcd-client binaries: compose's etcd, the k8s etcd user setup),
 #    debs-prometheus/ (Debian's prometheus package and what it needs beyond the base, for compose's
 #    `observability` profile).
 # 4. `docker build -f deploy/docker/<name>.Dockerfile -t lunakv/<name>:$TAG target/docker-context`.
@@ -108,17 +109,22 @@ cp "$ROOT/deploy/docker/lunakv-probe" "$ROOT/deploy/docker/lunakv-entrypoint" "$
 need_etcd=0
 for i in "${IMAGES[@]}"; do [ "$i" = etcd ] && need_etcd=1; done
 if [ "$need_etcd" = 1 ]; then
-    # Debian's etcd-server package, unpacked (not installed) on the host through apt: the etcd
-    # image then needs no network at build time. Falls back to an installed /usr/bin/etcd.
-    tmp=$(mktemp -d)
-    if (cd "$tmp" && apt-get download -qq etcd-server >/dev/null 2>&1) && dpkg-deb -x "$tmp"/etcd-server_*.deb "$tmp/x"; then
-        cp "$tmp/x/usr/bin/etcd" "$CTX/etcd"
-    elif [ -x /usr/bin/etcd ]; then
-        cp /usr/bin/etcd "$CTX/etcd"
-    else
-        rm -rf "$tmp"; die "no etcd binary: apt-get download etcd-server failed and /usr/bin/etcd is absent"
-    fi
-    rm -rf "$tmp"
+    # Debian's etcd-server and etcd-client packages, unpacked (not installed) on the host
+    # through apt: the etcd image then needs no network at build time. Falls back to an
+    # installed /usr/bin/etcd and /usr/bin/etcdctl. etcdctl runs the k8s etcd-tls component's
+    # user setup (deploy/k8s/components/etcd-tls/etcd-auth.sh).
+    for pkg_bin in etcd-server:etcd etcd-client:etcdctl; do
+        pkg=${pkg_bin%%:*}; b=${pkg_bin##*:}
+        tmp=$(mktemp -d)
+        if (cd "$tmp" && apt-get download -qq "$pkg" >/dev/null 2>&1) && dpkg-deb -x "$tmp/${pkg}"_*.deb "$tmp/x"; then
+            cp "$tmp/x/usr/bin/$b" "$CTX/$b"
+        elif [ -x "/usr/bin/$b" ]; then
+            cp "/usr/bin/$b" "$CTX/$b"
+        else
+            rm -rf "$tmp"; die "no $b binary: apt-get download $pkg failed and /usr/bin/$b is absent"
+        fi
+        rm -rf "$tmp"
+    done
 fi
 
 need_prometheus=0

@@ -1,7 +1,9 @@
-# lunakv/etcd: Debian's etcd-server binary (3.4) on the same base, for the compose stack (nothing
-# can be pulled here, so quay.io/coreos/etcd is not an option). build-images.sh unpacks the
-# package with `apt-get download etcd-server` into the build context, so the build needs no
-# network. Where a registry exists, any etcd >= 3.4 image serves as well.
+# lunakv/etcd: Debian's etcd-server binary (3.4) and etcdctl on the same base. It serves the
+# compose stack (nothing can be pulled here, so quay.io/coreos/etcd is not an option) and runs the
+# k8s etcd-tls component's user-setup Job, which needs a shell and etcdctl (the distroless
+# quay.io/coreos/etcd 3.5 images have no shell). build-images.sh unpacks the packages with
+# `apt-get download` into the build context, so the build needs no network. Where a registry
+# exists, any etcd >= 3.4 image serves the etcd itself as well.
 FROM debian:bookworm-slim
 
 RUN groupadd --system --gid 10001 etcd \
@@ -9,7 +11,7 @@ RUN groupadd --system --gid 10001 etcd \
         --shell /usr/sbin/nologin etcd
 
 COPY lunakv-probe /usr/local/bin/
-COPY etcd /usr/local/bin/etcd
+COPY etcd etcdctl /usr/local/bin/
 
 USER 10001:10001
 WORKDIR /var/lib/etcd

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -293,4 +294,93 @@ fn ha_master_store_and_cli_work_through_a_secured_etcd() {
     assert!(!refused.status.success(), "{text}");
     assert!(refused.stdout.is_empty());
     assert!(text.contains("LUNAKV_ETCD_CERT"), "{text}");
+}
+
+/// deploy/k8s/components/etcd-tls/etcd-auth.sh, the ha overlay's etcd user setup, run as its
+/// Job runs it (twice: a Job may be retried) against an etcd with client-certificate auth.
+/// Afterwards only lunakv's certificate reaches lunakv's keys; no password exists.
+#[test]
+fn the_k8s_etcd_auth_script_admits_lunakv_s_certificate_only() {
+    let ca = TestCa::new();
+    let pki = Pki::new(&ca);
+    let tls_dir = |cn: &str| {
+        let cert = ca.issue_client(cn);
+        let d = pki.dir.path().join(cn);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("ca.crt"), ca.ca_pem()).unwrap();
+        std::fs::write(d.join("tls.crt"), &cert.cert_pem).unwrap();
+        std::fs::write(d.join("tls.key"), &cert.key_pem).unwrap();
+        d
+    };
+    let root = tls_dir("root");
+    let stranger = tls_dir("stranger");
+    let etcd = start_tls(&pki);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/k8s/components/etcd-tls/etcd-auth.sh");
+    for run in 1..=2 {
+        let out = std::process::Command::new("sh")
+            .arg(&script)
+            .env("ETCD_ENDPOINTS", format!("https://{}", etcd.endpoint()))
+            .env("ETCD_TLS_DIR", &root)
+            .output()
+            .expect("run etcd-auth.sh");
+        assert!(
+            out.status.success(),
+            "run {run} failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let rt = rt();
+    let as_cert = |dir: &Path| {
+        client(
+            &etcd,
+            &[
+                (
+                    "LUNAKV_ETCD_CACERT",
+                    dir.join("ca.crt").display().to_string(),
+                ),
+                (
+                    "LUNAKV_ETCD_CERT",
+                    dir.join("tls.crt").display().to_string(),
+                ),
+                ("LUNAKV_ETCD_KEY", dir.join("tls.key").display().to_string()),
+            ],
+        )
+    };
+    // pki's client certificate has CN lunakv: the user the script created.
+    let lunakv = client(
+        &etcd,
+        &[
+            ("LUNAKV_ETCD_CACERT", pki.path("ca.pem")),
+            ("LUNAKV_ETCD_CERT", pki.path("client.pem")),
+            ("LUNAKV_ETCD_KEY", pki.path("client-key.pem")),
+        ],
+    );
+    rt.block_on(async {
+        lunakv
+            .check()
+            .await
+            .expect("lunakv's certificate is admitted");
+        let inner: Arc<dyn MetaStore> = Arc::new(EtcdMetaStore::new(lunakv));
+        conformance::run(&Prefixed::new(inner.clone(), "mooncake-store/k8s/")).await;
+        let err = inner
+            .put("other-app/x", b"1")
+            .await
+            .expect_err("outside lunakv's prefix")
+            .to_string();
+        assert!(err.contains("permission denied"), "{err}");
+        let s: Arc<dyn MetaStore> = Arc::new(EtcdMetaStore::new(as_cert(&stranger)));
+        let err = s
+            .put("mooncake-store/k8s/x", b"evil")
+            .await
+            .expect_err("a stranger's certificate writes nothing")
+            .to_string();
+        eprintln!("stranger: {err}");
+        assert_eq!(
+            inner.get("mooncake-store/k8s/x").await.expect("get"),
+            None,
+            "the stranger's write landed"
+        );
+    });
 }

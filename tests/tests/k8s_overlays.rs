@@ -197,7 +197,12 @@ impl<'a> Pod<'a> {
 
 fn pods(objs: &[Value]) -> Vec<Pod<'_>> {
     objs.iter()
-        .filter(|o| matches!(s(o, "/kind"), "Deployment" | "DaemonSet" | "StatefulSet"))
+        .filter(|o| {
+            matches!(
+                s(o, "/kind"),
+                "Deployment" | "DaemonSet" | "StatefulSet" | "Job"
+            )
+        })
         .map(|o| Pod {
             workload: name(o),
             kind: s(o, "/kind").to_string(),
@@ -845,6 +850,19 @@ fn find<'a>(objs: &'a [Value], kind: &str, namespace: &str, n: &str) -> Option<&
         .find(|o| s(o, "/kind") == kind && ns(o) == namespace && s(o, "/metadata/name") == n)
 }
 
+/// The cert-manager Certificate that produces Secret `n` in `namespace` (`spec.secretName`):
+/// the Secret is not rendered, cert-manager writes it, with keys ca.crt, tls.crt and tls.key.
+fn certificate_for<'a>(objs: &'a [Value], namespace: &str, n: &str) -> Option<&'a Value> {
+    objs.iter().find(|o| {
+        s(o, "/kind") == "Certificate"
+            && s(o, "/apiVersion").starts_with("cert-manager.io/")
+            && ns(o) == namespace
+            && s(o, "/spec/secretName") == n
+    })
+}
+
+const CERT_MANAGER_SECRET_KEYS: [&str; 3] = ["ca.crt", "tls.crt", "tls.key"];
+
 /// `host:port` pairs named in a string (args, env values, config files): URLs, `etcd://a;b`
 /// lists, `name=url` lists. IP addresses, `localhost` and `$(VAR)` expansions are left out.
 fn host_ports(text: &str) -> Vec<(String, u16)> {
@@ -957,9 +975,18 @@ fn check_references(objs: &[Value], pods: &[Pod<'_>], failures: &mut Vec<String>
         let n = p.namespace.as_str();
         let who = &p.workload;
         // What is missing for one reference, if anything.
-        let need =
-            |kind: &str, obj_name: &str, key: Option<&str>, what: &str| {
-                match find(
+        let need = |kind: &str, obj_name: &str, key: Option<&str>, what: &str| {
+            let issued = (kind == "Secret")
+                .then(|| certificate_for(objs, n, obj_name))
+                .flatten();
+            if issued.is_some() {
+                return key.filter(|k| !CERT_MANAGER_SECRET_KEYS.contains(k)).map(|k| {
+                        format!(
+                            "{who}: {what} names key {k} of Secret {n}/{obj_name}, which cert-manager does not write (it writes ca.crt, tls.crt, tls.key)"
+                        )
+                    });
+            }
+            match find(
             objs, kind, n, obj_name,
         ) {
             None => Some(format!(
@@ -971,7 +998,7 @@ fn check_references(objs: &[Value], pods: &[Pod<'_>], failures: &mut Vec<String>
                 )
             }),
         }
-            };
+        };
         for v in arr(p.spec, "/volumes") {
             let vn = s(v, "/name");
             if let Some(cm) = v.pointer("/configMap").filter(|c| !optional(c)) {
@@ -1725,6 +1752,7 @@ fn every_overlay_renders_and_is_consistent() {
             );
         }
         if overlay == "ha" {
+            failures.extend(check_etcd_security(&objs));
             let masters: Vec<Value> = objs
                 .iter()
                 .filter(|o| name(o) == "Deployment/lunakv-master")
@@ -1746,6 +1774,147 @@ fn every_overlay_renders_and_is_consistent() {
         failures.len(),
         failures.join("\n  - ")
     );
+}
+
+/// The Certificate behind the Secret volume that `path` of container `c` lies in, if any.
+fn certificate_of_path<'a>(
+    objs: &'a [Value],
+    p: &Pod<'_>,
+    c: &Value,
+    path: &str,
+) -> Option<&'a Value> {
+    let mount = arr(c, "/volumeMounts").iter().find(|m| {
+        let dir = s(m, "/mountPath").trim_end_matches('/');
+        path.starts_with(&format!("{dir}/"))
+    })?;
+    let vol = arr(p.spec, "/volumes")
+        .iter()
+        .find(|v| s(v, "/name") == s(mount, "/name"))?;
+    certificate_for(objs, &p.namespace, s(vol, "/secret/secretName"))
+}
+
+/// The ha overlay's etcd is closed (components/etcd-tls): etcd serves TLS and requires client
+/// certificates issued by a rendered Issuer, and every container that talks to etcd (an
+/// `--etcd_endpoints` flag, or a mounted mooncake_config.json with an `etcd://` master) has
+/// LUNAKV_ETCD_CACERT/CERT/KEY pointing into a Secret that cert-manager issues for CN lunakv,
+/// the etcd user components/etcd-tls/etcd-auth.sh creates.
+fn check_etcd_security(objs: &[Value]) -> Vec<String> {
+    let mut failures = Vec::new();
+    let pods = pods(objs);
+    for cert in objs.iter().filter(|o| s(o, "/kind") == "Certificate") {
+        let issuer = s(cert, "/spec/issuerRef/name");
+        if find(objs, "Issuer", ns(cert), issuer).is_none()
+            && find(objs, "ClusterIssuer", "", issuer).is_none()
+        {
+            failures.push(format!(
+                "{}: issuerRef names Issuer {issuer}, which is not rendered",
+                name(cert)
+            ));
+        }
+    }
+    for issuer in objs.iter().filter(|o| s(o, "/kind") == "Issuer") {
+        let ca = s(issuer, "/spec/ca/secretName");
+        if !ca.is_empty() && certificate_for(objs, ns(issuer), ca).is_none() {
+            failures.push(format!(
+                "{}: its CA Secret {ca} is issued by no Certificate",
+                name(issuer)
+            ));
+        }
+    }
+    let etcd: Vec<&Pod<'_>> = pods
+        .iter()
+        .filter(|p| {
+            p.labels.get("app.kubernetes.io/name").map(String::as_str) == Some("lunakv-etcd")
+        })
+        .collect();
+    if etcd.is_empty() {
+        failures.push("ha: no etcd pods".into());
+    }
+    for p in &etcd {
+        for c in p.containers() {
+            let a = args(c);
+            let has = |f: &str| a.iter().any(|x| x == f || x.starts_with(&format!("{f}=")));
+            if !has("--client-cert-auth") {
+                failures.push(format!(
+                    "{}: etcd runs without --client-cert-auth",
+                    p.workload
+                ));
+            }
+            match flag(c, "--listen-client-urls") {
+                Some(u) if u.split(',').all(|u| u.starts_with("https://")) => {}
+                other => failures.push(format!(
+                    "{}: etcd's client listener is {other:?}, not https",
+                    p.workload
+                )),
+            }
+            for f in ["--cert-file", "--key-file", "--trusted-ca-file"] {
+                let path = flag(c, f).unwrap_or_default();
+                if certificate_of_path(objs, p, c, &path).is_none() {
+                    failures.push(format!(
+                        "{}: {f}={path} is not in a Secret volume a Certificate issues",
+                        p.workload
+                    ));
+                }
+            }
+        }
+    }
+    let etcd_configmaps: BTreeSet<&str> = objs
+        .iter()
+        .filter(|o| s(o, "/kind") == "ConfigMap")
+        .filter(|o| {
+            o.pointer("/data")
+                .and_then(Value::as_object)
+                .is_some_and(|d| {
+                    d.values()
+                        .any(|v| v.as_str().unwrap_or("").contains("etcd://"))
+                })
+        })
+        .map(|o| s(o, "/metadata/name"))
+        .collect();
+    let mut clients = 0;
+    for p in &pods {
+        let etcd_volumes: BTreeSet<&str> = arr(p.spec, "/volumes")
+            .iter()
+            .filter(|v| etcd_configmaps.contains(s(v, "/configMap/name")))
+            .map(|v| s(v, "/name"))
+            .collect();
+        for c in p.all_containers() {
+            let talks = args(c)
+                .iter()
+                .any(|a| a.contains("etcd_endpoints") || a.contains("etcd://"))
+                || arr(c, "/volumeMounts")
+                    .iter()
+                    .any(|m| etcd_volumes.contains(s(m, "/name")));
+            if !talks || etcd.iter().any(|e| e.workload == p.workload) {
+                continue;
+            }
+            clients += 1;
+            let who = format!("{} container {}", p.workload, s(c, "/name"));
+            for var in ["LUNAKV_ETCD_CACERT", "LUNAKV_ETCD_CERT", "LUNAKV_ETCD_KEY"] {
+                let Some(path) = env(c, var) else {
+                    failures.push(format!("{who} talks to etcd but has no {var}"));
+                    continue;
+                };
+                match certificate_of_path(objs, p, c, &path) {
+                    Some(cert) if s(cert, "/spec/commonName") == "lunakv" => {}
+                    Some(cert) => failures.push(format!(
+                        "{who}: {var}={path} is issued by {} with CN {:?}, not the etcd user lunakv",
+                        name(cert),
+                        s(cert, "/spec/commonName")
+                    )),
+                    None => failures.push(format!(
+                        "{who}: {var}={path} is not in a Secret volume a Certificate issues"
+                    )),
+                }
+            }
+        }
+    }
+    if clients < 3 {
+        failures.push(format!(
+            "ha: only {clients} etcd clients found (masters, stores and engines expected)"
+        ));
+    }
+    failures
 }
 
 /// The label kube-prometheus-stack's Prometheus selects ServiceMonitors and PodMonitors by
