@@ -179,6 +179,7 @@ pub fn run(
     checks.push(check_connectors(a));
     checks.push(check_vllm_stats(a));
     checks.push(check_key_consistency(client.as_ref()));
+    checks.push(check_security(&target.master, &lunakv_config::process_env));
 
     let failed = checks.iter().any(|c| c.status == Outcome::Fail);
     if json {
@@ -899,6 +900,84 @@ fn check_key_consistency(client: Option<&StoreClient>) -> Check {
 // === the admin endpoints, through lunakv's HTTP client ===
 
 /// GET `http://addr{path}` with a short timeout; (status, body).
+/// What protects the pool's control plane, as far as this client can tell (docs/SECURITY.md).
+/// An `etcd://` master: etcd must be reached over TLS and know who lunakv is (a client
+/// certificate or a user), or anyone who reaches etcd can redirect every client. A direct
+/// master: its gRPC has no authentication of its own yet, so only loopback or network policies
+/// keep strangers out.
+fn check_security(master: &str, env: &dyn Fn(&str) -> Option<String>) -> Check {
+    const NAME: &str = "security";
+    const DOC: &str = "docs/SECURITY.md";
+    if master.trim().starts_with("etcd://") {
+        let creds = match lunakv_config::EtcdCredentials::from_env(env) {
+            Ok(c) => c,
+            Err(e) => {
+                return Check::fail(
+                    NAME,
+                    e.to_string(),
+                    "fix the LUNAKV_ETCD_* variable it names",
+                );
+            }
+        };
+        return match (&creds.ca, &creds.identity, &creds.user) {
+            (None, _, _) => Check::warn(
+                NAME,
+                "etcd is reached over plain http: whoever reaches etcd can rewrite master_view \
+                 and send every client to a master of their own",
+                format!(
+                    "serve etcd over TLS with --client-cert-auth and set LUNAKV_ETCD_CACERT, \
+                     LUNAKV_ETCD_CERT, LUNAKV_ETCD_KEY (the ha overlay's components/etcd-tls \
+                     does; {DOC})"
+                ),
+            ),
+            (Some(_), None, None) => Check::warn(
+                NAME,
+                "etcd is reached over TLS but lunakv presents no identity (no client \
+                 certificate, no etcd user), so etcd cannot tell lunakv from anyone else",
+                format!(
+                    "run etcd with --client-cert-auth and set LUNAKV_ETCD_CERT/KEY, or turn on \
+                     etcd users and set LUNAKV_ETCD_USER ({DOC})"
+                ),
+            ),
+            (Some((ca, _)), id, user) => Check::pass(
+                NAME,
+                format!(
+                    "etcd over TLS (CA {}) as {}; the master's and stores' own ports are \
+                     guarded by network policies only ({DOC})",
+                    ca.display(),
+                    match (id, user) {
+                        (_, Some((u, _))) => format!("etcd user {u}"),
+                        _ => "the client certificate's CN".to_string(),
+                    }
+                ),
+            ),
+        };
+    }
+    let host = master
+        .rsplit_once(':')
+        .map_or(master, |(h, _)| h)
+        .trim_matches(|c| c == '[' || c == ']');
+    let loopback = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if loopback {
+        Check::pass(NAME, format!("the master listens on loopback ({master})"))
+    } else {
+        Check::warn(
+            NAME,
+            format!(
+                "the master at {master} has no authentication of its own yet: anyone who \
+                 reaches it and the stores can read, overwrite and remove objects"
+            ),
+            format!(
+                "keep lunakv's ports closed to strangers: the k8s overlays' NetworkPolicies \
+                 (components/network-policy) or a firewall ({DOC})"
+            ),
+        )
+    }
+}
+
 fn http_get(addr: &str, path: &str) -> Result<(u16, String), String> {
     let timeout = Duration::from_secs(3);
     // Checked first so that a typo reads as one, not as a connection error.
@@ -998,6 +1077,62 @@ mod tests {
         );
         assert_eq!(
             check_vllm_stats(&doctor_args(Some(&serve), None, Some("latest"))).status,
+            Outcome::Fail
+        );
+    }
+
+    #[test]
+    fn security_row_names_what_protects_the_control_plane() {
+        let none = |_: &str| None::<String>;
+        assert_eq!(
+            check_security("127.0.0.1:50051", &none).status,
+            Outcome::Pass
+        );
+        let open = check_security("lunakv-master.lunakv.svc:50051", &none);
+        assert_eq!(open.status, Outcome::Warn);
+        assert!(
+            open.fix
+                .as_deref()
+                .unwrap_or("")
+                .contains("NetworkPolicies"),
+            "{:?}",
+            open.fix
+        );
+        let plain = check_security("etcd://e1:2379;e2:2379", &none);
+        assert_eq!(plain.status, Outcome::Warn);
+        assert!(
+            plain
+                .fix
+                .as_deref()
+                .unwrap_or("")
+                .contains("LUNAKV_ETCD_CACERT"),
+            "{:?}",
+            plain.fix
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let pem = dir.path().join("ca.pem");
+        std::fs::write(
+            &pem,
+            "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let pem = pem.display().to_string();
+        let ca_only = |k: &str| (k == "LUNAKV_ETCD_CACERT").then(|| pem.clone());
+        let anon = check_security("etcd://e1:2379", &ca_only);
+        assert_eq!(anon.status, Outcome::Warn);
+        assert!(anon.detail.contains("no identity"), "{}", anon.detail);
+        let with_user = |k: &str| match k {
+            "LUNAKV_ETCD_CACERT" => Some(pem.clone()),
+            "LUNAKV_ETCD_USER" => Some("lunakv:pw".into()),
+            _ => None,
+        };
+        let ok = check_security("etcd://e1:2379", &with_user);
+        assert_eq!(ok.status, Outcome::Pass, "{}", ok.detail);
+        assert!(ok.detail.contains("etcd user lunakv") && !ok.detail.contains("pw"));
+        let broken = |k: &str| (k == "LUNAKV_ETCD_CACERT").then(|| "/nonexistent.pem".to_string());
+        assert_eq!(
+            check_security("etcd://e1:2379", &broken).status,
             Outcome::Fail
         );
     }
