@@ -37,7 +37,7 @@ OBJECT_NOT_FOUND = -704
 class Proc:
     """A child binary whose stdout is read line by line in the background."""
 
-    def __init__(self, name: str, args: list[str]):
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None):
         exe = BIN_DIR / name
         if not exe.exists():
             raise RuntimeError(f"{exe} is missing: run `cargo build --bins` first (or set LUNAKV_BIN_DIR)")
@@ -47,6 +47,7 @@ class Proc:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            env={**os.environ, **(env or {})},
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -102,7 +103,7 @@ def master(master_addrs):
     yield master_addrs[0]
 
 
-def start_store(master_addr: str, size: str) -> tuple[Proc, str]:
+def start_store(master_addr: str, size: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     """A lunakv-store serving `size` of DRAM; returns it and its segment name."""
     p = Proc(
         "lunakv-store",
@@ -113,6 +114,7 @@ def start_store(master_addr: str, size: str) -> tuple[Proc, str]:
             "--metrics_port=0",
             f"--global_segment_size={size}",
         ],
+        env,
     )
     return p, p.wait_for("listening")["transfer"].strip('",')
 

@@ -741,11 +741,39 @@ pub(crate) fn descriptor(
 }
 
 /// A master client whose calls carry the caller's trace context (docs/TRACING.md).
-pub(crate) type Rpc = MasterClient<InterceptedService<Channel, GrpcInject>>;
+pub(crate) type Rpc = MasterClient<InterceptedService<Channel, MasterInject>>;
 
-/// The master client over `channel`.
-pub(crate) fn master_client(channel: Channel) -> Rpc {
-    MasterClient::with_interceptor(channel, GrpcInject).max_decoding_message_size(256 << 20)
+/// What every call to the master carries: the trace context, and the pool's token when this
+/// process has one (`LUNAKV_AUTH_TOKEN` / `LUNAKV_ADMIN_TOKEN`, docs/SECURITY.md).
+#[derive(Clone)]
+pub(crate) struct MasterInject {
+    authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl tonic::service::Interceptor for MasterInject {
+    fn call(&mut self, req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        let mut req = GrpcInject.call(req)?;
+        if let Some(a) = &self.authorization {
+            req.metadata_mut().insert("authorization", a.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// The master client over `channel`. The token is read from the environment at each
+/// (re)connect, so a rotated token file takes effect on the next connection.
+pub(crate) fn master_client(channel: Channel) -> Result<Rpc, ClientError> {
+    let tokens = lunakv_config::auth::PoolTokens::from_env(&lunakv_config::process_env)
+        .map_err(|e| ClientError::Config(e.to_string()))?;
+    let authorization = match tokens.presented() {
+        None => None,
+        // A token is printable ASCII (checked when loaded), so this cannot fail.
+        Some(t) => tonic::metadata::MetadataValue::try_from(format!("Bearer {}", t.as_str())).ok(),
+    };
+    Ok(
+        MasterClient::with_interceptor(channel, MasterInject { authorization })
+            .max_decoding_message_size(256 << 20),
+    )
 }
 
 pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Rpc, ClientError> {
@@ -776,7 +804,7 @@ pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Rpc,
                 source_chain(&e)
             ),
         })?;
-    Ok(master_client(channel))
+    master_client(channel)
 }
 
 /// One look at what `addr` speaks before tonic connects: a peer that closes the connection on

@@ -69,7 +69,7 @@ fn lazy_client(addr: &str, timeout: Duration) -> Result<Rpc, ClientError> {
         .connect_timeout(Duration::from_secs(2).min(timeout))
         .timeout(timeout)
         .connect_lazy();
-    Ok(master_client(ch))
+    master_client(ch)
 }
 
 impl MasterLink {

@@ -24,6 +24,7 @@
 //! as unset, as in upstream's `if os.getenv(...)` checks.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod client;
 pub mod connectors;
 pub mod duration;

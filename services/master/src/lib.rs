@@ -36,6 +36,7 @@
 
 pub mod admin;
 pub mod alloc;
+pub mod auth;
 pub mod core;
 pub mod events;
 pub mod grpc;

@@ -304,6 +304,17 @@ impl Master {
     ) -> Result<(), ServeError> {
         let rpc_addr = local_addr(&listeners.rpc, "rpc")?;
         let admin_addr = local_addr(&listeners.admin, "admin/metrics")?;
+        let tokens = Arc::new(
+            lunakv_config::auth::PoolTokens::from_env(&lunakv_config::process_env)
+                .map_err(|e| ServeError::Config(e.to_string()))?,
+        );
+        if !tokens.is_empty() {
+            tracing::info!(
+                pool_token = tokens.pool.is_some(),
+                admin_token = tokens.admin.is_some(),
+                "callers must present the pool's token (docs/SECURITY.md)"
+            );
+        }
         let (stop_tx, stop_rx) = watch::channel(false);
         let put_end = Arc::new(Notify::new());
 
@@ -335,6 +346,7 @@ impl Master {
         let grpc = tokio::spawn(
             tonic::transport::Server::builder()
                 .tcp_nodelay(true)
+                .layer(crate::auth::GrpcAuthLayer::new(tokens.clone()))
                 // Each call a span under its caller's trace; heartbeats only inside a trace.
                 .trace_fn(lunakv_telemetry::propagate::grpc_server_span_quiet(&[
                     "Ping",
@@ -354,7 +366,10 @@ impl Master {
         let admin = tokio::spawn(
             axum::serve(
                 listeners.admin,
-                crate::admin::router_full(self.slot.clone(), ha_state.clone(), self.events.clone()),
+                crate::admin::router_full(self.slot.clone(), ha_state.clone(), self.events.clone())
+                    .layer(axum::middleware::from_fn(move |req, next| {
+                        crate::auth::admin_http(tokens.clone(), req, next)
+                    })),
             )
             .with_graceful_shutdown(async move {
                 let _ = rx.changed().await;

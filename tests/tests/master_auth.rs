@@ -1,0 +1,122 @@
+//! The pool token and the admin token (issue 18, item 1 in part; docs/SECURITY.md): a master
+//! started with them refuses callers without the token, refuses RemoveAll to the pool token,
+//! guards the admin port's listings, and keeps health and metrics open. Stores, the CLI and
+//! engines present the token from their environment. Real binaries on loopback; the "attacker"
+//! is a raw gRPC client, as a stranger's would be.
+
+use lunakv_proto::master::RemoveAllRequest;
+use lunakv_proto::master::master_client::MasterClient;
+use lunakv_tests::{Master, Store, bin, child_env, http_get, pattern};
+
+const POOL: &str = "pool-0123456789abcdef0123456789";
+const ADMIN: &str = "admin-0123456789abcdef012345678";
+
+fn cli(master: &str, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut cmd = std::process::Command::new(bin("lunakv"));
+    cmd.args(["--master", master]).args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run lunakv")
+}
+
+/// RemoveAll from a raw gRPC client with `token` (or none) as a bearer token.
+fn remove_all(addr: &str, token: Option<&str>) -> Result<u64, tonic::Status> {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = MasterClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        let mut req = tonic::Request::new(RemoveAllRequest {
+            client_id: "00000000-0000-0000-0000-000000000bad".into(),
+            force: true,
+        });
+        if let Some(t) = token {
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {t}").parse().unwrap());
+        }
+        c.remove_all(req).await.map(|r| r.into_inner().removed)
+    })
+}
+
+#[test]
+fn a_master_with_tokens_admits_only_holders_and_remove_all_only_the_admin() {
+    let dir = tempfile::tempdir().unwrap();
+    let master = {
+        let _env = child_env(&[("LUNAKV_AUTH_TOKEN", POOL), ("LUNAKV_ADMIN_TOKEN", ADMIN)]);
+        Master::start(dir.path(), &[])
+    };
+    let addr = master.addr();
+    // A store with the pool token mounts its segment.
+    let _store = {
+        let _env = child_env(&[("LUNAKV_AUTH_TOKEN", POOL)]);
+        Store::start(&addr, "64MB", &[])
+    };
+    let value = pattern(7, 8192);
+    let file = dir.path().join("v");
+    std::fs::write(&file, &value).unwrap();
+    let file = file.display().to_string();
+
+    let put = cli(
+        &addr,
+        &["put", "guarded", &file],
+        &[("LUNAKV_AUTH_TOKEN", POOL)],
+    );
+    assert!(
+        put.status.success(),
+        "{}",
+        String::from_utf8_lossy(&put.stderr)
+    );
+    let got = cli(&addr, &["get", "guarded"], &[("LUNAKV_AUTH_TOKEN", POOL)]);
+    assert!(
+        got.status.success(),
+        "{}",
+        String::from_utf8_lossy(&got.stderr)
+    );
+    assert_eq!(got.stdout, value);
+
+    // No token: refused, the message names the variable; nothing is read.
+    let anon = cli(&addr, &["get", "guarded"], &[]);
+    let text = String::from_utf8_lossy(&anon.stderr);
+    assert!(!anon.status.success() && anon.stdout.is_empty(), "{text}");
+    assert!(text.contains("LUNAKV_AUTH_TOKEN"), "{text}");
+    // A wrong token: refused as such.
+    let wrong = cli(
+        &addr,
+        &["get", "guarded"],
+        &[("LUNAKV_AUTH_TOKEN", "not-the-pool-token-0000000")],
+    );
+    let text = String::from_utf8_lossy(&wrong.stderr);
+    assert!(!wrong.status.success(), "{text}");
+    assert!(text.contains("refused this client's token"), "{text}");
+
+    // RemoveAll: a stranger and the pool token are refused, and the object survives both.
+    let e = remove_all(&addr, None).expect_err("no token");
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    let e = remove_all(&addr, Some(POOL)).expect_err("pool token");
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(
+        e.message().contains("LUNAKV_ADMIN_TOKEN"),
+        "{}",
+        e.message()
+    );
+    let still = cli(&addr, &["get", "guarded"], &[("LUNAKV_AUTH_TOKEN", POOL)]);
+    assert_eq!(
+        still.stdout, value,
+        "a refused RemoveAll removed the object"
+    );
+
+    // The admin port: listings need a token, metrics and health do not.
+    let (code, _) = http_get(master.admin, "/query_key?key=guarded");
+    assert_eq!(code, 401, "/query_key without a token");
+    let (code, _) = http_get(master.admin, "/get_all_segments");
+    assert_eq!(code, 401, "/get_all_segments without a token");
+    assert_eq!(http_get(master.admin, "/metrics").0, 200);
+    assert_eq!(http_get(master.admin, "/health").0, 200);
+
+    // The admin token removes everything.
+    let removed = remove_all(&addr, Some(ADMIN)).expect("admin token");
+    assert!(removed >= 1, "removed {removed}");
+    let gone = cli(&addr, &["get", "guarded"], &[("LUNAKV_AUTH_TOKEN", POOL)]);
+    assert!(!gone.status.success());
+}
