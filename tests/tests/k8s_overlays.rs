@@ -1715,6 +1715,7 @@ fn every_overlay_renders_and_is_consistent() {
         let objs = render(&kubectl, dir);
         let checked = check_overlay(&overlay, &objs);
         failures.extend(checked.failures.iter().cloned());
+        failures.extend(check_pool_token(&overlay, &objs));
         println!(
             "{overlay}: {} objects, {} mooncake_config.json checked",
             objs.len(),
@@ -1774,6 +1775,44 @@ fn every_overlay_renders_and_is_consistent() {
         failures.len(),
         failures.join("\n  - ")
     );
+}
+
+/// The env var `var` of container `c` comes from key `key` of Secret lunakv-auth, optional.
+fn from_auth_secret(c: &Value, var: &str, key: &str) -> bool {
+    arr(c, "/env").iter().any(|e| {
+        s(e, "/name") == var
+            && s(e, "/valueFrom/secretKeyRef/name") == "lunakv-auth"
+            && s(e, "/valueFrom/secretKeyRef/key") == key
+            && e.pointer("/valueFrom/secretKeyRef/optional") == Some(&Value::Bool(true))
+    })
+}
+
+/// Every caller of the master (the stores, the vLLM engines) presents the pool token from the
+/// optional Secret lunakv-auth, and the master enforces both of its tokens from it: creating
+/// that one Secret closes the master to token-less callers (docs/SECURITY.md). A caller left out
+/// would be refused as soon as the Secret exists.
+fn check_pool_token(overlay: &str, objs: &[Value]) -> Vec<String> {
+    let mut failures = Vec::new();
+    for p in pods(objs) {
+        for c in p.containers() {
+            let who = format!("{overlay}: {} container {}", p.workload, s(c, "/name"));
+            let engine = env(c, "MOONCAKE_CONFIG_PATH").is_some();
+            let is_master = is_image(c, "lunakv/master");
+            if (engine || is_master || is_image(c, "lunakv/store"))
+                && !from_auth_secret(c, "LUNAKV_AUTH_TOKEN", "pool-token")
+            {
+                failures.push(format!(
+                    "{who} calls the master but takes no LUNAKV_AUTH_TOKEN from Secret lunakv-auth (key pool-token, optional)"
+                ));
+            }
+            if is_master && !from_auth_secret(c, "LUNAKV_ADMIN_TOKEN", "admin-token") {
+                failures.push(format!(
+                    "{who} takes no LUNAKV_ADMIN_TOKEN from Secret lunakv-auth (key admin-token, optional)"
+                ));
+            }
+        }
+    }
+    failures
 }
 
 /// The Certificate behind the Secret volume that `path` of container `c` lies in, if any.
