@@ -54,6 +54,7 @@
 //! expiry behave as on one server.
 
 mod api;
+pub mod cli;
 pub mod grpc;
 pub mod http;
 pub mod shared;
@@ -67,6 +68,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 pub use api::lease_from_request;
+pub use cli::BootstrapArgs;
 pub use shared::SharedState;
 pub use state::{
     BootstrapState, Limits, MemoryState, Origin, ProbeTarget, RegisterError, StateError, Table,

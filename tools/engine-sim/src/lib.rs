@@ -32,6 +32,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod args;
 pub mod client;
 pub mod kv;
 pub mod pd;
@@ -47,6 +48,7 @@ use lunakv_transfer::{
 };
 use serde_json::json;
 
+pub use args::SimArgs;
 pub use kv::KvShape;
 
 /// What this engine does in a P/D pair.
