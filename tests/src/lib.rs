@@ -8,7 +8,6 @@
 //! The binaries must be built first (`make test` does `cargo build --bins`).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -232,18 +231,8 @@ impl Drop for Proc {
     }
 }
 
-/// Parses `key=value` tokens of a "listening" line.
-pub fn fields(line: &str) -> HashMap<String, String> {
-    line.split_whitespace()
-        .filter_map(|t| t.split_once('='))
-        .map(|(k, v)| {
-            (
-                k.to_owned(),
-                v.trim_matches(|c| c == '"' || c == ',').to_owned(),
-            )
-        })
-        .collect()
-}
+/// Parses `key=value` tokens of a "listening" line (the servers' own parser).
+pub use lunakv_telemetry::announce::fields;
 
 fn addr(line: &str, key: &str) -> SocketAddr {
     let f = fields(line);

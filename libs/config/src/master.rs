@@ -8,11 +8,9 @@
 //! accepted and reported back as warnings for the caller to log. [`MasterConfig::validate`] then
 //! checks ranges with messages that name the field, the value and the fix.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use serde_norway::{Mapping, Value};
 
 use crate::gflags::{Upstream, UpstreamFlag};
 
@@ -170,54 +168,145 @@ impl Default for MasterConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Str,
-    Num,
-    Bool,
+/// The master's command line: one `Option` per key of [`MasterConfig`], named as the key, so
+/// that serialized it is the flag layer (unset flags leave lower layers alone). A new key
+/// adds its field there (with its default) and here.
+#[derive(Debug, Default, clap::Args, Serialize)]
+pub struct MasterArgs {
+    /// master.yaml (llm-d's keys); flags override it, environment LUNAKV_MASTER_<KEY> sits between.
+    #[arg(long, alias = "config_path")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// gRPC port [default: 50051].
+    #[arg(long = "rpc_port", visible_alias = "port")]
+    pub rpc_port: Option<u16>,
+    /// Address both listeners bind [default: 127.0.0.1; upstream binds 0.0.0.0].
+    #[arg(long = "rpc_address")]
+    pub rpc_address: Option<String>,
+    /// Admin + Prometheus HTTP port [default: 9003].
+    #[arg(long = "metrics_port")]
+    pub metrics_port: Option<u16>,
+    /// Address the admin + Prometheus listener binds [default: rpc_address].
+    #[arg(long = "metrics_host")]
+    pub metrics_host: Option<String>,
+    /// Lease granted on reads, ms [default: 5000].
+    #[arg(long = "default_kv_lease_ttl")]
+    pub default_kv_lease_ttl: Option<u64>,
+    /// Soft pin duration, ms [default: 1800000].
+    #[arg(long = "default_kv_soft_pin_ttl")]
+    pub default_kv_soft_pin_ttl: Option<u64>,
+    /// Longest soft pin, ms [default: 86400000].
+    #[arg(long = "max_kv_soft_pin_ttl")]
+    pub max_kv_soft_pin_ttl: Option<u64>,
+    /// Share of capacity one eviction pass frees [default: 0.05].
+    #[arg(long = "eviction_ratio")]
+    pub eviction_ratio: Option<f64>,
+    /// Usage share that starts eviction [default: 0.95].
+    #[arg(long = "eviction_high_watermark_ratio")]
+    pub eviction_high_watermark_ratio: Option<f64>,
+    /// Seconds of silence before a client is declared dead [default: 10].
+    #[arg(long = "client_ttl")]
+    pub client_ttl: Option<u64>,
+    /// Cluster name [default: mooncake_cluster].
+    #[arg(long = "cluster_id")]
+    pub cluster_id: Option<String>,
+    /// Seconds before a put never ended stops holding its key [default: 30].
+    #[arg(long = "put_start_discard_timeout_sec")]
+    pub put_start_discard_timeout_sec: Option<u64>,
+    /// Seconds before such a put's space is reused [default: 600].
+    #[arg(long = "put_start_release_timeout_sec")]
+    pub put_start_release_timeout_sec: Option<u64>,
+    /// Directory of the embedded metadata file [default: ./lunakv-master-data].
+    #[arg(long = "data_dir")]
+    pub data_dir: Option<PathBuf>,
+    /// SSD tier: let offloading store-clients mount; evictions move objects to their disk.
+    #[arg(long = "enable_offload", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub enable_offload: Option<bool>,
+    /// SSD tier: a get of a disk-only object also promotes it back to the owner's DRAM.
+    #[arg(long = "promotion_on_hit", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub promotion_on_hit: Option<bool>,
+    /// Keys a client must put in a vLLM key namespace before the cross-instance sharing rule
+    /// counts it [default: 64].
+    #[arg(long = "namespace_min_keys")]
+    pub namespace_min_keys: Option<u64>,
+    /// Most objects the index may hold; the least recently used go at the limit (0 = no
+    /// limit) [default: 50000000].
+    #[arg(long = "max_keys")]
+    pub max_keys: Option<u64>,
+    /// Share of the pool one client may hold reserved by unfinished puts [default: 0.5].
+    #[arg(long = "put_reservation_limit_ratio")]
+    pub put_reservation_limit_ratio: Option<f64>,
+    /// HA: campaign for leadership in etcd; standbys redirect clients to the leader.
+    #[arg(long = "enable_ha", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub enable_ha: Option<bool>,
+    /// etcd endpoints for HA, ";"-separated: "h1:2379;h2:2379" (etcd:// accepted).
+    #[arg(long = "etcd_endpoints", alias = "ha_backend_connstring")]
+    pub etcd_endpoints: Option<String>,
+    /// HA backend [default: etcd; the only one implemented].
+    #[arg(long = "ha_backend_type")]
+    pub ha_backend_type: Option<String>,
+    /// Host published in etcd for clients to dial [default: rpc_address].
+    #[arg(long = "advertise_address")]
+    pub advertise_address: Option<String>,
+    /// HA: TTL of the leader's etcd lease in seconds; bounds failover when a leader's host
+    /// dies [default: 2, etcd's smallest].
+    #[arg(long = "ha_lease_ttl_sec")]
+    pub ha_lease_ttl_sec: Option<u64>,
+    /// HA: standbys revoke the lease of a leader whose RPC port refuses connections (its
+    /// process is gone) instead of waiting for it to expire [default: true].
+    #[arg(long = "ha_fast_takeover", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub ha_fast_takeover: Option<bool>,
+    /// KV events: publish the pool's block changes on ZMQ (docs/EVENTS.md) [default: false].
+    /// `--enable_kv_events` is upstream's newer name.
+    #[arg(long = "enable_kv_event_publish", visible_alias = "enable_kv_events", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub enable_kv_event_publish: Option<bool>,
+    /// KV events: PUB endpoint of the Mooncake-format stream [default: tcp://127.0.0.1:19997].
+    #[arg(long = "kv_event_publisher_endpoint")]
+    pub kv_event_publisher_endpoint: Option<String>,
+    /// KV events: ROUTER endpoint answering replay requests [default: none].
+    #[arg(long = "kv_event_publisher_replay_endpoint")]
+    pub kv_event_publisher_replay_endpoint: Option<String>,
+    /// KV events: topic frame [default: mooncake].
+    #[arg(long = "kv_event_publisher_topic")]
+    pub kv_event_publisher_topic: Option<String>,
+    /// KV events: ZMQ send high-water mark per subscriber, messages [default: 100000].
+    #[arg(long = "kv_event_publisher_hwm")]
+    pub kv_event_publisher_hwm: Option<u64>,
+    /// KV events: most events per batch [default: 50].
+    #[arg(long = "kv_event_publisher_max_batch_size")]
+    pub kv_event_publisher_max_batch_size: Option<u64>,
+    /// KV events: events queued for the publisher; more are dropped and counted [default: 100000].
+    #[arg(long = "kv_event_publisher_max_queue_size")]
+    pub kv_event_publisher_max_queue_size: Option<u64>,
+    /// KV events: batches kept for replay [default: 10000].
+    #[arg(long = "kv_event_publisher_buffer_steps")]
+    pub kv_event_publisher_buffer_steps: Option<u64>,
+    /// KV events: tokens per block reported in events [default: 0 = unknown].
+    #[arg(long = "kv_event_block_size")]
+    pub kv_event_block_size: Option<u64>,
+    /// KV events: vLLM-format stream endpoint; bound with a wildcard, else connected [default: off].
+    #[arg(long = "kv_events_vllm_endpoint")]
+    pub kv_events_vllm_endpoint: Option<String>,
+    /// KV events: serving pods (address:port, comma-separated) the vLLM stream speaks for.
+    #[arg(long = "kv_events_vllm_pods")]
+    pub kv_events_vllm_pods: Option<String>,
+    /// KV events: vLLM stream medium of the pool's DRAM [default: lunakv_dram].
+    #[arg(long = "kv_events_vllm_medium_dram")]
+    pub kv_events_vllm_medium_dram: Option<String>,
+    /// KV events: vLLM stream medium of the SSD tier [default: lunakv_ssd].
+    #[arg(long = "kv_events_vllm_medium_ssd")]
+    pub kv_events_vllm_medium_ssd: Option<String>,
 }
 
-/// Keys lunakv implements, with the type a string from env or a flag is parsed as.
-const KEYS: &[(&str, Kind)] = &[
-    ("rpc_port", Kind::Num),
-    ("rpc_address", Kind::Str),
-    ("metrics_port", Kind::Num),
-    ("metrics_host", Kind::Str),
-    ("default_kv_lease_ttl", Kind::Num),
-    ("default_kv_soft_pin_ttl", Kind::Num),
-    ("max_kv_soft_pin_ttl", Kind::Num),
-    ("eviction_ratio", Kind::Num),
-    ("eviction_high_watermark_ratio", Kind::Num),
-    ("client_ttl", Kind::Num),
-    ("cluster_id", Kind::Str),
-    ("put_start_discard_timeout_sec", Kind::Num),
-    ("put_start_release_timeout_sec", Kind::Num),
-    ("data_dir", Kind::Str),
-    ("enable_offload", Kind::Bool),
-    ("promotion_on_hit", Kind::Bool),
-    ("namespace_min_keys", Kind::Num),
-    ("max_keys", Kind::Num),
-    ("put_reservation_limit_ratio", Kind::Num),
-    ("enable_ha", Kind::Bool),
-    ("etcd_endpoints", Kind::Str),
-    ("ha_backend_type", Kind::Str),
-    ("advertise_address", Kind::Str),
-    ("ha_lease_ttl_sec", Kind::Num),
-    ("ha_fast_takeover", Kind::Bool),
-    ("enable_kv_event_publish", Kind::Bool),
-    ("kv_event_publisher_endpoint", Kind::Str),
-    ("kv_event_publisher_replay_endpoint", Kind::Str),
-    ("kv_event_publisher_topic", Kind::Str),
-    ("kv_event_publisher_hwm", Kind::Num),
-    ("kv_event_publisher_max_batch_size", Kind::Num),
-    ("kv_event_publisher_max_queue_size", Kind::Num),
-    ("kv_event_publisher_buffer_steps", Kind::Num),
-    ("kv_event_block_size", Kind::Num),
-    ("kv_events_vllm_endpoint", Kind::Str),
-    ("kv_events_vllm_pods", Kind::Str),
-    ("kv_events_vllm_medium_dram", Kind::Str),
-    ("kv_events_vllm_medium_ssd", Kind::Str),
-];
+impl MasterArgs {
+    /// The layers these flags name: the file, and every flag given, by key.
+    pub fn sources(&self) -> MasterConfigSources {
+        MasterConfigSources {
+            file: self.config.clone(),
+            flags: crate::layered::flags_of(self),
+        }
+    }
+}
 
 /// Upstream `mooncake_master` flags and config keys lunakv does not define: each is ignored
 /// with the reason (in the file, the environment or on the command line) or refused with the
@@ -338,71 +427,20 @@ const fn refused(name: &'static str, boolean: bool, fix: &'static str) -> Upstre
 }
 
 /// A master configuration error. Messages name the key, the value and the fix.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum MasterConfigError {
-    #[error("cannot read master config {path}: {message}")]
-    Read { path: String, message: String },
-    #[error("master config {path} is not valid YAML: {message}")]
-    Parse { path: String, message: String },
-    #[error("master config {path} must be a mapping of key: value, got {got}")]
-    NotAMapping { path: String, got: String },
-    #[error("unknown master config key {key:?} in {source_name}{}", did_you_mean(.suggestions))]
-    UnknownKey {
-        key: String,
-        source_name: String,
-        suggestions: Vec<String>,
-    },
-    #[error("{key} = {value:?} (from {source_name}) is not a valid {expected}: {fix}")]
-    BadValue {
-        key: String,
-        value: String,
-        source_name: String,
-        expected: String,
-        fix: String,
-    },
-    #[error(
-        "{key} (from {source_name}) is an upstream Mooncake setting lunakv does not support: {fix}"
-    )]
-    Unsupported {
-        key: String,
-        source_name: String,
-        fix: &'static str,
-    },
-    #[error("{field} = {value} is invalid: {fix}")]
-    Invalid {
-        field: &'static str,
-        value: String,
-        fix: String,
-    },
-}
-
-fn did_you_mean(s: &[String]) -> String {
-    if s.is_empty() {
-        format!("; valid keys: {}", valid_keys().join(", "))
-    } else {
-        format!("; did you mean {}?", s.join(" or "))
-    }
-}
-
-fn valid_keys() -> Vec<&'static str> {
-    KEYS.iter().map(|(k, _)| *k).collect()
-}
+pub type MasterConfigError = crate::layered::LayeredError;
 
 /// A loaded configuration and the warnings the caller should log.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LoadedMasterConfig {
-    pub config: MasterConfig,
-    pub warnings: Vec<String>,
-}
+pub type LoadedMasterConfig = crate::layered::LoadedLayers<MasterConfig>;
 
 /// Where configuration comes from; each later layer overrides the earlier ones.
-#[derive(Debug, Clone, Default)]
-pub struct MasterConfigSources {
-    /// `--config master.yaml`.
-    pub file: Option<PathBuf>,
-    /// Command-line values by key name (`("rpc_port", "50052")`).
-    pub flags: Vec<(String, String)>,
-}
+pub type MasterConfigSources = crate::layered::Sources;
+
+/// What the layered loader needs to know about the master.
+pub const SCHEMA: crate::layered::Schema = crate::layered::Schema {
+    service: "master",
+    env_prefix: ENV_PREFIX,
+    upstream: UPSTREAM_KEYS,
+};
 
 impl MasterConfig {
     /// Loads and validates the layered configuration. `env` reads one environment variable
@@ -412,48 +450,9 @@ impl MasterConfig {
         sources: &MasterConfigSources,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<LoadedMasterConfig, MasterConfigError> {
-        let mut merged = Mapping::new();
-        let mut warnings = Vec::new();
-        if let Some(path) = &sources.file {
-            let text = std::fs::read_to_string(path).map_err(|e| MasterConfigError::Read {
-                path: path.display().to_string(),
-                message: e.to_string(),
-            })?;
-            let layer = parse_yaml(path, &text)?;
-            merge(
-                &mut merged,
-                layer,
-                &path.display().to_string(),
-                &mut warnings,
-            )?;
-        }
-        let mut env_layer = Mapping::new();
-        // Only names lunakv knows are looked up, so unrelated LUNAKV_MASTER_* variables (the
-        // CLI's, say) are never mistaken for typos.
-        let names = KEYS
-            .iter()
-            .map(|(k, _)| *k)
-            .chain(UPSTREAM_KEYS.iter().map(|u| u.name));
-        for key in names {
-            let var = format!("{ENV_PREFIX}{}", key.to_ascii_uppercase());
-            if let Some(value) = env(&var).filter(|v| !v.is_empty()) {
-                let source = format!("environment variable {var}");
-                env_layer.insert(Value::String(key.to_string()), typed(key, &value, &source)?);
-            }
-        }
-        merge(&mut merged, env_layer, "the environment", &mut warnings)?;
-        let mut flag_layer = Mapping::new();
-        for (key, value) in &sources.flags {
-            let source = format!("flag --{key}");
-            flag_layer.insert(Value::String(key.clone()), typed(key, value, &source)?);
-        }
-        merge(&mut merged, flag_layer, "the command line", &mut warnings)?;
-
-        let config: MasterConfig = serde_norway::from_value(Value::Mapping(merged.clone()))
-            .map_err(|e| {
-                // Keys are checked already, so this is a type error; find which key for the message.
-                bad_value_from_serde(&merged, &e.to_string())
-            })?;
+        let loaded = crate::layered::load::<MasterConfig>(&SCHEMA, sources, env)?;
+        let config = loaded.config;
+        let mut warnings = loaded.warnings;
         config.validate()?;
         if config.promotion_on_hit && !config.enable_offload {
             warnings.push(
@@ -801,189 +800,6 @@ fn check_positive(
     })
 }
 
-fn parse_yaml(path: &Path, text: &str) -> Result<Mapping, MasterConfigError> {
-    let value: Value = serde_norway::from_str(text).map_err(|e| MasterConfigError::Parse {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    })?;
-    match value {
-        Value::Mapping(m) => Ok(m),
-        // An empty file is an empty configuration.
-        Value::Null => Ok(Mapping::new()),
-        other => Err(MasterConfigError::NotAMapping {
-            path: path.display().to_string(),
-            got: describe(&other).to_string(),
-        }),
-    }
-}
-
-fn describe(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Sequence(_) => "a list",
-        Value::Mapping(_) => "a mapping",
-        Value::Tagged(_) => "a tagged value",
-    }
-}
-
-/// Merges `layer` over `into`, dropping ignored keys (with a warning) and refusing unknown ones.
-fn merge(
-    into: &mut Mapping,
-    layer: Mapping,
-    source_name: &str,
-    warnings: &mut Vec<String>,
-) -> Result<(), MasterConfigError> {
-    for (k, v) in layer {
-        let key = match &k {
-            Value::String(s) => s.clone(),
-            other => {
-                return Err(MasterConfigError::UnknownKey {
-                    key: format!("{other:?}"),
-                    source_name: source_name.to_string(),
-                    suggestions: Vec::new(),
-                });
-            }
-        };
-        if let Some(u) = UPSTREAM_KEYS.iter().find(|u| u.name == key) {
-            let text = match &v {
-                Value::String(t) => t.clone(),
-                Value::Bool(b) => b.to_string(),
-                Value::Number(n) => n.to_string(),
-                _ => String::new(),
-            };
-            match u.treatment.judge(&text) {
-                Ok(Some(why)) => warnings.push(format!(
-                    "{key} (from {source_name}) is an upstream Mooncake setting lunakv does not \
-                     implement; ignored: {why}"
-                )),
-                Ok(None) => {}
-                Err(fix) => {
-                    return Err(MasterConfigError::Unsupported {
-                        key,
-                        source_name: source_name.to_string(),
-                        fix,
-                    });
-                }
-            }
-            continue;
-        }
-        if !KEYS.iter().any(|(name, _)| *name == key) {
-            return Err(MasterConfigError::UnknownKey {
-                suggestions: suggest(&key),
-                key,
-                source_name: source_name.to_string(),
-            });
-        }
-        into.insert(k, v);
-    }
-    Ok(())
-}
-
-/// Turns a string from env or a flag into the YAML value its key expects.
-fn typed(key: &str, raw: &str, source: &str) -> Result<Value, MasterConfigError> {
-    let kind = KEYS.iter().find(|(k, _)| *k == key).map(|(_, kind)| *kind);
-    let bad = |expected: &str, fix: &str| MasterConfigError::BadValue {
-        key: key.to_string(),
-        value: raw.to_string(),
-        source_name: source.to_string(),
-        expected: expected.to_string(),
-        fix: fix.to_string(),
-    };
-    match kind {
-        // Unknown and ignored keys are sorted out by merge(); keep the text.
-        None | Some(Kind::Str) => Ok(Value::String(raw.to_string())),
-        Some(Kind::Bool) => match raw.trim().to_ascii_lowercase().as_str() {
-            "true" | "1" => Ok(Value::Bool(true)),
-            "false" | "0" => Ok(Value::Bool(false)),
-            _ => Err(bad("boolean", "write true or false")),
-        },
-        Some(Kind::Num) => {
-            let t = raw.trim();
-            if let Ok(n) = t.parse::<u64>() {
-                Ok(Value::Number(n.into()))
-            } else if let Ok(f) = t.parse::<f64>() {
-                Ok(Value::Number(f.into()))
-            } else {
-                Err(bad("number", "write a plain number such as 5000 or 0.95"))
-            }
-        }
-    }
-}
-
-fn bad_value_from_serde(merged: &Mapping, message: &str) -> MasterConfigError {
-    // serde_norway does not always name the field; find it by deserializing one key at a time.
-    let culprit = merged.iter().find(|(k, v)| {
-        let mut one = Mapping::new();
-        one.insert((*k).clone(), (*v).clone());
-        serde_norway::from_value::<MasterConfig>(Value::Mapping(one)).is_err()
-    });
-    let show = |v: &Value| {
-        serde_norway::to_string(v)
-            .unwrap_or_default()
-            .trim()
-            .to_string()
-    };
-    let Some((Value::String(key), value)) = culprit else {
-        return MasterConfigError::BadValue {
-            key: "(unknown)".to_string(),
-            value: String::new(),
-            source_name: "the merged configuration".to_string(),
-            expected: "configuration".to_string(),
-            fix: message.to_string(),
-        };
-    };
-    let default = serde_norway::to_value(MasterConfig::default())
-        .ok()
-        .and_then(|d| d.get(key.as_str()).map(show))
-        .unwrap_or_default();
-    let detail = message.split(" at line").next().unwrap_or(message);
-    MasterConfigError::BadValue {
-        key: key.clone(),
-        value: show(value),
-        source_name: "the merged configuration".to_string(),
-        expected: format!("value ({detail})"),
-        fix: format!("use a value like the default, {default}"),
-    }
-}
-
-/// Valid keys closest to `key` by edit distance (at most 3 edits, or sharing a word), best first.
-fn suggest(key: &str) -> Vec<String> {
-    let mut scored: BTreeMap<usize, Vec<&str>> = BTreeMap::new();
-    for (name, _) in KEYS {
-        let d = edit_distance(key, name);
-        let shares_word = key
-            .split('_')
-            .filter(|w| w.len() >= 4)
-            .any(|w| name.split('_').any(|n| n == w));
-        if d <= 3 || shares_word {
-            scored.entry(d).or_default().push(name);
-        }
-    }
-    scored
-        .into_values()
-        .flatten()
-        .take(3)
-        .map(str::to_string)
-        .collect()
-}
-
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let cost = usize::from(ca != *cb);
-            cur[j + 1] = (prev[j] + cost).min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1303,13 +1119,6 @@ mod tests {
     }
 
     #[test]
-    fn suggestions_are_close_keys() {
-        assert_eq!(suggest("client_tll"), vec!["client_ttl".to_string()]);
-        assert!(suggest("lease_ttl").contains(&"default_kv_lease_ttl".to_string()));
-        assert!(suggest("qqqq").is_empty());
-    }
-
-    #[test]
     fn kv_event_settings_are_checked_only_when_enabled() {
         let loaded = load_flags(&[("kv_event_publisher_endpoint", "nonsense")]).expect("off");
         assert!(!loaded.config.enable_kv_event_publish);
@@ -1348,5 +1157,38 @@ mod tests {
                 .iter()
                 .any(|w| w.contains("kv_event_publisher_auto_port"))
         );
+    }
+
+    #[test]
+    fn args_become_the_flag_layer() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: MasterArgs,
+        }
+        let cli = Cli::parse_from([
+            "m",
+            "--config=/x.yaml",
+            "--rpc_port=7",
+            "--eviction_ratio=0.5",
+            "--enable_offload",
+            "--data_dir=/d",
+        ]);
+        let s = cli.args.sources();
+        assert_eq!(s.file, Some(PathBuf::from("/x.yaml")));
+        let flags: Vec<(&str, &str)> = s.flags.iter().map(|(k, v)| (&**k, &**v)).collect();
+        assert_eq!(
+            flags,
+            [
+                ("rpc_port", "7"),
+                ("eviction_ratio", "0.5"),
+                ("data_dir", "/d"),
+                ("enable_offload", "true")
+            ]
+        );
+        let c = load_flags(&flags).expect("load").config;
+        assert_eq!((c.rpc_port, c.eviction_ratio), (7, 0.5));
+        assert!(c.enable_offload);
     }
 }

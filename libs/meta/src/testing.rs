@@ -13,6 +13,10 @@
 //! certificates) and [`EtcdServer::enable_auth`] turns on etcd's users with Debian's `etcdctl`
 //! (package etcd-client), as an operator would. Health is always asked on a separate plain-http
 //! metrics listener, so it works whatever the client listener requires.
+//!
+//! [`missing_tool`] is the one policy for every external tool a test needs (etcd, kubectl): a
+//! missing tool fails the test with what to install, unless `LUNAKV_ALLOW_SKIP=1` is set, when
+//! the test prints `SKIPPED` and passes (docs/ARCHITECTURE.md, testing).
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -69,6 +73,22 @@ pub struct EtcdServer {
     extra: Vec<String>,
 }
 
+/// Whether `LUNAKV_ALLOW_SKIP=1` lets a test whose tool is missing pass as skipped.
+pub fn skip_allowed() -> bool {
+    std::env::var("LUNAKV_ALLOW_SKIP").is_ok_and(|v| v == "1")
+}
+
+/// A test found `tool` missing: panics with `install` (how to get it) so the run fails, as in
+/// CI, unless [`skip_allowed`], when it prints a `SKIPPED` line and returns so the test can
+/// return early.
+pub fn missing_tool(test: &str, tool: &str, install: &str) {
+    if skip_allowed() {
+        println!("SKIPPED {test}: {tool} not found (LUNAKV_ALLOW_SKIP=1); {install}");
+        return;
+    }
+    panic!("{test}: {tool} not found; {install}, or set LUNAKV_ALLOW_SKIP=1 to skip");
+}
+
 /// Whether `LUNAKV_SKIP_ETCD=1` asks to skip etcd tests.
 pub fn skip_requested() -> bool {
     std::env::var("LUNAKV_SKIP_ETCD").is_ok_and(|v| v == "1")
@@ -84,7 +104,8 @@ pub fn etcd_binary() -> Option<PathBuf> {
 }
 
 /// Starts etcd for a test, `None` when `LUNAKV_SKIP_ETCD=1`. Panics with the fix when etcd is
-/// not installed: a missing dependency must fail the suite, not pass it silently.
+/// not installed: a missing dependency must fail the suite, not pass it silently (unless
+/// `LUNAKV_ALLOW_SKIP=1`: [`missing_tool`]).
 pub fn etcd_or_skip() -> Option<EtcdServer> {
     if skip_requested() {
         eprintln!("LUNAKV_SKIP_ETCD=1: skipping this etcd test");
@@ -92,6 +113,10 @@ pub fn etcd_or_skip() -> Option<EtcdServer> {
     }
     match EtcdServer::start() {
         Ok(e) => Some(e),
+        Err(e @ EtcdHarnessError::NotInstalled) => {
+            missing_tool("this etcd test", "etcd", &e.to_string());
+            None
+        }
         Err(e) => panic!("{e}"),
     }
 }

@@ -30,9 +30,11 @@
 //! backoff, one WARN line, one more every 30 s while waiting, one INFO line when it answers.
 #![forbid(unsafe_code)]
 
+pub mod announce;
 mod export;
 pub mod propagate;
 mod shutdown;
+pub use announce::announce;
 pub mod wait;
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -54,6 +54,7 @@
 //! expiry behave as on one server.
 
 mod api;
+pub mod cli;
 pub mod grpc;
 pub mod http;
 pub mod shared;
@@ -67,6 +68,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 pub use api::lease_from_request;
+pub use cli::BootstrapArgs;
 pub use shared::SharedState;
 pub use state::{
     BootstrapState, Limits, MemoryState, Origin, ProbeTarget, RegisterError, StateError, Table,
@@ -245,7 +247,10 @@ pub async fn serve(
     );
     let upkeep = tokio::spawn(upkeep(state.clone(), cfg.clone(), stop_rx.clone()));
 
-    println!("lunakv-bootstrap listening http={http_addr} grpc={grpc_addr}");
+    lunakv_telemetry::announce(
+        "lunakv-bootstrap",
+        &[("http", &http_addr), ("grpc", &grpc_addr)],
+    );
     tracing::info!(%http_addr, %grpc_addr, lease = ?cfg.lease, probe = cfg.probe_workers, probe_any_host = cfg.probe_any_host, limits = ?cfg.limits, "lunakv-bootstrap serving");
 
     shutdown.await;

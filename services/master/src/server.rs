@@ -404,19 +404,25 @@ impl Master {
             tokio::spawn(election.run(stop_rx))
         });
 
-        let ha_note = if election.is_some() { " ha=etcd" } else { "" };
-        let events_note = self.events.as_ref().map_or(String::new(), |p| {
-            let e = p.endpoints();
-            let mut note = format!(" events={}", e.endpoint);
-            if let Some(r) = &e.replay_endpoint {
-                note.push_str(&format!(" events_replay={r}"));
+        // A block: the `dyn Display` borrows are not Send and must end before the awaits.
+        {
+            let events = self.events.as_ref().map(|p| p.endpoints());
+            let mut fields: Vec<(&str, &dyn std::fmt::Display)> =
+                vec![("rpc", &rpc_addr), ("admin", &admin_addr)];
+            if election.is_some() {
+                fields.push(("ha", &"etcd"));
             }
-            if let Some(v) = &e.vllm_endpoint {
-                note.push_str(&format!(" events_vllm={v}"));
+            if let Some(e) = &events {
+                fields.push(("events", &e.endpoint));
+                if let Some(r) = &e.replay_endpoint {
+                    fields.push(("events_replay", r));
+                }
+                if let Some(v) = &e.vllm_endpoint {
+                    fields.push(("events_vllm", v));
+                }
             }
-            note
-        });
-        println!("lunakv-master listening rpc={rpc_addr} admin={admin_addr}{ha_note}{events_note}");
+            lunakv_telemetry::announce("lunakv-master", &fields);
+        }
         tracing::info!(%rpc_addr, %admin_addr, cluster_id = %self.cfg.cluster_id, "lunakv-master serving");
 
         shutdown.await;

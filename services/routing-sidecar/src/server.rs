@@ -213,12 +213,14 @@ pub async fn serve(
         }));
     }
     let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
-    println!(
-        "lunakv-sidecar listening http={} listeners={} connector={} secure={}",
-        list.first().cloned().unwrap_or_default(),
-        list.join(","),
-        bound.shared.cfg.connector.name(),
-        bound.tls.is_some()
+    lunakv_telemetry::announce(
+        "lunakv-sidecar",
+        &[
+            ("http", &list.first().cloned().unwrap_or_default()),
+            ("listeners", &list.join(",")),
+            ("connector", &bound.shared.cfg.connector.name()),
+            ("secure", &bound.tls.is_some()),
+        ],
     );
     tracing::info!(listeners = %list.join(","), connector = bound.shared.cfg.connector.name(), "lunakv-sidecar serving");
     shutdown.await;

@@ -214,13 +214,15 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
         }
     };
 
-    println!(
-        "lunakv-store listening transfer={} admin={} segment={} size={} protocol={}",
-        info.transfer_endpoint,
-        admin_addr,
-        info.name,
-        info.size,
-        host.protocol().effective
+    lunakv_telemetry::announce(
+        "lunakv-store",
+        &[
+            ("transfer", &info.transfer_endpoint),
+            ("admin", &admin_addr),
+            ("segment", &info.name),
+            ("size", &info.size),
+            ("protocol", &host.protocol().effective),
+        ],
     );
     tracing::info!(segment = %info.name, size = info.size, shm = ?info.shm_socket, "serving");
 

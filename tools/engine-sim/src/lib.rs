@@ -32,6 +32,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod args;
 pub mod client;
 pub mod kv;
 pub mod pd;
@@ -47,6 +48,7 @@ use lunakv_transfer::{
 };
 use serde_json::json;
 
+pub use args::SimArgs;
 pub use kv::KvShape;
 
 /// What this engine does in a P/D pair.
@@ -359,13 +361,15 @@ pub async fn run(
                 s.parked.sweep(s.cfg.transfer_timeout);
             }
         }));
-        println!(
-            "lunakv-engine-sim listening http={} transfer={} role={} engine_id={} dp_rank={}",
-            sim.http_addr,
-            sim.region_endpoint,
-            format!("{:?}", sim.cfg.role).to_lowercase(),
-            sim.cfg.engine_id,
-            sim.cfg.dp_rank
+        lunakv_telemetry::announce(
+            "lunakv-engine-sim",
+            &[
+                ("http", &sim.http_addr),
+                ("transfer", &sim.region_endpoint),
+                ("role", &format!("{:?}", sim.cfg.role).to_lowercase()),
+                ("engine_id", &sim.cfg.engine_id),
+                ("dp_rank", &sim.cfg.dp_rank),
+            ],
         );
         let mut stop = stop_rx.clone();
         servers.push(tokio::spawn(server::serve(sim, listener, async move {

@@ -417,21 +417,8 @@ fn strip_ansi(line: &str) -> String {
     out
 }
 
-/// `key=value` tokens of a line; quotes and trailing commas around values are dropped.
-pub fn listening_fields(line: &str) -> HashMap<String, String> {
-    line.split_whitespace()
-        .filter_map(|t| t.split_once('='))
-        .map(|(k, v)| {
-            (
-                k.trim_matches(|c: char| !c.is_ascii_alphanumeric() && c != '_')
-                    .to_owned(),
-                v.trim_matches(|c| c == '"' || c == ',' || c == '\'')
-                    .to_owned(),
-            )
-        })
-        .filter(|(k, v)| !k.is_empty() && !v.is_empty())
-        .collect()
-}
+/// `key=value` tokens of a listening line (the one parser, shared with the servers' tests).
+pub use lunakv_telemetry::announce::fields as listening_fields;
 
 #[cfg(test)]
 mod tests {
