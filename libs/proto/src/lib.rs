@@ -10,6 +10,7 @@ mod codes;
 pub mod foreign;
 mod keys;
 pub mod status;
+pub mod views;
 
 pub use codes::ErrorCode;
 pub use keys::{KeyError, MAX_KEY_LEN, validate_key};

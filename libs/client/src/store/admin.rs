@@ -1,6 +1,8 @@
 //! Removal, caller buffers, closing, and the cluster views (status, namespace stats,
 //! offload).
 
+use lunakv_proto::views::{ClusterStatus, NamespaceReport};
+
 use super::*;
 
 impl StoreClient {
@@ -114,9 +116,10 @@ impl StoreClient {
 
     /// The master's view of the pool: segments, capacity, usage, keys, clients (`lunakv status`).
     /// Follows the HA leader like every other call.
-    pub fn cluster_status(&self) -> Result<pb::ClusterStatus> {
+    pub fn cluster_status(&self) -> Result<ClusterStatus> {
         self.check_open()?;
         self.rpc(|mut m| async move { m.get_cluster_status(pb::GetClusterStatusRequest {}).await })
+            .map(ClusterStatus::from)
     }
 
     /// Asks the master to move `key`'s DRAM copy to its owner's disk tier now (the SSD tier
@@ -141,10 +144,11 @@ impl StoreClient {
     }
 
     /// The master's per key namespace bookkeeping (cross-instance key consistency).
-    pub fn namespace_stats(&self) -> Result<pb::NamespaceStatsResponse> {
+    pub fn namespace_stats(&self) -> Result<NamespaceReport> {
         self.check_open()?;
         self.rpc(
             |mut m| async move { m.get_namespace_stats(pb::GetNamespaceStatsRequest {}).await },
         )
+        .map(NamespaceReport::from)
     }
 }

@@ -1,6 +1,8 @@
 //! Reads and lookups: locations from the cache or the master, bytes from the preferred
 //! replica, another replica or a fresh location when one is stale.
 
+use lunakv_proto::views::ReplicaDesc;
+
 use super::*;
 
 impl StoreClient {
@@ -374,12 +376,12 @@ impl StoreClient {
     /// Every replica of each object as the master reports it, disk tiers included
     /// ([`Location`] keeps memory replicas only). One master round trip; backs the Python
     /// `batch_get_replica_desc`, which vLLM probes for the tier an object lives in.
-    pub fn batch_replicas(&self, keys: &[&str]) -> Vec<Result<Vec<pb::Replica>>> {
+    pub fn batch_replicas(&self, keys: &[&str]) -> Vec<Result<Vec<ReplicaDesc>>> {
         self.per_key(
             keys,
             |keys| self.batch_locations(keys),
             |key, l| match l.code {
-                0 => Ok(l.replicas.clone()),
+                0 => Ok(l.replicas.iter().cloned().map(ReplicaDesc::from).collect()),
                 code => Err(ClientError::from_item(key, l.size, code, &l.message)),
             },
         )

@@ -92,7 +92,7 @@ impl StoreClient {
                 Some(p) if p.code != 0 => {
                     Err(ClientError::from_item(key, *size, p.code, &p.message))
                 }
-                Some(p) => Location::from_put(p, *size).map_err(|m| ClientError::Rpc {
+                Some(p) => Location::try_from((p, *size)).map_err(|m| ClientError::Rpc {
                     addr: self.opts.master_server_address.clone(),
                     message: format!("bad placement for '{key}': {m}"),
                 }),
