@@ -178,12 +178,7 @@ impl StoreClient {
                     {
                         Some(Ok(l)) => locs[i] = Some(l),
                         Some(Err(e)) => results[i] = Some(Err(e)),
-                        None => {
-                            results[i] = Some(Err(ClientError::Rpc {
-                                addr: self.opts.master_server_address.clone(),
-                                message: "master answered fewer results than keys".to_owned(),
-                            }))
-                        }
+                        None => results[i] = Some(Err(self.short_answer(SHORT_ANSWER_KEYS))),
                     }
                 }
             }
@@ -360,9 +355,7 @@ impl StoreClient {
                     for (n, &i) in ask.iter().enumerate() {
                         out[i] = Some(match results.get(n) {
                             Some(r) => each(keys[i], r),
-                            None => Err(rpc_fail(
-                                "master answered fewer results than keys".to_owned(),
-                            )),
+                            None => Err(rpc_fail(SHORT_ANSWER_KEYS.to_owned())),
                         });
                     }
                 }

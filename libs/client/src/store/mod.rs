@@ -24,6 +24,11 @@ mod admin;
 mod get;
 mod put;
 
+/// What a batch answer with fewer per-item results than items asked is reported as.
+const SHORT_ANSWER_ITEMS: &str = "master answered fewer results than items";
+/// As [`SHORT_ANSWER_ITEMS`], for batches of keys (lookups).
+const SHORT_ANSWER_KEYS: &str = "master answered fewer results than keys";
+
 /// Attempts at a get when owners answer "stale" (the object was evicted or removed and maybe
 /// re-put between our lookup and our read).
 const READ_ATTEMPTS: usize = 3;
@@ -250,6 +255,14 @@ impl StoreClient {
     }
 
     // === plumbing ===
+
+    /// A master failure: its batch answer had fewer results than were asked for.
+    fn short_answer(&self, message: &str) -> ClientError {
+        ClientError::Rpc {
+            addr: self.opts.master_server_address.clone(),
+            message: message.to_owned(),
+        }
+    }
 
     fn check_open(&self) -> Result<()> {
         if self.closed.load(Ordering::SeqCst) {

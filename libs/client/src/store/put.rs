@@ -85,10 +85,7 @@ impl StoreClient {
         for (j, (i, size)) in started.iter().enumerate() {
             let key = items[*i].0;
             let loc = match placements.get(j) {
-                None => Err(ClientError::Rpc {
-                    addr: self.opts.master_server_address.clone(),
-                    message: "master answered fewer results than items".to_owned(),
-                }),
+                None => Err(self.short_answer(SHORT_ANSWER_ITEMS)),
                 Some(p) if p.code != 0 => {
                     Err(ClientError::from_item(key, *size, p.code, &p.message))
                 }
@@ -205,10 +202,7 @@ impl StoreClient {
                             Ok(())
                         }
                         Some(r) => Err(ClientError::from_item(key, size, r.code, &r.message)),
-                        None => Err(ClientError::Rpc {
-                            addr: self.opts.master_server_address.clone(),
-                            message: "master answered fewer results than items".to_owned(),
-                        }),
+                        None => Err(self.short_answer(SHORT_ANSWER_ITEMS)),
                     };
                     if r.is_err() {
                         unpublished.push(key.to_owned());
