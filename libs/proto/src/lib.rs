@@ -3,7 +3,10 @@
 //! The wire contract between lunakv's services: the generated gRPC code for `proto/*.proto`, the
 //! Mooncake-compatible [`ErrorCode`]s carried in per-item results, and the key rules every side
 //! enforces. Used by the master (server), and by the client library, the store-client and the
-//! CLI (clients). Kept slim on purpose: no business logic lives here.
+//! CLI (clients). Also the contracts both sides must spell alike: the gRPC metadata names
+//! ([`headers`]), the error-to-status mapping ([`status`]), and the domain types of the
+//! master's reports ([`views`]) so that prost types stay behind the gRPC edges. Kept slim on
+//! purpose: no business logic lives here.
 #![forbid(unsafe_code)]
 
 mod codes;
