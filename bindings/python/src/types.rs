@@ -1,6 +1,6 @@
 //! `ReplicateConfig` and `ReplicaDescriptor`, the value classes of `mooncake.store`.
 
-use lunakv_proto::master::{Replica, ReplicaKind};
+use lunakv_proto::views::ReplicaDesc;
 use pyo3::prelude::*;
 
 /// Where and how to place an object's replicas; vLLM builds one per put. Attribute names and
@@ -126,14 +126,9 @@ impl ReplicaDescriptor {
     }
 }
 
-impl From<&Replica> for ReplicaDescriptor {
-    fn from(r: &Replica) -> Self {
-        let kind = match ReplicaKind::try_from(r.kind) {
-            Ok(ReplicaKind::Memory) => "MEMORY",
-            Ok(ReplicaKind::Disk) => "DISK",
-            Ok(ReplicaKind::LocalDisk) => "LOCAL_DISK",
-            Err(_) => "UNKNOWN",
-        };
+impl From<&ReplicaDesc> for ReplicaDescriptor {
+    fn from(r: &ReplicaDesc) -> Self {
+        let kind = r.kind.map_or("UNKNOWN", |k| k.as_str());
         let (segment_name, transport_endpoint) = r
             .segment
             .as_ref()

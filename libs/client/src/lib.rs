@@ -30,8 +30,13 @@ mod store;
 
 pub use error::ClientError;
 pub use host::{BoundSegment, DiskInventory, HostDisk, HostOptions, MountStatus, SegmentHost};
-pub use location::{Location, ReplicaLocation};
+pub use location::{Location, LocationError, ReplicaLocation};
 pub use lunakv_proto::ErrorCode;
+/// What the master reports, as domain types (the prost types stay behind the gRPC edge).
+pub use lunakv_proto::views::{
+    ClusterStatus, NamespaceReport, NamespaceStats, ReplicaDesc, ReplicaKind, Segment,
+    SegmentStatus,
+};
 pub use options::{ClientOptions, MasterWait, Mode, ReplicateConfig};
 pub use store::StoreClient;
 

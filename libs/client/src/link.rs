@@ -17,6 +17,7 @@ use lunakv_config::MasterAddress;
 use lunakv_meta::etcd::WatchEvent;
 use lunakv_meta::layout::{self, LeaderView};
 use lunakv_meta::{EtcdClient, EtcdSecurity};
+use lunakv_proto::headers::LeaderRedirect;
 use parking_lot::RwLock;
 use tokio::sync::watch;
 use tonic::transport::Channel;
@@ -31,9 +32,6 @@ pub const FAILOVER_BUDGET: Duration = Duration::from_secs(30);
 /// How long a single master's call keeps retrying a "rebuilding" answer: the master's recovery
 /// grace (3 s) with room to spare. Any other failure is returned at once.
 pub const REBUILD_BUDGET: Duration = Duration::from_secs(6);
-
-/// gRPC metadata naming the leader on a follower's redirect.
-const LEADER_HEADER: &str = "x-lunakv-leader";
 
 #[derive(Clone)]
 struct Current {
@@ -239,21 +237,11 @@ impl MasterLink {
             if !retryable(&status) || tokio::time::Instant::now() >= deadline {
                 return Err(rpc_error(&self.addr(), &status));
             }
-            if let Some(l) = status
-                .metadata()
-                .get(LEADER_HEADER)
-                .and_then(|v| v.to_str().ok())
+            if let Some(l) = LeaderRedirect::from_metadata(status.metadata())
+                .filter(|l| l.address != self.0.current.read().addr)
             {
-                let term = status
-                    .metadata()
-                    .get("x-lunakv-leader-term")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|t| t.parse().ok())
-                    .unwrap_or(0);
-                if l != self.0.current.read().addr {
-                    self.switch(l, term);
-                    continue;
-                }
+                self.switch(&l.address, l.term);
+                continue;
             }
             // Wait for the watch to report a new leader, or back off briefly (a leader
             // rebuilding its index answers UNAVAILABLE for a moment).
@@ -266,18 +254,8 @@ impl MasterLink {
         if !self.0.ha {
             return;
         }
-        if let Some(l) = status
-            .metadata()
-            .get(LEADER_HEADER)
-            .and_then(|v| v.to_str().ok())
-        {
-            let term = status
-                .metadata()
-                .get("x-lunakv-leader-term")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|t| t.parse().ok())
-                .unwrap_or(0);
-            self.switch(l, term);
+        if let Some(l) = LeaderRedirect::from_metadata(status.metadata()) {
+            self.switch(&l.address, l.term);
         }
     }
 }

@@ -3,6 +3,33 @@
 use lunakv_proto::master as pb;
 use lunakv_transfer::Target;
 
+/// A placement or location from the master that cannot be used: it names no segment, or a
+/// range that does not fit. The caller reports it as a master failure.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LocationError {
+    #[error("replica without a segment descriptor")]
+    NoSegment,
+    #[error("segment '{0}' has no transfer endpoint")]
+    NoEndpoint(String),
+    #[error("replica on '{segment}' holds {replica} bytes, object has {object}")]
+    SizeMismatch {
+        segment: String,
+        replica: u64,
+        object: u64,
+    },
+    #[error(
+        "replica range {offset}+{size} lies outside segment '{segment}' of {segment_size} bytes"
+    )]
+    OutsideSegment {
+        offset: u64,
+        size: u64,
+        segment: String,
+        segment_size: u64,
+    },
+    #[error("no memory or local disk replica")]
+    NoReplica,
+}
+
 /// One complete replica: the owner to ask and the range it holds.
 #[derive(Debug, Clone)]
 pub struct ReplicaLocation {
@@ -21,28 +48,31 @@ pub struct Location {
     pub replicas: Vec<ReplicaLocation>,
 }
 
-impl ReplicaLocation {
-    fn from_pb(r: &pb::Replica, object_size: u64) -> Result<ReplicaLocation, String> {
-        let seg = r
-            .segment
-            .as_ref()
-            .ok_or_else(|| "replica without a segment descriptor".to_owned())?;
+/// A replica of an object of the given size.
+impl TryFrom<(&pb::Replica, u64)> for ReplicaLocation {
+    type Error = LocationError;
+
+    fn try_from((r, object_size): (&pb::Replica, u64)) -> Result<ReplicaLocation, LocationError> {
+        let seg = r.segment.as_ref().ok_or(LocationError::NoSegment)?;
         if seg.transfer_endpoint.is_empty() {
-            return Err(format!("segment '{}' has no transfer endpoint", seg.name));
+            return Err(LocationError::NoEndpoint(seg.name.clone()));
         }
         if r.size != object_size {
-            return Err(format!(
-                "replica on '{}' holds {} bytes, object has {}",
-                seg.name, r.size, object_size
-            ));
+            return Err(LocationError::SizeMismatch {
+                segment: seg.name.clone(),
+                replica: r.size,
+                object: object_size,
+            });
         }
         let disk = r.kind == pb::ReplicaKind::LocalDisk as i32;
         let end = r.offset.checked_add(r.size);
         if !disk && end.is_none_or(|e| e > seg.size) {
-            return Err(format!(
-                "replica range {}+{} lies outside segment '{}' of {} bytes",
-                r.offset, r.size, seg.name, seg.size
-            ));
+            return Err(LocationError::OutsideSegment {
+                offset: r.offset,
+                size: r.size,
+                segment: seg.name.clone(),
+                segment_size: seg.size,
+            });
         }
         Ok(ReplicaLocation {
             segment_name: seg.name.clone(),
@@ -59,17 +89,21 @@ impl ReplicaLocation {
     }
 }
 
-impl Location {
-    /// Converts a put placement (memory replicas only).
-    pub(crate) fn from_put(resp: &pb::PutStartResponse, size: u64) -> Result<Location, String> {
+/// A put placement (memory replicas only) for an object of the given size.
+impl TryFrom<(&pb::PutStartResponse, u64)> for Location {
+    type Error = LocationError;
+
+    fn try_from((resp, size): (&pb::PutStartResponse, u64)) -> Result<Location, LocationError> {
         Self::build(resp.generation, size, &resp.replicas)
     }
+}
 
+impl Location {
     pub(crate) fn build(
         generation: u64,
         size: u64,
         replicas: &[pb::Replica],
-    ) -> Result<Location, String> {
+    ) -> Result<Location, LocationError> {
         // Memory replicas first (one transfer away), then disk ones (the owner reads its disk).
         let mem = pb::ReplicaKind::Memory as i32;
         let disk = pb::ReplicaKind::LocalDisk as i32;
@@ -77,10 +111,10 @@ impl Location {
             .iter()
             .filter(|r| r.kind == mem)
             .chain(replicas.iter().filter(|r| r.kind == disk))
-            .map(|r| ReplicaLocation::from_pb(r, size))
+            .map(|r| ReplicaLocation::try_from((r, size)))
             .collect::<Result<Vec<_>, _>>()?;
         if replicas.is_empty() {
-            return Err("no memory or local disk replica".to_owned());
+            return Err(LocationError::NoReplica);
         }
         Ok(Location {
             generation,
@@ -91,9 +125,9 @@ impl Location {
 }
 
 impl TryFrom<&pb::ObjectLocation> for Location {
-    type Error = String;
+    type Error = LocationError;
 
-    fn try_from(l: &pb::ObjectLocation) -> Result<Location, String> {
+    fn try_from(l: &pb::ObjectLocation) -> Result<Location, LocationError> {
         Location::build(l.generation, l.size, &l.replicas)
     }
 }

@@ -3,12 +3,17 @@
 //! The wire contract between lunakv's services: the generated gRPC code for `proto/*.proto`, the
 //! Mooncake-compatible [`ErrorCode`]s carried in per-item results, and the key rules every side
 //! enforces. Used by the master (server), and by the client library, the store-client and the
-//! CLI (clients). Kept slim on purpose: no business logic lives here.
+//! CLI (clients). Also the contracts both sides must spell alike: the gRPC metadata names
+//! ([`headers`]), the error-to-status mapping ([`status`]), and the domain types of the
+//! master's reports ([`views`]) so that prost types stay behind the gRPC edges. Kept slim on
+//! purpose: no business logic lives here.
 #![forbid(unsafe_code)]
 
 mod codes;
 pub mod foreign;
 mod keys;
+pub mod status;
+pub mod views;
 
 pub use codes::ErrorCode;
 pub use keys::{KeyError, MAX_KEY_LEN, validate_key};
@@ -63,4 +68,45 @@ pub mod headers {
     /// A master that has just started (or was just elected) and is rebuilding its object index
     /// from the owners' inventories: retry shortly at the same master, HA or not.
     pub const REBUILDING: &str = "x-lunakv-rebuilding";
+    /// A follower's redirect: the leader's `host:port`.
+    pub const LEADER: &str = "x-lunakv-leader";
+    /// A follower's redirect: the leader's term, so that a client ignores a stale redirect.
+    pub const LEADER_TERM: &str = "x-lunakv-leader-term";
+
+    use tonic::metadata::{MetadataMap, MetadataValue};
+
+    /// The leader a follower names in its `UNAVAILABLE` answer ([`LEADER`] and [`LEADER_TERM`]):
+    /// the master writes it, the client follows it, and both read the names from here.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct LeaderRedirect {
+        /// The leader's `host:port`.
+        pub address: String,
+        /// The leader's term; 0 when the redirect carried none (or an unreadable one).
+        pub term: u64,
+    }
+
+    impl LeaderRedirect {
+        /// Writes both headers, or neither when the address is not valid metadata: a redirect
+        /// without its leader is still a plain `UNAVAILABLE` that clients retry.
+        pub fn insert_into(&self, md: &mut MetadataMap) {
+            if let (Ok(a), Ok(t)) = (
+                MetadataValue::try_from(self.address.as_str()),
+                MetadataValue::try_from(self.term.to_string().as_str()),
+            ) {
+                md.insert(LEADER, a);
+                md.insert(LEADER_TERM, t);
+            }
+        }
+
+        /// The redirect in `md`, if it names a leader.
+        pub fn from_metadata(md: &MetadataMap) -> Option<Self> {
+            let address = md.get(LEADER)?.to_str().ok()?.to_owned();
+            let term = md
+                .get(LEADER_TERM)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0);
+            Some(Self { address, term })
+        }
+    }
 }

@@ -582,24 +582,59 @@ fn reply<W: Write>(w: &mut W, status: Status, value: u64, msg: &str) -> io::Resu
     }
 }
 
+/// An `OK` answer carrying `body` (object bytes, failed generations, a descriptor): header and
+/// body in one gathered write.
+fn reply_body<W: Write>(w: &mut W, value: u64, body: &[u8]) -> io::Result<()> {
+    let hdr = Response {
+        status: Status::Ok,
+        value,
+        len: body.len() as u64,
+    }
+    .encode();
+    crate::vio::write_all_gather(w, &[&hdr, body], &[])
+}
+
+/// One connection's state across its requests: the streams, the pins it holds, reusable
+/// buffers, and the RDMA queue pairs it set up.
+struct Conn<'a, S: Stream> {
+    shared: &'a Shared,
+    rd: BufReader<S>,
+    wr: S,
+    unix: bool,
+    pins: &'a mut Vec<(u64, u64, u64, PinId)>,
+    /// The segment's size: the bound of every range and the value of an OUT_OF_BOUNDS answer.
+    size: u64,
+    key_buf: Vec<u8>,
+    free_buf: Vec<u8>,
+    load_buf: Vec<u8>,
+    /// After RDMA_CONNECT: the queue pairs of this connection (they live as long as it does),
+    /// and PIN/UNPIN/COMMIT become valid on tcp (the control ops of the RDMA data path).
+    rdma_qps: Vec<Box<dyn std::any::Any + Send>>,
+}
+
 fn serve<S: Stream>(
     shared: &Shared,
-    mut rd: BufReader<S>,
-    mut wr: S,
+    rd: BufReader<S>,
+    wr: S,
     unix: bool,
     pins: &mut Vec<(u64, u64, u64, PinId)>,
 ) -> Result<(), End> {
-    let size = shared.mem.len();
-    let mut key_buf: Vec<u8> = Vec::with_capacity(256);
-    let mut free_buf: Vec<u8> = Vec::new();
-    let mut load_buf: Vec<u8> = Vec::new();
-    // After RDMA_CONNECT: the queue pairs of this connection (they live as long as it does),
-    // and PIN/UNPIN/COMMIT become valid on tcp (the control ops of the RDMA data path).
-    let mut rdma_qps: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
+    let mut c = Conn {
+        shared,
+        rd,
+        wr,
+        unix,
+        pins,
+        size: shared.mem.len(),
+        key_buf: Vec::with_capacity(256),
+        free_buf: Vec::new(),
+        load_buf: Vec::new(),
+        rdma_qps: Vec::new(),
+    };
     loop {
         let mut hdr = [0u8; wire::REQ_LEN];
         // EOF before the first byte of a frame is a clean close; inside a frame it is truncation.
-        match rd.read(&mut hdr[..1]) {
+        match c.rd.read(&mut hdr[..1]) {
             Ok(0) => return Err(End::Closed),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -615,7 +650,7 @@ fn serve<S: Stream>(
             }
             Err(e) => return Err(End::Io(e)),
         }
-        if let Err(e) = rd.read_exact(&mut hdr[1..]) {
+        if let Err(e) = c.rd.read_exact(&mut hdr[1..]) {
             return Err(End::Garbage(format!("truncated header: {e}")));
         }
         let req = match Request::decode(&hdr) {
@@ -623,13 +658,13 @@ fn serve<S: Stream>(
             Err(why) => return Err(End::Garbage(why)),
         };
         // The requester's trace context, if any: this request's work is a span of its trace.
-        let span = match crate::trace::read_context(&hdr, &mut rd) {
+        let span = match crate::trace::read_context(&hdr, &mut c.rd) {
             Ok(tc) => tc.and_then(|tc| crate::trace::server_span(&req, &tc)),
             Err(e) => return Err(End::Garbage(format!("truncated trace context: {e}"))),
         };
         let _in_span = span.as_ref().map(|s| s.enter());
         let shm_only = matches!(req.op, Op::Attach | Op::Pin | Op::Unpin | Op::Commit);
-        if shm_only && !unix && (rdma_qps.is_empty() || req.op == Op::Attach) {
+        if shm_only && !c.unix && (c.rdma_qps.is_empty() || req.op == Op::Attach) {
             return Err(End::Garbage(format!(
                 "{:?} is only valid on the shm unix socket",
                 req.op
@@ -637,370 +672,18 @@ fn serve<S: Stream>(
         }
         let started = Instant::now();
         match req.op {
-            Op::Write | Op::Commit => {
-                let key_len = req.key_len as usize;
-                if key_len > wire::MAX_KEY_LEN {
-                    return Err(End::Garbage(format!(
-                        "key length {key_len} > {}",
-                        wire::MAX_KEY_LEN
-                    )));
-                }
-                key_buf.resize(key_len, 0);
-                rd.read_exact(&mut key_buf)?;
-                let payload = if req.op == Op::Write { req.len } else { 0 };
-                if req.len == 0 {
-                    reply(&mut wr, Status::BadRequest, 0, "zero-length object")?;
-                    continue;
-                }
-                let Some((off, len)) = shared.mem.check(req.offset, req.len) else {
-                    if payload > size {
-                        // Cannot be a real object of this segment: a garbage length.
-                        return Err(End::Garbage(format!(
-                            "write length {} > segment size {size}",
-                            req.len
-                        )));
-                    }
-                    crate::vio::discard(&mut rd, payload)?;
-                    reply(
-                        &mut wr,
-                        Status::OutOfBounds,
-                        size,
-                        "range outside the segment",
-                    )?;
-                    continue;
-                };
-                if req.op == Op::Write {
-                    shared
-                        .table
-                        .invalidate_range(req.offset, req.len, OVERWRITE_PIN_WAIT);
-                    // SAFETY: [off, off+len) was bounds-checked against the mapping, and the
-                    // entries there were just retired and their readers waited for, so nothing
-                    // else reads this range through a reference while we fill it. The slice
-                    // lives only for this read_exact.
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut(shared.mem.ptr_at(off), len) };
-                    rd.read_exact(dst)?;
-                }
-                let Ok(key) = std::str::from_utf8(&key_buf) else {
-                    reply(&mut wr, Status::BadRequest, 0, "key is not UTF-8")?;
-                    continue;
-                };
-                shared
-                    .table
-                    .commit(req.generation, key.to_owned(), req.offset, req.len);
-                shared.counters.writes.fetch_add(1, Ordering::Relaxed);
-                shared
-                    .counters
-                    .bytes_written
-                    .fetch_add(req.len, Ordering::Relaxed);
-                reply(&mut wr, Status::Ok, 0, "")?;
-                let op = if req.op == Op::Write {
-                    TimedOp::Write
-                } else {
-                    TimedOp::Commit
-                };
-                shared.counters.op_times.observe(op, started.elapsed());
-            }
-            Op::Read | Op::Pin => {
-                if req.len == 0 {
-                    reply(&mut wr, Status::BadRequest, 0, "zero-length read")?;
-                    continue;
-                }
-                let Some((off, len)) = shared.mem.check(req.offset, req.len) else {
-                    reply(
-                        &mut wr,
-                        Status::OutOfBounds,
-                        size,
-                        "range outside the segment",
-                    )?;
-                    continue;
-                };
-                if req.op == Op::Pin && pins.len() >= MAX_PINS_PER_CONN {
-                    reply(
-                        &mut wr,
-                        Status::BadRequest,
-                        0,
-                        "too many pins on one connection",
-                    )?;
-                    continue;
-                }
-                let pin = match shared.table.pin(req.generation, req.offset, req.len) {
-                    PinResult::Pinned(p) => p,
-                    PinResult::Stale => {
-                        reply(&mut wr, Status::Stale, 0, "")?;
-                        continue;
-                    }
-                };
-                shared.counters.reads.fetch_add(1, Ordering::Relaxed);
-                shared
-                    .counters
-                    .bytes_read
-                    .fetch_add(req.len, Ordering::Relaxed);
-                if req.op == Op::Pin {
-                    pins.push((req.generation, req.offset, req.len, pin));
-                    reply(&mut wr, Status::Ok, 0, "")?;
-                    let took = started.elapsed();
-                    shared.counters.op_times.observe(TimedOp::Pin, took);
-                    continue;
-                }
-                let hdr = Response {
-                    status: Status::Ok,
-                    value: 0,
-                    len: req.len,
-                }
-                .encode();
-                // SAFETY: the range is bounds-checked and the entry is pinned, so no WRITE or
-                // FREE reuses it until we unpin; the slice only lives for this writev.
-                let body = unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(off), len) };
-                let r = crate::vio::write_all_gather(&mut wr, &[&hdr, body], &[]);
-                shared.table.unpin(pin);
-                r?;
-                let took = started.elapsed();
-                shared.counters.op_times.observe(TimedOp::Read, took);
-            }
-            Op::Unpin => {
-                if let Some(i) = pins
-                    .iter()
-                    .position(|&(g, o, l, _)| (g, o, l) == (req.generation, req.offset, req.len))
-                {
-                    let (_, _, _, pin) = pins.swap_remove(i);
-                    shared.table.unpin(pin);
-                }
-            }
-            Op::Free => {
-                let count = req.key_len;
-                if count > wire::MAX_FREE_ITEMS {
-                    return Err(End::Garbage(format!(
-                        "FREE of {count} items > {}",
-                        wire::MAX_FREE_ITEMS
-                    )));
-                }
-                let deadline = Instant::now() + Duration::from_millis(u64::from(req.aux));
-                let mut pinned = Vec::new();
-                for_each_chunk(&mut rd, &mut free_buf, count as usize, |items| {
-                    let disk: Vec<u64> = items
-                        .iter()
-                        .filter(|(_, o)| *o == wire::DISK_OFFSET)
-                        .map(|(g, _)| *g)
-                        .collect();
-                    if !disk.is_empty()
-                        && let Some(cold) = shared.cold.get()
-                    {
-                        cold.remove(&disk);
-                    }
-                    pinned.extend(shared.table.retire_items(items));
-                })?;
-                if shared.table.wait_unpinned(&pinned, deadline) {
-                    reply(&mut wr, Status::Ok, 0, "")?;
-                } else {
-                    reply(
-                        &mut wr,
-                        Status::Timeout,
-                        0,
-                        "entries dropped but readers still hold pins",
-                    )?;
-                }
-            }
-            Op::Offload => {
-                let count = req.key_len;
-                if count > wire::MAX_FREE_ITEMS {
-                    return Err(End::Garbage(format!(
-                        "OFFLOAD of {count} items > {}",
-                        wire::MAX_FREE_ITEMS
-                    )));
-                }
-                let deadline = Instant::now() + Duration::from_millis(u64::from(req.aux));
-                let mut pinned = Vec::new();
-                let mut stored = 0u64;
-                // Grows only with pairs actually received (8 of every 16 bytes at most).
-                let mut body: Vec<u8> = Vec::new();
-                for_each_chunk(&mut rd, &mut free_buf, count as usize, |items| {
-                    let (s, failed) = offload(shared, items);
-                    stored += s;
-                    body.extend(failed.iter().flat_map(|g| g.to_le_bytes()));
-                    // Durable (or failed): now the DRAM entries go, exactly as FREE.
-                    pinned.extend(shared.table.retire_items(items));
-                })?;
-                shared.table.wait_unpinned(&pinned, deadline);
-                let hdr = Response {
-                    status: Status::Ok,
-                    value: stored,
-                    len: body.len() as u64,
-                }
-                .encode();
-                crate::vio::write_all_gather(&mut wr, &[&hdr, &body], &[])?;
-            }
-            Op::Load => {
-                if req.len == 0 || req.len > size.max(1 << 30) {
-                    reply(&mut wr, Status::BadRequest, 0, "bad load length")?;
-                    continue;
-                }
-                // DRAM first: an offload in flight drops the DRAM entry only after the disk
-                // copy is indexed, so checking DRAM then disk never misses the object.
-                if let Some((pin, off)) = shared.table.pin_gen(req.generation, req.len) {
-                    let hdr = Response {
-                        status: Status::Ok,
-                        value: 0,
-                        len: req.len,
-                    }
-                    .encode();
-                    let r = match shared.mem.check(off, req.len) {
-                        Some((o, l)) => {
-                            // SAFETY: bounds-checked and pinned, as for READ.
-                            let body =
-                                unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(o), l) };
-                            crate::vio::write_all_gather(&mut wr, &[&hdr, body], &[])
-                        }
-                        None => reply(&mut wr, Status::Stale, 0, ""),
-                    };
-                    shared.table.unpin(pin);
-                    r?;
-                    continue;
-                }
-                let Some(cold) = shared.cold.get() else {
-                    reply(&mut wr, Status::Stale, 0, "")?;
-                    continue;
-                };
-                if cold.size_of(req.generation) != Some(req.len) {
-                    reply(&mut wr, Status::Stale, 0, "")?;
-                    continue;
-                }
-                // Only a real object of this length gets here; the budget bounds how many
-                // such buffers all connections hold at once.
-                let taken = shared.load_budget.take(req.len);
-                load_buf.resize(req.len as usize, 0);
-                let r = match cold.load(req.generation, &mut load_buf) {
-                    Ok(true) => {
-                        shared.counters.reads.fetch_add(1, Ordering::Relaxed);
-                        shared
-                            .counters
-                            .bytes_read
-                            .fetch_add(req.len, Ordering::Relaxed);
-                        let hdr = Response {
-                            status: Status::Ok,
-                            value: 0,
-                            len: req.len,
-                        }
-                        .encode();
-                        crate::vio::write_all_gather(&mut wr, &[&hdr, &load_buf], &[])
-                    }
-                    Ok(false) => reply(&mut wr, Status::Stale, 0, ""),
-                    Err(msg) => {
-                        tracing::warn!(generation = req.generation, error = %msg, "disk load failed");
-                        reply(&mut wr, Status::Stale, 0, "")
-                    }
-                };
-                // Keep the buffer for the next load only while small: idle connections must
-                // not sit on big buffers outside the budget.
-                if load_buf.capacity() > LOAD_BUF_KEEP {
-                    load_buf = Vec::new();
-                }
-                shared.load_budget.give(taken);
-                r?;
-            }
-            Op::Promote => {
-                let key_len = req.key_len as usize;
-                if key_len > wire::MAX_KEY_LEN {
-                    return Err(End::Garbage(format!(
-                        "key length {key_len} > {}",
-                        wire::MAX_KEY_LEN
-                    )));
-                }
-                key_buf.resize(key_len, 0);
-                rd.read_exact(&mut key_buf)?;
-                if unix {
-                    reply(
-                        &mut wr,
-                        Status::BadRequest,
-                        0,
-                        "PROMOTE is only valid on the tcp listener",
-                    )?;
-                    continue;
-                }
-                if req.len == 0 {
-                    reply(&mut wr, Status::BadRequest, 0, "zero-length object")?;
-                    continue;
-                }
-                let Ok(key) = std::str::from_utf8(&key_buf) else {
-                    reply(&mut wr, Status::BadRequest, 0, "key is not UTF-8")?;
-                    continue;
-                };
-                let Some((off, len)) = shared.mem.check(req.offset, req.len) else {
-                    reply(
-                        &mut wr,
-                        Status::OutOfBounds,
-                        size,
-                        "range outside the segment",
-                    )?;
-                    continue;
-                };
-                let Some(cold) = shared.cold.get() else {
-                    reply(&mut wr, Status::Stale, 0, "")?;
-                    continue;
-                };
-                if cold.size_of(req.generation) != Some(req.len) {
-                    reply(&mut wr, Status::Stale, 0, "")?;
-                    continue;
-                }
-                // The master reserved this range for the promotion; retire anything stale
-                // there and wait for its readers, as WRITE does.
-                shared
-                    .table
-                    .invalidate_range(req.offset, req.len, OVERWRITE_PIN_WAIT);
-                // SAFETY: [off, off+len) was bounds-checked against the mapping, and the
-                // entries there were just retired and their readers waited for, so nothing
-                // reads this range through a reference while the disk tier fills it. The
-                // slice lives only for this load.
-                let dst = unsafe { std::slice::from_raw_parts_mut(shared.mem.ptr_at(off), len) };
-                match cold.load(req.generation, dst) {
-                    Ok(true) => {
-                        shared
-                            .table
-                            .commit(req.generation, key.to_owned(), req.offset, req.len);
-                        reply(&mut wr, Status::Ok, 0, "")?;
-                    }
-                    Ok(false) => reply(&mut wr, Status::Stale, 0, "")?,
-                    Err(msg) => {
-                        tracing::warn!(generation = req.generation, error = %msg, "promotion from disk failed");
-                        reply(&mut wr, Status::Stale, 0, "")?
-                    }
-                }
-            }
+            Op::Write | Op::Commit => c.write(&req, started)?,
+            Op::Read | Op::Pin => c.read(&req, started)?,
+            Op::Unpin => c.unpin(&req),
+            Op::Free => c.free(&req)?,
+            Op::Offload => c.offload(&req)?,
+            Op::Load => c.load(&req)?,
+            Op::Promote => c.promote(&req)?,
             Op::Attach => {
-                send_fd(&wr, shared, wire::wants_identity(&hdr))?;
+                send_fd(&c.wr, shared, wire::wants_identity(&hdr))?;
                 shared.counters.shm_attaches.fetch_add(1, Ordering::Relaxed);
             }
-            Op::RdmaConnect => {
-                let n = req.key_len as usize;
-                if n > crate::rdma::RDMA_DESC_MAX_LEN {
-                    return Err(End::Garbage(format!(
-                        "RDMA_CONNECT descriptor of {n} bytes"
-                    )));
-                }
-                key_buf.resize(n, 0);
-                rd.read_exact(&mut key_buf)?;
-                let answer = if unix {
-                    Err("RDMA_CONNECT is only valid on the tcp listener".to_string())
-                } else {
-                    shared.rdma.accept(&key_buf)
-                };
-                match answer {
-                    Ok((qp, desc)) => {
-                        rdma_qps.push(qp);
-                        // The queue pair lives as long as this connection, and RDMA reads
-                        // leave it quiet: it is not idle.
-                        wr.clear_read_timeout()?;
-                        let hdr = Response {
-                            status: Status::Ok,
-                            value: 0,
-                            len: desc.len() as u64,
-                        }
-                        .encode();
-                        crate::vio::write_all_gather(&mut wr, &[&hdr, &desc], &[])?;
-                    }
-                    Err(why) => reply(&mut wr, Status::BadRequest, 0, &why)?,
-                }
-            }
+            Op::RdmaConnect => c.rdma_connect(&req)?,
             Op::RawWrite | Op::RawRead => {
                 return Err(End::Garbage(format!(
                     "{:?} addresses registered memory and is served by a RegionServer, not a segment",
@@ -1008,6 +691,352 @@ fn serve<S: Stream>(
                 )));
             }
         }
+    }
+}
+
+impl<S: Stream> Conn<'_, S> {
+    fn reply(&mut self, status: Status, value: u64, msg: &str) -> io::Result<()> {
+        reply(&mut self.wr, status, value, msg)
+    }
+
+    fn out_of_bounds(&mut self) -> io::Result<()> {
+        self.reply(Status::OutOfBounds, self.size, "range outside the segment")
+    }
+
+    /// The mapped range a request names, or `None` once OUT_OF_BOUNDS is answered.
+    fn range(&mut self, req: &Request) -> io::Result<Option<(usize, usize)>> {
+        let r = self.shared.mem.check(req.offset, req.len);
+        if r.is_none() {
+            self.out_of_bounds()?;
+        }
+        Ok(r)
+    }
+
+    /// Reads a request's key (at most [`wire::MAX_KEY_LEN`] bytes) into `key_buf`.
+    fn read_key(&mut self, req: &Request) -> Result<(), End> {
+        let key_len = req.key_len as usize;
+        if key_len > wire::MAX_KEY_LEN {
+            return Err(End::Garbage(format!(
+                "key length {key_len} > {}",
+                wire::MAX_KEY_LEN
+            )));
+        }
+        self.key_buf.resize(key_len, 0);
+        self.rd.read_exact(&mut self.key_buf)?;
+        Ok(())
+    }
+
+    /// The item count of a FREE or OFFLOAD, bounded by [`wire::MAX_FREE_ITEMS`].
+    fn item_count(req: &Request, what: &str) -> Result<usize, End> {
+        let count = req.key_len;
+        if count > wire::MAX_FREE_ITEMS {
+            return Err(End::Garbage(format!(
+                "{what} of {count} items > {}",
+                wire::MAX_FREE_ITEMS
+            )));
+        }
+        Ok(count as usize)
+    }
+
+    /// WRITE (key and bytes) and COMMIT (key only: the bytes came by shm or RDMA).
+    fn write(&mut self, req: &Request, started: Instant) -> Result<(), End> {
+        let shared = self.shared;
+        self.read_key(req)?;
+        let payload = if req.op == Op::Write { req.len } else { 0 };
+        if req.len == 0 {
+            self.reply(Status::BadRequest, 0, "zero-length object")?;
+            return Ok(());
+        }
+        let Some((off, len)) = shared.mem.check(req.offset, req.len) else {
+            if payload > self.size {
+                // Cannot be a real object of this segment: a garbage length.
+                return Err(End::Garbage(format!(
+                    "write length {} > segment size {}",
+                    req.len, self.size
+                )));
+            }
+            crate::vio::discard(&mut self.rd, payload)?;
+            self.out_of_bounds()?;
+            return Ok(());
+        };
+        if req.op == Op::Write {
+            shared
+                .table
+                .invalidate_range(req.offset, req.len, OVERWRITE_PIN_WAIT);
+            // SAFETY: [off, off+len) was bounds-checked against the mapping, and the
+            // entries there were just retired and their readers waited for, so nothing
+            // else reads this range through a reference while we fill it. The slice
+            // lives only for this read_exact.
+            let dst = unsafe { std::slice::from_raw_parts_mut(shared.mem.ptr_at(off), len) };
+            self.rd.read_exact(dst)?;
+        }
+        let Ok(key) = std::str::from_utf8(&self.key_buf) else {
+            self.reply(Status::BadRequest, 0, "key is not UTF-8")?;
+            return Ok(());
+        };
+        shared
+            .table
+            .commit(req.generation, key.to_owned(), req.offset, req.len);
+        shared.counters.writes.fetch_add(1, Ordering::Relaxed);
+        shared
+            .counters
+            .bytes_written
+            .fetch_add(req.len, Ordering::Relaxed);
+        self.reply(Status::Ok, 0, "")?;
+        let op = if req.op == Op::Write {
+            TimedOp::Write
+        } else {
+            TimedOp::Commit
+        };
+        shared.counters.op_times.observe(op, started.elapsed());
+        Ok(())
+    }
+
+    /// READ (bytes back on this stream) and PIN (the requester copies them by shm or RDMA).
+    fn read(&mut self, req: &Request, started: Instant) -> Result<(), End> {
+        let shared = self.shared;
+        if req.len == 0 {
+            self.reply(Status::BadRequest, 0, "zero-length read")?;
+            return Ok(());
+        }
+        let Some((off, len)) = self.range(req)? else {
+            return Ok(());
+        };
+        if req.op == Op::Pin && self.pins.len() >= MAX_PINS_PER_CONN {
+            self.reply(Status::BadRequest, 0, "too many pins on one connection")?;
+            return Ok(());
+        }
+        let pin = match shared.table.pin(req.generation, req.offset, req.len) {
+            PinResult::Pinned(p) => p,
+            PinResult::Stale => {
+                self.reply(Status::Stale, 0, "")?;
+                return Ok(());
+            }
+        };
+        shared.counters.reads.fetch_add(1, Ordering::Relaxed);
+        shared
+            .counters
+            .bytes_read
+            .fetch_add(req.len, Ordering::Relaxed);
+        if req.op == Op::Pin {
+            self.pins.push((req.generation, req.offset, req.len, pin));
+            self.reply(Status::Ok, 0, "")?;
+            let took = started.elapsed();
+            shared.counters.op_times.observe(TimedOp::Pin, took);
+            return Ok(());
+        }
+        // SAFETY: the range is bounds-checked and the entry is pinned, so no WRITE or
+        // FREE reuses it until we unpin; the slice only lives for this writev.
+        let body = unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(off), len) };
+        let r = reply_body(&mut self.wr, 0, body);
+        shared.table.unpin(pin);
+        r?;
+        let took = started.elapsed();
+        shared.counters.op_times.observe(TimedOp::Read, took);
+        Ok(())
+    }
+
+    fn unpin(&mut self, req: &Request) {
+        if let Some(i) = self
+            .pins
+            .iter()
+            .position(|&(g, o, l, _)| (g, o, l) == (req.generation, req.offset, req.len))
+        {
+            let (_, _, _, pin) = self.pins.swap_remove(i);
+            self.shared.table.unpin(pin);
+        }
+    }
+
+    fn free(&mut self, req: &Request) -> Result<(), End> {
+        let shared = self.shared;
+        let count = Self::item_count(req, "FREE")?;
+        let deadline = Instant::now() + Duration::from_millis(u64::from(req.aux));
+        let mut pinned = Vec::new();
+        for_each_chunk(&mut self.rd, &mut self.free_buf, count, |items| {
+            let disk: Vec<u64> = items
+                .iter()
+                .filter(|(_, o)| *o == wire::DISK_OFFSET)
+                .map(|(g, _)| *g)
+                .collect();
+            if !disk.is_empty()
+                && let Some(cold) = shared.cold.get()
+            {
+                cold.remove(&disk);
+            }
+            pinned.extend(shared.table.retire_items(items));
+        })?;
+        if shared.table.wait_unpinned(&pinned, deadline) {
+            self.reply(Status::Ok, 0, "")?;
+        } else {
+            self.reply(
+                Status::Timeout,
+                0,
+                "entries dropped but readers still hold pins",
+            )?;
+        }
+        Ok(())
+    }
+
+    fn offload(&mut self, req: &Request) -> Result<(), End> {
+        let shared = self.shared;
+        let count = Self::item_count(req, "OFFLOAD")?;
+        let deadline = Instant::now() + Duration::from_millis(u64::from(req.aux));
+        let mut pinned = Vec::new();
+        let mut stored = 0u64;
+        // Grows only with pairs actually received (8 of every 16 bytes at most).
+        let mut body: Vec<u8> = Vec::new();
+        for_each_chunk(&mut self.rd, &mut self.free_buf, count, |items| {
+            let (s, failed) = offload(shared, items);
+            stored += s;
+            body.extend(failed.iter().flat_map(|g| g.to_le_bytes()));
+            // Durable (or failed): now the DRAM entries go, exactly as FREE.
+            pinned.extend(shared.table.retire_items(items));
+        })?;
+        shared.table.wait_unpinned(&pinned, deadline);
+        reply_body(&mut self.wr, stored, &body)?;
+        Ok(())
+    }
+
+    fn load(&mut self, req: &Request) -> Result<(), End> {
+        let shared = self.shared;
+        if req.len == 0 || req.len > self.size.max(1 << 30) {
+            self.reply(Status::BadRequest, 0, "bad load length")?;
+            return Ok(());
+        }
+        // DRAM first: an offload in flight drops the DRAM entry only after the disk
+        // copy is indexed, so checking DRAM then disk never misses the object.
+        if let Some((pin, off)) = shared.table.pin_gen(req.generation, req.len) {
+            let r = match shared.mem.check(off, req.len) {
+                Some((o, l)) => {
+                    // SAFETY: bounds-checked and pinned, as for READ.
+                    let body = unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(o), l) };
+                    reply_body(&mut self.wr, 0, body)
+                }
+                None => self.reply(Status::Stale, 0, ""),
+            };
+            shared.table.unpin(pin);
+            r?;
+            return Ok(());
+        }
+        let Some(cold) = shared.cold.get() else {
+            self.reply(Status::Stale, 0, "")?;
+            return Ok(());
+        };
+        if cold.size_of(req.generation) != Some(req.len) {
+            self.reply(Status::Stale, 0, "")?;
+            return Ok(());
+        }
+        // Only a real object of this length gets here; the budget bounds how many
+        // such buffers all connections hold at once.
+        let taken = shared.load_budget.take(req.len);
+        self.load_buf.resize(req.len as usize, 0);
+        let r = match cold.load(req.generation, &mut self.load_buf) {
+            Ok(true) => {
+                shared.counters.reads.fetch_add(1, Ordering::Relaxed);
+                shared
+                    .counters
+                    .bytes_read
+                    .fetch_add(req.len, Ordering::Relaxed);
+                reply_body(&mut self.wr, 0, &self.load_buf)
+            }
+            Ok(false) => self.reply(Status::Stale, 0, ""),
+            Err(msg) => {
+                tracing::warn!(generation = req.generation, error = %msg, "disk load failed");
+                self.reply(Status::Stale, 0, "")
+            }
+        };
+        // Keep the buffer for the next load only while small: idle connections must
+        // not sit on big buffers outside the budget.
+        if self.load_buf.capacity() > LOAD_BUF_KEEP {
+            self.load_buf = Vec::new();
+        }
+        shared.load_budget.give(taken);
+        r?;
+        Ok(())
+    }
+
+    fn promote(&mut self, req: &Request) -> Result<(), End> {
+        let shared = self.shared;
+        self.read_key(req)?;
+        if self.unix {
+            self.reply(
+                Status::BadRequest,
+                0,
+                "PROMOTE is only valid on the tcp listener",
+            )?;
+            return Ok(());
+        }
+        if req.len == 0 {
+            self.reply(Status::BadRequest, 0, "zero-length object")?;
+            return Ok(());
+        }
+        let Ok(key) = std::str::from_utf8(&self.key_buf) else {
+            self.reply(Status::BadRequest, 0, "key is not UTF-8")?;
+            return Ok(());
+        };
+        let key = key.to_owned();
+        let Some((off, len)) = self.range(req)? else {
+            return Ok(());
+        };
+        let Some(cold) = shared.cold.get() else {
+            self.reply(Status::Stale, 0, "")?;
+            return Ok(());
+        };
+        if cold.size_of(req.generation) != Some(req.len) {
+            self.reply(Status::Stale, 0, "")?;
+            return Ok(());
+        }
+        // The master reserved this range for the promotion; retire anything stale
+        // there and wait for its readers, as WRITE does.
+        shared
+            .table
+            .invalidate_range(req.offset, req.len, OVERWRITE_PIN_WAIT);
+        // SAFETY: [off, off+len) was bounds-checked against the mapping, and the
+        // entries there were just retired and their readers waited for, so nothing
+        // reads this range through a reference while the disk tier fills it. The
+        // slice lives only for this load.
+        let dst = unsafe { std::slice::from_raw_parts_mut(shared.mem.ptr_at(off), len) };
+        match cold.load(req.generation, dst) {
+            Ok(true) => {
+                shared
+                    .table
+                    .commit(req.generation, key, req.offset, req.len);
+                self.reply(Status::Ok, 0, "")?;
+            }
+            Ok(false) => self.reply(Status::Stale, 0, "")?,
+            Err(msg) => {
+                tracing::warn!(generation = req.generation, error = %msg, "promotion from disk failed");
+                self.reply(Status::Stale, 0, "")?
+            }
+        }
+        Ok(())
+    }
+
+    fn rdma_connect(&mut self, req: &Request) -> Result<(), End> {
+        let n = req.key_len as usize;
+        if n > crate::rdma::RDMA_DESC_MAX_LEN {
+            return Err(End::Garbage(format!(
+                "RDMA_CONNECT descriptor of {n} bytes"
+            )));
+        }
+        self.key_buf.resize(n, 0);
+        self.rd.read_exact(&mut self.key_buf)?;
+        let answer = if self.unix {
+            Err("RDMA_CONNECT is only valid on the tcp listener".to_string())
+        } else {
+            self.shared.rdma.accept(&self.key_buf)
+        };
+        match answer {
+            Ok((qp, desc)) => {
+                self.rdma_qps.push(qp);
+                // The queue pair lives as long as this connection, and RDMA reads
+                // leave it quiet: it is not idle.
+                self.wr.clear_read_timeout()?;
+                reply_body(&mut self.wr, 0, &desc)?;
+            }
+            Err(why) => self.reply(Status::BadRequest, 0, &why)?,
+        }
+        Ok(())
     }
 }
 

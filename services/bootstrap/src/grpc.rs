@@ -6,9 +6,10 @@ use std::sync::Arc;
 
 use lunakv_proto::bootstrap as pb;
 use lunakv_proto::bootstrap::bootstrap_server::{Bootstrap, BootstrapServer};
+use lunakv_proto::status::GrpcError;
 use tokio::sync::watch;
 use tokio_stream::Stream;
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use crate::api::Api;
 use crate::state::{RegisterError, StateError, Table, Worker};
@@ -53,20 +54,32 @@ fn to_pb(t: &Table) -> pb::QueryResponse {
 }
 
 fn status(e: RegisterError) -> Status {
-    match e {
-        RegisterError::Invalid(_) | RegisterError::LeaseOutOfRange { .. } => {
-            Status::invalid_argument(e.to_string())
+    lunakv_proto::status::to_status(&e)
+}
+
+impl GrpcError for RegisterError {
+    fn code(&self) -> Code {
+        match self {
+            RegisterError::Invalid(_) | RegisterError::LeaseOutOfRange { .. } => {
+                Code::InvalidArgument
+            }
+            RegisterError::TableFull { .. } | RegisterError::PeerFull { .. } => {
+                Code::ResourceExhausted
+            }
+            RegisterError::Unavailable(_) => Code::Unavailable,
+            _ => Code::AlreadyExists,
         }
-        RegisterError::TableFull { .. } | RegisterError::PeerFull { .. } => {
-            Status::resource_exhausted(e.to_string())
-        }
-        RegisterError::Unavailable(_) => Status::unavailable(e.to_string()),
-        _ => Status::already_exists(e.to_string()),
+    }
+}
+
+impl GrpcError for StateError {
+    fn code(&self) -> Code {
+        Code::Unavailable
     }
 }
 
 fn unavailable(e: StateError) -> Status {
-    Status::unavailable(e.to_string())
+    lunakv_proto::status::to_status(&e)
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::QueryResponse, Status>> + Send>>;

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use lunakv_meta::MetaStore;
 use lunakv_proto::ErrorCode;
 use lunakv_proto::master as pb;
+use lunakv_proto::status::GrpcError;
 use tokio::sync::Notify;
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use crate::core::{
     CoreError, InventoryItem, Location, MasterCore, OpError, PutOptions, ReplicaView, SegmentDesc,
@@ -31,17 +32,23 @@ pub enum ServiceError {
 
 /// The one place internal errors become gRPC statuses.
 pub fn to_status(e: ServiceError) -> Status {
-    match &e {
-        ServiceError::Core(
-            CoreError::ClusterMismatch { .. } | CoreError::OffloadMismatch { .. },
-        ) => Status::failed_precondition(e.to_string()),
-        ServiceError::Core(CoreError::SegmentNotFound(_)) => Status::not_found(e.to_string()),
-        ServiceError::Core(CoreError::InventoryNotAwaited { .. }) => Status::aborted(e.to_string()),
-        ServiceError::Core(CoreError::NotOwner { .. }) => Status::permission_denied(e.to_string()),
-        ServiceError::Core(CoreError::InvalidArgument(_)) | ServiceError::Invalid(_) => {
-            Status::invalid_argument(e.to_string())
+    lunakv_proto::status::to_status(&e)
+}
+
+impl GrpcError for ServiceError {
+    fn code(&self) -> Code {
+        match self {
+            ServiceError::Core(
+                CoreError::ClusterMismatch { .. } | CoreError::OffloadMismatch { .. },
+            ) => Code::FailedPrecondition,
+            ServiceError::Core(CoreError::SegmentNotFound(_)) => Code::NotFound,
+            ServiceError::Core(CoreError::InventoryNotAwaited { .. }) => Code::Aborted,
+            ServiceError::Core(CoreError::NotOwner { .. }) => Code::PermissionDenied,
+            ServiceError::Core(CoreError::InvalidArgument(_)) | ServiceError::Invalid(_) => {
+                Code::InvalidArgument
+            }
+            ServiceError::Persist(_) => Code::Internal,
         }
-        ServiceError::Persist(_) => Status::internal(e.to_string()),
     }
 }
 

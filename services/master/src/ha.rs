@@ -36,13 +36,13 @@ use std::time::{Duration, Instant};
 use lunakv_meta::etcd::WatchEvent;
 use lunakv_meta::layout::{self, LeaderView};
 use lunakv_meta::{EtcdClient, MetaStore, WriteFence};
+use lunakv_proto::headers::LeaderRedirect;
 use parking_lot::RwLock;
 
 use crate::recovery::RecoveryGate;
 use prometheus::{IntCounter, IntGauge, Opts, Registry};
 use tokio::sync::watch;
 use tonic::Status;
-use tonic::metadata::MetadataValue;
 
 use crate::core::{CoreConfig, MasterCore};
 use crate::notifier::OwnerNotifier;
@@ -60,10 +60,6 @@ pub const PROBE_REFUSALS: u32 = 2;
 pub use crate::recovery::RECOVERY_GRACE;
 /// Timeout of each etcd call made by the election loop.
 pub const ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(2);
-/// gRPC metadata naming the leader (`host:port`) on a redirect.
-pub const LEADER_HEADER: &str = "x-lunakv-leader";
-/// gRPC metadata with the leader's term on a redirect.
-pub const TERM_HEADER: &str = "x-lunakv-leader-term";
 
 /// Renewal period and local-deadline margin for a granted lease TTL.
 ///
@@ -259,27 +255,22 @@ impl HaState {
         // Never redirect to ourselves: a master that refuses does not lead (any more).
         let me = self.me.read().address.clone();
         let leader = self.leader().filter(|l| l.address != me);
-        let mut s = match &leader {
-            Some(l) => Status::unavailable(format!(
+        let message = match &leader {
+            Some(l) => format!(
                 "{why}; the leader is {} (term {}): follow it through etcd \
                  (master_server_address etcd://{}) or retry there",
                 l.address, l.term, self.etcd_endpoints
-            )),
-            None => Status::unavailable(format!(
+            ),
+            None => format!(
                 "{why}; no leader is elected yet for cluster {:?}: retry in a moment",
                 self.cluster_id
-            )),
+            ),
         };
-        if let Some(l) = leader
-            && let (Ok(a), Ok(t)) = (
-                MetadataValue::try_from(l.address.as_str()),
-                MetadataValue::try_from(l.term.to_string().as_str()),
-            )
-        {
-            s.metadata_mut().insert(LEADER_HEADER, a);
-            s.metadata_mut().insert(TERM_HEADER, t);
-        }
-        s
+        let leader = leader.map(|l| LeaderRedirect {
+            address: l.address,
+            term: l.term,
+        });
+        lunakv_proto::status::redirect(message, leader.as_ref())
     }
 
     /// Gate at the start of an RPC. `mounting` RPCs (mount, ping, unmount) pass during recovery:

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use lunakv_client::{ClusterStatus, NamespaceStats, SegmentStatus};
 use lunakv_client::{ReplicateConfig, StoreClient};
 use lunakv_config::MooncakeConfig;
-use lunakv_proto::master as pb;
 use serde::Serialize;
 
 use crate::args::DoctorArgs;
@@ -233,7 +233,7 @@ fn render(master: &str, checks: &[Check]) -> String {
 
 // === the checks ===
 
-fn check_master(t: &Target, status: &Result<pb::ClusterStatus, String>) -> Check {
+fn check_master(t: &Target, status: &Result<ClusterStatus, String>) -> Check {
     const NAME: &str = "master";
     match status {
         Err(e) => Check::fail(
@@ -273,7 +273,7 @@ fn check_master(t: &Target, status: &Result<pb::ClusterStatus, String>) -> Check
     }
 }
 
-fn check_store_clients(a: &DoctorArgs, status: Option<&pb::ClusterStatus>) -> Check {
+fn check_store_clients(a: &DoctorArgs, status: Option<&ClusterStatus>) -> Check {
     const NAME: &str = "store_clients";
     let segments = status.map(|s| s.segments.as_slice()).unwrap_or_default();
     if segments.is_empty() && a.store.is_empty() {
@@ -328,7 +328,7 @@ fn check_store_clients(a: &DoctorArgs, status: Option<&pb::ClusterStatus>) -> Ch
 
 /// Every segment serves the protocol it was configured with. llm-d's manifests say rdma; a
 /// pod without a device serves tcp (one line in its log), and this row makes that visible.
-fn check_protocol(status: Option<&pb::ClusterStatus>) -> Check {
+fn check_protocol(status: Option<&ClusterStatus>) -> Check {
     const NAME: &str = "protocol";
     let Some(status) = status else {
         return Check::skip(NAME, "the master is unreachable");
@@ -363,13 +363,13 @@ fn check_protocol(status: Option<&pb::ClusterStatus>) -> Check {
 fn check_offload_write(
     a: &DoctorArgs,
     client: Option<&StoreClient>,
-    status: Option<&pb::ClusterStatus>,
+    status: Option<&ClusterStatus>,
 ) -> Check {
     const NAME: &str = "offload_write";
     let (Some(client), Some(status)) = (client, status) else {
         return Check::skip(NAME, "the master is unreachable");
     };
-    let offloading: Vec<&pb::SegmentStatus> = status
+    let offloading: Vec<&SegmentStatus> = status
         .segments
         .iter()
         .filter(|g| g.segment.as_ref().is_some_and(|d| d.enable_offload))
@@ -567,7 +567,7 @@ fn dir_bytes(dir: &Path) -> u64 {
 fn check_offload_config(
     engine: Option<&MooncakeConfig>,
     config: &Option<PathBuf>,
-    status: Option<&pb::ClusterStatus>,
+    status: Option<&ClusterStatus>,
 ) -> Check {
     const NAME: &str = "offload_config";
     let Some(status) = status else {
@@ -854,7 +854,7 @@ fn check_key_consistency(client: Option<&StoreClient>) -> Check {
             );
         }
     };
-    let flagged: Vec<&pb::NamespaceStats> = r.namespaces.iter().filter(|n| n.unshared).collect();
+    let flagged: Vec<&NamespaceStats> = r.namespaces.iter().filter(|n| n.unshared).collect();
     if !flagged.is_empty() {
         let which: Vec<String> = flagged
             .iter()
@@ -872,7 +872,7 @@ fn check_key_consistency(client: Option<&StoreClient>) -> Check {
              spec) and the same --prefix-caching-hash-algo, then restart them",
         );
     }
-    let compared: Vec<&pb::NamespaceStats> = r
+    let compared: Vec<&NamespaceStats> = r
         .namespaces
         .iter()
         .filter(|n| n.active_clients >= 2)

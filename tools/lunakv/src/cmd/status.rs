@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use lunakv_proto::master as pb;
+use lunakv_client::{ClusterStatus, Segment};
 use lunakv_transfer::ProtocolChoice;
 use serde::Serialize;
 
@@ -22,7 +22,7 @@ pub fn run(t: &Target, json: bool) -> anyhow::Result<ExitCode> {
 
 /// One GetClusterStatus call through the client library, so an `etcd://` address finds the
 /// HA leader exactly as engines do.
-pub fn fetch_blocking(t: &Target) -> anyhow::Result<pb::ClusterStatus> {
+pub fn fetch_blocking(t: &Target) -> anyhow::Result<ClusterStatus> {
     let client = crate::cmd::kv::connect(t)?;
     let status = client
         .cluster_status()
@@ -83,7 +83,7 @@ struct SegmentJson {
 }
 
 impl StatusJson {
-    fn from_proto(master: &str, s: &pb::ClusterStatus) -> StatusJson {
+    fn from_proto(master: &str, s: &ClusterStatus) -> StatusJson {
         StatusJson {
             ok: true,
             master: master.to_owned(),
@@ -135,7 +135,7 @@ impl StatusJson {
 }
 
 /// What a segment's owner was configured with and serves (older owners: just `protocol`).
-pub fn segment_protocol(d: &pb::SegmentDescriptor) -> ProtocolChoice {
+pub fn segment_protocol(d: &Segment) -> ProtocolChoice {
     ProtocolChoice::from_wire(&d.requested_protocol, &d.protocol, &d.protocol_reason)
 }
 
@@ -147,7 +147,7 @@ fn percent(part: u64, whole: u64) -> f64 {
     }
 }
 
-fn render(master: &str, s: &pb::ClusterStatus) -> String {
+fn render(master: &str, s: &ClusterStatus) -> String {
     use std::fmt::Write;
     let mut o = String::new();
     let version = if s.master_version.is_empty() {
@@ -270,12 +270,13 @@ fn render(master: &str, s: &pb::ClusterStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lunakv_client::SegmentStatus;
 
-    fn sample() -> pb::ClusterStatus {
-        pb::ClusterStatus {
+    fn sample() -> ClusterStatus {
+        ClusterStatus {
             cluster_id: "mooncake_cluster".into(),
-            segments: vec![pb::SegmentStatus {
-                segment: Some(pb::SegmentDescriptor {
+            segments: vec![SegmentStatus {
+                segment: Some(Segment {
                     name: "127.0.0.1:50052".into(),
                     transfer_endpoint: "127.0.0.1:50052".into(),
                     size: 1 << 30,

@@ -1,0 +1,227 @@
+//! Writes: the master allocates replicas, the engine copies the bytes, the master commits
+//! them (or the reservation is revoked).
+
+use super::*;
+
+impl StoreClient {
+    // === puts ===
+
+    pub fn put(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.put_parts(key, &[value], &ReplicateConfig::default())
+    }
+
+    /// Puts one object made of several pieces (vLLM: one piece per layer), stored contiguously.
+    pub fn put_parts(&self, key: &str, parts: &[&[u8]], cfg: &ReplicateConfig) -> Result<()> {
+        let mut out = self.batch_put(&[(key, parts.to_vec())], cfg);
+        out.pop().unwrap_or(Err(ClientError::Closed))
+    }
+
+    /// Puts many objects: one BatchPutStart, all bytes in one transfer batch, one BatchPutEnd.
+    pub fn batch_put(
+        &self,
+        items: &[(&str, Vec<&[u8]>)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<()>> {
+        let _span = op_span("put", items.len()).entered();
+        let mut results: Vec<Option<Result<()>>> = (0..items.len()).map(|_| None).collect();
+        if self.check_open().is_err() {
+            return items.iter().map(|_| Err(ClientError::Closed)).collect();
+        }
+        let mut started = Vec::new();
+        let mut pb_items = Vec::new();
+        for (i, (key, parts)) in items.iter().enumerate() {
+            let size: u64 = parts.iter().map(|p| p.len() as u64).sum();
+            if let Err(e) = validate_key(key) {
+                results[i] = Some(Err(e.into()));
+            } else if size == 0 {
+                results[i] = Some(Err(ClientError::InvalidParams(format!(
+                    "object '{key}' has size 0: store at least one byte"
+                ))));
+            } else {
+                started.push((i, size));
+                pb_items.push(pb::PutStartItem {
+                    key: (*key).to_owned(),
+                    size,
+                });
+            }
+        }
+        if !pb_items.is_empty() {
+            let req = pb::BatchPutStartRequest {
+                client_id: self.client_id.clone(),
+                items: pb_items,
+                config: Some(self.replicate_config(cfg)),
+            };
+            match self.rpc(|mut m| {
+                let req = req.clone();
+                async move { m.batch_put_start(req).await }
+            }) {
+                Err(e) => {
+                    let msg = e.to_string();
+                    for (i, _) in &started {
+                        results[*i] = Some(Err(ClientError::Rpc {
+                            addr: self.opts.master_server_address.clone(),
+                            message: msg.clone(),
+                        }));
+                    }
+                }
+                Ok(resp) => self.finish_puts(items, &started, resp.results, &mut results),
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(ClientError::Closed)))
+            .collect()
+    }
+
+    pub(super) fn finish_puts(
+        &self,
+        items: &[(&str, Vec<&[u8]>)],
+        started: &[(usize, u64)],
+        placements: Vec<pb::PutStartResponse>,
+        results: &mut [Option<Result<()>>],
+    ) {
+        // Per started item: its location, and the index range of its write requests.
+        let mut locs: Vec<Option<Location>> = Vec::with_capacity(started.len());
+        for (j, (i, size)) in started.iter().enumerate() {
+            let key = items[*i].0;
+            let loc = match placements.get(j) {
+                None => Err(self.short_answer(SHORT_ANSWER_ITEMS)),
+                Some(p) if p.code != 0 => {
+                    Err(ClientError::from_item(key, *size, p.code, &p.message))
+                }
+                Some(p) => Location::try_from((p, *size)).map_err(|m| ClientError::Rpc {
+                    addr: self.opts.master_server_address.clone(),
+                    message: format!("bad placement for '{key}': {m}"),
+                }),
+            };
+            match loc {
+                Ok(l) => locs.push(Some(l)),
+                Err(e) => {
+                    results[*i] = Some(Err(e));
+                    locs.push(None);
+                }
+            }
+        }
+        let mut reqs = Vec::new();
+        let mut owner = Vec::new();
+        for (j, (i, _)) in started.iter().enumerate() {
+            let Some(loc) = &locs[j] else { continue };
+            let (key, parts) = &items[*i];
+            for r in &loc.replicas {
+                reqs.push(TransferRequest::Write {
+                    target: &r.target,
+                    generation: loc.generation,
+                    key,
+                    offset: r.offset,
+                    src: parts.clone(),
+                });
+                owner.push(j);
+            }
+        }
+        let outcomes = if reqs.len() == 1 {
+            vec![self.engine.execute(&mut reqs[0])]
+        } else {
+            self.engine.batch(&mut reqs)
+        };
+        let mut failed: Vec<Option<TransferError>> = (0..started.len()).map(|_| None).collect();
+        for (k, r) in outcomes.into_iter().enumerate() {
+            if let Err(e) = r {
+                failed[owner[k]].get_or_insert(e);
+            }
+        }
+        let mut end_keys = Vec::new();
+        let mut end_idx = Vec::new();
+        let mut revoke_keys = Vec::new();
+        for (j, (i, _)) in started.iter().enumerate() {
+            if locs[j].is_none() {
+                continue;
+            }
+            let key = items[*i].0;
+            match failed[j].take() {
+                Some(e) => {
+                    revoke_keys.push(key.to_owned());
+                    results[*i] = Some(Err(ClientError::Transfer {
+                        key: key.to_owned(),
+                        source: e,
+                    }));
+                }
+                None => {
+                    end_keys.push(key.to_owned());
+                    end_idx.push(j);
+                }
+            }
+        }
+        if !revoke_keys.is_empty() {
+            let req = pb::BatchKeysRequest {
+                client_id: self.client_id.clone(),
+                keys: revoke_keys,
+            };
+            // Best effort: a put never ended is reclaimed by the master's discard timeout anyway.
+            if let Err(e) = self.rpc(|mut m| {
+                let req = req.clone();
+                async move { m.batch_put_revoke(req).await }
+            }) {
+                tracing::warn!(error = %e, "put revoke failed; the master reclaims the space after its discard timeout");
+            }
+        }
+        if end_keys.is_empty() {
+            return;
+        }
+        let req = pb::BatchKeysRequest {
+            client_id: self.client_id.clone(),
+            keys: end_keys,
+        };
+        // Keys whose PutEnd did not succeed are revoked: a put is either published or
+        // abandoned, never left half-visible. After an HA failover the new leader may not know
+        // the put at all (its PutEnd fails with "not found"); the revoke is then a no-op and the
+        // bytes at the owner stay unpublished until the space is reused.
+        let mut unpublished = Vec::new();
+        match self.rpc(|mut m| {
+            let req = req.clone();
+            async move { m.batch_put_end(req).await }
+        }) {
+            Err(e) => {
+                let msg = e.to_string();
+                for j in end_idx {
+                    unpublished.push(items[started[j].0].0.to_owned());
+                    results[started[j].0] = Some(Err(ClientError::Rpc {
+                        addr: self.opts.master_server_address.clone(),
+                        message: msg.clone(),
+                    }));
+                }
+            }
+            Ok(resp) => {
+                for (n, j) in end_idx.into_iter().enumerate() {
+                    let (i, size) = started[j];
+                    let key = items[i].0;
+                    let r = match resp.results.get(n) {
+                        Some(r) if r.code == 0 => {
+                            if let Some(loc) = locs[j].take() {
+                                self.cache.insert(key, loc);
+                            }
+                            Ok(())
+                        }
+                        Some(r) => Err(ClientError::from_item(key, size, r.code, &r.message)),
+                        None => Err(self.short_answer(SHORT_ANSWER_ITEMS)),
+                    };
+                    if r.is_err() {
+                        unpublished.push(key.to_owned());
+                    }
+                    results[i] = Some(r);
+                }
+            }
+        }
+        if !unpublished.is_empty() && self.master.is_ha() {
+            let req = pb::BatchKeysRequest {
+                client_id: self.client_id.clone(),
+                keys: unpublished,
+            };
+            if let Err(e) = self.rpc(|mut m| {
+                let req = req.clone();
+                async move { m.batch_put_revoke(req).await }
+            }) {
+                tracing::warn!(error = %e, "revoking unpublished puts failed; the master reclaims them after its discard timeout");
+            }
+        }
+    }
+}

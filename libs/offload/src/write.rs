@@ -1,0 +1,311 @@
+//! The write path: batches appended to buckets, fdatasynced, then indexed in one
+//! transaction; room made by compaction or by dropping the oldest buckets.
+
+use super::*;
+
+impl DiskTier {
+    /// Writes the objects durably (see the crate docs for the order of writes and fsyncs).
+    /// Returns the generations now on disk, in input order; objects already on disk count as
+    /// stored. An error means none of the batch was indexed.
+    pub fn store_batch(&self, items: &[StoreItem<'_>]) -> Result<Vec<u64>, OffloadError> {
+        self.store(items, false)
+    }
+
+    pub(crate) fn store(
+        &self,
+        items: &[StoreItem<'_>],
+        relocate: bool,
+    ) -> Result<Vec<u64>, OffloadError> {
+        let _w = self.writer.lock();
+        let mut done = Vec::new();
+        let mut todo: Vec<&StoreItem<'_>> = Vec::new();
+        {
+            let g = self.inner.lock();
+            for it in items {
+                if !relocate && g.objects.contains_key(&it.generation) {
+                    done.push(it.generation);
+                } else if todo.iter().all(|t| t.generation != it.generation) {
+                    todo.push(it);
+                }
+            }
+        }
+        if todo.is_empty() {
+            return Ok(done);
+        }
+        for it in &todo {
+            if it.bytes.len() as u64 > self.cfg.limit_bytes {
+                return Err(OffloadError::TooLarge {
+                    size: it.bytes.len() as u64,
+                    limit: self.cfg.limit_bytes,
+                });
+            }
+        }
+        let need: u64 = todo.iter().map(|t| t.bytes.len() as u64).sum();
+        let over = {
+            let g = self.inner.lock();
+            (g.used + need.min(self.cfg.limit_bytes)).saturating_sub(self.cfg.limit_bytes)
+        };
+        if over > 0 {
+            // Reclaim dead space before dropping live objects; best effort.
+            if let Err(e) = self.compact(over, CompactStop::Never) {
+                tracing::warn!(error = %e, "offload compaction failed; dropping whole buckets instead");
+            }
+        }
+        // Reserve: room under the limit, then a (bucket, offset) per object.
+        let mut placed: Vec<(u64, u64, Arc<File>, PathBuf)> = Vec::with_capacity(todo.len());
+        let mut new_bucket = false;
+        {
+            let mut g = self.inner.lock();
+            self.make_room(&mut g, need.min(self.cfg.limit_bytes))?;
+            for it in &todo {
+                let len = it.bytes.len() as u64;
+                let fits = g
+                    .current
+                    .and_then(|id| g.buckets.get(&id))
+                    .is_some_and(|b| {
+                        b.appended < self.cfg.bucket_max_keys
+                            && (b.size == 0 || b.size + len <= self.cfg.bucket_max_bytes)
+                    });
+                if !fits {
+                    let id = g.next_bucket;
+                    g.next_bucket += 1;
+                    let path = bucket_path(&self.cfg.dir, id);
+                    let file = std::fs::OpenOptions::new()
+                        .create(true)
+                        .truncate(true)
+                        .read(true)
+                        .write(true)
+                        .open(&path)
+                        .map_err(|source| {
+                            self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                            OffloadError::Write {
+                                path: path.display().to_string(),
+                                source,
+                            }
+                        })?;
+                    g.buckets.insert(
+                        id,
+                        Bucket {
+                            file: Arc::new(file),
+                            path,
+                            size: 0,
+                            appended: 0,
+                            live: HashSet::new(),
+                        },
+                    );
+                    g.current = Some(id);
+                    new_bucket = true;
+                }
+                let id = g.current.unwrap_or_default();
+                let Some(b) = g.buckets.get_mut(&id) else {
+                    continue;
+                };
+                let off = b.size;
+                b.size += len;
+                b.appended += 1;
+                let (file, path) = (b.file.clone(), b.path.clone());
+                g.used += len;
+                placed.push((id, off, file, path));
+            }
+        }
+        let r = self.write_and_commit(&todo, &placed, new_bucket);
+        let mut g = self.inner.lock();
+        match r {
+            Ok(locs) => {
+                for (it, loc) in todo.iter().zip(locs) {
+                    let len = loc.len;
+                    let bucket = loc.bucket;
+                    if let Some(old) = g.objects.insert(it.generation, loc) {
+                        g.live_bytes -= old.len;
+                        if let Some(b) = g.buckets.get_mut(&old.bucket) {
+                            b.live.remove(&it.generation);
+                        }
+                    }
+                    g.live_bytes += len;
+                    if let Some(b) = g.buckets.get_mut(&bucket) {
+                        b.live.insert(it.generation);
+                    }
+                    done.push(it.generation);
+                }
+                self.counters
+                    .bytes_written
+                    .fetch_add(need, Ordering::Relaxed);
+                self.counters
+                    .objects_written
+                    .fetch_add(todo.len() as u64, Ordering::Relaxed);
+                self.reclaim_empty(&mut g);
+                Ok(done)
+            }
+            Err(e) => {
+                self.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                // The reserved tail may hold partial bytes: seal the bucket so nothing appends
+                // after garbage; the space leaves with the bucket.
+                g.current = None;
+                self.reclaim_empty(&mut g);
+                Err(e)
+            }
+        }
+    }
+
+    pub(crate) fn write_and_commit(
+        &self,
+        todo: &[&StoreItem<'_>],
+        placed: &[(u64, u64, Arc<File>, PathBuf)],
+        new_bucket: bool,
+    ) -> Result<Vec<Loc>, OffloadError> {
+        let werr = |path: &Path| {
+            let path = path.display().to_string();
+            move |source| OffloadError::Write { path, source }
+        };
+        let mut locs = Vec::with_capacity(todo.len());
+        for (it, (id, off, file, path)) in todo.iter().zip(placed) {
+            let len = it.bytes.len() as u64;
+            if let Some(limit) = self.failpoint {
+                let before = self.written_since_start.fetch_add(len, Ordering::SeqCst);
+                if before + len > limit {
+                    // Simulated crash in the middle of a write: part of the object reaches the
+                    // file, nothing is fsynced or indexed.
+                    let part = (limit.saturating_sub(before) as usize).min(it.bytes.len());
+                    let _ = file.write_all_at(&it.bytes[..part], *off);
+                    tracing::error!(
+                        failpoint = FAILPOINT_CRASH_AFTER_BYTES,
+                        "failpoint reached: aborting mid-write"
+                    );
+                    std::process::abort();
+                }
+            }
+            file.write_all_at(it.bytes, *off).map_err(werr(path))?;
+            locs.push(Loc {
+                bucket: *id,
+                offset: *off,
+                len,
+                crc: crc32fast::hash(it.bytes),
+                key: it.key.to_owned(),
+            });
+        }
+        let mut synced: Vec<u64> = Vec::new();
+        for (id, _, file, path) in placed {
+            if !synced.contains(id) {
+                file.sync_data().map_err(werr(path))?;
+                synced.push(*id);
+            }
+        }
+        if new_bucket {
+            File::open(&self.cfg.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(werr(&self.cfg.dir))?;
+        }
+        let ipath = self.cfg.dir.join(INDEX_FILE);
+        let ierr = index_err(&ipath);
+        let txn = self.db.begin_write().map_err(|e| ierr(e.to_string()))?;
+        {
+            let mut t = txn.open_table(OBJECTS).map_err(|e| ierr(e.to_string()))?;
+            for (it, loc) in todo.iter().zip(&locs) {
+                t.insert(it.generation, loc.encode().as_slice())
+                    .map_err(|e| ierr(e.to_string()))?;
+            }
+        }
+        txn.commit().map_err(|e| ierr(e.to_string()))?;
+        Ok(locs)
+    }
+
+    /// Closes the bucket being appended to: the next write starts a new one. A shutdown drain
+    /// calls it first, so everything it writes sits after every older object and the size limit
+    /// (oldest bucket first) drops those older objects before any drained one.
+    pub fn seal(&self) {
+        let _w = self.writer.lock();
+        let mut g = self.inner.lock();
+        g.current = None;
+        self.reclaim_empty(&mut g);
+    }
+
+    /// Drops whole buckets, oldest first, until `need` more bytes fit under the limit.
+    pub(crate) fn make_room(&self, g: &mut Inner, need: u64) -> Result<(), OffloadError> {
+        let mut victims = Vec::new();
+        let mut used = g.used;
+        for (&id, b) in &g.buckets {
+            if used + need <= self.cfg.limit_bytes {
+                break;
+            }
+            used -= b.size;
+            victims.push(id);
+        }
+        if victims.is_empty() {
+            return Ok(());
+        }
+        let gens: Vec<u64> = victims
+            .iter()
+            .filter_map(|id| g.buckets.get(id))
+            .flat_map(|b| b.live.iter().copied())
+            .collect();
+        self.unindex(&gens)?;
+        for id in victims {
+            if g.current == Some(id) {
+                g.current = None;
+            }
+            if let Some(b) = g.buckets.remove(&id) {
+                g.used -= b.size;
+                let _ = std::fs::remove_file(&b.path);
+            }
+        }
+        for gen_ in gens {
+            if let Some(l) = g.objects.remove(&gen_) {
+                g.live_bytes -= l.len;
+                g.dropped.push(DiskObject {
+                    key: l.key,
+                    generation: gen_,
+                    size: l.len,
+                });
+                self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes sealed buckets that hold no live object any more.
+    pub(crate) fn reclaim_empty(&self, g: &mut Inner) {
+        let empty: Vec<u64> = g
+            .buckets
+            .iter()
+            .filter(|(id, b)| b.live.is_empty() && g.current != Some(**id))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in empty {
+            if let Some(b) = g.buckets.remove(&id) {
+                g.used -= b.size;
+                let _ = std::fs::remove_file(&b.path);
+            }
+        }
+    }
+
+    pub(crate) fn unindex(&self, gens: &[u64]) -> Result<(), OffloadError> {
+        if gens.is_empty() {
+            return Ok(());
+        }
+        let ipath = self.cfg.dir.join(INDEX_FILE);
+        let ierr = index_err(&ipath);
+        let txn = self.db.begin_write().map_err(|e| ierr(e.to_string()))?;
+        {
+            let mut t = txn.open_table(OBJECTS).map_err(|e| ierr(e.to_string()))?;
+            for g in gens {
+                t.remove(*g).map_err(|e| ierr(e.to_string()))?;
+            }
+        }
+        txn.commit().map_err(|e| ierr(e.to_string()))
+    }
+
+    /// Removes objects (the master removed or replaced them). Unknown generations are ignored.
+    pub fn remove(&self, gens: &[u64]) -> Result<(), OffloadError> {
+        let _w = self.writer.lock();
+        let present: Vec<u64> = {
+            let g = self.inner.lock();
+            gens.iter()
+                .copied()
+                .filter(|x| g.objects.contains_key(x))
+                .collect()
+        };
+        self.unindex(&present)?;
+        self.drop_objects(&present, false);
+        Ok(())
+    }
+}

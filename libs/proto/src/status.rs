@@ -1,0 +1,28 @@
+//! How lunakv's services turn their errors into gRPC statuses: each error type says which code
+//! it is, and [`to_status`] builds the one status from it. The master's gRPC edge and the
+//! bootstrap's both use it, so a code means the same thing from either service.
+
+use tonic::{Code, Status};
+
+use crate::headers::LeaderRedirect;
+
+/// An error a gRPC edge answers with: its display is the status message.
+pub trait GrpcError: std::fmt::Display {
+    /// The gRPC code a client acts on (retry, fix the request, give up).
+    fn code(&self) -> Code;
+}
+
+/// The status for `e`: its code and its message.
+pub fn to_status<E: GrpcError + ?Sized>(e: &E) -> Status {
+    Status::new(e.code(), e.to_string())
+}
+
+/// A follower's refusal: `UNAVAILABLE` with `message`, naming the leader when one is known so
+/// that clients switch to it.
+pub fn redirect(message: String, leader: Option<&LeaderRedirect>) -> Status {
+    let mut s = Status::unavailable(message);
+    if let Some(l) = leader {
+        l.insert_into(s.metadata_mut());
+    }
+    s
+}
