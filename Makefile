@@ -18,9 +18,11 @@ run: release
 	./target/release/lunakv up $(ARGS)
 
 ## Every test: unit tests, the metadata conformance suite, the end-to-end tests that start the
-## real binaries on loopback (they need the binaries built first), and the Python module's
+## real binaries on loopback (they need the binaries built first, and the offload crash test a
+## lunakv-store with the `failpoints` feature, in <target>/failpoints), and the Python module's
 ## pytest suite (builds the wheel into .venv).
 test: build
+	$(CARGO) build -p lunakv-store --features failpoints --target-dir $${CARGO_TARGET_DIR:-target}/failpoints
 	$(CARGO) test --workspace --no-fail-fast
 	bindings/python/build.sh test
 

@@ -3,7 +3,7 @@
 //! unusable directories and mismatched switches.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lunakv_client::{ClientError, ClientOptions, StoreClient};
@@ -27,7 +27,37 @@ fn start_store(master: &str, dir: &Path, port: u16, env: &[(&str, &str)]) -> Off
     start_store_with(master, dir, port, env, "--enable_offload=true")
 }
 
+/// lunakv-store built with the `failpoints` feature: the production binary carries no failpoint
+/// code. `make test` builds it into `<target>/failpoints`.
+fn failpoints_store() -> PathBuf {
+    let profile_dir = lunakv_tests::bin_dir();
+    let p = profile_dir
+        .parent()
+        .expect("target dir")
+        .join("failpoints")
+        .join(profile_dir.file_name().expect("profile"))
+        .join("lunakv-store");
+    assert!(
+        p.exists(),
+        "{} is missing: build it with `cargo build -p lunakv-store --features failpoints \
+         --target-dir target/failpoints` (make test does)",
+        p.display()
+    );
+    p
+}
+
 fn start_store_with(
+    master: &str,
+    dir: &Path,
+    port: u16,
+    env: &[(&str, &str)],
+    offload_flag: &str,
+) -> OffloadStore {
+    start_store_bin(None, master, dir, port, env, offload_flag)
+}
+
+fn start_store_bin(
+    binary: Option<&Path>,
     master: &str,
     dir: &Path,
     port: u16,
@@ -45,7 +75,10 @@ fn start_store_with(
     let path = dir.display().to_string();
     let mut all: Vec<(&str, &str)> = vec![("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", path.as_str())];
     all.extend_from_slice(env);
-    let proc = Proc::spawn("lunakv-store", &args, &all);
+    let proc = match binary {
+        Some(path) => Proc::spawn_path(path, "lunakv-store", &args, &all),
+        None => Proc::spawn("lunakv-store", &args, &all),
+    };
     let line = proc.wait_for_line("listening", Duration::from_secs(20));
     let admin = fields(&line)
         .get("admin")
@@ -113,6 +146,32 @@ fn spill_and_reload_every_key_comes_back() {
     assert!(matches!(c.get("k-0"), Err(ClientError::ObjectNotFound(_))));
 }
 
+/// The production binary has no failpoint: the variable that kills the crash tests' build
+/// changes nothing here.
+#[test]
+fn the_production_store_ignores_the_crash_failpoint() {
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(mdir.path(), &["--enable_offload=true"]);
+    let mut s = start_store(
+        &m.addr(),
+        odir.path(),
+        free_port(),
+        &[("LUNAKV_FAILPOINT_OFFLOAD_CRASH_AFTER_BYTES", "1")],
+    );
+    let c = tcp_requester(&m.addr());
+    let put = fill(&c, 40);
+    wait_until(Duration::from_secs(10), || {
+        metric(s.admin, "lunakv_store_disk_objects").filter(|v| *v > 0.0)
+    })
+    .expect("objects reached the disk tier");
+    assert!(
+        s.proc.alive(),
+        "the production store aborted at the failpoint"
+    );
+    assert!(!put.is_empty());
+}
+
 #[test]
 fn kill9_mid_offload_serves_no_torn_object_and_recovers_the_rest() {
     let mdir = tempfile::tempdir().expect("tempdir");
@@ -120,7 +179,8 @@ fn kill9_mid_offload_serves_no_torn_object_and_recovers_the_rest() {
     let m = Master::start(mdir.path(), &["--enable_offload=true", "--client_ttl=2"]);
     let port = free_port();
     // The store aborts in the middle of a bucket write once 6 MiB went to disk.
-    let mut s = start_store(
+    let mut s = start_store_bin(
+        Some(&failpoints_store()),
         &m.addr(),
         odir.path(),
         port,
@@ -128,6 +188,7 @@ fn kill9_mid_offload_serves_no_torn_object_and_recovers_the_rest() {
             "LUNAKV_FAILPOINT_OFFLOAD_CRASH_AFTER_BYTES",
             &(6u64 << 20 | 1234).to_string(),
         )],
+        "--enable_offload=true",
     );
     let c = tcp_requester(&m.addr());
     let put = fill(&c, 40);

@@ -61,6 +61,7 @@ pub const BUCKET_MAX_BYTES: u64 = 256 << 20;
 pub const BUCKET_MAX_KEYS: usize = 500;
 /// Failpoint for crash tests: the process aborts (as with kill -9) once this many bucket bytes
 /// have been written since start, in the middle of a write, before the fsync and the index commit.
+/// Read only by a build with the `failpoints` feature; every other build ignores the variable.
 pub const FAILPOINT_CRASH_AFTER_BYTES: &str = "LUNAKV_FAILPOINT_OFFLOAD_CRASH_AFTER_BYTES";
 
 const INDEX_FILE: &str = "index.redb";
@@ -296,7 +297,11 @@ pub struct DiskTier {
     /// Serializes appenders: bucket offsets are reserved and the batch committed in order.
     writer: Mutex<()>,
     counters: Counters,
+    /// The crash failpoint ([`FAILPOINT_CRASH_AFTER_BYTES`]): compiled in only with the
+    /// `failpoints` feature, which only the crash tests' build of lunakv-store enables.
+    #[cfg(feature = "failpoints")]
     failpoint: Option<u64>,
+    #[cfg(feature = "failpoints")]
     written_since_start: AtomicU64,
 }
 

@@ -144,6 +144,7 @@ impl DiskTier {
         report.objects = objects.len() as u64;
         report.bytes = inner.live_bytes;
         inner.objects = objects;
+        #[cfg(feature = "failpoints")]
         let failpoint = std::env::var(FAILPOINT_CRASH_AFTER_BYTES)
             .ok()
             .and_then(|v| v.trim().parse().ok());
@@ -155,7 +156,9 @@ impl DiskTier {
                 inner: Mutex::new(inner),
                 writer: Mutex::new(()),
                 counters: Counters::default(),
+                #[cfg(feature = "failpoints")]
                 failpoint,
+                #[cfg(feature = "failpoints")]
                 written_since_start: AtomicU64::new(0),
             },
             report,

@@ -160,6 +160,7 @@ impl DiskTier {
         let mut locs = Vec::with_capacity(todo.len());
         for (it, (id, off, file, path)) in todo.iter().zip(placed) {
             let len = it.bytes.len() as u64;
+            #[cfg(feature = "failpoints")]
             if let Some(limit) = self.failpoint {
                 let before = self.written_since_start.fetch_add(len, Ordering::SeqCst);
                 if before + len > limit {
