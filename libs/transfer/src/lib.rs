@@ -82,18 +82,30 @@ pub struct ColdItem<'a> {
     pub bytes: &'a [u8],
 }
 
+/// Why a [`ColdTier`] could not store or load: the tier's own error, kept whole (not flattened
+/// to text) so a caller can log its chain or downcast it; it displays as the tier's error did.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct ColdTierError(pub Box<dyn std::error::Error + Send + Sync + 'static>);
+
+impl ColdTierError {
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> ColdTierError {
+        ColdTierError(Box::new(e))
+    }
+}
+
 /// A segment owner's second tier (the SSD tier of `lunakv-store --enable_offload`), plugged
 /// into a [`SegmentServer`] with [`SegmentServer::set_cold_tier`]. The trait keeps this crate
 /// free of any storage format; `lunakv-offload` implements it in `lunakv-store`.
 pub trait ColdTier: Send + Sync + 'static {
     /// Stores the objects durably; returns the generations now held (already-held ones count).
-    /// An error means none of them is held; the message is logged by the caller.
-    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, String>;
+    /// An error means none of them is held; the caller logs it.
+    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, ColdTierError>;
     /// Size of the object if held.
     fn size_of(&self, generation: u64) -> Option<u64>;
     /// Fills `dst` (exactly the object's size) with verified bytes. `Ok(false)`: not held (or
     /// dropped just now because its checksum failed: never served).
-    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, String>;
+    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, ColdTierError>;
     /// Forgets objects (the master removed them).
     fn remove(&self, generations: &[u64]);
     /// Called once before a shutdown drain ([`SegmentServer::begin_drain`]): how many bytes the

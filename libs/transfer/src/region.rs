@@ -476,30 +476,41 @@ fn reply<W: Write>(w: &mut W, status: Status, msg: &str) -> io::Result<()> {
     crate::vio::write_all_gather(w, &[&hdr, msg.as_bytes()], &[])
 }
 
-fn serve(shared: &Shared, stream: TcpStream) -> Result<(), String> {
-    let mut wr = stream.try_clone().map_err(|e| e.to_string())?;
+/// Why a raw-memory connection ended early (logged at debug; the peer sees the socket close).
+#[derive(Debug, thiserror::Error)]
+enum ConnEnd {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("{0}")]
+    Wire(#[from] crate::wire::WireError),
+    #[error("{0:?} is not a raw-memory op")]
+    NotRaw(Op),
+    #[error("raw write of {0} bytes to no region")]
+    UnroutedWrite(u64),
+}
+
+fn serve(shared: &Shared, stream: TcpStream) -> Result<(), ConnEnd> {
+    let mut wr = stream.try_clone()?;
     let mut rd = BufReader::with_capacity(16 * 1024, stream);
-    let io = |e: io::Error| e.to_string();
     loop {
         let mut hdr = [0u8; wire::REQ_LEN];
         match rd.read(&mut hdr[..1]) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e.into()),
         }
-        rd.read_exact(&mut hdr[1..]).map_err(io)?;
+        rd.read_exact(&mut hdr[1..])?;
         let req = Request::decode(&hdr)?;
         // The requester's trace context, if any: this request's work is a span of its trace.
-        let span = crate::trace::read_context(&hdr, &mut rd)
-            .map_err(io)?
+        let span = crate::trace::read_context(&hdr, &mut rd)?
             .and_then(|tc| crate::trace::server_span(&req, &tc));
         let _in_span = span.as_ref().map(|s| s.enter());
         if !matches!(req.op, Op::RawWrite | Op::RawRead) {
-            return Err(format!("{:?} is not a raw-memory op", req.op));
+            return Err(ConnEnd::NotRaw(req.op));
         }
         if req.len == 0 {
-            reply(&mut wr, Status::BadRequest, "zero-length transfer").map_err(io)?;
+            reply(&mut wr, Status::BadRequest, "zero-length transfer")?;
             continue;
         }
         let (addr, len) = (req.offset, req.len);
@@ -511,12 +522,12 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), String> {
                 .fetch_add(1, Ordering::Relaxed);
             if req.op == Op::RawWrite {
                 if len > MAX_DISCARD {
-                    return Err(format!("raw write of {len} bytes to no region"));
+                    return Err(ConnEnd::UnroutedWrite(len));
                 }
-                crate::vio::discard(&mut rd, len).map_err(io)?;
+                crate::vio::discard(&mut rd, len)?;
             }
             let msg = format!("no registered region holds [{addr:#x}, +{len})");
-            reply(&mut wr, Status::OutOfBounds, &msg).map_err(io)?;
+            reply(&mut wr, Status::OutOfBounds, &msg)?;
             continue;
         };
         let n = len as usize;
@@ -534,11 +545,10 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), String> {
                     }
                 });
                 match r {
-                    Some(r) => r.map_err(io)?,
+                    Some(r) => r?,
                     None => {
-                        crate::vio::discard(&mut rd, len).map_err(io)?;
-                        reply(&mut wr, Status::OutOfBounds, "region was deregistered")
-                            .map_err(io)?;
+                        crate::vio::discard(&mut rd, len)?;
+                        reply(&mut wr, Status::OutOfBounds, "region was deregistered")?;
                         continue;
                     }
                 }
@@ -547,7 +557,7 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), String> {
                     .counters
                     .bytes_written
                     .fetch_add(len, Ordering::Relaxed);
-                reply(&mut wr, Status::Ok, "").map_err(io)?;
+                reply(&mut wr, Status::Ok, "")?;
             }
             _ => {
                 // Counted before the bytes go out, so a reader that got them sees the count.
@@ -569,10 +579,9 @@ fn serve(shared: &Shared, stream: TcpStream) -> Result<(), String> {
                     }
                 });
                 match r {
-                    Some(r) => r.map_err(io)?,
+                    Some(r) => r?,
                     None => {
-                        reply(&mut wr, Status::OutOfBounds, "region was deregistered")
-                            .map_err(io)?;
+                        reply(&mut wr, Status::OutOfBounds, "region was deregistered")?;
                         continue;
                     }
                 }

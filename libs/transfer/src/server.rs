@@ -655,7 +655,7 @@ fn serve<S: Stream>(
         }
         let req = match Request::decode(&hdr) {
             Ok(r) => r,
-            Err(why) => return Err(End::Garbage(why)),
+            Err(why) => return Err(End::Garbage(why.to_string())),
         };
         // The requester's trace context, if any: this request's work is a span of its trace.
         let span = match crate::trace::read_context(&hdr, &mut c.rd) {

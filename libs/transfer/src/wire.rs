@@ -284,12 +284,12 @@ impl Request {
     }
 
     /// Decodes a header; `Err` names what is wrong (the caller closes the connection).
-    pub fn decode(b: &[u8; REQ_LEN]) -> Result<Request, String> {
+    pub fn decode(b: &[u8; REQ_LEN]) -> Result<Request, WireError> {
         let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         if magic != MAGIC {
-            return Err(format!("bad magic {magic:#010x}"));
+            return Err(WireError::BadMagic(magic));
         }
-        let op = Op::from_u8(b[4]).ok_or_else(|| format!("bad op {}", b[4]))?;
+        let op = Op::from_u8(b[4]).ok_or(WireError::BadOp(b[4]))?;
         Ok(Request {
             op,
             generation: le_u64(&b[8..16]),
@@ -299,6 +299,20 @@ impl Request {
             aux: le_u32(&b[36..40]),
         })
     }
+}
+
+/// Why a header could not be decoded. The texts are the ones peers have always logged, so a
+/// log search written against an older release still matches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad magic {0:#010x}")]
+    BadMagic(u32),
+    #[error("bad op {0}")]
+    BadOp(u8),
+    #[error("bad response magic {0:#010x}")]
+    BadResponseMagic(u32),
+    #[error("bad status {0}")]
+    BadStatus(u8),
 }
 
 /// A response header.
@@ -324,12 +338,12 @@ impl Response {
     }
 
     /// Decodes a header; `Err` names what is wrong.
-    pub fn decode(b: &[u8; RESP_LEN]) -> Result<Response, String> {
+    pub fn decode(b: &[u8; RESP_LEN]) -> Result<Response, WireError> {
         let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         if magic != MAGIC {
-            return Err(format!("bad response magic {magic:#010x}"));
+            return Err(WireError::BadResponseMagic(magic));
         }
-        let status = Status::from_u8(b[4]).ok_or_else(|| format!("bad status {}", b[4]))?;
+        let status = Status::from_u8(b[4]).ok_or(WireError::BadStatus(b[4]))?;
         Ok(Response {
             status,
             value: le_u64(&b[8..16]),
@@ -382,10 +396,20 @@ mod tests {
         assert_eq!(Request::decode(&r.encode()).unwrap(), r);
         let mut bad = r.encode();
         bad[0] = b'X';
-        assert!(Request::decode(&bad).unwrap_err().contains("magic"));
+        assert!(
+            Request::decode(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("magic")
+        );
         let mut bad = r.encode();
         bad[4] = 99;
-        assert!(Request::decode(&bad).unwrap_err().contains("op"));
+        assert!(
+            Request::decode(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("op")
+        );
     }
 
     #[test]

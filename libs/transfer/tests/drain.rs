@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lunakv_transfer::{
-    ColdItem, ColdTier, DrainProgress, SegmentServer, SegmentServerConfig, Target, TcpTransport,
-    TransferEngine, TransferOptions,
+    ColdItem, ColdTier, ColdTierError, DrainProgress, SegmentServer, SegmentServerConfig, Target,
+    TcpTransport, TransferEngine, TransferOptions,
 };
 use parking_lot::Mutex;
 
@@ -34,7 +34,7 @@ impl FakeTier {
 }
 
 impl ColdTier for FakeTier {
-    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, String> {
+    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, ColdTierError> {
         let mut o = self.objects.lock();
         Ok(items
             .iter()
@@ -47,7 +47,7 @@ impl ColdTier for FakeTier {
     fn size_of(&self, generation: u64) -> Option<u64> {
         self.objects.lock().get(&generation).map(|v| v.len() as u64)
     }
-    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, String> {
+    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, ColdTierError> {
         match self.objects.lock().get(&generation) {
             Some(v) if v.len() == dst.len() => {
                 dst.copy_from_slice(v);

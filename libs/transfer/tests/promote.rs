@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lunakv_transfer::{
-    ColdItem, ColdTier, SegmentServer, SegmentServerConfig, Target, TcpTransport, TransferEngine,
-    TransferError, TransferOptions,
+    ColdItem, ColdTier, ColdTierError, SegmentServer, SegmentServerConfig, Target, TcpTransport,
+    TransferEngine, TransferError, TransferOptions,
 };
 use parking_lot::Mutex;
 
@@ -20,7 +20,7 @@ struct FakeTier {
 }
 
 impl ColdTier for FakeTier {
-    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, String> {
+    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, ColdTierError> {
         let mut o = self.objects.lock();
         Ok(items
             .iter()
@@ -33,7 +33,7 @@ impl ColdTier for FakeTier {
     fn size_of(&self, generation: u64) -> Option<u64> {
         self.objects.lock().get(&generation).map(|v| v.len() as u64)
     }
-    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, String> {
+    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, ColdTierError> {
         if self.corrupt.lock().contains(&generation) {
             self.objects.lock().remove(&generation);
             return Ok(false);

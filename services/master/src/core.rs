@@ -20,7 +20,7 @@ use crate::alloc::{OffsetAllocator, align_up};
 use crate::events::{EventSink, PoolEvent, ReplicaRef, Tiers};
 use crate::metrics::Metrics;
 use crate::namespaces::NamespaceTracker;
-use crate::notifier::OwnerNotifier;
+use crate::notifier::{FreeEntry, OffloadEntry, OwnerClient, Promote};
 
 /// Number of object-index shards.
 pub const SHARDS: usize = 64;
@@ -379,12 +379,33 @@ pub struct MasterCore {
     /// Promotions reserved by gets, waiting for [`MasterCore::run_promotions`] (a leaf lock).
     promotions: Mutex<Vec<PendingPromotion>>,
     promotion_wanted: tokio::sync::Notify,
-    notifier: Arc<dyn OwnerNotifier>,
+    notifier: Arc<dyn OwnerClient>,
     pub metrics: Metrics,
     /// Per key namespace: keys put per client and how many another client held (a leaf lock).
     pub namespaces: NamespaceTracker,
     /// KV events (docs/EVENTS.md): where the index's changes go, when publishing is on.
     events: Option<EventSink>,
+}
+
+/// Why an owner's inventory entry was not indexed (logged; the owner drops the entry).
+#[derive(Debug, thiserror::Error)]
+enum InventoryReject {
+    #[error(transparent)]
+    Key(#[from] lunakv_proto::KeyError),
+    #[error("size 0")]
+    SizeZero,
+    #[error("a newer copy (generation {0}) is indexed")]
+    Newer(u64),
+    #[error("this segment already holds a replica of it")]
+    Duplicate,
+    #[error("size {size} differs from the indexed replica's {indexed}")]
+    SizeMismatch { size: u64, indexed: u64 },
+    #[error("a disk object, and this master runs without --enable_offload")]
+    DiskWithoutOffload,
+    #[error("segment unmounted during mount")]
+    Unmounted,
+    #[error(transparent)]
+    Reserve(#[from] crate::alloc::ReserveError),
 }
 
 fn tiers_of(replicas: &[ReplicaLoc]) -> Tiers {
@@ -396,7 +417,7 @@ fn tiers_of(replicas: &[ReplicaLoc]) -> Tiers {
 
 impl MasterCore {
     /// A core for `epoch` (the high 32 bits of every generation it hands out).
-    pub fn new(cfg: CoreConfig, epoch: u32, notifier: Arc<dyn OwnerNotifier>) -> MasterCore {
+    pub fn new(cfg: CoreConfig, epoch: u32, notifier: Arc<dyn OwnerClient>) -> MasterCore {
         let cfg_min_keys = cfg.namespace_min_keys;
         MasterCore {
             cfg,
@@ -660,20 +681,17 @@ impl MasterCore {
         desc: &SegmentDesc,
         mount_id: u64,
         item: &InventoryItem,
-    ) -> Result<Vec<PendingFree>, String> {
-        lunakv_proto::validate_key(&item.key).map_err(|e| e.to_string())?;
+    ) -> Result<Vec<PendingFree>, InventoryReject> {
+        lunakv_proto::validate_key(&item.key)?;
         if item.size == 0 {
-            return Err("size 0".into());
+            return Err(InventoryReject::SizeZero);
         }
         let now = Instant::now();
         let mut shard = self.shard(&item.key).lock();
         let mut displaced = Vec::new();
         if let Some(existing) = shard.get(&item.key) {
             if existing.generation > item.generation {
-                return Err(format!(
-                    "a newer copy (generation {}) is indexed",
-                    existing.generation
-                ));
+                return Err(InventoryReject::Newer(existing.generation));
             }
             if existing.generation == item.generation
                 && existing
@@ -681,29 +699,27 @@ impl MasterCore {
                     .iter()
                     .any(|r| r.segment == desc.name && r.disk == item.disk)
             {
-                return Err("this segment already holds a replica of it".into());
+                return Err(InventoryReject::Duplicate);
             }
             if existing.generation == item.generation && existing.size != item.size {
-                return Err(format!(
-                    "size {} differs from the indexed replica's {}",
-                    item.size, existing.size
-                ));
+                return Err(InventoryReject::SizeMismatch {
+                    size: item.size,
+                    indexed: existing.size,
+                });
             }
         }
         if item.disk && !self.cfg.enable_offload {
-            return Err("a disk object, and this master runs without --enable_offload".into());
+            return Err(InventoryReject::DiskWithoutOffload);
         }
         {
             let mut segs = self.segments.lock();
             let seg = segs
                 .get_mut(&desc.name)
                 .filter(|s| s.mount_id == mount_id)
-                .ok_or("segment unmounted during mount")?;
+                .ok_or(InventoryReject::Unmounted)?;
             // A disk object holds no DRAM range.
             if !item.disk {
-                seg.alloc
-                    .reserve(item.offset, item.size)
-                    .map_err(|e| e.to_string())?;
+                seg.alloc.reserve(item.offset, item.size)?;
             }
         }
         let loc = ReplicaLoc {
@@ -1390,30 +1406,25 @@ impl MasterCore {
         if frees.is_empty() {
             return;
         }
-        let mut by_owner: HashMap<String, Vec<(u64, u64)>> = HashMap::new();
-        for f in &frees {
-            by_owner
-                .entry(f.endpoint.clone())
-                .or_default()
-                .push((f.generation, f.offset));
-        }
         let timeout = self.cfg.free_timeout;
-        let calls = by_owner.into_iter().map(|(endpoint, entries)| {
-            let notifier = self.notifier.clone();
-            async move {
-                let r = tokio::time::timeout(
-                    timeout + Duration::from_millis(500),
-                    notifier.free(&endpoint, &entries, timeout),
-                )
-                .await;
-                match r {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::warn!(%endpoint, entries = entries.len(), error = %e, "owner did not acknowledge FREE; freeing the ranges anyway"),
-                    Err(_) => tracing::warn!(%endpoint, entries = entries.len(), "FREE timed out; freeing the ranges anyway"),
-                }
-            }
+        let notifier = &self.notifier;
+        let owners = frees.iter().map(|f| {
+            let entry = FreeEntry::from_wire(f.generation, f.offset);
+            (f.endpoint.clone(), entry)
         });
-        futures_join_all(calls).await;
+        fan_out_by_owner(owners, |endpoint, entries| async move {
+            let r = tokio::time::timeout(
+                timeout + Duration::from_millis(500),
+                notifier.free(&endpoint, &entries, timeout),
+            )
+            .await;
+            match r {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(%endpoint, entries = entries.len(), error = %e, "owner did not acknowledge FREE; freeing the ranges anyway"),
+                Err(_) => tracing::warn!(%endpoint, entries = entries.len(), "FREE timed out; freeing the ranges anyway"),
+            }
+        })
+        .await;
         let mut segs = self.segments.lock();
         for f in frees {
             if f.offset == lunakv_transfer::DISK_OFFSET {
@@ -1662,43 +1673,42 @@ impl MasterCore {
         if items.is_empty() {
             return;
         }
-        let mut by_owner: HashMap<String, Vec<(u64, u64)>> = HashMap::new();
-        for f in &items {
-            by_owner
-                .entry(f.endpoint.clone())
-                .or_default()
-                .push((f.generation, f.offset));
-        }
         let timeout = self.cfg.free_timeout;
-        let failed: Mutex<HashSet<u64>> = Mutex::new(HashSet::new());
-        let calls = by_owner.into_iter().map(|(endpoint, entries)| {
-            let notifier = self.notifier.clone();
-            let failed = &failed;
-            async move {
-                // Writing a whole eviction pass to disk takes a while: allow for it.
-                let budget = timeout + Duration::from_secs(120);
-                let r = tokio::time::timeout(budget, notifier.offload(&endpoint, &entries, timeout))
-                    .await;
-                match r {
-                    Ok(Ok(bad)) => {
-                        if !bad.is_empty() {
-                            tracing::warn!(%endpoint, failed = bad.len(), of = entries.len(), "owner could not offload some objects (see its log); they are evicted");
-                        }
-                        failed.lock().extend(bad);
+        let notifier = &self.notifier;
+        let owners = items.iter().map(|f| {
+            let entry = OffloadEntry {
+                generation: f.generation,
+                offset: f.offset,
+            };
+            (f.endpoint.clone(), entry)
+        });
+        let failed: HashSet<u64> = fan_out_by_owner(owners, |endpoint, entries| async move {
+            // Writing a whole eviction pass to disk takes a while: allow for it.
+            let budget = timeout + Duration::from_secs(120);
+            let r = tokio::time::timeout(budget, notifier.offload(&endpoint, &entries, timeout))
+                .await;
+            let all = || entries.iter().map(|e| e.generation).collect::<Vec<u64>>();
+            match r {
+                Ok(Ok(bad)) => {
+                    if !bad.is_empty() {
+                        tracing::warn!(%endpoint, failed = bad.len(), of = entries.len(), "owner could not offload some objects (see its log); they are evicted");
                     }
-                    Ok(Err(e)) => {
-                        tracing::warn!(%endpoint, entries = entries.len(), error = %e, "OFFLOAD failed; the objects are evicted");
-                        failed.lock().extend(entries.iter().map(|(g, _)| *g));
-                    }
-                    Err(_) => {
-                        tracing::warn!(%endpoint, entries = entries.len(), "OFFLOAD timed out; the objects are evicted");
-                        failed.lock().extend(entries.iter().map(|(g, _)| *g));
-                    }
+                    bad
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(%endpoint, entries = entries.len(), error = %e, "OFFLOAD failed; the objects are evicted");
+                    all()
+                }
+                Err(_) => {
+                    tracing::warn!(%endpoint, entries = entries.len(), "OFFLOAD timed out; the objects are evicted");
+                    all()
                 }
             }
-        });
-        futures_join_all(calls).await;
-        let failed = failed.into_inner();
+        })
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
         let mut dropped = 0u64;
         for f in &items {
             if !failed.contains(&f.generation) {
@@ -1760,35 +1770,34 @@ impl MasterCore {
             return 0;
         }
         let budget = self.cfg.free_timeout + Duration::from_secs(60);
-        let results: Mutex<Vec<(PendingPromotion, bool)>> = Mutex::new(Vec::new());
-        let calls = items.into_iter().map(|p| {
-            let notifier = self.notifier.clone();
-            let results = &results;
-            async move {
-                let r = tokio::time::timeout(
-                    budget,
-                    notifier.promote(&p.endpoint, p.generation, &p.key, p.offset, p.size),
-                )
-                .await;
-                let ok = match r {
-                    Ok(Ok(())) => true,
-                    Ok(Err(e)) => {
-                        tracing::warn!(key = %p.key, endpoint = %p.endpoint, error = %e, "promotion failed; the object stays on disk");
-                        false
-                    }
-                    Err(_) => {
-                        tracing::warn!(key = %p.key, endpoint = %p.endpoint, "promotion timed out; the object stays on disk");
-                        false
-                    }
-                };
-                results.lock().push((p, ok));
-            }
-        });
-        futures_join_all(calls).await;
+        let notifier = &self.notifier;
+        // One call per promotion, not per owner: each copies its own object from disk.
+        let results = futures::future::join_all(items.into_iter().map(|p| async move {
+            let req = Promote {
+                generation: p.generation,
+                key: p.key.clone(),
+                offset: p.offset,
+                len: p.size,
+            };
+            let r = tokio::time::timeout(budget, notifier.promote(&p.endpoint, &req)).await;
+            let ok = match r {
+                Ok(Ok(())) => true,
+                Ok(Err(e)) => {
+                    tracing::warn!(key = %p.key, endpoint = %p.endpoint, error = %e, "promotion failed; the object stays on disk");
+                    false
+                }
+                Err(_) => {
+                    tracing::warn!(key = %p.key, endpoint = %p.endpoint, "promotion timed out; the object stays on disk");
+                    false
+                }
+            };
+            (p, ok)
+        }))
+        .await;
         let mut frees = Vec::new();
         let mut done = 0u64;
         let mut failed = 0u64;
-        for (p, ok) in results.into_inner() {
+        for (p, ok) in results {
             if !ok {
                 failed += 1;
             }
@@ -2166,21 +2175,21 @@ fn not_found(key: &str, why: &str) -> OpError {
     OpError::new(ErrorCode::ObjectNotFound, format!("key {key:?}: {why}"))
 }
 
-/// Runs futures concurrently and waits for all (a tiny `join_all` without the futures crate).
-async fn futures_join_all<F>(futs: impl IntoIterator<Item = F>)
+/// Groups `items` by owner endpoint and makes one `call` per owner, all owners at once; returns
+/// once every owner answered (or its call timed out), so a dead owner delays a batch by at most
+/// its own timeout, never one per owner.
+async fn fan_out_by_owner<T, R, Fut>(
+    items: impl IntoIterator<Item = (String, T)>,
+    call: impl Fn(String, Vec<T>) -> Fut,
+) -> Vec<R>
 where
-    F: std::future::Future<Output = ()>,
+    Fut: std::future::Future<Output = R>,
 {
-    let mut set: Vec<std::pin::Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
-    std::future::poll_fn(|cx| {
-        set.retain_mut(|f| f.as_mut().poll(cx).is_pending());
-        if set.is_empty() {
-            std::task::Poll::Ready(())
-        } else {
-            std::task::Poll::Pending
-        }
-    })
-    .await;
+    let mut by_owner: HashMap<String, Vec<T>> = HashMap::new();
+    for (endpoint, item) in items {
+        by_owner.entry(endpoint).or_default().push(item);
+    }
+    futures::future::join_all(by_owner.into_iter().map(|(e, v)| call(e, v))).await
 }
 
 #[cfg(test)]

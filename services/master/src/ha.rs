@@ -45,7 +45,7 @@ use tokio::sync::watch;
 use tonic::Status;
 
 use crate::core::{CoreConfig, MasterCore};
-use crate::notifier::OwnerNotifier;
+use crate::notifier::{FreeEntry, OffloadEntry, OwnerClient, OwnerError, OwnerOp, Promote};
 use crate::persist;
 
 /// The most subtracted from the granted TTL for the local lease deadline: covers the renewal's
@@ -324,28 +324,36 @@ impl HaState {
     }
 }
 
-/// Sends FREEs only while the core that issues them belongs to the current, leased term: a
-/// deposed leader must not make owners drop entries the new leader indexed.
-pub struct FencedNotifier {
-    pub inner: Arc<dyn OwnerNotifier>,
+/// Sends owner requests only while the core that issues them belongs to the current, leased
+/// term: a deposed leader must not make owners drop entries the new leader indexed.
+pub struct FencedOwnerClient {
+    pub inner: Arc<dyn OwnerClient>,
     pub ha: Arc<HaState>,
     pub term: u64,
 }
 
+impl FencedOwnerClient {
+    fn check(&self, op: OwnerOp, endpoint: &str) -> Result<(), OwnerError> {
+        if self.ha.leading_term() != Some(self.term) {
+            return Err(OwnerError::Deposed {
+                op,
+                endpoint: endpoint.to_string(),
+                term: self.term,
+            });
+        }
+        Ok(())
+    }
+}
+
 #[async_trait::async_trait]
-impl OwnerNotifier for FencedNotifier {
+impl OwnerClient for FencedOwnerClient {
     async fn free(
         &self,
         endpoint: &str,
-        entries: &[(u64, u64)],
+        entries: &[FreeEntry],
         timeout: Duration,
-    ) -> Result<(), String> {
-        if self.ha.leading_term() != Some(self.term) {
-            return Err(format!(
-                "not freeing on {endpoint}: term {} no longer leads",
-                self.term
-            ));
-        }
+    ) -> Result<(), OwnerError> {
+        self.check(OwnerOp::Free, endpoint)?;
         self.inner.free(endpoint, entries, timeout).await
     }
 
@@ -354,35 +362,16 @@ impl OwnerNotifier for FencedNotifier {
     async fn offload(
         &self,
         endpoint: &str,
-        entries: &[(u64, u64)],
+        entries: &[OffloadEntry],
         timeout: Duration,
-    ) -> Result<Vec<u64>, String> {
-        if self.ha.leading_term() != Some(self.term) {
-            return Err(format!(
-                "not offloading on {endpoint}: term {} no longer leads",
-                self.term
-            ));
-        }
+    ) -> Result<Vec<u64>, OwnerError> {
+        self.check(OwnerOp::Offload, endpoint)?;
         self.inner.offload(endpoint, entries, timeout).await
     }
 
-    async fn promote(
-        &self,
-        endpoint: &str,
-        generation: u64,
-        key: &str,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), String> {
-        if self.ha.leading_term() != Some(self.term) {
-            return Err(format!(
-                "not promoting on {endpoint}: term {} no longer leads",
-                self.term
-            ));
-        }
-        self.inner
-            .promote(endpoint, generation, key, offset, len)
-            .await
+    async fn promote(&self, endpoint: &str, req: &Promote) -> Result<(), OwnerError> {
+        self.check(OwnerOp::Promote, endpoint)?;
+        self.inner.promote(endpoint, req).await
     }
 }
 
@@ -415,7 +404,7 @@ pub struct Election {
     pub service_meta: Arc<dyn MetaStore>,
     pub slot: Arc<CoreSlot>,
     pub core_cfg: CoreConfig,
-    pub notifier: Arc<dyn OwnerNotifier>,
+    pub notifier: Arc<dyn OwnerClient>,
     /// The KV event queue each won term's core feeds (`enable_kv_event_publish`).
     pub events: Option<crate::events::EventSink>,
     /// This master's addresses (published in the leader key).
@@ -607,16 +596,12 @@ impl Election {
     }
 
     /// One attempt: bump the term, take a lease, create the key if absent. `Some` on a win.
-    async fn campaign(&self) -> Result<Option<(i64, Instant, Duration, u64)>, String> {
-        let term = persist::bump_epoch(self.meta.as_ref())
-            .await
-            .map_err(|e| e.to_string())?;
+    async fn campaign(
+        &self,
+    ) -> Result<Option<(i64, Instant, Duration, u64)>, persist::PersistError> {
+        let term = persist::bump_epoch(self.meta.as_ref()).await?;
         let granted_at = Instant::now();
-        let (lease, ttl) = self
-            .etcd
-            .lease_grant(self.lease_ttl)
-            .await
-            .map_err(|e| e.to_string())?;
+        let (lease, ttl) = self.etcd.lease_grant(self.lease_ttl).await?;
         let view = LeaderView {
             address: self.address.clone(),
             admin: self.admin.clone(),
@@ -641,7 +626,7 @@ impl Election {
             }
             Err(e) => {
                 let _ = self.etcd.lease_revoke(lease).await;
-                Err(e.to_string())
+                Err(e.into())
             }
         }
     }
@@ -660,7 +645,7 @@ impl Election {
         let deadline_of =
             |sent: Instant, ttl: Duration| ha.at_ns(sent + ttl.saturating_sub(timing.margin));
         // A fresh core for this term: its epoch is the term, its index is rebuilt by remounts.
-        let notifier: Arc<dyn OwnerNotifier> = Arc::new(FencedNotifier {
+        let notifier: Arc<dyn OwnerClient> = Arc::new(FencedOwnerClient {
             inner: self.notifier.clone(),
             ha: ha.clone(),
             term,

@@ -1,63 +1,173 @@
-//! How the master asks a segment owner to drop entries before their ranges are reused
-//! ("frees go through the owner", docs/ARCHITECTURE.md).
+//! The master's control channel to segment owners: FREE before a range is reused ("frees go
+//! through the owner", docs/ARCHITECTURE.md), OFFLOAD on eviction to disk, PROMOTE on a hit.
+//! Requests are typed here and become wire tuples only inside the transfer library, so the
+//! core never handles the DISK_OFFSET sentinel as a plain offset.
 
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use lunakv_transfer::{DISK_OFFSET, TransferError};
 use parking_lot::Mutex;
 
-/// Tells an owner to drop `(generation, offset)` entries. `Ok` means the owner acknowledged
-/// (every entry is gone and no reader holds it); an error means it could not be reached in time.
+/// Where the entry an owner must drop lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// A DRAM range at this segment offset.
+    Dram(u64),
+    /// The owner's disk tier (no DRAM range).
+    Disk,
+}
+
+/// One entry of a FREE: drop `generation` from `slot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FreeEntry {
+    pub generation: u64,
+    pub slot: Slot,
+}
+
+impl FreeEntry {
+    /// From the wire form `(generation, offset)`, where [`DISK_OFFSET`] means the disk tier.
+    pub fn from_wire(generation: u64, offset: u64) -> FreeEntry {
+        let slot = if offset == DISK_OFFSET {
+            Slot::Disk
+        } else {
+            Slot::Dram(offset)
+        };
+        FreeEntry { generation, slot }
+    }
+
+    /// The wire form `(generation, offset)`; byte-identical to what the master always sent.
+    pub fn to_wire(self) -> (u64, u64) {
+        match self.slot {
+            Slot::Dram(offset) => (self.generation, offset),
+            Slot::Disk => (self.generation, DISK_OFFSET),
+        }
+    }
+}
+
+/// One entry of an OFFLOAD: move the DRAM entry `generation` at `offset` to the disk tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OffloadEntry {
+    pub generation: u64,
+    pub offset: u64,
+}
+
+/// A PROMOTE: copy disk object `generation` (`key`, `len` bytes) into the DRAM range at
+/// `offset` the master reserved for it, and commit the entry under the same generation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Promote {
+    pub generation: u64,
+    pub key: String,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// The three owner operations, named in errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnerOp {
+    Free,
+    Offload,
+    Promote,
+}
+
+impl OwnerOp {
+    fn gerund(self) -> &'static str {
+        match self {
+            OwnerOp::Free => "freeing",
+            OwnerOp::Offload => "offloading",
+            OwnerOp::Promote => "promoting",
+        }
+    }
+}
+
+impl fmt::Display for OwnerOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OwnerOp::Free => "free",
+            OwnerOp::Offload => "offload",
+            OwnerOp::Promote => "promote",
+        })
+    }
+}
+
+/// Why an owner did not acknowledge a request. The caller logs it and falls back (frees the
+/// range anyway, evicts instead of offloading, keeps the object on disk).
+#[derive(Debug, thiserror::Error)]
+pub enum OwnerError {
+    /// The transfer library's answer (unreachable, timed out, refused, ...).
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    /// The blocking task running the call panicked or was cancelled.
+    #[error("{op} task failed: {source}")]
+    Task {
+        op: OwnerOp,
+        #[source]
+        source: tokio::task::JoinError,
+    },
+    /// This client has no way to send the op.
+    #[error("{endpoint}: this notifier cannot {op}")]
+    Unsupported { op: OwnerOp, endpoint: String },
+    /// The core that issued the request belongs to a term that no longer leads.
+    #[error("not {} on {endpoint}: term {term} no longer leads", .op.gerund())]
+    Deposed {
+        op: OwnerOp,
+        endpoint: String,
+        term: u64,
+    },
+    /// A test client's simulated outage.
+    #[error("{endpoint} unreachable (test)")]
+    Unreachable { endpoint: String },
+}
+
+/// Sends the master's control requests to the owner at `endpoint`.
 #[async_trait]
-pub trait OwnerNotifier: Send + Sync + 'static {
+pub trait OwnerClient: Send + Sync + 'static {
+    /// Tells an owner to drop entries. `Ok` means the owner acknowledged (every entry is gone
+    /// and no reader holds it); an error means it could not be reached in time.
     async fn free(
         &self,
         endpoint: &str,
-        entries: &[(u64, u64)],
+        entries: &[FreeEntry],
         timeout: Duration,
-    ) -> Result<(), String>;
+    ) -> Result<(), OwnerError>;
 
-    /// Asks an owner to move `(generation, offset)` entries to its disk tier and drop them from
-    /// DRAM. `Ok` lists the generations it could not store. The default (a notifier that
-    /// cannot offload) reports every entry failed, so the objects are simply evicted.
+    /// Asks an owner to move entries to its disk tier and drop them from DRAM. `Ok` lists the
+    /// generations it could not store. The default (a client that cannot offload) reports
+    /// every entry failed, so the objects are simply evicted.
     async fn offload(
         &self,
         endpoint: &str,
-        entries: &[(u64, u64)],
+        entries: &[OffloadEntry],
         timeout: Duration,
-    ) -> Result<Vec<u64>, String> {
+    ) -> Result<Vec<u64>, OwnerError> {
         let _ = (endpoint, timeout);
-        Ok(entries.iter().map(|(g, _)| *g).collect())
+        Ok(entries.iter().map(|e| e.generation).collect())
     }
 
-    /// Asks an owner to copy disk object `generation` (`key`, `len` bytes) into the DRAM range
-    /// at `offset` the master reserved for it, and commit the entry (promotion on hit). `Ok`
-    /// once committed. The default (a notifier that cannot promote) fails.
-    async fn promote(
-        &self,
-        endpoint: &str,
-        generation: u64,
-        key: &str,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), String> {
-        let _ = (generation, key, offset, len);
-        Err(format!("{endpoint}: this notifier cannot promote"))
+    /// Asks an owner to promote a disk object into DRAM (promotion on hit). `Ok` once
+    /// committed. The default (a client that cannot promote) fails.
+    async fn promote(&self, endpoint: &str, req: &Promote) -> Result<(), OwnerError> {
+        let _ = req;
+        Err(OwnerError::Unsupported {
+            op: OwnerOp::Promote,
+            endpoint: endpoint.to_string(),
+        })
     }
 }
 
-/// The production notifier: a FREE frame over the transfer library (a blocking call, run on
-/// the blocking pool).
-pub struct TransferNotifier {
+/// The production client: the transfer library's FREE/OFFLOAD/PROMOTE frames (blocking calls,
+/// run on the blocking pool).
+pub struct TransferOwnerClient {
     engine: Arc<lunakv_transfer::TransferEngine>,
-    /// PROMOTE is a master-only op: spoken over a tcp transport of the notifier's own.
+    /// PROMOTE is a master-only op: spoken over a tcp transport of the client's own.
     tcp: Arc<lunakv_transfer::TcpTransport>,
 }
 
-impl TransferNotifier {
-    pub fn new() -> TransferNotifier {
-        TransferNotifier {
+impl TransferOwnerClient {
+    pub fn new() -> TransferOwnerClient {
+        TransferOwnerClient {
             engine: Arc::new(lunakv_transfer::TransferEngine::new(
                 lunakv_transfer::TransferOptions::default(),
             )),
@@ -69,63 +179,67 @@ impl TransferNotifier {
     }
 }
 
-impl Default for TransferNotifier {
+impl Default for TransferOwnerClient {
     fn default() -> Self {
-        TransferNotifier::new()
+        TransferOwnerClient::new()
     }
 }
 
+/// Runs a blocking transfer call off the async workers.
+async fn blocking<T: Send + 'static>(
+    op: OwnerOp,
+    call: impl FnOnce() -> Result<T, TransferError> + Send + 'static,
+) -> Result<T, OwnerError> {
+    tokio::task::spawn_blocking(call)
+        .await
+        .map_err(|source| OwnerError::Task { op, source })?
+        .map_err(OwnerError::from)
+}
+
 #[async_trait]
-impl OwnerNotifier for TransferNotifier {
+impl OwnerClient for TransferOwnerClient {
     async fn free(
         &self,
         endpoint: &str,
-        entries: &[(u64, u64)],
+        entries: &[FreeEntry],
         timeout: Duration,
-    ) -> Result<(), String> {
+    ) -> Result<(), OwnerError> {
         let engine = self.engine.clone();
         let endpoint = endpoint.to_string();
-        let entries = entries.to_vec();
-        tokio::task::spawn_blocking(move || engine.free(&endpoint, &entries, timeout))
-            .await
-            .map_err(|e| format!("free task failed: {e}"))?
-            .map_err(|e| e.to_string())
+        let entries: Vec<(u64, u64)> = entries.iter().map(|e| e.to_wire()).collect();
+        blocking(OwnerOp::Free, move || {
+            engine.free(&endpoint, &entries, timeout)
+        })
+        .await
     }
 
     async fn offload(
         &self,
         endpoint: &str,
-        entries: &[(u64, u64)],
+        entries: &[OffloadEntry],
         timeout: Duration,
-    ) -> Result<Vec<u64>, String> {
+    ) -> Result<Vec<u64>, OwnerError> {
         let engine = self.engine.clone();
         let endpoint = endpoint.to_string();
-        let entries = entries.to_vec();
-        tokio::task::spawn_blocking(move || engine.offload(&endpoint, &entries, timeout))
-            .await
-            .map_err(|e| format!("offload task failed: {e}"))?
-            .map_err(|e| e.to_string())
+        let entries: Vec<(u64, u64)> = entries.iter().map(|e| (e.generation, e.offset)).collect();
+        blocking(OwnerOp::Offload, move || {
+            engine.offload(&endpoint, &entries, timeout)
+        })
+        .await
     }
 
-    async fn promote(
-        &self,
-        endpoint: &str,
-        generation: u64,
-        key: &str,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), String> {
+    async fn promote(&self, endpoint: &str, req: &Promote) -> Result<(), OwnerError> {
         let tcp = self.tcp.clone();
         let endpoint = endpoint.to_string();
-        let key = key.to_string();
-        tokio::task::spawn_blocking(move || tcp.promote(&endpoint, generation, &key, offset, len))
-            .await
-            .map_err(|e| format!("promote task failed: {e}"))?
-            .map_err(|e| e.to_string())
+        let req = req.clone();
+        blocking(OwnerOp::Promote, move || {
+            tcp.promote(&endpoint, req.generation, &req.key, req.offset, req.len)
+        })
+        .await
     }
 }
 
-/// One call seen by a [`RecordingNotifier`].
+/// One call seen by a [`RecordingNotifier`], entries in wire form `(generation, offset)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FreeCall {
     pub endpoint: String,
@@ -135,7 +249,7 @@ pub struct FreeCall {
 /// One PROMOTE seen by a [`RecordingNotifier`]: (endpoint, generation, key, offset, len).
 pub type PromoteCall = (String, u64, String, u64, u64);
 
-/// A notifier for tests: records every call and answers `Ok`, or an error for endpoints listed
+/// A client for tests: records every call and answers `Ok`, or an error for endpoints listed
 /// in `unreachable`.
 #[derive(Default)]
 pub struct RecordingNotifier {
@@ -156,60 +270,53 @@ impl RecordingNotifier {
             .flat_map(|c| c.entries.iter().copied())
             .collect()
     }
+
+    fn answer(&self, endpoint: &str) -> Result<(), OwnerError> {
+        if self.unreachable.lock().iter().any(|e| e == endpoint) {
+            return Err(OwnerError::Unreachable {
+                endpoint: endpoint.to_string(),
+            });
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
-impl OwnerNotifier for RecordingNotifier {
+impl OwnerClient for RecordingNotifier {
     async fn free(
         &self,
         endpoint: &str,
-        entries: &[(u64, u64)],
+        entries: &[FreeEntry],
         _timeout: Duration,
-    ) -> Result<(), String> {
+    ) -> Result<(), OwnerError> {
         self.calls.lock().push(FreeCall {
             endpoint: endpoint.to_string(),
-            entries: entries.to_vec(),
+            entries: entries.iter().map(|e| e.to_wire()).collect(),
         });
-        if self.unreachable.lock().iter().any(|e| e == endpoint) {
-            return Err(format!("{endpoint} unreachable (test)"));
-        }
-        Ok(())
+        self.answer(endpoint)
     }
 
     async fn offload(
         &self,
         endpoint: &str,
-        entries: &[(u64, u64)],
+        entries: &[OffloadEntry],
         _timeout: Duration,
-    ) -> Result<Vec<u64>, String> {
+    ) -> Result<Vec<u64>, OwnerError> {
         self.offloads.lock().push(FreeCall {
             endpoint: endpoint.to_string(),
-            entries: entries.to_vec(),
+            entries: entries.iter().map(|e| (e.generation, e.offset)).collect(),
         });
-        if self.unreachable.lock().iter().any(|e| e == endpoint) {
-            return Err(format!("{endpoint} unreachable (test)"));
-        }
-        Ok(Vec::new())
+        self.answer(endpoint).map(|()| Vec::new())
     }
 
-    async fn promote(
-        &self,
-        endpoint: &str,
-        generation: u64,
-        key: &str,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), String> {
+    async fn promote(&self, endpoint: &str, req: &Promote) -> Result<(), OwnerError> {
         self.promotes.lock().push((
             endpoint.to_string(),
-            generation,
-            key.to_string(),
-            offset,
-            len,
+            req.generation,
+            req.key.clone(),
+            req.offset,
+            req.len,
         ));
-        if self.unreachable.lock().iter().any(|e| e == endpoint) {
-            return Err(format!("{endpoint} unreachable (test)"));
-        }
-        Ok(())
+        self.answer(endpoint)
     }
 }

@@ -22,7 +22,7 @@ use crate::events::publisher::{EventsError, Publisher};
 use crate::events::{EventSink, EventStats, EventsConfig};
 use crate::grpc::MasterService;
 use crate::ha::{CoreSlot, Election, HaState};
-use crate::notifier::{OwnerNotifier, TransferNotifier};
+use crate::notifier::{OwnerClient, TransferOwnerClient};
 use crate::persist::{self, PersistError};
 use crate::recovery::{RECOVERY_GRACE, RecoveryGate};
 use std::collections::BTreeSet;
@@ -136,7 +136,7 @@ struct HaSetup {
     election_meta: Arc<dyn MetaStore>,
     fence: Arc<WriteFence>,
     core_cfg: CoreConfig,
-    notifier: Arc<dyn OwnerNotifier>,
+    notifier: Arc<dyn OwnerClient>,
     events: Option<EventSink>,
 }
 
@@ -145,7 +145,7 @@ impl Master {
     /// through the transfer library.
     pub async fn open(cfg: MasterConfig) -> Result<Master, ServeError> {
         if cfg.enable_ha {
-            return Master::open_ha(cfg, Arc::new(TransferNotifier::new())).await;
+            return Master::open_ha(cfg, Arc::new(TransferOwnerClient::new())).await;
         }
         let path: PathBuf = cfg.data_dir.join(META_FILE);
         let meta = tokio::task::spawn_blocking(move || RedbMetaStore::open(path))
@@ -154,14 +154,14 @@ impl Master {
                 what: "meta store",
                 message: e.to_string(),
             })??;
-        Master::open_with(cfg, Arc::new(meta), Arc::new(TransferNotifier::new())).await
+        Master::open_with(cfg, Arc::new(meta), Arc::new(TransferOwnerClient::new())).await
     }
 
     /// Like [`Master::open`] with an explicit store and notifier.
     pub async fn open_with(
         cfg: MasterConfig,
         meta: Arc<dyn MetaStore>,
-        notifier: Arc<dyn OwnerNotifier>,
+        notifier: Arc<dyn OwnerClient>,
     ) -> Result<Master, ServeError> {
         let core_cfg = CoreConfig::from_master(&cfg);
         Master::with_core_config(cfg, core_cfg, meta, notifier).await
@@ -173,7 +173,7 @@ impl Master {
         cfg: MasterConfig,
         core_cfg: CoreConfig,
         meta: Arc<dyn MetaStore>,
-        notifier: Arc<dyn OwnerNotifier>,
+        notifier: Arc<dyn OwnerClient>,
     ) -> Result<Master, ServeError> {
         persist::check_cluster_id(
             meta.as_ref(),
@@ -216,7 +216,7 @@ impl Master {
     /// with [`Master::run`]. Cluster facts live in etcd under `mooncake-store/<cluster_id>/`.
     pub async fn open_ha(
         cfg: MasterConfig,
-        notifier: Arc<dyn OwnerNotifier>,
+        notifier: Arc<dyn OwnerClient>,
     ) -> Result<Master, ServeError> {
         let endpoints = cfg.etcd().map_err(|e| ServeError::Config(e.to_string()))?;
         let security = EtcdSecurity::from_env(&lunakv_config::process_env)
@@ -444,8 +444,8 @@ impl Master {
                 Ok(())
             }
             Ok((g, a)) => {
-                flatten("rpc", g.map(|r| r.map_err(|e| e.to_string())))?;
-                flatten("admin/metrics", a.map(|r| r.map_err(|e| e.to_string())))?;
+                flatten("rpc", g)?;
+                flatten("admin/metrics", a)?;
                 tracing::info!("lunakv-master stopped");
                 Ok(())
             }
@@ -453,13 +453,16 @@ impl Master {
     }
 }
 
-fn flatten(
+fn flatten<E: std::fmt::Display>(
     what: &'static str,
-    r: Result<Result<(), String>, tokio::task::JoinError>,
+    r: Result<Result<(), E>, tokio::task::JoinError>,
 ) -> Result<(), ServeError> {
     match r {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(message)) => Err(ServeError::Server { what, message }),
+        Ok(Err(e)) => Err(ServeError::Server {
+            what,
+            message: e.to_string(),
+        }),
         Err(e) => Err(ServeError::Server {
             what,
             message: e.to_string(),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use lunakv_client::DiskInventory;
 use lunakv_offload::{DiskTier, LoadError, StoreItem};
-use lunakv_transfer::{ColdItem, ColdTier};
+use lunakv_transfer::{ColdItem, ColdTier, ColdTierError};
 
 /// Env var choosing the disk eviction policy at the size limit: `fifo` (default) or `lru`.
 pub const EVICTION_POLICY_ENV: &str = "LUNAKV_OFFLOAD_EVICTION_POLICY";
@@ -14,7 +14,7 @@ pub const EVICTION_POLICY_ENV: &str = "LUNAKV_OFFLOAD_EVICTION_POLICY";
 pub(crate) struct Tier(pub(crate) Arc<DiskTier>);
 
 impl ColdTier for Tier {
-    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, String> {
+    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, ColdTierError> {
         let items: Vec<StoreItem<'_>> = items
             .iter()
             .map(|i| StoreItem {
@@ -23,19 +23,19 @@ impl ColdTier for Tier {
                 bytes: i.bytes,
             })
             .collect();
-        self.0.store_batch(&items).map_err(|e| e.to_string())
+        self.0.store_batch(&items).map_err(ColdTierError::new)
     }
 
     fn size_of(&self, generation: u64) -> Option<u64> {
         self.0.size_of(generation)
     }
 
-    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, String> {
+    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, ColdTierError> {
         match self.0.load(generation, dst) {
             Ok(()) => Ok(true),
             // Corrupt objects are dropped (and logged, counted, reported) by the tier.
             Err(LoadError::NotFound(_) | LoadError::Corrupt { .. }) => Ok(false),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(ColdTierError::new(e)),
         }
     }
 
