@@ -15,8 +15,9 @@
 //!    - **realistic**: simulated GPU time as an async sleep ([`REALISTIC`]), because a real
 //!      vLLM request spends its time on the GPU, not on the host CPU the proxy shares.
 //!
-//!    Each pair is measured in alternating rounds and the median round is reported, so load
-//!    drift on a shared machine hits both paths alike.
+//!    Direct and via-sidecar are paired trials: direct, sidecar, direct, sidecar, ... ([`PAIRS`]
+//!    pairs). The verdicts use the median of the per-pair figures (added p50, throughput share),
+//!    printed with their min-max, so a burst of neighbour load skews one pair, not one path.
 //! 2. KV transfer: GB/s of `TransferEngine::batch_raw` into a `RegionServer` (the path a prefill
 //!    engine writes a decoder's KV on), an end-to-end P/D request through the sidecar with a
 //!    large KV, and raw loopback TCP on this machine, in the same run.
@@ -112,6 +113,22 @@ async fn measure(c: &C, addr: SocketAddr, conc: usize, n: usize) -> Round {
     }
 }
 
+/// Paired trials per row (direct then via sidecar, back to back).
+const PAIRS: usize = 5;
+
+/// Median, min and max of per-pair figures (the true median: mean of the middle two if even).
+fn spread(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let m = s.len() / 2;
+    let med = if s.len() % 2 == 1 {
+        s[m]
+    } else {
+        (s[m - 1] + s[m]) / 2.0
+    };
+    (med, s[0], s[s.len() - 1])
+}
+
 /// The median of each figure over the rounds.
 fn median(rounds: &[Round]) -> Round {
     let med = |f: fn(&Round) -> f64| {
@@ -183,7 +200,7 @@ fn overhead_of(
     for (conc, n) in [(1usize, sizes[0]), (64, sizes[1])] {
         let (mut direct, mut via) = (Vec::new(), Vec::new());
         let (mut sc_cpu, mut reqs) = (0.0, 0usize);
-        for _ in 0..3 {
+        for _ in 0..PAIRS {
             direct.push(rt.block_on(measure(&c, d.http, conc, n)));
             let before = cpu_us(sc.proc.pid());
             via.push(rt.block_on(measure(&c, sc.http, conc, n)));
@@ -191,15 +208,28 @@ fn overhead_of(
             reqs += conc * (n + 3);
         }
         let (d0, v0) = (median(&direct), median(&via));
-        let added = v0.p50_us - d0.p50_us;
-        let share = 100.0 * v0.rps / d0.rps;
+        // Judged per pair: each via-sidecar round against the direct round just before it.
+        let (added, added_min, added_max) = spread(
+            &direct
+                .iter()
+                .zip(&via)
+                .map(|(d, v)| v.p50_us - d.p50_us)
+                .collect::<Vec<_>>(),
+        );
+        let (share, share_min, share_max) = spread(
+            &direct
+                .iter()
+                .zip(&via)
+                .map(|(d, v)| 100.0 * v.rps / d.rps)
+                .collect::<Vec<_>>(),
+        );
         let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
         println!(
             "{:<12} {:>5} {:>9.0} {:>9.0} {:>9.0}",
             "direct", conc, d0.p50_us, d0.p99_us, d0.rps
         );
         println!(
-            "{:<12} {:>5} {:>9.0} {:>9.0} {:>9.0}   +{added:.0} us p50 ({}), {share:.0}% throughput ({})",
+            "{:<12} {:>5} {:>9.0} {:>9.0} {:>9.0}   +{added:.0} us p50 [{added_min:.0}..{added_max:.0}] ({}), {share:.0}% throughput [{share_min:.0}-{share_max:.0}] ({}); median of {PAIRS} pairs",
             "via sidecar",
             conc,
             v0.p50_us,
@@ -212,6 +242,10 @@ fn overhead_of(
             "{:<12} sidecar CPU {:.0} us per request (user + system, all threads)",
             "",
             sc_cpu / reqs as f64
+        );
+        eprintln!(
+            "pd_bench: done {label}, concurrency {conc} (load {})",
+            loadavg()
         );
     }
 }

@@ -24,7 +24,12 @@ and metadata server P2PHANDSHAKE. Upstream is never a dependency of lunakv: `--n
 a failed install, runs lunakv alone.
 
     bindings/python/build.sh bench                    # release wheel + binaries, then this
-    python bench_store.py [--no-upstream] [--total-mib 256] [--batch 32] [--layers 32] ...
+    python bench_store.py [--no-upstream] [--pairs 5] [--total-mib 256] [--batch 32] ...
+
+Ratios are paired trials: lunakv, upstream, lunakv, upstream, ... (--pairs N, default 5), each
+pair's ratio taken from two back-to-back passes, so a burst of neighbour load skews one pair
+rather than one side. The verdict uses the median per-pair ratio, printed with its min-max and
+the load average.
 """
 
 from __future__ import annotations
@@ -367,7 +372,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32, help="objects per batch call")
     ap.add_argument("--layers", type=int, default=32, help="pieces per object")
     ap.add_argument("--piece-kib", type=int, default=16, help="bytes per piece")
-    ap.add_argument("--runs", type=int, default=1, help="repeat each side; the median run is kept")
+    ap.add_argument("--pairs", "--runs", dest="runs", type=int, default=5,
+                    help="paired trials (lunakv then upstream, N times); verdicts use the median ratio")
     ap.add_argument("--cold-dst", action="store_true",
                     help="load into never-touched buffers (first-touch page faults inside the gets)")
     ap.add_argument("--no-upstream", action="store_true", help="measure lunakv only")
@@ -375,6 +381,8 @@ def main() -> int:
     ap.add_argument("--upstream-venv", default="/tmp/mc-upstream-venv")
     ap.add_argument("--bin-dir", default=os.environ.get("LUNAKV_BIN_DIR", str(REPO / "target" / "release")))
     args = ap.parse_args()
+    if args.runs < 1:
+        ap.error(f"--pairs {args.runs}: use at least 1 (5 or more for a verdict that holds)")
     if args.worker:
         return worker(args)
 
@@ -417,11 +425,15 @@ def main() -> int:
     # Runs alternate between the two sides, so background load hits both alike.
     lruns: list[list[dict]] = []
     uruns: list[list[dict]] = []
-    for _ in range(args.runs):
+    load_start = os.getloadavg()
+    for i in range(args.runs):
         lruns.append(run_worker(lunakv_cmd, env, 900))
+        print(f"== pair {i + 1}/{args.runs}: lunakv pass done (load {os.getloadavg()[0]:.2f})", flush=True)
         if upstream_cmd:
             try:
                 uruns.append(run_worker(upstream_cmd, uenv, 1800))
+                print(f"== pair {i + 1}/{args.runs}: upstream pass done (load {os.getloadavg()[0]:.2f})",
+                      flush=True)
             except (RuntimeError, subprocess.SubprocessError) as e:
                 print(f"upstream run failed: {e}")
                 upstream_cmd = None
@@ -433,16 +445,43 @@ def main() -> int:
         print(fmt(r), flush=True)
 
     if upstream:
-        print("== lunakv / upstream (target >= 2x)")
-        by_mode = {r["mode"]: r for r in upstream}
-        for r in lunakv:
-            u = by_mode.get(r["mode"])
-            if not u or r["mode"] == "memcpy":
+        load_end = os.getloadavg()
+        n = len(uruns)
+        print(f"== lunakv / upstream, median of {n} paired ratios [min-max] (target >= 2x); "
+              f"load {load_start[0]:.2f} at start, {load_end[0]:.2f} at end")
+        for mode in [r["mode"] for r in lunakv if r["mode"] != "memcpy"]:
+            ratios = paired_ratios(lruns[:n], uruns, mode)
+            if not ratios["put"]:
                 continue
-            put, get = r["put_gbps"] / u["put_gbps"], r["get_gbps"] / u["get_gbps"]
-            verdict = "ok" if min(put, get) >= 2 else "BELOW 2x"
-            print(f"{r['mode']:17} put {put:5.2f}x   get {get:5.2f}x   {verdict}")
+            put, get = summarize(ratios["put"]), summarize(ratios["get"])
+            verdict = "ok" if min(put["median"], get["median"]) >= 2 else "BELOW 2x"
+            print(f"{mode:17} put {put['median']:5.2f}x [{put['min']:.2f}-{put['max']:.2f}]   "
+                  f"get {get['median']:5.2f}x [{get['min']:.2f}-{get['max']:.2f}]   {verdict}")
+            print(f"{'':17} per pair: put {' '.join(f'{x:.2f}' for x in ratios['put'])}; "
+                  f"get {' '.join(f'{x:.2f}' for x in ratios['get'])}")
     return 0
+
+
+def paired_ratios(lruns: list[list[dict]], uruns: list[list[dict]], mode: str) -> dict[str, list[float]]:
+    """Per pair (the i-th lunakv run and the i-th upstream run, back to back): lunakv / upstream."""
+    out: dict[str, list[float]] = {"put": [], "get": []}
+    for lr, ur in zip(lruns, uruns):
+        lm = next((r for r in lr if r["mode"] == mode), None)
+        um = next((r for r in ur if r["mode"] == mode), None)
+        if lm is None or um is None:
+            continue
+        for op in ("put", "get"):
+            u = um[f"{op}_gbps"]
+            out[op].append(lm[f"{op}_gbps"] / u if u > 0 else 0.0)
+    return out
+
+
+def summarize(v: list[float]) -> dict[str, float]:
+    """Median (mean of the middle two for an even count), min and max."""
+    s = sorted(v)
+    m = len(s) // 2
+    med = s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+    return {"median": med, "min": s[0], "max": s[-1]}
 
 
 if __name__ == "__main__":

@@ -166,6 +166,11 @@ pub struct BenchArgs {
     #[arg(long, value_name = "MIB")]
     pub mib_per_row: Option<u64>,
 
+    /// Paired trials per ratio target (limit, row, limit, row, ...): the verdict uses the
+    /// median of the per-pair ratios, so a burst of neighbour load skews one pair, not the run.
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    pub pairs: usize,
+
     /// Directory holding lunakv-master and lunakv-store (default: next to this executable).
     #[arg(long, env = "LUNAKV_BIN_DIR")]
     pub bin_dir: Option<PathBuf>,
@@ -268,6 +273,7 @@ mod tests {
         };
         assert!(b.quick);
         assert_eq!(b.mib_per_row, None);
+        assert_eq!(b.pairs, 5);
     }
 
     #[test]

@@ -185,6 +185,12 @@ pub fn run_transport(
         let mut w = Workload::new(size);
         for batch in [1, BATCH] {
             let (put, get) = w.run(&writer, &reader, t, plan, batch, progress)?;
+            for r in [&put, &get] {
+                progress.done(&format!(
+                    "{} {:.2} GB/s, p50 {:.0} us",
+                    r.name, r.gbps, r.p50_us
+                ));
+            }
             rows.push(put);
             rows.push(get);
         }
@@ -324,6 +330,77 @@ impl Workload {
             Row::new(t, "put", size, batch, put_lat),
             Row::new(t, "get", size, batch, get_lat),
         ))
+    }
+}
+
+/// Objects stored once and read back pass after pass, for the paired trials: each
+/// [`GetBench::pass`] is one row sample (single gets, warm location cache, checked bytes).
+pub struct GetBench {
+    reader: StoreClient,
+    writer: StoreClient,
+    keys: Vec<String>,
+    w: Workload,
+}
+
+impl GetBench {
+    pub fn start(master: &str, t: Transport, size: usize, plan: &Plan) -> anyhow::Result<GetBench> {
+        let connect = |role: &str| {
+            StoreClient::connect(ClientOptions {
+                master_server_address: master.to_owned(),
+                global_segment_size: 0,
+                enable_shm: t == Transport::Shm,
+                ..ClientOptions::default()
+            })
+            .with_context(|| format!("connecting the paired {} {role} client", t.name()))
+        };
+        let writer = connect("writer")?;
+        let reader = connect("reader")?;
+        let mut w = Workload::new(size);
+        let keys: Vec<String> = (0..plan.objects(size, 1))
+            .map(|i| format!("bench/paired/{}/{}/{i}", t.name(), size_tag(size)))
+            .collect();
+        for (i, k) in keys.iter().enumerate() {
+            apply_stamp(&mut w.src[0], stamp(size, 0, i));
+            writer.put(k, &w.src[0])?;
+        }
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        for (r, k) in reader.batch_exists(&refs).into_iter().zip(&keys) {
+            if !r.with_context(|| format!("batch_exists of '{k}'"))? {
+                bail!("'{k}' was put but the reader does not see it");
+            }
+        }
+        Ok(GetBench {
+            reader,
+            writer,
+            keys,
+            w,
+        })
+    }
+
+    /// One pass of single gets over every object: GB/s over the summed call times.
+    pub fn pass(&mut self) -> anyhow::Result<f64> {
+        let size = self.w.size;
+        let mut seconds = 0.0;
+        for (i, k) in self.keys.iter().enumerate() {
+            let t0 = std::time::Instant::now();
+            let got = self.reader.get_into(k, &mut self.w.dst[0])?;
+            seconds += t0.elapsed().as_secs_f64();
+            check_size(k, got, size)?;
+            verify(k, &self.w.dst[0], &self.w.pattern, stamp(size, 0, i))?;
+        }
+        let bytes = (self.keys.len() * size) as f64;
+        Ok(if seconds > 0.0 {
+            bytes / seconds / 1e9
+        } else {
+            0.0
+        })
+    }
+
+    pub fn finish(self) -> anyhow::Result<()> {
+        self.writer.remove_all(true)?;
+        self.writer.close()?;
+        self.reader.close()?;
+        Ok(())
     }
 }
 
