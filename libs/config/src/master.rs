@@ -171,6 +171,8 @@ impl Default for MasterConfig {
 /// The master's command line: one `Option` per key of [`MasterConfig`], named as the key, so
 /// that serialized it is the flag layer (unset flags leave lower layers alone). A new key
 /// adds its field there (with its default) and here.
+// The field docs are clap's --help text, shown verbatim: `<KEY>` there is a placeholder.
+#[allow(rustdoc::invalid_html_tags)]
 #[derive(Debug, Default, clap::Args, Serialize)]
 pub struct MasterArgs {
     /// master.yaml (llm-d's keys); flags override it, environment LUNAKV_MASTER_<KEY> sits between.

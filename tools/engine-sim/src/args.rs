@@ -6,6 +6,8 @@ use std::time::Duration;
 use crate::{KvShape, Role, ServiceTime, SimConfig};
 
 /// TEST DOUBLE of a vLLM engine with the MooncakeConnector P/D flow. Not an inference engine.
+// The field docs are clap's --help text, shown verbatim: `<host>` there is a placeholder, not HTML.
+#[allow(rustdoc::invalid_html_tags)]
 #[derive(Debug, clap::Parser)]
 #[command(name = "lunakv-engine-sim", version)]
 pub struct SimArgs {
