@@ -358,10 +358,34 @@ impl MasterService {
         self.confirm(a)?;
         Err(to_status(e))
     }
+
+    /// Answers a batch as its singles, in order and one at a time, so each item sees the state
+    /// the items before it left, as a client's sequence of singles would. The call counts as
+    /// failed in the metrics when any result is `failed`.
+    async fn batch<I, R, Fut, T>(
+        &self,
+        a: &Admitted,
+        rpc: Rpc,
+        items: impl IntoIterator<Item = I>,
+        mut one: impl FnMut(I) -> Fut,
+        failed: impl Fn(&R) -> bool,
+        reply: impl FnOnce(Vec<R>) -> T,
+    ) -> Result<Response<T>, Status>
+    where
+        Fut: std::future::Future<Output = R>,
+    {
+        let items = items.into_iter();
+        let mut results = Vec::with_capacity(items.size_hint().0);
+        for item in items {
+            results.push(one(item).await);
+        }
+        let any_failed = results.iter().any(failed);
+        self.done(a, rpc, any_failed, reply(results))
+    }
 }
 
-fn any_failed<'a>(codes: impl IntoIterator<Item = &'a i32>) -> bool {
-    codes.into_iter().any(|c| *c != 0)
+fn key_failed(r: &pb::KeyResult) -> bool {
+    r.code != 0
 }
 
 #[tonic::async_trait]
@@ -514,20 +538,15 @@ impl pb::master_server::Master for MasterService {
         let a = self.admit(false)?;
         let req = request.into_inner();
         let opts = PutOptions::from(req.config);
-        let mut results = Vec::with_capacity(req.items.len());
-        for item in req.items {
-            results.push(
-                self.put_start_one(&a.core, &req.client_id, item.key, item.size, &opts)
-                    .await,
-            );
-        }
-        let failed = any_failed(results.iter().map(|r| &r.code));
-        self.done(
+        self.batch(
             &a,
             Rpc::BatchPutStart,
-            failed,
-            pb::BatchPutStartResponse { results },
+            req.items,
+            |item| self.put_start_one(&a.core, &req.client_id, item.key, item.size, &opts),
+            |r: &pb::PutStartResponse| r.code != 0,
+            |results| pb::BatchPutStartResponse { results },
         )
+        .await
     }
 
     async fn put_end(
@@ -544,19 +563,15 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::BatchKeysRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
         let a = self.admit(false)?;
-        let results: Vec<_> = request
-            .into_inner()
-            .keys
-            .iter()
-            .map(|k| self.put_end_one(&a.core, k))
-            .collect();
-        let failed = any_failed(results.iter().map(|r| &r.code));
-        self.done(
+        self.batch(
             &a,
             Rpc::BatchPutEnd,
-            failed,
-            pb::BatchKeyResults { results },
+            request.into_inner().keys,
+            |k| std::future::ready(self.put_end_one(&a.core, &k)),
+            key_failed,
+            |results| pb::BatchKeyResults { results },
         )
+        .await
     }
 
     async fn put_revoke(
@@ -575,17 +590,15 @@ impl pb::master_server::Master for MasterService {
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
         let a = self.admit(false)?;
         let req = request.into_inner();
-        let mut results = Vec::new();
-        for k in &req.keys {
-            results.push(self.put_revoke_one(&a.core, &req.client_id, k).await);
-        }
-        let failed = any_failed(results.iter().map(|r| &r.code));
-        self.done(
+        self.batch(
             &a,
             Rpc::BatchPutRevoke,
-            failed,
-            pb::BatchKeyResults { results },
+            &req.keys,
+            |k| self.put_revoke_one(&a.core, &req.client_id, k),
+            key_failed,
+            |results| pb::BatchKeyResults { results },
         )
+        .await
     }
 
     async fn get_replica_list(
@@ -604,18 +617,15 @@ impl pb::master_server::Master for MasterService {
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
         let a = self.admit(false)?;
         let req = request.into_inner();
-        let results: Vec<_> = req
-            .keys
-            .iter()
-            .map(|k| self.get_one(&a.core, &req.client_id, k))
-            .collect();
-        let failed = any_failed(results.iter().map(|r| &r.code));
-        self.done(
+        self.batch(
             &a,
             Rpc::BatchGetReplicaList,
-            failed,
-            pb::BatchObjectLocations { results },
+            &req.keys,
+            |k| std::future::ready(self.get_one(&a.core, &req.client_id, k)),
+            |r: &pb::ObjectLocation| r.code != 0,
+            |results| pb::BatchObjectLocations { results },
         )
+        .await
     }
 
     async fn exist_key(
@@ -637,20 +647,16 @@ impl pb::master_server::Master for MasterService {
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
         let a = self.admit(false)?;
         let req = request.into_inner();
-        let results: Vec<_> = req
-            .keys
-            .iter()
-            .map(|k| self.get_one(&a.core, &req.client_id, k))
-            .collect();
-        let failed = results
-            .iter()
-            .any(|r| r.code != 0 && r.code != ErrorCode::ObjectNotFound.as_i32());
-        self.done(
+        self.batch(
             &a,
             Rpc::BatchExistKey,
-            failed,
-            pb::BatchObjectLocations { results },
+            &req.keys,
+            |k| std::future::ready(self.get_one(&a.core, &req.client_id, k)),
+            // A miss is an answer, not a failure.
+            |r: &pb::ObjectLocation| r.code != 0 && r.code != ErrorCode::ObjectNotFound.as_i32(),
+            |results| pb::BatchObjectLocations { results },
         )
+        .await
     }
 
     async fn remove(
@@ -669,17 +675,15 @@ impl pb::master_server::Master for MasterService {
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
         let a = self.admit(false)?;
         let req = request.into_inner();
-        let mut results = Vec::with_capacity(req.keys.len());
-        for k in &req.keys {
-            results.push(self.remove_one(&a.core, k, req.force).await);
-        }
-        let failed = any_failed(results.iter().map(|r| &r.code));
-        self.done(
+        self.batch(
             &a,
             Rpc::BatchRemove,
-            failed,
-            pb::BatchKeyResults { results },
+            &req.keys,
+            |k| self.remove_one(&a.core, k, req.force),
+            key_failed,
+            |results| pb::BatchKeyResults { results },
         )
+        .await
     }
 
     async fn remove_all(

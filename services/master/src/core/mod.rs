@@ -1,0 +1,202 @@
+//! The master's state and rules, free of gRPC: segment registry, object index, leases, pins,
+//! eviction, zombie puts and client liveness. The gRPC and HTTP edges call into [`MasterCore`].
+//!
+//! Locks: the object index is split into [`SHARDS`] shards, each a `parking_lot::Mutex`; segments
+//! and clients have one mutex each. Order: a shard, then segments, then clients; no lock is held
+//! across an `.await`. A removed object leaves the index at once, but its ranges go back to the
+//! allocator only after the owner acknowledged the FREE ([`MasterCore::release`]).
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use lunakv_proto::ErrorCode;
+use parking_lot::Mutex;
+
+use crate::events::{EventSink, PoolEvent, ReplicaRef, Tiers};
+use crate::metrics::Metrics;
+use crate::namespaces::NamespaceTracker;
+use crate::notifier::OwnerClient;
+
+mod objects;
+mod segments;
+mod tiering;
+mod types;
+mod views;
+
+use types::{ClientEntry, Object, Quarantined, ReplicaLoc, Segment};
+pub use types::{
+    CoreConfig, CoreError, InventoryItem, Location, MountOutcome, ObjectInfo, ObjectState, OpError,
+    PendingFree, PendingOffload, PendingPromotion, PutOptions, ReplicaInfo, ReplicaView,
+    SegmentDesc, SegmentInfo,
+};
+
+/// Number of object-index shards.
+pub const SHARDS: usize = 64;
+
+/// The master's state. Shared as `Arc<MasterCore>` by the edges and the background tasks.
+pub struct MasterCore {
+    cfg: CoreConfig,
+    epoch: u32,
+    counter: AtomicU64,
+    next_mount_id: AtomicU64,
+    shards: Vec<Mutex<HashMap<String, Object>>>,
+    hasher: std::collections::hash_map::RandomState,
+    segments: Mutex<HashMap<String, Segment>>,
+    clients: Mutex<HashMap<String, ClientEntry>>,
+    /// Ranges of discarded puts, freed once their release deadline passes (or at once when
+    /// their writer revokes them or dies).
+    quarantine: Mutex<Vec<Quarantined>>,
+    /// Bytes each client holds reserved by puts it has not ended: recounted by every
+    /// [`Self::sweep_puts`] and raised by each PutStart in between (a leaf lock).
+    reserved: Mutex<HashMap<String, u64>>,
+    /// Objects in the index as of the last sweep (the key limit's cheap check).
+    approx_keys: AtomicU64,
+    /// Ranges of puts whose writer died, to free on the next [`Self::release_orphaned`].
+    orphaned: Mutex<Vec<PendingFree>>,
+    eviction_lock: tokio::sync::Mutex<()>,
+    /// Promotions reserved by gets, waiting for [`MasterCore::run_promotions`] (a leaf lock).
+    promotions: Mutex<Vec<PendingPromotion>>,
+    promotion_wanted: tokio::sync::Notify,
+    notifier: Arc<dyn OwnerClient>,
+    pub metrics: Metrics,
+    /// Per key namespace: keys put per client and how many another client held (a leaf lock).
+    pub namespaces: NamespaceTracker,
+    /// KV events (docs/EVENTS.md): where the index's changes go, when publishing is on.
+    events: Option<EventSink>,
+}
+
+fn tiers_of(replicas: &[ReplicaLoc]) -> Tiers {
+    Tiers {
+        dram: replicas.iter().any(|r| !r.disk),
+        ssd: replicas.iter().any(|r| r.disk),
+    }
+}
+
+impl MasterCore {
+    /// A core for `epoch` (the high 32 bits of every generation it hands out).
+    pub fn new(cfg: CoreConfig, epoch: u32, notifier: Arc<dyn OwnerClient>) -> MasterCore {
+        let cfg_min_keys = cfg.namespace_min_keys;
+        MasterCore {
+            cfg,
+            epoch,
+            counter: AtomicU64::new(1),
+            next_mount_id: AtomicU64::new(1),
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: std::collections::hash_map::RandomState::new(),
+            segments: Mutex::new(HashMap::new()),
+            clients: Mutex::new(HashMap::new()),
+            quarantine: Mutex::new(Vec::new()),
+            reserved: Mutex::new(HashMap::new()),
+            approx_keys: AtomicU64::new(0),
+            orphaned: Mutex::new(Vec::new()),
+            eviction_lock: tokio::sync::Mutex::new(()),
+            promotions: Mutex::new(Vec::new()),
+            promotion_wanted: tokio::sync::Notify::new(),
+            notifier,
+            metrics: Metrics::new(),
+            namespaces: NamespaceTracker::new(cfg_min_keys),
+            events: None,
+        }
+    }
+
+    /// This core publishes its index's changes into `sink`, starting with a
+    /// [`PoolEvent::Reset`]: a new core (a restart, a new HA term) starts from an empty index,
+    /// which the owners' inventories then refill (each key re-announced as stored).
+    pub fn with_events(mut self, sink: Option<EventSink>) -> MasterCore {
+        if let Some(s) = &sink {
+            s.emit(PoolEvent::Reset);
+        }
+        self.events = sink;
+        self
+    }
+
+    /// Where this core's KV events go, when it publishes them.
+    pub fn events(&self) -> Option<&crate::events::publisher::EventEndpoints> {
+        self.events.as_ref().map(EventSink::endpoints)
+    }
+
+    /// The events' names for `replicas` (a segments lock: call with at most a shard held).
+    fn replica_refs(&self, replicas: &[ReplicaLoc]) -> Vec<ReplicaRef> {
+        let segs = self.segments.lock();
+        replicas
+            .iter()
+            .map(|r| ReplicaRef {
+                disk: r.disk,
+                endpoint: segs
+                    .get(&r.segment)
+                    .filter(|s| s.mount_id == r.mount_id)
+                    .map_or_else(|| r.segment.clone(), |s| s.desc.transfer_endpoint.clone()),
+            })
+            .collect()
+    }
+
+    fn emit_stored(&self, key: &str, replicas: &[ReplicaLoc]) {
+        if let Some(sink) = &self.events {
+            sink.emit(PoolEvent::Stored {
+                key: key.to_string(),
+                replicas: self.replica_refs(replicas),
+            });
+        }
+    }
+
+    /// A complete object's replicas changed from the tiers in `before` to `replicas` (empty:
+    /// the object is gone).
+    fn emit_updated(&self, key: &str, before: Tiers, replicas: &[ReplicaLoc]) {
+        if let Some(sink) = &self.events {
+            sink.emit(PoolEvent::Updated {
+                key: key.to_string(),
+                before,
+                replicas: self.replica_refs(replicas),
+            });
+        }
+    }
+
+    pub fn config(&self) -> &CoreConfig {
+        &self.cfg
+    }
+
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Object>> {
+        &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
+    }
+
+    fn next_generation(&self) -> Result<u64, OpError> {
+        let c = self.counter.fetch_add(1, Ordering::Relaxed);
+        if c > u64::from(u32::MAX) {
+            return Err(OpError::new(
+                ErrorCode::InternalError,
+                "generation counter exhausted for this epoch: restart the master",
+            ));
+        }
+        Ok((u64::from(self.epoch) << 32) | c)
+    }
+}
+
+fn not_found(key: &str, why: &str) -> OpError {
+    OpError::new(ErrorCode::ObjectNotFound, format!("key {key:?}: {why}"))
+}
+
+/// Groups `items` by owner endpoint and makes one `call` per owner, all owners at once; returns
+/// once every owner answered (or its call timed out), so a dead owner delays a batch by at most
+/// its own timeout, never one per owner.
+async fn fan_out_by_owner<T, R, Fut>(
+    items: impl IntoIterator<Item = (String, T)>,
+    call: impl Fn(String, Vec<T>) -> Fut,
+) -> Vec<R>
+where
+    Fut: std::future::Future<Output = R>,
+{
+    let mut by_owner: HashMap<String, Vec<T>> = HashMap::new();
+    for (endpoint, item) in items {
+        by_owner.entry(endpoint).or_default().push(item);
+    }
+    futures::future::join_all(by_owner.into_iter().map(|(e, v)| call(e, v))).await
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,506 @@
+//! Objects: puts, reads and removal, and the release of freed ranges.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use lunakv_proto::ErrorCode;
+use rand::seq::SliceRandom;
+
+use crate::alloc::align_up;
+use crate::events::PoolEvent;
+use crate::notifier::FreeEntry;
+
+use super::types::{
+    Location, Object, ObjectState, OpError, PendingFree, PendingPromotion, PutOptions, ReplicaLoc,
+    ReplicaView,
+};
+use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
+
+impl MasterCore {
+    /// Starts a put: places `replica_num` replicas on distinct segments, evicting once if
+    /// nothing fits. The object is invisible until [`Self::put_end`].
+    pub async fn put_start(
+        &self,
+        client_id: &str,
+        key: &str,
+        size: u64,
+        opts: &PutOptions,
+    ) -> Result<(u64, Vec<ReplicaView>), OpError> {
+        self.admit_put(client_id, size, opts).await?;
+        match self.try_place(client_id, key, size, opts) {
+            Err(e) if e.code == ErrorCode::NoAvailableHandle => {}
+            other => return other,
+        }
+        if self.total_capacity() > 0 {
+            // Bounded: at most max(eviction_ratio x capacity, this put's bytes), and only for
+            // a put that fits one segment (admit_put refused the rest).
+            let need = align_up(size)
+                .unwrap_or(u64::MAX)
+                .saturating_mul(u64::from(opts.replica_num.max(1)));
+            self.evict(need).await;
+        }
+        let r = self.try_place(client_id, key, size, opts);
+        if matches!(&r, Err(e) if e.code == ErrorCode::NoAvailableHandle) {
+            self.metrics.put_start_alloc_failures_total.inc();
+        }
+        r
+    }
+
+    /// What no eviction can fix is refused before anything is evicted: an object larger than
+    /// every segment (it would wipe the pool and fail anyway), a client past its reservation
+    /// limit, and the index at `max_keys` with nothing evictable.
+    pub(super) async fn admit_put(
+        &self,
+        client_id: &str,
+        size: u64,
+        opts: &PutOptions,
+    ) -> Result<(), OpError> {
+        let len = align_up(size).unwrap_or(u64::MAX);
+        let (largest, capacity, complete) = {
+            let segs = self.segments.lock();
+            (
+                segs.values().map(|s| s.alloc.capacity()).max(),
+                segs.values().map(|s| s.alloc.capacity()).sum::<u64>(),
+                segs.values().filter(|s| s.complete).count(),
+            )
+        };
+        if largest.is_some() && complete == 0 {
+            // Evicting would only drop objects the inventories just brought back.
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                "every mounted segment is still receiving its owner's inventory: retry in a \
+                 moment",
+            ));
+        }
+        if let Some(largest) = largest
+            && len > largest
+        {
+            self.metrics.put_start_oversized_total.inc();
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                format!(
+                    "an object of {size} bytes can never fit: the largest segment holds \
+                     {largest} bytes (the pool {capacity}); split the object or start \
+                     store-clients with a larger --global_segment_size"
+                ),
+            ));
+        }
+        let wanted = len.saturating_mul(u64::from(opts.replica_num.max(1)));
+        let limit = (capacity as f64 * self.cfg.put_reservation_limit_ratio) as u64;
+        let held = self.reserved.lock().get(client_id).copied().unwrap_or(0);
+        if capacity > 0 && held > 0 && held.saturating_add(wanted) > limit {
+            self.metrics.put_start_reservation_refused_total.inc();
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                format!(
+                    "client {client_id:?} already holds {held} bytes in puts it has not ended; \
+                     one client may hold at most {limit} (put_reservation_limit_ratio {} of \
+                     the pool): end or revoke those puts first",
+                    self.cfg.put_reservation_limit_ratio
+                ),
+            ));
+        }
+        let max = self.cfg.max_keys;
+        if max > 0 && self.approx_keys.load(Ordering::Relaxed) >= max {
+            self.enforce_key_limit().await;
+            if self.key_count() >= max {
+                self.metrics.put_start_key_limit_refused_total.inc();
+                return Err(OpError::new(
+                    ErrorCode::NoAvailableHandle,
+                    format!(
+                        "the master holds max_keys = {max} objects and none can be evicted \
+                         (leased, pinned or being put); raise max_keys or remove objects"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn try_place(
+        &self,
+        client_id: &str,
+        key: &str,
+        size: u64,
+        opts: &PutOptions,
+    ) -> Result<(u64, Vec<ReplicaView>), OpError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key).lock();
+        if let Some(o) = shard.get(key) {
+            if o.client_id != client_id {
+                // Another instance holds this block: the cross-instance sharing doctor checks.
+                self.namespaces.record_put(client_id, key, true);
+            }
+            let what = match o.state {
+                ObjectState::Complete => "exists",
+                ObjectState::Processing => "is being put",
+            };
+            return Err(OpError::new(
+                ErrorCode::ObjectAlreadyExists,
+                format!("key {key:?} {what} (generation {})", o.generation),
+            ));
+        }
+        let mut segs = self.segments.lock();
+        if segs.is_empty() {
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                "no segment is mounted: start a store-client or an embedded client with \
+                 global_segment_size > 0",
+            ));
+        }
+        let len = align_up(size).unwrap_or(u64::MAX);
+        let mut order: Vec<&String> = segs
+            .iter()
+            .filter(|(_, s)| s.complete && s.alloc.largest_free() >= len)
+            .map(|(n, _)| n)
+            .collect();
+        order.shuffle(&mut rand::rng());
+        if let Some(p) = &opts.preferred_segment
+            && let Some(pos) = order.iter().position(|n| *n == p)
+        {
+            let pref = order.remove(pos);
+            order.insert(0, pref);
+        }
+        let complete = segs.values().filter(|s| s.complete).count();
+        let wanted = (opts.replica_num.max(1) as usize).min(complete);
+        if order.len() < wanted {
+            let largest = segs.values().map(|s| s.alloc.largest_free()).max();
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                format!(
+                    "no room for {size} bytes x {wanted} replica(s): largest free range is {} \
+                     bytes",
+                    largest.unwrap_or(0)
+                ),
+            ));
+        }
+        let chosen: Vec<String> = order.into_iter().take(wanted).cloned().collect();
+        let mut replicas = Vec::with_capacity(wanted);
+        let mut views = Vec::with_capacity(wanted);
+        for name in &chosen {
+            let Some(seg) = segs.get_mut(name) else {
+                continue;
+            };
+            // largest_free >= len was checked under this same lock, so best fit succeeds.
+            let Some(offset) = seg.alloc.allocate(size) else {
+                continue;
+            };
+            replicas.push(ReplicaLoc {
+                segment: name.clone(),
+                mount_id: seg.mount_id,
+                offset,
+                disk: false,
+            });
+            views.push(ReplicaView {
+                segment: seg.desc.clone(),
+                offset,
+                size,
+                disk: false,
+            });
+        }
+        drop(segs);
+        let placed = replicas.len() as u64;
+        let generation = self.next_generation()?;
+        let soft_ttl = self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl);
+        shard.insert(
+            key.to_string(),
+            Object {
+                generation,
+                size,
+                replicas,
+                state: ObjectState::Processing,
+                client_id: client_id.to_string(),
+                put_start: now,
+                lease_until: None,
+                soft_pin_until: opts.soft_pin.then(|| now + soft_ttl),
+                hard_pinned: opts.hard_pin,
+                last_access: now,
+                promoting: false,
+            },
+        );
+        drop(shard);
+        *self
+            .reserved
+            .lock()
+            .entry(client_id.to_string())
+            .or_default() += len.saturating_mul(placed);
+        self.approx_keys.fetch_add(1, Ordering::Relaxed);
+        self.namespaces.record_put(client_id, key, false);
+        Ok((generation, views))
+    }
+
+    /// Publishes a put: from now on gets and exists see it.
+    pub fn put_end(&self, key: &str) -> Result<(), OpError> {
+        let mut shard = self.shard(key).lock();
+        let o = shard
+            .get_mut(key)
+            .ok_or_else(|| not_found(key, "no put in progress"))?;
+        let first = o.state == ObjectState::Processing;
+        if first {
+            self.unreserve(o);
+        }
+        o.state = ObjectState::Complete;
+        o.last_access = Instant::now();
+        if first {
+            self.emit_stored(key, &o.replicas);
+        }
+        Ok(())
+    }
+
+    /// Abandons a put in progress; its ranges are freed through their owners. A put already
+    /// discarded as a zombie is still held in quarantine: its writer's revoke frees it now
+    /// (`client_id` empty = any client).
+    pub async fn put_revoke(&self, client_id: &str, key: &str) -> Result<(), OpError> {
+        let frees = {
+            let mut shard = self.shard(key).lock();
+            match shard.get(key) {
+                None => {
+                    let frees = self.unquarantine(|q| {
+                        q.key == key && (client_id.is_empty() || q.client_id == client_id)
+                    });
+                    if frees.is_empty() {
+                        return Err(not_found(key, "no put in progress"));
+                    }
+                    tracing::info!(
+                        key,
+                        client_id,
+                        "revoke of a discarded put: its ranges are freed now"
+                    );
+                    self.metrics
+                        .put_reservations_reclaimed_total
+                        .inc_by(frees.len() as u64);
+                    frees
+                }
+                Some(o) if o.state == ObjectState::Complete => {
+                    return Err(OpError::new(
+                        ErrorCode::InvalidWrite,
+                        format!("key {key:?} is complete; remove it instead of revoking"),
+                    ));
+                }
+                Some(_) => shard
+                    .remove(key)
+                    .map(|o| {
+                        self.unreserve(&o);
+                        self.pending_frees(&o)
+                    })
+                    .unwrap_or_default(),
+            }
+        };
+        self.release(frees).await;
+        Ok(())
+    }
+
+    // === reads ===
+
+    /// The location of a complete object; grants (extends) a lease on it.
+    pub fn get_replica_list(&self, key: &str) -> Result<Location, OpError> {
+        self.get_replica_list_for("", key)
+    }
+
+    /// [`Self::get_replica_list`] on behalf of `client_id` (exists and get lookups): finding a
+    /// key another client put counts as a shared key of its namespace.
+    pub fn get_replica_list_for(&self, client_id: &str, key: &str) -> Result<Location, OpError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key).lock();
+        let o = shard
+            .get_mut(key)
+            .ok_or_else(|| not_found(key, "not found"))?;
+        if o.state != ObjectState::Complete {
+            return Err(not_found(key, "its put has not ended yet"));
+        }
+        if !client_id.is_empty() && o.client_id != client_id {
+            self.namespaces.record_found_from_other(client_id, key);
+        }
+        let lease_until = now + self.cfg.lease_ttl;
+        o.lease_until = Some(o.lease_until.map_or(lease_until, |t| t.max(lease_until)));
+        o.last_access = now;
+        if o.soft_pin_until.is_some() {
+            o.soft_pin_until = Some(now + self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl));
+        }
+        let mut segs = self.segments.lock();
+        let replicas = o
+            .replicas
+            .iter()
+            .filter_map(|r| {
+                segs.get(&r.segment)
+                    .filter(|s| s.mount_id == r.mount_id)
+                    .map(|s| ReplicaView {
+                        segment: s.desc.clone(),
+                        offset: if r.disk { 0 } else { r.offset },
+                        size: o.size,
+                        disk: r.disk,
+                    })
+            })
+            .collect();
+        let disk_only = o.replicas.iter().all(|r| r.disk);
+        let promotion = if disk_only && self.cfg.promotion_on_hit && !o.promoting {
+            // Reserve a DRAM range on a disk replica's owner; no room means no promotion (it
+            // is not worth an eviction), and the next hit tries again.
+            o.replicas.iter().filter(|r| r.disk).find_map(|r| {
+                let seg = segs
+                    .get_mut(&r.segment)
+                    .filter(|s| s.mount_id == r.mount_id && s.complete)?;
+                let offset = seg.alloc.allocate(o.size)?;
+                Some(PendingPromotion {
+                    key: key.to_string(),
+                    endpoint: seg.desc.transfer_endpoint.clone(),
+                    segment: r.segment.clone(),
+                    mount_id: r.mount_id,
+                    generation: o.generation,
+                    offset,
+                    size: o.size,
+                })
+            })
+        } else {
+            None
+        };
+        drop(segs);
+        if disk_only {
+            self.metrics.disk_hits_total.inc();
+        }
+        if let Some(p) = promotion {
+            o.promoting = true;
+            self.promotions.lock().push(p);
+            self.promotion_wanted.notify_one();
+        }
+        Ok(Location {
+            generation: o.generation,
+            size: o.size,
+            replicas,
+            lease_ttl: self.cfg.lease_ttl,
+        })
+    }
+
+    // === removal ===
+
+    /// Removes an object. A leased object (-706) or a put in progress (-703) is kept unless
+    /// `force`. Answers after the owners acknowledged the FREE (or timed out).
+    pub async fn remove(&self, key: &str, force: bool) -> Result<(), OpError> {
+        let frees = {
+            let mut shard = self.shard(key).lock();
+            let o = shard.get(key).ok_or_else(|| not_found(key, "not found"))?;
+            let now = Instant::now();
+            if !force && o.state == ObjectState::Processing {
+                return Err(OpError::new(
+                    ErrorCode::ReplicaIsNotReady,
+                    format!("key {key:?} is being put; retry after PutEnd or use force"),
+                ));
+            }
+            if !force && o.leased(now) {
+                return Err(OpError::new(
+                    ErrorCode::ObjectHasLease,
+                    format!(
+                        "key {key:?} is leased to a reader for up to {} ms more; retry later or \
+                         use force",
+                        o.lease_until
+                            .map_or(0, |t| t.saturating_duration_since(now).as_millis())
+                    ),
+                ));
+            }
+            let o = shard.remove(key);
+            if let Some(o) = &o
+                && o.state == ObjectState::Complete
+            {
+                self.emit_updated(key, tiers_of(&o.replicas), &[]);
+            }
+            o.map(|o| self.pending_frees(&o)).unwrap_or_default()
+        };
+        self.release(frees).await;
+        Ok(())
+    }
+
+    /// Removes every complete, unleased object (with `force`: every object). Returns how many.
+    pub async fn remove_all(&self, force: bool) -> u64 {
+        let now = Instant::now();
+        let mut frees = Vec::new();
+        let mut removed = 0;
+        for shard in &self.shards {
+            let mut shard = shard.lock();
+            let keys: Vec<String> = shard
+                .iter()
+                .filter(|(_, o)| force || (o.state == ObjectState::Complete && !o.leased(now)))
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in keys {
+                if let Some(o) = shard.remove(&k) {
+                    frees.extend(self.pending_frees(&o));
+                    removed += 1;
+                }
+            }
+        }
+        if let Some(sink) = &self.events {
+            sink.emit(PoolEvent::RemovedAll);
+        }
+        self.release(frees).await;
+        removed
+    }
+
+    pub(super) fn pending_frees(&self, o: &Object) -> Vec<PendingFree> {
+        self.frees_of(o.generation, &o.replicas)
+    }
+
+    /// FREEs for `replicas` of `generation`: DRAM ranges, and disk copies (offset
+    /// [`lunakv_transfer::DISK_OFFSET`]) so the owner's disk tier forgets them too and a
+    /// restart cannot bring a removed object back.
+    pub(super) fn frees_of(&self, generation: u64, replicas: &[ReplicaLoc]) -> Vec<PendingFree> {
+        let segs = self.segments.lock();
+        replicas
+            .iter()
+            .filter_map(|r| {
+                segs.get(&r.segment)
+                    .filter(|s| s.mount_id == r.mount_id)
+                    .map(|s| PendingFree {
+                        endpoint: s.desc.transfer_endpoint.clone(),
+                        segment: r.segment.clone(),
+                        mount_id: r.mount_id,
+                        generation,
+                        offset: if r.disk {
+                            lunakv_transfer::DISK_OFFSET
+                        } else {
+                            r.offset
+                        },
+                    })
+            })
+            .collect()
+    }
+
+    /// Asks each owner (in parallel, one call per owner) to drop the entries, then returns the
+    /// ranges to their allocators. An owner that does not answer within `free_timeout` is
+    /// logged and its ranges are freed anyway (it is dead or about to be declared dead).
+    pub async fn release(&self, frees: Vec<PendingFree>) {
+        if frees.is_empty() {
+            return;
+        }
+        let timeout = self.cfg.free_timeout;
+        let notifier = &self.notifier;
+        let owners = frees.iter().map(|f| {
+            let entry = FreeEntry::from_wire(f.generation, f.offset);
+            (f.endpoint.clone(), entry)
+        });
+        fan_out_by_owner(owners, |endpoint, entries| async move {
+            let r = tokio::time::timeout(
+                timeout + Duration::from_millis(500),
+                notifier.free(&endpoint, &entries, timeout),
+            )
+            .await;
+            match r {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(%endpoint, entries = entries.len(), error = %e, "owner did not acknowledge FREE; freeing the ranges anyway"),
+                Err(_) => tracing::warn!(%endpoint, entries = entries.len(), "FREE timed out; freeing the ranges anyway"),
+            }
+        })
+        .await;
+        let mut segs = self.segments.lock();
+        for f in frees {
+            if f.offset == lunakv_transfer::DISK_OFFSET {
+                continue;
+            }
+            if let Some(seg) = segs
+                .get_mut(&f.segment)
+                .filter(|s| s.mount_id == f.mount_id)
+            {
+                seg.alloc.free(f.offset);
+            }
+        }
+    }
+}

@@ -1,0 +1,626 @@
+//! Eviction and sweeps: eviction, offload to disk, promotion, zombie puts and the key limit.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use lunakv_proto::ErrorCode;
+
+use crate::alloc::align_up;
+use crate::notifier::{OffloadEntry, Promote};
+
+use super::types::{
+    Object, ObjectState, OpError, PendingFree, PendingOffload, Quarantined, ReplicaLoc,
+};
+use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
+
+impl MasterCore {
+    /// Allocated share of total capacity, in [0, 1].
+    pub fn usage_ratio(&self) -> f64 {
+        let (used, cap) = self.usage();
+        if cap == 0 {
+            0.0
+        } else {
+            used as f64 / cap as f64
+        }
+    }
+
+    /// Evicts if usage is at or above the high watermark. Returns keys evicted.
+    pub async fn evict_if_needed(&self) -> u64 {
+        if self.total_capacity() > 0 && self.usage_ratio() >= self.cfg.high_watermark {
+            self.evict(0).await
+        } else {
+            0
+        }
+    }
+
+    /// Evicts at least `max(eviction_ratio * capacity, min_bytes)` bytes of DRAM if it can:
+    /// complete, unleased, unpinned objects, least recently used first; soft-pinned ones only
+    /// after all others; hard-pinned, leased and in-progress ones never. With offload on, an
+    /// object whose owner has a disk tier is not dropped: its owner writes it to disk before the
+    /// DRAM range is freed, and it stays indexed with a LOCAL_DISK replica. An object that already
+    /// has a disk copy just loses its DRAM replicas. Returns keys evicted from DRAM.
+    pub async fn evict(&self, min_bytes: u64) -> u64 {
+        let _guard = self.eviction_lock.lock().await;
+        let now = Instant::now();
+        let target =
+            ((self.total_capacity() as f64 * self.cfg.eviction_ratio) as u64).max(min_bytes);
+        // (soft pinned, last access, key, generation, DRAM bytes)
+        let mut candidates: Vec<(bool, Instant, String, u64, u64)> = Vec::new();
+        for shard in &self.shards {
+            for (k, o) in shard.lock().iter() {
+                let in_dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
+                if in_dram > 0
+                    && o.state == ObjectState::Complete
+                    && !o.leased(now)
+                    && !o.hard_pinned
+                {
+                    let bytes = align_up(o.size).unwrap_or(o.size) * in_dram;
+                    candidates.push((
+                        o.soft_pinned(now),
+                        o.last_access,
+                        k.clone(),
+                        o.generation,
+                        bytes,
+                    ));
+                }
+            }
+        }
+        candidates.sort_by_key(|c| (c.0, c.1));
+        let mut freed = 0u64;
+        let mut evicted = 0u64;
+        let mut frees = Vec::new();
+        let mut offloads = Vec::new();
+        for (_, _, key, generation, bytes) in candidates {
+            if freed >= target {
+                break;
+            }
+            let mut shard = self.shard(&key).lock();
+            // Re-check: a reader may have leased it since the scan.
+            let Some(o) = shard.get_mut(&key).filter(|o| {
+                o.generation == generation
+                    && o.state == ObjectState::Complete
+                    && !o.leased(Instant::now())
+                    && !o.hard_pinned
+            }) else {
+                continue;
+            };
+            let has_disk = o.replicas.iter().any(|r| r.disk);
+            let before = tiers_of(&o.replicas);
+            let spill_to = if has_disk || !self.cfg.enable_offload {
+                None
+            } else {
+                let segs = self.segments.lock();
+                o.replicas.iter().filter(|r| !r.disk).find_map(|r| {
+                    segs.get(&r.segment)
+                        .filter(|s| {
+                            s.mount_id == r.mount_id
+                                && s.desc.enable_offload
+                                && s.desc.disk_capacity >= o.size
+                        })
+                        .map(|s| (r.clone(), s.desc.transfer_endpoint.clone()))
+                })
+            };
+            if has_disk || spill_to.is_some() {
+                // The object survives on disk; its DRAM replicas go (the one being offloaded
+                // is freed by the OFFLOAD round trip, after the owner made it durable).
+                let mem: Vec<ReplicaLoc> = o
+                    .replicas
+                    .iter()
+                    .filter(|r| !r.disk)
+                    .filter(|r| {
+                        spill_to
+                            .as_ref()
+                            .is_none_or(|(t, _)| !(t.segment == r.segment && t.offset == r.offset))
+                    })
+                    .cloned()
+                    .collect();
+                frees.extend(self.frees_of(o.generation, &mem));
+                o.replicas.retain(|r| r.disk);
+                if let Some((t, endpoint)) = spill_to {
+                    offloads.push(PendingOffload {
+                        key: key.clone(),
+                        endpoint,
+                        segment: t.segment.clone(),
+                        mount_id: t.mount_id,
+                        generation: o.generation,
+                        offset: t.offset,
+                    });
+                    o.replicas.push(ReplicaLoc {
+                        offset: lunakv_transfer::DISK_OFFSET,
+                        disk: true,
+                        ..t
+                    });
+                }
+                self.emit_updated(&key, before, &o.replicas);
+                freed += bytes;
+                evicted += 1;
+            } else if let Some(o) = shard.remove(&key) {
+                self.emit_updated(&key, before, &[]);
+                frees.extend(self.pending_frees(&o));
+                freed += bytes;
+                evicted += 1;
+            }
+        }
+        if evicted > 0 {
+            tracing::debug!(
+                evicted,
+                offloaded = offloads.len(),
+                freed,
+                target,
+                "eviction pass"
+            );
+            self.metrics.evicted(evicted);
+            self.metrics.successful_evictions_total.inc();
+        }
+        self.release(frees).await;
+        self.run_offloads(offloads).await;
+        evicted
+    }
+
+    /// Moves one object's DRAM copy to its owner's disk tier now, as eviction would (the
+    /// explicit request behind `lunakv doctor`'s SSD check). Answers once the owner made the
+    /// bytes durable; an object already on disk is left as it is.
+    pub async fn offload_key(&self, key: &str) -> Result<(), OpError> {
+        if !self.cfg.enable_offload {
+            return Err(OpError::new(
+                ErrorCode::InvalidParams,
+                "the master runs without --enable_offload: start it with --enable_offload=true \
+                 to use the SSD tier",
+            ));
+        }
+        let item = {
+            let mut shard = self.shard(key).lock();
+            let o = shard
+                .get_mut(key)
+                .ok_or_else(|| not_found(key, "not found"))?;
+            if o.state != ObjectState::Complete {
+                return Err(not_found(key, "its put has not ended yet"));
+            }
+            if o.replicas.iter().any(|r| r.disk) {
+                return Ok(());
+            }
+            let segs = self.segments.lock();
+            let target = o.replicas.iter().position(|r| {
+                segs.get(&r.segment).is_some_and(|s| {
+                    s.mount_id == r.mount_id
+                        && s.desc.enable_offload
+                        && s.desc.disk_capacity >= o.size
+                })
+            });
+            let Some(i) = target else {
+                return Err(OpError::new(
+                    ErrorCode::InvalidParams,
+                    format!(
+                        "key {key:?} has no replica on a store-client with a usable disk tier: \
+                         start lunakv-store with --enable_offload=true and a writable \
+                         --offload_dir (or MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)"
+                    ),
+                ));
+            };
+            let before = tiers_of(&o.replicas);
+            let r = o.replicas.remove(i);
+            let endpoint = segs
+                .get(&r.segment)
+                .map(|s| s.desc.transfer_endpoint.clone())
+                .unwrap_or_default();
+            drop(segs);
+            let item = PendingOffload {
+                key: key.to_string(),
+                endpoint,
+                segment: r.segment.clone(),
+                mount_id: r.mount_id,
+                generation: o.generation,
+                offset: r.offset,
+            };
+            o.replicas.push(ReplicaLoc {
+                offset: lunakv_transfer::DISK_OFFSET,
+                disk: true,
+                ..r
+            });
+            self.emit_updated(key, before, &o.replicas);
+            item
+        };
+        let generation = item.generation;
+        self.run_offloads(vec![item]).await;
+        let on_disk = self
+            .shard(key)
+            .lock()
+            .get(key)
+            .is_some_and(|o| o.generation == generation && o.replicas.iter().any(|r| r.disk));
+        if on_disk {
+            Ok(())
+        } else {
+            Err(OpError::new(
+                ErrorCode::InternalError,
+                format!(
+                    "the owner of {key:?} could not write it to disk: see the store-client's log"
+                ),
+            ))
+        }
+    }
+
+    /// Sends OFFLOAD to each owner (in parallel, one call per owner), then returns the DRAM
+    /// ranges to their allocators. Objects an owner could not store (disk full, unwritable,
+    /// unreachable) lose their LOCAL_DISK replica: a plain eviction, never a dangling replica.
+    pub async fn run_offloads(&self, items: Vec<PendingOffload>) {
+        if items.is_empty() {
+            return;
+        }
+        let timeout = self.cfg.free_timeout;
+        let notifier = &self.notifier;
+        let owners = items.iter().map(|f| {
+            let entry = OffloadEntry {
+                generation: f.generation,
+                offset: f.offset,
+            };
+            (f.endpoint.clone(), entry)
+        });
+        let failed: HashSet<u64> = fan_out_by_owner(owners, |endpoint, entries| async move {
+            // Writing a whole eviction pass to disk takes a while: allow for it.
+            let budget = timeout + Duration::from_secs(120);
+            let r = tokio::time::timeout(budget, notifier.offload(&endpoint, &entries, timeout))
+                .await;
+            let all = || entries.iter().map(|e| e.generation).collect::<Vec<u64>>();
+            match r {
+                Ok(Ok(bad)) => {
+                    if !bad.is_empty() {
+                        tracing::warn!(%endpoint, failed = bad.len(), of = entries.len(), "owner could not offload some objects (see its log); they are evicted");
+                    }
+                    bad
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(%endpoint, entries = entries.len(), error = %e, "OFFLOAD failed; the objects are evicted");
+                    all()
+                }
+                Err(_) => {
+                    tracing::warn!(%endpoint, entries = entries.len(), "OFFLOAD timed out; the objects are evicted");
+                    all()
+                }
+            }
+        })
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+        let mut dropped = 0u64;
+        for f in &items {
+            if !failed.contains(&f.generation) {
+                continue;
+            }
+            let mut shard = self.shard(&f.key).lock();
+            if let Some(o) = shard
+                .get_mut(&f.key)
+                .filter(|o| o.generation == f.generation)
+            {
+                let before = tiers_of(&o.replicas);
+                o.replicas
+                    .retain(|r| !(r.disk && r.segment == f.segment && r.mount_id == f.mount_id));
+                self.emit_updated(&f.key, before, &o.replicas);
+                if o.replicas.is_empty() {
+                    shard.remove(&f.key);
+                    dropped += 1;
+                }
+            }
+        }
+        let ok = items.len() as u64 - failed.len().min(items.len()) as u64;
+        self.metrics.offloaded_keys_total.inc_by(ok);
+        self.metrics
+            .offload_failures_total
+            .inc_by(failed.len() as u64);
+        if dropped > 0 {
+            tracing::debug!(dropped, "objects lost on a failed offload");
+        }
+        let mut segs = self.segments.lock();
+        for f in items {
+            if let Some(seg) = segs
+                .get_mut(&f.segment)
+                .filter(|s| s.mount_id == f.mount_id)
+            {
+                seg.alloc.free(f.offset);
+            }
+        }
+    }
+
+    /// Resolves when a get reserved a promotion (`--promotion_on_hit`); the background task
+    /// then calls [`Self::run_promotions`].
+    pub async fn promotion_wanted(&self) {
+        self.promotion_wanted.notified().await;
+    }
+
+    /// Promotions reserved by gets and not yet run.
+    pub fn pending_promotions(&self) -> usize {
+        self.promotions.lock().len()
+    }
+
+    /// Runs the promotions reserved by gets, in parallel: each owner copies its disk object into
+    /// the reserved DRAM range (PROMOTE) and commits the entry under the same generation. Once it
+    /// confirmed, the object gains a MEMORY replica (first, so readers prefer it) and keeps its
+    /// disk one. A failed promotion, or one whose object was removed or replaced meanwhile, gives
+    /// the range back through its owner (FREE, then the allocator). Returns promotions done.
+    pub async fn run_promotions(&self) -> u64 {
+        let items = std::mem::take(&mut *self.promotions.lock());
+        if items.is_empty() {
+            return 0;
+        }
+        let budget = self.cfg.free_timeout + Duration::from_secs(60);
+        let notifier = &self.notifier;
+        // One call per promotion, not per owner: each copies its own object from disk.
+        let results = futures::future::join_all(items.into_iter().map(|p| async move {
+            let req = Promote {
+                generation: p.generation,
+                key: p.key.clone(),
+                offset: p.offset,
+                len: p.size,
+            };
+            let r = tokio::time::timeout(budget, notifier.promote(&p.endpoint, &req)).await;
+            let ok = match r {
+                Ok(Ok(())) => true,
+                Ok(Err(e)) => {
+                    tracing::warn!(key = %p.key, endpoint = %p.endpoint, error = %e, "promotion failed; the object stays on disk");
+                    false
+                }
+                Err(_) => {
+                    tracing::warn!(key = %p.key, endpoint = %p.endpoint, "promotion timed out; the object stays on disk");
+                    false
+                }
+            };
+            (p, ok)
+        }))
+        .await;
+        let mut frees = Vec::new();
+        let mut done = 0u64;
+        let mut failed = 0u64;
+        for (p, ok) in results {
+            if !ok {
+                failed += 1;
+            }
+            let mounted = || {
+                self.segments
+                    .lock()
+                    .get(&p.segment)
+                    .is_some_and(|s| s.mount_id == p.mount_id)
+            };
+            let mut shard = self.shard(&p.key).lock();
+            let object = shard
+                .get_mut(&p.key)
+                .filter(|o| o.generation == p.generation);
+            let kept = match object {
+                Some(o) => {
+                    o.promoting = false;
+                    if ok && mounted() {
+                        let before = tiers_of(&o.replicas);
+                        o.replicas.insert(
+                            0,
+                            ReplicaLoc {
+                                segment: p.segment.clone(),
+                                mount_id: p.mount_id,
+                                offset: p.offset,
+                                disk: false,
+                            },
+                        );
+                        self.emit_updated(&p.key, before, &o.replicas);
+                        true
+                    } else {
+                        false
+                    }
+                }
+                None => false,
+            };
+            drop(shard);
+            if kept {
+                done += 1;
+            } else {
+                frees.push(PendingFree {
+                    endpoint: p.endpoint,
+                    segment: p.segment,
+                    mount_id: p.mount_id,
+                    generation: p.generation,
+                    offset: p.offset,
+                });
+            }
+        }
+        self.metrics.promotions_total.inc_by(done);
+        self.metrics.promotion_failures_total.inc_by(failed);
+        if done > 0 || failed > 0 {
+            tracing::debug!(done, failed, "promotions on hit");
+        }
+        self.release(frees).await;
+        done
+    }
+
+    /// The owner's disk tier dropped these objects (its size limit, a failed checksum): forget
+    /// their LOCAL_DISK replicas on `client_id`'s segments. Returns objects that disappeared.
+    pub fn disk_dropped(&self, client_id: &str, items: &[(String, u64)]) -> u64 {
+        if items.is_empty() {
+            return 0;
+        }
+        let owned: HashSet<(String, u64)> = self
+            .segments
+            .lock()
+            .iter()
+            .filter(|(_, s)| s.client_id == client_id)
+            .map(|(n, s)| (n.clone(), s.mount_id))
+            .collect();
+        let mut gone = 0;
+        for (key, generation) in items {
+            let mut shard = self.shard(key).lock();
+            let Some(o) = shard.get_mut(key).filter(|o| o.generation == *generation) else {
+                continue;
+            };
+            let before = tiers_of(&o.replicas);
+            o.replicas
+                .retain(|r| !(r.disk && owned.contains(&(r.segment.clone(), r.mount_id))));
+            if tiers_of(&o.replicas) != before {
+                self.emit_updated(key, before, &o.replicas);
+            }
+            if o.replicas.is_empty() {
+                shard.remove(key);
+                gone += 1;
+            }
+        }
+        self.metrics
+            .disk_dropped_keys_total
+            .inc_by(items.len() as u64);
+        gone
+    }
+
+    /// Per segment: (disk objects, disk bytes) the index holds.
+    pub(super) fn disk_usage(&self) -> HashMap<String, (u64, u64)> {
+        let mut out: HashMap<String, (u64, u64)> = HashMap::new();
+        for shard in &self.shards {
+            for o in shard.lock().values() {
+                for r in o.replicas.iter().filter(|r| r.disk) {
+                    let e = out.entry(r.segment.clone()).or_default();
+                    e.0 += 1;
+                    e.1 += o.size;
+                }
+            }
+        }
+        out
+    }
+
+    /// (disk capacity of mounted segments, disk bytes indexed, disk objects indexed).
+    pub fn disk_totals(&self) -> (u64, u64, u64) {
+        let cap = self
+            .segments
+            .lock()
+            .values()
+            .map(|s| s.desc.disk_capacity)
+            .sum();
+        let (objects, bytes) = self
+            .disk_usage()
+            .values()
+            .fold((0, 0), |(a, b), (o, by)| (a + o, b + by));
+        (cap, bytes, objects)
+    }
+
+    /// Drops puts started more than `put_discard_timeout` ago and never ended (their keys become
+    /// free at once), and frees the ranges of those whose release deadline has passed.
+    /// Returns the number of puts discarded.
+    pub async fn sweep_puts(&self) -> u64 {
+        let now = Instant::now();
+        let mut discarded = 0;
+        let mut keys = 0u64;
+        let mut reserved: HashMap<String, u64> = HashMap::new();
+        for shard in &self.shards {
+            let mut shard = shard.lock();
+            keys += shard.len() as u64;
+            for o in shard.values() {
+                if o.state == ObjectState::Processing {
+                    let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
+                    *reserved.entry(o.client_id.clone()).or_default() += bytes;
+                }
+            }
+            let stale: Vec<String> = shard
+                .iter()
+                .filter(|(_, o)| {
+                    o.state == ObjectState::Processing
+                        && now.duration_since(o.put_start) >= self.cfg.put_discard_timeout
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in stale {
+                if let Some(o) = shard.remove(&k) {
+                    tracing::warn!(key = %k, client_id = %o.client_id, generation = o.generation, "put never ended; discarded");
+                    let frees = self.pending_frees(&o);
+                    // The writer may still be copying into these ranges: they stay allocated
+                    // until put_start + put_release_timeout, its revoke, or its death.
+                    self.quarantine.lock().push(Quarantined {
+                        until: o.put_start + self.cfg.put_release_timeout,
+                        key: k.clone(),
+                        client_id: o.client_id.clone(),
+                        frees,
+                    });
+                    discarded += 1;
+                }
+            }
+        }
+        // Discarded puts are no longer reservations (their ranges wait in quarantine).
+        *self.reserved.lock() = reserved;
+        self.approx_keys.store(keys, Ordering::Relaxed);
+        let due = self.unquarantine(|q| q.until <= now);
+        self.release(due).await;
+        discarded
+    }
+
+    /// A put of `o` ended or was revoked: its bytes no longer count against its client
+    /// (other exits are corrected by the next sweep's recount).
+    pub(super) fn unreserve(&self, o: &Object) {
+        let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
+        if let Some(r) = self.reserved.lock().get_mut(&o.client_id) {
+            *r = r.saturating_sub(bytes);
+        }
+    }
+
+    /// Takes the quarantined puts `pick` selects; returns their ranges to free.
+    pub(super) fn unquarantine(&self, pick: impl Fn(&Quarantined) -> bool) -> Vec<PendingFree> {
+        let mut q = self.quarantine.lock();
+        let (due, keep): (Vec<_>, Vec<_>) = q.drain(..).partition(|e| pick(e));
+        *q = keep;
+        due.into_iter().flat_map(|e| e.frees).collect()
+    }
+
+    /// Frees what [`Self::expire_clients`] took from dead writers: their unfinished puts and
+    /// quarantined ranges (nobody is left to copy into them).
+    pub async fn release_orphaned(&self) {
+        let frees = std::mem::take(&mut *self.orphaned.lock());
+        if !frees.is_empty() {
+            self.metrics
+                .put_reservations_reclaimed_total
+                .inc_by(frees.len() as u64);
+            self.release(frees).await;
+        }
+    }
+
+    /// At `max_keys`: drops the least recently used objects (DRAM and disk copies alike) down
+    /// to 95% of the limit. Leased, pinned and unfinished objects stay. Returns keys dropped.
+    pub async fn enforce_key_limit(&self) -> u64 {
+        let max = self.cfg.max_keys;
+        if max == 0 {
+            return 0;
+        }
+        let _guard = self.eviction_lock.lock().await;
+        let count = self.key_count();
+        self.approx_keys.store(count, Ordering::Relaxed);
+        if count < max {
+            return 0;
+        }
+        let excess = count - max * 19 / 20;
+        let now = Instant::now();
+        let mut candidates: Vec<(bool, Instant, String, u64)> = Vec::new();
+        for shard in &self.shards {
+            for (k, o) in shard.lock().iter() {
+                if o.state == ObjectState::Complete && !o.leased(now) && !o.hard_pinned {
+                    candidates.push((o.soft_pinned(now), o.last_access, k.clone(), o.generation));
+                }
+            }
+        }
+        candidates.sort_by_key(|c| (c.0, c.1));
+        let mut frees = Vec::new();
+        let mut dropped = 0u64;
+        for (_, _, key, generation) in candidates.into_iter().take(excess as usize) {
+            let mut shard = self.shard(&key).lock();
+            if shard
+                .get(&key)
+                .is_some_and(|o| o.generation == generation && !o.leased(Instant::now()))
+                && let Some(o) = shard.remove(&key)
+            {
+                self.emit_updated(&key, tiers_of(&o.replicas), &[]);
+                frees.extend(self.pending_frees(&o));
+                dropped += 1;
+            }
+        }
+        self.release(frees).await;
+        self.approx_keys
+            .fetch_sub(dropped.min(count), Ordering::Relaxed);
+        self.metrics.key_limit_evictions_total.inc_by(dropped);
+        self.metrics.evicted(dropped);
+        tracing::warn!(
+            max_keys = max,
+            dropped,
+            "object index at max_keys: dropped the least recently used objects"
+        );
+        dropped
+    }
+}

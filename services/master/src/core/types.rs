@@ -1,0 +1,359 @@
+//! The core's types: its config, the domain types the edges see, and the index's entries.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use lunakv_proto::ErrorCode;
+
+use crate::alloc::OffsetAllocator;
+
+/// Timing and policy knobs, as durations (tests use milliseconds).
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    pub cluster_id: String,
+    pub lease_ttl: Duration,
+    pub soft_pin_ttl: Duration,
+    pub max_soft_pin_ttl: Duration,
+    pub eviction_ratio: f64,
+    pub high_watermark: f64,
+    pub client_ttl: Duration,
+    pub put_discard_timeout: Duration,
+    pub put_release_timeout: Duration,
+    /// How long an owner has to acknowledge a FREE before the range is freed anyway.
+    pub free_timeout: Duration,
+    /// SSD tier: offloading owners may mount; their evicted objects move to disk.
+    pub enable_offload: bool,
+    /// SSD tier: a get of a disk-only object asks its owner to bring it back to DRAM.
+    pub promotion_on_hit: bool,
+    /// Keys a client must put in a namespace before the unshared-instances rule counts it
+    /// (`namespace_min_keys`; see [`crate::namespaces`]).
+    pub namespace_min_keys: u64,
+    /// Most objects in the index (0 = no limit).
+    pub max_keys: u64,
+    /// Share of total capacity one client may hold reserved by unfinished puts.
+    pub put_reservation_limit_ratio: f64,
+}
+
+impl CoreConfig {
+    pub fn from_master(c: &lunakv_config::master::MasterConfig) -> CoreConfig {
+        CoreConfig {
+            cluster_id: c.cluster_id.clone(),
+            lease_ttl: Duration::from_millis(c.default_kv_lease_ttl),
+            soft_pin_ttl: Duration::from_millis(c.default_kv_soft_pin_ttl),
+            max_soft_pin_ttl: Duration::from_millis(c.max_kv_soft_pin_ttl),
+            eviction_ratio: c.eviction_ratio,
+            high_watermark: c.eviction_high_watermark_ratio,
+            client_ttl: Duration::from_secs(c.client_ttl),
+            put_discard_timeout: Duration::from_secs(c.put_start_discard_timeout_sec),
+            put_release_timeout: Duration::from_secs(c.put_start_release_timeout_sec),
+            free_timeout: Duration::from_secs(2),
+            enable_offload: c.enable_offload,
+            promotion_on_hit: c.promotion_on_hit,
+            namespace_min_keys: c.namespace_min_keys,
+            max_keys: c.max_keys,
+            put_reservation_limit_ratio: c.put_reservation_limit_ratio,
+        }
+    }
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        CoreConfig::from_master(&lunakv_config::master::MasterConfig::default())
+    }
+}
+
+/// What a peer needs to reach a segment (the domain form of `SegmentDescriptor`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SegmentDesc {
+    pub name: String,
+    pub transfer_endpoint: String,
+    pub size: u64,
+    pub host_id: String,
+    pub shm_socket: String,
+    /// The protocol the owner serves ("tcp" or "rdma").
+    pub protocol: String,
+    pub enable_offload: bool,
+    /// SSD tier limit of the owner; 0 = no usable disk tier. (Absent in older persisted records.)
+    #[serde(default)]
+    pub disk_capacity: u64,
+    /// The owner's segment server instance ([`lunakv_transfer::SegmentInfo::instance_id`]);
+    /// empty from owners that predate it.
+    #[serde(default)]
+    pub instance_id: String,
+    /// The protocol the owner was configured with ("rdma" while `protocol` is "tcp": RDMA was
+    /// unavailable there). Older owners and persisted records leave it empty (= `protocol`).
+    #[serde(default)]
+    pub requested_protocol: String,
+    /// Why `protocol` differs from `requested_protocol`; empty when they agree.
+    #[serde(default)]
+    pub protocol_reason: String,
+}
+
+/// One object a segment already holds, reported at mount.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InventoryItem {
+    pub key: String,
+    pub offset: u64,
+    pub size: u64,
+    pub generation: u64,
+    /// In the owner's disk tier rather than at `offset` of its DRAM.
+    pub disk: bool,
+}
+
+/// Placement options of a put.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PutOptions {
+    pub replica_num: u32,
+    pub preferred_segment: Option<String>,
+    pub soft_pin: bool,
+    pub hard_pin: bool,
+}
+
+/// A per-item failure: a Mooncake code and a message for humans.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl OpError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> OpError {
+        OpError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// A replica as clients see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaView {
+    pub segment: SegmentDesc,
+    pub offset: u64,
+    pub size: u64,
+    /// A LOCAL_DISK replica: read it with LOAD from the owner, not READ.
+    pub disk: bool,
+}
+
+/// Where an object is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    pub generation: u64,
+    pub size: u64,
+    pub replicas: Vec<ReplicaView>,
+    pub lease_ttl: Duration,
+}
+
+/// Object lifecycle in the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum ObjectState {
+    Processing,
+    Complete,
+}
+
+/// Errors that are not per-item: they become a `tonic::Status`.
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error(
+        "cluster_id mismatch: this master serves cluster {ours:?} but the mount says {theirs:?}; \
+         start the client with cluster_id {ours:?} or point it at the master of {theirs:?}"
+    )]
+    ClusterMismatch { ours: String, theirs: String },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("segment {0:?} is not mounted")]
+    SegmentNotFound(String),
+    #[error(
+        "segment {segment:?} belongs to client {owner:?} (instance {instance:?}), not to \
+         {caller:?}: only its owner may unmount it; a dead owner's segment goes after client_ttl"
+    )]
+    NotOwner {
+        segment: String,
+        owner: String,
+        instance: String,
+        caller: String,
+    },
+    /// A MountInventory part nobody awaits (the master restarted, or the segment was mounted
+    /// again or completed since): the owner must start its mount over, so it is ABORTED, which
+    /// owners retry, not INVALID_ARGUMENT, which a starting store treats as fatal.
+    #[error(
+        "no inventory of segment {segment:?} (instance {instance:?}) from client {client:?} is \
+         awaited: mount the segment again with its inventory"
+    )]
+    InventoryNotAwaited {
+        segment: String,
+        instance: String,
+        client: String,
+    },
+    #[error(
+        "offload mismatch: store-client segment {segment:?} has --enable_offload=true but this \
+         master runs without it, so objects evicted from its DRAM could never be found on its \
+         disk; start lunakv-master with --enable_offload=true (and \"enable_offload\": true in \
+         mooncake_config.json), or start the store-client with --enable_offload=false"
+    )]
+    OffloadMismatch { segment: String },
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct ReplicaLoc {
+    pub(super) segment: String,
+    pub(super) mount_id: u64,
+    pub(super) offset: u64,
+    /// In the owner's disk tier (no DRAM range; `offset` unused).
+    pub(super) disk: bool,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Object {
+    pub(super) generation: u64,
+    pub(super) size: u64,
+    pub(super) replicas: Vec<ReplicaLoc>,
+    pub(super) state: ObjectState,
+    pub(super) client_id: String,
+    pub(super) put_start: Instant,
+    pub(super) lease_until: Option<Instant>,
+    pub(super) soft_pin_until: Option<Instant>,
+    pub(super) hard_pinned: bool,
+    pub(super) last_access: Instant,
+    /// A promotion on hit is in flight (at most one per object).
+    pub(super) promoting: bool,
+}
+
+impl Object {
+    pub(super) fn leased(&self, now: Instant) -> bool {
+        self.lease_until.is_some_and(|t| t > now)
+    }
+
+    pub(super) fn soft_pinned(&self, now: Instant) -> bool {
+        self.soft_pin_until.is_some_and(|t| t > now)
+    }
+}
+
+pub(super) struct Segment {
+    pub(super) desc: SegmentDesc,
+    pub(super) client_id: String,
+    pub(super) mount_id: u64,
+    pub(super) alloc: OffsetAllocator,
+    /// The owner's whole inventory is indexed. Until then nothing is placed here: the
+    /// allocator does not yet know every range the owner holds, and a new object could land on
+    /// one of them.
+    pub(super) complete: bool,
+}
+
+pub(super) struct ClientEntry {
+    pub(super) last_seen: Instant,
+    pub(super) segments: BTreeSet<String>,
+}
+
+/// A range waiting for its owner's acknowledgement before it returns to the allocator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingFree {
+    pub endpoint: String,
+    pub segment: String,
+    pub mount_id: u64,
+    pub generation: u64,
+    /// The DRAM range, or [`lunakv_transfer::DISK_OFFSET`] for a disk copy (no range to free).
+    pub offset: u64,
+}
+
+/// An object whose DRAM copy its owner is asked to move to disk (eviction with offload).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingOffload {
+    pub key: String,
+    pub endpoint: String,
+    pub segment: String,
+    pub mount_id: u64,
+    pub generation: u64,
+    pub offset: u64,
+}
+
+/// A disk-only object its owner is asked to copy back into DRAM (promotion on hit): the DRAM
+/// range at `offset` is reserved in the allocator, not yet a replica.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingPromotion {
+    pub key: String,
+    pub endpoint: String,
+    pub segment: String,
+    pub mount_id: u64,
+    pub generation: u64,
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// A segment as the admin view shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SegmentInfo {
+    pub name: String,
+    pub transfer_endpoint: String,
+    pub client_id: String,
+    pub size: u64,
+    pub used: u64,
+    pub objects: u64,
+    pub last_ping_ms_ago: u64,
+    pub host_id: String,
+    pub enable_offload: bool,
+    pub disk_capacity: u64,
+    pub disk_used: u64,
+    pub disk_objects: u64,
+}
+
+/// One object as the admin view shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ObjectInfo {
+    pub key: String,
+    pub generation: u64,
+    pub size: u64,
+    pub state: ObjectState,
+    pub client_id: String,
+    pub replicas: Vec<ReplicaInfo>,
+    pub lease_remaining_ms: u64,
+    pub soft_pinned: bool,
+    pub hard_pinned: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReplicaInfo {
+    pub segment: String,
+    pub transfer_endpoint: String,
+    pub offset: u64,
+    /// "memory" or "local_disk".
+    pub kind: &'static str,
+}
+
+/// A discarded put's ranges, held until its writer can no longer be copying into them.
+pub(super) struct Quarantined {
+    pub(super) until: Instant,
+    pub(super) key: String,
+    pub(super) client_id: String,
+    pub(super) frees: Vec<PendingFree>,
+}
+
+/// Result of a mount.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MountOutcome {
+    pub accepted: u64,
+    pub rejected_generations: Vec<u64>,
+    /// Replicas of older copies displaced by the inventory: free them through their owners.
+    pub displaced: Vec<PendingFree>,
+}
+
+/// Why an owner's inventory entry was not indexed (logged; the owner drops the entry).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum InventoryReject {
+    #[error(transparent)]
+    Key(#[from] lunakv_proto::KeyError),
+    #[error("size 0")]
+    SizeZero,
+    #[error("a newer copy (generation {0}) is indexed")]
+    Newer(u64),
+    #[error("this segment already holds a replica of it")]
+    Duplicate,
+    #[error("size {size} differs from the indexed replica's {indexed}")]
+    SizeMismatch { size: u64, indexed: u64 },
+    #[error("a disk object, and this master runs without --enable_offload")]
+    DiskWithoutOffload,
+    #[error("segment unmounted during mount")]
+    Unmounted,
+    #[error(transparent)]
+    Reserve(#[from] crate::alloc::ReserveError),
+}
