@@ -1124,12 +1124,18 @@ mod tests {
         assert!(anon.detail.contains("no identity"), "{}", anon.detail);
         let with_user = |k: &str| match k {
             "LUNAKV_ETCD_CACERT" => Some(pem.clone()),
-            "LUNAKV_ETCD_USER" => Some("lunakv:pw".into()),
+            "LUNAKV_ETCD_USER" => Some("lunakv:Hunter2-not-in-any-path".into()),
             _ => None,
         };
         let ok = check_security("etcd://e1:2379", &with_user);
         assert_eq!(ok.status, Outcome::Pass, "{}", ok.detail);
-        assert!(ok.detail.contains("etcd user lunakv") && !ok.detail.contains("pw"));
+        // The password is distinctive on purpose: the detail holds a random temp path,
+        // and a short password like "pw" turns up in those by chance.
+        assert!(
+            ok.detail.contains("etcd user lunakv") && !ok.detail.contains("Hunter2"),
+            "{}",
+            ok.detail
+        );
         let broken = |k: &str| (k == "LUNAKV_ETCD_CACERT").then(|| "/nonexistent.pem".to_string());
         assert_eq!(
             check_security("etcd://e1:2379", &broken).status,
