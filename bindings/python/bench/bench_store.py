@@ -9,6 +9,13 @@ compared byte for byte. Load buffers are touched before the gets, as vLLM's KV c
 one-thread memcpy path) and reports the machine's load average next to every row.
 GB/s = 1e9 bytes/s over the whole pass; p50/p99 are per batch call.
 
+After the loads, every object is checked with batch_is_exist in calls of --exists-batch keys (4 by
+default, as vLLM's lookup of a short prefix), twice: "first" is each key's first check since its
+put, "again" the same check repeated at once (vLLM repeats it on every scheduling pass of a
+waiting request and for every request sharing the prefix). lunakv answers "again" from the lease
+the first check was granted (docs/ARCHITECTURE.md, "Existence checks"); upstream asks its master
+each time. Their ratio is upstream's p50 over lunakv's: above 1, lunakv answers faster.
+
 Two modes, as vLLM runs them:
   embedded          the benchmark process owns a segment (global_segment_size > 0) and is the
                     requester: puts and gets land in its own segment.
@@ -170,6 +177,15 @@ def workload(store, args, tag: str) -> dict:
         get_time += dt
     if not np.array_equal(src, dst):
         raise RuntimeError("loaded bytes differ from the saved bytes")
+    exists_first, exists_again = [], []
+    for lat in (exists_first, exists_again):
+        for first in range(0, n_objects, args.exists_batch):
+            keys = keys_all[first : first + args.exists_batch]
+            t = time.perf_counter()
+            r = store.batch_is_exist(keys)
+            lat.append(time.perf_counter() - t)
+            if list(r) != [1] * len(keys):
+                raise RuntimeError(f"batch_is_exist: {list(r)[:4]}... (want 1 for every stored key)")
     for buf in (src, dst):
         store.unregister_buffer(buf.ctypes.data)
     moved = n_objects * obj
@@ -188,6 +204,10 @@ def workload(store, args, tag: str) -> dict:
         "put_p99_us": pct(put_lat, 0.99),
         "get_p50_us": pct(get_lat, 0.5),
         "get_p99_us": pct(get_lat, 0.99),
+        "exists_first_p50_us": pct(exists_first, 0.5),
+        "exists_first_p99_us": pct(exists_first, 0.99),
+        "exists_again_p50_us": pct(exists_again, 0.5),
+        "exists_again_p99_us": pct(exists_again, 0.99),
     }
 
 
@@ -359,9 +379,14 @@ def fmt(r: dict) -> str:
     if r["mode"] == "memcpy":
         return (f"{r['impl']:8} {'memcpy (ceiling)':17} put {r['put_gbps']:6.2f} GB/s"
                 f"{'':31}get {r['get_gbps']:6.2f} GB/s{'':31}{load}")
-    return (f"{r['impl']:8} {r['mode']:17} put {r['put_gbps']:6.2f} GB/s (p50 {r['put_p50_us']:8.0f} us,"
+    line = (f"{r['impl']:8} {r['mode']:17} put {r['put_gbps']:6.2f} GB/s (p50 {r['put_p50_us']:8.0f} us,"
             f" p99 {r['put_p99_us']:8.0f} us)   get {r['get_gbps']:6.2f} GB/s (p50 {r['get_p50_us']:8.0f} us,"
             f" p99 {r['get_p99_us']:8.0f} us){load}")
+    if "exists_first_p50_us" in r:
+        line += (f"\n{'':26} exists first p50 {r['exists_first_p50_us']:6.0f} us, p99 "
+                 f"{r['exists_first_p99_us']:6.0f} us;   again p50 {r['exists_again_p50_us']:6.0f} us, "
+                 f"p99 {r['exists_again_p99_us']:6.0f} us")
+    return line
 
 
 def main() -> int:
@@ -372,6 +397,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32, help="objects per batch call")
     ap.add_argument("--layers", type=int, default=32, help="pieces per object")
     ap.add_argument("--piece-kib", type=int, default=16, help="bytes per piece")
+    ap.add_argument("--exists-batch", type=int, default=4, help="keys per batch_is_exist call")
     ap.add_argument("--pairs", "--runs", dest="runs", type=int, default=5,
                     help="paired trials (lunakv then upstream, N times); verdicts use the median ratio")
     ap.add_argument("--cold-dst", action="store_true",
@@ -383,11 +409,14 @@ def main() -> int:
     args = ap.parse_args()
     if args.runs < 1:
         ap.error(f"--pairs {args.runs}: use at least 1 (5 or more for a verdict that holds)")
+    if args.exists_batch < 1:
+        ap.error(f"--exists-batch {args.exists_batch}: use at least 1 key per call")
     if args.worker:
         return worker(args)
 
     common = ["--modes", args.modes, "--total-mib", str(args.total_mib), "--batch", str(args.batch),
               "--layers", str(args.layers), "--piece-kib", str(args.piece_kib), "--bin-dir", args.bin_dir,
+              "--exists-batch", str(args.exists_batch),
               *(["--cold-dst"] if args.cold_dst else [])]
     me = str(Path(__file__).resolve())
     print(f"== workload: objects of {args.layers} x {args.piece_kib} KiB, batches of {args.batch}, "
@@ -459,12 +488,20 @@ def main() -> int:
                   f"get {get['median']:5.2f}x [{get['min']:.2f}-{get['max']:.2f}]   {verdict}")
             print(f"{'':17} per pair: put {' '.join(f'{x:.2f}' for x in ratios['put'])}; "
                   f"get {' '.join(f'{x:.2f}' for x in ratios['get'])}")
+            if ratios["exists_first"]:
+                first, again = summarize(ratios["exists_first"]), summarize(ratios["exists_again"])
+                verdict = "ok" if min(first["median"], again["median"]) >= 1 else "SLOWER than upstream"
+                print(f"{'':17} exists p50, upstream / lunakv (target >= 1x): first "
+                      f"{first['median']:5.2f}x [{first['min']:.2f}-{first['max']:.2f}]   again "
+                      f"{again['median']:5.2f}x [{again['min']:.2f}-{again['max']:.2f}]   {verdict}")
     return 0
 
 
 def paired_ratios(lruns: list[list[dict]], uruns: list[list[dict]], mode: str) -> dict[str, list[float]]:
-    """Per pair (the i-th lunakv run and the i-th upstream run, back to back): lunakv / upstream."""
-    out: dict[str, list[float]] = {"put": [], "get": []}
+    """Per pair (the i-th lunakv run and the i-th upstream run, back to back): lunakv / upstream
+    for put and get GB/s, upstream / lunakv for the exists p50 latencies (so above 1 is lunakv
+    faster in every ratio)."""
+    out: dict[str, list[float]] = {"put": [], "get": [], "exists_first": [], "exists_again": []}
     for lr, ur in zip(lruns, uruns):
         lm = next((r for r in lr if r["mode"] == mode), None)
         um = next((r for r in ur if r["mode"] == mode), None)
@@ -473,6 +510,10 @@ def paired_ratios(lruns: list[list[dict]], uruns: list[list[dict]], mode: str) -
         for op in ("put", "get"):
             u = um[f"{op}_gbps"]
             out[op].append(lm[f"{op}_gbps"] / u if u > 0 else 0.0)
+        for op in ("exists_first", "exists_again"):
+            lat = f"{op}_p50_us"
+            if lat in lm and lat in um:
+                out[op].append(um[lat] / lm[lat] if lm[lat] > 0 else 0.0)
     return out
 
 

@@ -10,15 +10,18 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 
-def run(mode, put, get):
-    return [{"mode": "memcpy", "put_gbps": 9.0, "get_gbps": 9.0}, {"mode": mode, "put_gbps": put, "get_gbps": get}]
+def run(mode, put, get, exists_us=None):
+    row = {"mode": mode, "put_gbps": put, "get_gbps": get}
+    if exists_us is not None:
+        row["exists_first_p50_us"], row["exists_again_p50_us"] = exists_us
+    return [{"mode": "memcpy", "put_gbps": 9.0, "get_gbps": 9.0}, row]
 
 
 def test_ratios_pair_the_ith_runs_of_each_side():
     lruns = [run("embedded", 4.0, 6.0), run("embedded", 1.0, 6.0), run("embedded", 4.0, 3.0)]
     uruns = [run("embedded", 1.0, 2.0), run("embedded", 1.0, 2.0), run("embedded", 2.0, 1.0)]
     r = bench.paired_ratios(lruns, uruns, "embedded")
-    assert r == {"put": [4.0, 1.0, 2.0], "get": [3.0, 3.0, 3.0]}
+    assert r == {"put": [4.0, 1.0, 2.0], "get": [3.0, 3.0, 3.0], "exists_first": [], "exists_again": []}
     # The median ignores the one pair a neighbour's burst hit.
     assert bench.summarize(r["put"]) == {"median": 2.0, "min": 1.0, "max": 4.0}
 
@@ -28,4 +31,14 @@ def test_summarize_even_count_and_missing_mode():
     assert bench.paired_ratios([run("embedded", 1, 1)], [run("standalone-store", 1, 1)], "embedded") == {
         "put": [],
         "get": [],
+        "exists_first": [],
+        "exists_again": [],
     }
+
+
+def test_exists_ratios_are_upstream_latency_over_lunakvs():
+    lruns = [run("embedded", 1, 1, (200.0, 10.0)), run("embedded", 1, 1, (400.0, 20.0))]
+    uruns = [run("embedded", 1, 1, (300.0, 300.0)), run("embedded", 1, 1, (200.0, 200.0))]
+    r = bench.paired_ratios(lruns, uruns, "embedded")
+    assert r["exists_first"] == [1.5, 0.5]
+    assert r["exists_again"] == [30.0, 10.0]
