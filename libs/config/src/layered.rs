@@ -84,9 +84,7 @@ pub enum LayeredError {
         expected: String,
         fix: String,
     },
-    #[error(
-        "{key} (from {source_name}) is an upstream Mooncake setting lunakv does not support: {fix}"
-    )]
+    #[error("{key} (from {source_name}) is an upstream setting lunakv does not support: {fix}")]
     Unsupported {
         key: String,
         source_name: String,
@@ -135,7 +133,8 @@ fn keys<T: Default + Serialize>() -> Vec<(String, Kind)> {
 }
 
 /// Turns serialized flag values (a clap struct with `Option` fields, serialized) into
-/// `(key, text)` pairs: unset (`None`) fields are left out.
+/// `(key, text)` pairs: unset (`None`) fields are left out, and a list is one comma-separated
+/// text (`--enable-tls=prefiller,decoder`).
 pub fn flags_of<A: Serialize>(args: &A) -> Vec<(String, String)> {
     let Ok(Value::Mapping(m)) = serde_norway::to_value(args) else {
         return Vec::new();
@@ -147,6 +146,15 @@ pub fn flags_of<A: Serialize>(args: &A) -> Vec<(String, String)> {
                 Value::String(s) => s,
                 Value::Bool(b) => b.to_string(),
                 Value::Number(n) => n.to_string(),
+                Value::Sequence(items) => items
+                    .iter()
+                    .filter_map(|v| match v {
+                        Value::String(s) => Some(s.clone()),
+                        Value::Number(n) => Some(n.to_string()),
+                        _ => None,
+                    })
+                    .collect::<Vec<_>>()
+                    .join(","),
                 _ => return None,
             };
             Some((k, text))
@@ -166,55 +174,114 @@ pub fn load<T>(
 where
     T: Default + Serialize + DeserializeOwned,
 {
+    let file = match &sources.file {
+        Some(path) => Some(read_file(schema, path)?),
+        None => None,
+    };
+    load_named(
+        schema,
+        &Names::default(),
+        file.as_ref(),
+        &sources.flags,
+        env,
+    )
+}
+
+/// How a service names its keys outside the config struct, where those names predate the
+/// loader and are contracts: the store's environment variables are upstream's
+/// (`MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`) or already deployed (`LUNAKV_BIND_RETRY_SEC`), not
+/// one prefix; the sidecar's file keys have llm-d's newer aliases (`model-server-port`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Names<'a> {
+    /// `(key, VARIABLE)`: the keys the environment sets, each under its own name. `None`: every
+    /// key (and upstream key) is read from `<env_prefix><KEY>`.
+    pub env: Option<&'a [(&'a str, &'a str)]>,
+    /// `(alias, key)`: another name of a key in every layer. Where a layer gives both, the
+    /// alias wins (upstream's newer name over the older one).
+    pub aliases: &'a [(&'a str, &'a str)],
+}
+
+/// A configuration file's text and the name messages give it (its path, or the flag that
+/// carried it inline).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileText {
+    pub name: String,
+    pub text: String,
+}
+
+/// Reads the file at `path` for [`load_named`]; an unreadable file is an error naming it.
+pub fn read_file(schema: &Schema, path: &Path) -> Result<FileText, LayeredError> {
+    let text = std::fs::read_to_string(path).map_err(|e| LayeredError::Read {
+        service: schema.service,
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })?;
+    Ok(FileText {
+        name: path.display().to_string(),
+        text,
+    })
+}
+
+/// [`load`] for services whose environment variables or aliases are not the plain key names
+/// ([`Names`]), or whose file text comes from elsewhere than a path (the sidecar's inline
+/// `--configuration`). A value that `T` refuses is reported with the layer it came from.
+pub fn load_named<T>(
+    schema: &Schema,
+    names: &Names<'_>,
+    file: Option<&FileText>,
+    flags: &[(String, String)],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<LoadedLayers<T>, LayeredError>
+where
+    T: Default + Serialize + DeserializeOwned,
+{
     let known = keys::<T>();
     let loader = Loader {
         schema,
         known: &known,
+        aliases: names.aliases,
     };
     let mut merged = Mapping::new();
     let mut warnings = Vec::new();
-    if let Some(path) = &sources.file {
-        let text = std::fs::read_to_string(path).map_err(|e| LayeredError::Read {
-            service: schema.service,
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
-        let layer = loader.parse_file(path, &text)?;
-        loader.merge(
-            &mut merged,
-            layer,
-            &path.display().to_string(),
-            &mut warnings,
-        )?;
+    if let Some(file) = file {
+        let layer = loader.parse_file(&file.name, &file.text)?;
+        loader.merge::<T>(&mut merged, layer, &file.name, &mut warnings)?;
     }
     let mut env_layer = Mapping::new();
-    let names = known
-        .iter()
-        .map(|(k, _)| k.as_str())
-        .chain(schema.upstream.iter().map(|u| u.name));
-    for key in names {
-        let var = format!("{}{}", schema.env_prefix, key.to_ascii_uppercase());
+    let vars: Vec<(&str, String)> = match names.env {
+        Some(table) => table.iter().map(|(k, v)| (*k, v.to_string())).collect(),
+        None => known
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .chain(schema.upstream.iter().map(|u| u.name))
+            .map(|k| {
+                (
+                    k,
+                    format!("{}{}", schema.env_prefix, k.to_ascii_uppercase()),
+                )
+            })
+            .collect(),
+    };
+    for (key, var) in vars {
         if let Some(value) = env(&var).filter(|v| !v.is_empty()) {
             let source = format!("environment variable {var}");
-            env_layer.insert(
-                Value::String(key.to_string()),
-                loader.typed(key, &value, &source)?,
-            );
+            let value = loader.typed(key, &value, &source)?;
+            loader.check_alone::<T>(key, &value, &source)?;
+            env_layer.insert(Value::String(key.to_string()), value);
         }
     }
-    loader.merge(&mut merged, env_layer, "the environment", &mut warnings)?;
+    loader.merge::<T>(&mut merged, env_layer, "the environment", &mut warnings)?;
     let mut flag_layer = Mapping::new();
-    for (key, value) in &sources.flags {
+    for (key, value) in flags {
         let source = format!("flag --{key}");
-        flag_layer.insert(
-            Value::String(key.clone()),
-            loader.typed(key, value, &source)?,
-        );
+        let value = loader.typed(key, value, &source)?;
+        loader.check_alone::<T>(key, &value, &source)?;
+        flag_layer.insert(Value::String(key.clone()), value);
     }
-    loader.merge(&mut merged, flag_layer, "the command line", &mut warnings)?;
+    loader.merge::<T>(&mut merged, flag_layer, "the command line", &mut warnings)?;
 
     let config: T = serde_norway::from_value(Value::Mapping(merged.clone()))
-        // Keys are checked already, so this is a type error; find which key for the message.
+        // Every value was checked alone, so this is a combination serde refuses; find the key.
         .map_err(|e| bad_value_from_serde::<T>(&merged, &e.to_string()))?;
     Ok(LoadedLayers { config, warnings })
 }
@@ -222,13 +289,18 @@ where
 struct Loader<'a> {
     schema: &'a Schema,
     known: &'a [(String, Kind)],
+    aliases: &'a [(&'a str, &'a str)],
 }
 
 impl Loader<'_> {
-    fn parse_file(&self, path: &Path, text: &str) -> Result<Mapping, LayeredError> {
+    fn parse_file(&self, name: &str, text: &str) -> Result<Mapping, LayeredError> {
+        if text.trim().is_empty() {
+            // An empty file is an empty configuration.
+            return Ok(Mapping::new());
+        }
         let value: Value = serde_norway::from_str(text).map_err(|e| LayeredError::Parse {
             service: self.schema.service,
-            path: path.display().to_string(),
+            path: name.to_string(),
             message: e.to_string(),
         })?;
         match value {
@@ -237,7 +309,7 @@ impl Loader<'_> {
             Value::Null => Ok(Mapping::new()),
             other => Err(LayeredError::NotAMapping {
                 service: self.schema.service,
-                path: path.display().to_string(),
+                path: name.to_string(),
                 got: describe(&other).to_string(),
             }),
         }
@@ -253,15 +325,20 @@ impl Loader<'_> {
         }
     }
 
-    /// Merges `layer` over `into`, dropping ignored keys (with a warning) and refusing unknown
-    /// ones.
-    fn merge(
+    /// Merges `layer` over `into`, dropping ignored keys (with a warning), refusing unknown
+    /// ones and values `T` refuses (naming `source_name`), and resolving aliases (an alias
+    /// beats its key within one layer).
+    fn merge<T>(
         &self,
         into: &mut Mapping,
         layer: Mapping,
         source_name: &str,
         warnings: &mut Vec<String>,
-    ) -> Result<(), LayeredError> {
+    ) -> Result<(), LayeredError>
+    where
+        T: Default + Serialize + DeserializeOwned,
+    {
+        let mut aliased = Vec::new();
         for (k, v) in layer {
             let key = match &k {
                 Value::String(s) => s.clone(),
@@ -290,21 +367,52 @@ impl Loader<'_> {
                 }
                 continue;
             }
+            if let Some((_, target)) = self.aliases.iter().find(|(a, _)| *a == key) {
+                aliased.push((target.to_string(), v));
+                continue;
+            }
             if !self.known.iter().any(|(name, _)| *name == key) {
                 let suggestions = suggest(self.known, &key);
                 return Err(self.unknown(key, source_name, suggestions));
             }
+            check_alone::<T>(&key, &v, source_name)?;
             into.insert(k, v);
+        }
+        for (key, v) in aliased {
+            check_alone::<T>(&key, &v, source_name)?;
+            into.insert(Value::String(key), v);
+        }
+        Ok(())
+    }
+
+    /// Refuses a value from the environment or a flag that `T` refuses, naming its variable
+    /// or flag (the layer-wide check in [`Self::merge`] could only name the layer).
+    fn check_alone<T>(&self, key: &str, value: &Value, source: &str) -> Result<(), LayeredError>
+    where
+        T: Default + Serialize + DeserializeOwned,
+    {
+        let target = self
+            .aliases
+            .iter()
+            .find(|(a, _)| *a == key)
+            .map_or(key, |(_, k)| *k);
+        if self.known.iter().any(|(k, _)| k == target) {
+            check_alone::<T>(target, value, source)?;
         }
         Ok(())
     }
 
     /// Turns a string from env or a flag into the YAML value its key expects.
     fn typed(&self, key: &str, raw: &str, source: &str) -> Result<Value, LayeredError> {
+        let target = self
+            .aliases
+            .iter()
+            .find(|(a, _)| *a == key)
+            .map_or(key, |(_, k)| *k);
         let kind = self
             .known
             .iter()
-            .find(|(k, _)| k == key)
+            .find(|(k, _)| k == target)
             .map(|(_, kind)| *kind);
         let bad = |expected: &str, fix: &str| LayeredError::BadValue {
             key: key.to_string(),
@@ -344,6 +452,48 @@ fn describe(v: &Value) -> &'static str {
         Value::Sequence(_) => "a list",
         Value::Mapping(_) => "a mapping",
         Value::Tagged(_) => "a tagged value",
+    }
+}
+
+fn show(v: &Value) -> String {
+    serde_norway::to_string(v)
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+/// The default of `key` as the messages show it.
+fn default_of<T: Default + Serialize>(key: &str) -> String {
+    serde_norway::to_value(T::default())
+        .ok()
+        .and_then(|d| d.get(key).map(show))
+        .unwrap_or_default()
+}
+
+/// Refuses `value` for `key` when `T` does, naming where it came from.
+fn check_alone<T>(key: &str, value: &Value, source_name: &str) -> Result<(), LayeredError>
+where
+    T: Default + Serialize + DeserializeOwned,
+{
+    let mut one = Mapping::new();
+    one.insert(Value::String(key.to_string()), value.clone());
+    match serde_norway::from_value::<T>(Value::Mapping(one)) {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            let message = e.to_string();
+            let detail = message.split(" at line").next().unwrap_or(&message);
+            Err(LayeredError::BadValue {
+                key: key.to_string(),
+                value: match value {
+                    // The text as given, not YAML-quoted: `"eighty"`, not `'"eighty"'`.
+                    Value::String(s) => s.clone(),
+                    other => show(other),
+                },
+                source_name: source_name.to_string(),
+                expected: format!("value ({detail})"),
+                fix: format!("use a value like the default, {}", default_of::<T>(key)),
+            })
+        }
     }
 }
 

@@ -4,11 +4,12 @@
 //!   `MOONCAKE_CONFIG_PATH`, parsed and validated the way vLLM does (same field names, defaults,
 //!   environment overrides, and the exact startup messages), plus the checks vLLM misses. Used by
 //!   `libs/client` (engine setup), `tools/lunakv` (`--config`) and `make run`.
-//! - [`store`]: `StoreConfig`, the flags of the standalone store-client `lunakv-store`, named and
-//!   defaulted like Mooncake's `mooncake_client` (a clap `Args` struct). Used by
-//!   `services/store-client`.
-//! - [`layered`]: the one layered loader (serde defaults < file < env < flags) the master's
-//!   keys go through; a service gives it a [`layered::Schema`] and its clap struct.
+//! - [`store`]: `StoreConfig`, the configuration of the standalone store-client `lunakv-store`,
+//!   named and defaulted like Mooncake's `mooncake_client`; its clap struct is
+//!   [`store::StoreArgs`]. Used by `services/store-client`.
+//! - [`layered`]: the one layered loader (serde defaults < file < env < flags) the master's,
+//!   the store's and the sidecar's keys go through; a service gives it a [`layered::Schema`]
+//!   and its clap struct.
 //! - [`master`]: the master's flags ([`master::MasterArgs`]) and `master.yaml`.
 //! - [`connectors`]: does a routing sidecar's `--kv-connector` match its engines'
 //!   `--kv-transfer-config` (`lunakv doctor` and the Kubernetes overlay test).

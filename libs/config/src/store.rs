@@ -1,4 +1,4 @@
-//! `StoreConfig`: the flags of the standalone store-client `lunakv-store`.
+//! `StoreConfig`: the configuration of the standalone store-client `lunakv-store`.
 //!
 //! Flag names and defaults are Mooncake `mooncake_client`'s, so llm-d's DaemonSet arguments work
 //! unchanged: `--master_server_address=...:50051 --host=$(POD_IP) --port=50052
@@ -6,27 +6,33 @@
 //! (`--protocol=rdma` is served over RDMA where the build and a device allow, else over tcp with
 //! one warning line, docs/RDMA.md).
 //!
-//! `StoreConfig` is a clap [`Args`](clap::Args) struct; the binary flattens it into its parser:
+//! It loads through the one layered loader ([`crate::layered`]): serde defaults < a YAML/JSON
+//! file (`--config`, keys = the flag names) < the environment < flags. The binary flattens
+//! [`StoreArgs`] into its parser and hands the loader only the flags the command line gave:
 //! ```ignore
-//! #[derive(clap::Parser)]
-//! struct Cli { #[command(flatten)] store: lunakv_config::StoreConfig }
-//! let mut cfg = Cli::parse().store;
-//! let mut warnings = cfg.apply_env(&lunakv_config::process_env)?;
-//! warnings.extend(cfg.validate()?);
+//! let matches = Cli::command().get_matches_from(args);
+//! let cli = Cli::from_arg_matches(&matches)?;
+//! let loaded = StoreConfig::load(&cli.store.sources(&matches), &lunakv_config::process_env)?;
 //! ```
 //! Booleans take gflags' `--flag=value` form (`--enable_offload=true`, `=false`, `=1`, `=no`) as
 //! well as a bare `--enable_offload`. Underscore names are canonical; dashed aliases are accepted.
 //!
-//! Environment (read through [`apply_env`](StoreConfig::apply_env), upstream's names):
-//! `MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`, `MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`. They are kept for
-//! the SSD tier (`--enable_offload`, docs/OFFLOAD.md).
+//! Environment ([`ENV_VARS`]): upstream's `MOONCAKE_OFFLOAD_FILE_STORAGE_PATH` and
+//! `MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES` (env only, as upstream: the SSD tier,
+//! `--enable_offload`, docs/OFFLOAD.md), and `LUNAKV_<FLAG>` twins of five lunakv flags. Unlike
+//! the master's `LUNAKV_MASTER_<KEY>`, these names are not one prefix: they are upstream's or
+//! already in deployments, so the store names each variable.
 
 use std::path::PathBuf;
 
 use clap::ArgAction;
+use clap::ArgMatches;
 use clap::builder::BoolishValueParser;
+use clap::parser::ValueSource;
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::gflags::{Upstream, UpstreamFlag};
+use crate::layered::{LayeredError, LoadedLayers, Names, Schema, Sources};
 use crate::size::parse_size;
 use crate::{ConfigError, ConfigWarning, Protocol};
 
@@ -63,9 +69,100 @@ pub const MAX_OFFLOAD_DRAIN_TIMEOUT_SEC: u64 = 3600;
 /// Env twin of `--offload_drain_timeout_sec` (the flag wins).
 pub const OFFLOAD_DRAIN_TIMEOUT_ENV: &str = "LUNAKV_OFFLOAD_DRAIN_TIMEOUT_SEC";
 
-/// The store-client's configuration (see the module docs).
-#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+/// The store-client's configuration (see the module docs). Every field is a key of the
+/// config file and the flag of the same name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct StoreConfig {
+    /// The master's host:port (or `etcd://h1:2379;h2:2379`).
+    pub master_server_address: String,
+    /// Address the transfer listener binds and advertises (exactly this address).
+    pub host: String,
+    /// Transfer port; 0 picks a free one.
+    pub port: u16,
+    /// DRAM this store serves: bytes or "40GB" (= 40 GiB).
+    #[serde(with = "size_text")]
+    pub global_segment_size: u64,
+    /// Transfer protocol: tcp, or rdma (served over tcp, with one warning, where this build or
+    /// machine has no RDMA).
+    #[serde(deserialize_with = "protocol")]
+    pub protocol: Protocol,
+    /// Transfer metadata server; lunakv's master hosts the metadata, so only P2PHANDSHAKE applies.
+    pub metadata_server: String,
+    /// SSD offload tier in `offload_file_storage_path` (docs/OFFLOAD.md).
+    pub enable_offload: bool,
+    /// HA: find the master through etcd (`h1:2379;h2:2379`); overrides the master address.
+    pub etcd_endpoints: Option<String>,
+    /// HA cluster id (upstream's default), used in metadata key names.
+    pub cluster_id: String,
+    /// Unix socket for same-host requesters (memfd passing). Default: see `shm_socket_path`.
+    pub shm_socket: Option<PathBuf>,
+    /// Serve same-host requesters through shared memory.
+    pub enable_shm: bool,
+    /// Admin HTTP port for /metrics and /health; 0 picks a free one.
+    pub metrics_port: u16,
+    /// With the SSD tier: seconds a graceful stop spends writing DRAM objects to disk.
+    pub offload_drain_timeout_sec: u64,
+    /// Most transfer connections one source IP may hold open; 0 = no per-peer cap.
+    pub transfer_max_conns_per_peer: u32,
+    /// Most transfer connections in all; 0 = derived from the open-file limit.
+    pub transfer_max_conns: u32,
+    /// Seconds a transfer connection may send nothing before it is closed; 0 = never.
+    pub transfer_idle_timeout_sec: u64,
+    /// Seconds to keep retrying the transfer port's bind while it is in use; 0 = fail at once.
+    pub bind_retry_sec: u64,
+    /// MOONCAKE_OFFLOAD_FILE_STORAGE_PATH (no flag, as upstream).
+    pub offload_file_storage_path: PathBuf,
+    /// MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES (no flag, as upstream): bytes or "500GB".
+    #[serde(with = "size_text")]
+    pub offload_total_size_limit_bytes: u64,
+}
+
+/// The environment variable of each key that has one (see the module docs for why these are
+/// named one by one). The flag wins over its variable.
+pub const ENV_VARS: &[(&str, &str)] = &[
+    (
+        "offload_file_storage_path",
+        "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH",
+    ),
+    (
+        "offload_total_size_limit_bytes",
+        "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES",
+    ),
+    ("offload_drain_timeout_sec", OFFLOAD_DRAIN_TIMEOUT_ENV),
+    (
+        "transfer_max_conns_per_peer",
+        "LUNAKV_TRANSFER_MAX_CONNS_PER_PEER",
+    ),
+    ("transfer_max_conns", "LUNAKV_TRANSFER_MAX_CONNS"),
+    (
+        "transfer_idle_timeout_sec",
+        "LUNAKV_TRANSFER_IDLE_TIMEOUT_SEC",
+    ),
+    ("bind_retry_sec", "LUNAKV_BIND_RETRY_SEC"),
+];
+
+/// What the layered loader needs to know about the store.
+pub const SCHEMA: Schema = Schema {
+    service: "store",
+    // Unused: the store names its variables in ENV_VARS.
+    env_prefix: "",
+    upstream: UPSTREAM_FLAGS,
+};
+
+/// The store's command line. Its clap defaults are the serde defaults (a test holds them
+/// equal) and its `env` attributes the [`ENV_VARS`], so `--help` shows both; but only the
+/// flags the command line gave become the flag layer ([`StoreArgs::sources`]), and the
+/// loader reads the environment, so a file value is overridden only by a variable or a flag
+/// actually set. clap still checks an environment value's type (its message names the flag).
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args, Serialize)]
+pub struct StoreArgs {
+    /// YAML or JSON file of these settings, keys = the flag names (`port: 50052`); the
+    /// environment overrides it and flags override both.
+    #[arg(long = "config")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+
     /// The master's host:port.
     #[arg(long = "master_server_address", alias = "master-server-address", default_value = DEFAULT_MASTER_SERVER_ADDRESS)]
     pub master_server_address: String,
@@ -156,14 +253,21 @@ pub struct StoreConfig {
     /// Seconds to keep retrying the transfer port's bind while it is in use; 0 = fail at once.
     #[arg(long = "bind_retry_sec", alias = "bind-retry-sec", env = "LUNAKV_BIND_RETRY_SEC", default_value_t = DEFAULT_BIND_RETRY_SEC)]
     pub bind_retry_sec: u64,
+}
 
-    /// MOONCAKE_OFFLOAD_FILE_STORAGE_PATH (env only, as upstream).
-    #[arg(skip = PathBuf::from(DEFAULT_OFFLOAD_FILE_STORAGE_PATH))]
-    pub offload_file_storage_path: PathBuf,
-
-    /// MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES (env only, as upstream).
-    #[arg(skip = DEFAULT_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES)]
-    pub offload_total_size_limit_bytes: u64,
+impl StoreArgs {
+    /// The layers these arguments name: the file, and every flag given on the command line, by
+    /// key (clap's defaults and environment values are left to the loader).
+    pub fn sources(&self, matches: &ArgMatches) -> Sources {
+        let given = |key: &str| matches.value_source(key) == Some(ValueSource::CommandLine);
+        Sources {
+            file: self.config.clone(),
+            flags: crate::layered::flags_of(self)
+                .into_iter()
+                .filter(|(k, _)| given(k))
+                .collect(),
+        }
+    }
 }
 
 /// Upstream `mooncake_client` flags lunakv-store does not define: ignored with the reason or
@@ -227,7 +331,7 @@ pub const UPSTREAM_FLAGS: &[UpstreamFlag] = &[
         name: "config_path",
         boolean: false,
         treatment: Upstream::Refused(
-            "lunakv-store takes no config file: pass the settings as flags (upstream's names)",
+            "upstream's client config file is not read: pass the settings as flags (upstream's names), or as lunakv's --config YAML of the same keys",
         ),
     },
     redis("redis_cluster_id"),
@@ -269,6 +373,35 @@ const fn etcd_tls(name: &'static str) -> UpstreamFlag {
     }
 }
 
+/// Sizes as text, so the loader reads `"40GB"` from a variable or a flag as a size (the
+/// loader takes a key's type from its serialized default), and any size spelling back.
+mod size_text {
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&crate::size::format_size(*bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        crate::size::deserialize(d)
+    }
+}
+
+fn protocol<'de, D: Deserializer<'de>>(d: D) -> Result<Protocol, D::Error> {
+    let s = String::deserialize(d)?;
+    Protocol::parse_for("protocol", &s).map_err(serde::de::Error::custom)
+}
+
+/// A store configuration error: a layer's key or value ([`LayeredError`]), or a value the
+/// store's checks refuse ([`ConfigError`]). Both name the key or flag, the value and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreConfigError {
+    #[error(transparent)]
+    Layers(#[from] LayeredError),
+    #[error(transparent)]
+    Invalid(#[from] ConfigError),
+}
+
 fn parse_protocol(s: &str) -> Result<Protocol, ConfigError> {
     Protocol::parse_for("protocol", s)
 }
@@ -301,25 +434,33 @@ impl Default for StoreConfig {
 }
 
 impl StoreConfig {
-    /// Reads `MOONCAKE_OFFLOAD_FILE_STORAGE_PATH` and `MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`
-    /// (a byte count; size strings like "500GB" are accepted too). No warnings yet; the `Vec` is
-    /// there so callers handle env and validation warnings the same way.
-    pub fn apply_env(
-        &mut self,
+    /// Loads the layers ([`StoreArgs::sources`], then [`ENV_VARS`] through `env`) and validates
+    /// the result. Warnings are returned for the caller to log.
+    pub fn load(
+        sources: &Sources,
         env: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<Vec<ConfigWarning>, ConfigError> {
-        let get = |var: &str| env(var).filter(|v| !v.is_empty());
-        if let Some(p) = get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH") {
-            self.offload_file_storage_path = PathBuf::from(p);
-        }
-        if let Some(v) = get("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES") {
-            self.offload_total_size_limit_bytes =
-                parse_size(&v).map_err(|error| ConfigError::InvalidSize {
-                    field: "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES".to_string(),
-                    error,
-                })?;
-        }
-        Ok(Vec::new())
+    ) -> Result<LoadedLayers<StoreConfig>, StoreConfigError> {
+        let file = match &sources.file {
+            Some(path) => Some(crate::layered::read_file(&SCHEMA, path)?),
+            None => None,
+        };
+        let names = Names {
+            env: Some(ENV_VARS),
+            aliases: &[],
+        };
+        let loaded = crate::layered::load_named::<StoreConfig>(
+            &SCHEMA,
+            &names,
+            file.as_ref(),
+            &sources.flags,
+            env,
+        )?;
+        let mut warnings = loaded.warnings;
+        warnings.extend(loaded.config.validate()?.iter().map(ToString::to_string));
+        Ok(LoadedLayers {
+            config: loaded.config,
+            warnings,
+        })
     }
 
     /// Checks, in this order: master address, host, global_segment_size, protocol, ports,

@@ -1,9 +1,12 @@
-//! lunakv-store flags: upstream names and defaults, gflags-style booleans, every check.
+//! lunakv-store flags: upstream names and defaults, gflags-style booleans, every check; the
+//! layers (file < env < flags) and their messages.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
+use lunakv_config::layered::Sources;
+use lunakv_config::store::{ENV_VARS, StoreArgs, StoreConfigError};
 use lunakv_config::{ConfigError, ConfigWarning, HostPort, MasterAddress, Protocol, StoreConfig};
 
 const GIB: u64 = 1 << 30;
@@ -11,12 +14,40 @@ const GIB: u64 = 1 << 30;
 #[derive(Parser, Debug)]
 struct Cli {
     #[command(flatten)]
-    store: StoreConfig,
+    store: StoreArgs,
 }
 
+/// The layers the command line `args` names (the program name is added).
+fn sources(args: &[&str]) -> Result<Sources, clap::Error> {
+    let matches = Cli::command()
+        .try_get_matches_from(std::iter::once("lunakv-store").chain(args.iter().copied()))?;
+    Ok(Cli::from_arg_matches(&matches)?.store.sources(&matches))
+}
+
+/// Loads `args` over `env` and validates, as the binary does.
+fn load(
+    args: &[&str],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<StoreConfig, StoreConfigError> {
+    StoreConfig::load(&sources(args).expect("flags"), env).map(|l| l.config)
+}
+
+/// The flags alone, loaded but not validated (the checks are tested one by one below).
 fn parse(args: &[&str]) -> Result<StoreConfig, clap::Error> {
-    Cli::try_parse_from(std::iter::once("lunakv-store").chain(args.iter().copied()))
-        .map(|c| c.store)
+    let s = sources(args)?;
+    let names = lunakv_config::layered::Names {
+        env: Some(ENV_VARS),
+        aliases: &[],
+    };
+    Ok(lunakv_config::layered::load_named(
+        &lunakv_config::store::SCHEMA,
+        &names,
+        None,
+        &s.flags,
+        &|_| None,
+    )
+    .expect("load")
+    .config)
 }
 
 fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
@@ -261,31 +292,37 @@ fn metadata_server_other_than_p2p_warns() {
 
 #[test]
 fn offload_env() {
-    let mut c = StoreConfig::default();
-    let w = c
-        .apply_env(&env_of(&[
+    let c = load(
+        &[],
+        &env_of(&[
             (
                 "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH",
                 "/data/mooncake-offload",
             ),
             ("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", "536870912000"),
-        ]))
-        .unwrap();
-    assert!(w.is_empty());
+        ]),
+    )
+    .unwrap();
     assert_eq!(
         c.offload_file_storage_path,
         PathBuf::from("/data/mooncake-offload")
     );
     assert_eq!(c.offload_total_size_limit_bytes, 536_870_912_000);
-    let e = c
-        .apply_env(&env_of(&[(
-            "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES",
-            "big",
-        )]))
-        .unwrap_err();
+    let c = load(
+        &[],
+        &env_of(&[("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", "500GB")]),
+    )
+    .unwrap();
+    assert_eq!(c.offload_total_size_limit_bytes, 500 * GIB);
+    let e = load(
+        &[],
+        &env_of(&[("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", "big")]),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(
-        e.to_string()
-            .starts_with("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES: invalid size \"big\""),
+        e.contains("(from environment variable MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES)")
+            && e.contains("invalid size \"big\""),
         "{e}"
     );
 }
@@ -335,6 +372,116 @@ fn offload_drain_timeout() {
     assert!(
         e.starts_with("--offload_drain_timeout_sec '18446744073709551615' is invalid")
             && e.contains("terminationGracePeriodSeconds"),
+        "{e}"
+    );
+}
+
+#[test]
+fn clap_defaults_and_env_attributes_are_the_loaders() {
+    // --help shows clap's defaults and `[env: ...]`: they must be what the loader applies.
+    let defaults = StoreConfig::default();
+    let c = parse(&[]).unwrap();
+    assert_eq!(c, defaults);
+    let cmd = Cli::command();
+    let from_clap: Vec<(String, String)> = cmd
+        .get_arguments()
+        .filter_map(|a| {
+            let env = a.get_env()?.to_str()?.to_string();
+            Some((a.get_id().to_string(), env))
+        })
+        .collect();
+    for (key, var) in &from_clap {
+        assert!(
+            ENV_VARS.iter().any(|(k, v)| k == key && v == var),
+            "--{key} shows [env: {var}] but the loader does not read it"
+        );
+    }
+    // Every variable the loader reads has its flag's [env: ...], or is env-only.
+    for (key, var) in ENV_VARS {
+        let flag = cmd.get_arguments().find(|a| a.get_id() == *key);
+        if let Some(flag) = flag {
+            assert_eq!(flag.get_env().and_then(|e| e.to_str()), Some(*var), "{key}");
+        }
+    }
+}
+
+fn write_config(text: &str) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.yaml");
+    std::fs::write(&path, text).unwrap();
+    let flag = format!("--config={}", path.display());
+    (dir, flag)
+}
+
+#[test]
+fn file_then_env_then_flags() {
+    let (_dir, config) = write_config(
+        "port: 50100\nbind_retry_sec: 5\ntransfer_max_conns: 10\nglobal_segment_size: 2GB\n\
+         enable_offload: true\noffload_file_storage_path: /from/file\nprotocol: rdma\n",
+    );
+    let env = env_of(&[
+        ("LUNAKV_BIND_RETRY_SEC", "6"),
+        ("LUNAKV_TRANSFER_MAX_CONNS", "11"),
+        ("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "/from/env"),
+    ]);
+    let c = load(&[&config, "--transfer_max_conns=12"], &env).unwrap();
+    assert_eq!(c.port, 50100, "the file beats the default");
+    assert_eq!(c.global_segment_size, 2 * GIB);
+    assert!(c.enable_offload);
+    assert_eq!(c.protocol, Protocol::Rdma);
+    assert_eq!(c.bind_retry_sec, 6, "env beats the file");
+    assert_eq!(c.offload_file_storage_path, PathBuf::from("/from/env"));
+    assert_eq!(c.transfer_max_conns, 12, "a flag beats env and the file");
+    // A flag given with its default value still beats the file.
+    let c = load(&[&config, "--port=50052"], &|_| None).unwrap();
+    assert_eq!(c.port, 50052);
+    // No file: the defaults, as before.
+    assert_eq!(load(&[], &|_| None).unwrap(), StoreConfig::default());
+}
+
+#[test]
+fn bad_layer_values_name_their_source() {
+    let (_dir, config) = write_config("port: 70000\n");
+    let e = load(&[&config], &|_| None).unwrap_err().to_string();
+    assert!(
+        e.starts_with("port = \"70000\" (from ") && e.contains("store.yaml)"),
+        "{e}"
+    );
+    let (_dir, config) = write_config("global_segment_size: 40XB\n");
+    let e = load(&[&config], &|_| None).unwrap_err().to_string();
+    assert!(
+        e.contains("global_segment_size = \"40XB\"")
+            && e.contains("store.yaml")
+            && e.contains("unknown unit \"XB\""),
+        "{e}"
+    );
+    let (_dir, config) = write_config("prot: 1\n");
+    let e = load(&[&config], &|_| None).unwrap_err().to_string();
+    assert!(
+        e.starts_with("unknown store config key \"prot\" in ") && e.contains("did you mean port"),
+        "{e}"
+    );
+    // Upstream keys in the file are judged as on the command line.
+    let (_dir, config) = write_config("tenant_id: team-a\n");
+    let e = load(&[&config], &|_| None).unwrap_err().to_string();
+    assert!(e.contains("tenant_id") && e.contains("no tenants"), "{e}");
+    let (_dir, config) = write_config("threads: 4\n");
+    let w = StoreConfig::load(&sources(&[&config]).unwrap(), &|_| None)
+        .unwrap()
+        .warnings;
+    assert!(w.iter().any(|w| w.contains("threads")), "{w:?}");
+    // The store's own checks run on the merged result, with their flag-named messages.
+    let (_dir, config) = write_config("global_segment_size: 0\n");
+    let e = load(&[&config], &|_| None).unwrap_err();
+    assert!(
+        matches!(e, StoreConfigError::Invalid(ConfigError::Invalid { ref field, .. }) if field == "--global_segment_size"),
+        "{e}"
+    );
+    let e = load(&["--config=/nonexistent/store.yaml"], &|_| None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("cannot read store config /nonexistent/store.yaml"),
         "{e}"
     );
 }

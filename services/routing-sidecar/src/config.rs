@@ -1,10 +1,11 @@
 //! Flags, with llm-d-router's pd-sidecar names and defaults, and their validation.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgAction, Parser};
+use serde::{Deserialize, Serialize};
 
 /// The KV connectors the sidecar knows how to drive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,13 +48,22 @@ pub enum ConfigError {
     /// Bad command line (or `--help` / `--version`): `clap::Error::exit` prints it.
     #[error(transparent)]
     Flags(#[from] clap::Error),
+    /// A bad key or value in the file or the environment, naming where it came from.
+    #[error(transparent)]
+    Layers(#[from] lunakv_config::layered::LayeredError),
 }
 
 // Bool flags take Go's forms (`--flag`, `--flag=false`), and a repeated flag takes its last
 // value, as with Go's flag package, so upstream manifests work unchanged.
+//
+// The same struct is the layered loader's config (serde, keys = the flag names, as llm-d's
+// YAML writes them; see [`crate::file`]): the flags are a contract and every one is a key, so
+// a second struct would only repeat them. Its `Default` is clap's defaults (a test holds
+// them equal).
 /// lunakv-sidecar: P/D disaggregation proxy, a drop-in for llm-d-router's pd-sidecar.
-#[derive(Debug, Clone, Parser)]
+#[derive(Debug, Clone, PartialEq, Parser, Serialize, Deserialize)]
 #[command(name = "lunakv-sidecar", version, args_override_self = true)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct Cli {
     /// Port the sidecar listens on (port+i for data-parallel rank i).
     #[arg(long, default_value_t = 8000)]
@@ -92,10 +102,12 @@ pub struct Cli {
     #[arg(long = "cert-path")]
     pub cert_path: Option<PathBuf>,
     /// Stages reached over TLS: comma list of prefiller, decoder.
+    #[serde(with = "crate::file::list")]
     #[arg(long = "enable-tls", value_delimiter = ',', num_args = 0..=1, require_equals = true,
           default_missing_value = "prefiller,decoder")]
     pub enable_tls: Vec<String>,
     /// Stages whose certificates are not verified: comma list of prefiller, decoder.
+    #[serde(with = "crate::file::list")]
     #[arg(long = "tls-insecure-skip-verify", value_delimiter = ',', num_args = 0..=1,
           require_equals = true, default_missing_value = "prefiller,decoder")]
     pub tls_insecure_skip_verify: Vec<String>,
@@ -103,6 +115,7 @@ pub struct Cli {
     #[arg(long = "prefill-max-retries", default_value_t = 0)]
     pub prefill_max_retries: u32,
     /// Wait before each prefill retry (e.g. 200ms, 1s).
+    #[serde(with = "crate::file::go_duration")]
     #[arg(long = "prefill-retry-backoff", default_value = "200ms", value_parser = parse_duration)]
     pub prefill_retry_backoff: Duration,
     /// Only allow prefill targets on the allowlist (host AND port).
@@ -110,6 +123,7 @@ pub struct Cli {
           num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub enable_ssrf_protection: bool,
     /// Static allowlist: comma list of host:port (host:* allows any port of host).
+    #[serde(with = "crate::file::list")]
     #[arg(long = "ssrf-allowlist", value_delimiter = ',')]
     pub ssrf_allowlist: Vec<String>,
     /// Allowlist file, one host:port per line (# comments); re-read when it changes.
@@ -123,6 +137,7 @@ pub struct Cli {
     #[arg(long = "max-idle-conns-per-host", default_value_t = 1024)]
     pub max_idle_conns_per_host: usize,
     /// Idle keep-alive to upstreams; keep it below the engine's (vLLM/uvicorn: 5 s).
+    #[serde(with = "crate::file::go_duration")]
     #[arg(long = "idle-conn-timeout", default_value = "4s", value_parser = parse_duration)]
     pub idle_conn_timeout: Duration,
     /// Largest request body accepted on the disaggregated routes (413 beyond).
@@ -148,24 +163,71 @@ pub struct Cli {
     /// llm-d-router's YAML configuration (keys = flag names), under env and flags; see
     /// [`crate::file`].
     #[arg(long = "configuration-file")]
+    #[serde(skip)]
     pub configuration_file: Option<PathBuf>,
     /// The same YAML inline (`--configuration='{port: 8085}'`); excludes --configuration-file.
     #[arg(long = "configuration")]
+    #[serde(skip)]
     pub configuration: Option<String>,
 }
 
-/// Parses `args` (the program name first) and merges `--configuration-file` under the flags
-/// and the environment.
+impl Default for Cli {
+    /// The flags' defaults, as `lunakv-sidecar` with no flags and no environment.
+    fn default() -> Self {
+        Cli {
+            port: 8000,
+            host: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            vllm_port: 8200,
+            model_server_host: "127.0.0.1".to_string(),
+            kv_connector: "nixlv2".to_string(),
+            mooncake_bootstrap_port: 8998,
+            data_parallel_size: 1,
+            secure_proxy: true,
+            cert_path: None,
+            enable_tls: Vec::new(),
+            tls_insecure_skip_verify: Vec::new(),
+            prefill_max_retries: 0,
+            prefill_retry_backoff: Duration::from_millis(200),
+            enable_ssrf_protection: false,
+            ssrf_allowlist: Vec::new(),
+            ssrf_allowlist_file: None,
+            inference_pool: None,
+            max_idle_conns_per_host: 1024,
+            idle_conn_timeout: Duration::from_secs(4),
+            max_body_bytes: 64 << 20,
+            max_buffered_body_bytes: 512 << 20,
+            enable_prefiller_sampling: false,
+            tracing: false,
+            worker_threads: 0,
+            configuration_file: None,
+            configuration: None,
+        }
+    }
+}
+
+/// Parses `args` (the program name first) and loads the layers: `--configuration-file` (or
+/// `--configuration`) < the environment < the flags given.
 pub fn parse_args<I, T>(args: I) -> Result<Cli, ConfigError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    parse_args_with(args, &lunakv_config::process_env)
+}
+
+/// [`parse_args`] with the environment read through `env` (tests pass a map).
+pub fn parse_args_with<I, T>(
+    args: I,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Cli, ConfigError>
 where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
     use clap::{CommandFactory, FromArgMatches};
     let matches = Cli::command().try_get_matches_from(args)?;
-    let mut cli = Cli::from_arg_matches(&matches)?;
-    crate::file::merge(&mut cli, &matches)?;
-    Ok(cli)
+    let cli = Cli::from_arg_matches(&matches)?;
+    crate::file::load(cli, &matches, env)
 }
 
 /// Which stages use TLS / skip verification.
@@ -237,6 +299,18 @@ impl SidecarConfig {
                 idle = ?c.idle_conn_timeout,
                 "--idle-conn-timeout is not below vLLM's 5 s keep-alive: idle connections may be reset under a request (502s)"
             );
+        }
+        // clap refuses these on the command line; the file and the environment reach here.
+        if c.mooncake_bootstrap_port == 0 {
+            return Err(ConfigError::Invalid(
+                "--mooncake-bootstrap-port 0 is not a port; give 1..65535 (default 8998)".into(),
+            ));
+        }
+        if !(1..=256).contains(&c.data_parallel_size) {
+            return Err(ConfigError::Invalid(format!(
+                "--data-parallel-size {} is out of range; give 1..256 (default 1)",
+                c.data_parallel_size
+            )));
         }
         if c.port as u32 + c.data_parallel_size as u32 - 1 > 65535
             || c.vllm_port as u32 + c.data_parallel_size as u32 - 1 > 65535
@@ -355,6 +429,16 @@ mod tests {
         assert_eq!(c.bootstrap_port, 1234);
         assert!(c.tls.prefiller && !c.tls.decoder);
         assert!(cli(&["--mooncake-bootstrap-port=0"]).is_err());
+    }
+
+    #[test]
+    fn defaults_are_the_flags_defaults() {
+        let mut c = cli(&[]).unwrap();
+        // Set by clap from the environment where the test runs; not a default.
+        c.mooncake_bootstrap_port = 8998;
+        c.inference_pool = None;
+        c.enable_prefiller_sampling = false;
+        assert_eq!(c, Cli::default());
     }
 
     #[test]

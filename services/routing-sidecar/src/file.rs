@@ -1,270 +1,159 @@
-//! `--configuration-file` / `--configuration`: llm-d-router's pd-sidecar YAML, a flat map whose
-//! keys are the flag names (`port: 8000`, `kv-connector: mooncake`, `enable-tls: [prefiller]`).
-//! It is the bottom layer: a value from the file applies only where neither a flag nor an
-//! environment variable (`MOONCAKE_BOOTSTRAP_PORT`, `INFERENCE_POOL`,
-//! `ENABLE_PREFILLER_SAMPLING`) set it, so the order is file < env < flags.
+//! The sidecar's layers through lunakv's one layered loader ([`lunakv_config::layered`]):
+//! the [`Cli`] defaults < `--configuration-file` / `--configuration` (llm-d-router's
+//! pd-sidecar YAML, a flat map whose keys are the flag names: `port: 8000`,
+//! `kv-connector: mooncake`, `enable-tls: [prefiller]`) < the environment
+//! ([`ENV_VARS`]: `MOONCAKE_BOOTSTRAP_PORT`, `INFERENCE_POOL`, `ENABLE_PREFILLER_SAMPLING`) <
+//! the flags given on the command line.
 //!
-//! Unknown keys are errors that name the key (upstream is strict too), and so are upstream keys
-//! this sidecar does not implement: silently ignoring a setting would run a different proxy
-//! than the file describes. lunakv's own flags (`host`, `ssrf-allowlist`, `idle-conn-timeout`,
-//! ...) are accepted under their flag names as well.
-
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+//! What differs from the master and the store, and why: keys are kebab-case (they are llm-d's
+//! flag names); two keys have upstream's newer names as aliases ([`ALIASES`],
+//! `model-server-port`, `secure-serving`), which win over the older ones; lists are a YAML
+//! sequence or one comma-separated string; durations are Go's (`1m30s`); the file may come
+//! inline. Unknown keys are errors that name the key (upstream is strict too), and so are
+//! upstream keys this sidecar does not implement ([`UPSTREAM_KEYS`]): silently ignoring a
+//! setting would run a different proxy than the file describes.
 
 use clap::ArgMatches;
 use clap::parser::ValueSource;
-use serde::Deserialize;
+use lunakv_config::gflags::{Upstream, UpstreamFlag};
+use lunakv_config::layered::{self, FileText, Names, Schema};
 
-use crate::config::{Cli, ConfigError, parse_duration};
+use crate::config::{Cli, ConfigError};
 
-/// A list given as a YAML sequence or as one comma-separated string (`prefiller,decoder`).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum List {
-    Seq(Vec<String>),
-    Csv(String),
+/// The environment variable of each key that has one: upstream's names, one by one.
+pub const ENV_VARS: &[(&str, &str)] = &[
+    ("mooncake-bootstrap-port", "MOONCAKE_BOOTSTRAP_PORT"),
+    ("inference-pool", "INFERENCE_POOL"),
+    ("enable-prefiller-sampling", "ENABLE_PREFILLER_SAMPLING"),
+];
+
+/// `(alias, key)`: upstream's newer names; in one layer the alias wins.
+pub const ALIASES: &[(&str, &str)] = &[
+    ("model-server-port", "vllm-port"),
+    ("secure-serving", "secure-proxy"),
+];
+
+const NOT_IMPLEMENTED: &str =
+    "an llm-d-router option lunakv-sidecar does not implement; remove it (see docs/PD.md)";
+
+const fn refused(name: &'static str) -> UpstreamFlag {
+    UpstreamFlag {
+        name,
+        boolean: false,
+        treatment: Upstream::Refused(NOT_IMPLEMENTED),
+    }
 }
 
-impl List {
-    fn items(self) -> Vec<String> {
-        match self {
+/// llm-d-router keys with no implementation here: refused by name (see the module docs).
+pub const UPSTREAM_KEYS: &[UpstreamFlag] = &[
+    refused("ec-connector"),
+    refused("p2p-connector-port"),
+    refused("enable-speculative-prefill"),
+    refused("enable-p2p-pull"),
+    refused("tls-min-version"),
+    refused("tls-cipher-suites"),
+    refused("pool-group"),
+    refused("decode-chunk-size"),
+    refused("metrics-port"),
+    refused("metrics-cert-dir"),
+];
+
+/// What the layered loader needs to know about the sidecar.
+pub const SCHEMA: Schema = Schema {
+    service: "sidecar",
+    // Unused: the sidecar names its variables in ENV_VARS.
+    env_prefix: "",
+    upstream: UPSTREAM_KEYS,
+};
+
+/// Loads the layers over `cli`'s defaults. `matches` says which flags the command line gave:
+/// only those are the flag layer (clap's defaults and its reading of the environment, kept for
+/// `--help` and clap's messages, are not).
+pub fn load(
+    cli: Cli,
+    matches: &ArgMatches,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Cli, ConfigError> {
+    let file = match (&cli.configuration_file, &cli.configuration) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::Invalid(
+                "--configuration-file and --configuration are mutually exclusive; pass one".into(),
+            ));
+        }
+        (Some(path), None) => Some(layered::read_file(&SCHEMA, path)?),
+        (None, Some(inline)) => Some(FileText {
+            name: "--configuration".to_string(),
+            text: inline.clone(),
+        }),
+        (None, None) => None,
+    };
+    let given =
+        |key: &str| matches.value_source(&key.replace('-', "_")) == Some(ValueSource::CommandLine);
+    let flags: Vec<(String, String)> = layered::flags_of(&cli)
+        .into_iter()
+        .filter(|(k, _)| given(k))
+        .collect();
+    let names = Names {
+        env: Some(ENV_VARS),
+        aliases: ALIASES,
+    };
+    let loaded = layered::load_named::<Cli>(&SCHEMA, &names, file.as_ref(), &flags, env)?;
+    Ok(Cli {
+        configuration_file: cli.configuration_file,
+        configuration: cli.configuration,
+        ..loaded.config
+    })
+}
+
+/// serde for a list given as a YAML sequence or as one comma-separated string
+/// (`prefiller,decoder`), as llm-d's YAML and flags write lists.
+pub(crate) mod list {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum List {
+        Seq(Vec<String>),
+        Csv(String),
+    }
+
+    pub fn serialize<S: Serializer>(v: &[String], s: S) -> Result<S::Ok, S::Error> {
+        v.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        Ok(match List::deserialize(d)? {
             List::Seq(v) => v,
             List::Csv(s) => s
                 .split(',')
                 .map(|x| x.trim().to_string())
                 .filter(|x| !x.is_empty())
                 .collect(),
-        }
+        })
     }
 }
 
-/// Every key the file may hold.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields)]
-struct FileConfig {
-    port: Option<u16>,
-    model_server_port: Option<u16>,
-    vllm_port: Option<u16>,
-    mooncake_bootstrap_port: Option<u16>,
-    data_parallel_size: Option<u16>,
-    kv_connector: Option<String>,
-    enable_ssrf_protection: Option<bool>,
-    enable_prefiller_sampling: Option<bool>,
-    secure_serving: Option<bool>,
-    secure_proxy: Option<bool>,
-    cert_path: Option<PathBuf>,
-    enable_tls: Option<List>,
-    tls_insecure_skip_verify: Option<List>,
-    inference_pool: Option<String>,
-    max_idle_conns_per_host: Option<usize>,
-    prefill_max_retries: Option<u32>,
-    prefill_retry_backoff: Option<String>,
-    tracing: Option<bool>,
-    // lunakv's own flags.
-    host: Option<std::net::IpAddr>,
-    model_server_host: Option<String>,
-    ssrf_allowlist: Option<List>,
-    ssrf_allowlist_file: Option<PathBuf>,
-    idle_conn_timeout: Option<String>,
-    max_body_bytes: Option<usize>,
-    max_buffered_body_bytes: Option<usize>,
-    worker_threads: Option<usize>,
-    // Upstream keys with no implementation here: refused by name (see the module docs).
-    ec_connector: Option<serde_norway::Value>,
-    p2p_connector_port: Option<serde_norway::Value>,
-    enable_speculative_prefill: Option<serde_norway::Value>,
-    enable_p2p_pull: Option<serde_norway::Value>,
-    tls_min_version: Option<serde_norway::Value>,
-    tls_cipher_suites: Option<serde_norway::Value>,
-    pool_group: Option<serde_norway::Value>,
-    decode_chunk_size: Option<serde_norway::Value>,
-    metrics_port: Option<serde_norway::Value>,
-    metrics_cert_dir: Option<serde_norway::Value>,
-}
+/// serde for Go durations (`200ms`, `1m30s`) through the one [`lunakv_config::parse_duration`];
+/// written back in a form it reads.
+pub(crate) mod go_duration {
+    use std::time::Duration;
 
-fn bad(source: &str, msg: impl std::fmt::Display) -> ConfigError {
-    ConfigError::Invalid(format!("{source}: {msg}"))
-}
+    use serde::{Deserialize, Deserializer, Serializer};
 
-/// Reads the YAML named by `--configuration-file` or given inline by `--configuration` and
-/// merges it under what the command line and the environment set.
-pub fn merge(cli: &mut Cli, m: &ArgMatches) -> Result<(), ConfigError> {
-    let (source, text) = match (&cli.configuration_file, &cli.configuration) {
-        (Some(_), Some(_)) => {
-            return Err(ConfigError::Invalid(
-                "--configuration-file and --configuration are mutually exclusive; pass one".into(),
-            ));
-        }
-        (Some(path), None) => (
-            format!("configuration file {}", path.display()),
-            read(path)?,
-        ),
-        (None, Some(inline)) => ("--configuration".to_string(), inline.clone()),
-        (None, None) => return Ok(()),
-    };
-    // An empty document is an empty configuration, not an error.
-    if text.trim().is_empty() {
-        return Ok(());
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        let text = if d.subsec_nanos() == 0 {
+            format!("{}s", d.as_secs())
+        } else if d.subsec_nanos().is_multiple_of(1_000_000) {
+            format!("{}ms", d.as_millis())
+        } else {
+            format!("{}ns", d.as_nanos())
+        };
+        s.serialize_str(&text)
     }
-    let f: FileConfig = serde_norway::from_str(&text).map_err(|e| bad(&source, e))?;
-    f.apply(cli, m, &source)
-}
 
-fn read(path: &Path) -> Result<String, ConfigError> {
-    std::fs::read_to_string(path).map_err(|e| {
-        ConfigError::Invalid(format!(
-            "cannot read --configuration-file {}: {e}",
-            path.display()
-        ))
-    })
-}
-
-impl FileConfig {
-    fn apply(self, cli: &mut Cli, m: &ArgMatches, source: &str) -> Result<(), ConfigError> {
-        let unsupported = [
-            ("ec-connector", self.ec_connector.is_some()),
-            ("p2p-connector-port", self.p2p_connector_port.is_some()),
-            (
-                "enable-speculative-prefill",
-                self.enable_speculative_prefill.is_some(),
-            ),
-            ("enable-p2p-pull", self.enable_p2p_pull.is_some()),
-            ("tls-min-version", self.tls_min_version.is_some()),
-            ("tls-cipher-suites", self.tls_cipher_suites.is_some()),
-            ("pool-group", self.pool_group.is_some()),
-            ("decode-chunk-size", self.decode_chunk_size.is_some()),
-            ("metrics-port", self.metrics_port.is_some()),
-            ("metrics-cert-dir", self.metrics_cert_dir.is_some()),
-        ];
-        if let Some((key, _)) = unsupported.iter().find(|(_, set)| *set) {
-            return Err(bad(
-                source,
-                format!(
-                    "field `{key}` is an llm-d-router option lunakv-sidecar does not implement; remove it (see docs/PD.md)"
-                ),
-            ));
-        }
-        // Only where neither a flag nor an environment variable spoke.
-        let free = |id: &str| {
-            !matches!(
-                m.value_source(id),
-                Some(ValueSource::CommandLine | ValueSource::EnvVariable)
-            )
-        };
-        let port_range = |key: &str, v: u16| {
-            if v == 0 {
-                Err(bad(
-                    source,
-                    format!("field `{key}`: 0 is not a port (1..65535)"),
-                ))
-            } else {
-                Ok(v)
-            }
-        };
-        let duration = |key: &str, v: &str| -> Result<Duration, ConfigError> {
-            parse_duration(v).map_err(|e| bad(source, format!("field `{key}`: {e}")))
-        };
-        macro_rules! set {
-            ($field:ident, $id:literal, $v:expr) => {
-                if let Some(v) = $v
-                    && free($id)
-                {
-                    cli.$field = v;
-                }
-            };
-        }
-        set!(port, "port", self.port);
-        // model-server-port is the newer name; it wins over vllm-port in the file too.
-        set!(
-            vllm_port,
-            "vllm_port",
-            self.model_server_port.or(self.vllm_port)
-        );
-        if let Some(p) = self.mooncake_bootstrap_port {
-            let p = port_range("mooncake-bootstrap-port", p)?;
-            set!(mooncake_bootstrap_port, "mooncake_bootstrap_port", Some(p));
-        }
-        if let Some(n) = self.data_parallel_size {
-            if n == 0 {
-                return Err(bad(
-                    source,
-                    "field `data-parallel-size`: must be at least 1",
-                ));
-            }
-            set!(data_parallel_size, "data_parallel_size", Some(n));
-        }
-        set!(kv_connector, "kv_connector", self.kv_connector);
-        set!(
-            enable_ssrf_protection,
-            "enable_ssrf_protection",
-            self.enable_ssrf_protection
-        );
-        set!(
-            enable_prefiller_sampling,
-            "enable_prefiller_sampling",
-            self.enable_prefiller_sampling
-        );
-        set!(
-            secure_proxy,
-            "secure_proxy",
-            self.secure_serving.or(self.secure_proxy)
-        );
-        set!(cert_path, "cert_path", self.cert_path.map(Some));
-        set!(enable_tls, "enable_tls", self.enable_tls.map(List::items));
-        set!(
-            tls_insecure_skip_verify,
-            "tls_insecure_skip_verify",
-            self.tls_insecure_skip_verify.map(List::items)
-        );
-        set!(
-            inference_pool,
-            "inference_pool",
-            self.inference_pool.map(Some)
-        );
-        set!(
-            max_idle_conns_per_host,
-            "max_idle_conns_per_host",
-            self.max_idle_conns_per_host
-        );
-        set!(
-            prefill_max_retries,
-            "prefill_max_retries",
-            self.prefill_max_retries
-        );
-        if let Some(v) = &self.prefill_retry_backoff {
-            let d = duration("prefill-retry-backoff", v)?;
-            set!(prefill_retry_backoff, "prefill_retry_backoff", Some(d));
-        }
-        set!(tracing, "tracing", self.tracing);
-        set!(host, "host", self.host);
-        set!(
-            model_server_host,
-            "model_server_host",
-            self.model_server_host
-        );
-        set!(
-            ssrf_allowlist,
-            "ssrf_allowlist",
-            self.ssrf_allowlist.map(List::items)
-        );
-        set!(
-            ssrf_allowlist_file,
-            "ssrf_allowlist_file",
-            self.ssrf_allowlist_file.map(Some)
-        );
-        if let Some(v) = &self.idle_conn_timeout {
-            let d = duration("idle-conn-timeout", v)?;
-            set!(idle_conn_timeout, "idle_conn_timeout", Some(d));
-        }
-        set!(max_body_bytes, "max_body_bytes", self.max_body_bytes);
-        set!(
-            max_buffered_body_bytes,
-            "max_buffered_body_bytes",
-            self.max_buffered_body_bytes
-        );
-        set!(worker_threads, "worker_threads", self.worker_threads);
-        Ok(())
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        lunakv_config::parse_duration(&text).map_err(serde::de::Error::custom)
     }
 }
 
@@ -351,6 +240,91 @@ mod tests {
         assert!(e.to_string().contains("/nonexistent/x.yaml"), "{e}");
         let e = parse_args(["x", "--configuration-file=/x", "--configuration={}"]).unwrap_err();
         assert!(e.to_string().contains("mutually exclusive"), "{e}");
+    }
+
+    fn env_of(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn file_then_env_then_flags() {
+        use crate::config::parse_args_with;
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("sidecar.yaml");
+        std::fs::write(
+            &f,
+            "mooncake-bootstrap-port: 9001\ninference-pool: from-file\nport: 9100\n\
+             enable-prefiller-sampling: false\nidle-conn-timeout: 3s\n",
+        )
+        .unwrap();
+        let file = format!("--configuration-file={}", f.display());
+        let env = env_of(&[
+            ("MOONCAKE_BOOTSTRAP_PORT", "9002"),
+            ("ENABLE_PREFILLER_SAMPLING", "true"),
+        ]);
+        let c = parse_args_with(
+            [
+                "x",
+                file.as_str(),
+                "--port=9200",
+                "--prefill-retry-backoff=1.5s",
+            ],
+            &env,
+        )
+        .unwrap();
+        assert_eq!(c.prefill_retry_backoff, Duration::from_millis(1500));
+        assert_eq!(c.mooncake_bootstrap_port, 9002, "env beats the file");
+        assert!(c.enable_prefiller_sampling, "env beats the file");
+        assert_eq!(c.inference_pool.as_deref(), Some("from-file"));
+        assert_eq!(c.port, 9200, "a flag beats the file");
+        assert_eq!(c.idle_conn_timeout, Duration::from_secs(3));
+        let c =
+            parse_args_with(["x", file.as_str(), "--mooncake-bootstrap-port=9003"], &env).unwrap();
+        assert_eq!(c.mooncake_bootstrap_port, 9003, "a flag beats env");
+        // A flag given with its default value still beats the file.
+        let c = parse_args_with(["x", file.as_str(), "--port=8000"], &|_| None).unwrap();
+        assert_eq!((c.port, c.mooncake_bootstrap_port), (8000, 9001));
+        // List flags and the aliases go through the same layers.
+        let c = parse_args_with(
+            [
+                "x",
+                "--configuration={enable-tls: decoder, secure-proxy: false}",
+                "--enable-tls=prefiller",
+                "--secure-serving=true",
+            ],
+            &|_| None,
+        )
+        .and_then(SidecarConfig::from_cli)
+        .unwrap();
+        assert!(c.tls.prefiller && !c.tls.decoder);
+        assert!(c.secure_proxy);
+    }
+
+    #[test]
+    fn a_bad_environment_value_names_its_variable() {
+        use crate::config::parse_args_with;
+        let e = parse_args_with(
+            ["x"],
+            &env_of(&[("ENABLE_PREFILLER_SAMPLING", "sometimes")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("enable-prefiller-sampling")
+                && e.contains("sometimes")
+                && e.contains("environment variable ENABLE_PREFILLER_SAMPLING"),
+            "{e}"
+        );
+        let e = parse_args_with(["x"], &env_of(&[("MOONCAKE_BOOTSTRAP_PORT", "0")]))
+            .and_then(SidecarConfig::from_cli)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--mooncake-bootstrap-port 0"), "{e}");
     }
 
     #[test]

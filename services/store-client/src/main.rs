@@ -1,9 +1,9 @@
-//! `lunakv-store`: parse flags (Mooncake `mooncake_client` names), start telemetry, serve the
-//! segment, and unmount on SIGTERM/SIGINT.
+//! `lunakv-store`: parse flags (Mooncake `mooncake_client` names), load the layered config,
+//! start telemetry, serve the segment, and unmount on SIGTERM/SIGINT.
 #![forbid(unsafe_code)]
 
 use anyhow::Context;
-use clap::{CommandFactory, Parser};
+use clap::{CommandFactory, FromArgMatches, Parser};
 
 #[derive(Parser)]
 #[command(
@@ -13,7 +13,7 @@ use clap::{CommandFactory, Parser};
 )]
 struct Cli {
     #[command(flatten)]
-    store: lunakv_config::StoreConfig,
+    store: lunakv_config::store::StoreArgs,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -23,7 +23,8 @@ fn main() -> anyhow::Result<()> {
         lunakv_config::store::UPSTREAM_FLAGS,
         std::env::args_os(),
     )?;
-    let mut cfg = Cli::parse_from(&argv.args).store;
+    let matches = Cli::command().get_matches_from(&argv.args);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // Held until main returns: dropping it flushes the spans still queued (docs/TRACING.md).
     let _telemetry = lunakv_telemetry::init("lunakv-store");
     for w in argv.warnings() {
@@ -36,11 +37,14 @@ fn main() -> anyhow::Result<()> {
             tracing::warn!(error = %e, "cannot raise the soft open-file limit to the hard one")
         }
     }
-    let mut warnings = cfg.apply_env(&lunakv_config::process_env)?;
-    warnings.extend(cfg.validate()?);
-    for w in &warnings {
+    let loaded = lunakv_config::StoreConfig::load(
+        &cli.store.sources(&matches),
+        &lunakv_config::process_env,
+    )?;
+    for w in &loaded.warnings {
         tracing::warn!("{w}");
     }
+    let cfg = loaded.config;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
