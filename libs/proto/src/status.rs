@@ -1,7 +1,9 @@
 //! How lunakv's services turn their errors into gRPC statuses: each error type says which code
 //! it is, and [`to_status`] builds the one status from it. The master's gRPC edge and the
-//! bootstrap's both use it, so a code means the same thing from either service.
+//! bootstrap's both use it, so a code means the same thing from either service. The master's
+//! two refusals that carry metadata, [`rebuilding`] and [`redirect`], are built here too.
 
+use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
 
 use crate::headers::LeaderRedirect;
@@ -15,6 +17,15 @@ pub trait GrpcError: std::fmt::Display {
 /// The status for `e`: its code and its message.
 pub fn to_status<E: GrpcError + ?Sized>(e: &E) -> Status {
     Status::new(e.code(), e.to_string())
+}
+
+/// A master rebuilding its object index: `UNAVAILABLE` with `message` and the
+/// [`REBUILDING`](crate::headers::REBUILDING) header, which clients retry at the same master.
+pub fn rebuilding(message: String) -> Status {
+    let mut s = Status::unavailable(message);
+    s.metadata_mut()
+        .insert(crate::headers::REBUILDING, MetadataValue::from_static("1"));
+    s
 }
 
 /// A follower's refusal: `UNAVAILABLE` with `message`, naming the leader when one is known so
