@@ -270,10 +270,11 @@ impl FileConfig {
 
 #[cfg(test)]
 mod tests {
+    use crate::ConfigError;
     use crate::config::{Connector, SidecarConfig, parse_args};
     use std::time::Duration;
 
-    fn with_file(yaml: &str, flags: &[&str]) -> Result<SidecarConfig, String> {
+    fn with_file(yaml: &str, flags: &[&str]) -> Result<SidecarConfig, ConfigError> {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("sidecar.yaml");
         std::fs::write(&f, yaml).unwrap();
@@ -281,9 +282,7 @@ mod tests {
         let args = ["lunakv-sidecar", arg.as_str()]
             .into_iter()
             .chain(flags.iter().copied());
-        parse_args(args)
-            .and_then(SidecarConfig::from_cli)
-            .map_err(|e| e.to_string())
+        parse_args(args).and_then(SidecarConfig::from_cli)
     }
 
     #[test]
@@ -342,7 +341,7 @@ mod tests {
             ("- a\n- b\n", &["sidecar.yaml"]),
         ];
         for (yaml, needles) in cases {
-            let e = with_file(yaml, &[]).expect_err(yaml);
+            let e = with_file(yaml, &[]).expect_err(yaml).to_string();
             for n in *needles {
                 assert!(e.contains(n), "{yaml:?}: {e}");
             }
