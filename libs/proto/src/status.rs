@@ -37,3 +37,25 @@ pub fn redirect(message: String, leader: Option<&LeaderRedirect>) -> Status {
     }
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rebuilding_is_unavailable_with_the_header_clients_retry_on() {
+        let s = rebuilding("master 10.0.0.1:50051 just started and is rebuilding".into());
+        assert_eq!(s.code(), Code::Unavailable);
+        assert_eq!(
+            s.message(),
+            "master 10.0.0.1:50051 just started and is rebuilding"
+        );
+        assert_eq!(
+            s.metadata()
+                .get(crate::headers::REBUILDING)
+                .and_then(|v| v.to_str().ok()),
+            Some("1")
+        );
+        assert!(LeaderRedirect::from_metadata(s.metadata()).is_none());
+    }
+}
