@@ -6,17 +6,17 @@
 //! library is the harness; the tests live in `tests/tests/`.
 //!
 //! The binaries must be built first (`make test` does `cargo build --bins`).
+//! Processes start through `lunakv_launch`, as `lunakv up` and `lunakv bench` start them.
+#![forbid(unsafe_code)]
 
 use std::cell::RefCell;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use lunakv_client::{ClientOptions, StoreClient};
+use lunakv_launch::{Launch, Process, Signal};
 
 /// Directory holding the workspace's binaries (next to the test executable's `deps/`).
 pub fn bin_dir() -> PathBuf {
@@ -30,13 +30,12 @@ pub fn bin_dir() -> PathBuf {
 
 /// Path of one of the workspace's binaries; panics with the fix when it is not built.
 pub fn bin(name: &str) -> PathBuf {
-    let p = bin_dir().join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: build the binaries first (`cargo build --bins`, or `make test`)",
-        p.display()
-    );
-    p
+    lunakv_launch::find_bin(
+        &bin_dir(),
+        name,
+        "build the binaries first (`cargo build --bins`, or `make test`)",
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 thread_local! {
@@ -69,170 +68,94 @@ impl Drop for ChildEnv {
     }
 }
 
-/// A running child process whose output is captured line by line.
+/// A running child process whose output is captured line by line (a `lunakv_launch::Process`
+/// whose waits panic with the process's output instead of returning an error).
 pub struct Proc {
     pub name: String,
-    child: Option<Child>,
-    lines: Arc<Mutex<Vec<String>>>,
-    rx: mpsc::Receiver<String>,
+    p: Process,
 }
 
 impl Proc {
     /// Spawns `bin` with `args` and `env`; stdout and stderr are captured (and echoed to stderr
-    /// with a prefix so a failing test shows what the service said).
+    /// with a prefix when `LUNAKV_TEST_ECHO` is set, to watch a test live).
     pub fn spawn(bin_name: &str, args: &[String], env: &[(&str, &str)]) -> Proc {
         Proc::spawn_path(&bin(bin_name), bin_name, args, env)
     }
 
     /// [`Proc::spawn`] of the binary at `path` (e.g. another build, for a comparison).
     pub fn spawn_path(path: &Path, bin_name: &str, args: &[String], env: &[(&str, &str)]) -> Proc {
-        let mut cmd = Command::new(path);
-        cmd.args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        cmd.env(
-            "RUST_LOG",
-            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-        );
-        CHILD_ENV.with(|e| {
-            for (k, v) in e.borrow().iter() {
-                cmd.env(k, v);
-            }
+        let mut launch = Launch::new(path)
+            .name(bin_name)
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .echo(std::env::var_os("LUNAKV_TEST_ECHO").is_some());
+        launch = CHILD_ENV.with(|e| {
+            e.borrow()
+                .iter()
+                .fold(launch, |l, (k, v)| l.env(k.as_str(), v.as_str()))
         });
         for (k, v) in env {
-            cmd.env(k, v);
+            launch = launch.env(k, v);
         }
-        let mut child = cmd
+        let p = launch
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {bin_name}: {e}"));
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
-        for stream in [
-            Box::new(child.stdout.take().expect("stdout")) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().expect("stderr")),
-        ] {
-            let lines = lines.clone();
-            let tx = tx.clone();
-            let tag = bin_name.to_owned();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    if std::env::var_os("LUNAKV_TEST_ECHO").is_some() {
-                        eprintln!("[{tag}] {line}");
-                    }
-                    lines.lock().expect("lines").push(line.clone());
-                    let _ = tx.send(line);
-                }
-            });
-        }
         Proc {
             name: bin_name.to_owned(),
-            child: Some(child),
-            lines,
-            rx,
+            p,
         }
     }
 
-    /// Waits for a line containing `needle` and returns it.
+    /// Waits for a line containing `needle` and returns it; panics with the output so far when
+    /// the process ends or `timeout` passes first.
     pub fn wait_for_line(&self, needle: &str, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        {
-            let seen = self.lines.lock().expect("lines");
-            if let Some(l) = seen.iter().find(|l| l.contains(needle)) {
-                return l.clone();
-            }
-        }
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(l) if l.contains(needle) => return l,
-                Ok(_) => {}
-                Err(_) => panic!(
-                    "{} did not print '{needle}' within {timeout:?}; output so far:\n{}",
-                    self.name,
-                    self.output()
-                ),
-            }
-        }
+        self.p
+            .wait_for_line(needle, timeout)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Everything the process printed so far.
     pub fn output(&self) -> String {
-        self.lines.lock().expect("lines").join("\n")
+        self.p.output()
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+        self.p.pid()
     }
 
     /// SIGKILL, and reap.
     pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.p.kill();
     }
 
-    /// SIGTERM, then wait up to `timeout` for a clean exit; returns the exit code.
+    /// SIGTERM, then wait up to `timeout` for a clean exit; returns the exit code (`None` when
+    /// it had to be killed, or died of a signal).
     pub fn terminate(&mut self, timeout: Duration) -> Option<i32> {
-        let mut c = self.child.take()?;
-        // SAFETY: kill(2) on our own, not yet reaped, child.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(Some(st)) = c.try_wait() {
-                return st.code();
-            }
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                let _ = c.wait();
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.p.terminate(timeout).ok()?.code()
     }
 
     /// Sends `sig` (e.g. `libc::SIGSTOP`, `libc::SIGCONT`) to the process.
     pub fn signal(&self, sig: i32) {
-        if let Some(c) = self.child.as_ref() {
-            // SAFETY: kill(2) on our own, not yet reaped, child.
-            unsafe { libc::kill(c.id() as i32, sig) };
-        }
+        let sig = Signal::from_named_raw(sig).unwrap_or_else(|| panic!("signal {sig}"));
+        self.p.signal(sig);
     }
 
     /// Waits up to `timeout` for the process to exit on its own; its exit code.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
-        let deadline = Instant::now() + timeout;
-        let c = self.child.as_mut()?;
-        loop {
-            if let Ok(Some(st)) = c.try_wait() {
-                self.child = None;
-                return st.code();
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.p.exit_within(timeout)?.code()
     }
 
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
-        match self.child.as_mut() {
-            Some(c) => matches!(c.try_wait(), Ok(None)),
-            None => false,
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill9();
+        self.p.alive()
     }
 }
 
 /// Parses `key=value` tokens of a "listening" line (the servers' own parser).
-pub use lunakv_telemetry::announce::fields;
+pub use lunakv_launch::fields;
 
 fn addr(line: &str, key: &str) -> SocketAddr {
     let f = fields(line);

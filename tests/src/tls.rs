@@ -92,6 +92,21 @@ impl TestCa {
     }
 }
 
+/// Why [`https_request`] got no answer (a refused certificate is a [`HttpsError::Tls`]).
+#[derive(Debug, thiserror::Error)]
+pub enum HttpsError {
+    #[error(transparent)]
+    Tls(#[from] rustls::Error),
+    #[error(transparent)]
+    SidecarTls(#[from] lunakv_sidecar::tls::TlsError),
+    #[error(transparent)]
+    Name(#[from] rustls_pki_types::InvalidDnsNameError),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("the server presented no certificate")]
+    NoCertificate,
+}
+
 /// One HTTPS request. `roots` = verify the server against them (as `localhost`), `None` =
 /// accept any certificate. Returns the answer and the certificate the server presented.
 pub fn https_request(
@@ -101,28 +116,26 @@ pub fn https_request(
     path: &str,
     headers: &[(&str, &str)],
     body: &[u8],
-) -> Result<(Resp, CertificateDer<'static>), String> {
+) -> Result<(Resp, CertificateDer<'static>), HttpsError> {
     let cfg = match roots {
         Some(r) => rustls::ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?
+            .with_safe_default_protocol_versions()?
             .with_root_certificates(r)
             .with_no_client_auth(),
         // The sidecar's own `--tls-insecure-skip-verify` client configuration.
-        None => lunakv_sidecar::tls::client_config(true).map_err(|e| e.to_string())?,
+        None => lunakv_sidecar::tls::client_config(true)?,
     };
-    let name = ServerName::try_from("localhost").map_err(|e| e.to_string())?;
-    let conn = rustls::ClientConnection::new(Arc::new(cfg), name).map_err(|e| e.to_string())?;
-    let tcp =
-        TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    let name = ServerName::try_from("localhost")?;
+    let conn = rustls::ClientConnection::new(Arc::new(cfg), name)?;
+    let tcp = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
     tcp.set_read_timeout(Some(Duration::from_secs(30))).ok();
     let mut tls = rustls::StreamOwned::new(conn, tcp);
-    let resp = exchange(&mut tls, addr, method, path, headers, body).map_err(|e| e.to_string())?;
+    let resp = exchange(&mut tls, addr, method, path, headers, body)?;
     let cert = tls
         .conn
         .peer_certificates()
         .and_then(|c| c.first().cloned())
-        .ok_or("the server presented no certificate")?;
+        .ok_or(HttpsError::NoCertificate)?;
     Ok((resp, cert.into_owned()))
 }
 

@@ -17,7 +17,7 @@ use lunakv_tests::pd::{Bootstrap, Sim, fresh_host};
 use lunakv_tests::{Master, Proc, Store, bin, fields, requester, wait_until};
 use serde_json::Value;
 
-const UNSHARED: &str = "instances never share a block: PYTHONHASHSEED or hash algorithm differs";
+const UNSHARED: &str = lunakv_config::messages::UNSHARED_NAMESPACE;
 
 /// The master's default `namespace_min_keys`.
 const MIN_KEYS: usize = 64;

@@ -40,6 +40,7 @@ fn secure_proxy_self_signed_and_cert_path_reloaded() {
     let (r, _) = https_request(sc.http, None, "GET", "/v1/models", &[], b"").expect("https");
     assert_eq!(r.json()["data"][0]["id"], "sim-model", "proxied over TLS");
     let e = https_request(sc.http, Some(ca.roots()), "GET", "/health", &[], b"").unwrap_err();
+    let e = e.to_string();
     assert!(e.contains("certificate"), "{e}");
     let plain = request(sc.http, "GET", "/health", &[], b"");
     assert_ne!(

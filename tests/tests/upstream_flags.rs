@@ -158,7 +158,10 @@ fn upstream_store_flags_lunakv_cannot_honour_are_refused_with_the_fix() {
     let cases: &[(&[&str], &[&str])] = &[
         (
             &["--tenant_id=team-a"],
-            &["--tenant_id=team-a", "no tenants"],
+            &[
+                "--tenant_id=team-a",
+                lunakv_config::messages::TENANT_REFUSAL,
+            ],
         ),
         (&["-deployment_mode=P2P"], &["P2P"]),
         (&["-redis_password", "x"], &["etcd://"]),

@@ -30,7 +30,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::mem::{Range, disjoint};
+use crate::mem::{Range, RangeError, disjoint};
 use crate::store::{detached, env, resolve_ip, strip_port};
 
 /// Upstream's transfer-engine error codes (mooncake-transfer-engine error.h).
@@ -271,30 +271,29 @@ impl TransferEngine {
         peers: &[i128],
         lengths: &[i128],
         dir: Dir,
-    ) -> Result<(String, Vec<(Range, u64)>), String> {
+    ) -> Result<(String, Vec<(Range, u64)>), PlanError> {
         let endpoint = session_endpoint(target)?;
         if buffers.len() != peers.len() || buffers.len() != lengths.len() {
-            return Err(format!(
-                "{} buffers, {} peer addresses and {} lengths: pass one of each per transfer",
-                buffers.len(),
-                peers.len(),
-                lengths.len()
-            ));
+            return Err(PlanError::Counts {
+                buffers: buffers.len(),
+                peers: peers.len(),
+                lengths: lengths.len(),
+            });
         }
         let mut out = Vec::with_capacity(buffers.len());
         for ((&b, &p), &l) in buffers.iter().zip(peers).zip(lengths) {
             let r = Range::new(b, l)?;
             if r.len == 0 {
-                return Err("zero-length transfer".to_owned());
+                return Err(PlanError::ZeroLength);
             }
             let peer = u64::try_from(p)
                 .ok()
                 .filter(|&p| p > 0 && p.checked_add(r.len as u64).is_some())
-                .ok_or_else(|| format!("peer address {p:#x} (+{l}) is not a valid address"))?;
+                .ok_or(PlanError::Peer { addr: p, len: l })?;
             out.push((r, peer));
         }
         if dir == Dir::Read && !disjoint(out.iter().map(|(r, _)| r)) {
-            return Err("local destination buffers overlap each other".to_owned());
+            return Err(PlanError::Overlap);
         }
         Ok((endpoint, out))
     }
@@ -394,8 +393,33 @@ impl TransferEngine {
     }
 }
 
+/// Why a transfer's arguments were refused (logged; the call returns an error code).
+#[derive(Debug, thiserror::Error)]
+enum PlanError {
+    #[error(
+        "target '{0}' is not a session id: pass the peer's \"host:rpc_port\" (its get_rpc_port())"
+    )]
+    NotSession(String),
+    #[error(
+        "{buffers} buffers, {peers} peer addresses and {lengths} lengths: pass one of each per transfer"
+    )]
+    Counts {
+        buffers: usize,
+        peers: usize,
+        lengths: usize,
+    },
+    #[error(transparent)]
+    Range(#[from] RangeError),
+    #[error("zero-length transfer")]
+    ZeroLength,
+    #[error("peer address {addr:#x} (+{len}) is not a valid address")]
+    Peer { addr: i128, len: i128 },
+    #[error("local destination buffers overlap each other")]
+    Overlap,
+}
+
 /// The tcp endpoint of an upstream session id, `"host:rpc_port"` (IPv6 as `[addr]:port`).
-fn session_endpoint(target: &str) -> Result<String, String> {
+fn session_endpoint(target: &str) -> Result<String, PlanError> {
     let t = target.trim();
     let port = t
         .rsplit_once(':')
@@ -403,9 +427,7 @@ fn session_endpoint(target: &str) -> Result<String, String> {
         .and_then(|p| p.parse::<u16>().ok())
         .filter(|&p| p != 0);
     if port.is_none() {
-        return Err(format!(
-            "target '{target}' is not a session id: pass the peer's \"host:rpc_port\" (its get_rpc_port())"
-        ));
+        return Err(PlanError::NotSession(target.to_string()));
     }
     Ok(t.to_owned())
 }

@@ -48,6 +48,23 @@ fn user_space_end() -> usize {
     })
 }
 
+/// Why a caller's `(ptr, size)` was refused; the call logs it and returns -600.
+#[derive(Debug, thiserror::Error)]
+pub enum RangeError {
+    #[error("buffer pointer {0:#x} is not a valid address")]
+    Pointer(i128),
+    #[error("buffer size {0} is negative or too large")]
+    Size(i128),
+    #[error("buffer {ptr:#x}+{len} wraps the address space")]
+    Wraps { ptr: usize, len: usize },
+    #[error(
+        "buffer {ptr:#x}+{len} is not user-space memory (this process's addresses end below {end:#x}): pass a numpy/torch data pointer"
+    )]
+    NotUserSpace { ptr: usize, len: usize, end: usize },
+    #[error("{ptrs} buffer pointers but {sizes} sizes: pass one size per pointer")]
+    Counts { ptrs: usize, sizes: usize },
+}
+
 /// A checked `(ptr, len)` range of caller memory. Holding one promises nothing about the memory
 /// itself; only [`Range::slice`] and [`Range::slice_mut`] turn it into a slice.
 #[derive(Debug, Clone, Copy)]
@@ -60,34 +77,34 @@ impl Range {
     /// Checks what can be checked about a Python `(ptr, size)` pair: a non-null pointer, a
     /// non-negative size no larger than `isize::MAX`, no wrap past the end of the address space,
     /// and an end inside user space ([`user_space_end`]). `Err` carries the reason for the log.
-    pub fn new(ptr: i128, size: i128) -> Result<Range, String> {
+    pub fn new(ptr: i128, size: i128) -> Result<Range, RangeError> {
         if ptr <= 0 || ptr > usize::MAX as i128 {
-            return Err(format!("buffer pointer {ptr:#x} is not a valid address"));
+            return Err(RangeError::Pointer(ptr));
         }
         if size < 0 || size > isize::MAX as i128 {
-            return Err(format!("buffer size {size} is negative or too large"));
+            return Err(RangeError::Size(size));
         }
         let (ptr, len) = (ptr as usize, size as usize);
         let Some(end) = ptr.checked_add(len) else {
-            return Err(format!("buffer {ptr:#x}+{len} wraps the address space"));
+            return Err(RangeError::Wraps { ptr, len });
         };
         if end > user_space_end() {
-            return Err(format!(
-                "buffer {ptr:#x}+{len} is not user-space memory (this process's addresses end below {:#x}): pass a numpy/torch data pointer",
-                user_space_end()
-            ));
+            return Err(RangeError::NotUserSpace {
+                ptr,
+                len,
+                end: user_space_end(),
+            });
         }
         Ok(Range { ptr, len })
     }
 
     /// Checks parallel pointer and size lists (one object's pieces).
-    pub fn list(ptrs: &[PyInt], sizes: &[PyInt]) -> Result<Vec<Range>, String> {
+    pub fn list(ptrs: &[PyInt], sizes: &[PyInt]) -> Result<Vec<Range>, RangeError> {
         if ptrs.len() != sizes.len() {
-            return Err(format!(
-                "{} buffer pointers but {} sizes: pass one size per pointer",
-                ptrs.len(),
-                sizes.len()
-            ));
+            return Err(RangeError::Counts {
+                ptrs: ptrs.len(),
+                sizes: sizes.len(),
+            });
         }
         ptrs.iter()
             .zip(sizes)

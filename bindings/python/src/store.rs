@@ -6,11 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lunakv_client::{ClientError, ClientOptions, ErrorCode, MasterWait, StoreClient};
+use lunakv_config::messages::TENANT_REFUSAL;
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::mem::{INVALID_PARAMS, PyInt, Range, disjoint};
+use crate::mem::{INVALID_PARAMS, PyInt, Range, RangeError, disjoint};
 use crate::types::{ReplicaDescriptor, ReplicateConfig};
 
 /// Answer of a call whose Rust side panicked (the panic is logged, never propagated).
@@ -177,7 +178,7 @@ impl MooncakeDistributedStore {
         &self,
         py: Python<'_>,
         keys: Vec<String>,
-        ranges: Vec<Result<Vec<Range>, String>>,
+        ranges: Vec<Result<Vec<Range>, RangeError>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i64> {
         let n = keys.len();
@@ -221,7 +222,7 @@ impl MooncakeDistributedStore {
         &self,
         py: Python<'_>,
         keys: Vec<String>,
-        ranges: Vec<Result<Vec<Range>, String>>,
+        ranges: Vec<Result<Vec<Range>, RangeError>>,
     ) -> Vec<i64> {
         let n = keys.len();
         let Some(c) = self.client() else {
@@ -776,7 +777,7 @@ fn single_ranges(
     n: usize,
     ptrs: &[PyInt],
     sizes: &[PyInt],
-) -> Option<Vec<Result<Vec<Range>, String>>> {
+) -> Option<Vec<Result<Vec<Range>, RangeError>>> {
     if ptrs.len() != n || sizes.len() != n {
         tracing::error!(
             "lunakv: refused: {n} keys, {} pointers, {} sizes: pass one of each per key",
@@ -798,7 +799,7 @@ fn multi_ranges(
     n: usize,
     ptrs: &[Vec<PyInt>],
     sizes: &[Vec<PyInt>],
-) -> Option<Vec<Result<Vec<Range>, String>>> {
+) -> Option<Vec<Result<Vec<Range>, RangeError>>> {
     if ptrs.len() != n || sizes.len() != n {
         tracing::error!(
             "lunakv: refused: {n} keys, {} pointer lists, {} size lists: pass one of each per key",
@@ -815,23 +816,64 @@ fn multi_ranges(
     )
 }
 
-fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, String> {
-    let get = |k: &str| -> Result<Option<String>, String> {
+/// Why setup refused its arguments (logged; setup returns -600).
+#[derive(Debug, thiserror::Error)]
+enum SetupError {
+    #[error("config key '{key}': {source}")]
+    Key { key: String, source: PyErr },
+    #[error("config key '{key}': {source}")]
+    Size {
+        key: String,
+        source: lunakv_config::SizeError,
+    },
+    #[error("tenant_id={0:?}: {TENANT_REFUSAL}")]
+    Tenant(String),
+    #[error("{field} {value} must be >= 0")]
+    Negative { field: &'static str, value: i128 },
+    #[error(
+        "local_hostname is empty (and MOONCAKE_LOCAL_HOSTNAME / VLLM_HOST_IP are unset): pass this host's IP"
+    )]
+    NoHostname,
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+}
+
+/// Why `local_hostname` gives no IP to bind to.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ResolveError {
+    #[error("local_hostname '{host}' does not resolve ({source}): pass this host's IP")]
+    Unresolvable {
+        host: String,
+        source: std::io::Error,
+    },
+    #[error("local_hostname '{host}' resolves to no address: pass this host's IP")]
+    NoAddress { host: String },
+}
+
+fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, SetupError> {
+    let key_err = |k: &str, source| SetupError::Key {
+        key: k.to_string(),
+        source,
+    };
+    let get = |k: &str| -> Result<Option<String>, SetupError> {
         match d.get_item(k) {
             Ok(Some(v)) if !v.is_none() => v
                 .str()
                 .map(|s| Some(s.to_string()))
-                .map_err(|e| format!("config key '{k}': {e}")),
+                .map_err(|e| key_err(k, e)),
             Ok(_) => Ok(None),
-            Err(e) => Err(format!("config key '{k}': {e}")),
+            Err(e) => Err(key_err(k, e)),
         }
     };
-    let size = |k: &str| -> Result<i128, String> {
+    let size = |k: &str| -> Result<i128, SetupError> {
         match get(k)? {
             None => Ok(DEFAULT_SETUP_SIZE),
             Some(s) => lunakv_config::parse_size(&s)
                 .map(i128::from)
-                .map_err(|e| format!("config key '{k}': {e}")),
+                .map_err(|source| SetupError::Size {
+                    key: k.to_string(),
+                    source,
+                }),
         }
     };
     check_tenant(get("tenant_id")?.as_deref())?;
@@ -859,12 +901,10 @@ fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, String> {
 /// lunakv has no tenant namespaces yet: a tenant other than upstream's default would share
 /// every key with the others, so it is refused instead of merged (vLLM then raises at startup,
 /// as it does against an upstream release without tenants).
-fn check_tenant(tenant_id: Option<&str>) -> Result<(), String> {
+fn check_tenant(tenant_id: Option<&str>) -> Result<(), SetupError> {
     match tenant_id.map(str::trim) {
         None | Some("" | "default") => Ok(()),
-        Some(t) => Err(format!(
-            "tenant_id={t:?}: lunakv has no tenant namespaces yet, so this tenant's keys would mix with every other's; remove tenant_id from mooncake_config.json (or set it to \"default\")"
-        )),
+        Some(t) => Err(SetupError::Tenant(t.to_string())),
     }
 }
 
@@ -879,18 +919,24 @@ pub(crate) fn env(name: &str) -> Option<String> {
 }
 
 /// `ClientOptions` from setup's arguments plus the environment lunakv honours.
-fn options(a: &SetupArgs) -> Result<ClientOptions, String> {
-    let global_segment_size = u64::try_from(a.global_segment_size)
-        .map_err(|_| format!("global_segment_size {} must be >= 0", a.global_segment_size))?;
-    let local_buffer_size = u64::try_from(a.local_buffer_size)
-        .map_err(|_| format!("local_buffer_size {} must be >= 0", a.local_buffer_size))?;
+fn options(a: &SetupArgs) -> Result<ClientOptions, SetupError> {
+    let global_segment_size =
+        u64::try_from(a.global_segment_size).map_err(|_| SetupError::Negative {
+            field: "global_segment_size",
+            value: a.global_segment_size,
+        })?;
+    let local_buffer_size =
+        u64::try_from(a.local_buffer_size).map_err(|_| SetupError::Negative {
+            field: "local_buffer_size",
+            value: a.local_buffer_size,
+        })?;
     let defaults = ClientOptions::default();
     let host = Some(a.local_hostname.trim().to_owned())
         .filter(|h| !h.is_empty())
         .or_else(|| env("MOONCAKE_REQUESTER_LOCAL_HOSTNAME"))
         .or_else(|| env("MOONCAKE_LOCAL_HOSTNAME"))
         .or_else(|| env("VLLM_HOST_IP"))
-        .ok_or("local_hostname is empty (and MOONCAKE_LOCAL_HOSTNAME / VLLM_HOST_IP are unset): pass this host's IP")?;
+        .ok_or(SetupError::NoHostname)?;
     let local_hostname = if global_segment_size > 0 {
         resolve_ip(&host)?.to_string()
     } else {
@@ -931,15 +977,16 @@ pub(crate) fn strip_port(host: &str) -> &str {
 
 /// The IP embedded mode binds its segment to: the address itself, or the name resolved
 /// (IPv4 preferred).
-pub(crate) fn resolve_ip(host: &str) -> Result<IpAddr, String> {
+pub(crate) fn resolve_ip(host: &str) -> Result<IpAddr, ResolveError> {
     let h = strip_port(host);
     if let Ok(ip) = h.parse::<IpAddr>() {
         return Ok(ip);
     }
     let addrs: Vec<IpAddr> = (h, 0)
         .to_socket_addrs()
-        .map_err(|e| {
-            format!("local_hostname '{host}' does not resolve ({e}): pass this host's IP")
+        .map_err(|source| ResolveError::Unresolvable {
+            host: host.to_string(),
+            source,
         })?
         .map(|s| s.ip())
         .collect();
@@ -948,7 +995,7 @@ pub(crate) fn resolve_ip(host: &str) -> Result<IpAddr, String> {
         .find(|ip| ip.is_ipv4())
         .or(addrs.first())
         .copied()
-        .ok_or_else(|| {
-            format!("local_hostname '{host}' resolves to no address: pass this host's IP")
+        .ok_or_else(|| ResolveError::NoAddress {
+            host: host.to_string(),
         })
 }

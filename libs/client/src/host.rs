@@ -785,12 +785,7 @@ pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Rpc,
     let endpoint = Channel::from_shared(uri).map_err(|e| ClientError::Config(format!(
         "master_server_address '{addr}' is not a valid address ({e}): use host:port, e.g. \"127.0.0.1:50051\""
     )))?;
-    if let Err(why) = speaks_grpc(addr, timeout).await {
-        return Err(ClientError::Rpc {
-            addr: addr.to_owned(),
-            message: why,
-        });
-    }
+    speaks_grpc(addr, timeout).await?;
     let channel = endpoint
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(3).min(timeout))
@@ -810,9 +805,9 @@ pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Rpc,
 /// One look at what `addr` speaks before tonic connects: a peer that closes the connection on
 /// the HTTP/2 preface, or answers with something other than HTTP/2, is not a lunakv-master
 /// (upstream's `mooncake_master` speaks coro_rpc); without this the first call fails with a bare
-/// transport error. `Err` only when that is certain: a refused or silent peer is left to
-/// tonic's connect and its usual errors.
-async fn speaks_grpc(addr: &str, timeout: Duration) -> Result<(), String> {
+/// transport error. `Err` ([`ClientError::Rpc`]) only when that is certain: a refused or silent
+/// peer is left to tonic's connect and its usual errors.
+async fn speaks_grpc(addr: &str, timeout: Duration) -> Result<(), ClientError> {
     use lunakv_proto::foreign::{
         CORO_RPC_MAGIC, HTTP2_EMPTY_SETTINGS, HTTP2_PREFACE, NOT_A_LUNAKV_MASTER,
         server_speaks_http2,
@@ -855,9 +850,12 @@ async fn speaks_grpc(addr: &str, timeout: Duration) -> Result<(), String> {
     } else {
         format!("it answered {:02x?}", &first[..got])
     };
-    Err(format!(
-        "the master at {addr} does not speak gRPC ({seen}): {NOT_A_LUNAKV_MASTER} (upstream Mooncake's mooncake_master speaks coro_rpc); point master_server_address at a lunakv-master, or use upstream's mooncake package with an upstream master"
-    ))
+    Err(ClientError::Rpc {
+        addr: addr.to_owned(),
+        message: format!(
+            "the master at {addr} does not speak gRPC ({seen}): {NOT_A_LUNAKV_MASTER} (upstream Mooncake's mooncake_master speaks coro_rpc); point master_server_address at a lunakv-master, or use upstream's mooncake package with an upstream master"
+        ),
+    })
 }
 
 pub(crate) fn rpc_error(addr: &str, status: &tonic::Status) -> ClientError {

@@ -16,6 +16,8 @@
 //! - [`duration`]: Go durations (`1m30s`) as llm-d's flags write them, for the sidecar and the
 //!   bootstrap.
 //! - [`size`]: human sizes, `"80GB"` = 80 GiB as in vLLM's parser; also a serde `with` module.
+//! - [`messages`]: user-facing messages several crates print or pin (the tenant refusal, the
+//!   master's unshared-namespace rule).
 //!
 //! Shared pieces live here: one [`ConfigError`] whose variants callers can branch on and whose
 //! messages name the field, the bad value and the fix; [`ConfigWarning`]s, returned rather than
@@ -35,6 +37,7 @@ pub mod etcd;
 pub mod gflags;
 pub mod layered;
 pub mod master;
+pub mod messages;
 pub mod size;
 pub mod store;
 

@@ -309,7 +309,7 @@ pub const UPSTREAM_FLAGS: &[UpstreamFlag] = &[
         boolean: false,
         treatment: Upstream::OnlyValue {
             value: "default",
-            fix: "lunakv has no tenants yet: every key is in one namespace; leave tenant_id unset",
+            fix: crate::messages::TENANT_REFUSAL,
         },
     },
     UpstreamFlag {

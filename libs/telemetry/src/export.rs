@@ -264,7 +264,7 @@ impl Health {
         &mut self,
         now: Instant,
         spans: usize,
-        result: Result<(), String>,
+        result: &OTelSdkResult,
     ) -> Option<Report> {
         match (result, &mut self.failing) {
             (Ok(()), None) => None,
@@ -276,7 +276,7 @@ impl Health {
                 self.failing = None;
                 Some(r)
             }
-            (Err(error), None) => {
+            (Err(e), None) => {
                 self.failing = Some(Failing {
                     since: now,
                     retry_at: now + COOLDOWN,
@@ -284,7 +284,9 @@ impl Health {
                     batches: 1,
                     spans: spans as u64,
                 });
-                Some(Report::Down { error })
+                Some(Report::Down {
+                    error: e.to_string(),
+                })
             }
             (Err(_), Some(f)) => {
                 f.batches += 1;
@@ -366,8 +368,7 @@ impl<E: SpanExporter + Send + Sync + 'static> SpanExporter for OnRuntime<E> {
                 )))
             });
             let mut h = health.lock();
-            let outcome = result.as_ref().map(|_| ()).map_err(|e| e.to_string());
-            if let Some(r) = h.outcome(Instant::now(), spans, outcome) {
+            if let Some(r) = h.outcome(Instant::now(), spans, &result) {
                 h.log(r);
             }
             result
@@ -437,17 +438,21 @@ mod tests {
         assert!(Pipeline::from_env("t", &env_of(&[])).unwrap().is_none());
     }
 
+    fn failed(why: &str) -> OTelSdkResult {
+        Err(OTelSdkError::InternalFailure(why.into()))
+    }
+
     #[test]
     fn an_unreachable_collector_is_tried_once_per_cooldown_and_logged_once() {
         let t0 = Instant::now();
         let mut h = Health::new("http://c:4318".into());
         assert!(h.attempt(t0, 3));
-        assert_eq!(h.outcome(t0, 3, Ok(())), None, "success says nothing");
+        assert_eq!(h.outcome(t0, 3, &Ok(())), None, "success says nothing");
         assert!(h.attempt(t0, 4));
         assert_eq!(
-            h.outcome(t0, 4, Err("connection refused".into())),
+            h.outcome(t0, 4, &failed("connection refused")),
             Some(Report::Down {
-                error: "connection refused".into()
+                error: "Operation failed: connection refused".into()
             })
         );
         // Within the cooldown: no network, nothing logged, the spans counted.
@@ -458,7 +463,7 @@ mod tests {
             t += Duration::from_millis(500);
             if h.attempt(t, 2) {
                 tries += 1;
-                logged += h.outcome(t, 2, Err("refused".into())).is_some() as u32;
+                logged += h.outcome(t, 2, &failed("refused")).is_some() as u32;
             }
         }
         let expected = (REPORT_EVERY - COOLDOWN).as_secs() / COOLDOWN.as_secs();
@@ -472,7 +477,7 @@ mod tests {
         // REPORT_EVERY after the first line, one more, with the totals.
         let t = t0 + REPORT_EVERY + COOLDOWN;
         assert!(h.attempt(t, 1));
-        match h.outcome(t, 1, Err("refused".into())) {
+        match h.outcome(t, 1, &failed("refused")) {
             Some(Report::StillDown { batches, spans, .. }) => {
                 assert!(
                     batches > 100 && spans > 200,
@@ -484,10 +489,10 @@ mod tests {
         // The collector answers again: one INFO, and the next failure is news again.
         let t = t + COOLDOWN;
         assert!(h.attempt(t, 1));
-        assert!(matches!(h.outcome(t, 1, Ok(())), Some(Report::Up { .. })));
+        assert!(matches!(h.outcome(t, 1, &Ok(())), Some(Report::Up { .. })));
         assert!(h.attempt(t, 1), "no cooldown once it works");
         assert!(matches!(
-            h.outcome(t, 1, Err("x".into())),
+            h.outcome(t, 1, &failed("x")),
             Some(Report::Down { .. })
         ));
     }

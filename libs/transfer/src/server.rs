@@ -1022,7 +1022,7 @@ impl<S: Stream> Conn<'_, S> {
         self.key_buf.resize(n, 0);
         self.rd.read_exact(&mut self.key_buf)?;
         let answer = if self.unix {
-            Err("RDMA_CONNECT is only valid on the tcp listener".to_string())
+            Err(crate::rdma::RdmaAcceptError::UnixListener)
         } else {
             self.shared.rdma.accept(&self.key_buf)
         };
@@ -1034,7 +1034,7 @@ impl<S: Stream> Conn<'_, S> {
                 self.wr.clear_read_timeout()?;
                 reply_body(&mut self.wr, 0, &desc)?;
             }
-            Err(why) => self.reply(Status::BadRequest, 0, &why)?,
+            Err(why) => self.reply(Status::BadRequest, 0, &why.to_string())?,
         }
         Ok(())
     }

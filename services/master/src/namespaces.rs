@@ -35,8 +35,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 /// The message doctor and the metric's help text give for a flagged namespace.
-pub const UNSHARED_MESSAGE: &str =
-    "instances never share a block: PYTHONHASHSEED or hash algorithm differs";
+pub const UNSHARED_MESSAGE: &str = lunakv_config::messages::UNSHARED_NAMESPACE;
 
 /// Namespaces tracked at most; later ones are not tracked.
 pub const MAX_NAMESPACES: usize = 1024;

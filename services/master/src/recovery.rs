@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tonic::Status;
-use tonic::metadata::MetadataValue;
 
 use crate::core::MasterCore;
 use crate::ha::CoreSlot;
@@ -82,13 +81,10 @@ impl RecoveryGate {
 
     /// The refusal while rebuilding: `why` says which master and why it is empty.
     pub fn refusal(why: &str) -> Status {
-        let mut s = Status::unavailable(format!(
+        lunakv_proto::status::rebuilding(format!(
             "{why} and is rebuilding its object index from the store-clients' inventories; \
              retry in a moment"
-        ));
-        s.metadata_mut()
-            .insert(REBUILDING_HEADER, MetadataValue::from_static("1"));
-        s
+        ))
     }
 }
 

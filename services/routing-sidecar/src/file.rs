@@ -159,10 +159,11 @@ pub(crate) mod go_duration {
 
 #[cfg(test)]
 mod tests {
+    use crate::ConfigError;
     use crate::config::{Connector, SidecarConfig, parse_args};
     use std::time::Duration;
 
-    fn with_file(yaml: &str, flags: &[&str]) -> Result<SidecarConfig, String> {
+    fn with_file(yaml: &str, flags: &[&str]) -> Result<SidecarConfig, ConfigError> {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("sidecar.yaml");
         std::fs::write(&f, yaml).unwrap();
@@ -170,9 +171,7 @@ mod tests {
         let args = ["lunakv-sidecar", arg.as_str()]
             .into_iter()
             .chain(flags.iter().copied());
-        parse_args(args)
-            .and_then(SidecarConfig::from_cli)
-            .map_err(|e| e.to_string())
+        parse_args(args).and_then(SidecarConfig::from_cli)
     }
 
     #[test]
@@ -231,7 +230,7 @@ mod tests {
             ("- a\n- b\n", &["sidecar.yaml"]),
         ];
         for (yaml, needles) in cases {
-            let e = with_file(yaml, &[]).expect_err(yaml);
+            let e = with_file(yaml, &[]).expect_err(yaml).to_string();
             for n in *needles {
                 assert!(e.contains(n), "{yaml:?}: {e}");
             }

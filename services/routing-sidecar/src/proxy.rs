@@ -82,16 +82,17 @@ pub struct DecoderBase {
 
 impl DecoderBase {
     /// Parses `http(s)://host:port`.
-    pub fn parse(base: &str) -> Result<DecoderBase, String> {
-        let u: Uri = base
-            .parse()
-            .map_err(|e| format!("model server url {base}: {e}"))?;
+    pub fn parse(base: &str) -> Result<DecoderBase, DecoderBaseError> {
+        let u: Uri = base.parse().map_err(|source| DecoderBaseError::Invalid {
+            base: base.to_string(),
+            source,
+        })?;
         let p = u.into_parts();
         match (p.scheme, p.authority) {
             (Some(scheme), Some(authority)) => Ok(DecoderBase { scheme, authority }),
-            _ => Err(format!(
-                "model server url {base} needs a scheme and host:port"
-            )),
+            _ => Err(DecoderBaseError::Incomplete {
+                base: base.to_string(),
+            }),
         }
     }
 
@@ -103,6 +104,18 @@ impl DecoderBase {
             .path_and_query(pq.unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")))
             .build()
     }
+}
+
+/// Why a model server url is unusable (the sidecar names the flag it came from).
+#[derive(Debug, thiserror::Error)]
+pub enum DecoderBaseError {
+    #[error("model server url {base}: {source}")]
+    Invalid {
+        base: String,
+        source: http::uri::InvalidUri,
+    },
+    #[error("model server url {base} needs a scheme and host:port")]
+    Incomplete { base: String },
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;

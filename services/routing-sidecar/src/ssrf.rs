@@ -38,12 +38,24 @@ pub fn split_host_port(s: &str) -> Option<(String, String)> {
     Some((h.to_string(), p.to_string()))
 }
 
-fn parse_entry(s: &str) -> Result<Entry, String> {
-    let (h, p) = split_host_port(s).ok_or_else(|| format!("'{s}' is not host:port"))?;
+/// An allowlist line that is skipped (with a warning) rather than failing the sidecar.
+#[derive(Debug, thiserror::Error)]
+enum EntryError {
+    #[error("'{0}' is not host:port")]
+    NotHostPort(String),
+    #[error("'{0}': bad port")]
+    BadPort(String),
+}
+
+fn parse_entry(s: &str) -> Result<Entry, EntryError> {
+    let (h, p) = split_host_port(s).ok_or_else(|| EntryError::NotHostPort(s.to_string()))?;
     let port = if p == "*" {
         None
     } else {
-        Some(p.parse::<u16>().map_err(|_| format!("'{s}': bad port"))?)
+        Some(
+            p.parse::<u16>()
+                .map_err(|_| EntryError::BadPort(s.to_string()))?,
+        )
     };
     Ok(Entry {
         host: norm_host(&h),

@@ -120,35 +120,47 @@ enum Kind {
 async fn completions(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> Response {
     match rank_for(&sim, &headers) {
         Ok(sim) => generate(sim, Kind::Completion, headers, body).await,
-        Err(e) => error(StatusCode::BAD_REQUEST, e),
+        Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
     }
 }
 
 async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> Response {
     match rank_for(&sim, &headers) {
         Ok(sim) => generate(sim, Kind::Chat, headers, body).await,
-        Err(e) => error(StatusCode::BAD_REQUEST, e),
+        Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
     }
 }
 
+/// Why a generate request is refused (400) or failed (500); the message goes back in the
+/// OpenAI-shaped error body.
+#[derive(Debug, thiserror::Error)]
+enum RequestError {
+    #[error("X-data-parallel-rank {rank}: this engine serves dp ranks {ranks:?}")]
+    UnservedRank { rank: u32, ranks: Vec<u32> },
+    #[error("X-data-parallel-rank {0:?} is not a rank number")]
+    BadRank(HeaderValue),
+    #[error("'{0}' is required")]
+    Missing(&'static str),
+    #[error(transparent)]
+    KvTask(#[from] tokio::task::JoinError),
+}
+
 /// The rank `X-data-parallel-rank` asks for (vLLM's internal DP load balancing), else this one.
-fn rank_for(sim: &Arc<Sim>, headers: &HeaderMap) -> Result<Arc<Sim>, String> {
+fn rank_for(sim: &Arc<Sim>, headers: &HeaderMap) -> Result<Arc<Sim>, RequestError> {
     let Some(v) = headers.get("x-data-parallel-rank") else {
         return Ok(sim.clone());
     };
     match v.to_str().ok().and_then(|s| s.trim().parse::<u32>().ok()) {
         Some(dp) if dp == sim.cfg.dp_rank => Ok(sim.clone()),
-        Some(dp) => sim.dp_peer(dp).ok_or_else(|| {
-            format!(
-                "X-data-parallel-rank {dp}: this engine serves dp ranks {:?}",
-                sim.dp_ranks()
-            )
+        Some(dp) => sim.dp_peer(dp).ok_or_else(|| RequestError::UnservedRank {
+            rank: dp,
+            ranks: sim.dp_ranks(),
         }),
-        None => Err(format!("X-data-parallel-rank {v:?} is not a rank number")),
+        None => Err(RequestError::BadRank(v.clone())),
     }
 }
 
-fn prompt_text(kind: Kind, req: &Value) -> Result<String, String> {
+fn prompt_text(kind: Kind, req: &Value) -> Result<String, RequestError> {
     match kind {
         Kind::Completion => match req.get("prompt") {
             Some(Value::String(s)) => Ok(s.clone()),
@@ -160,13 +172,13 @@ fn prompt_text(kind: Kind, req: &Value) -> Result<String, String> {
                 })
                 .collect::<Vec<_>>()
                 .join(" ")),
-            _ => Err("'prompt' is required".into()),
+            _ => Err(RequestError::Missing("prompt")),
         },
         Kind::Chat => {
             let msgs = req
                 .get("messages")
                 .and_then(|m| m.as_array())
-                .ok_or("'messages' is required")?;
+                .ok_or(RequestError::Missing("messages"))?;
             let mut out = String::new();
             for m in msgs {
                 let role = m.get("role").and_then(|r| r.as_str()).unwrap_or("user");
@@ -188,15 +200,13 @@ fn prompt_text(kind: Kind, req: &Value) -> Result<String, String> {
 
 /// The prompt's KV. Small KV is computed in place: a thread-pool hop would cost more than the
 /// work (and would be CPU the benchmark's proxy has to compete with).
-async fn kv_of(tokens: &[u32], shape: kv::KvShape) -> Result<Vec<u8>, String> {
+async fn kv_of(tokens: &[u32], shape: kv::KvShape) -> Result<Vec<u8>, RequestError> {
     const INLINE_BYTES: usize = 64 << 10;
     if shape.blocks_for(tokens.len()) * shape.block_bytes <= INLINE_BYTES {
         return Ok(compute_kv(tokens, shape));
     }
     let toks = tokens.to_vec();
-    tokio::task::spawn_blocking(move || compute_kv(&toks, shape))
-        .await
-        .map_err(|e| e.to_string())
+    Ok(tokio::task::spawn_blocking(move || compute_kv(&toks, shape)).await?)
 }
 
 /// Simulated GPU time: a wait that leaves the host CPU free. Not `tokio::time::sleep`: its
@@ -254,7 +264,7 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
     };
     let prompt = match prompt_text(kind, &req) {
         Ok(p) => p,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
     };
     let tokens = tokenize(&prompt);
     let max_tokens = req
@@ -307,7 +317,7 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
         sleep(sim.cfg.service.prefill(tokens.len())).await;
         let kv = match kv_of(&tokens, shape).await {
             Ok(kv) => kv,
-            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
         let cached = sim.prefix_hits(&tokens) * shape.block_tokens;
         sim.stats
@@ -392,7 +402,7 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
         sleep(sim.cfg.service.prefill(tokens.len())).await;
         let kv = match kv_of(&tokens, shape).await {
             Ok(kv) => kv,
-            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
         sim.stats.local_prefills.fetch_add(1, Ordering::Relaxed);
         let cached = sim.prefix_hits(&tokens) * shape.block_tokens;

@@ -18,6 +18,7 @@
 //!
 //! `main` stays synchronous on purpose: the client library is blocking and owns its own tokio
 //! runtime, so only commands that need async (the status RPC, `up`'s signal wait) build one.
+#![forbid(unsafe_code)]
 
 mod args;
 mod cmd;

@@ -5,24 +5,21 @@
 //! sockets are bound (`rpc=.. admin=..` for the master, `transfer=.. admin=..` for the store);
 //! reading that line is how we learn ephemeral ports without racing the bind. Everything else
 //! the children print is forwarded to our stderr with a `[master]`/`[store]` prefix, and the
-//! last lines are kept so a child that dies can be reported with what it said.
+//! last lines are kept so a child that dies can be reported with what it said. Starting,
+//! reading and stopping go through `lunakv_launch`, as in the test harness.
 
-use std::collections::{HashMap, VecDeque};
-use std::io::{BufRead, BufReader, Read};
-use std::os::unix::process::CommandExt;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::process::ExitStatus;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
-use rustix::process::{Pid, Signal};
+use lunakv_launch::{Launch, Process};
 
 /// How long a service may take to print its listening line.
-const START_TIMEOUT: Duration = Duration::from_secs(30);
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a SIGTERMed service may take to exit (the store unmounts first) before SIGKILL.
-const STOP_GRACE: Duration = Duration::from_secs(10);
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
 /// Lines of a child's output kept for error reports.
 const TAIL_LINES: usize = 30;
 
@@ -41,16 +38,15 @@ pub fn bin_dir(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
 
 /// `dir/name`, or an error that says how to get it there.
 pub fn service_bin(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
-    let p = dir.join(name);
-    if !p.is_file() {
-        bail!(
-            "{name} not found at {}: lunakv starts the {MASTER_BIN} and {STORE_BIN} built next to it; \
+    Ok(lunakv_launch::find_bin(
+        dir,
+        name,
+        &format!(
+            "lunakv starts the {MASTER_BIN} and {STORE_BIN} built next to it; \
              build them with `cargo build --release --bins` (or `make run` / `make bench`), \
-             or point --bin-dir / LUNAKV_BIN_DIR at the directory holding them",
-            p.display()
-        );
-    }
-    Ok(p)
+             or point --bin-dir / LUNAKV_BIN_DIR at the directory holding them"
+        ),
+    )?)
 }
 
 /// What to start. Ports may be 0 (ephemeral); the bound ones are read back.
@@ -183,20 +179,13 @@ impl Stack {
 /// A child service with its listening fields.
 pub struct Service {
     pub bin_name: String,
-    child: Child,
-    exited: Option<ExitStatus>,
+    proc: Process,
     pub fields: HashMap<String, String>,
-    tail: Arc<Mutex<VecDeque<String>>>,
-}
-
-enum Event {
-    Listening(HashMap<String, String>),
-    Closed,
 }
 
 impl Service {
-    /// Spawns `bin args`, forwards its output, and waits for its listening line carrying
-    /// `required_key`.
+    /// Spawns `bin args`, forwards its output as `[tag] line`, and waits for its listening
+    /// line carrying `required_key`.
     fn spawn(
         tag: &'static str,
         bin: &Path,
@@ -204,87 +193,32 @@ impl Service {
         default_log: Option<&str>,
         required_key: &'static str,
     ) -> anyhow::Result<Service> {
-        let bin_name = bin
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let mut cmd = Command::new(bin);
-        cmd.args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            // Own process group: a terminal's Ctrl-C reaches only lunakv, which then stops the
-            // store before the master (a master killed first would leave the unmount hanging).
-            .process_group(0);
+        let mut launch = Launch::new(bin)
+            .args(args)
+            .echo_as(tag)
+            .keep_lines(TAIL_LINES)
+            // A terminal's Ctrl-C reaches only lunakv, which then stops the store before the
+            // master (a master killed first would leave the unmount hanging).
+            .own_process_group()
+            // If lunakv itself dies (kill -9), its services follow instead of lingering on the
+            // ports.
+            .die_with_parent();
         if std::env::var_os("RUST_LOG").is_none()
             && let Some(level) = default_log
         {
-            cmd.env("RUST_LOG", level);
+            launch = launch.env("RUST_LOG", level);
         }
-        // SAFETY: the closure runs in the forked child before exec and only calls prctl(2),
-        // which is async-signal-safe; it touches no memory of the parent.
-        unsafe {
-            cmd.pre_exec(|| {
-                // If lunakv itself dies (kill -9), its services follow instead of lingering on
-                // the ports.
-                rustix::process::set_parent_process_death_signal(Some(Signal::TERM))?;
-                Ok(())
-            });
-        }
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("cannot start {}", bin.display()))?;
-        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
-        let (tx, rx) = mpsc::channel();
-        let streams: [(Box<dyn Read + Send>, bool); 2] = [
-            (Box::new(child.stdout.take().context("child stdout")?), true),
-            (
-                Box::new(child.stderr.take().context("child stderr")?),
-                false,
-            ),
-        ];
-        for (stream, is_stdout) in streams {
-            let tail = tail.clone();
-            let tx = tx.clone();
-            std::thread::spawn(move || forward(stream, tag, required_key, is_stdout, &tail, &tx));
-        }
-        drop(tx);
-
-        let mut svc = Service {
-            bin_name,
-            child,
-            exited: None,
-            fields: HashMap::new(),
-            tail,
-        };
-        let deadline = Instant::now() + START_TIMEOUT;
-        let mut open_streams = 2;
-        loop {
-            match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(Event::Listening(f)) => {
-                    svc.fields = f;
-                    return Ok(svc);
-                }
-                Ok(Event::Closed) => open_streams -= 1,
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => open_streams = 0,
-            }
-            if let Some(st) = svc.try_exit() {
-                // Give the readers a moment to collect the last words.
-                std::thread::sleep(Duration::from_millis(50));
-                bail!(
-                    "{} exited with {st} before it was listening; its last output:\n{}",
-                    svc.bin_name,
-                    svc.tail()
-                );
-            }
-            if open_streams == 0 || Instant::now() > deadline {
-                let _ = svc.stop();
-                bail!(
-                    "{} did not print its listening line (with {required_key}=) within {START_TIMEOUT:?}; its last output:\n{}",
-                    svc.bin_name,
-                    svc.tail()
-                );
+        let proc = launch.spawn()?;
+        let bin_name = proc.name().to_owned();
+        match proc.wait_announce(required_key, START_TIMEOUT) {
+            Ok(fields) => Ok(Service {
+                bin_name,
+                proc,
+                fields,
+            }),
+            Err(e) => {
+                let _ = proc.terminate(STOP_GRACE);
+                Err(e.into())
             }
         }
     }
@@ -302,123 +236,28 @@ impl Service {
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.proc.pid()
     }
 
     /// The exit status if the child has exited (reaping it).
     pub fn try_exit(&mut self) -> Option<ExitStatus> {
-        if self.exited.is_none() {
-            self.exited = self.child.try_wait().ok().flatten();
-        }
-        self.exited
+        self.proc.try_exit()
     }
 
     /// The last lines the child printed.
     pub fn tail(&self) -> String {
-        let t = self
-            .tail
-            .lock()
-            .map(|t| t.iter().cloned().collect::<Vec<_>>())
-            .unwrap_or_default();
-        if t.is_empty() {
-            "  (nothing)".to_owned()
-        } else {
-            t.iter()
-                .map(|l| format!("  {l}"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        }
+        self.proc.tail()
     }
 
-    /// SIGTERM, wait up to [`STOP_GRACE`], then SIGKILL.
+    /// SIGTERM, wait up to [`STOP_GRACE`], then SIGKILL. Dropping a service kills it, so an
+    /// error path never leaves one running on the ports.
     pub fn stop(&mut self) -> anyhow::Result<ExitStatus> {
-        if let Some(st) = self.try_exit() {
-            return Ok(st);
-        }
-        if let Some(pid) = Pid::from_raw(self.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, Signal::TERM);
-        }
-        let deadline = Instant::now() + STOP_GRACE;
-        while Instant::now() < deadline {
-            if let Some(st) = self.try_exit() {
-                return Ok(st);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let st = self.child.wait().context("waiting for a killed child")?;
-        self.exited = Some(st);
-        bail!(
-            "{} did not exit within {STOP_GRACE:?} of SIGTERM and was killed",
-            self.bin_name
-        )
+        Ok(self.proc.terminate(STOP_GRACE)?)
     }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        // Error paths drop services without stop(): never leave one running on the ports.
-        if self.try_exit().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-fn forward(
-    stream: Box<dyn Read + Send>,
-    tag: &str,
-    required_key: &str,
-    is_stdout: bool,
-    tail: &Mutex<VecDeque<String>>,
-    tx: &mpsc::Sender<Event>,
-) {
-    let mut announced = false;
-    for line in BufReader::new(stream).lines().map_while(Result::ok) {
-        if !announced && line.contains("listening") {
-            let f = listening_fields(&line);
-            // Log lines on stderr may mention "listening" too; the announcement is the stdout
-            // line, or any line carrying the key we wait for.
-            if is_stdout || f.contains_key(required_key) {
-                announced = f.contains_key(required_key);
-                if announced {
-                    let _ = tx.send(Event::Listening(f));
-                }
-            }
-        }
-        eprintln!("[{tag}] {line}");
-        if let Ok(mut t) = tail.lock() {
-            if t.len() == TAIL_LINES {
-                t.pop_front();
-            }
-            // Error reports are read as plain text; the colours were for a terminal.
-            t.push_back(strip_ansi(&line));
-        }
-    }
-    let _ = tx.send(Event::Closed);
-}
-
-/// Drops ANSI CSI sequences (`ESC [ ... letter`), which tracing adds even on pipes.
-fn strip_ansi(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c == '\x1b' && chars.peek() == Some(&'[') {
-            chars.next();
-            for n in chars.by_ref() {
-                if n.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// `key=value` tokens of a listening line (the one parser, shared with the servers' tests).
-pub use lunakv_telemetry::announce::fields as listening_fields;
+pub use lunakv_launch::fields as listening_fields;
 
 #[cfg(test)]
 mod tests {
@@ -435,15 +274,6 @@ mod tests {
         );
         assert_eq!(f["transfer"], "127.0.0.1:41234");
         assert!(listening_fields("listening").is_empty());
-    }
-
-    #[test]
-    fn strips_colours_from_kept_lines() {
-        assert_eq!(
-            strip_ansi("\x1b[2mts\x1b[0m \x1b[32m INFO\x1b[0m up"),
-            "ts  INFO up"
-        );
-        assert_eq!(strip_ansi("plain"), "plain");
     }
 
     #[test]

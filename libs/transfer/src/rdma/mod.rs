@@ -189,22 +189,42 @@ impl ServerRdma {
     }
 
     /// `RDMA_CONNECT`: a queue pair connected to the requester's (returned boxed: it must live
-    /// as long as the tcp connection) and our encoded answer. `Err` is the refusal message.
-    pub(crate) fn accept(&self, peer: &[u8]) -> Result<(Box<dyn Any + Send>, Vec<u8>), String> {
-        let peer = RdmaDescriptor::decode(peer).map_err(|e| e.to_string())?;
+    /// as long as the tcp connection) and our encoded answer. `Err` is the refusal, sent back
+    /// to the requester as the BAD_REQUEST message.
+    pub(crate) fn accept(
+        &self,
+        peer: &[u8],
+    ) -> Result<(Box<dyn Any + Send>, Vec<u8>), RdmaAcceptError> {
+        let peer = RdmaDescriptor::decode(peer)?;
         #[cfg(feature = "rdma")]
         {
-            let m = self
-                .mr
-                .get()
-                .ok_or_else(|| "this segment was not started with protocol \"rdma\"".to_string())?;
+            let m = self.mr.get().ok_or(RdmaAcceptError::NotEnabled)?;
             let (qp, answer) = m.accept(&peer)?;
             Ok((Box::new(qp), answer.encode()))
         }
         #[cfg(not(feature = "rdma"))]
         {
             let _ = peer;
-            Err("this lunakv build has no RDMA transport".to_string())
+            Err(RdmaAcceptError::NotBuilt)
         }
     }
+}
+
+/// Why a segment server refuses an `RDMA_CONNECT`. The requester sees the message and falls
+/// back to tcp, so each names what is missing on this side.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RdmaAcceptError {
+    #[error("RDMA_CONNECT is only valid on the tcp listener")]
+    UnixListener,
+    #[error(transparent)]
+    BadDescriptor(#[from] RdmaDescriptorError),
+    #[cfg(feature = "rdma")]
+    #[error("this segment was not started with protocol \"rdma\"")]
+    NotEnabled,
+    #[cfg(not(feature = "rdma"))]
+    #[error("this lunakv build has no RDMA transport")]
+    NotBuilt,
+    #[cfg(feature = "rdma")]
+    #[error(transparent)]
+    Verbs(#[from] verbs::VerbsError),
 }

@@ -64,6 +64,13 @@ fn env_num<T: std::str::FromStr>(var: &str) -> Option<T> {
     std::env::var(var).ok().and_then(|v| v.trim().parse().ok())
 }
 
+/// A verbs call that failed, said in one line naming the call and the device's answer (libibverbs
+/// gives no more structure than an errno). It ends up in a [`TransferError`] or in the refusal an
+/// `RDMA_CONNECT` requester reads.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct VerbsError(String);
+
 /// Names of the RDMA devices libibverbs sees (`ibv_get_device_list`).
 pub(crate) fn device_names() -> Result<Vec<String>, TransferError> {
     let list = DeviceList::new().map_err(|e| TransferError::RdmaUnavailable(list_err(&e)))?;
@@ -98,32 +105,38 @@ fn io_source(e: &dyn std::error::Error) -> String {
 /// `LUNAKV_RDMA_PORT` (default 1), `LUNAKV_RDMA_GID_INDEX` (default: the first RoCE v2 GID,
 /// preferring an IPv4-mapped one, on Ethernet; 0 on InfiniBand).
 pub(crate) fn device() -> Result<Arc<Device>, TransferError> {
-    static DEV: OnceLock<Result<Arc<Device>, String>> = OnceLock::new();
+    static DEV: OnceLock<Result<Arc<Device>, VerbsError>> = OnceLock::new();
     DEV.get_or_init(|| open_device().map(Arc::new))
         .clone()
-        .map_err(TransferError::RdmaUnavailable)
+        .map_err(|e| TransferError::RdmaUnavailable(e.0))
 }
 
-fn open_device() -> Result<Device, String> {
-    let list = DeviceList::new().map_err(|e| list_err(&e))?;
+fn open_device() -> Result<Device, VerbsError> {
+    let list = DeviceList::new().map_err(|e| VerbsError(list_err(&e)))?;
     if list.is_empty() {
-        return Err(msg_no_device());
+        return Err(VerbsError(msg_no_device()));
     }
     let want = std::env::var("LUNAKV_RDMA_DEVICE")
         .ok()
         .filter(|s| !s.trim().is_empty());
     let dev = match &want {
         Some(w) => list.iter().find(|d| d.name() == w.trim()).ok_or_else(|| {
-            msg_named_missing(w, &list.iter().map(|d| d.name()).collect::<Vec<_>>())
+            VerbsError(msg_named_missing(
+                w,
+                &list.iter().map(|d| d.name()).collect::<Vec<_>>(),
+            ))
         })?,
-        None => list.iter().next().ok_or_else(msg_no_device)?,
+        None => list
+            .iter()
+            .next()
+            .ok_or_else(|| VerbsError(msg_no_device()))?,
     };
     let name = dev.name();
     let fail = |what: &str, e: &dyn std::error::Error| {
-        format!(
+        VerbsError(format!(
             "protocol \"rdma\": RDMA device {name}: {what} failed: {}; check the device with `ibv_devinfo`, or use \"protocol\": \"tcp\"",
             io_source(e)
-        )
+        ))
     };
     let ctx = dev.open().map_err(|e| fail("open", &e))?;
     let port: u8 = env_num("LUNAKV_RDMA_PORT").unwrap_or(1);
@@ -217,10 +230,14 @@ impl Device {
         addr: usize,
         len: usize,
         access: AccessFlags,
-    ) -> Result<Arc<MemoryRegion>, String> {
+    ) -> Result<Arc<MemoryRegion>, VerbsError> {
         // SAFETY: forwarded to the caller.
-        unsafe { self.pd.reg_mr(addr, len, access) }
-            .map_err(|e| format!("ibv_reg_mr of {len} bytes at {addr:#x}: {}", io_source(&e)))
+        unsafe { self.pd.reg_mr(addr, len, access) }.map_err(|e| {
+            VerbsError(format!(
+                "ibv_reg_mr of {len} bytes at {addr:#x}: {}",
+                io_source(&e)
+            ))
+        })
     }
 }
 
@@ -254,13 +271,13 @@ struct Wr {
 
 impl Qp {
     /// Creates the queue pair and moves it to INIT.
-    fn new(dev: &Device) -> Result<Qp, String> {
+    fn new(dev: &Device) -> Result<Qp, VerbsError> {
         let cq = dev
             .ctx
             .create_cq_builder()
             .setup_cqe(SQ_DEPTH * 2)
             .build()
-            .map_err(|e| format!("create completion queue: {}", io_source(&e)))?;
+            .map_err(|e| VerbsError(format!("create completion queue: {}", io_source(&e))))?;
         let mut qp = dev
             .pd
             .create_qp_builder()
@@ -271,7 +288,7 @@ impl Qp {
             .setup_max_send_sge(1)
             .setup_max_recv_sge(1)
             .build()
-            .map_err(|e| format!("create queue pair: {}", io_source(&e)))?;
+            .map_err(|e| VerbsError(format!("create queue pair: {}", io_source(&e))))?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
@@ -280,7 +297,7 @@ impl Qp {
                 AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
             );
         qp.modify(&attr)
-            .map_err(|e| format!("queue pair to INIT: {}", io_source(&e)))?;
+            .map_err(|e| VerbsError(format!("queue pair to INIT: {}", io_source(&e))))?;
         Ok(Qp {
             qp,
             cq,
@@ -297,7 +314,7 @@ impl Qp {
     }
 
     /// INIT -> RTR -> RTS against `remote`'s queue pair.
-    fn connect(&mut self, dev: &Device, remote: &RdmaDescriptor) -> Result<(), String> {
+    fn connect(&mut self, dev: &Device, remote: &RdmaDescriptor) -> Result<(), VerbsError> {
         let mtu = Mtu::from(u32::from(dev.mtu.min(remote.mtu).clamp(1, 5)));
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToReceive)
@@ -318,7 +335,7 @@ impl Qp {
         attr.setup_address_vector(&ah);
         self.qp
             .modify(&attr)
-            .map_err(|e| format!("queue pair to RTR: {}", io_source(&e)))?;
+            .map_err(|e| VerbsError(format!("queue pair to RTR: {}", io_source(&e))))?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(self.psn)
@@ -328,7 +345,7 @@ impl Qp {
             .setup_max_read_atomic(dev.rd_atom);
         self.qp
             .modify(&attr)
-            .map_err(|e| format!("queue pair to RTS: {}", io_source(&e)))
+            .map_err(|e| VerbsError(format!("queue pair to RTS: {}", io_source(&e))))
     }
 
     /// Posts `wrs` with at most [`SQ_DEPTH`] in flight and waits for all of them. A failed
@@ -340,7 +357,7 @@ impl Qp {
         rkey: u32,
         timeout: Duration,
         failed: &mut HashMap<usize, String>,
-    ) -> Result<(), String> {
+    ) -> Result<(), VerbsError> {
         let deadline = Instant::now() + timeout;
         let mut next = 0usize;
         let mut inflight = 0usize;
@@ -410,7 +427,7 @@ impl Qp {
                         for w in wrs {
                             failed.entry(w.id).or_insert_with(|| why.clone());
                         }
-                        return Err(why);
+                        return Err(VerbsError(why));
                     }
                     std::hint::spin_loop();
                 }
@@ -419,12 +436,12 @@ impl Qp {
                     for w in wrs {
                         failed.entry(w.id).or_insert_with(|| why.clone());
                     }
-                    return Err(why);
+                    return Err(VerbsError(why));
                 }
             }
         }
         match broken {
-            Some(why) => Err(why),
+            Some(why) => Err(VerbsError(why)),
             None => Ok(()),
         }
     }
@@ -474,7 +491,7 @@ impl SegmentMr {
     }
 
     /// Creates a queue pair connected to the requester's, and our answer.
-    pub(crate) fn accept(&self, peer: &RdmaDescriptor) -> Result<(Qp, RdmaDescriptor), String> {
+    pub(crate) fn accept(&self, peer: &RdmaDescriptor) -> Result<(Qp, RdmaDescriptor), VerbsError> {
         let mut qp = Qp::new(&self.dev)?;
         qp.connect(&self.dev, peer)?;
         let answer = RdmaDescriptor {
@@ -559,7 +576,7 @@ impl RdmaTransport {
     fn connect(&self, t: &Target) -> Result<RdmaConn, TransferError> {
         let ep = t.endpoint.as_str();
         let mut ctl = self.tcp.connect(ep)?.stream;
-        let local = |why: String| {
+        let local = |why: VerbsError| {
             TransferError::Io(
                 ep.to_string(),
                 io::Error::other(format!("rdma setup: {why}")),
@@ -749,9 +766,9 @@ impl RdmaConn {
                 Err(why) => {
                     wrs.truncate(mark);
                     return Err(if on_device {
-                        RegFail::Device(why)
+                        RegFail::Device(why.0)
                     } else {
-                        RegFail::Host(why)
+                        RegFail::Host(why.0)
                     });
                 }
             };

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use lunakv_client::{ClientError, ReplicateConfig, StoreClient};
 use lunakv_client::{ClusterStatus, NamespaceStats, SegmentStatus};
-use lunakv_client::{ReplicateConfig, StoreClient};
 use lunakv_config::MooncakeConfig;
 use serde::Serialize;
 
@@ -21,8 +21,7 @@ use crate::output::{human_bytes, print_json};
 use crate::target::Target;
 
 /// The message of the cross-instance rule (the master's, word for word).
-pub const UNSHARED_MESSAGE: &str =
-    "instances never share a block: PYTHONHASHSEED or hash algorithm differs";
+pub const UNSHARED_MESSAGE: &str = lunakv_config::messages::UNSHARED_NAMESPACE;
 
 /// Exit status when at least one check failed.
 pub const EXIT_CHECK_FAILED: u8 = 1;
@@ -156,15 +155,17 @@ pub fn run(
     };
     let target = crate::target::resolve_cli(master_flag, &usable_config)?;
 
-    let client = crate::cmd::kv::connect(&target);
-    let status = client
-        .as_ref()
-        .map_err(|e| format!("{e:#}"))
-        .and_then(|c| c.cluster_status().map_err(|e| e.to_string()));
+    let (client, status) = match crate::cmd::kv::connect(&target) {
+        Ok(c) => {
+            let s = c.cluster_status().map_err(MasterError::Status);
+            (Some(c), s)
+        }
+        Err(e) => (None, Err(MasterError::Connect(e))),
+    };
 
     checks.push(check_master(&target, &status));
     let (client, status) = match (client, status) {
-        (Ok(c), Ok(s)) => (Some(c), Some(s)),
+        (Some(c), Ok(s)) => (Some(c), Some(s)),
         _ => (None, None),
     };
     checks.push(check_store_clients(a, status.as_ref()));
@@ -233,7 +234,16 @@ fn render(master: &str, checks: &[Check]) -> String {
 
 // === the checks ===
 
-fn check_master(t: &Target, status: &Result<ClusterStatus, String>) -> Check {
+/// Why the master gave doctor no cluster status.
+#[derive(Debug, thiserror::Error)]
+enum MasterError {
+    #[error("{0:#}")]
+    Connect(anyhow::Error),
+    #[error(transparent)]
+    Status(lunakv_client::ClientError),
+}
+
+fn check_master(t: &Target, status: &Result<ClusterStatus, MasterError>) -> Check {
     const NAME: &str = "master";
     match status {
         Err(e) => Check::fail(
@@ -410,14 +420,20 @@ fn check_offload_write(
 }
 
 /// Disk bytes the master indexes on `segment`.
-fn segment_disk_used(client: &StoreClient, segment: &str) -> Result<u64, String> {
-    let s = client
-        .cluster_status()
-        .map_err(|e| format!("GetClusterStatus failed: {e}"))?;
+fn segment_disk_used(client: &StoreClient, segment: &str) -> Result<u64, ClientError> {
+    let s = client.cluster_status()?;
     Ok(s.segments
         .iter()
         .find(|g| g.segment.as_ref().is_some_and(|d| d.name == segment))
         .map_or(0, |g| g.disk_used_bytes))
+}
+
+/// The probe's failure when the master stops answering mid-probe: (detail, fix).
+fn master_down(e: ClientError) -> (String, String) {
+    (
+        format!("GetClusterStatus failed: {e}"),
+        "check that the master is up and try again".to_string(),
+    )
 }
 
 /// Bytes the given store-clients wrote to disk so far (their counter), summed.
@@ -457,8 +473,7 @@ fn probe_offload(
         std::process::id(),
         client.client_id()
     );
-    let master_before = segment_disk_used(client, segment)
-        .map_err(|e| (e, "check that the master is up and try again".to_string()))?;
+    let master_before = segment_disk_used(client, segment).map_err(master_down)?;
     let store_before = stores_disk_written(a);
     let dir_before = a.offload_dir.as_deref().map(dir_bytes);
     let data = vec![0x5au8; PROBE_BYTES];
@@ -485,8 +500,7 @@ fn probe_offload(
                     .to_string(),
             )
         })?;
-        let master_after = segment_disk_used(client, segment)
-            .map_err(|e| (e, "check that the master is up and try again".to_string()))?;
+        let master_after = segment_disk_used(client, segment).map_err(master_down)?;
         let mut seen = vec![format!(
             "master disk index on {segment} {} -> {}",
             human_bytes(master_before),
@@ -978,20 +992,41 @@ fn check_security(master: &str, env: &dyn Fn(&str) -> Option<String>) -> Check {
     }
 }
 
-fn http_get(addr: &str, path: &str) -> Result<(u16, String), String> {
+/// Why an HTTP probe of a service got no answer. The check's line already names the service
+/// and the URL's path, so transport failures say only the cause.
+#[derive(Debug, thiserror::Error)]
+enum GetError {
+    #[error("bad address {addr:?} ({source}); give host:port")]
+    BadAddress {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("{0:?} resolves to no address")]
+    NoAddress(String),
+    #[error("{}", cause_of(.0))]
+    Http(lunakv_http::HttpError),
+}
+
+fn cause_of(e: &lunakv_http::HttpError) -> String {
+    match e {
+        lunakv_http::HttpError::Transport { msg, .. } => msg.clone(),
+        lunakv_http::HttpError::Timeout { after, .. } => format!("no answer within {after:?}"),
+        other => other.to_string(),
+    }
+}
+
+fn http_get(addr: &str, path: &str) -> Result<(u16, String), GetError> {
     let timeout = Duration::from_secs(3);
     // Checked first so that a typo reads as one, not as a connection error.
     addr.to_socket_addrs()
-        .map_err(|e| format!("bad address {addr:?} ({e}); give host:port"))?
+        .map_err(|source| GetError::BadAddress {
+            addr: addr.to_string(),
+            source,
+        })?
         .next()
-        .ok_or_else(|| format!("{addr:?} resolves to no address"))?;
-    let r = lunakv_http::get_blocking(&format!("http://{addr}{path}"), timeout).map_err(
-        |e| match e {
-            lunakv_http::HttpError::Transport { msg, .. } => msg,
-            lunakv_http::HttpError::Timeout { after, .. } => format!("no answer within {after:?}"),
-            other => other.to_string(),
-        },
-    )?;
+        .ok_or_else(|| GetError::NoAddress(addr.to_string()))?;
+    let r = lunakv_http::get_blocking(&format!("http://{addr}{path}"), timeout)
+        .map_err(GetError::Http)?;
     Ok((r.status.as_u16(), r.text()))
 }
 

@@ -14,7 +14,7 @@ use anyhow::Context;
 use lunakv_client::{ClientOptions, StoreClient};
 
 use super::offload::{Svc, spawn};
-use crate::stack::{MASTER_BIN, STORE_BIN, listening_fields, service_bin};
+use crate::stack::{MASTER_BIN, STORE_BIN, service_bin};
 
 const VALUE: usize = 4096;
 
@@ -49,8 +49,7 @@ fn start(bins: &std::path::Path, dir: &std::path::Path, events: bool) -> anyhow:
         args.push("--enable_kv_event_publish=true".into());
         args.push("--kv_event_publisher_endpoint=tcp://127.0.0.1:*".into());
     }
-    let (master, line) = spawn(&service_bin(bins, MASTER_BIN)?, &args, &[])?;
-    let f = listening_fields(&line);
+    let (master, f) = spawn(&service_bin(bins, MASTER_BIN)?, &args, &[], "rpc")?;
     let rpc = f.get("rpc").cloned().context("master rpc address")?;
     let (store, _) = spawn(
         &service_bin(bins, STORE_BIN)?,
@@ -62,6 +61,7 @@ fn start(bins: &std::path::Path, dir: &std::path::Path, events: bool) -> anyhow:
             "--global_segment_size=512MB".into(),
         ],
         &[],
+        "transfer",
     )?;
     let client = StoreClient::connect(ClientOptions {
         master_server_address: rpc,

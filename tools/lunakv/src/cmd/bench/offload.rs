@@ -10,17 +10,18 @@
 //!   CRC check + one tcp transfer). Recently written buckets are usually in the page cache; dropping
 //!   it needs root, so the figure is the software path, not the device's random-read latency.
 
-use std::io::{BufRead, BufReader, Write};
+use std::collections::HashMap;
+use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use lunakv_client::{ClientOptions, StoreClient};
+use lunakv_launch::{Launch, Process};
 use lunakv_offload::{DiskTier, OffloadConfig, StoreItem};
 
-use crate::stack::{MASTER_BIN, STORE_BIN, listening_fields, service_bin};
+use crate::stack::{MASTER_BIN, START_TIMEOUT, STOP_GRACE, STORE_BIN, service_bin};
 
 const CHUNK: usize = 4 << 20;
 const BATCH: usize = 16;
@@ -92,47 +93,33 @@ fn tier_write(dir: &Path, total: u64, buf: &[u8], rep: u64) -> anyhow::Result<f6
     Ok(r)
 }
 
-pub(super) struct Svc(Child);
+/// A service of a bench section; SIGTERM (then SIGKILL) when dropped.
+pub(super) struct Svc(Process);
+
 impl Drop for Svc {
     fn drop(&mut self) {
-        let _ = rustix::process::kill_process(
-            rustix::process::Pid::from_child(&self.0),
-            rustix::process::Signal::TERM,
-        );
-        let _ = self.0.wait();
+        let _ = self.0.terminate(STOP_GRACE);
     }
 }
 
+/// Starts `bin` quietly (`RUST_LOG=warn`, output kept for the error report) and returns its
+/// listening line's fields once it carries `key`.
 pub(super) fn spawn(
     bin: &Path,
     args: &[String],
     env: &[(&str, String)],
-) -> anyhow::Result<(Svc, String)> {
-    let mut cmd = Command::new(bin);
-    cmd.args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .env("RUST_LOG", "warn");
+    key: &str,
+) -> anyhow::Result<(Svc, HashMap<String, String>)> {
+    let mut launch = Launch::new(bin)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .keep_lines(30);
     for (k, v) in env {
-        cmd.env(k, v);
+        launch = launch.env(k, v);
     }
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("start {}", bin.display()))?;
-    let out = child.stdout.take().context("stdout")?;
-    let svc = Svc(child);
-    let mut lines = BufReader::new(out).lines();
-    let line = loop {
-        match lines.next() {
-            Some(Ok(l)) if l.contains("listening") => break l,
-            Some(_) => {}
-            None => bail!("{} exited before listening", bin.display()),
-        }
-    };
-    // Keep draining stdout so the child never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Ok((svc, line))
+    let p = launch.spawn()?;
+    let fields = p.wait_announce(key, START_TIMEOUT)?;
+    Ok((Svc(p), fields))
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -146,7 +133,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 fn disk_gets(bins: &Path, dir: &Path, size: usize, n: usize) -> anyhow::Result<(f64, f64)> {
     let mdir = dir.join(format!("master-{size}"));
     let odir = dir.join(format!("store-{size}"));
-    let (_m, line) = spawn(
+    let (_m, master) = spawn(
         &service_bin(bins, MASTER_BIN)?,
         &[
             "--rpc_address=127.0.0.1".into(),
@@ -156,11 +143,9 @@ fn disk_gets(bins: &Path, dir: &Path, size: usize, n: usize) -> anyhow::Result<(
             "--enable_offload=true".into(),
         ],
         &[],
+        "rpc",
     )?;
-    let master = listening_fields(&line)
-        .get("rpc")
-        .cloned()
-        .context("master rpc address")?;
+    let master = master.get("rpc").cloned().context("master rpc address")?;
     let (_s, _) = spawn(
         &service_bin(bins, STORE_BIN)?,
         &[
@@ -175,6 +160,7 @@ fn disk_gets(bins: &Path, dir: &Path, size: usize, n: usize) -> anyhow::Result<(
             "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH",
             odir.display().to_string(),
         )],
+        "transfer",
     )?;
     let c = StoreClient::connect(ClientOptions {
         master_server_address: master,
