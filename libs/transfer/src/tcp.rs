@@ -186,10 +186,10 @@ impl TcpConn {
         key: &str,
         offset: u64,
         src: &[&[u8]],
-        len: u64,
         trace: Option<&[u8; wire::TRACE_LEN]>,
         cap: Option<&crate::Capability>,
     ) -> io::Result<()> {
+        let len = total_len(src.iter().map(|s| s.len()));
         let (mut hdr, tc) = Request {
             op: Op::Write,
             generation,
@@ -637,7 +637,7 @@ impl TcpTransport {
                         let len = total_len(src.iter().map(|s| s.len()));
                         let cap = target.capability.as_ref();
                         check_request(t, Some(key), *offset, len).and_then(|()| {
-                            conn.send_write(*generation, key, *offset, src, len, trace, cap)
+                            conn.send_write(*generation, key, *offset, src, trace, cap)
                                 .map_err(|e| io_err(endpoint, e))
                         })
                     }
@@ -736,7 +736,6 @@ impl Transport for TcpTransport {
                 key,
                 offset,
                 src,
-                len,
                 trace.as_ref(),
                 t.capability.as_ref(),
             )
