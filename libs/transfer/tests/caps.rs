@@ -197,6 +197,19 @@ fn shm_attach_needs_a_capability_and_the_shm_path_carries_one() {
     e.write(&t, GEN, "k", OFF, &[&v]).unwrap();
     assert_eq!(read(&e, &t).unwrap(), v);
     assert!(o.server.stats().shm_attaches >= 1, "the put went by shm");
+    for _ in 0..50 {
+        assert_eq!(read(&e, &t).unwrap(), v);
+    }
+    assert_eq!(
+        o.server.stats().shm_attaches,
+        1,
+        "one attach serves every later request"
+    );
+    assert_eq!(
+        o.server.refused_total(),
+        1,
+        "only the raw ATTACH was refused"
+    );
 }
 
 #[test]

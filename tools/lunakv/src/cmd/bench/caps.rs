@@ -130,7 +130,16 @@ fn row(
         |_| pass(&e, &off, len, &mut buf),
         |_| pass(&e, &on, len, &mut buf2),
     )?;
-    drop((off.server, on.server));
+    let refused = on.server.refused_total();
+    if refused > 0 {
+        anyhow::bail!(
+            "{name}: the capability side refused {refused} requests; its figures would not be gets"
+        );
+    }
+    let via_shm = on.server.stats().shm_attaches > 0 && off.server.stats().shm_attaches > 0;
+    if shm != via_shm {
+        anyhow::bail!("{name}: expected shm={shm}, but the gets went the other way");
+    }
     Ok(Some(CapsRow {
         name,
         object_bytes: len,
