@@ -1177,6 +1177,13 @@ impl<S: Stream> Conn<'_, S> {
         self.rd.read_exact(&mut self.key_buf)?;
         let answer = if self.unix {
             Err("RDMA_CONNECT is only valid on the tcp listener".to_string())
+        } else if self.shared.secret.get().is_some() {
+            // A queue pair reaches the whole registered segment, and its PIN/COMMIT carry no
+            // capability yet: with capabilities required the requester falls back to tcp.
+            Err(
+                "this segment requires capabilities, which rdma does not carry yet; use tcp"
+                    .to_string(),
+            )
         } else {
             self.shared.rdma.accept(&self.key_buf)
         };
