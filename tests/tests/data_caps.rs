@@ -10,7 +10,7 @@ use std::net::TcpStream;
 
 use lunakv_proto::master::GetReplicaListRequest;
 use lunakv_proto::master::master_client::MasterClient;
-use lunakv_tests::{Master, Store, bin, child_env, pattern};
+use lunakv_tests::{Master, Store, bin, child_env, http_get, pattern};
 use lunakv_transfer::wire::{self, Op, Request, Response, Status};
 
 const POOL: &str = "pool-0123456789abcdef0123456789";
@@ -190,8 +190,17 @@ fn with_the_pool_token_no_read_write_or_free_without_the_masters_capability_has_
     let (st, msg) = raw(&l.endpoint, free_req(1), Some(&l.capability), &pair(&l));
     assert_eq!(st, Status::Refused, "{msg}");
 
-    // None of it had an effect.
+    // None of it had an effect, and the store counted each refusal.
     assert_eq!(get(&addr, "victim", Some(POOL)), value);
+    let (_, metrics) = http_get(store.admin.expect("admin port"), "/metrics");
+    let refused: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("lunakv_store_transfer_refused_total "))
+        .expect("lunakv_store_transfer_refused_total")
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(refused >= 7.0, "7 refusals, counted {refused}");
 
     // The master's own FREE still works: remove frees the range through the owner.
     let rm = cli(&addr, &["rm", "victim", "--force"], Some(POOL));
