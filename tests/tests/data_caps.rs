@@ -240,3 +240,32 @@ fn without_the_pool_token_a_stranger_who_knows_the_location_poisons_the_object()
     assert_eq!(st, Status::Ok, "{msg}");
     assert_eq!(get(&addr, "victim", None), evil);
 }
+
+#[test]
+fn a_restarted_master_learns_the_same_secret_at_the_remount_and_its_capabilities_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let _env = child_env(&[("LUNAKV_AUTH_TOKEN", POOL)]);
+    let mut master = Master::start(dir.path(), &[]);
+    let addr = master.addr();
+    let store = Store::start(&addr, "64MB", &[]);
+    let value = pattern(13, LEN);
+    put(&addr, "survivor", &value, dir.path(), Some(POOL));
+    let before = locate(&addr, "survivor", Some(POOL));
+    master.restart();
+    // The store remounts with its inventory and the secret it drew at start; the new master's
+    // capabilities then pass at the same store (none of the old master's is reused).
+    let got = lunakv_tests::wait_until(std::time::Duration::from_secs(30), || {
+        let out = cli(&addr, &["get", "survivor"], Some(POOL));
+        out.status.success().then_some(out.stdout)
+    })
+    .expect("the object is served again after the remount");
+    assert_eq!(got, value);
+    let after = locate(&addr, "survivor", Some(POOL));
+    assert_eq!(after.generation, before.generation);
+    assert_ne!(after.capability, before.capability, "a fresh capability");
+    let (_, metrics) = http_get(store.admin.expect("admin port"), "/metrics");
+    assert!(
+        metrics.contains("lunakv_store_transfer_refused_total 0"),
+        "no request of the victim was refused"
+    );
+}
