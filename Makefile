@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-events bench-pd bench-failover bench-python clean
+.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python clean
 
 all: build
 
@@ -45,6 +45,11 @@ bench: release
 ## events off, two stacks alternating in one run (docs/EVENTS.md). Target >= 0.95x.
 bench-events: release
 	./target/release/lunakv bench --events $(ARGS)
+
+## Capabilities on the data path: single gets from a segment that requires them against one
+## that does not, paired passes in one run (docs/SECURITY.md). Target >= 0.95x.
+bench-caps: release
+	./target/release/lunakv bench --caps $(ARGS)
 
 ## P/D: sidecar overhead (direct vs through lunakv-sidecar, p50/p99/req/s at concurrency 1 and
 ## 64, against a zero-work and a realistic-GPU-time engine simulator) and KV transfer GB/s

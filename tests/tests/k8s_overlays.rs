@@ -1797,7 +1797,9 @@ fn from_auth_secret(c: &Value, var: &str, key: &str) -> bool {
 /// Every caller of the master (the stores, the vLLM engines) presents the pool token from the
 /// optional Secret lunakv-auth, and the master enforces both of its tokens from it: creating
 /// that one Secret closes the master to token-less callers (docs/SECURITY.md). A caller left out
-/// would be refused as soon as the Secret exists.
+/// would be refused as soon as the Secret exists. The same token is the switch of capabilities
+/// on the data path: every store (and embedded engine) that takes it requires them, so this
+/// check is also what turns capabilities on in every overlay.
 fn check_pool_token(overlay: &str, objs: &[Value]) -> Vec<String> {
     let mut failures = Vec::new();
     for p in pods(objs) {

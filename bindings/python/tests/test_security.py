@@ -1,6 +1,8 @@
 """The pool token from an engine's point of view (docs/SECURITY.md): vLLM's calls are
 unchanged; the token comes from LUNAKV_AUTH_TOKEN in the engine's environment. Without it, a
-master that requires one refuses the engine's calls with an error code, and nothing is read."""
+master that requires one refuses the engine's calls with an error code, and nothing is read.
+With the token every owner requires capabilities on its transfer port (docs/SECURITY.md,
+"Capabilities"); the engine's puts and gets carry the master's, with no change to vLLM."""
 
 import tempfile
 
@@ -32,6 +34,17 @@ def test_engine_presents_the_pool_token_from_its_environment(monkeypatch):
                 value = bytes(range(256)) * 16
                 assert s.put("py-guarded", value) == 0
                 assert s.get("py-guarded") == value
+                # An embedded engine (its own segment, which then requires capabilities too)
+                # and the requester read each other's objects with the master's capabilities.
+                e = connect(addr, 32 << 20)
+                other = bytes(reversed(range(256))) * 64
+                for i in range(8):
+                    assert e.put(f"py-caps-{i}", other) == 0
+                for i in range(8):
+                    assert s.get(f"py-caps-{i}") == other
+                    assert e.get(f"py-caps-{i}") == other
+                assert e.get("py-guarded") == value
+                e.close()
                 s.close()
 
                 monkeypatch.delenv("LUNAKV_AUTH_TOKEN")

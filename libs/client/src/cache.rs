@@ -31,8 +31,16 @@ impl LocationCache {
         &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
     }
 
+    /// The cached location, unless its capabilities expire soon (then it is dropped: the
+    /// caller asks the master, which issues fresh ones).
     pub(crate) fn get(&self, key: &str) -> Option<Arc<Location>> {
-        self.shard(key).lock().get(key).cloned()
+        let mut shard = self.shard(key).lock();
+        let loc = shard.get(key)?;
+        if loc.capabilities_expire_soon() {
+            shard.remove(key);
+            return None;
+        }
+        Some(loc.clone())
     }
 
     pub(crate) fn insert(&self, key: &str, loc: Location) {

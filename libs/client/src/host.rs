@@ -231,6 +231,16 @@ impl SegmentHost {
             ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind))
         })?;
         server.set_cluster_id(&opts.cluster_id);
+        // The pool token is the switch: with it the control channel is authenticated, so the
+        // secret can travel in MountSegment; without it a secret would protect nothing.
+        let tokens = lunakv_config::auth::PoolTokens::from_env(&lunakv_config::process_env)
+            .map_err(|e| ClientError::Config(e.to_string()))?;
+        if tokens.presented().is_some() {
+            server.require_capabilities(lunakv_transfer::MountSecret::generate());
+            tracing::info!(
+                "the pool token is set: this segment requires capabilities on every transfer request"
+            );
+        }
         // Fresh pages cost a fault per 4 KiB on the first put into them (7-12x slower than warm
         // memory); fault the head of the segment in on a background thread. Capped so a 40 GB
         // pool does not commit all its RAM at start.
@@ -506,6 +516,10 @@ impl Mounter {
             segment: Some(segment),
             inventory: first,
             inventory_follows: !rest.is_empty(),
+            data_secret: server
+                .capability_secret()
+                .map(|k| k.as_bytes().to_vec())
+                .unwrap_or_default(),
         };
         let rest = rest
             .into_iter()

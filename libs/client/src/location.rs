@@ -30,6 +30,11 @@ pub enum LocationError {
     },
     #[error("no memory or local disk replica")]
     NoReplica,
+    #[error(
+        "replica on '{segment}' carries a capability of {len} bytes, expected {}; the master and this client versions differ",
+        lunakv_transfer::cap::CAP_LEN
+    )]
+    BadCapability { segment: String, len: usize },
 }
 
 /// One complete replica: the owner to ask and the range it holds.
@@ -97,6 +102,18 @@ impl TryFrom<(&pb::Replica, u64)> for ReplicaLocation {
                 object: object_size,
             });
         }
+        let capability = if r.capability.is_empty() {
+            None
+        } else {
+            Some(
+                lunakv_transfer::Capability::from_slice(&r.capability).ok_or_else(|| {
+                    LocationError::BadCapability {
+                        segment: seg.name.clone(),
+                        len: r.capability.len(),
+                    }
+                })?,
+            )
+        };
         let disk = r.kind == pb::ReplicaKind::LocalDisk as i32;
         let end = r.offset.checked_add(r.size);
         if !disk && end.is_none_or(|e| e > seg.size) {
@@ -115,6 +132,7 @@ impl TryFrom<(&pb::Replica, u64)> for ReplicaLocation {
                 shm_socket: (!seg.shm_socket.is_empty()).then(|| seg.shm_socket.clone()),
                 size: seg.size,
                 instance_id: (!seg.instance_id.is_empty()).then(|| seg.instance_id.clone()),
+                capability,
             },
             offset: r.offset,
             disk,
@@ -132,6 +150,17 @@ impl TryFrom<(&pb::PutStartResponse, u64)> for Location {
 }
 
 impl Location {
+    /// Some replica's capability is expired or about to: the location must come from the
+    /// master again (a cache miss), since the owner would refuse it.
+    pub fn capabilities_expire_soon(&self) -> bool {
+        self.replicas.iter().any(|r| {
+            r.target
+                .capability
+                .as_ref()
+                .is_some_and(|c| c.expires_soon())
+        })
+    }
+
     pub(crate) fn build(
         generation: u64,
         size: u64,

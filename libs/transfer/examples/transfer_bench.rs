@@ -118,6 +118,7 @@ fn main() {
         shm_socket: Some(parts[2].to_string()),
         size: SEG,
         instance_id: None,
+        capability: None,
     };
     let tcp = TransferEngine::new(TransferOptions {
         enable_shm: false,

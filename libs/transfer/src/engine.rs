@@ -374,7 +374,7 @@ impl TransferEngine {
                     target
                 }
             };
-            let shared = match local_seen.iter().find(|(g, _)| *g == t) {
+            let shared = match local_seen.iter().find(|(g, _)| g.same_segment(t)) {
                 Some((_, s)) => s.clone(),
                 None => {
                     let s = self.local.find(t);
@@ -386,7 +386,7 @@ impl TransferEngine {
                 locals.push((i, s, r));
                 continue;
             }
-            match groups.iter_mut().find(|(g, _)| *g == t) {
+            match groups.iter_mut().find(|(g, _)| g.same_segment(t)) {
                 Some((_, v)) => v.push((i, r)),
                 None => groups.push((t, vec![(i, r)])),
             }
@@ -612,6 +612,12 @@ impl TransferEngine {
         self.tcp.free(endpoint, items, timeout)
     }
 
+    /// The master's side: FREE and OFFLOAD to `endpoint` carry a tag under `secret` from now
+    /// on ([`TcpTransport::set_owner_key`]).
+    pub fn set_owner_key(&self, endpoint: &str, secret: Option<MountSecret>) {
+        self.tcp.set_owner_key(endpoint, secret);
+    }
+
     /// OFFLOAD: asks the owner at `endpoint` to move entries `(generation, offset)` to its disk
     /// tier and drop them from DRAM. Returns the generations it could not store (they are gone
     /// from DRAM too). Used by the master's eviction when the owner offloads.
@@ -632,6 +638,7 @@ impl TransferEngine {
         generation: u64,
         dst: &mut [&mut [u8]],
     ) -> Result<(), TransferError> {
-        self.tcp.load(&t.endpoint, generation, dst)
+        self.tcp
+            .load(&t.endpoint, generation, dst, t.capability.as_ref())
     }
 }

@@ -46,6 +46,10 @@ pub enum TransferError {
         "transfer timed out; the peer is overloaded or stuck (raise TransferOptions.io_timeout), or FREE waited too long for pinned readers"
     )]
     Timeout,
+    /// The owner refused the request's capability (missing, expired, forged, too few rights),
+    /// or a WRITE of a generation it already holds. Nothing was read or written.
+    #[error("{endpoint} refused the request: {message}")]
+    Refused { endpoint: String, message: String },
     #[error("shm unavailable: {0}")]
     ShmUnavailable(String),
     /// A live process already serves the shm socket path: never unlinked, since its clients
@@ -102,6 +106,10 @@ impl TransferError {
             }
             TransferError::Protocol(m) => TransferError::Protocol(m.clone()),
             TransferError::Timeout => TransferError::Timeout,
+            TransferError::Refused { endpoint, message } => TransferError::Refused {
+                endpoint: endpoint.clone(),
+                message: message.clone(),
+            },
             TransferError::ShmUnavailable(m) => TransferError::ShmUnavailable(m.clone()),
             TransferError::ShmSocketInUse { path, owner } => TransferError::ShmSocketInUse {
                 path: path.clone(),

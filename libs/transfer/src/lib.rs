@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+pub mod cap;
 pub mod device;
 mod drain;
 mod engine;
@@ -51,6 +52,7 @@ mod trace;
 mod vio;
 pub mod wire;
 
+pub use cap::{CapError, Capability, Grant, MountSecret};
 pub use optimes::{OP_TIME_BOUNDS, OpTimesSnapshot, TimedOp};
 
 pub use drain::{ColdDrain, DrainProgress, DrainReport};
@@ -337,6 +339,21 @@ pub struct Target {
     /// segment whose ATTACH answer carries this id; `None` (a master that predates it) skips
     /// the check.
     pub instance_id: Option<String>,
+    /// The master's capability for the one range this target is used for (the client builds a
+    /// target per replica); sent with every request when set. `None` when the owner does not
+    /// require capabilities.
+    pub capability: Option<Capability>,
+}
+
+impl Target {
+    /// Same owner and segment, whatever the capability: a batch groups its requests by this.
+    pub fn same_segment(&self, other: &Target) -> bool {
+        self.endpoint == other.endpoint
+            && self.host_id == other.host_id
+            && self.shm_socket == other.shm_socket
+            && self.size == other.size
+            && self.instance_id == other.instance_id
+    }
 }
 
 impl From<&SegmentInfo> for Target {
@@ -347,6 +364,7 @@ impl From<&SegmentInfo> for Target {
             shm_socket: i.shm_socket.clone(),
             size: i.size,
             instance_id: Some(i.instance_id.clone()),
+            capability: None,
         }
     }
 }

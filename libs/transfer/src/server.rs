@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::cap::{CAP_LEN, Capability, Grant, MountSecret, RIGHT_READ, RIGHT_WRITE};
 use crate::guard::{AcceptBackoff, Admission, Caps, PeerLog, Refusal, Slot, peer_name};
 use crate::mem::Mapping;
 use crate::optimes::TimedOp;
@@ -124,6 +125,12 @@ pub(crate) struct Shared {
     bad_frame_log: PeerLog,
     refused_log: PeerLog,
     load_budget: LoadBudget,
+    /// Set once the owner requires capabilities ([`SegmentServer::require_capabilities`]).
+    /// With the segment's name, which every capability covers.
+    secret: std::sync::OnceLock<(MountSecret, String)>,
+    /// Requests refused for their capability (`lunakv_store_transfer_refused_total`).
+    refused: AtomicU64,
+    refusal_log: PeerLog,
 }
 
 /// Owns a memfd-backed segment plus its entry table and serves it over tcp (and a unix socket
@@ -216,6 +223,9 @@ impl SegmentServer {
             bad_frame_log: PeerLog::default(),
             refused_log: PeerLog::default(),
             load_budget: LoadBudget::default(),
+            secret: std::sync::OnceLock::new(),
+            refused: AtomicU64::new(0),
+            refusal_log: PeerLog::default(),
         });
         let unix_wake = match (&unix, &cfg.shm_socket) {
             (Some(l), Some(path)) => {
@@ -277,6 +287,26 @@ impl SegmentServer {
     /// learns it from its configuration; the server itself does not care).
     pub fn set_cluster_id(&self, cluster_id: &str) {
         self.shared.identity.write().cluster_id = cluster_id.to_owned();
+    }
+
+    /// From now on every READ, WRITE, PIN, COMMIT, LOAD and ATTACH must carry a capability the
+    /// master issued under `secret`, and FREE, OFFLOAD and PROMOTE the master's tag under it
+    /// (docs/SECURITY.md, "Capabilities"). The owner sends the same secret in every
+    /// MountSegment. Set once; a later call with another secret is refused (returns false).
+    pub fn require_capabilities(&self, secret: MountSecret) -> bool {
+        let name = self.shared.identity.read().name.clone();
+        self.shared.secret.get_or_init(|| (secret, name)).0 == secret
+    }
+
+    /// The secret set by [`SegmentServer::require_capabilities`]: the owner sends it in every
+    /// MountSegment, so a remount after a master restart re-sends the same one.
+    pub fn capability_secret(&self) -> Option<MountSecret> {
+        self.shared.secret.get().map(|(k, _)| *k)
+    }
+
+    /// Requests refused so far because their capability was missing, expired or forged.
+    pub fn refused_total(&self) -> u64 {
+        self.shared.refused.load(Ordering::Relaxed)
     }
 
     /// Plugs in the disk tier: OFFLOAD and LOAD are served from then on (before, OFFLOAD stores
@@ -610,6 +640,8 @@ struct Conn<'a, S: Stream> {
     /// After RDMA_CONNECT: the queue pairs of this connection (they live as long as it does),
     /// and PIN/UNPIN/COMMIT become valid on tcp (the control ops of the RDMA data path).
     rdma_qps: Vec<Box<dyn std::any::Any + Send>>,
+    /// The capability of the request being served, if it carried one.
+    cap: Option<Capability>,
 }
 
 fn serve<S: Stream>(
@@ -630,6 +662,7 @@ fn serve<S: Stream>(
         free_buf: Vec::new(),
         load_buf: Vec::new(),
         rdma_qps: Vec::new(),
+        cap: None,
     };
     loop {
         let mut hdr = [0u8; wire::REQ_LEN];
@@ -663,6 +696,14 @@ fn serve<S: Stream>(
             Err(e) => return Err(End::Garbage(format!("truncated trace context: {e}"))),
         };
         let _in_span = span.as_ref().map(|s| s.enter());
+        c.cap = None;
+        if wire::has_cap(&hdr) {
+            let mut b = [0u8; CAP_LEN];
+            if let Err(e) = c.rd.read_exact(&mut b) {
+                return Err(End::Garbage(format!("truncated capability: {e}")));
+            }
+            c.cap = Capability::from_slice(&b);
+        }
         let shm_only = matches!(req.op, Op::Attach | Op::Pin | Op::Unpin | Op::Commit);
         if shm_only && !c.unix && (c.rdma_qps.is_empty() || req.op == Op::Attach) {
             return Err(End::Garbage(format!(
@@ -680,6 +721,9 @@ fn serve<S: Stream>(
             Op::Load => c.load(&req)?,
             Op::Promote => c.promote(&req)?,
             Op::Attach => {
+                if !c.allowed(&req, 0)? {
+                    continue;
+                }
                 send_fd(&c.wr, shared, wire::wants_identity(&hdr))?;
                 shared.counters.shm_attaches.fetch_add(1, Ordering::Relaxed);
             }
@@ -695,6 +739,64 @@ fn serve<S: Stream>(
 }
 
 impl<S: Stream> Conn<'_, S> {
+    /// Whether the request may go on: always when the owner requires no capabilities, else
+    /// when its capability grants `need` (0: any right, for ATTACH) for exactly the request's
+    /// `(generation, offset, len)` on this segment. A refusal is answered (REFUSED, the reason)
+    /// and counted here; the caller must still consume the request's body.
+    fn allowed(&mut self, req: &Request, need: u8) -> io::Result<bool> {
+        let Some((secret, name)) = self.shared.secret.get() else {
+            return Ok(true);
+        };
+        let grant = Grant {
+            segment: name,
+            generation: req.generation,
+            offset: req.offset,
+            len: req.len,
+        };
+        let r = match &self.cap {
+            None => Err(crate::CapError::Missing),
+            Some(c) if need == 0 => c.verify_any(secret, name),
+            Some(c) => c.verify(secret, &grant, need),
+        };
+        match r {
+            Ok(()) => Ok(true),
+            Err(why) => {
+                self.refuse(req, &why.to_string())?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// The master's FREE/OFFLOAD/PROMOTE: the tag over `hdr` and `body` under the secret.
+    fn owner_allowed(&mut self, req: &Request, body: &[u8]) -> io::Result<bool> {
+        let Some((secret, _)) = self.shared.secret.get() else {
+            return Ok(true);
+        };
+        let hdr = req.encode();
+        let r = match &self.cap {
+            None => Err(crate::CapError::Missing),
+            Some(c) => c.verify_owner(secret, &hdr, body),
+        };
+        match r {
+            Ok(()) => Ok(true),
+            Err(why) => {
+                self.refuse(
+                    req,
+                    &format!("{} not from the master: {why}", req.op.name()),
+                )?;
+                Ok(false)
+            }
+        }
+    }
+
+    fn refuse(&mut self, req: &Request, why: &str) -> io::Result<()> {
+        self.shared.refused.fetch_add(1, Ordering::Relaxed);
+        if let Some(suppressed) = self.shared.refusal_log.check(None) {
+            tracing::warn!(op = req.op.name(), generation = req.generation, offset = req.offset, len = req.len, %why, suppressed, "refusing a transfer request");
+        }
+        self.reply(Status::Refused, 0, why)
+    }
+
     fn reply(&mut self, status: Status, value: u64, msg: &str) -> io::Result<()> {
         reply(&mut self.wr, status, value, msg)
     }
@@ -759,6 +861,20 @@ impl<S: Stream> Conn<'_, S> {
             self.out_of_bounds()?;
             return Ok(());
         };
+        if !self.allowed(req, RIGHT_WRITE)? {
+            crate::vio::discard(&mut self.rd, payload)?;
+            return Ok(());
+        }
+        if req.op == Op::Write && shared.table.holds(req.generation) {
+            // A committed object never changes: its bytes are what readers of this
+            // generation trust. Only a bug or an attacker writes one again.
+            crate::vio::discard(&mut self.rd, payload)?;
+            self.refuse(
+                req,
+                "generation already committed here; objects are never rewritten",
+            )?;
+            return Ok(());
+        }
         if req.op == Op::Write {
             shared
                 .table
@@ -802,6 +918,9 @@ impl<S: Stream> Conn<'_, S> {
         let Some((off, len)) = self.range(req)? else {
             return Ok(());
         };
+        if !self.allowed(req, RIGHT_READ)? {
+            return Ok(());
+        }
         if req.op == Op::Pin && self.pins.len() >= MAX_PINS_PER_CONN {
             self.reply(Status::BadRequest, 0, "too many pins on one connection")?;
             return Ok(());
@@ -852,7 +971,11 @@ impl<S: Stream> Conn<'_, S> {
         let count = Self::item_count(req, "FREE")?;
         let deadline = Instant::now() + Duration::from_millis(u64::from(req.aux));
         let mut pinned = Vec::new();
-        for_each_chunk(&mut self.rd, &mut self.free_buf, count, |items| {
+        let Some(buffered) = self.owner_body(req, count)? else {
+            return Ok(());
+        };
+        let mut body = Body::of(&mut self.rd, buffered);
+        for_each_chunk(&mut body, &mut self.free_buf, count, |items| {
             let disk: Vec<u64> = items
                 .iter()
                 .filter(|(_, o)| *o == wire::DISK_OFFSET)
@@ -877,6 +1000,24 @@ impl<S: Stream> Conn<'_, S> {
         Ok(())
     }
 
+    /// The body of a FREE or OFFLOAD of `count` pairs, to be read from: the socket itself when
+    /// the owner requires no capabilities (pairs are applied as they arrive), else the whole
+    /// body read first (at most [`wire::MAX_FREE_ITEMS`] x 16 bytes) so that the master's tag
+    /// is checked before any pair is applied. `None` once a refusal is answered.
+    /// `Ok(None)`: refused; `Ok(Some(None))`: read the socket.
+    #[allow(clippy::option_option)]
+    fn owner_body(&mut self, req: &Request, count: usize) -> Result<Option<Option<Vec<u8>>>, End> {
+        if self.shared.secret.get().is_none() {
+            return Ok(Some(None));
+        }
+        let mut all = vec![0u8; count * 16];
+        self.rd.read_exact(&mut all)?;
+        if !self.owner_allowed(req, &all)? {
+            return Ok(None);
+        }
+        Ok(Some(Some(all)))
+    }
+
     fn offload(&mut self, req: &Request) -> Result<(), End> {
         let shared = self.shared;
         let count = Self::item_count(req, "OFFLOAD")?;
@@ -885,7 +1026,11 @@ impl<S: Stream> Conn<'_, S> {
         let mut stored = 0u64;
         // Grows only with pairs actually received (8 of every 16 bytes at most).
         let mut body: Vec<u8> = Vec::new();
-        for_each_chunk(&mut self.rd, &mut self.free_buf, count, |items| {
+        let Some(buffered) = self.owner_body(req, count)? else {
+            return Ok(());
+        };
+        let mut pairs = Body::of(&mut self.rd, buffered);
+        for_each_chunk(&mut pairs, &mut self.free_buf, count, |items| {
             let (s, failed) = offload(shared, items);
             stored += s;
             body.extend(failed.iter().flat_map(|g| g.to_le_bytes()));
@@ -901,6 +1046,9 @@ impl<S: Stream> Conn<'_, S> {
         let shared = self.shared;
         if req.len == 0 || req.len > self.size.max(1 << 30) {
             self.reply(Status::BadRequest, 0, "bad load length")?;
+            return Ok(());
+        }
+        if !self.allowed(req, RIGHT_READ)? {
             return Ok(());
         }
         // DRAM first: an offload in flight drops the DRAM entry only after the disk
@@ -958,6 +1106,12 @@ impl<S: Stream> Conn<'_, S> {
     fn promote(&mut self, req: &Request) -> Result<(), End> {
         let shared = self.shared;
         self.read_key(req)?;
+        let key = std::mem::take(&mut self.key_buf);
+        let ok = self.owner_allowed(req, &key)?;
+        self.key_buf = key;
+        if !ok {
+            return Ok(());
+        }
         if self.unix {
             self.reply(
                 Status::BadRequest,
@@ -1023,6 +1177,10 @@ impl<S: Stream> Conn<'_, S> {
         self.rd.read_exact(&mut self.key_buf)?;
         let answer = if self.unix {
             Err(crate::rdma::RdmaAcceptError::UnixListener)
+        } else if self.shared.secret.get().is_some() {
+            // A queue pair reaches the whole registered segment, and its PIN/COMMIT carry no
+            // capability yet: with capabilities required the requester falls back to tcp.
+            Err(crate::rdma::RdmaAcceptError::CapabilitiesRequired)
         } else {
             self.shared.rdma.accept(&self.key_buf)
         };
@@ -1037,6 +1195,30 @@ impl<S: Stream> Conn<'_, S> {
             Err(why) => self.reply(Status::BadRequest, 0, &why.to_string())?,
         }
         Ok(())
+    }
+}
+
+/// Where a FREE/OFFLOAD body is read from (see [`Conn::owner_body`]).
+enum Body<'a, S: Stream> {
+    Stream(&'a mut BufReader<S>),
+    Buffered(std::io::Cursor<Vec<u8>>),
+}
+
+impl<'a, S: Stream> Body<'a, S> {
+    fn of(rd: &'a mut BufReader<S>, buffered: Option<Vec<u8>>) -> Body<'a, S> {
+        match buffered {
+            Some(b) => Body::Buffered(std::io::Cursor::new(b)),
+            None => Body::Stream(rd),
+        }
+    }
+}
+
+impl<S: Stream> Read for Body<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Body::Stream(r) => r.read(buf),
+            Body::Buffered(c) => c.read(buf),
+        }
     }
 }
 

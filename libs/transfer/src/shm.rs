@@ -106,15 +106,20 @@ impl ShmTransport {
 
     /// Connects and ATTACHes: returns the stream, the memfd with its size, the owner's
     /// features byte and its identity (if it sent one).
-    fn connect(&self, path: &str) -> Result<Attached, TransferError> {
+    fn connect(
+        &self,
+        path: &str,
+        cap: Option<&crate::Capability>,
+    ) -> Result<Attached, TransferError> {
         use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
         let s = UnixStream::connect(path).map_err(|e| unavailable(path, e))?;
         s.set_read_timeout(Some(self.io_timeout))
             .map_err(|e| unavailable(path, e))?;
         s.set_write_timeout(Some(self.io_timeout))
             .map_err(|e| unavailable(path, e))?;
-        let req = Request::bare(Op::Attach).encode_identity_request();
-        write_all_gather(&mut &s, &[&req], &[]).map_err(|e| unavailable(path, e))?;
+        let mut req = Request::bare(Op::Attach).encode_identity_request();
+        let cb = wire::attach_cap(&mut req, cap);
+        write_all_gather(&mut &s, &[&req, cb], &[]).map_err(|e| unavailable(path, e))?;
         let mut hdr = [0u8; wire::RESP_LEN];
         let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut cmsg = RecvAncillaryBuffer::new(&mut space);
@@ -147,6 +152,8 @@ impl ShmTransport {
                 path,
                 format!("ATTACH answered {:?}", resp.status),
             ));
+            // (A REFUSED attach, a capability the owner did not accept, also falls back to tcp,
+            // where the same capability gets the owner's full answer.)
         }
         let fd = fd.ok_or_else(|| unavailable(path, "ATTACH carried no file descriptor"))?;
         let identity = if resp.len == 0 {
@@ -180,13 +187,14 @@ impl ShmTransport {
         &self,
         path: &str,
         expected: Option<&str>,
+        cap: Option<&crate::Capability>,
     ) -> Result<Arc<Attachment>, TransferError> {
         if let Some(a) = self.attachments.read().get(path)
             && matches_expected(a.identity.as_ref(), expected)
         {
             return Ok(a.clone());
         }
-        let at = self.connect(path)?;
+        let at = self.connect(path, cap)?;
         if !matches_expected(at.identity.as_ref(), expected) {
             return Err(TransferError::ShmUnavailable(format!(
                 "{path} is served by {}, not by the segment instance {} the master named: another store took over this socket path; using tcp",
@@ -219,7 +227,8 @@ impl ShmTransport {
         let path = t.shm_socket.as_deref().ok_or_else(|| {
             TransferError::ShmUnavailable(format!("{} offers no shm socket", t.endpoint))
         })?;
-        self.attachment(path, t.instance_id.as_deref()).map(|_| ())
+        self.attachment(path, t.instance_id.as_deref(), t.capability.as_ref())
+            .map(|_| ())
     }
 
     /// Drops a cached attachment (owner restarted or went away); the next call re-attaches.
@@ -230,11 +239,16 @@ impl ShmTransport {
         }
     }
 
-    fn checkout(&self, path: &str, a: &Attachment) -> Result<UnixStream, TransferError> {
+    fn checkout(
+        &self,
+        path: &str,
+        a: &Attachment,
+        cap: Option<&crate::Capability>,
+    ) -> Result<UnixStream, TransferError> {
         if let Some(s) = a.idle.lock().pop() {
             return Ok(s);
         }
-        let at = self.connect(path)?;
+        let at = self.connect(path, cap)?;
         let ident = fd_ident(&at.fd).map_err(|e| unavailable(path, e))?;
         if ident != a.ident || at.identity != a.identity {
             return Err(TransferError::ShmUnavailable(format!(
@@ -263,8 +277,9 @@ impl ShmTransport {
         })?;
         let mut retried = false;
         loop {
-            let a = self.attachment(path, t.instance_id.as_deref())?;
-            let r = self.checkout(path, &a).and_then(|mut s| {
+            let cap = t.capability.as_ref();
+            let a = self.attachment(path, t.instance_id.as_deref(), cap)?;
+            let r = self.checkout(path, &a, cap).and_then(|mut s| {
                 let r = f(&a, &mut s);
                 if !matches!(&r, Err(e) if breaks_conn(e)) {
                     self.checkin(&a, s);
@@ -302,11 +317,12 @@ impl ShmTransport {
                 )));
             }
         };
-        let a = match self.attachment(path, t.instance_id.as_deref()) {
+        let cap = t.capability.as_ref();
+        let a = match self.attachment(path, t.instance_id.as_deref(), cap) {
             Ok(a) => a,
             Err(e) => return fail(&e),
         };
-        let mut s = match self.checkout(path, &a) {
+        let mut s = match self.checkout(path, &a, cap) {
             Ok(s) => s,
             Err(e) => return fail(&e),
         };
@@ -355,12 +371,13 @@ impl ShmTransport {
                         })
                 }
                 TransferRequest::Read {
+                    target,
                     generation,
                     offset,
                     dst,
-                    ..
                 } => {
                     let len = total_len(dst.iter().map(|p| p.len()));
+                    let cap = target.capability;
                     let req = Request {
                         op: Op::Pin,
                         generation: *generation,
@@ -378,8 +395,9 @@ impl ShmTransport {
                             })
                         })
                         .and_then(|(off, _)| {
-                            let (hdr, tc) = req.encode_with(trace.as_ref());
-                            write_all_gather(&mut s, &[&hdr, tc], &[])
+                            let (mut hdr, tc) = req.encode_with(trace.as_ref());
+                            let cb = wire::attach_cap(&mut hdr, cap.as_ref());
+                            write_all_gather(&mut s, &[&hdr, tc, cb], &[])
                                 .map_err(|e| io_err(path, e))?;
                             recv_status(&mut s, path, *generation, *offset, len)?;
                             // Pinned from here: unpinned after the sync below.
@@ -412,12 +430,13 @@ impl ShmTransport {
                 Op::Commit => match &synced {
                     Err(e) => Err(e.duplicate()),
                     Ok(()) => {
-                        let key = match &*reqs[i] {
-                            TransferRequest::Write { key, .. } => *key,
-                            TransferRequest::Read { .. } => "",
+                        let (key, cap) = match &*reqs[i] {
+                            TransferRequest::Write { key, target, .. } => (*key, target.capability),
+                            TransferRequest::Read { .. } => ("", None),
                         };
-                        let (hdr, tc) = req.encode_with(trace.as_ref());
-                        write_all_gather(&mut s, &[&hdr, tc, key.as_bytes()], &[])
+                        let (mut hdr, tc) = req.encode_with(trace.as_ref());
+                        let cb = wire::attach_cap(&mut hdr, cap.as_ref());
+                        write_all_gather(&mut s, &[&hdr, tc, cb, key.as_bytes()], &[])
                             .map_err(|e| io_err(path, e))
                             .and_then(|()| {
                                 recv_status(&mut s, path, req.generation, req.offset, req.len)
@@ -479,7 +498,7 @@ impl Transport for ShmTransport {
             };
             copy_in_any(&a.map, off, src)?;
             let trace = a.trace();
-            let (hdr, tc) = Request {
+            let (mut hdr, tc) = Request {
                 op: Op::Commit,
                 generation,
                 offset,
@@ -488,7 +507,9 @@ impl Transport for ShmTransport {
                 aux: 0,
             }
             .encode_with(trace.as_ref());
-            write_all_gather(s, &[&hdr, tc, key.as_bytes()], &[]).map_err(|e| io_err(path, e))?;
+            let cb = wire::attach_cap(&mut hdr, t.capability.as_ref());
+            write_all_gather(s, &[&hdr, tc, cb, key.as_bytes()], &[])
+                .map_err(|e| io_err(path, e))?;
             recv_status(s, path, generation, offset, len).map(|_| ())
         })
     }
@@ -520,8 +541,9 @@ impl Transport for ShmTransport {
                 aux: 0,
             };
             let trace = a.trace();
-            let (hdr, tc) = req.encode_with(trace.as_ref());
-            write_all_gather(s, &[&hdr, tc], &[]).map_err(|e| io_err(path, e))?;
+            let (mut hdr, tc) = req.encode_with(trace.as_ref());
+            let cb = wire::attach_cap(&mut hdr, t.capability.as_ref());
+            write_all_gather(s, &[&hdr, tc, cb], &[]).map_err(|e| io_err(path, e))?;
             recv_status(s, path, generation, offset, len)?;
             let copied = copy_out_any(&a.map, off, dst);
             // UNPIN has no answer: the next request on this connection is ordered after it, and

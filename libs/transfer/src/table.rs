@@ -253,6 +253,11 @@ impl Table {
         }
     }
 
+    /// Whether `generation` is committed here (a WRITE of it again is refused).
+    pub(crate) fn holds(&self, generation: u64) -> bool {
+        self.inner.lock().by_gen.contains_key(&generation)
+    }
+
     pub(crate) fn inventory(&self) -> Vec<Entry> {
         let g = self.inner.lock();
         g.by_offset

@@ -79,6 +79,10 @@ pub(crate) fn recv_status<R: Read>(
             size: resp.value,
         },
         Status::Timeout => TransferError::Timeout,
+        Status::Refused => TransferError::Refused {
+            endpoint: endpoint.to_string(),
+            message: msg.into_owned(),
+        },
         _ => TransferError::InvalidArgument(format!("{endpoint} refused the request: {msg}")),
     })
 }
@@ -182,10 +186,11 @@ impl TcpConn {
         key: &str,
         offset: u64,
         src: &[&[u8]],
-        len: u64,
         trace: Option<&[u8; wire::TRACE_LEN]>,
+        cap: Option<&crate::Capability>,
     ) -> io::Result<()> {
-        let (hdr, tc) = Request {
+        let len = total_len(src.iter().map(|s| s.len()));
+        let (mut hdr, tc) = Request {
             op: Op::Write,
             generation,
             offset,
@@ -194,7 +199,8 @@ impl TcpConn {
             aux: 0,
         }
         .encode_with(trace);
-        write_from(&mut self.stream, &[&hdr, tc, key.as_bytes()], src)
+        let cb = wire::attach_cap(&mut hdr, cap);
+        write_from(&mut self.stream, &[&hdr, tc, cb, key.as_bytes()], src)
     }
 
     fn send_read(
@@ -203,8 +209,9 @@ impl TcpConn {
         offset: u64,
         len: u64,
         trace: Option<&[u8; wire::TRACE_LEN]>,
+        cap: Option<&crate::Capability>,
     ) -> io::Result<()> {
-        let (hdr, tc) = Request {
+        let (mut hdr, tc) = Request {
             op: Op::Read,
             generation,
             offset,
@@ -213,7 +220,8 @@ impl TcpConn {
             aux: 0,
         }
         .encode_with(trace);
-        write_all_gather(&mut self.stream, &[&hdr, tc], &[])
+        let cb = wire::attach_cap(&mut hdr, cap);
+        write_all_gather(&mut self.stream, &[&hdr, tc, cb], &[])
     }
 
     fn recv_read(
@@ -264,6 +272,8 @@ pub struct TcpTransport {
     pools: RwLock<HashMap<String, Arc<Pool>>>,
     conns_per_peer: usize,
     io_timeout: Duration,
+    /// The master's side: mount secrets of owners that require capabilities, by endpoint.
+    owner_keys: parking_lot::Mutex<HashMap<String, crate::MountSecret>>,
 }
 
 impl TcpTransport {
@@ -272,6 +282,7 @@ impl TcpTransport {
             pools: RwLock::new(HashMap::new()),
             conns_per_peer: conns_per_peer.max(1),
             io_timeout,
+            owner_keys: parking_lot::Mutex::new(HashMap::new()),
         }
     }
 
@@ -356,6 +367,20 @@ impl TcpTransport {
         r
     }
 
+    /// The master's side: from now on FREE, OFFLOAD and PROMOTE to `endpoint` carry a tag under
+    /// `secret` (the owner's mount secret); `None` forgets it (the segment was unmounted).
+    pub fn set_owner_key(&self, endpoint: &str, secret: Option<crate::MountSecret>) {
+        let mut keys = self.owner_keys.lock();
+        match secret {
+            Some(k) => keys.insert(endpoint.to_string(), k),
+            None => keys.remove(endpoint),
+        };
+    }
+
+    fn owner_key(&self, endpoint: &str) -> Option<crate::MountSecret> {
+        self.owner_keys.lock().get(endpoint).copied()
+    }
+
     /// FREE `(generation, offset)` pairs on the owner at `endpoint`, waiting up to `timeout`.
     pub fn free(
         &self,
@@ -371,8 +396,9 @@ impl TcpTransport {
             body.extend_from_slice(&g.to_le_bytes());
             body.extend_from_slice(&o.to_le_bytes());
         }
+        let key = self.owner_key(endpoint);
         for chunk in body.chunks(wire::MAX_FREE_ITEMS as usize * 16) {
-            let hdr = Request {
+            let mut hdr = Request {
                 op: Op::Free,
                 generation: 0,
                 offset: 0,
@@ -381,13 +407,15 @@ impl TcpTransport {
                 aux: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
             }
             .encode();
+            let tag = key.map(|k| crate::Capability::owner(&k, &hdr, chunk));
+            let tb = wire::attach_cap(&mut hdr, tag.as_ref());
             self.with_conn(endpoint, |c| {
                 // The owner may legitimately wait `timeout` for pins before answering.
                 let wait = self.io_timeout + timeout;
                 c.stream
                     .set_read_timeout(Some(wait))
                     .map_err(|e| io_err(endpoint, e))?;
-                write_all_gather(&mut c.stream, &[&hdr, chunk], &[])
+                write_all_gather(&mut c.stream, &[&hdr, tb, chunk], &[])
                     .map_err(|e| io_err(endpoint, e))?;
                 let r = recv_status(&mut c.stream, endpoint, 0, 0, 0).map(|_| ());
                 c.stream
@@ -407,13 +435,14 @@ impl TcpTransport {
         timeout: Duration,
     ) -> Result<Vec<u64>, TransferError> {
         let mut failed = Vec::new();
+        let key = self.owner_key(endpoint);
         for chunk in items.chunks(wire::MAX_FREE_ITEMS as usize) {
             let mut body = Vec::with_capacity(chunk.len() * 16);
             for &(g, o) in chunk {
                 body.extend_from_slice(&g.to_le_bytes());
                 body.extend_from_slice(&o.to_le_bytes());
             }
-            let hdr = Request {
+            let mut hdr = Request {
                 op: Op::Offload,
                 generation: 0,
                 offset: 0,
@@ -422,13 +451,15 @@ impl TcpTransport {
                 aux: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
             }
             .encode();
+            let tag = key.map(|k| crate::Capability::owner(&k, &hdr, &body));
+            let tb = wire::attach_cap(&mut hdr, tag.as_ref());
             self.with_conn(endpoint, |c| {
                 // Disk writes of a whole eviction pass plus the pin wait: allow for both.
                 let wait = self.io_timeout * 6 + timeout;
                 c.stream
                     .set_read_timeout(Some(wait))
                     .map_err(|e| io_err(endpoint, e))?;
-                write_all_gather(&mut c.stream, &[&hdr, &body], &[])
+                write_all_gather(&mut c.stream, &[&hdr, tb, &body], &[])
                     .map_err(|e| io_err(endpoint, e))?;
                 let n = recv_status(&mut c.stream, endpoint, 0, 0, 0)?;
                 if n % 8 != 0 || n > chunk.len() as u64 * 8 {
@@ -468,7 +499,7 @@ impl TcpTransport {
         if len == 0 {
             return Err(TransferError::InvalidArgument("zero-length promote".into()));
         }
-        let hdr = Request {
+        let mut hdr = Request {
             op: Op::Promote,
             generation,
             offset,
@@ -477,13 +508,17 @@ impl TcpTransport {
             aux: 0,
         }
         .encode();
+        let tag = self
+            .owner_key(endpoint)
+            .map(|k| crate::Capability::owner(&k, &hdr, key.as_bytes()));
+        let tb = wire::attach_cap(&mut hdr, tag.as_ref());
         self.with_conn(endpoint, |c| {
             // A disk read of up to a whole object: allow for it.
             let wait = self.io_timeout * 6;
             c.stream
                 .set_read_timeout(Some(wait))
                 .map_err(|e| io_err(endpoint, e))?;
-            write_all_gather(&mut c.stream, &[&hdr, key.as_bytes()], &[])
+            write_all_gather(&mut c.stream, &[&hdr, tb, key.as_bytes()], &[])
                 .map_err(|e| io_err(endpoint, e))?;
             let r = recv_status(&mut c.stream, endpoint, generation, offset, len).map(|_| ());
             c.stream
@@ -499,12 +534,13 @@ impl TcpTransport {
         endpoint: &str,
         generation: u64,
         dst: &mut [&mut [u8]],
+        cap: Option<&crate::Capability>,
     ) -> Result<(), TransferError> {
         let len = total_len(dst.iter().map(|s| s.len()));
         if len == 0 {
             return Err(TransferError::InvalidArgument("zero-length load".into()));
         }
-        let hdr = Request {
+        let mut hdr = Request {
             op: Op::Load,
             generation,
             offset: 0,
@@ -513,8 +549,9 @@ impl TcpTransport {
             aux: 0,
         }
         .encode();
+        let cb = wire::attach_cap(&mut hdr, cap);
         self.with_conn(endpoint, |c| {
-            write_all_gather(&mut c.stream, &[&hdr], &[]).map_err(|e| io_err(endpoint, e))?;
+            write_all_gather(&mut c.stream, &[&hdr, cb], &[]).map_err(|e| io_err(endpoint, e))?;
             c.recv_read(endpoint, generation, 0, dst, len)
         })
     }
@@ -591,27 +628,29 @@ impl TcpTransport {
             for k in i..j {
                 let r = match &*reqs[k] {
                     TransferRequest::Write {
+                        target,
                         generation,
                         key,
                         offset,
                         src,
-                        ..
                     } => {
                         let len = total_len(src.iter().map(|s| s.len()));
+                        let cap = target.capability.as_ref();
                         check_request(t, Some(key), *offset, len).and_then(|()| {
-                            conn.send_write(*generation, key, *offset, src, len, trace)
+                            conn.send_write(*generation, key, *offset, src, trace, cap)
                                 .map_err(|e| io_err(endpoint, e))
                         })
                     }
                     TransferRequest::Read {
+                        target,
                         generation,
                         offset,
                         dst,
-                        ..
                     } => {
                         let len = total_len(dst.iter().map(|s| s.len()));
+                        let cap = target.capability.as_ref();
                         check_request(t, None, *offset, len).and_then(|()| {
-                            conn.send_read(*generation, *offset, len, trace)
+                            conn.send_read(*generation, *offset, len, trace, cap)
                                 .map_err(|e| io_err(endpoint, e))
                         })
                     }
@@ -692,8 +731,15 @@ impl Transport for TcpTransport {
         let ep = t.endpoint.as_str();
         self.with_conn(ep, |c| {
             let trace = c.trace_context(ep, Op::Read)?;
-            c.send_write(generation, key, offset, src, len, trace.as_ref())
-                .map_err(|e| io_err(ep, e))?;
+            c.send_write(
+                generation,
+                key,
+                offset,
+                src,
+                trace.as_ref(),
+                t.capability.as_ref(),
+            )
+            .map_err(|e| io_err(ep, e))?;
             recv_status(&mut c.stream, ep, generation, offset, len).map(|_| ())
         })
     }
@@ -710,8 +756,14 @@ impl Transport for TcpTransport {
         let ep = t.endpoint.as_str();
         self.with_conn(ep, |c| {
             let trace = c.trace_context(ep, Op::Read)?;
-            c.send_read(generation, offset, len, trace.as_ref())
-                .map_err(|e| io_err(ep, e))?;
+            c.send_read(
+                generation,
+                offset,
+                len,
+                trace.as_ref(),
+                t.capability.as_ref(),
+            )
+            .map_err(|e| io_err(ep, e))?;
             c.recv_read(ep, generation, offset, dst, len)
         })
     }

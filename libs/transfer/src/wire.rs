@@ -44,6 +44,10 @@ pub const FEATURE_TRACE: u8 = 1;
 pub const FLAG_IDENTITY: u8 = 2;
 /// Response feature: this peer answers [`FLAG_IDENTITY`].
 pub const FEATURE_IDENTITY: u8 = 2;
+/// Request flag: a [`crate::cap::CAP_LEN`]-byte capability follows the header (after the
+/// trace context when both are set). Set only when the master handed out a capability, i.e.
+/// when the owner requires them; with capabilities off no request carries it.
+pub const FLAG_CAP: u8 = 4;
 /// What this crate's servers understand; every response they send carries it.
 pub const FEATURES: u8 = FEATURE_TRACE | FEATURE_IDENTITY;
 /// Longest identity an ATTACH answer may carry (three short strings).
@@ -210,6 +214,10 @@ pub enum Status {
     BadRequest = 3,
     /// FREE waited its whole budget for pins to drop.
     Timeout = 4,
+    /// The owner requires capabilities and this request's is missing, expired, forged or
+    /// grants less than the op needs; or a WRITE names a generation already committed. The
+    /// message says which. Nothing was read or written.
+    Refused = 5,
 }
 
 impl Status {
@@ -221,6 +229,7 @@ impl Status {
             2 => Status::OutOfBounds,
             3 => Status::BadRequest,
             4 => Status::Timeout,
+            5 => Status::Refused,
             _ => return None,
         })
     }
@@ -350,6 +359,23 @@ impl Response {
             len: le_u64(&b[16..24]),
         })
     }
+}
+
+/// Sets [`FLAG_CAP`] on `hdr` when `cap` is given; returns the bytes to send after the trace
+/// context (empty without a capability).
+pub fn attach_cap<'c>(hdr: &mut [u8; REQ_LEN], cap: Option<&'c crate::Capability>) -> &'c [u8] {
+    match cap {
+        Some(c) => {
+            hdr[FLAGS_AT] |= FLAG_CAP;
+            c.as_bytes()
+        }
+        None => &[],
+    }
+}
+
+/// Whether a request header carries a capability.
+pub fn has_cap(b: &[u8; REQ_LEN]) -> bool {
+    b[FLAGS_AT] & FLAG_CAP != 0
 }
 
 /// Whether a request header carries a trace context.

@@ -128,6 +128,7 @@ fn target(addr: SocketAddr) -> Target {
         shm_socket: None,
         size: 64 << 20,
         instance_id: None,
+        capability: None,
     }
 }
 

@@ -96,6 +96,7 @@ impl TryFrom<pb::SegmentDescriptor> for SegmentDesc {
                 0
             },
             instance_id: d.instance_id,
+            data_secret: None,
         })
     }
 }
@@ -116,6 +117,19 @@ impl From<&SegmentDesc> for pb::SegmentDescriptor {
             protocol_reason: d.protocol_reason.clone(),
         }
     }
+}
+
+/// `MountSegment.data_secret`: empty (no capabilities) or exactly 32 bytes.
+fn data_secret(b: &[u8]) -> Result<Option<lunakv_transfer::MountSecret>, ServiceError> {
+    if b.is_empty() {
+        return Ok(None);
+    }
+    lunakv_transfer::MountSecret::from_slice(b).map(Some).ok_or_else(|| {
+        ServiceError::Invalid(format!(
+            "data_secret has {} bytes; it must be empty (no capabilities) or exactly 32 random bytes",
+            b.len()
+        ))
+    })
 }
 
 impl From<pb::InventoryItem> for InventoryItem {
@@ -153,6 +167,10 @@ fn replica(r: &ReplicaView) -> pb::Replica {
         } else {
             pb::ReplicaKind::Memory as i32
         },
+        capability: r
+            .capability
+            .map(|c| c.as_bytes().to_vec())
+            .unwrap_or_default(),
     }
 }
 
@@ -397,10 +415,11 @@ impl pb::master_server::Master for MasterService {
         let a = self.admit(true)?;
         let req = request.into_inner();
         let result: Result<pb::MountSegmentResponse, ServiceError> = async {
-            let desc: SegmentDesc = req
+            let mut desc: SegmentDesc = req
                 .segment
                 .ok_or_else(|| ServiceError::Invalid("segment is missing".into()))?
                 .try_into()?;
+            desc.data_secret = data_secret(&req.data_secret)?;
             let inventory = req.inventory.into_iter().map(InventoryItem::from).collect();
             let out = a.core.mount_parts(
                 &req.client_id,

@@ -347,6 +347,10 @@ impl FencedOwnerClient {
 
 #[async_trait::async_trait]
 impl OwnerClient for FencedOwnerClient {
+    fn set_owner_key(&self, endpoint: &str, secret: Option<lunakv_transfer::MountSecret>) {
+        self.inner.set_owner_key(endpoint, secret);
+    }
+
     async fn free(
         &self,
         endpoint: &str,

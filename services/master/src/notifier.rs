@@ -146,6 +146,12 @@ pub trait OwnerClient: Send + Sync + 'static {
         Ok(entries.iter().map(|e| e.generation).collect())
     }
 
+    /// The owner at `endpoint` mounted with this secret (`None`: it requires no capabilities):
+    /// from now on its FREE, OFFLOAD and PROMOTE carry a tag under it. The default ignores it.
+    fn set_owner_key(&self, endpoint: &str, secret: Option<lunakv_transfer::MountSecret>) {
+        let _ = (endpoint, secret);
+    }
+
     /// Asks an owner to promote a disk object into DRAM (promotion on hit). `Ok` once
     /// committed. The default (a client that cannot promote) fails.
     async fn promote(&self, endpoint: &str, req: &Promote) -> Result<(), OwnerError> {
@@ -198,6 +204,11 @@ async fn blocking<T: Send + 'static>(
 
 #[async_trait]
 impl OwnerClient for TransferOwnerClient {
+    fn set_owner_key(&self, endpoint: &str, secret: Option<lunakv_transfer::MountSecret>) {
+        self.engine.set_owner_key(endpoint, secret);
+        self.tcp.set_owner_key(endpoint, secret);
+    }
+
     async fn free(
         &self,
         endpoint: &str,

@@ -170,6 +170,7 @@ mod tests {
             instance_id: "abc".into(),
             requested_protocol: "tcp".into(),
             protocol_reason: String::new(),
+            data_secret: None,
         };
         save_segment(&s, &d).await.expect("save");
         assert_eq!(known_segments(&s).await.expect("list"), vec![d]);

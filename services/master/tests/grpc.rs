@@ -61,6 +61,7 @@ async fn mount(
         segment: Some(segment(name, 1 << 20)),
         inventory,
         inventory_follows: false,
+        data_secret: Vec::new(),
     })
     .await
     .expect("mount")
@@ -230,6 +231,7 @@ async fn grpc_round_trip_codes_and_admin_routes() {
             segment: Some(segment("127.0.0.1:7002", 100)),
             inventory: vec![],
             inventory_follows: false,
+            data_secret: Vec::new(),
         })
         .await
         .expect_err("mismatch");
@@ -418,4 +420,76 @@ async fn binary_rejects_bad_config_with_a_clear_message() {
         err.contains("eviction_ratio = 2") && err.contains("(0, 1]"),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn a_segment_mounted_with_a_secret_gets_capabilities_that_verify_under_it() {
+    use lunakv_transfer::cap::{RIGHT_READ, RIGHT_WRITE};
+    use lunakv_transfer::{Capability, Grant, MountSecret};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (m, _) = start(config(dir.path())).await;
+    let mut c = client(&m).await;
+    let secret = MountSecret::generate();
+    let name = "127.0.0.1:7101";
+    c.mount_segment(pb::MountSegmentRequest {
+        client_id: "client-1".into(),
+        cluster_id: "mooncake_cluster".into(),
+        segment: Some(segment(name, 1 << 20)),
+        data_secret: secret.as_bytes().to_vec(),
+        ..Default::default()
+    })
+    .await
+    .expect("mount with a secret");
+    let p = put(&mut c, "capped", 4096).await;
+    assert_eq!(p.code, 0, "{}", p.message);
+    let r = &p.replicas[0];
+    assert!(
+        r.segment
+            .as_ref()
+            .is_some_and(|s| !format!("{s:?}").contains("secret")),
+        "the secret never travels back"
+    );
+    let g = Grant {
+        segment: name,
+        generation: p.generation,
+        offset: r.offset,
+        len: 4096,
+    };
+    let w = Capability::from_slice(&r.capability).expect("a put placement carries a capability");
+    w.verify(&secret, &g, RIGHT_READ | RIGHT_WRITE)
+        .expect("read and write for the writer");
+    c.put_end(pb::PutEndRequest {
+        client_id: "client-1".into(),
+        key: "capped".into(),
+    })
+    .await
+    .expect("put_end");
+    let l = c
+        .get_replica_list(pb::GetReplicaListRequest {
+            client_id: "client-2".into(),
+            key: "capped".into(),
+        })
+        .await
+        .expect("get_replica_list")
+        .into_inner();
+    let rd = Capability::from_slice(&l.replicas[0].capability).expect("a read capability");
+    rd.verify(&secret, &g, RIGHT_READ).expect("read");
+    assert!(
+        rd.verify(&secret, &g, RIGHT_WRITE).is_err(),
+        "a reader gets no write right"
+    );
+
+    // A secret that is not 32 bytes is refused, naming the field.
+    let err = c
+        .mount_segment(pb::MountSegmentRequest {
+            client_id: "client-1".into(),
+            cluster_id: "mooncake_cluster".into(),
+            segment: Some(segment("127.0.0.1:7102", 1 << 20)),
+            data_secret: vec![1; 5],
+            ..Default::default()
+        })
+        .await
+        .expect_err("a 5-byte secret");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("data_secret"), "{}", err.message());
 }

@@ -90,6 +90,7 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     m.conns_open.set((cs.open_tcp + cs.open_shm) as i64);
     advance(&m.conns_refused, cs.refused_total);
     advance(&m.bad_frames, cs.bad_frames_total);
+    advance(&m.caps_refused, s.server.refused_total());
     if let Some(t) = &m.tier {
         let d = t.stats();
         set(&m.disk_capacity, d.capacity_bytes);

@@ -266,6 +266,7 @@ pub(crate) struct Metrics {
     pub(crate) conns_open: IntGauge,
     pub(crate) conns_refused: IntCounter,
     pub(crate) bad_frames: IntCounter,
+    pub(crate) caps_refused: IntCounter,
     /// `{requested, effective, reason} 1`: what `--protocol` asked for and what is served.
     pub(crate) protocol_info: IntGaugeVec,
     pub(crate) offload_enabled: IntGauge,
@@ -417,6 +418,10 @@ impl Metrics {
             bad_frames: c(
                 "lunakv_store_transfer_bad_frames_total",
                 "Transfer connections closed for a malformed or oversized frame",
+            ),
+            caps_refused: c(
+                "lunakv_store_transfer_refused_total",
+                "Transfer requests refused: capability missing, forged, expired or too weak (pool token set), or a rewrite of a committed generation",
             ),
             protocol_info: {
                 let v = IntGaugeVec::new(

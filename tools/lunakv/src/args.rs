@@ -185,6 +185,12 @@ pub struct BenchArgs {
     #[arg(long)]
     pub events: bool,
 
+    /// Only the capabilities section: single gets (tcp 64 KiB and 4 MiB, shm 64 KiB) from a
+    /// segment that requires capabilities against one that does not, paired passes in one run
+    /// (docs/SECURITY.md). Target >= 0.95x.
+    #[arg(long)]
+    pub caps: bool,
+
     /// Directory for the --offload section (default: a temp dir; point it at the NVMe volume,
     /// e.g. /data/mooncake-offload, to measure that device).
     #[arg(long, value_name = "DIR")]

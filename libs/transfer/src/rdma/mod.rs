@@ -216,6 +216,8 @@ impl ServerRdma {
 pub(crate) enum RdmaAcceptError {
     #[error("RDMA_CONNECT is only valid on the tcp listener")]
     UnixListener,
+    #[error("this segment requires capabilities, which rdma does not carry yet; use tcp")]
+    CapabilitiesRequired,
     #[error(transparent)]
     BadDescriptor(#[from] RdmaDescriptorError),
     #[cfg(feature = "rdma")]

@@ -1,5 +1,7 @@
 //! Objects: puts, reads and removal, and the release of freed ranges.
 
+use lunakv_transfer::cap::{READ_TTL, RIGHT_READ, RIGHT_WRITE, WRITE_TTL};
+use lunakv_transfer::{Capability, Grant};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -196,11 +198,16 @@ impl MasterCore {
                 offset,
                 size,
                 disk: false,
+                capability: None,
             });
         }
         drop(segs);
         let placed = replicas.len() as u64;
         let generation = self.next_generation()?;
+        for v in &mut views {
+            // The writer reads its own put back from its cache: read and write.
+            v.capability = capability(v, generation, RIGHT_READ | RIGHT_WRITE, WRITE_TTL);
+        }
         let soft_ttl = self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl);
         shard.insert(
             key.to_string(),
@@ -324,11 +331,16 @@ impl MasterCore {
             .filter_map(|r| {
                 segs.get(&r.segment)
                     .filter(|s| s.mount_id == r.mount_id)
-                    .map(|s| ReplicaView {
-                        segment: s.desc.clone(),
-                        offset: if r.disk { 0 } else { r.offset },
-                        size: o.size,
-                        disk: r.disk,
+                    .map(|s| {
+                        let mut v = ReplicaView {
+                            segment: s.desc.clone(),
+                            offset: if r.disk { 0 } else { r.offset },
+                            size: o.size,
+                            disk: r.disk,
+                            capability: None,
+                        };
+                        v.capability = capability(&v, o.generation, RIGHT_READ, READ_TTL);
+                        v
                     })
             })
             .collect();
@@ -503,4 +515,21 @@ impl MasterCore {
             }
         }
     }
+}
+
+/// The capability for `v` when its owner requires them (it mounted with a secret).
+fn capability(
+    v: &ReplicaView,
+    generation: u64,
+    rights: u8,
+    ttl: std::time::Duration,
+) -> Option<Capability> {
+    let secret = v.segment.data_secret.as_ref()?;
+    let grant = Grant {
+        segment: &v.segment.name,
+        generation,
+        offset: v.offset,
+        len: v.size,
+    };
+    Some(Capability::issue(secret, &grant, rights, ttl))
 }

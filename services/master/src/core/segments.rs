@@ -70,6 +70,10 @@ impl MasterCore {
             );
             old.map(|o| (o.client_id, o.mount_id))
         };
+        // Before any FREE for this endpoint (the old mount's replicas just below): an owner
+        // that requires capabilities refuses the master's requests without its tag.
+        self.notifier
+            .set_owner_key(&desc.transfer_endpoint, desc.data_secret);
         if let Some((old_client, old_mount)) = replaced {
             tracing::info!(segment = %name, %old_client, "segment mounted again; dropping its old replicas");
             if let Some(c) = self.clients.lock().get_mut(&old_client) {

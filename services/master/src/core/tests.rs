@@ -37,6 +37,7 @@ fn desc(name: &str, size: u64) -> SegmentDesc {
         instance_id: format!("i-{name}"),
         requested_protocol: "tcp".into(),
         protocol_reason: String::new(),
+        data_secret: None,
     }
 }
 

@@ -87,6 +87,10 @@ pub struct SegmentDesc {
     /// Why `protocol` differs from `requested_protocol`; empty when they agree.
     #[serde(default)]
     pub protocol_reason: String,
+    /// The owner's mount secret (MountSegment.data_secret) when it requires capabilities: the
+    /// key of every capability issued for this segment. Never persisted nor shown.
+    #[serde(skip)]
+    pub data_secret: Option<lunakv_transfer::MountSecret>,
 }
 
 /// One object a segment already holds, reported at mount.
@@ -133,6 +137,8 @@ pub struct ReplicaView {
     pub size: u64,
     /// A LOCAL_DISK replica: read it with LOAD from the owner, not READ.
     pub disk: bool,
+    /// The capability for this range, when the owner requires them.
+    pub capability: Option<lunakv_transfer::Capability>,
 }
 
 /// Where an object is.

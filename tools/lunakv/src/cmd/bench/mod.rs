@@ -5,6 +5,7 @@
 //! Nothing here asserts on timing: a MISS is reported, not failed, because two-process figures on
 //! a 2-core box swing between runs. Compare the ratios measured side by side in one run.
 
+mod caps;
 mod events;
 pub mod limits;
 mod offload;
@@ -124,6 +125,14 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
         let bins = bin_dir(a.bin_dir.as_deref())?;
         let r = events::run(&bins, a.quick)?;
         print!("{}", events::render(&r));
+        if json {
+            print_json(&r)?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    if a.caps {
+        let r = caps::run(a.quick, a.pairs)?;
+        print!("{}", caps::render(&r));
         if json {
             print_json(&r)?;
         }
@@ -554,6 +563,7 @@ mod tests {
             bin_dir: None,
             offload: false,
             offload_dir: None,
+            caps: false,
             events: false,
         };
         let rows = vec![
