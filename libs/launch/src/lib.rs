@@ -47,7 +47,7 @@ pub enum LaunchError {
     #[error("{name} {how} before it printed {what}; its last output:\n{tail}")]
     Ended {
         name: String,
-        /// "exited with <status>", or "closed its output".
+        /// "exited with `<status>`", or "closed its output".
         how: String,
         what: String,
         tail: String,

@@ -6,7 +6,7 @@
 //! length, rights, expiry). The owner recomputes the tag on every READ, WRITE, PIN and COMMIT
 //! before it touches memory; nobody without the secret can forge one, so knowing a generation
 //! and an offset (GetReplicaList, `/query_key`) no longer lets a stranger read or overwrite it.
-//! The master's own requests (FREE, OFFLOAD, PROMOTE) carry an [`owner_tag`] over the whole
+//! The master's own requests (FREE, OFFLOAD, PROMOTE) carry an owner tag (`owner_tag`) over the whole
 //! request under the same secret.
 //!
 //! Keyed BLAKE3, not HMAC-SHA256: the input is ~60 bytes, where BLAKE3 is one compression
