@@ -821,7 +821,7 @@ impl pb::master_server::Master for MasterService {
         let standby = request.into_inner().standby;
         let stream = crate::standby::serve(a.core.clone(), term, standby, move || {
             ha.leading_term() == Some(term)
-        });
+        })?;
         Ok(Response::new(stream))
     }
 

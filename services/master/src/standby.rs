@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lunakv_proto::master as pb;
@@ -27,19 +28,50 @@ const QUEUED_MESSAGES: usize = 16;
 const LEADING_CHECK: Duration = Duration::from_millis(200);
 /// Pause between a standby's attempts to subscribe.
 const RETRY: Duration = Duration::from_millis(200);
+/// Streams a leader serves at once: each holds a snapshot's worth of memory while it starts,
+/// and a pool has a few standbys, not dozens.
+pub const MAX_STREAMS: usize = 8;
+
+static STREAMS: AtomicUsize = AtomicUsize::new(0);
+
+/// One open stream, counted against [`MAX_STREAMS`] until dropped.
+struct StreamSlot;
+
+impl StreamSlot {
+    fn take() -> Result<StreamSlot, Status> {
+        if STREAMS.fetch_add(1, Ordering::AcqRel) >= MAX_STREAMS {
+            STREAMS.fetch_sub(1, Ordering::AcqRel);
+            return Err(Status::resource_exhausted(format!(
+                "this leader already streams its index to {MAX_STREAMS} standbys (the most it \
+                 serves); stop a master that is not a standby of this pool, or run fewer \
+                 standbys"
+            )));
+        }
+        Ok(StreamSlot)
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        STREAMS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 // === leader side ===
 
 /// The `ReplicateIndex` stream of `core`, until `still_leading` turns false or the standby
-/// goes away. A standby that falls behind the feed's buffer gets a new snapshot.
+/// goes away. A standby that falls behind the feed's buffer gets a new snapshot. Refused
+/// beyond [`MAX_STREAMS`] at once.
 pub fn serve(
     core: Arc<MasterCore>,
     term: u64,
     standby: String,
     still_leading: impl Fn() -> bool + Send + 'static,
-) -> ReceiverStream<Result<pb::IndexUpdate, Status>> {
+) -> Result<ReceiverStream<Result<pb::IndexUpdate, Status>>, Status> {
+    let slot = StreamSlot::take()?;
     let (tx, rx) = mpsc::channel(QUEUED_MESSAGES);
     tokio::spawn(async move {
+        let _slot = slot;
         let mut snapshots = 0u64;
         'resync: loop {
             let mut feed = core.subscribe_index();
@@ -87,7 +119,7 @@ pub fn serve(
             }
         }
     });
-    ReceiverStream::new(rx)
+    Ok(ReceiverStream::new(rx))
 }
 
 fn change_bytes(c: &IndexChange) -> usize {

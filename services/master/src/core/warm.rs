@@ -248,47 +248,59 @@ impl MasterCore {
         }
     }
 
-    /// The owner's inventory of `segment` is complete: the warm entries it did not confirm
-    /// are not on the owner (removed, evicted or never written there) and leave the index.
+    /// The owner's inventory of `segment` is complete (or the rebuild ended first): the warm
+    /// entries it did not confirm are not on the owner (removed, evicted or never written
+    /// there) and leave the index. Each key is checked and dropped under its shard lock, as
+    /// [`Self::confirm_warm`] confirms it, so an inventory item arriving meanwhile is either
+    /// confirmed before or indexed as new after, never refused as a duplicate of the copy's
+    /// entry (the owner would drop what it holds).
     pub(super) fn finish_warm(&self, segment: &str, mount_id: u64) {
-        let left = {
-            let mut segs = self.segments.lock();
+        let keys: Vec<(String, bool)> = {
+            let segs = self.segments.lock();
             match segs
-                .get_mut(segment)
+                .get(segment)
                 .filter(|s| s.mount_id == mount_id)
-                .and_then(|s| s.warm.take())
+                .and_then(|s| s.warm.as_ref())
             {
-                Some(w) => w.unconfirmed,
+                Some(w) => w.unconfirmed.iter().cloned().collect(),
                 None => return,
             }
         };
-        let n = left.len();
-        for (key, disk) in left {
-            self.drop_warm_replica(&key, segment, mount_id, disk);
+        let mut dropped = 0;
+        for (key, disk) in keys {
+            let mut shard = self.shard(&key).lock();
+            let still = {
+                let mut segs = self.segments.lock();
+                segs.get_mut(segment)
+                    .filter(|s| s.mount_id == mount_id)
+                    .and_then(|s| s.warm.as_mut())
+                    .is_some_and(|w| w.unconfirmed.remove(&(key.clone(), disk)))
+            };
+            if !still {
+                continue;
+            }
+            dropped += 1;
+            let Some(o) = shard.get_mut(&key) else {
+                continue;
+            };
+            o.replicas
+                .retain(|r| !(r.segment == segment && r.mount_id == mount_id && r.disk == disk));
+            self.replicate(&key, o.generation, o.size, &o.replicas);
+            if o.replicas.is_empty() {
+                shard.remove(&key);
+            }
         }
-        if n > 0 {
+        if let Some(s) = self.segments.lock().get_mut(segment)
+            && s.mount_id == mount_id
+        {
+            s.warm = None;
+        }
+        if dropped > 0 {
             tracing::info!(
                 segment,
-                dropped = n,
+                dropped,
                 "warm copy reconciled with the owner's inventory: entries the owner does not hold dropped"
             );
-        }
-    }
-
-    fn drop_warm_replica(&self, key: &str, segment: &str, mount_id: u64, disk: bool) {
-        let mut shard = self.shard(key).lock();
-        let Some(o) = shard.get_mut(key) else {
-            return;
-        };
-        let before = o.replicas.len();
-        o.replicas
-            .retain(|r| !(r.segment == segment && r.mount_id == mount_id && r.disk == disk));
-        if o.replicas.len() == before {
-            return;
-        }
-        self.replicate(key, o.generation, o.size, &o.replicas);
-        if o.replicas.is_empty() {
-            shard.remove(key);
         }
     }
 
