@@ -164,7 +164,7 @@ const N: u64 = 24;
 #[test]
 fn a_new_leader_answers_reads_from_its_warm_copy_before_any_owner_remounts() {
     let _serial = lunakv_tests::serial();
-    let Some(mut c) = Cluster::start(3, &[]) else {
+    let Some(mut c) = Cluster::start(3, &["--ha_warm_standby=true"]) else {
         return;
     };
     let url = c.url();
@@ -321,7 +321,7 @@ fn pct(v: &[Duration], q: f64) -> f64 {
 }
 
 /// Printed, not asserted: reattach after kill -9 of the leader with and without the warm copy
-/// (`--ha_warm_standby=false`), at pool sizes of `LUNAKV_WARM_KEYS` (default `50000,200000`)
+/// (`--ha_warm_standby=true` / `=false`), at pool sizes of `LUNAKV_WARM_KEYS` (default `50000,200000`)
 /// vLLM-shaped keys, `LUNAKV_WARM_ROUNDS` (default 4) paired trials each, alternating.
 #[test]
 #[ignore = "benchmark: run explicitly (make bench-failover)"]
@@ -341,7 +341,7 @@ fn ha_warm_bench() {
         "  get = kill -> first get of an uncached key answered; put = kill -> first put acknowledged (index rebuilt)"
     );
     for n in sizes {
-        let Some(mut on) = Cluster::start(3, &[]) else {
+        let Some(mut on) = Cluster::start(3, &["--ha_warm_standby=true"]) else {
             return;
         };
         let mut off = Cluster::start(3, &["--ha_warm_standby=false"]).expect("etcd");

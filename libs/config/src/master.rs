@@ -87,7 +87,8 @@ pub struct MasterConfig {
     /// Turn off where master-to-master traffic is rejected with a TCP reset by policy.
     pub ha_fast_takeover: bool,
     /// lunakv: standbys keep a warm copy of the leader's index (streamed from it), so a new
-    /// leader answers reads at once instead of after the owners' remounts.
+    /// leader answers reads before the owners' remounts. Off by default: it measured faster
+    /// reads but a slower rebuild (docs/HA.md, "Warm standby").
     pub ha_warm_standby: bool,
     /// KV events (upstream `--enable_kv_event_publish`; `--enable_kv_events` is accepted as a
     /// flag alias): publish the index's changes on a ZMQ PUB socket (docs/EVENTS.md).
@@ -154,7 +155,7 @@ impl Default for MasterConfig {
             advertise_address: String::new(),
             ha_lease_ttl_sec: 2,
             ha_fast_takeover: true,
-            ha_warm_standby: true,
+            ha_warm_standby: false,
             enable_kv_event_publish: false,
             kv_event_publisher_endpoint: "tcp://127.0.0.1:19997".to_string(),
             kv_event_publisher_replay_endpoint: String::new(),
@@ -262,8 +263,8 @@ pub struct MasterArgs {
     /// process is gone) instead of waiting for it to expire [default: true].
     #[arg(long = "ha_fast_takeover", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     pub ha_fast_takeover: Option<bool>,
-    /// HA: standbys keep a warm copy of the leader's index, so a new leader answers reads at
-    /// once [default: true].
+    /// HA: standbys keep a warm copy of the leader's index, so a new leader answers reads
+    /// before the owners remount [default: false].
     #[arg(long = "ha_warm_standby", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     pub ha_warm_standby: Option<bool>,
     /// KV events: publish the pool's block changes on ZMQ (docs/EVENTS.md) [default: false].
