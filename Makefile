@@ -58,9 +58,11 @@ bench-pd: release
 	$(CARGO) test --release -p lunakv-tests --test pd_bench -- --ignored --nocapture
 
 ## HA failover: kill -9 of the leader under load in paired trials (standby revoke vs lease
-## expiry), p50/p99 reattach, lost/wrong objects, false failovers under CPU starvation. Needs etcd.
+## expiry), p50/p99 reattach, lost/wrong objects, false failovers under CPU starvation; then
+## reattach with and without the standbys' warm copy at 50k and 200k keys. Needs etcd.
 bench-failover: release
 	$(CARGO) test --release -p lunakv-tests --test ha -- --ignored --nocapture ha_bench
+	$(CARGO) test --release -p lunakv-tests --test ha_warm -- --ignored --nocapture ha_warm_bench
 
 ## From Python: batch put/get GB/s for vLLM-shaped objects in both modes, side by side with
 ## upstream's PyPI package when it can be installed (BENCH_ARGS=--no-upstream to skip it).

@@ -86,6 +86,10 @@ pub struct MasterConfig {
     /// gone, the host is up) they revoke its lease at once instead of waiting for it to expire.
     /// Turn off where master-to-master traffic is rejected with a TCP reset by policy.
     pub ha_fast_takeover: bool,
+    /// lunakv: standbys keep a warm copy of the leader's index (streamed from it), so a new
+    /// leader answers reads before the owners' remounts. Off by default: it measured faster
+    /// reads but a slower rebuild (docs/HA.md, "Warm standby").
+    pub ha_warm_standby: bool,
     /// KV events (upstream `--enable_kv_event_publish`; `--enable_kv_events` is accepted as a
     /// flag alias): publish the index's changes on a ZMQ PUB socket (docs/EVENTS.md).
     pub enable_kv_event_publish: bool,
@@ -151,6 +155,7 @@ impl Default for MasterConfig {
             advertise_address: String::new(),
             ha_lease_ttl_sec: 2,
             ha_fast_takeover: true,
+            ha_warm_standby: false,
             enable_kv_event_publish: false,
             kv_event_publisher_endpoint: "tcp://127.0.0.1:19997".to_string(),
             kv_event_publisher_replay_endpoint: String::new(),
@@ -258,6 +263,10 @@ pub struct MasterArgs {
     /// process is gone) instead of waiting for it to expire [default: true].
     #[arg(long = "ha_fast_takeover", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     pub ha_fast_takeover: Option<bool>,
+    /// HA: standbys keep a warm copy of the leader's index, so a new leader answers reads
+    /// before the owners remount [default: false].
+    #[arg(long = "ha_warm_standby", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub ha_warm_standby: Option<bool>,
     /// KV events: publish the pool's block changes on ZMQ (docs/EVENTS.md) [default: false].
     /// `--enable_kv_events` is upstream's newer name.
     #[arg(long = "enable_kv_event_publish", visible_alias = "enable_kv_events", num_args = 0..=1, default_missing_value = "true", require_equals = true)]

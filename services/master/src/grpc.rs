@@ -17,7 +17,7 @@ use crate::core::{
 use crate::ha::{CoreSlot, HaState};
 use crate::metrics::Rpc;
 use crate::persist::{self, PersistError};
-use crate::recovery::RecoveryGate;
+use crate::recovery::{Access, RecoveryGate};
 
 /// Whole-call failures of the gRPC edge.
 #[derive(Debug, thiserror::Error)]
@@ -248,6 +248,8 @@ pub struct MasterService {
 struct Admitted {
     core: Arc<MasterCore>,
     term: Option<u64>,
+    /// A read admitted during the rebuild, answered from the warm copy.
+    warm: bool,
     /// For `master_rpc_duration_seconds`.
     started: std::time::Instant,
 }
@@ -274,25 +276,47 @@ impl MasterService {
         }
     }
 
-    /// The HA gate before acting (role, local lease deadline, recovery). `mounting` RPCs are
-    /// how a new leader rebuilds its index, so they pass during recovery.
-    fn admit(&self, mounting: bool) -> Result<Admitted, Status> {
+    /// The HA gate before acting (role, local lease deadline, recovery). Mounts are how a new
+    /// leader rebuilds its index, so they pass during recovery; reads pass when a warm copy
+    /// answers them.
+    fn admit(&self, access: Access) -> Result<Admitted, Status> {
         let started = std::time::Instant::now();
         let core = self.slot.get();
         let term = match &self.ha {
-            None if !mounting && !self.recovery.done(&core) => {
+            None if access != Access::Mount && !self.recovery.done(&core) => {
                 return Err(RecoveryGate::refusal(
                     "this lunakv-master has just restarted",
                 ));
             }
             None => None,
-            Some(ha) => Some(ha.admit(&core, mounting)?),
+            Some(ha) => Some(ha.admit(&core, access)?),
         };
         Ok(Admitted {
             core,
-            term,
+            term: term.map(|(t, _)| t),
+            warm: term.is_some_and(|(_, w)| w),
             started,
         })
+    }
+
+    /// A read answered from the warm copy during the rebuild: a miss may only mean that the
+    /// copy lagged the dead leader by a few changes, so it is refused "rebuilding" (the client
+    /// retries) instead of answered "not found"; hits are answered at once.
+    fn warm_checked(&self, a: &Admitted, results: &[pb::ObjectLocation]) -> Result<(), Status> {
+        let (Some(ha), Some(term)) = (&self.ha, a.term) else {
+            return Ok(());
+        };
+        if !a.warm {
+            return Ok(());
+        }
+        if results
+            .iter()
+            .any(|r| r.code == ErrorCode::ObjectNotFound.as_i32())
+        {
+            return Err(ha.rebuilding(term));
+        }
+        ha.metrics.warm_reads_total.inc();
+        Ok(())
     }
 
     /// The HA gate before acknowledging a mutation: still leading, same term, lease valid.
@@ -412,7 +436,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::MountSegmentRequest>,
     ) -> Result<Response<pb::MountSegmentResponse>, Status> {
-        let a = self.admit(true)?;
+        let a = self.admit(Access::Mount)?;
         let req = request.into_inner();
         let result: Result<pb::MountSegmentResponse, ServiceError> = async {
             let mut desc: SegmentDesc = req
@@ -450,7 +474,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::MountInventoryRequest>,
     ) -> Result<Response<pb::MountSegmentResponse>, Status> {
-        let a = self.admit(true)?;
+        let a = self.admit(Access::Mount)?;
         let req = request.into_inner();
         let items = req.items.into_iter().map(InventoryItem::from).collect();
         let result = a.core.mount_inventory(
@@ -481,7 +505,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::UnmountSegmentRequest>,
     ) -> Result<Response<pb::UnmountSegmentResponse>, Status> {
-        let a = self.admit(true)?;
+        let a = self.admit(Access::Mount)?;
         let req = request.into_inner();
         let result: Result<u64, ServiceError> = async {
             let dropped =
@@ -506,7 +530,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::PingRequest>,
     ) -> Result<Response<pb::PingResponse>, Status> {
-        let a = self.admit(true)?;
+        let a = self.admit(Access::Mount)?;
         let req = request.into_inner();
         if req.client_id.is_empty() {
             return self.fail(
@@ -541,7 +565,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::PutStartRequest>,
     ) -> Result<Response<pb::PutStartResponse>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         let req = request.into_inner();
         let opts = PutOptions::from(req.config);
         let r = self
@@ -554,7 +578,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::BatchPutStartRequest>,
     ) -> Result<Response<pb::BatchPutStartResponse>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         let req = request.into_inner();
         let opts = PutOptions::from(req.config);
         self.batch(
@@ -572,7 +596,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::PutEndRequest>,
     ) -> Result<Response<pb::KeyResult>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         let r = self.put_end_one(&a.core, &request.into_inner().key);
         self.done(&a, Rpc::PutEnd, r.code != 0, r)
     }
@@ -581,7 +605,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::BatchKeysRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         self.batch(
             &a,
             Rpc::BatchPutEnd,
@@ -597,7 +621,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::PutRevokeRequest>,
     ) -> Result<Response<pb::KeyResult>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         let req = request.into_inner();
         let r = self.put_revoke_one(&a.core, &req.client_id, &req.key).await;
         self.done(&a, Rpc::PutRevoke, r.code != 0, r)
@@ -607,7 +631,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::BatchKeysRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         let req = request.into_inner();
         self.batch(
             &a,
@@ -624,9 +648,10 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::GetReplicaListRequest>,
     ) -> Result<Response<pb::ObjectLocation>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Read)?;
         let req = request.into_inner();
         let r = self.get_one(&a.core, &req.client_id, &req.key);
+        self.warm_checked(&a, std::slice::from_ref(&r))?;
         self.done(&a, Rpc::GetReplicaList, r.code != 0, r)
     }
 
@@ -634,7 +659,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::BatchGetReplicaListRequest>,
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Read)?;
         let req = request.into_inner();
         self.batch(
             &a,
@@ -645,18 +670,23 @@ impl pb::master_server::Master for MasterService {
             |results| pb::BatchObjectLocations { results },
         )
         .await
+        .and_then(|resp| {
+            self.warm_checked(&a, &resp.get_ref().results)?;
+            Ok(resp)
+        })
     }
 
     async fn exist_key(
         &self,
         request: Request<pb::ExistKeyRequest>,
     ) -> Result<Response<pb::ObjectLocation>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Read)?;
         // Like upstream, existence grants a lease too (the caller is about to read).
         let req = request.into_inner();
         let r = self.get_one(&a.core, &req.client_id, &req.key);
         // A miss is an answer, not a failure.
         let failed = r.code != 0 && r.code != ErrorCode::ObjectNotFound.as_i32();
+        self.warm_checked(&a, std::slice::from_ref(&r))?;
         self.done(&a, Rpc::ExistKey, failed, r)
     }
 
@@ -664,7 +694,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::BatchExistKeyRequest>,
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Read)?;
         let req = request.into_inner();
         self.batch(
             &a,
@@ -676,13 +706,17 @@ impl pb::master_server::Master for MasterService {
             |results| pb::BatchObjectLocations { results },
         )
         .await
+        .and_then(|resp| {
+            self.warm_checked(&a, &resp.get_ref().results)?;
+            Ok(resp)
+        })
     }
 
     async fn remove(
         &self,
         request: Request<pb::RemoveRequest>,
     ) -> Result<Response<pb::KeyResult>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         let req = request.into_inner();
         let r = self.remove_one(&a.core, &req.key, req.force).await;
         self.done(&a, Rpc::Remove, r.code != 0, r)
@@ -692,7 +726,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::BatchRemoveRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         let req = request.into_inner();
         self.batch(
             &a,
@@ -709,7 +743,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::RemoveAllRequest>,
     ) -> Result<Response<pb::RemoveAllResponse>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         let removed = a.core.remove_all(request.into_inner().force).await;
         self.done(
             &a,
@@ -727,7 +761,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         _request: Request<pb::GetClusterStatusRequest>,
     ) -> Result<Response<pb::ClusterStatus>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         let core = &a.core;
         let segments = core
             .segments()
@@ -778,7 +812,7 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::OffloadKeyRequest>,
     ) -> Result<Response<pb::KeyResult>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         let key = request.into_inner().key;
         let r = match check_key(&key) {
             Ok(()) => a.core.offload_key(&key).await,
@@ -788,11 +822,33 @@ impl pb::master_server::Master for MasterService {
         Ok(Response::new(key_result(r)))
     }
 
+    type ReplicateIndexStream =
+        tokio_stream::wrappers::ReceiverStream<Result<pb::IndexUpdate, Status>>;
+
+    async fn replicate_index(
+        &self,
+        request: Request<pb::ReplicateIndexRequest>,
+    ) -> Result<Response<Self::ReplicateIndexStream>, Status> {
+        let Some(ha) = self.ha.clone() else {
+            return Err(Status::failed_precondition(
+                "ReplicateIndex feeds HA standbys; this lunakv-master runs without --enable_ha",
+            ));
+        };
+        // Served during the rebuild too: the copy then fills as the owners remount.
+        let a = self.admit(Access::Mount)?;
+        let term = a.term.unwrap_or_default();
+        let standby = request.into_inner().standby;
+        let stream = crate::standby::serve(a.core.clone(), term, standby, move || {
+            ha.leading_term() == Some(term)
+        })?;
+        Ok(Response::new(stream))
+    }
+
     async fn get_namespace_stats(
         &self,
         _request: Request<pb::GetNamespaceStatsRequest>,
     ) -> Result<Response<pb::NamespaceStatsResponse>, Status> {
-        let a = self.admit(false)?;
+        let a = self.admit(Access::Write)?;
         Ok(Response::new(namespace_report(&a.core.namespaces.report())))
     }
 }

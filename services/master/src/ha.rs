@@ -39,7 +39,7 @@ use lunakv_meta::{EtcdClient, MetaStore, WriteFence};
 use lunakv_proto::headers::LeaderRedirect;
 use parking_lot::RwLock;
 
-use crate::recovery::RecoveryGate;
+use crate::recovery::{Access, RecoveryGate};
 use prometheus::{IntCounter, IntGauge, Opts, Registry};
 use tokio::sync::watch;
 use tonic::Status;
@@ -104,6 +104,12 @@ pub struct HaMetrics {
     pub fenced_writes_total: IntCounter,
     /// Leases of dead leaders this standby revoked (`ha_fast_takeover`).
     pub fast_takeovers_total: IntCounter,
+    /// Reads a new leader answered from its warm copy while the owners remounted.
+    pub warm_reads_total: IntCounter,
+    /// Objects in this standby's warm copy of the leader's index.
+    pub warm_copy_keys: IntGauge,
+    /// 1 while this standby's warm copy holds a whole snapshot of the current leader's index.
+    pub warm_copy_synced: IntGauge,
 }
 
 impl HaMetrics {
@@ -138,6 +144,18 @@ impl HaMetrics {
             fast_takeovers_total: c(
                 "master_fast_takeovers_total",
                 "Leases of leaders whose RPC port refused connections that this standby revoked",
+            ),
+            warm_reads_total: c(
+                "master_warm_reads_total",
+                "Reads a new leader answered from its warm copy of the index while the owners remounted",
+            ),
+            warm_copy_keys: g(
+                "master_warm_copy_keys",
+                "Objects in this standby's warm copy of the leader's index",
+            ),
+            warm_copy_synced: g(
+                "master_warm_copy_synced",
+                "1 while this standby's warm copy holds a whole snapshot of the current leader's index",
             ),
             registry,
         }
@@ -273,9 +291,12 @@ impl HaState {
         lunakv_proto::status::redirect(message, leader.as_ref())
     }
 
-    /// Gate at the start of an RPC. `mounting` RPCs (mount, ping, unmount) pass during recovery:
-    /// they are how the index is rebuilt. Returns the term to re-check with [`HaState::confirm`].
-    pub fn admit(&self, core: &MasterCore, mounting: bool) -> Result<u64, Status> {
+    /// Gate at the start of an RPC. Mounts (mount, ping, unmount) pass during recovery: they
+    /// are how the index is rebuilt. Returns the term to re-check with [`HaState::confirm`],
+    /// and `warm` when a read is admitted during the rebuild because the core started from a
+    /// warm copy (a miss must then be retried, not answered "not found": the copy may lag the
+    /// dead leader by a few changes).
+    pub fn admit(&self, core: &MasterCore, access: Access) -> Result<(u64, bool), Status> {
         let term = self.term.load(Ordering::Acquire);
         if term == 0 {
             return Err(self.redirect("this lunakv-master is a follower"));
@@ -287,12 +308,20 @@ impl HaState {
                  process was paused); it refuses requests and steps down",
             ));
         }
-        if !mounting && !self.recovery.done(core) {
-            return Err(RecoveryGate::refusal(&format!(
-                "this lunakv-master was just elected leader (term {term})"
-            )));
+        if access != Access::Mount && !self.recovery.done(core) {
+            if access == Access::Read && core.warm_start() {
+                return Ok((term, true));
+            }
+            return Err(self.rebuilding(term));
         }
-        Ok(term)
+        Ok((term, false))
+    }
+
+    /// The "rebuilding" refusal of the leader of `term`.
+    pub fn rebuilding(&self, term: u64) -> Status {
+        RecoveryGate::refusal(&format!(
+            "this lunakv-master was just elected leader (term {term})"
+        ))
     }
 
     /// Gate before acknowledging a mutation admitted under `term`: the lease must still be
@@ -418,6 +447,10 @@ pub struct Election {
     pub lease_ttl: Duration,
     /// `ha_fast_takeover`: revoke the lease of a leader whose port refuses connections.
     pub fast_takeover: bool,
+    /// `ha_warm_standby`: the copy of the leader's index this standby keeps (None: off).
+    pub warm: Option<Arc<crate::standby::WarmCopy>>,
+    /// The token a standby presents to the leader's `ReplicateIndex` (admin, else pool).
+    pub token: Option<String>,
 }
 
 impl Election {
@@ -487,6 +520,7 @@ impl Election {
                 if let Some(v) = &view {
                     self.ha.metrics.leader_term.set(v.term as i64);
                 }
+                let mut copying = self.follow_index(view.as_ref());
                 *self.ha.leader.write() = view;
                 // Follow until the key changes hands.
                 let mut probe = self
@@ -529,6 +563,7 @@ impl Election {
                                                 if let Some(v) = &v {
                                                     self.ha.metrics.leader_term.set(v.term as i64);
                                                 }
+                                                copying = self.follow_index(v.as_ref());
                                                 *self.ha.leader.write() = v;
                                                 probe = self
                                                     .fast_takeover
@@ -547,6 +582,7 @@ impl Election {
                         }
                     },
                 }
+                drop(copying);
                 continue;
             }
             // No leader: campaign.
@@ -572,6 +608,21 @@ impl Election {
                 }
             }
         }
+    }
+
+    /// Starts keeping the warm copy of `leader`'s index (`ha_warm_standby`); the copy stops
+    /// following when the returned guard drops.
+    fn follow_index(&self, leader: Option<&LeaderView>) -> Option<AbortOnDrop> {
+        let (warm, leader) = (self.warm.as_ref()?, leader?);
+        if leader.address == self.address {
+            return None;
+        }
+        let task = tokio::spawn(warm.clone().follow(
+            leader.address.clone(),
+            self.address.clone(),
+            self.token.clone(),
+        ));
+        Some(AbortOnDrop(task))
     }
 
     /// Revokes the lease of a leader whose RPC port refused [`PROBE_REFUSALS`] dials in a row,
@@ -654,17 +705,35 @@ impl Election {
             ha: ha.clone(),
             term,
         });
-        self.slot.replace(Arc::new(
-            MasterCore::new(self.core_cfg.clone(), term as u32, notifier)
-                .with_events(self.events.clone()),
-        ));
-        let known: BTreeSet<String> = match persist::known_segments(self.meta.as_ref()).await {
+        let core = MasterCore::new(self.core_cfg.clone(), term as u32, notifier)
+            .with_events(self.events.clone());
+        // The warm copy, when it is a whole copy of the index of the leader this master saw
+        // last (an older one could miss a removal whose FREE the owner has not handled yet).
+        let last_term = u64::try_from(ha.metrics.leader_term.get()).unwrap_or(0);
+        let warm = self.warm.as_ref().and_then(|w| w.take(last_term));
+        let mut warm_segments = BTreeSet::new();
+        if let Some(snap) = warm {
+            warm_segments = snap.segments.iter().map(|(d, _)| d.name.clone()).collect();
+            let keys = core.preload_warm(snap);
+            tracing::info!(
+                term,
+                keys,
+                segments = warm_segments.len(),
+                from_term = last_term,
+                "starting from the warm copy of the index: reads are answered at once, writes wait for the owners' remounts"
+            );
+        }
+        self.slot.replace(Arc::new(core));
+        let mut known: BTreeSet<String> = match persist::known_segments(self.meta.as_ref()).await {
             Ok(s) => s.into_iter().map(|d| d.name).collect(),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot list known segments; serving after the recovery grace");
                 BTreeSet::new()
             }
         };
+        // The rebuild also waits for the warm copy's segments, so that their entries are
+        // reconciled (or dropped) before writes resume.
+        known.extend(warm_segments);
         let n_known = known.len();
         {
             let ha = ha.clone();
@@ -764,6 +833,15 @@ impl Election {
             .await
             .is_ok_and(|r| r.is_ok());
         LeadOutcome::SteppedDown { revoked }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -48,6 +48,7 @@ pub mod notifier;
 pub mod persist;
 pub mod recovery;
 pub mod server;
+pub mod standby;
 
 pub use lunakv_config::master::{MasterConfig, MasterConfigSources};
 pub use server::{Listeners, Master, RunningMaster, ServeError, serve, start, start_master};

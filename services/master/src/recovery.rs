@@ -25,6 +25,15 @@ struct Waiting {
     segments: BTreeSet<String>,
 }
 
+/// What a request does, for the gates: mounts rebuild the index, so they pass while it is
+/// rebuilt; reads pass too when a warm copy answers them (HA, docs/HA.md); writes wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Mount,
+    Read,
+    Write,
+}
+
 /// Whether the index is still being rebuilt. Cheap when it is not (one atomic load).
 #[derive(Default)]
 pub struct RecoveryGate {
@@ -74,6 +83,7 @@ impl RecoveryGate {
         };
         if done && w.take().is_some() {
             self.active.store(false, Ordering::Release);
+            core.end_warm();
             tracing::info!("object index rebuilt; serving");
         }
         done
@@ -107,7 +117,11 @@ pub async fn forget_unmounted(
     if *stop.borrow() || !still_ours() {
         return;
     }
-    let mounted: BTreeSet<String> = slot.get().segments().into_iter().map(|s| s.name).collect();
+    let core = slot.get();
+    // The warm copy's segments whose owner never remounted leave the index first, so that
+    // their records are forgotten too.
+    core.end_warm();
+    let mounted: BTreeSet<String> = core.segments().into_iter().map(|s| s.name).collect();
     for name in known.difference(&mounted) {
         tracing::warn!(segment = %name, "segment did not remount after the master took over; forgetting its record");
         if let Err(e) = crate::persist::forget_segment(meta.as_ref(), name).await {

@@ -308,6 +308,12 @@ impl Master {
             lunakv_config::auth::PoolTokens::from_env(&lunakv_config::process_env)
                 .map_err(|e| ServeError::Config(e.to_string()))?,
         );
+        // A standby presents the strongest token it has to the leader's ReplicateIndex.
+        let standby_token = tokens
+            .admin
+            .as_ref()
+            .or(tokens.pool.as_ref())
+            .map(|t| t.as_str().to_string());
         if !tokens.is_empty() {
             tracing::info!(
                 pool_token = tokens.pool.is_some(),
@@ -386,6 +392,10 @@ impl Master {
         ));
         let election = self.ha.map(|h| {
             let host = self.cfg.advertised_host().to_string();
+            let warm = self
+                .cfg
+                .ha_warm_standby
+                .then(|| crate::standby::WarmCopy::new(&h.state.metrics));
             let election = Election {
                 ha: h.state,
                 etcd: h.etcd,
@@ -400,6 +410,8 @@ impl Master {
                 admin: host_port(&host, admin_addr.port()),
                 lease_ttl: self.cfg.ha_lease_ttl(),
                 fast_takeover: self.cfg.ha_fast_takeover,
+                warm,
+                token: standby_token,
             };
             tokio::spawn(election.run(stop_rx))
         });

@@ -24,6 +24,7 @@ mod segments;
 mod tiering;
 mod types;
 mod views;
+mod warm;
 
 use types::{ClientEntry, Object, Quarantined, ReplicaLoc, Segment};
 pub use types::{
@@ -31,6 +32,7 @@ pub use types::{
     PendingFree, PendingOffload, PendingPromotion, PutOptions, ReplicaInfo, ReplicaView,
     SegmentDesc, SegmentInfo,
 };
+pub use warm::{IndexChange, IndexEntry, IndexSnapshot, WarmReplicaLoc};
 
 /// Number of object-index shards.
 pub const SHARDS: usize = 64;
@@ -65,6 +67,12 @@ pub struct MasterCore {
     pub namespaces: NamespaceTracker,
     /// KV events (docs/EVENTS.md): where the index's changes go, when publishing is on.
     events: Option<EventSink>,
+    /// HA: every change of the index, for the standbys' warm copies ([`warm`]); nothing is
+    /// cloned into it while no standby listens.
+    feed: tokio::sync::broadcast::Sender<std::sync::Arc<IndexChange>>,
+    /// HA: this core started from a standby's warm copy and that copy still answers reads
+    /// until the owners' remounts confirmed it.
+    warm_start: std::sync::atomic::AtomicBool,
 }
 
 fn tiers_of(replicas: &[ReplicaLoc]) -> Tiers {
@@ -98,6 +106,8 @@ impl MasterCore {
             metrics: Metrics::new(),
             namespaces: NamespaceTracker::new(cfg_min_keys),
             events: None,
+            feed: tokio::sync::broadcast::channel(warm::FEED_CAPACITY).0,
+            warm_start: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -132,7 +142,8 @@ impl MasterCore {
             .collect()
     }
 
-    fn emit_stored(&self, key: &str, replicas: &[ReplicaLoc]) {
+    fn emit_stored(&self, key: &str, (generation, size): (u64, u64), replicas: &[ReplicaLoc]) {
+        self.replicate(key, generation, size, replicas);
         if let Some(sink) = &self.events {
             sink.emit(PoolEvent::Stored {
                 key: key.to_string(),
@@ -143,7 +154,14 @@ impl MasterCore {
 
     /// A complete object's replicas changed from the tiers in `before` to `replicas` (empty:
     /// the object is gone).
-    fn emit_updated(&self, key: &str, before: Tiers, replicas: &[ReplicaLoc]) {
+    fn emit_updated(
+        &self,
+        key: &str,
+        (generation, size): (u64, u64),
+        before: Tiers,
+        replicas: &[ReplicaLoc],
+    ) {
+        self.replicate(key, generation, size, replicas);
         if let Some(sink) = &self.events {
             sink.emit(PoolEvent::Updated {
                 key: key.to_string(),

@@ -249,7 +249,7 @@ impl MasterCore {
         o.state = ObjectState::Complete;
         o.last_access = Instant::now();
         if first {
-            self.emit_stored(key, &o.replicas);
+            self.emit_stored(key, (o.generation, o.size), &o.replicas);
         }
         Ok(())
     }
@@ -413,7 +413,7 @@ impl MasterCore {
             if let Some(o) = &o
                 && o.state == ObjectState::Complete
             {
-                self.emit_updated(key, tiers_of(&o.replicas), &[]);
+                self.emit_updated(key, (o.generation, o.size), tiers_of(&o.replicas), &[]);
             }
             o.map(|o| self.pending_frees(&o)).unwrap_or_default()
         };

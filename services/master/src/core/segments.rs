@@ -54,10 +54,17 @@ impl MasterCore {
         } else if desc.enable_offload && desc.disk_capacity == 0 {
             tracing::warn!(segment = %desc.name, "store-client has --enable_offload=true but no usable disk tier (see its log: offload directory); its evictions drop objects");
         }
-        let mount_id = self.next_mount_id.fetch_add(1, Ordering::Relaxed);
         let name = desc.name.clone();
-        let replaced = {
+        let (mount_id, replaced) = {
             let mut segs = self.segments.lock();
+            // A segment of the warm copy keeps its mount id and entries: the inventory
+            // confirms them one by one instead of the index losing them until it arrives.
+            let warm = segs.get_mut(&name).and_then(MasterCore::carry_warm);
+            let mount_id = match &warm {
+                Some((id, _)) => *id,
+                None => self.next_mount_id.fetch_add(1, Ordering::Relaxed),
+            };
+            let carried = warm.is_some();
             let old = segs.insert(
                 name.clone(),
                 Segment {
@@ -66,14 +73,22 @@ impl MasterCore {
                     client_id: client_id.to_string(),
                     mount_id,
                     complete: false,
+                    warm: warm.map(|(_, w)| w),
                 },
             );
-            old.map(|o| (o.client_id, o.mount_id))
+            (
+                mount_id,
+                old.filter(|_| !carried).map(|o| (o.client_id, o.mount_id)),
+            )
         };
         // Before any FREE for this endpoint (the old mount's replicas just below): an owner
         // that requires capabilities refuses the master's requests without its tag.
         self.notifier
             .set_owner_key(&desc.transfer_endpoint, desc.data_secret);
+        self.replicate_change(super::IndexChange::Mounted {
+            desc: Box::new(desc.clone()),
+            client_id: client_id.to_string(),
+        });
         if let Some((old_client, old_mount)) = replaced {
             tracing::info!(segment = %name, %old_client, "segment mounted again; dropping its old replicas");
             if let Some(c) = self.clients.lock().get_mut(&old_client) {
@@ -154,11 +169,13 @@ impl MasterCore {
                 }
             }
         }
-        if complete
-            && let Some(seg) = self.segments.lock().get_mut(&desc.name)
-            && seg.mount_id == mount_id
-        {
-            seg.complete = true;
+        if complete {
+            self.finish_warm(&desc.name, mount_id);
+            if let Some(seg) = self.segments.lock().get_mut(&desc.name)
+                && seg.mount_id == mount_id
+            {
+                seg.complete = true;
+            }
         }
         out
     }
@@ -186,6 +203,7 @@ impl MasterCore {
         }
         let now = Instant::now();
         let mut shard = self.shard(&item.key).lock();
+        self.confirm_warm(&mut shard, &desc.name, mount_id, &item.key, item.disk);
         let mut displaced = Vec::new();
         if let Some(existing) = shard.get(&item.key) {
             if existing.generation > item.generation {
@@ -234,7 +252,12 @@ impl MasterCore {
             Some(existing) if existing.generation == item.generation => {
                 let before = tiers_of(&existing.replicas);
                 existing.replicas.push(loc);
-                self.emit_updated(&item.key, before, &existing.replicas);
+                self.emit_updated(
+                    &item.key,
+                    (existing.generation, existing.size),
+                    before,
+                    &existing.replicas,
+                );
             }
             Some(existing) => {
                 // An older copy: the inventory's is newer, so it wins.
@@ -252,10 +275,14 @@ impl MasterCore {
                     last_access: now,
                     promoting: false,
                 };
-                self.emit_stored(&item.key, &existing.replicas);
+                self.emit_stored(&item.key, (item.generation, item.size), &existing.replicas);
             }
             None => {
-                self.emit_stored(&item.key, std::slice::from_ref(&loc));
+                self.emit_stored(
+                    &item.key,
+                    (item.generation, item.size),
+                    std::slice::from_ref(&loc),
+                );
                 shard.insert(
                     item.key.clone(),
                     Object {
@@ -316,6 +343,9 @@ impl MasterCore {
         if let Some(c) = self.clients.lock().get_mut(&seg.client_id) {
             c.segments.remove(segment_name);
         }
+        self.replicate_change(super::IndexChange::Unmounted {
+            segment: segment_name.to_string(),
+        });
         let dropped = self.drop_replicas(segment_name, seg.mount_id);
         tracing::info!(segment = segment_name, dropped, "segment unmounted");
         Ok(dropped)
@@ -330,7 +360,7 @@ impl MasterCore {
                 o.replicas
                     .retain(|r| !(r.segment == segment && r.mount_id == mount_id));
                 if o.replicas.len() != before && o.state == ObjectState::Complete {
-                    self.emit_updated(k, tiers, &o.replicas);
+                    self.emit_updated(k, (o.generation, o.size), tiers, &o.replicas);
                 }
                 let keep = !o.replicas.is_empty();
                 if !keep {

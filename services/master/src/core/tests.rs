@@ -992,3 +992,91 @@ async fn the_index_is_bounded_by_max_keys() {
         .expect_err("at the limit with nothing evictable");
     assert!(err.message.contains("max_keys"), "{}", err.message);
 }
+
+/// A standby's warm copy: a leader's snapshot loaded into a new term's core answers reads at
+/// once; the owner's inventory confirms what it holds, replaces what differs and drops the rest.
+#[tokio::test]
+async fn a_warm_copy_serves_at_once_and_the_inventory_reconciles_it() {
+    let (leader, _) = new_core(cfg());
+    mount(&leader, "owner", "a:1", 1 << 20);
+    for k in ["kept", "gone", "changed"] {
+        put(&leader, k, BLOCK, &opts(1)).await;
+    }
+    let mut feed = leader.subscribe_index();
+    let snap = leader.index_snapshot();
+    assert_eq!(snap.entries.len(), 3);
+    // A change after the snapshot reaches the feed.
+    put(&leader, "late", BLOCK, &opts(1)).await;
+    assert!(
+        matches!(feed.try_recv().as_deref(), Ok(IndexChange::Entry(e)) if e.key == "late"),
+        "the put after the snapshot is in the feed"
+    );
+    let at = |k: &str| {
+        let l = leader.get_replica_list(k).expect("indexed at the leader");
+        (l.generation, l.replicas[0].offset)
+    };
+    let (kept, changed) = (at("kept"), at("changed"));
+
+    let (next, _) = new_core(cfg());
+    assert_eq!(next.preload_warm(snap), 3);
+    assert!(next.warm_start());
+    let l = next.get_replica_list("kept").expect("served from the copy");
+    assert_eq!((l.generation, l.replicas[0].offset), kept);
+    assert!(
+        next.complete_segments().is_empty(),
+        "no placements before the remount"
+    );
+
+    // The owner remounts: it holds "kept" as indexed, "changed" at a newer generation
+    // elsewhere, and not "gone".
+    let item = |key: &str, (generation, offset): (u64, u64)| InventoryItem {
+        key: key.into(),
+        offset,
+        size: BLOCK,
+        generation,
+        disk: false,
+    };
+    let newer = (changed.0 + 1, changed.1 + 4096);
+    let out = next
+        .mount_parts(
+            "owner",
+            "c",
+            desc("a:1", 1 << 20),
+            vec![item("kept", kept)],
+            true,
+        )
+        .expect("remount");
+    assert_eq!(out.accepted, 1);
+    assert!(
+        next.get_replica_list("gone").is_ok(),
+        "unconfirmed entries stay readable while the inventory arrives"
+    );
+    next.mount_inventory("owner", "a:1", "i-a:1", vec![item("changed", newer)], true)
+        .expect("last part");
+    let l = next.get_replica_list("kept").expect("confirmed");
+    assert_eq!((l.generation, l.replicas[0].offset), kept);
+    let l = next.get_replica_list("changed").expect("the owner's entry");
+    assert_eq!((l.generation, l.replicas[0].offset), newer);
+    assert_eq!(
+        code(next.get_replica_list("gone")),
+        ErrorCode::ObjectNotFound,
+        "an entry the owner does not hold leaves the index"
+    );
+    assert!(next.complete_segments().contains("a:1"));
+}
+
+/// A segment of the warm copy whose owner never remounts leaves the index when the rebuild
+/// ends.
+#[tokio::test]
+async fn a_warm_segment_whose_owner_never_returns_is_dropped_at_the_end() {
+    let (leader, _) = new_core(cfg());
+    mount(&leader, "owner", "a:1", 1 << 20);
+    put(&leader, "k", BLOCK, &opts(1)).await;
+    let (next, _) = new_core(cfg());
+    next.preload_warm(leader.index_snapshot());
+    assert!(next.get_replica_list("k").is_ok());
+    next.end_warm();
+    assert!(!next.warm_start());
+    assert_eq!(code(next.get_replica_list("k")), ErrorCode::ObjectNotFound);
+    assert!(next.segments().is_empty());
+}

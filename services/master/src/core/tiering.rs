@@ -132,11 +132,11 @@ impl MasterCore {
                         ..t
                     });
                 }
-                self.emit_updated(&key, before, &o.replicas);
+                self.emit_updated(&key, (o.generation, o.size), before, &o.replicas);
                 freed += bytes;
                 evicted += 1;
             } else if let Some(o) = shard.remove(&key) {
-                self.emit_updated(&key, before, &[]);
+                self.emit_updated(&key, (o.generation, o.size), before, &[]);
                 frees.extend(self.pending_frees(&o));
                 freed += bytes;
                 evicted += 1;
@@ -218,7 +218,7 @@ impl MasterCore {
                 disk: true,
                 ..r
             });
-            self.emit_updated(key, before, &o.replicas);
+            self.emit_updated(key, (o.generation, o.size), before, &o.replicas);
             item
         };
         let generation = item.generation;
@@ -296,7 +296,7 @@ impl MasterCore {
                 let before = tiers_of(&o.replicas);
                 o.replicas
                     .retain(|r| !(r.disk && r.segment == f.segment && r.mount_id == f.mount_id));
-                self.emit_updated(&f.key, before, &o.replicas);
+                self.emit_updated(&f.key, (o.generation, o.size), before, &o.replicas);
                 if o.replicas.is_empty() {
                     shard.remove(&f.key);
                     dropped += 1;
@@ -399,7 +399,7 @@ impl MasterCore {
                                 disk: false,
                             },
                         );
-                        self.emit_updated(&p.key, before, &o.replicas);
+                        self.emit_updated(&p.key, (o.generation, o.size), before, &o.replicas);
                         true
                     } else {
                         false
@@ -452,7 +452,7 @@ impl MasterCore {
             o.replicas
                 .retain(|r| !(r.disk && owned.contains(&(r.segment.clone(), r.mount_id))));
             if tiers_of(&o.replicas) != before {
-                self.emit_updated(key, before, &o.replicas);
+                self.emit_updated(key, (o.generation, o.size), before, &o.replicas);
             }
             if o.replicas.is_empty() {
                 shard.remove(key);
@@ -606,7 +606,7 @@ impl MasterCore {
                 .is_some_and(|o| o.generation == generation && !o.leased(Instant::now()))
                 && let Some(o) = shard.remove(&key)
             {
-                self.emit_updated(&key, tiers_of(&o.replicas), &[]);
+                self.emit_updated(&key, (o.generation, o.size), tiers_of(&o.replicas), &[]);
                 frees.extend(self.pending_frees(&o));
                 dropped += 1;
             }

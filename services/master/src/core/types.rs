@@ -244,6 +244,9 @@ pub(super) struct Segment {
     /// allocator does not yet know every range the owner holds, and a new object could land on
     /// one of them.
     pub(super) complete: bool,
+    /// HA: replicas of this segment that came from a standby's warm copy and that the owner's
+    /// inventory has not confirmed yet ([`super::warm`]); None once reconciled.
+    pub(super) warm: Option<super::warm::WarmSegment>,
 }
 
 pub(super) struct ClientEntry {
