@@ -75,7 +75,7 @@ pub(crate) struct WarmSegment {
 }
 
 impl MasterCore {
-    /// Every change of the index from now on. A receiver that falls [`FEED_CAPACITY`]
+    /// Every change of the index from now on. A receiver that falls `FEED_CAPACITY`
     /// changes behind gets `Lagged` and must start over with a snapshot.
     pub fn subscribe_index(&self) -> broadcast::Receiver<Arc<IndexChange>> {
         self.feed.subscribe()
