@@ -464,7 +464,10 @@ fn bad_layer_values_name_their_source() {
     // Upstream keys in the file are judged as on the command line.
     let (_dir, config) = write_config("tenant_id: team-a\n");
     let e = load(&[&config], &|_| None).unwrap_err().to_string();
-    assert!(e.contains("tenant_id") && e.contains("no tenants"), "{e}");
+    assert!(
+        e.contains("tenant_id") && e.contains(lunakv_config::messages::TENANT_REFUSAL),
+        "{e}"
+    );
     let (_dir, config) = write_config("threads: 4\n");
     let w = StoreConfig::load(&sources(&[&config]).unwrap(), &|_| None)
         .unwrap()
