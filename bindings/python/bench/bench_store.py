@@ -12,9 +12,9 @@ GB/s = 1e9 bytes/s over the whole pass; p50/p99 are per batch call.
 After the loads, every object is checked with batch_is_exist in calls of --exists-batch keys (4 by
 default, as vLLM's lookup of a short prefix), twice: "first" is each key's first check since its
 put, "again" the same check repeated at once (vLLM repeats it on every scheduling pass of a
-waiting request and for every request sharing the prefix). lunakv answers "again" from the lease
-the first check was granted (docs/ARCHITECTURE.md, "Existence checks"); upstream asks its master
-each time. Their ratio is upstream's p50 over lunakv's: above 1, lunakv answers faster.
+waiting request and for every request sharing the prefix). Both sides ask their master every
+time (docs/ARCHITECTURE.md, "Existence checks"). Their ratio is upstream's p50 over lunakv's:
+above 1, lunakv answers faster.
 
 Two modes, as vLLM runs them:
   embedded          the benchmark process owns a segment (global_segment_size > 0) and is the

@@ -30,7 +30,7 @@ mod store;
 
 pub use error::ClientError;
 pub use host::{BoundSegment, DiskInventory, HostDisk, HostOptions, MountStatus, SegmentHost};
-pub use location::{Lease, Location, LocationError, ReplicaLocation};
+pub use location::{Location, LocationError, ReplicaLocation};
 pub use lunakv_proto::ErrorCode;
 /// What the master reports, as domain types (the prost types stay behind the gRPC edge).
 pub use lunakv_proto::views::{

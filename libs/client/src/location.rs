@@ -1,7 +1,5 @@
 //! Validated domain types for where an object lives, converted from the prost types at the edge.
 
-use std::time::{Duration, Instant};
-
 use lunakv_proto::master as pb;
 use lunakv_transfer::Target;
 
@@ -53,37 +51,6 @@ pub struct Location {
     pub generation: u64,
     pub size: u64,
     pub replicas: Vec<ReplicaLocation>,
-    /// The lease the master granted with this answer (GetReplicaList and ExistKey grant one;
-    /// a put's placement does not).
-    pub lease: Option<Lease>,
-}
-
-/// The master's promise, made with a GetReplicaList or ExistKey answer, to keep the object
-/// for `ttl` (`default_kv_lease_ttl`): it is not evicted, and a remove without `force` is
-/// refused. The master starts the lease when it answers, which is after `asked`, so the
-/// promise holds at least until `asked + ttl` by the client's own clock.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Lease {
-    pub asked: Instant,
-    pub ttl: Duration,
-}
-
-impl Lease {
-    /// The lease an answer to a call sent at `asked` carries; none when the master granted none.
-    pub fn granted(asked: Instant, ttl_ms: u64) -> Option<Lease> {
-        (ttl_ms > 0).then(|| Lease {
-            asked,
-            ttl: Duration::from_millis(ttl_ms),
-        })
-    }
-
-    /// Whether an existence check may be answered from this lease at `now` instead of asking
-    /// the master. Upstream's ExistKey grants a fresh lease, so the caller's load that follows
-    /// has the whole TTL; an answer from the cache grants nothing, so it is given only while at
-    /// least half the TTL is left, and the load still has that half.
-    pub fn vouches(&self, now: Instant) -> bool {
-        now < self.asked + self.ttl / 2
-    }
 }
 
 /// A replica of an object of the given size.
@@ -182,18 +149,14 @@ impl Location {
             generation,
             size,
             replicas,
-            lease: None,
         })
     }
 }
 
-/// A GetReplicaList or ExistKey answer to a call sent at the given instant, with its lease.
-impl TryFrom<(&pb::ObjectLocation, Instant)> for Location {
+impl TryFrom<&pb::ObjectLocation> for Location {
     type Error = LocationError;
 
-    fn try_from((l, asked): (&pb::ObjectLocation, Instant)) -> Result<Location, LocationError> {
-        let mut loc = Location::build(l.generation, l.size, &l.replicas)?;
-        loc.lease = Lease::granted(asked, l.lease_ttl_ms);
-        Ok(loc)
+    fn try_from(l: &pb::ObjectLocation) -> Result<Location, LocationError> {
+        Location::build(l.generation, l.size, &l.replicas)
     }
 }

@@ -1,8 +1,6 @@
 //! Reads and lookups: locations from the cache or the master, bytes from the preferred
 //! replica, another replica or a fresh location when one is stale.
 
-use std::time::Instant;
-
 use lunakv_proto::views::ReplicaDesc;
 
 use super::*;
@@ -158,7 +156,6 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             keys: misses.iter().map(|&i| keys[i].to_owned()).collect(),
         };
-        let asked = Instant::now();
         match self.rpc(|mut m| {
             let req = req.clone();
             async move { m.batch_get_replica_list(req).await }
@@ -177,7 +174,7 @@ impl StoreClient {
                     match resp
                         .results
                         .get(n)
-                        .map(|l| self.accept_location(keys[i], l, asked))
+                        .map(|l| self.accept_location(keys[i], l))
                     {
                         Some(Ok(l)) => locs[i] = Some(l),
                         Some(Err(e)) => results[i] = Some(Err(e)),
@@ -197,26 +194,23 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             key: key.to_owned(),
         };
-        let asked = Instant::now();
         let resp = self.rpc(|mut m| {
             let req = req.clone();
             async move { m.get_replica_list(req).await }
         })?;
-        self.accept_location(key, &resp, asked)
+        self.accept_location(key, &resp)
     }
 
-    /// Caches the master's answer to a call sent at `asked`.
     pub(super) fn accept_location(
         &self,
         key: &str,
         l: &pb::ObjectLocation,
-        asked: Instant,
     ) -> Result<Arc<Location>> {
         if l.code != 0 {
             self.cache.invalidate(key, None);
             return Err(ClientError::from_item(key, l.size, l.code, &l.message));
         }
-        let loc = Location::try_from((l, asked)).map_err(|m| ClientError::Rpc {
+        let loc = Location::try_from(l).map_err(|m| ClientError::Rpc {
             addr: self.opts.master_server_address.clone(),
             message: format!("bad location for '{key}': {m}"),
         })?;
@@ -282,52 +276,7 @@ impl StoreClient {
 
     /// Like upstream, existence grants a lease; the answer also warms the location cache so the
     /// get that usually follows skips the master.
-    ///
-    /// A key whose cached location still carries at least half of a lease the master granted
-    /// is answered from the cache: the lease keeps the object from eviction and from a plain
-    /// remove, so the answer is the master's. vLLM checks the same prefix blocks again and
-    /// again (every scheduling pass of a waiting request, every request sharing a prompt), and
-    /// each check was a master round trip.
     pub fn batch_exists(&self, keys: &[&str]) -> Vec<Result<bool>> {
-        if self.check_open().is_err() {
-            return keys.iter().map(|_| Err(ClientError::Closed)).collect();
-        }
-        let now = Instant::now();
-        let leased: Vec<bool> = keys
-            .iter()
-            .map(|k| {
-                self.cache
-                    .get(k)
-                    .is_some_and(|l| l.lease.is_some_and(|lease| lease.vouches(now)))
-            })
-            .collect();
-        let ask: Vec<&str> = keys
-            .iter()
-            .zip(&leased)
-            .filter(|(_, leased)| !**leased)
-            .map(|(k, _)| *k)
-            .collect();
-        let mut asked = if ask.is_empty() {
-            Vec::new()
-        } else {
-            self.exists_at_master(&ask)
-        }
-        .into_iter();
-        leased
-            .into_iter()
-            .map(|leased| {
-                if leased {
-                    Ok(true)
-                } else {
-                    asked.next().unwrap_or(Err(ClientError::Closed))
-                }
-            })
-            .collect()
-    }
-
-    /// One BatchExistKey for `keys`; every answer found is cached with its lease.
-    fn exists_at_master(&self, keys: &[&str]) -> Vec<Result<bool>> {
-        let asked = Instant::now();
         self.per_key(
             keys,
             |keys| {
@@ -343,7 +292,7 @@ impl StoreClient {
             },
             |key, l| match ErrorCode::from_i32(l.code) {
                 ErrorCode::Ok => {
-                    if let Ok(loc) = Location::try_from((l, asked)) {
+                    if let Ok(loc) = Location::try_from(l) {
                         self.cache.insert(key, loc);
                     }
                     Ok(true)
