@@ -203,6 +203,9 @@ impl MasterCore {
         }
         let now = Instant::now();
         let mut shard = self.shard(&item.key).lock();
+        if self.confirm_warm_in_place(&mut shard, client_id, &desc.name, mount_id, item) {
+            return Ok(Vec::new());
+        }
         self.confirm_warm(&mut shard, &desc.name, mount_id, &item.key, item.disk);
         let mut displaced = Vec::new();
         if let Some(existing) = shard.get(&item.key) {

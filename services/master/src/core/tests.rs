@@ -1080,3 +1080,71 @@ async fn a_warm_segment_whose_owner_never_returns_is_dropped_at_the_end() {
     assert_eq!(code(next.get_replica_list("k")), ErrorCode::ObjectNotFound);
     assert!(next.segments().is_empty());
 }
+
+/// An inventory item that is exactly the warm copy's entry is confirmed in place: the new
+/// leader's standbys (its feed) see no change for it, its range is reserved so nothing is
+/// placed over it, and an item that differs still replaces the copy's entry and is sent.
+#[tokio::test]
+async fn a_matching_inventory_item_confirms_the_warm_entry_without_a_change() {
+    let (leader, _) = new_core(cfg());
+    mount(&leader, "owner", "a:1", 4 * BLOCK);
+    for k in ["kept", "changed"] {
+        put(&leader, k, BLOCK, &opts(1)).await;
+    }
+    let at = |k: &str| {
+        let l = leader.get_replica_list(k).expect("indexed at the leader");
+        (l.generation, l.replicas[0].offset)
+    };
+    let (kept, changed) = (at("kept"), at("changed"));
+    let (next, _) = new_core(cfg());
+    next.preload_warm(leader.index_snapshot());
+    let mut feed = next.subscribe_index();
+    let item = |key: &str, (generation, offset): (u64, u64)| InventoryItem {
+        key: key.into(),
+        offset,
+        size: BLOCK,
+        generation,
+        disk: false,
+    };
+    let out = next
+        .mount_parts(
+            "owner",
+            "c",
+            desc("a:1", 4 * BLOCK),
+            vec![item("kept", kept)],
+            true,
+        )
+        .expect("remount");
+    assert_eq!(out.accepted, 1);
+    assert!(
+        matches!(feed.try_recv().as_deref(), Ok(IndexChange::Mounted { .. })),
+        "the remount itself is sent"
+    );
+    assert!(
+        feed.try_recv().is_err(),
+        "a confirmed entry is no change for the standbys"
+    );
+    assert_eq!(
+        next.allocated_bytes(),
+        BLOCK,
+        "the confirmed range is reserved"
+    );
+    let newer = (changed.0 + 1, changed.1);
+    next.mount_inventory("owner", "a:1", "i-a:1", vec![item("changed", newer)], true)
+        .expect("last part");
+    assert!(
+        matches!(feed.try_recv().as_deref(), Ok(IndexChange::Entry(e)) if e.key == "changed" && e.generation == newer.0),
+        "an entry the owner holds at another generation replaces the copy's and is sent"
+    );
+    let l = next.get_replica_list("kept").expect("confirmed");
+    assert_eq!((l.generation, l.replicas[0].offset), kept);
+    // The segment has room for two more blocks, never over the confirmed ones.
+    for k in ["new1", "new2"] {
+        put(&next, k, BLOCK, &opts(1)).await;
+        let off = next.get_replica_list(k).expect("placed").replicas[0].offset;
+        assert!(
+            off != kept.1 && off != changed.1,
+            "{k} placed over an owner's range at {off}"
+        );
+    }
+}
