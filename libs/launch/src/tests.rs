@@ -19,7 +19,11 @@ fn the_listening_line_is_read_back_with_its_fields() {
     assert_eq!(f["admin"], "127.0.0.1:9003");
     // The stderr line has no rpc=, so it was not taken for the announcement; it is kept with
     // the output. Stderr is read by its own thread, so wait for it rather than race it.
-    assert!(p.wait_for_line("a log line", WAIT).unwrap().contains("listening"));
+    assert!(
+        p.wait_for_line("a log line", WAIT)
+            .unwrap()
+            .contains("listening")
+    );
 }
 
 #[test]
