@@ -265,19 +265,13 @@ impl MasterCore {
             Some(existing) => {
                 // An older copy: the inventory's is newer, so it wins.
                 displaced = self.pending_frees(existing);
-                *existing = Object {
-                    generation: item.generation,
-                    size: item.size,
-                    replicas: vec![loc],
-                    state: ObjectState::Complete,
-                    client_id: client_id.to_string(),
-                    put_start: now,
-                    lease_until: None,
-                    soft_pin_until: None,
-                    hard_pinned: false,
-                    last_access: now,
-                    promoting: false,
-                };
+                *existing = Object::complete(
+                    item.generation,
+                    item.size,
+                    vec![loc],
+                    client_id.to_string(),
+                    now,
+                );
                 self.emit_stored(&item.key, (item.generation, item.size), &existing.replicas);
             }
             None => {
@@ -288,19 +282,13 @@ impl MasterCore {
                 );
                 shard.insert(
                     item.key.clone(),
-                    Object {
-                        generation: item.generation,
-                        size: item.size,
-                        replicas: vec![loc],
-                        state: ObjectState::Complete,
-                        client_id: client_id.to_string(),
-                        put_start: now,
-                        lease_until: None,
-                        soft_pin_until: None,
-                        hard_pinned: false,
-                        last_access: now,
-                        promoting: false,
-                    },
+                    Object::complete(
+                        item.generation,
+                        item.size,
+                        vec![loc],
+                        client_id.to_string(),
+                        now,
+                    ),
                 );
             }
         }

@@ -226,6 +226,30 @@ pub(super) struct Object {
 }
 
 impl Object {
+    /// A complete object the index learned from an owner's inventory or a warm copy, not from
+    /// a put: no lease, no pins, accessed now.
+    pub(super) fn complete(
+        generation: u64,
+        size: u64,
+        replicas: Vec<ReplicaLoc>,
+        client_id: String,
+        now: Instant,
+    ) -> Object {
+        Object {
+            generation,
+            size,
+            replicas,
+            state: ObjectState::Complete,
+            client_id,
+            put_start: now,
+            lease_until: None,
+            soft_pin_until: None,
+            hard_pinned: false,
+            last_access: now,
+            promoting: false,
+        }
+    }
+
     pub(super) fn leased(&self, now: Instant) -> bool {
         self.lease_until.is_some_and(|t| t > now)
     }

@@ -173,19 +173,7 @@ impl MasterCore {
             }
             self.shard(&e.key).lock().insert(
                 e.key,
-                Object {
-                    generation: e.generation,
-                    size: e.size,
-                    replicas,
-                    state: ObjectState::Complete,
-                    client_id,
-                    put_start: now,
-                    lease_until: None,
-                    soft_pin_until: None,
-                    hard_pinned: false,
-                    last_access: now,
-                    promoting: false,
-                },
+                Object::complete(e.generation, e.size, replicas, client_id, now),
             );
             loaded += 1;
         }
