@@ -55,6 +55,7 @@ pub fn device_stats() -> PyResult<HashMap<&'static str, u64>> {
     let s = fake::stats().map_err(err)?;
     Ok(HashMap::from([
         ("d2h_copies", s.d2h_copies),
+        ("copies_2d", s.copies_2d),
         ("h2d_copies", s.h2d_copies),
         ("d2h_bytes", s.d2h_bytes),
         ("h2d_bytes", s.h2d_bytes),

@@ -561,6 +561,9 @@ impl TransferEngine {
             .into_iter()
             .map(|l| parking_lot::Mutex::new(Some(l)))
             .collect();
+        // Each thread takes one contiguous share of the batch: consecutive blocks, placed back
+        // to back, coalesce into few device copies (Copier::flush); interleaved they would not.
+        let share = slots.len().div_ceil(helpers + 1).max(1);
         let next = std::sync::atomic::AtomicUsize::new(0);
         let work = || {
             let mut out = Vec::new();
@@ -568,9 +571,8 @@ impl TransferEngine {
                 return out;
             };
             let mut started = Vec::new();
-            loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(slot) = slots.get(i) else { break };
+            let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            for slot in slots.iter().skip(k * share).take(share) {
                 if let Some((i, s, r)) = slot.lock().take() {
                     match local::start(&s, r, &mut c) {
                         Ok(q) => started.push((i, s, q)),

@@ -111,7 +111,7 @@ impl Mapping {
 }
 
 /// Copies `src` pieces (host or device) into the mapping at `offset`: host pieces now, device
-/// pieces queued on `c` as one DMA each into the (pinned) mapping. The range must have been
+/// pieces queued on `c` as DMA into the (pinned) mapping (coalesced when `c` flushes). The range must have been
 /// checked, and must not be read before `c` synchronized.
 pub(crate) fn queue_in(
     m: &Mapping,

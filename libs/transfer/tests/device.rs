@@ -225,3 +225,95 @@ fn raw_regions_on_a_device_are_written_and_read_by_dma() {
         MemKind::Device { ordinal: 0 }
     );
 }
+
+/// vLLM's MooncakeStoreConnector batch: one tensor per layer shaped (K/V, blocks, block), an
+/// object per block made of one piece per layer per K/V, the objects placed back to back. In
+/// process and over shm the whole batch moves in one 2D copy per (layer, K/V), not one call per
+/// piece, and every byte lands where its piece says.
+#[test]
+fn a_vllm_shaped_batch_moves_in_one_2d_copy_per_layer_and_kv() {
+    double();
+    let fx = server();
+    let (layers, blocks, bb, n) = (3usize, 16usize, 4096usize, 8usize);
+    let obj = 2 * layers * bb;
+    let src: Vec<Dev> = (0..layers).map(|_| Dev::new(2 * blocks * bb)).collect();
+    let dst: Vec<Dev> = (0..layers).map(|_| Dev::new(2 * blocks * bb)).collect();
+    for (l, t) in src.iter().enumerate() {
+        double()
+            .write(t.addr, &pattern(2 * blocks * bb, 40 + l as u8))
+            .unwrap();
+    }
+    let pieces = |t: &[Dev], i: usize| -> Vec<usize> {
+        t.iter()
+            .flat_map(|d| (0..2).map(move |k| (k * blocks + i) * bb + d.addr))
+            .collect()
+    };
+    let keys: Vec<String> = (0..n).map(|i| format!("block{i}")).collect();
+    let local = TransferEngine::new(TransferOptions {
+        copy_threads: 1,
+        ..TransferOptions::default()
+    });
+    local.attach_local(&fx.s);
+    let shm = TransferEngine::new(TransferOptions {
+        enable_shm: true,
+        copy_threads: 1,
+        ..TransferOptions::default()
+    });
+    for (round, e) in [&local, &shm].into_iter().enumerate() {
+        let base = round * n * obj;
+        let before = double().stats();
+        let mut reqs: Vec<TransferRequest<'_>> = (0..n)
+            .map(|i| TransferRequest::Write {
+                target: &fx.t,
+                generation: 500 + (round * n + i) as u64,
+                key: &keys[i],
+                offset: (base + i * obj) as u64,
+                src: pieces(&src, i)
+                    .into_iter()
+                    // SAFETY: device addresses, handed only to the transfer library.
+                    .map(|a| unsafe { std::slice::from_raw_parts(a as *const u8, bb) })
+                    .collect(),
+            })
+            .collect();
+        assert!(e.batch(&mut reqs).iter().all(|r| r.is_ok()));
+        drop(reqs);
+        let put = double().stats();
+        assert_eq!(put.d2h_copies - before.d2h_copies, (n * 2 * layers) as u64);
+        assert_eq!(
+            put.copies_2d - before.copies_2d,
+            (2 * layers) as u64,
+            "path {round}"
+        );
+        let mut reqs: Vec<TransferRequest<'_>> = (0..n)
+            .map(|i| TransferRequest::Read {
+                target: &fx.t,
+                generation: 500 + (round * n + i) as u64,
+                offset: (base + i * obj) as u64,
+                dst: pieces(&dst, i)
+                    .into_iter()
+                    // SAFETY: as above; the pieces are disjoint.
+                    .map(|a| unsafe { std::slice::from_raw_parts_mut(a as *mut u8, bb) })
+                    .collect(),
+            })
+            .collect();
+        assert!(e.batch(&mut reqs).iter().all(|r| r.is_ok()));
+        drop(reqs);
+        let get = double().stats();
+        assert_eq!(
+            get.copies_2d - put.copies_2d,
+            (2 * layers) as u64,
+            "path {round}"
+        );
+        for (l, t) in dst.iter().enumerate() {
+            let want = pattern(2 * blocks * bb, 40 + l as u8);
+            for k in 0..2 {
+                let at = k * blocks * bb;
+                assert_eq!(
+                    t.bytes(at, n * bb),
+                    &want[at..at + n * bb],
+                    "path {round} layer {l} kv {k}"
+                );
+            }
+        }
+    }
+}

@@ -6,7 +6,7 @@
 //! primary context of the pointer's device (`CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`) and makes it
 //! current on the copying thread before it creates or uses a stream there.
 //!
-//! Not run on a real GPU in the session that wrote it (docs/GPU.md says what was).
+//! Ran on an H200 (driver 580) through `make test-gpu`; docs/GPU.md says what did and did not.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
@@ -30,8 +30,14 @@ const CU_MEMORYTYPE_HOST: c_uint = 1;
 const CU_MEMORYTYPE_DEVICE: c_uint = 2;
 const CU_MEMORYTYPE_ARRAY: c_uint = 3;
 const CU_MEMORYTYPE_UNIFIED: c_uint = 4;
-/// Streams that do not synchronize with the legacy default stream (torch's work on it).
-const CU_STREAM_NON_BLOCKING: c_uint = 1;
+/// Blocking streams: a copy queued on one waits for work queued before it on the context's legacy
+/// default stream, which is torch's default stream. Upstream copies with `cudaMemcpy` (ordered
+/// after that work the same way), so an engine that writes its KV cache with kernels and calls
+/// the store without synchronizing reads finished bytes on lunakv as on Mooncake. A
+/// non-blocking stream would race those kernels (`make test-gpu` checks the ordering).
+const CU_STREAM_DEFAULT: c_uint = 0;
+/// What cuPointerGetAttribute answers on a thread with no current context (some drivers).
+const CUDA_ERROR_INVALID_CONTEXT: CuResult = 201;
 /// Registered memory is pinned for every context, not only the current one.
 const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
 
@@ -49,9 +55,31 @@ struct Api {
     memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize, CuStream) -> CuResult,
     memcpy_htod_async:
         unsafe extern "C" fn(CuDevicePtr, *const c_void, usize, CuStream) -> CuResult,
+    memcpy_2d_async: unsafe extern "C" fn(*const Memcpy2D, CuStream) -> CuResult,
     mem_host_register: unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CuResult,
     mem_host_unregister: unsafe extern "C" fn(*mut c_void) -> CuResult,
     get_error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+}
+
+/// `CUDA_MEMCPY2D` (cuda.h, unchanged since CUDA 3.2): a pitched copy between linear memories.
+#[repr(C)]
+struct Memcpy2D {
+    src_x_in_bytes: usize,
+    src_y: usize,
+    src_memory_type: c_uint,
+    src_host: *const c_void,
+    src_device: CuDevicePtr,
+    src_array: *mut c_void,
+    src_pitch: usize,
+    dst_x_in_bytes: usize,
+    dst_y: usize,
+    dst_memory_type: c_uint,
+    dst_host: *mut c_void,
+    dst_device: CuDevicePtr,
+    dst_array: *mut c_void,
+    dst_pitch: usize,
+    width_in_bytes: usize,
+    height: usize,
 }
 
 /// The loaded driver. The library handle is never closed: function pointers outlive any user.
@@ -135,6 +163,7 @@ impl Cuda {
                 stream_synchronize: sym(handle, &[c"cuStreamSynchronize"])?,
                 memcpy_dtoh_async: sym(handle, &[c"cuMemcpyDtoHAsync_v2"])?,
                 memcpy_htod_async: sym(handle, &[c"cuMemcpyHtoDAsync_v2"])?,
+                memcpy_2d_async: sym(handle, &[c"cuMemcpy2DAsync_v2"])?,
                 mem_host_register: sym(handle, &[c"cuMemHostRegister_v2", c"cuMemHostRegister"])?,
                 mem_host_unregister: sym(handle, &[c"cuMemHostUnregister"])?,
                 get_error_name: sym(handle, &[c"cuGetErrorName"])?,
@@ -229,14 +258,25 @@ impl Cuda {
 
     fn attribute(&self, attr: c_int, addr: usize) -> Result<Option<c_uint>, DeviceError> {
         let mut v: c_uint = 0;
-        // SAFETY: both attributes asked for are 32-bit values written to `v`.
-        let r = unsafe {
-            (self.api.pointer_get_attribute)(
-                (&mut v as *mut c_uint).cast(),
-                attr,
-                addr as CuDevicePtr,
-            )
+        let ask = |v: &mut c_uint| {
+            // SAFETY: both attributes asked for are 32-bit values written to `v`.
+            unsafe {
+                (self.api.pointer_get_attribute)(
+                    (v as *mut c_uint).cast(),
+                    attr,
+                    addr as CuDevicePtr,
+                )
+            }
         };
+        let mut r = ask(&mut v);
+        if r == CUDA_ERROR_INVALID_CONTEXT {
+            // A thread that never touched CUDA (a copy thread, a Python thread before torch):
+            // UVA answers for every context once any is current, so device 0's will do. Were
+            // this answered "host", the CPU would dereference a device address.
+            let prev = self.bind_thread(0)?;
+            r = ask(&mut v);
+            self.restore_thread(prev);
+        }
         match r {
             CUDA_SUCCESS => Ok(Some(v)),
             CUDA_ERROR_INVALID_VALUE => Ok(None),
@@ -298,7 +338,7 @@ impl DeviceLayer for Cuda {
         let mut s: CuStream = std::ptr::null_mut();
         // SAFETY: valid out pointer; the device's context is current on this thread.
         self.check("cuStreamCreate", unsafe {
-            (self.api.stream_create)(&mut s, CU_STREAM_NON_BLOCKING)
+            (self.api.stream_create)(&mut s, CU_STREAM_DEFAULT)
         })?;
         Ok(s as usize as StreamId)
     }
@@ -328,6 +368,111 @@ impl DeviceLayer for Cuda {
                 (self.api.memcpy_htod_async)(dst as CuDevicePtr, src as *const c_void, len, s)
             }),
         }
+    }
+
+    unsafe fn copy_2d_async(
+        &self,
+        stream: StreamId,
+        dir: CopyDir,
+        dst: usize,
+        dst_pitch: usize,
+        src: usize,
+        src_pitch: usize,
+        width: usize,
+        height: usize,
+    ) -> Result<(), DeviceError> {
+        let (src_type, dst_type) = match dir {
+            CopyDir::DeviceToHost => (CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_HOST),
+            CopyDir::HostToDevice => (CU_MEMORYTYPE_HOST, CU_MEMORYTYPE_DEVICE),
+        };
+        let host = |a: usize| a as *mut c_void;
+        let dev = |a: usize| a as CuDevicePtr;
+        let m = Memcpy2D {
+            src_x_in_bytes: 0,
+            src_y: 0,
+            src_memory_type: src_type,
+            src_host: if src_type == CU_MEMORYTYPE_HOST {
+                host(src)
+            } else {
+                std::ptr::null_mut()
+            },
+            src_device: if src_type == CU_MEMORYTYPE_DEVICE {
+                dev(src)
+            } else {
+                0
+            },
+            src_array: std::ptr::null_mut(),
+            src_pitch,
+            dst_x_in_bytes: 0,
+            dst_y: 0,
+            dst_memory_type: dst_type,
+            dst_host: if dst_type == CU_MEMORYTYPE_HOST {
+                host(dst)
+            } else {
+                std::ptr::null_mut()
+            },
+            dst_device: if dst_type == CU_MEMORYTYPE_DEVICE {
+                dev(dst)
+            } else {
+                0
+            },
+            dst_array: std::ptr::null_mut(),
+            dst_pitch,
+            width_in_bytes: width,
+            height,
+        };
+        // SAFETY: `m` describes rows the caller vouches for (copy_2d_async's contract); the
+        // driver reads the struct during the call only.
+        let r = unsafe { (self.api.memcpy_2d_async)(&m, stream as usize as CuStream) };
+        if r == CUDA_SUCCESS {
+            return Ok(());
+        }
+        if r == CUDA_ERROR_INVALID_VALUE && height > 1 {
+            // Seen on an H200 (driver 580): a 2D copy is refused whose host rows span two
+            // registrations (segment granules pinned apart) or whose device rows span two
+            // allocations. Halves are tried until each lies within one; a refusal is checked
+            // before anything is queued, so nothing is copied twice.
+            let h = height / 2;
+            // SAFETY: the same rows, in two parts.
+            unsafe {
+                self.copy_2d_async(stream, dir, dst, dst_pitch, src, src_pitch, width, h)?;
+                return self.copy_2d_async(
+                    stream,
+                    dir,
+                    dst + h * dst_pitch,
+                    dst_pitch,
+                    src + h * src_pitch,
+                    src_pitch,
+                    width,
+                    height - h,
+                );
+            }
+        }
+        if height == 1 {
+            // SAFETY: one row, as the caller queued it.
+            return unsafe { self.copy_async(stream, dir, dst, src, width) };
+        }
+        // Any other refusal: the same rows one by one, once noted.
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        let why = self.error_name(r);
+        ONCE.call_once(|| {
+            tracing::warn!(
+                "cuMemcpy2DAsync refused {height} rows of {width} bytes (pitches {src_pitch}/{dst_pitch}): {why}; copying row by row"
+            )
+        });
+        for row in 0..height {
+            // SAFETY: as above, one row at a time.
+            unsafe {
+                self.copy_async(
+                    stream,
+                    dir,
+                    dst + row * dst_pitch,
+                    src + row * src_pitch,
+                    width,
+                )
+            }?;
+        }
+        Ok(())
     }
 
     fn synchronize(&self, stream: StreamId) -> Result<(), DeviceError> {

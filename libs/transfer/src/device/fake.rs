@@ -46,6 +46,8 @@ pub struct FakeStats {
     pub d2h_bytes: u64,
     pub h2d_bytes: u64,
     pub syncs: u64,
+    /// 2D copy calls ([`DeviceLayer::copy_2d_async`]); each row also counts in the copies.
+    pub copies_2d: u64,
     pub pins: u64,
     pub unpins: u64,
     /// Host bytes pinned now.
@@ -60,6 +62,7 @@ struct Counters {
     d2h_bytes: AtomicU64,
     h2d_bytes: AtomicU64,
     syncs: AtomicU64,
+    copies_2d: AtomicU64,
     pins: AtomicU64,
     unpins: AtomicU64,
     streams: AtomicU64,
@@ -186,6 +189,7 @@ impl Fake {
             d2h_bytes: c.d2h_bytes.load(Ordering::Relaxed),
             h2d_bytes: c.h2d_bytes.load(Ordering::Relaxed),
             syncs: c.syncs.load(Ordering::Relaxed),
+            copies_2d: c.copies_2d.load(Ordering::Relaxed),
             pins: c.pins.load(Ordering::Relaxed),
             unpins: c.unpins.load(Ordering::Relaxed),
             pinned_bytes: self.pinned.lock().values().map(|&l| l as u64).sum(),
@@ -276,6 +280,42 @@ impl DeviceLayer for &'static Fake {
             .get_mut(&stream)
             .ok_or_else(|| DeviceError::Invalid(format!("unknown fake stream {stream}")))?
             .push(op);
+        Ok(())
+    }
+
+    /// One call (counted in `copies_2d`) when the rows lie in one allocation, as CUDA's.
+    unsafe fn copy_2d_async(
+        &self,
+        stream: StreamId,
+        dir: CopyDir,
+        dst: usize,
+        dst_pitch: usize,
+        src: usize,
+        src_pitch: usize,
+        width: usize,
+        height: usize,
+    ) -> Result<(), DeviceError> {
+        if height == 0 || dst_pitch < width || src_pitch < width {
+            return Err(DeviceError::Invalid(format!(
+                "fake 2D copy: {height} rows of {width} bytes with pitches {src_pitch}/{dst_pitch}"
+            )));
+        }
+        let (dev, pitch) = match dir {
+            CopyDir::DeviceToHost => (src, src_pitch),
+            CopyDir::HostToDevice => (dst, dst_pitch),
+        };
+        let span = (height - 1) * pitch + width;
+        // CUDA refuses rows that span two allocations and the CUDA backend then splits the run;
+        // here each row is checked and queued on its own, which ends the same way.
+        if self.shadow(dev, span).is_some() {
+            self.counters.copies_2d.fetch_add(1, Ordering::Relaxed);
+        }
+        for r in 0..height {
+            // SAFETY: forwarded from the caller, row by row; the device span was checked.
+            unsafe {
+                self.copy_async(stream, dir, dst + r * dst_pitch, src + r * src_pitch, width)
+            }?;
+        }
         Ok(())
     }
 

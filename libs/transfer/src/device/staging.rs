@@ -146,6 +146,8 @@ pub(crate) fn write_all_staged<W: Write>(
                 )
             }
             .map_err(dev_io)?;
+            // Started now, so its DMA runs while chunk n is on the socket.
+            c.flush().map_err(dev_io)?;
         }
         // SAFETY: chunk n was synchronized above; the slice lives for this write only.
         let chunk = unsafe { std::slice::from_raw_parts(bufs.ptr(n), chunk_len(n)) };
@@ -174,6 +176,8 @@ pub(crate) fn read_exact_staged<R: Read>(r: &mut R, dst: &mut [&mut [u8]]) -> io
         c.sync().map_err(dev_io)?;
         // SAFETY: the buffer holds `len` received bytes and is not reused before the next sync.
         unsafe { scatter(&mut c, bufs.ptr(n), dst, n * CHUNK, len) }.map_err(dev_io)?;
+        // Started now, so its DMA runs while chunk n+1 arrives.
+        c.flush().map_err(dev_io)?;
     }
     c.sync().map_err(dev_io)
 }

@@ -140,3 +140,105 @@ fn without_an_nvidia_driver_cuda_does_not_load_and_says_why() {
         }
     }
 }
+
+fn d2h(dev: usize, host: usize, len: usize) -> super::Pending {
+    super::Pending {
+        ordinal: 0,
+        dir: CopyDir::DeviceToHost,
+        dev,
+        host,
+        len,
+    }
+}
+
+fn shape(runs: &[super::Run]) -> Vec<(usize, usize, usize, usize, usize, usize)> {
+    runs.iter()
+        .map(|r| (r.dev, r.dev_pitch, r.host, r.host_pitch, r.len, r.height))
+        .collect()
+}
+
+#[test]
+fn vllm_blocks_placed_back_to_back_coalesce_into_one_2d_copy_per_piece() {
+    // 2 layers x K/V, 4 blocks of 4 KiB per tensor; objects of 16 KiB at host 1 MiB + 16 KiB * i,
+    // queued object by object as the transfer path does.
+    let (bb, blocks, obj) = (4096usize, 4usize, 4 * 4096usize);
+    let bases = [0x7000_0000usize, 0x7100_0000];
+    let mut pending = Vec::new();
+    for i in 0..blocks {
+        for (l, base) in bases.iter().enumerate() {
+            for k in 0..2 {
+                let piece = l * 2 + k;
+                pending.push(d2h(
+                    base + (k * blocks + i) * bb,
+                    (1 << 20) + i * obj + piece * bb,
+                    bb,
+                ));
+            }
+        }
+    }
+    let runs = super::coalesce(pending);
+    // One run per (layer, K/V): 4 rows, device pitch one block, host pitch one object.
+    assert_eq!(runs.len(), 4, "{:?}", shape(&runs));
+    for r in &runs {
+        assert_eq!((r.dev_pitch, r.host_pitch, r.height), (bb, obj, blocks));
+    }
+}
+
+#[test]
+fn coalescing_merges_contiguous_runs_and_keeps_what_does_not_line_up_apart() {
+    assert!(super::coalesce(Vec::new()).is_empty());
+    // Contiguous on both sides: one run whose pitches equal the row (issued as one plain copy).
+    let runs = super::coalesce(vec![
+        d2h(0x2000, 0x10_0000, 0x1000),
+        d2h(0x1000, 0x0f_f000, 0x1000),
+    ]);
+    assert_eq!(
+        shape(&runs),
+        vec![(0x1000, 0x1000, 0x0f_f000, 0x1000, 0x1000, 2)]
+    );
+    // Host side descending while the device side ascends: no positive pitch fits, two copies.
+    let runs = super::coalesce(vec![
+        d2h(0x1000, 0x20_0000, 0x100),
+        d2h(0x2000, 0x10_0000, 0x100),
+    ]);
+    assert_eq!(runs.len(), 2);
+    // Rows overlapping on the host side (pitch under the row size) are not one 2D copy.
+    let runs = super::coalesce(vec![
+        d2h(0x1000, 0x10_0000, 0x100),
+        d2h(0x2000, 0x10_0080, 0x100),
+    ]);
+    assert_eq!(runs.len(), 2);
+    // Different sizes, directions or devices never share a run.
+    let mut h2d = d2h(0x2000, 0x10_1000, 0x1000);
+    h2d.dir = CopyDir::HostToDevice;
+    let mut other = d2h(0x3000, 0x10_2000, 0x1000);
+    other.ordinal = 1;
+    let runs = super::coalesce(vec![
+        d2h(0x1000, 0x10_0000, 0x1000),
+        h2d,
+        other,
+        d2h(0x4000, 0x10_3000, 0x800),
+    ]);
+    assert_eq!(runs.len(), 4);
+    // A pitch past what a 2D copy takes (2^31 - 1) is issued row by row.
+    let far = super::MAX_PITCH + 1;
+    let runs = super::coalesce(vec![
+        d2h(0x1000, 0x1000, 0x100),
+        d2h(0x1000 + far, 0x2000, 0x100),
+    ]);
+    assert_eq!(runs.len(), 2);
+    // A third row that breaks the pitch starts a new run.
+    let runs = super::coalesce(vec![
+        d2h(0x1000, 0x10_0000, 0x100),
+        d2h(0x2000, 0x20_0000, 0x100),
+        d2h(0x3000, 0x30_0000, 0x100),
+        d2h(0x4000, 0x30_1000, 0x100),
+    ]);
+    assert_eq!(
+        shape(&runs),
+        vec![
+            (0x1000, 0x1000, 0x10_0000, 0x10_0000, 0x100, 3),
+            (0x4000, 0x100, 0x30_1000, 0x100, 0x100, 1)
+        ]
+    );
+}
