@@ -90,8 +90,9 @@ test-gpu: gpu-bundle
 .PHONY: images e2e-compose
 
 ## Container images lunakv/{master,store,bootstrap,sidecar,engine-sim,cli,etcd,prometheus}:dev: cargo build
-## --release, then (once) a debootstrap'd debian:bookworm-slim base, then docker build. No registry
-## needed. LUNAKV_PROFILE=debug builds them from target/debug instead.
+## --release with the `rdma` feature (libibverbs loaded at run time; LUNAKV_RDMA=0 without), then
+## (once) a debootstrap'd debian:bookworm-slim base, then docker build. No registry needed.
+## LUNAKV_PROFILE=debug builds them from target/debug instead.
 ## Also lunakv/python:dev (the `mooncake` package, built with maturin, for engine pods' init
 ## container) and lunakv/vllm-standin:dev (a test double of vLLM's image; deploy/README.md).
 images:

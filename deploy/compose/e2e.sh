@@ -226,6 +226,16 @@ else
     fail "bootstrap replica on the shared etcd table does not list prefill-0: $replica_query"
 fi
 
+step "the store image carries the rdma transport"
+# Built with the `rdma` feature and libibverbs in the image: asked for rdma on a host with no
+# RDMA device, the store says so and serves tcp. A build without the feature would say "this
+# lunakv build has no RDMA transport"; one that failed to load libibverbs would not start.
+if "${COMPOSE[@]}" logs store 2>&1 | grep -q 'requested but unavailable (no RDMA device found'; then
+    ok "store: protocol rdma requested, no RDMA device here: one WARN line, serving tcp"
+else
+    fail "store log lacks the rdma fallback line: $("${COMPOSE[@]}" logs store 2>&1 | grep -i rdma | head -n 3)"
+fi
+
 step "lunakv doctor inside the stack"
 # The same flags an operator gives it (deploy/README.md): the engine config the CLI container
 # mounts, the store-client's admin port and offload volume, the prefill's bootstrap, and the

@@ -5,7 +5,11 @@
 #   SKIP_CARGO=1 deploy/docker/build-images.sh   # reuse target/release binaries
 #   deploy/docker/build-images.sh master cli     # only these images
 #
-# 1. `cargo build --release --bins` on the host (the images only COPY binaries in).
+# 1. `cargo build --release --bins --features lunakv-store/rdma` on the host (the images only COPY
+#    binaries in). The `rdma` feature loads libibverbs at run time (docs/RDMA.md): the store
+#    serves "rdma" where the node has an RDMA device, else tcp after one WARN line, and starts
+#    where libibverbs is absent. The wheel of lunakv/python is built with it too. LUNAKV_RDMA=0
+#    builds both without it.
 # 2. The base image `debian:bookworm-slim`: if the engine has no image under that tag (nothing can
 #    be pulled here), debootstrap a minimal bookworm rootfs from the Debian mirror apt already uses
 #    and `docker import` it under that tag. Skipped when the tag exists, so where a registry exists
@@ -14,7 +18,8 @@
 #    stripped), lunakv-probe (the healthcheck), etcd and etcdctl (Debian's
 #    etcd-server and etcd-client binaries: compose's etcd, the k8s etcd user setup),
 #    debs-prometheus/ (Debian's prometheus package and what it needs beyond the base, for compose's
-#    `observability` profile).
+#    `observability` profile), debs-rdma/ (libibverbs1, ibverbs-providers, librdmacm1 for
+#    lunakv/store: what the rdma transport loads).
 # 4. `docker build -f deploy/docker/<name>.Dockerfile -t lunakv/<name>:$TAG target/docker-context`.
 #
 # Environment: TAG (default dev), LUNAKV_DEBIAN_MIRROR (default: apt's), SKIP_CARGO=1,
@@ -29,6 +34,12 @@ PROFILE=${LUNAKV_PROFILE:-release}
 case "$PROFILE" in release) CARGO_PROFILE=(--release) ;; debug) CARGO_PROFILE=() ;;
     *) echo "build-images: LUNAKV_PROFILE must be release or debug" >&2; exit 2 ;; esac
 BASE_TAG=debian:bookworm-slim
+RDMA_FEATURES=()
+WHEEL_FEATURES=()
+if [ "${LUNAKV_RDMA:-1}" != 0 ]; then
+    RDMA_FEATURES=(--features lunakv-store/rdma)
+    WHEEL_FEATURES=(--features rdma)
+fi
 CTX="$ROOT/target/docker-context"
 ALL=(master store bootstrap sidecar engine-sim cli etcd prometheus)
 # lunakv/python (the `mooncake` package for engine pods, from the abi3 wheel) and the TEST DOUBLE
@@ -36,6 +47,7 @@ ALL=(master store bootstrap sidecar engine-sim cli etcd prometheus)
 ALL+=(python vllm-standin)
 IMAGES=("$@")
 [ ${#IMAGES[@]} -eq 0 ] && IMAGES=("${ALL[@]}")
+want_image() { local i; for i in "${IMAGES[@]}"; do [ "$i" = "$1" ] && return 0; done; return 1; }
 export DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0}
 
 log() { printf '== %s\n' "$*" >&2; }
@@ -46,8 +58,8 @@ docker info >/dev/null 2>&1 || die "the Docker engine is not reachable (is docke
 
 # --- 1. binaries -----------------------------------------------------------------------------
 if [ "${SKIP_CARGO:-0}" != 1 ]; then
-    log "cargo build ${CARGO_PROFILE[*]} --bins"
-    cargo build "${CARGO_PROFILE[@]}" --bins
+    log "cargo build ${CARGO_PROFILE[*]} --bins ${RDMA_FEATURES[*]}"
+    cargo build "${CARGO_PROFILE[@]}" --bins ${RDMA_FEATURES[@]+"${RDMA_FEATURES[@]}"}
 fi
 
 # --- 2. base image ---------------------------------------------------------------------------
@@ -127,32 +139,41 @@ if [ "$need_etcd" = 1 ]; then
     done
 fi
 
-need_prometheus=0
-for i in "${IMAGES[@]}"; do [ "$i" = prometheus ] && need_prometheus=1; done
-if [ "$need_prometheus" = 1 ]; then
-    # Debian's prometheus package and exactly what it needs beyond the base image: apt resolves
-    # against the base's own dpkg status and downloads on the host, so `docker build` installs
-    # them offline (dpkg -i) and needs no network, like the etcd image.
-    log "apt: downloading prometheus and its dependencies missing from $BASE_TAG"
+# Debian packages and exactly what they need beyond the base image: apt resolves against the
+# base's own dpkg status and downloads on the host, so `docker build` installs them offline
+# (dpkg -i) and needs no network, like the etcd image. download_debs DIR PACKAGE...
+download_debs() {
+    local dir=$1; shift
+    log "apt: downloading $* and their dependencies missing from $BASE_TAG"
+    local tmp
     tmp=$(mktemp -d)
-    mkdir -p "$tmp/archives/partial" "$CTX/debs-prometheus"
+    mkdir -p "$tmp/archives/partial" "$CTX/$dir"
     docker run --rm --entrypoint cat "$BASE_TAG" /var/lib/dpkg/status >"$tmp/status" \
         || { rm -rf "$tmp"; die "cannot read the dpkg status of $BASE_TAG"; }
     if ! apt-get install -qq --download-only --no-install-recommends \
         -o Debug::NoLocking=1 -o Dir::State::status="$tmp/status" \
-        -o Dir::Cache::archives="$tmp/archives" prometheus >"$tmp/apt.log" 2>&1; then
+        -o Dir::Cache::archives="$tmp/archives" "$@" >"$tmp/apt.log" 2>&1; then
         cat "$tmp/apt.log" >&2; rm -rf "$tmp"
-        die "apt-get could not download prometheus (run apt-get update first?)"
+        die "apt-get could not download $* (run apt-get update first?)"
     fi
-    mv "$tmp"/archives/*.deb "$CTX/debs-prometheus/"
+    # Nothing to download (all in the base already) leaves an empty directory: dpkg is skipped.
+    find "$tmp/archives" -maxdepth 1 -name '*.deb' -exec mv {} "$CTX/$dir/" \;
     rm -rf "$tmp"
+}
+
+if want_image prometheus; then
+    download_debs debs-prometheus prometheus
+fi
+if want_image store; then
+    # What the rdma transport dlopens (libibverbs.so.1, librdmacm.so.1, the mlx5 and other
+    # providers). Without them the store still starts and serves tcp.
+    download_debs debs-rdma libibverbs1 ibverbs-providers librdmacm1
 fi
 
 # --- 3b. lunakv/python: the wheel; lunakv/vllm-standin: Debian's python3 --------------------
 # Environment: VENV (a venv with maturin; default <repo>/.venv, created with maturin if absent),
 # LUNAKV_ENGINE_GLIBC (default 2.35, vLLM's Ubuntu 22.04 image: the newest glibc the extension
 # may need). SKIP_CARGO=1 reuses target/python-wheel.
-want_image() { local i; for i in "${IMAGES[@]}"; do [ "$i" = "$1" ] && return 0; done; return 1; }
 
 # The highest GLIBC_x.y symbol version a shared object needs.
 glibc_needed() { objdump -T "$1" | grep -oE 'GLIBC_[0-9]+(\.[0-9]+)+' | sed 's/GLIBC_//' | sort -uV | tail -n1; }
@@ -176,6 +197,7 @@ if want_image python; then
         log "maturin build ${wheel_profile[*]} (bindings/python, the mooncake package)"
         rm -rf "$WHEEL_DIR"
         "$VENV/bin/maturin" build -q -m "$ROOT/bindings/python/Cargo.toml" "${wheel_profile[@]}" --strip \
+            ${WHEEL_FEATURES[@]+"${WHEEL_FEATURES[@]}"} \
             -i "$VENV/bin/python" -o "$WHEEL_DIR" >&2 || die "maturin build of bindings/python failed"
     fi
     wheel=$(ls "$WHEEL_DIR"/lunakv-*.whl | head -n1)

@@ -1,13 +1,21 @@
 # lunakv/store: the store-client (a DRAM segment, transfer 50052, /metrics 9004). --host must be
 # an address peers can dial: $(POD_IP) is expanded by lunakv-entrypoint (or by Kubernetes).
 # Build context: target/docker-context (deploy/docker/build-images.sh stages it: bin/<release
-# binaries>, lunakv-probe, lunakv-entrypoint). Where a registry exists this file builds unchanged
+# binaries>, lunakv-probe, lunakv-entrypoint, debs-rdma/). Where a registry exists this file builds unchanged
 # on the real debian:bookworm-slim; here the base is a debootstrap rootfs imported under that tag.
 FROM debian:bookworm-slim
 
 RUN groupadd --system --gid 10001 lunakv \
  && useradd --system --uid 10001 --gid lunakv --home-dir /var/lib/lunakv --create-home \
         --shell /usr/sbin/nologin lunakv
+
+# What the rdma transport loads at run time (libibverbs1, ibverbs-providers, librdmacm1; the
+# binary is built with the `rdma` feature): downloaded on the build host into debs-rdma/, so
+# this needs no network. A node without an RDMA device serves tcp after one WARN line.
+COPY debs-rdma/ /tmp/debs/
+RUN if ls /tmp/debs/*.deb >/dev/null 2>&1; then \
+        DEBIAN_FRONTEND=noninteractive dpkg -i /tmp/debs/*.deb >/dev/null; fi \
+ && rm -rf /tmp/debs /usr/share/doc/* /usr/share/man/*
 
 COPY lunakv-probe lunakv-entrypoint /usr/local/bin/
 COPY bin/lunakv-store /usr/local/bin/lunakv-store
