@@ -120,3 +120,43 @@ fn a_master_with_tokens_admits_only_holders_and_remove_all_only_the_admin() {
     let gone = cli(&addr, &["get", "guarded"], &[("LUNAKV_AUTH_TOKEN", POOL)]);
     assert!(!gone.status.success());
 }
+
+/// `lunakv doctor`'s security row asks the master itself: one status call without credentials.
+/// A master started with the pool token turns it away (its owners then require capabilities);
+/// one started without answers it, which on loopback is fine and said as such.
+#[test]
+fn doctor_tells_a_master_that_requires_the_token_from_one_that_does_not() {
+    let row = |addr: &str, env: &[(&str, &str)]| -> serde_json::Value {
+        let out = cli(addr, &["--json", "doctor"], env);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("no JSON ({e}): {}", String::from_utf8_lossy(&out.stderr)));
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "security")
+            .cloned()
+            .expect("a security row")
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let guarded = {
+        let _env = child_env(&[("LUNAKV_AUTH_TOKEN", POOL)]);
+        Master::start(&dir.path().join("guarded"), &[])
+    };
+    let r = row(&guarded.addr(), &[("LUNAKV_AUTH_TOKEN", POOL)]);
+    assert_eq!(r["status"], "pass", "{r}");
+    assert!(
+        r["detail"]
+            .as_str()
+            .unwrap()
+            .contains("refuses callers without the pool token"),
+        "{r}"
+    );
+    let open = Master::start(&dir.path().join("open"), &[]);
+    let r = row(&open.addr(), &[]);
+    assert_eq!(r["status"], "pass", "{r}");
+    assert!(
+        r["detail"].as_str().unwrap().contains("asks no token"),
+        "{r}"
+    );
+}

@@ -790,6 +790,31 @@ pub(crate) fn master_client(channel: Channel) -> Result<Rpc, ClientError> {
     )
 }
 
+/// Whether the master at `addr` turns away a caller that presents no pool token: one status
+/// call on a fresh connection without credentials (`lunakv doctor`'s security row).
+pub(crate) async fn refuses_anonymous(addr: &str, timeout: Duration) -> Result<bool, ClientError> {
+    let rpc_err = |message: String| ClientError::Rpc {
+        addr: addr.to_owned(),
+        message,
+    };
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .map_err(|e| rpc_err(format!("not a valid address ({e})")))?
+        .connect_timeout(Duration::from_secs(3).min(timeout))
+        .timeout(timeout)
+        .connect()
+        .await
+        .map_err(|e| rpc_err(format!("cannot connect ({})", source_chain(&e))))?;
+    let mut anonymous = MasterClient::new(channel);
+    match anonymous
+        .get_cluster_status(pb::GetClusterStatusRequest {})
+        .await
+    {
+        Ok(_) => Ok(false),
+        Err(s) if s.code() == tonic::Code::Unauthenticated => Ok(true),
+        Err(s) => Err(rpc_err(format!("status without a token: {}", s.message()))),
+    }
+}
+
 pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Rpc, ClientError> {
     let uri = if addr.contains("://") {
         addr.to_owned()

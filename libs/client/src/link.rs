@@ -187,6 +187,11 @@ impl MasterLink {
         }
     }
 
+    /// The address calls go to now (the leader's, for an `etcd://` spec).
+    pub(crate) fn current_addr(&self) -> String {
+        self.0.current.read().addr.clone()
+    }
+
     /// Notified on every leader switch.
     pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
         self.0.changed.subscribe()

@@ -122,6 +122,18 @@ impl StoreClient {
             .map(ClusterStatus::from)
     }
 
+    /// Whether the current master turns away callers that present no pool token
+    /// (`LUNAKV_AUTH_TOKEN` on the master): one status call on a separate connection without
+    /// credentials. `lunakv doctor` reports a master that answers it as open to strangers.
+    pub fn master_refuses_anonymous(&self) -> Result<bool> {
+        self.check_open()?;
+        let addr = self.master.current_addr();
+        self.rt.block_on(crate::host::refuses_anonymous(
+            &addr,
+            Duration::from_secs(5),
+        ))
+    }
+
     /// Asks the master to move `key`'s DRAM copy to its owner's disk tier now (the SSD tier
     /// probe of `lunakv doctor`). Returns once the owner made the bytes durable.
     pub fn offload_key(&self, key: &str) -> Result<()> {

@@ -180,7 +180,14 @@ pub fn run(
     checks.push(check_connectors(a));
     checks.push(check_vllm_stats(a));
     checks.push(check_key_consistency(client.as_ref()));
-    checks.push(check_security(&target.master, &lunakv_config::process_env));
+    let anonymous = client
+        .as_ref()
+        .map(|c| c.master_refuses_anonymous().map_err(|e| e.to_string()));
+    checks.push(check_security(
+        &target.master,
+        &lunakv_config::process_env,
+        anonymous.as_ref(),
+    ));
 
     let failed = checks.iter().any(|c| c.status == Outcome::Fail);
     if json {
@@ -913,15 +920,27 @@ fn check_key_consistency(client: Option<&StoreClient>) -> Check {
 
 // === the admin endpoints, through lunakv's HTTP client ===
 
-/// GET `http://addr{path}` with a short timeout; (status, body).
-/// What protects the pool's control plane, as far as this client can tell (docs/SECURITY.md).
-/// An `etcd://` master: etcd must be reached over TLS and know who lunakv is (a client
-/// certificate or a user), or anyone who reaches etcd can redirect every client. A direct
-/// master: its gRPC has no authentication of its own yet, so only loopback or network policies
-/// keep strangers out.
-fn check_security(master: &str, env: &dyn Fn(&str) -> Option<String>) -> Check {
+/// What protects the pool (docs/SECURITY.md), as far as this client can tell:
+/// - an `etcd://` master: etcd must be reached over TLS and know who lunakv is (a client
+///   certificate or a user), or anyone who reaches etcd can redirect every client;
+/// - the master itself: `refuses_anonymous` is one status call without credentials
+///   ([`lunakv_client::StoreClient::master_refuses_anonymous`]). A master that turns it away
+///   requires the pool token of every caller, and its owners require its capabilities on their
+///   transfer ports; one that answers is open to whoever reaches it, unless that is only
+///   loopback.
+fn check_security(
+    master: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    refuses_anonymous: Option<&Result<bool, String>>,
+) -> Check {
     const NAME: &str = "security";
     const DOC: &str = "docs/SECURITY.md";
+    let tokens = match lunakv_config::auth::PoolTokens::from_env(env) {
+        Ok(t) => t,
+        Err(e) => return Check::fail(NAME, e.to_string(), "fix the variable it names"),
+    };
+    let mut warns: Vec<(String, String)> = Vec::new();
+    let mut passes: Vec<String> = Vec::new();
     if master.trim().starts_with("etcd://") {
         let creds = match lunakv_config::EtcdCredentials::from_env(env) {
             Ok(c) => c,
@@ -933,39 +952,35 @@ fn check_security(master: &str, env: &dyn Fn(&str) -> Option<String>) -> Check {
                 );
             }
         };
-        return match (&creds.ca, &creds.identity, &creds.user) {
-            (None, _, _) => Check::warn(
-                NAME,
+        match (&creds.ca, &creds.identity, &creds.user) {
+            (None, _, _) => warns.push((
                 "etcd is reached over plain http: whoever reaches etcd can rewrite master_view \
-                 and send every client to a master of their own",
+                 and send every client to a master of their own"
+                    .into(),
                 format!(
                     "serve etcd over TLS with --client-cert-auth and set LUNAKV_ETCD_CACERT, \
                      LUNAKV_ETCD_CERT, LUNAKV_ETCD_KEY (the ha overlay's components/etcd-tls \
                      does; {DOC})"
                 ),
-            ),
-            (Some(_), None, None) => Check::warn(
-                NAME,
+            )),
+            (Some(_), None, None) => warns.push((
                 "etcd is reached over TLS but lunakv presents no identity (no client \
-                 certificate, no etcd user), so etcd cannot tell lunakv from anyone else",
+                 certificate, no etcd user), so etcd cannot tell lunakv from anyone else"
+                    .into(),
                 format!(
                     "run etcd with --client-cert-auth and set LUNAKV_ETCD_CERT/KEY, or turn on \
                      etcd users and set LUNAKV_ETCD_USER ({DOC})"
                 ),
-            ),
-            (Some((ca, _)), id, user) => Check::pass(
-                NAME,
-                format!(
-                    "etcd over TLS (CA {}) as {}; the master's and stores' own ports are \
-                     guarded by network policies only ({DOC})",
-                    ca.display(),
-                    match (id, user) {
-                        (_, Some((u, _))) => format!("etcd user {u}"),
-                        _ => "the client certificate's CN".to_string(),
-                    }
-                ),
-            ),
-        };
+            )),
+            (Some((ca, _)), id, user) => passes.push(format!(
+                "etcd over TLS (CA {}) as {}",
+                ca.display(),
+                match (id, user) {
+                    (_, Some((u, _))) => format!("etcd user {u}"),
+                    _ => "the client certificate's CN".to_string(),
+                }
+            )),
+        }
     }
     let host = master
         .rsplit_once(':')
@@ -975,20 +990,51 @@ fn check_security(master: &str, env: &dyn Fn(&str) -> Option<String>) -> Check {
         || host
             .parse::<std::net::IpAddr>()
             .is_ok_and(|ip| ip.is_loopback());
-    if loopback {
-        Check::pass(NAME, format!("the master listens on loopback ({master})"))
+    let token_fix = format!(
+        "set LUNAKV_AUTH_TOKEN (or LUNAKV_AUTH_TOKEN_FILE) on the master, every store and every \
+         engine (the overlays' optional Secret lunakv-auth), and keep lunakv's ports closed to \
+         strangers with the NetworkPolicies (components/network-policy) ({DOC})"
+    );
+    match refuses_anonymous {
+        Some(Ok(true)) => passes.push(
+            "the master refuses callers without the pool token, and its owners require its \
+             capabilities on their transfer ports"
+                .into(),
+        ),
+        Some(Ok(false)) if loopback => passes.push(format!(
+            "the master listens on loopback ({master}) and asks no token"
+        )),
+        Some(Ok(false)) => warns.push((
+            format!(
+                "the master at {master} answers callers that present no pool token{}: anyone \
+                 who reaches it and the stores can read, overwrite and remove objects",
+                if tokens.presented().is_some() {
+                    " although this doctor has one (LUNAKV_AUTH_TOKEN): the master was started \
+                     without it"
+                } else {
+                    ""
+                }
+            ),
+            token_fix.clone(),
+        )),
+        Some(Err(e)) => warns.push((
+            format!("cannot tell whether the master requires a pool token: {e}"),
+            token_fix.clone(),
+        )),
+        None if loopback => passes.push(format!("the master listens on loopback ({master})")),
+        None => warns.push((
+            format!(
+                "the master at {master} was not reached, so whether it requires a pool token \
+                 is unknown"
+            ),
+            token_fix.clone(),
+        )),
+    }
+    if warns.is_empty() {
+        Check::pass(NAME, passes.join("; "))
     } else {
-        Check::warn(
-            NAME,
-            format!(
-                "the master at {master} has no authentication of its own yet: anyone who \
-                 reaches it and the stores can read, overwrite and remove objects"
-            ),
-            format!(
-                "keep lunakv's ports closed to strangers: the k8s overlays' NetworkPolicies \
-                 (components/network-policy) or a firewall ({DOC})"
-            ),
-        )
+        let (details, fixes): (Vec<String>, Vec<String>) = warns.into_iter().unzip();
+        Check::warn(NAME, details.join("; "), fixes.join("; "))
     }
 }
 
@@ -1015,6 +1061,7 @@ fn cause_of(e: &lunakv_http::HttpError) -> String {
     }
 }
 
+/// GET `http://addr{path}` with a short timeout; (status, body).
 fn http_get(addr: &str, path: &str) -> Result<(u16, String), GetError> {
     let timeout = Duration::from_secs(3);
     // Checked first so that a typo reads as one, not as a connection error.
@@ -1119,21 +1166,40 @@ mod tests {
     #[test]
     fn security_row_names_what_protects_the_control_plane() {
         let none = |_: &str| None::<String>;
+        let (open, guarded) = (Ok(false), Ok(true));
         assert_eq!(
-            check_security("127.0.0.1:50051", &none).status,
+            check_security("127.0.0.1:50051", &none, Some(&open)).status,
             Outcome::Pass
         );
-        let open = check_security("lunakv-master.lunakv.svc:50051", &none);
-        assert_eq!(open.status, Outcome::Warn);
+        let stranger = check_security("lunakv-master.lunakv.svc:50051", &none, Some(&open));
+        assert_eq!(stranger.status, Outcome::Warn);
+        let fix = stranger.fix.as_deref().unwrap_or("");
         assert!(
-            open.fix
-                .as_deref()
-                .unwrap_or("")
-                .contains("NetworkPolicies"),
-            "{:?}",
-            open.fix
+            fix.contains("NetworkPolicies") && fix.contains("LUNAKV_AUTH_TOKEN"),
+            "{fix}"
         );
-        let plain = check_security("etcd://e1:2379;e2:2379", &none);
+        let ok = check_security("lunakv-master.lunakv.svc:50051", &none, Some(&guarded));
+        assert_eq!(ok.status, Outcome::Pass, "{}", ok.detail);
+        assert!(ok.detail.contains("capabilities"), "{}", ok.detail);
+        // This doctor has the token but the master does not ask for it: started without it.
+        let with_token =
+            |k: &str| (k == "LUNAKV_AUTH_TOKEN").then(|| "doctor-token-0123456789".to_string());
+        let mismatch = check_security("10.0.0.7:50051", &with_token, Some(&open));
+        assert_eq!(mismatch.status, Outcome::Warn);
+        assert!(
+            mismatch.detail.contains("started without it"),
+            "{}",
+            mismatch.detail
+        );
+        let unknown = check_security("10.0.0.7:50051", &none, None);
+        assert_eq!(unknown.status, Outcome::Warn);
+        let short = |k: &str| (k == "LUNAKV_AUTH_TOKEN").then(|| "short".to_string());
+        assert_eq!(
+            check_security("10.0.0.7:50051", &short, Some(&guarded)).status,
+            Outcome::Fail
+        );
+
+        let plain = check_security("etcd://e1:2379;e2:2379", &none, Some(&guarded));
         assert_eq!(plain.status, Outcome::Warn);
         assert!(
             plain
@@ -1154,7 +1220,7 @@ mod tests {
         .unwrap();
         let pem = pem.display().to_string();
         let ca_only = |k: &str| (k == "LUNAKV_ETCD_CACERT").then(|| pem.clone());
-        let anon = check_security("etcd://e1:2379", &ca_only);
+        let anon = check_security("etcd://e1:2379", &ca_only, Some(&guarded));
         assert_eq!(anon.status, Outcome::Warn);
         assert!(anon.detail.contains("no identity"), "{}", anon.detail);
         let with_user = |k: &str| match k {
@@ -1162,7 +1228,7 @@ mod tests {
             "LUNAKV_ETCD_USER" => Some("lunakv:Hunter2-not-in-any-path".into()),
             _ => None,
         };
-        let ok = check_security("etcd://e1:2379", &with_user);
+        let ok = check_security("etcd://e1:2379", &with_user, Some(&guarded));
         assert_eq!(ok.status, Outcome::Pass, "{}", ok.detail);
         // The password is distinctive on purpose: the detail holds a random temp path,
         // and a short password like "pw" turns up in those by chance.
@@ -1171,9 +1237,14 @@ mod tests {
             "{}",
             ok.detail
         );
+        // etcd secured, the master open to strangers: still a warning.
+        assert_eq!(
+            check_security("etcd://e1:2379", &with_user, Some(&open)).status,
+            Outcome::Warn
+        );
         let broken = |k: &str| (k == "LUNAKV_ETCD_CACERT").then(|| "/nonexistent.pem".to_string());
         assert_eq!(
-            check_security("etcd://e1:2379", &broken).status,
+            check_security("etcd://e1:2379", &broken, Some(&guarded)).status,
             Outcome::Fail
         );
     }
