@@ -14,11 +14,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
 
-from conftest import connect, start_store, vllm_key
+from conftest import Proc, connect, start_store, vllm_key
 from mooncake import _lunakv_testing as dev
 from mooncake.engine import TransferEngine, TransferOpcode
 
@@ -175,6 +176,48 @@ def test_store_calls_move_device_buffers(request, monkeypatch, master, mode, kin
         x.free()
     for x in (a, b, c):
         x.free()
+
+
+@pytest.mark.parametrize("mode", ["embedded", "standalone-shm", "standalone-tcp"])
+def test_device_buffers_with_the_pool_secured(monkeypatch, mode):
+    """A GPU pod on a secured pool (docs/SECURITY.md): with LUNAKV_AUTH_TOKEN the owners require
+    capabilities on every transfer, and vLLM's device-memory save and load still move every byte
+    (the capability rides along the staged tcp path and the shm attach as with host buffers)."""
+    token = {"LUNAKV_AUTH_TOKEN": "gpu-pod-token-0123456789abcdef"}
+    with tempfile.TemporaryDirectory(prefix="lunakv-py-gpu-auth-") as d:
+        m = Proc("lunakv-master", ["--rpc_address=127.0.0.1", "--rpc_port=0", "--metrics_port=0",
+                                   f"--data_dir={d}"], token)
+        store = None
+        try:
+            addr = m.wait_for("listening")["rpc"].strip('",')
+            monkeypatch.setenv("LUNAKV_AUTH_TOKEN", token["LUNAKV_AUTH_TOKEN"])
+            if mode != "embedded":
+                store, _ = start_store(addr, "64MB", token)
+            if mode == "standalone-tcp":
+                monkeypatch.setenv("LUNAKV_DISABLE_SHM", "1")
+            s = connect(addr, 64 * MB if mode == "embedded" else 0)
+            layers, blocks, block_len = 4, 6, 40 * 1024 + 1
+            src = Cache("device", layers, blocks, block_len, offset=3)
+            dst = Cache("device", layers, blocks, block_len, offset=9)
+            src.fill(99)
+            src.register(s)
+            dst.register(s)
+            keys = [vllm_key(b, f"sec-{mode}") for b in range(blocks)]
+            ptrs, sizes = src.addrs(list(range(blocks)))
+            assert s.batch_put_from_multi_buffers(keys, ptrs, sizes) == [0] * blocks
+            assert s.batch_is_exist(keys) == [1] * blocks
+            order = list(reversed(range(blocks)))
+            dptrs, dsizes = dst.addrs(order)
+            assert s.batch_get_into_multi_buffers(keys, dptrs, dsizes) == [layers * block_len] * blocks
+            for i, blk in enumerate(order):
+                assert dst.block(blk) == src.block(i), f"block {i} -> {blk}"
+            assert s.close() == 0
+            src.free()
+            dst.free()
+        finally:
+            if store is not None:
+                store.stop()
+            m.stop()
 
 
 @pytest.mark.parametrize("kind", KINDS)
