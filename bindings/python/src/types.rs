@@ -4,8 +4,9 @@ use lunakv_proto::views::ReplicaDesc;
 use pyo3::prelude::*;
 
 /// Where and how to place an object's replicas; vLLM builds one per put. Attribute names and
-/// defaults are upstream's. lunakv acts on `replica_num`, `preferred_segment` (else the first of
-/// `preferred_segments`), `with_soft_pin` and `with_hard_pin`. `group_ids` and
+/// defaults are upstream's. lunakv acts on `replica_num`, `preferred_segment` and
+/// `preferred_segments` (replicas go to `preferred_segment`, then to each listed segment in
+/// order, each where it has room, then anywhere), `with_soft_pin` and `with_hard_pin`. `group_ids` and
 /// `soft_pin_ttl_ms` are deliberately absent: lunakv does not implement them, and vLLM and
 /// SGLang probe `group_ids` and fall back to plain puts, with their own warning, when it is
 /// missing; accepting and ignoring it would break their all-or-nothing group assumption
@@ -65,17 +66,10 @@ impl ReplicateConfig {
 impl ReplicateConfig {
     /// The client's config. `replica_num` 0 means 1, as upstream's allocator treats it.
     pub fn to_client(&self) -> lunakv_client::ReplicateConfig {
-        let preferred = Some(self.preferred_segment.clone())
-            .filter(|s| !s.is_empty())
-            .or_else(|| {
-                self.preferred_segments
-                    .iter()
-                    .find(|s| !s.is_empty())
-                    .cloned()
-            });
         lunakv_client::ReplicateConfig {
             replica_num: u32::try_from(self.replica_num.max(1)).unwrap_or(u32::MAX),
-            preferred_segment: preferred,
+            preferred_segment: Some(self.preferred_segment.clone()).filter(|s| !s.is_empty()),
+            preferred_segments: self.preferred_segments.clone(),
             with_soft_pin: self.with_soft_pin,
             with_hard_pin: self.with_hard_pin,
         }

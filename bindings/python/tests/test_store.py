@@ -474,6 +474,14 @@ def test_replicate_config_and_preferred_segment(master):
             assert s.put(f"pref-{i}", b"x" * 100, c) == 0
             (rep,) = s.get_replica_desc(f"pref-{i}")
             assert rep.segment_name == target
+        # The list form, upstream's: every replica in the listed order, not only the first.
+        listed = ReplicateConfig()
+        listed.replica_num = 2
+        listed.preferred_segments = [target, stores[0][1]]
+        for i in range(4):
+            assert s.put(f"listed-{i}", b"z" * 100, listed) == 0
+            reps = s.get_replica_desc(f"listed-{i}")
+            assert [r.segment_name for r in reps] == [target, stores[0][1]]
         two = ReplicateConfig()
         two.replica_num = 2
         assert s.put("two-copies", b"y" * 100, two) == 0

@@ -133,6 +133,9 @@ impl ClientOptions {
 pub struct ReplicateConfig {
     pub replica_num: u32,
     pub preferred_segment: Option<String>,
+    /// Upstream's list form: replicas land on these first, in order (after
+    /// `preferred_segment`), each where it has room.
+    pub preferred_segments: Vec<String>,
     pub with_soft_pin: bool,
     pub with_hard_pin: bool,
 }

@@ -150,7 +150,15 @@ impl From<Option<pb::ReplicateConfig>> for PutOptions {
         PutOptions {
             // 0 (the proto default) means "one replica", as upstream's default config.
             replica_num: c.replica_num.max(1),
-            preferred_segment: Some(c.preferred_segment).filter(|s| !s.is_empty()),
+            preferred_segments: {
+                let mut v: Vec<String> = Vec::new();
+                for s in std::iter::once(c.preferred_segment).chain(c.preferred_segments) {
+                    if !s.is_empty() && !v.contains(&s) {
+                        v.push(s);
+                    }
+                }
+                v
+            },
             soft_pin: c.with_soft_pin,
             hard_pin: c.with_hard_pin,
         }

@@ -282,6 +282,7 @@ impl StoreClient {
                 .unwrap_or_default(),
             with_soft_pin: cfg.with_soft_pin,
             with_hard_pin: cfg.with_hard_pin,
+            preferred_segments: cfg.preferred_segments.clone(),
         }
     }
 

@@ -157,11 +157,16 @@ impl MasterCore {
             .map(|(n, _)| n)
             .collect();
         order.shuffle(&mut rand::rng());
-        if let Some(p) = &opts.preferred_segment
-            && let Some(pos) = order.iter().position(|n| *n == p)
-        {
-            let pref = order.remove(pos);
-            order.insert(0, pref);
+        // Preferred segments first, in the caller's order (those with room).
+        let mut at = 0;
+        for p in &opts.preferred_segments {
+            if let Some(pos) = order.iter().position(|n| *n == p)
+                && pos >= at
+            {
+                let pref = order.remove(pos);
+                order.insert(at, pref);
+                at += 1;
+            }
         }
         let complete = segs.values().filter(|s| s.complete).count();
         let wanted = (opts.replica_num.max(1) as usize).min(complete);

@@ -82,7 +82,7 @@ async fn replicas_land_on_distinct_segments_preferred_first() {
     for i in 0..10 {
         let o = PutOptions {
             replica_num: 1,
-            preferred_segment: Some("b:1".into()),
+            preferred_segments: vec!["b:1".into()],
             ..Default::default()
         };
         let (_, reps) = core
@@ -91,6 +91,41 @@ async fn replicas_land_on_distinct_segments_preferred_first() {
             .expect("put");
         assert_eq!(reps[0].segment.name, "b:1");
         assert_eq!(reps[0].segment.transfer_endpoint, "ep-b:1");
+    }
+    // The list form: every listed segment, in the caller's order, before any other.
+    for i in 0..10 {
+        let o = PutOptions {
+            replica_num: 2,
+            preferred_segments: vec!["c:1".into(), "a:1".into()],
+            ..Default::default()
+        };
+        let (_, reps) = core
+            .put_start("cl", &format!("l{i}"), 100, &o)
+            .await
+            .expect("put");
+        let names: Vec<_> = reps.iter().map(|r| r.segment.name.as_str()).collect();
+        assert_eq!(names, ["c:1", "a:1"], "put {i}");
+    }
+}
+
+#[tokio::test]
+async fn a_preferred_segment_without_room_is_passed_over_for_the_next() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "a:1", BLOCK * 4);
+    mount(&core, "cl", "b:1", BLOCK * 64);
+    mount(&core, "cl", "c:1", BLOCK * 64);
+    let o = PutOptions {
+        replica_num: 1,
+        preferred_segments: vec!["a:1".into(), "c:1".into()],
+        ..Default::default()
+    };
+    // Bigger than a:1 can ever hold: c:1, the next listed one, not a random one (6 fit).
+    for i in 0..6 {
+        let (_, reps) = core
+            .put_start("cl", &format!("big{i}"), BLOCK * 8, &o)
+            .await
+            .expect("put");
+        assert_eq!(reps[0].segment.name, "c:1", "put {i}");
     }
 }
 
@@ -365,7 +400,7 @@ async fn silent_clients_lose_their_segments() {
     mount(&core, "dead", "b:1", 1 << 20);
     put(&core, "both", 100, &opts(2)).await;
     let o = PutOptions {
-        preferred_segment: Some("b:1".into()),
+        preferred_segments: vec!["b:1".into()],
         ..opts(1)
     };
     put(&core, "only-b", 100, &o).await;

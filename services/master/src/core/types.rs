@@ -108,7 +108,8 @@ pub struct InventoryItem {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PutOptions {
     pub replica_num: u32,
-    pub preferred_segment: Option<String>,
+    /// Segments to place replicas on first, in order, each where it has room.
+    pub preferred_segments: Vec<String>,
     pub soft_pin: bool,
     pub hard_pin: bool,
 }
