@@ -460,19 +460,12 @@ impl DeviceLayer for Cuda {
                 "cuMemcpy2DAsync refused {height} rows of {width} bytes (pitches {src_pitch}/{dst_pitch}): {why}; copying row by row"
             )
         });
-        for row in 0..height {
-            // SAFETY: as above, one row at a time.
-            unsafe {
-                self.copy_async(
-                    stream,
-                    dir,
-                    dst + row * dst_pitch,
-                    src + row * src_pitch,
-                    width,
-                )
-            }?;
+        // SAFETY: as above, one row at a time.
+        unsafe {
+            super::copy_rows(
+                self, stream, dir, dst, dst_pitch, src, src_pitch, width, height,
+            )
         }
-        Ok(())
     }
 
     fn synchronize(&self, stream: StreamId) -> Result<(), DeviceError> {

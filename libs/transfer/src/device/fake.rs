@@ -310,13 +310,12 @@ impl DeviceLayer for &'static Fake {
         if self.shadow(dev, span).is_some() {
             self.counters.copies_2d.fetch_add(1, Ordering::Relaxed);
         }
-        for r in 0..height {
-            // SAFETY: forwarded from the caller, row by row; the device span was checked.
-            unsafe {
-                self.copy_async(stream, dir, dst + r * dst_pitch, src + r * src_pitch, width)
-            }?;
+        // SAFETY: forwarded from the caller; each row is checked as it is queued.
+        unsafe {
+            super::copy_rows(
+                self, stream, dir, dst, dst_pitch, src, src_pitch, width, height,
+            )
         }
-        Ok(())
     }
 
     fn synchronize(&self, stream: StreamId) -> Result<(), DeviceError> {

@@ -127,13 +127,12 @@ pub trait DeviceLayer: Send + Sync + 'static {
         width: usize,
         height: usize,
     ) -> Result<(), DeviceError> {
-        for r in 0..height {
-            // SAFETY: forwarded from the caller, row by row.
-            unsafe {
-                self.copy_async(stream, dir, dst + r * dst_pitch, src + r * src_pitch, width)
-            }?;
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            copy_rows(
+                self, stream, dir, dst, dst_pitch, src, src_pitch, width, height,
+            )
         }
-        Ok(())
     }
     /// Waits for everything queued on `stream`.
     fn synchronize(&self, stream: StreamId) -> Result<(), DeviceError>;
@@ -151,6 +150,30 @@ pub trait DeviceLayer: Send + Sync + 'static {
     fn blind(&self) -> bool {
         false
     }
+}
+
+/// A 2D copy as one [`DeviceLayer::copy_async`] per row: the trait's default, and what a
+/// backend falls back to for rows it cannot copy as one.
+///
+/// # Safety
+/// As [`DeviceLayer::copy_2d_async`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn copy_rows<L: DeviceLayer + ?Sized>(
+    l: &L,
+    stream: StreamId,
+    dir: CopyDir,
+    dst: usize,
+    dst_pitch: usize,
+    src: usize,
+    src_pitch: usize,
+    width: usize,
+    height: usize,
+) -> Result<(), DeviceError> {
+    for r in 0..height {
+        // SAFETY: forwarded from the caller, row by row.
+        unsafe { l.copy_async(stream, dir, dst + r * dst_pitch, src + r * src_pitch, width) }?;
+    }
+    Ok(())
 }
 
 static LAYER: OnceLock<Option<Box<dyn DeviceLayer>>> = OnceLock::new();
@@ -371,14 +394,17 @@ const COALESCE_ENV: &str = "LUNAKV_DEVICE_COALESCE";
 /// every GPU it has shipped on; wider strides are issued row by row.
 const MAX_PITCH: usize = i32::MAX as usize;
 
+/// A diagnostics switch: on unless `var` says 0, off, false or no.
+fn switched_on(var: &str) -> bool {
+    !matches!(
+        std::env::var(var).as_deref().map(str::trim),
+        Ok("0" | "off" | "false" | "no")
+    )
+}
+
 fn coalescing() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var(COALESCE_ENV).as_deref().map(str::trim),
-            Ok("0" | "off" | "false" | "no")
-        )
-    })
+    *ON.get_or_init(|| switched_on(COALESCE_ENV))
 }
 
 /// A run of copies that is one 2D copy: `height` rows of `len` bytes, row `r` at
@@ -393,6 +419,22 @@ struct Run {
     host_pitch: usize,
     len: usize,
     height: usize,
+}
+
+impl Run {
+    /// One copy as a run of one row.
+    fn single(p: &Pending) -> Run {
+        Run {
+            ordinal: p.ordinal,
+            dir: p.dir,
+            dev: p.dev,
+            dev_pitch: p.len,
+            host: p.host,
+            host_pitch: p.len,
+            len: p.len,
+            height: 1,
+        }
+    }
 }
 
 /// Groups `pending` into runs (sorted by device, direction, size and device address; a run
@@ -425,16 +467,7 @@ fn coalesce(mut pending: Vec<Pending>) -> Vec<Run> {
                 continue;
             }
         }
-        runs.push(Run {
-            ordinal: p.ordinal,
-            dir: p.dir,
-            dev: p.dev,
-            dev_pitch: p.len,
-            host: p.host,
-            host_pitch: p.len,
-            len: p.len,
-            height: 1,
-        });
+        runs.push(Run::single(&p));
     }
     runs
 }
@@ -535,17 +568,8 @@ impl Copier {
         }
         let pending = std::mem::take(&mut self.pending);
         if !coalescing() {
-            for p in pending {
-                self.issue(Run {
-                    ordinal: p.ordinal,
-                    dir: p.dir,
-                    dev: p.dev,
-                    dev_pitch: p.len,
-                    host: p.host,
-                    host_pitch: p.len,
-                    len: p.len,
-                    height: 1,
-                })?;
+            for p in &pending {
+                self.issue(Run::single(p))?;
             }
             return Ok(());
         }
@@ -783,12 +807,7 @@ const PIN_AHEAD_ENV: &str = "LUNAKV_PIN_AHEAD";
 
 fn pin_ahead() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var(PIN_AHEAD_ENV).as_deref().map(str::trim),
-            Ok("0" | "off" | "false" | "no")
-        )
-    })
+    *ON.get_or_init(|| switched_on(PIN_AHEAD_ENV))
 }
 
 impl PinState {
