@@ -428,10 +428,10 @@ impl DeviceLayer for Cuda {
             return Ok(());
         }
         if r == CUDA_ERROR_INVALID_VALUE && height > 1 {
-            // Seen on an H200 (driver 580): a 2D copy is refused whose host rows span two
-            // registrations (segment granules pinned apart) or whose device rows span two
-            // allocations. Halves are tried until each lies within one; a refusal is checked
-            // before anything is queued, so nothing is copied twice.
+            // Seen on an H200 (driver 580): runs whose device rows span two allocations were
+            // refused, and some runs over an embedded owner's segment for a reason not
+            // established (docs/GPU.md). Halves are tried until each is accepted; a refusal is
+            // checked before anything is queued, so nothing is copied twice.
             let h = height / 2;
             // SAFETY: the same rows, in two parts.
             unsafe {
