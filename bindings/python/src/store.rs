@@ -72,6 +72,33 @@ fn code(e: &ClientError) -> i64 {
 }
 
 /// Runs `f` with the GIL released and any panic turned into `on_panic`.
+/// Puts `items`. With `upsert`, each key's current object is removed first
+/// ([`StoreClient::prepare_upsert`]) and a key whose removal failed is not put: its result is
+/// that failure.
+fn put_items(
+    c: &StoreClient,
+    items: &[(&str, Vec<&[u8]>)],
+    cfg: &lunakv_client::ReplicateConfig,
+    upsert: bool,
+) -> Vec<Result<(), ClientError>> {
+    if !upsert {
+        return c.batch_put(items, cfg);
+    }
+    let keys: Vec<&str> = items.iter().map(|(k, _)| *k).collect();
+    let prepared = c.prepare_upsert(&keys);
+    let ready: Vec<(&str, Vec<&[u8]>)> = items
+        .iter()
+        .zip(&prepared)
+        .filter(|(_, p)| p.is_ok())
+        .map(|((k, parts), _)| (*k, parts.clone()))
+        .collect();
+    let mut put = c.batch_put(&ready, cfg).into_iter();
+    prepared
+        .into_iter()
+        .map(|p| p.and_then(|()| put.next().unwrap_or(Err(ClientError::Closed))))
+        .collect()
+}
+
 pub(crate) fn detached<T, F>(py: Python<'_>, on_panic: T, f: F) -> T
 where
     T: Send,
@@ -180,6 +207,7 @@ impl MooncakeDistributedStore {
         keys: Vec<String>,
         ranges: Vec<Result<Vec<Range>, RangeError>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
+        upsert: bool,
     ) -> Vec<i64> {
         let n = keys.len();
         let Some(c) = self.client() else {
@@ -204,7 +232,7 @@ impl MooncakeDistributedStore {
                     Err(msg) => tracing::error!("lunakv: put of '{key}' refused: {msg}"),
                 }
             }
-            for (i, r) in idx.into_iter().zip(c.batch_put(&items, &cfg)) {
+            for (i, r) in idx.into_iter().zip(put_items(&c, &items, &cfg, upsert)) {
                 out[i] = match r {
                     Ok(()) => 0,
                     Err(e) => {
@@ -214,6 +242,47 @@ impl MooncakeDistributedStore {
                 };
             }
             out
+        })
+    }
+
+    /// `put` / `put_batch` and their upsert forms: 0 when every value was stored, else the first
+    /// failure's code.
+    fn put_values(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+        upsert: bool,
+        call: &str,
+    ) -> i64 {
+        if keys.len() != values.len() {
+            tracing::error!(
+                "lunakv: {call} refused: {} keys but {} values",
+                keys.len(),
+                values.len()
+            );
+            return INVALID_PARAMS;
+        }
+        let Ok(owned) = values.iter().map(as_bytes).collect::<PyResult<Vec<_>>>() else {
+            tracing::error!("lunakv: {call} refused: a value is not bytes-like");
+            return INVALID_PARAMS;
+        };
+        let Some(c) = self.client() else {
+            return INVALID_PARAMS;
+        };
+        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
+        let data: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
+        detached(py, INTERNAL_ERROR, move || {
+            let items: Vec<(&str, Vec<&[u8]>)> = keys
+                .iter()
+                .map(String::as_str)
+                .zip(data.iter().map(|d| vec![*d]))
+                .collect();
+            put_items(&c, &items, &cfg, upsert)
+                .into_iter()
+                .find_map(|r| r.err())
+                .map_or(0, |e| code(&e))
         })
     }
 
@@ -495,21 +564,7 @@ impl MooncakeDistributedStore {
         value: &Bound<'_, PyAny>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i64 {
-        let Ok(bytes) = as_bytes(value) else {
-            tracing::error!("lunakv: put of '{key}' refused: the value is not bytes-like");
-            return INVALID_PARAMS;
-        };
-        let Some(c) = self.client() else {
-            return INVALID_PARAMS;
-        };
-        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
-        let data = bytes.as_bytes();
-        detached(py, INTERNAL_ERROR, move || {
-            match c.put_parts(&key, &[data], &cfg) {
-                Ok(()) => 0,
-                Err(e) => code(&e),
-            }
-        })
+        self.put_values(py, vec![key], vec![value.clone()], config, false, "put")
     }
 
     /// Stores several values; 0 if all were stored, else the first failure's code.
@@ -521,34 +576,64 @@ impl MooncakeDistributedStore {
         values: Vec<Bound<'_, PyAny>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i64 {
-        if keys.len() != values.len() {
-            tracing::error!(
-                "lunakv: put_batch refused: {} keys but {} values",
-                keys.len(),
-                values.len()
-            );
-            return INVALID_PARAMS;
+        self.put_values(py, keys, values, config, false, "put_batch")
+    }
+
+    // === upstream's upsert family: put, replacing what the key holds ===
+
+    /// As `put`, but an existing object under `key` is replaced (upstream's upsert): 0 or a
+    /// negative code (-705 while another put of the key is in progress).
+    #[pyo3(signature = (key, value, config = None))]
+    fn upsert(
+        &self,
+        py: Python<'_>,
+        key: String,
+        value: &Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i64 {
+        self.put_values(py, vec![key], vec![value.clone()], config, true, "upsert")
+    }
+
+    /// As `put_batch`, replacing existing objects.
+    #[pyo3(signature = (keys, values, config = None))]
+    fn upsert_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i64 {
+        self.put_values(py, keys, values, config, true, "upsert_batch")
+    }
+
+    /// As `put_from`, replacing an existing object.
+    #[pyo3(signature = (key, buffer_ptr, size, config = None))]
+    fn upsert_from(
+        &self,
+        py: Python<'_>,
+        key: String,
+        buffer_ptr: i128,
+        size: i128,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i64 {
+        let r = Range::new(buffer_ptr, size).map(|r| vec![r]);
+        self.put_ranges(py, vec![key], vec![r], config, true)[0]
+    }
+
+    /// As `batch_put_from`, replacing existing objects; one result per key.
+    #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None))]
+    fn batch_upsert_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<PyInt>,
+        sizes: Vec<PyInt>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i64> {
+        match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
+            Some(r) => self.put_ranges(py, keys, r, config, true),
+            None => vec![INVALID_PARAMS; keys.len()],
         }
-        let Ok(owned) = values.iter().map(as_bytes).collect::<PyResult<Vec<_>>>() else {
-            tracing::error!("lunakv: put_batch refused: a value is not bytes-like");
-            return INVALID_PARAMS;
-        };
-        let Some(c) = self.client() else {
-            return INVALID_PARAMS;
-        };
-        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
-        let data: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
-        detached(py, INTERNAL_ERROR, move || {
-            let items: Vec<(&str, Vec<&[u8]>)> = keys
-                .iter()
-                .map(String::as_str)
-                .zip(data.iter().map(|d| vec![*d]))
-                .collect();
-            c.batch_put(&items, &cfg)
-                .into_iter()
-                .find_map(|r| r.err())
-                .map_or(0, |e| code(&e))
-        })
     }
 
     /// The object's bytes, or `b""` if it is missing or the read failed.
@@ -594,7 +679,7 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i64 {
         let r = Range::new(buffer_ptr, size).map(|r| vec![r]);
-        self.put_ranges(py, vec![key], vec![r], config)[0]
+        self.put_ranges(py, vec![key], vec![r], config, false)[0]
     }
 
     /// Reads the object into `buffer_ptr` (capacity `size`). Returns the bytes read, or a
@@ -615,7 +700,7 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i64> {
         match single_ranges(keys.len(), &buffer_ptrs, &sizes) {
-            Some(r) => self.put_ranges(py, keys, r, config),
+            Some(r) => self.put_ranges(py, keys, r, config, false),
             None => vec![INVALID_PARAMS; keys.len()],
         }
     }
@@ -646,7 +731,7 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i64> {
         match multi_ranges(keys.len(), &all_buffer_ptrs, &all_sizes) {
-            Some(r) => self.put_ranges(py, keys, r, config),
+            Some(r) => self.put_ranges(py, keys, r, config, false),
             None => vec![INVALID_PARAMS; keys.len()],
         }
     }

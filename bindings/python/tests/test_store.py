@@ -433,6 +433,35 @@ def test_put_from_get_into_and_batches(master, store_64mb):
     s.close()
 
 
+def test_upsert_family_replaces_what_a_put_refuses(master, store_64mb):
+    """Upstream's upsert, upsert_batch, upsert_from and batch_upsert_from: where a put of an
+    existing key answers -705, an upsert stores the new value; a missing key is simply put; a
+    value a reader just leased (a get) is replaced too; sizes may change."""
+    s = connect(master)
+    assert s.put("u", b"first") == 0
+    assert s.put("u", b"second") == -705
+    assert s.get("u") == b"first"  # leases "u" to this reader
+    assert s.upsert("u", b"second, longer") == 0
+    assert s.get("u") == b"second, longer"
+    assert s.upsert("fresh", b"new key") == 0 and s.get("fresh") == b"new key"
+    assert s.upsert_batch(["u", "fresh", "b"], [b"3", b"4", b"5"]) == 0
+    assert s.get_batch(["u", "fresh", "b"]) == [b"3", b"4", b"5"]
+    assert s.upsert("s", "a str is not bytes") == INVALID_PARAMS
+
+    src = np.random.default_rng(5).integers(0, 256, 3 * 4096, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    sp, dp = src.ctypes.data, dst.ctypes.data
+    assert s.put_from("p", sp, 4096) == 0
+    assert s.put_from("p", sp + 4096, 4096) == -705
+    assert s.upsert_from("p", sp + 4096, 4096) == 0
+    assert s.get_into("p", dp, 4096) == 4096 and dst[:4096].tobytes() == src[4096:8192].tobytes()
+    assert s.batch_upsert_from(["p", "q"], [sp, sp + 8192], [8192, 4096]) == [0, 0]
+    assert s.get_size("p") == 8192
+    assert s.batch_get_into(["p", "q"], [dp, dp + 8192], [8192, 4096]) == [8192, 4096]
+    assert dst.tobytes() == src.tobytes()
+    s.close()
+
+
 def test_replica_descriptors(master, store_64mb):
     s = connect(master)
     assert s.put("r1", b"abc") == 0

@@ -37,6 +37,38 @@ impl StoreClient {
         )
     }
 
+    /// Upstream's upsert, before a put of the same keys: each key's current object is removed,
+    /// so the put that follows places a new version. A missing key is fine; so is one another
+    /// put has in progress (its removal is refused as not ready, and the put that follows then
+    /// answers `OBJECT_ALREADY_EXISTS`, as any put of it would). A reader's lease
+    /// does not block it: readers of the old version keep their owner-side pins until they are
+    /// done, and a read after it finds the new version or a miss, never a mix (generations).
+    pub fn prepare_upsert(&self, keys: &[&str]) -> Vec<Result<()>> {
+        let first = self.batch_remove(keys, false);
+        let leased: Vec<&str> = keys
+            .iter()
+            .zip(&first)
+            .filter(|(_, r)| matches!(r, Err(e) if e.code() == ErrorCode::ObjectHasLease))
+            .map(|(k, _)| *k)
+            .collect();
+        let mut forced = self.batch_remove(&leased, true).into_iter();
+        first
+            .into_iter()
+            .map(|r| match r {
+                Ok(()) => Ok(()),
+                Err(e) if e.code() == ErrorCode::ObjectNotFound => Ok(()),
+                Err(e) if e.code() == ErrorCode::ObjectHasLease => forced
+                    .next()
+                    .unwrap_or(Err(ClientError::Closed))
+                    .or_else(|e| match e.code() {
+                        ErrorCode::ObjectNotFound => Ok(()),
+                        _ => Err(e),
+                    }),
+                Err(e) => Err(e),
+            })
+            .collect()
+    }
+
     /// Removes every object (leased ones too when `force`); returns how many were removed.
     pub fn remove_all(&self, force: bool) -> Result<u64> {
         self.check_open()?;
