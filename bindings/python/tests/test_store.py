@@ -462,6 +462,21 @@ def test_upsert_family_replaces_what_a_put_refuses(master, store_64mb):
     s.close()
 
 
+def test_remove_by_regex(master, store_64mb):
+    """Upstream's remove_by_regex: the count removed; only matching keys go; a pattern that does
+    not compile is INVALID_PARAMS and removes nothing."""
+    s = connect(master)
+    for k in ["rx-a1", "rx-a2", "rx-b1", "other"]:
+        assert s.put(k, b"v") == 0
+    assert s.remove_by_regex("(") == INVALID_PARAMS
+    assert s.remove_by_regex("^rx-a", force=True) == 2
+    assert s.batch_is_exist(["rx-a1", "rx-a2", "rx-b1", "other"]) == [0, 0, 1, 1]
+    assert s.remove_by_regex("^nothing-matches$") == 0
+    assert s.remove_by_regex("^rx-", force=True) == 1
+    assert s.is_exist("other") == 1
+    s.close()
+
+
 def test_replica_descriptors(master, store_64mb):
     s = connect(master)
     assert s.put("r1", b"abc") == 0

@@ -22,7 +22,11 @@ use tonic::Status;
 
 const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
 /// The calls that can wipe what others stored.
-const ADMIN_RPCS: &[&str] = &["/lunakv.master.v1.Master/RemoveAll"];
+const ADMIN_RPCS: &[&str] = &[
+    "/lunakv.master.v1.Master/RemoveAll",
+    // One pattern can remove every key, as RemoveAll does.
+    "/lunakv.master.v1.Master/RemoveByRegex",
+];
 /// Admin-port paths that reveal object locations or segment endpoints.
 const GUARDED_HTTP: &[&str] = &["/query_key", "/get_all_segments", "/namespaces"];
 
@@ -217,6 +221,13 @@ mod tests {
             e.message()
         );
         assert!(check_grpc(&t, RM_ALL, Some(&admin)).is_ok());
+        // A pattern can remove every key too.
+        let by_regex = "/lunakv.master.v1.Master/RemoveByRegex";
+        assert_eq!(
+            check_grpc(&t, by_regex, Some(&pool)).unwrap_err().code(),
+            tonic::Code::PermissionDenied
+        );
+        assert!(check_grpc(&t, by_regex, Some(&admin)).is_ok());
         assert!(check_grpc(&t, "/grpc.health.v1.Health/Check", None).is_ok());
 
         // Only a pool token: RemoveAll takes it.

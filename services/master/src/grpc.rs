@@ -165,6 +165,25 @@ impl From<Option<pb::ReplicateConfig>> for PutOptions {
     }
 }
 
+/// Longest RemoveByRegex pattern taken.
+const MAX_REGEX_LEN: usize = 4096;
+
+/// A caller's key pattern, compiled with bounded program and cache sizes (the regex crate
+/// matches in linear time, so no pattern can stall the master); the refusal names the fix.
+fn key_regex(pattern: &str) -> Result<regex::Regex, String> {
+    if pattern.len() > MAX_REGEX_LEN {
+        return Err(format!(
+            "regex of {} bytes: at most {MAX_REGEX_LEN}; match a shorter prefix",
+            pattern.len()
+        ));
+    }
+    regex::RegexBuilder::new(pattern)
+        .size_limit(1 << 20)
+        .dfa_size_limit(1 << 20)
+        .build()
+        .map_err(|e| format!("regex {pattern:?} is invalid: {e}; use Rust regex syntax (RE2-like)"))
+}
+
 fn replica(r: &ReplicaView) -> pb::Replica {
     pb::Replica {
         segment: Some((&r.segment).into()),
@@ -760,6 +779,32 @@ impl pb::master_server::Master for MasterService {
             pb::RemoveAllResponse {
                 code: 0,
                 message: String::new(),
+                removed,
+            },
+        )
+    }
+
+    async fn remove_by_regex(
+        &self,
+        request: Request<pb::RemoveByRegexRequest>,
+    ) -> Result<Response<pb::RemoveAllResponse>, Status> {
+        let a = self.admit(Access::Write)?;
+        let req = request.into_inner();
+        let (code, message, removed) = match key_regex(&req.regex) {
+            Ok(re) => (
+                0,
+                String::new(),
+                a.core.remove_by_regex(&re, req.force).await,
+            ),
+            Err(message) => (ErrorCode::InvalidParams as i32, message, 0),
+        };
+        self.done(
+            &a,
+            Rpc::RemoveByRegex,
+            code != 0,
+            pb::RemoveAllResponse {
+                code,
+                message,
                 removed,
             },
         )

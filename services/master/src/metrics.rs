@@ -19,6 +19,7 @@ pub enum Rpc {
     Remove,
     BatchRemove,
     RemoveAll,
+    RemoveByRegex,
     MountSegment,
     MountInventory,
     UnmountSegment,
@@ -26,7 +27,7 @@ pub enum Rpc {
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 17] = [
+    pub const ALL: [Rpc; 18] = [
         Rpc::PutStart,
         Rpc::BatchPutStart,
         Rpc::PutEnd,
@@ -40,6 +41,7 @@ impl Rpc {
         Rpc::Remove,
         Rpc::BatchRemove,
         Rpc::RemoveAll,
+        Rpc::RemoveByRegex,
         Rpc::MountSegment,
         Rpc::MountInventory,
         Rpc::UnmountSegment,
@@ -61,6 +63,7 @@ impl Rpc {
             Rpc::Remove => "remove",
             Rpc::BatchRemove => "batch_remove",
             Rpc::RemoveAll => "remove_all",
+            Rpc::RemoveByRegex => "remove_by_regex",
             Rpc::MountSegment => "mount_segment",
             Rpc::MountInventory => "mount_inventory",
             Rpc::UnmountSegment => "unmount_segment",

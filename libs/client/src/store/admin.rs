@@ -87,6 +87,27 @@ impl StoreClient {
         Ok(r.removed)
     }
 
+    /// Upstream's RemoveByRegex: removes every object whose key matches `regex` (Rust regex
+    /// syntax), leased and in-progress ones too when `force`; returns how many. Needs the
+    /// admin token where the master has one, as RemoveAll does.
+    pub fn remove_by_regex(&self, regex: &str, force: bool) -> Result<u64> {
+        self.check_open()?;
+        self.cache.clear();
+        let req = pb::RemoveByRegexRequest {
+            client_id: self.client_id.clone(),
+            regex: regex.to_owned(),
+            force,
+        };
+        let r = self.rpc(|mut m| {
+            let req = req.clone();
+            async move { m.remove_by_regex(req).await }
+        })?;
+        if r.code != 0 {
+            return Err(ClientError::from_item(regex, 0, r.code, &r.message));
+        }
+        Ok(r.removed)
+    }
+
     /// Records a caller buffer that transfers will use. tcp and shm need no registration; it is
     /// kept so misuse (overlaps, unknown buffers) is reported the same way RDMA will need. A GPU
     /// buffer (vLLM registers its CUDA KV cache) is classified here once, so pieces inside it

@@ -452,6 +452,37 @@ impl MasterCore {
         removed
     }
 
+    /// Upstream's RemoveByRegex: removes every object whose key `re` matches, complete and
+    /// unleased ones only unless `force`, as [`MasterCore::remove`] would one by one. Returns
+    /// how many.
+    pub async fn remove_by_regex(&self, re: &regex::Regex, force: bool) -> u64 {
+        let now = Instant::now();
+        let mut frees = Vec::new();
+        let mut removed = 0;
+        for shard in &self.shards {
+            let mut shard = shard.lock();
+            let keys: Vec<String> = shard
+                .iter()
+                .filter(|(k, o)| {
+                    re.is_match(k)
+                        && (force || (o.state == ObjectState::Complete && !o.leased(now)))
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
+            for k in keys {
+                if let Some(o) = shard.remove(&k) {
+                    if o.state == ObjectState::Complete {
+                        self.emit_updated(&k, (o.generation, o.size), tiers_of(&o.replicas), &[]);
+                    }
+                    frees.extend(self.pending_frees(&o));
+                    removed += 1;
+                }
+            }
+        }
+        self.release(frees).await;
+        removed
+    }
+
     pub(super) fn pending_frees(&self, o: &Object) -> Vec<PendingFree> {
         self.frees_of(o.generation, &o.replicas)
     }

@@ -642,6 +642,32 @@ async fn remove_all_skips_leased_unless_forced() {
 }
 
 #[tokio::test]
+async fn remove_by_regex_removes_only_matching_keys_and_skips_leased_unless_forced() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "a:1", 1 << 20);
+    for k in ["m1@a", "m1@b", "m1@c", "m2@a"] {
+        put(&core, k, 10, &opts(1)).await;
+    }
+    core.put_start("cl", "m1@p", 10, &opts(1))
+        .await
+        .expect("put");
+    core.get_replica_list("m1@a").expect("lease");
+    let m1 = regex::Regex::new("^m1@").unwrap();
+    assert_eq!(core.remove_by_regex(&m1, false).await, 2, "m1@b and m1@c");
+    assert!(core.get_replica_list("m2@a").is_ok(), "m2@a does not match");
+    assert_eq!(
+        core.remove_by_regex(&m1, true).await,
+        2,
+        "leased m1@a and in-progress m1@p"
+    );
+    assert_eq!(core.key_count(), 1);
+    assert_eq!(
+        core.allocated_bytes(),
+        BLOCK.max(10).next_multiple_of(BLOCK)
+    );
+}
+
+#[tokio::test]
 async fn gauges_reflect_state() {
     let (core, _) = new_core(cfg());
     mount(&core, "cl", "a:1", BLOCK * 10);
