@@ -66,6 +66,9 @@ fn _lunakv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::MooncakeDistributedStore>()?;
     m.add_class::<types::ReplicateConfig>()?;
     m.add_class::<types::ReplicaDescriptor>()?;
+    m.add_class::<types::MemoryDescriptor>()?;
+    m.add_class::<types::BufferDescriptor>()?;
+    m.add_class::<types::DiskDescriptor>()?;
     m.add_class::<engine::TransferEngine>()?;
     m.add_function(wrap_pyfunction!(store::close_all, m)?)?;
     m.add_function(wrap_pyfunction!(flush_traces, m)?)?;

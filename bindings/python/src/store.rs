@@ -803,13 +803,13 @@ impl MooncakeDistributedStore {
     /// Removes every object whose key matches `regex` (Rust regex syntax, RE2-like; leased and
     /// in-progress ones too with `force`). Returns how many, or a negative code (-600 for a
     /// pattern that does not compile, with the reason in the log).
-    #[pyo3(signature = (regex, force = false))]
-    fn remove_by_regex(&self, py: Python<'_>, regex: String, force: bool) -> i64 {
+    #[pyo3(signature = (regex_pattern, force = false))]
+    fn remove_by_regex(&self, py: Python<'_>, regex_pattern: String, force: bool) -> i64 {
         let Some(c) = self.client() else {
             return INVALID_PARAMS;
         };
         detached(py, INTERNAL_ERROR, move || {
-            match c.remove_by_regex(&regex, force) {
+            match c.remove_by_regex(&regex_pattern, force) {
                 Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
                 Err(e) => {
                     tracing::error!("lunakv: remove_by_regex failed: {e}");

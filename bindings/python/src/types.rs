@@ -112,12 +112,79 @@ impl ReplicaDescriptor {
         false
     }
 
+    /// Upstream's accessor of a memory replica's buffer; `RuntimeError` on another kind, as
+    /// upstream's ("Expected MemoryDescriptor"). `buffer_address` is the replica's offset in its
+    /// segment: lunakv addresses segments by offset, not by the owner's virtual addresses.
+    fn get_memory_descriptor(&self) -> PyResult<MemoryDescriptor> {
+        if !self.is_memory_replica() {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                "Expected MemoryDescriptor: this replica is {}",
+                self.kind
+            )));
+        }
+        Ok(MemoryDescriptor {
+            buffer_descriptor: BufferDescriptor {
+                size: self.size,
+                buffer_address: self.offset,
+                transport_endpoint: self.transport_endpoint.clone(),
+            },
+        })
+    }
+
+    /// Upstream's accessor of a disk replica; `RuntimeError` on a memory one. lunakv's SSD tier
+    /// keeps objects in bucket files of its owner, not one file each: `file_path` is empty.
+    fn get_disk_descriptor(&self) -> PyResult<DiskDescriptor> {
+        if self.is_memory_replica() {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "Expected DiskDescriptor: this replica is MEMORY",
+            ));
+        }
+        Ok(DiskDescriptor {
+            file_path: String::new(),
+            object_size: self.size,
+        })
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "ReplicaDescriptor(kind={}, status={}, segment_name={:?}, offset={}, size={})",
             self.kind, self.status, self.segment_name, self.offset, self.size
         )
     }
+}
+
+/// Upstream's `MemoryDescriptor`: the buffer of a memory replica.
+#[pyclass(module = "mooncake.store", frozen, get_all)]
+#[derive(Debug, Clone)]
+pub struct MemoryDescriptor {
+    pub buffer_descriptor: BufferDescriptor,
+}
+
+/// Upstream's allocated-buffer `Descriptor` (`size`, `buffer_address`, `transport_endpoint`).
+#[pyclass(module = "mooncake.store", name = "Descriptor", frozen, get_all)]
+#[derive(Debug, Clone)]
+pub struct BufferDescriptor {
+    pub size: u64,
+    pub buffer_address: u64,
+    pub transport_endpoint: String,
+}
+
+#[pymethods]
+impl BufferDescriptor {
+    fn __repr__(&self) -> String {
+        format!(
+            "<Descriptor size={} buffer_address={} transport_endpoint={}>",
+            self.size, self.buffer_address, self.transport_endpoint
+        )
+    }
+}
+
+/// Upstream's `DiskDescriptor`.
+#[pyclass(module = "mooncake.store", frozen, get_all)]
+#[derive(Debug, Clone)]
+pub struct DiskDescriptor {
+    pub file_path: String,
+    pub object_size: u64,
 }
 
 impl From<&ReplicaDesc> for ReplicaDescriptor {

@@ -469,7 +469,7 @@ def test_remove_by_regex(master, store_64mb):
     for k in ["rx-a1", "rx-a2", "rx-b1", "other"]:
         assert s.put(k, b"v") == 0
     assert s.remove_by_regex("(") == INVALID_PARAMS
-    assert s.remove_by_regex("^rx-a", force=True) == 2
+    assert s.remove_by_regex(regex_pattern="^rx-a", force=True) == 2
     assert s.batch_is_exist(["rx-a1", "rx-a2", "rx-b1", "other"]) == [0, 0, 1, 1]
     assert s.remove_by_regex("^nothing-matches$") == 0
     assert s.remove_by_regex("^rx-", force=True) == 1
@@ -491,6 +491,12 @@ def test_replica_descriptors(master, store_64mb):
         assert rep.size == size
         assert rep.segment_name == store_64mb
         assert rep.status == "COMPLETE"
+        # Upstream's accessors: the buffer of a memory replica; a disk one is refused here.
+        buf = rep.get_memory_descriptor().buffer_descriptor
+        assert (buf.size, buf.buffer_address) == (size, rep.offset)
+        assert buf.transport_endpoint == rep.transport_endpoint
+        with pytest.raises(RuntimeError, match="Expected DiskDescriptor"):
+            rep.get_disk_descriptor()
     assert [r.is_memory_replica() for r in s.get_replica_desc("r1")] == [True]
     s.close()
 

@@ -5,9 +5,19 @@ conventions (0 / negative error codes, ``bytes``, lists of ints), backed by luna
 """
 
 from mooncake._lunakv import (
+    Descriptor,
+    DiskDescriptor,
+    MemoryDescriptor,
     MooncakeDistributedStore,
     ReplicaDescriptor,
     ReplicateConfig,
 )
 
-__all__ = ["MooncakeDistributedStore", "ReplicaDescriptor", "ReplicateConfig"]
+__all__ = [
+    "Descriptor",
+    "DiskDescriptor",
+    "MemoryDescriptor",
+    "MooncakeDistributedStore",
+    "ReplicaDescriptor",
+    "ReplicateConfig",
+]
