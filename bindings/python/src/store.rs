@@ -579,6 +579,53 @@ impl MooncakeDistributedStore {
         self.put_values(py, keys, values, config, false, "put_batch")
     }
 
+    /// LMCache's save path: one object made of `parts` (each bytes-like), in order. 0 or a
+    /// negative code.
+    #[pyo3(signature = (key, *parts, config = None))]
+    fn put_parts(
+        &self,
+        py: Python<'_>,
+        key: String,
+        parts: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i64 {
+        let Ok(owned) = parts.iter().map(as_bytes).collect::<PyResult<Vec<_>>>() else {
+            tracing::error!("lunakv: put_parts of '{key}' refused: a part is not bytes-like");
+            return INVALID_PARAMS;
+        };
+        let Some(c) = self.client() else {
+            return INVALID_PARAMS;
+        };
+        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
+        let data: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
+        detached(py, INTERNAL_ERROR, move || {
+            match c.put_parts(&key, &data, &cfg) {
+                Ok(()) => 0,
+                Err(e) => code(&e),
+            }
+        })
+    }
+
+    /// Upstream's `get_buffer` (LMCache's load path): the object as a `BufferHandle` (a
+    /// `bytearray` with upstream's `ptr()` and `size()`), or `None` if it is missing or the read
+    /// failed.
+    fn get_buffer<'py>(&self, py: Python<'py>, key: String) -> PyResult<Bound<'py, PyAny>> {
+        let mut got = self.get_batch(py, vec![key]);
+        buffer_handle(py, got.pop())
+    }
+
+    /// One `BufferHandle` per key, `None` for each missing one.
+    fn batch_get_buffer<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        self.get_batch(py, keys)
+            .into_iter()
+            .map(|b| buffer_handle(py, Some(b)))
+            .collect()
+    }
+
     // === upstream's upsert family: put, replacing what the key holds ===
 
     /// As `put`, but an existing object under `key` is replaced (upstream's upsert): 0 or a
@@ -874,6 +921,21 @@ fn as_bytes<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
     }
     let b = value.py().get_type::<PyBytes>().call1((value,))?;
     Ok(b.cast_into::<PyBytes>()?)
+}
+
+/// `mooncake.store.BufferHandle(bytes)`, or `None` for a miss: `get` answers empty bytes for a
+/// missing key, and no object is empty (a put of 0 bytes is refused).
+fn buffer_handle<'py>(
+    py: Python<'py>,
+    bytes: Option<Bound<'py, PyBytes>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    match bytes {
+        Some(b) if !b.as_bytes().is_empty() => py
+            .import("mooncake.store")?
+            .getattr("BufferHandle")?
+            .call1((b,)),
+        _ => Ok(py.None().into_bound(py)),
+    }
 }
 
 /// Per-key single ranges; None when the list lengths disagree.

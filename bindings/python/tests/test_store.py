@@ -477,6 +477,31 @@ def test_remove_by_regex(master, store_64mb):
     s.close()
 
 
+def test_lmcache_calls_put_parts_get_buffer_batch_get_buffer(master, store_64mb):
+    """LMCache's default save and load path: put_parts(key, *parts) and get_buffer /
+    batch_get_buffer, whose BufferHandle has upstream's ptr(), size() and the buffer protocol."""
+    import ctypes
+
+    from mooncake.store import BufferHandle
+
+    s = connect(master)
+    assert s.put_parts("pp", b"ab", bytearray(b"cd"), memoryview(b"ef")) == 0
+    assert s.get("pp") == b"abcdef"
+    h = s.get_buffer("pp")
+    assert isinstance(h, BufferHandle)
+    assert (bytes(h), h.size(), len(h)) == (b"abcdef", 6, 6)
+    assert ctypes.string_at(h.ptr(), 6) == b"abcdef"
+    assert np.frombuffer(h, dtype=np.uint8).tobytes() == b"abcdef"
+    assert s.get_buffer("missing") is None
+    hs = s.batch_get_buffer(["pp", "missing"])
+    assert bytes(hs[0]) == b"abcdef" and hs[1] is None
+    assert s.put_parts("bad", b"x", "a str") == INVALID_PARAMS
+    assert s.is_exist("bad") == 0
+    # No object is empty, which is what lets an empty read mean a miss.
+    assert s.put("empty", b"") != 0
+    s.close()
+
+
 def test_replica_descriptors(master, store_64mb):
     s = connect(master)
     assert s.put("r1", b"abc") == 0
