@@ -428,23 +428,7 @@ impl MasterCore {
 
     /// Removes every complete, unleased object (with `force`: every object). Returns how many.
     pub async fn remove_all(&self, force: bool) -> u64 {
-        let now = Instant::now();
-        let mut frees = Vec::new();
-        let mut removed = 0;
-        for shard in &self.shards {
-            let mut shard = shard.lock();
-            let keys: Vec<String> = shard
-                .iter()
-                .filter(|(_, o)| force || (o.state == ObjectState::Complete && !o.leased(now)))
-                .map(|(k, _)| k.clone())
-                .collect();
-            for k in keys {
-                if let Some(o) = shard.remove(&k) {
-                    frees.extend(self.pending_frees(&o));
-                    removed += 1;
-                }
-            }
-        }
+        let (removed, frees) = self.remove_matching(force, false, |_| true);
         if let Some(sink) = &self.events {
             sink.emit(PoolEvent::RemovedAll);
         }
@@ -456,6 +440,20 @@ impl MasterCore {
     /// unleased ones only unless `force`, as [`MasterCore::remove`] would one by one. Returns
     /// how many.
     pub async fn remove_by_regex(&self, re: &regex::Regex, force: bool) -> u64 {
+        let (removed, frees) = self.remove_matching(force, true, |k| re.is_match(k));
+        self.release(frees).await;
+        removed
+    }
+
+    /// Removes the objects whose key `pick` selects: complete and unleased ones, or (`force`)
+    /// every one. With `announce`, each complete one is announced as gone (events, warm
+    /// standbys), as a single remove does. Returns how many, and the frees to release.
+    fn remove_matching(
+        &self,
+        force: bool,
+        announce: bool,
+        pick: impl Fn(&str) -> bool,
+    ) -> (u64, Vec<PendingFree>) {
         let now = Instant::now();
         let mut frees = Vec::new();
         let mut removed = 0;
@@ -464,14 +462,13 @@ impl MasterCore {
             let keys: Vec<String> = shard
                 .iter()
                 .filter(|(k, o)| {
-                    re.is_match(k)
-                        && (force || (o.state == ObjectState::Complete && !o.leased(now)))
+                    pick(k) && (force || (o.state == ObjectState::Complete && !o.leased(now)))
                 })
                 .map(|(k, _)| k.clone())
                 .collect();
             for k in keys {
                 if let Some(o) = shard.remove(&k) {
-                    if o.state == ObjectState::Complete {
+                    if announce && o.state == ObjectState::Complete {
                         self.emit_updated(&k, (o.generation, o.size), tiers_of(&o.replicas), &[]);
                     }
                     frees.extend(self.pending_frees(&o));
@@ -479,8 +476,7 @@ impl MasterCore {
                 }
             }
         }
-        self.release(frees).await;
-        removed
+        (removed, frees)
     }
 
     pub(super) fn pending_frees(&self, o: &Object) -> Vec<PendingFree> {
