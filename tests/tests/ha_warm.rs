@@ -381,3 +381,105 @@ fn ha_warm_bench() {
     }
     println!("  (p99 is the maximum when there are fewer than 100 trials)");
 }
+
+/// The pool token on (issue 18: owners require capabilities): a new leader answering from its
+/// warm copy hands out capabilities under the owner's replicated secret, so the owner accepts
+/// them though it has not remounted to that leader, and still refuses a forged one.
+#[test]
+fn with_the_pool_token_a_warm_leaders_capabilities_pass_at_the_owner() {
+    use std::io::{Read, Write};
+
+    use lunakv_transfer::wire::{self, Op, Request, Response, Status};
+
+    const POOL: &str = "pool-0123456789abcdef0123456789";
+    let _serial = lunakv_tests::serial();
+    let _env = lunakv_tests::child_env(&[("LUNAKV_AUTH_TOKEN", POOL)]);
+    let Some(mut c) = Cluster::start(3, &["--ha_warm_standby=true"]) else {
+        return;
+    };
+    let url = c.url();
+    let a = Store::start(&url, "64MB", &["--enable_shm=false"]);
+    let dir = tempfile::tempdir().unwrap();
+    let value = pattern(7, OBJ);
+    let file = dir.path().join("v");
+    std::fs::write(&file, &value).unwrap();
+    let put = std::process::Command::new(lunakv_tests::bin("lunakv"))
+        .args([
+            "--master",
+            url.as_str(),
+            "put",
+            "caps-warm",
+            &file.display().to_string(),
+        ])
+        .env("LUNAKV_AUTH_TOKEN", POOL)
+        .output()
+        .expect("run lunakv put");
+    assert!(
+        put.status.success(),
+        "{}",
+        String::from_utf8_lossy(&put.stderr)
+    );
+    c.wait_copies(1);
+
+    a.proc.signal(libc::SIGSTOP);
+    let old = c.leader(None).expect("a leader");
+    c.masters[old].proc.kill9();
+    let new = c.wait_leader(Some(old)).expect("a standby takes over");
+    // Asked while the owner is stopped: the answer can only come from the warm copy.
+    let loc = on_channel(c.masters[new].rpc, async |ch| {
+        let mut m = pb::master_client::MasterClient::new(ch);
+        let mut req = tonic::Request::new(pb::GetReplicaListRequest {
+            client_id: String::new(),
+            key: "caps-warm".into(),
+        });
+        req.metadata_mut()
+            .insert("authorization", format!("Bearer {POOL}").parse().unwrap());
+        m.get_replica_list(req).await
+    })
+    .expect("the warm leader answers")
+    .into_inner();
+    assert_eq!(loc.code, 0, "{}", loc.message);
+    let r = &loc.replicas[0];
+    assert_eq!(
+        r.capability.len(),
+        lunakv_transfer::cap::CAP_LEN,
+        "a capability from the warm copy"
+    );
+    a.proc.signal(libc::SIGCONT);
+
+    let endpoint = r
+        .segment
+        .as_ref()
+        .expect("segment")
+        .transfer_endpoint
+        .clone();
+    let read = |cap: &[u8]| -> (Status, Vec<u8>) {
+        let mut s = std::net::TcpStream::connect(&endpoint).unwrap();
+        let mut h = Request {
+            op: Op::Read,
+            generation: loc.generation,
+            offset: r.offset,
+            len: r.size,
+            key_len: 0,
+            aux: 0,
+        }
+        .encode();
+        h[wire::FLAGS_AT] |= wire::FLAG_CAP;
+        s.write_all(&h).unwrap();
+        s.write_all(cap).unwrap();
+        let mut hdr = [0u8; wire::RESP_LEN];
+        s.read_exact(&mut hdr).unwrap();
+        let resp = Response::decode(&hdr).unwrap();
+        let mut body = vec![0u8; resp.len as usize];
+        s.read_exact(&mut body).unwrap();
+        (resp.status, body)
+    };
+    let (st, body) = read(&r.capability);
+    assert_eq!(st, Status::Ok, "{}", String::from_utf8_lossy(&body));
+    assert!(body == value, "the owner served other bytes");
+    let mut forged = r.capability.clone();
+    let last = forged.len() - 1;
+    forged[last] ^= 1;
+    let (st, _) = read(&forged);
+    assert_eq!(st, Status::Refused, "a forged capability is refused");
+}
