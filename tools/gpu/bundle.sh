@@ -3,6 +3,8 @@
 #   bin/lunakv-master bin/lunakv-store   release builds, stripped
 #   lunakv-*-abi3-*.whl                   the `mooncake` package (abi3: any CPython >= 3.9)
 #   test_gpu.sh test_gpu.py               the check itself
+#   compare.sh                            the check three times: defaults, no coalescing,
+#                                         no pin-ahead (docs/GPU.md, "The GPU run")
 # and refuses a bundle of 64 MiB or more. Copy the directory to the GPU machine and run
 # ./test_gpu.sh there. Environment: BUNDLE_DIR (default <target>/gpu-bundle), VENV (where
 # maturin is installed; default <repo>/.venv), RDMA=1 (build with the `rdma` cargo feature: the
@@ -41,8 +43,8 @@ for b in lunakv-master lunakv-store; do
     strip -o "$out/bin/$b" "$target/release/$b"
 done
 cp "$target"/gpu-wheel/lunakv-*.whl "$out/"
-cp "$here/test_gpu.sh" "$here/test_gpu.py" "$out/"
-chmod +x "$out/test_gpu.sh" "$out/test_gpu.py"
+cp "$here/test_gpu.sh" "$here/test_gpu.py" "$here/compare.sh" "$out/"
+chmod +x "$out/test_gpu.sh" "$out/test_gpu.py" "$out/compare.sh"
 
 wheel=$(ls "$out"/lunakv-*.whl)
 case "$(basename "$wheel")" in
