@@ -483,3 +483,36 @@ fn with_the_pool_token_a_warm_leaders_capabilities_pass_at_the_owner() {
     let (st, _) = read(&forged);
     assert_eq!(st, Status::Refused, "a forged capability is refused");
 }
+
+/// RemoveAll reaches the standbys' warm copies: a leader taking over after it must not answer
+/// for the removed objects.
+#[test]
+fn remove_all_empties_the_standbys_warm_copies() {
+    let _serial = lunakv_tests::serial();
+    let Some(c) = Cluster::start(2, &["--ha_warm_standby=true"]) else {
+        return;
+    };
+    let url = c.url();
+    let _s = Store::start(&url, "64MB", &["--enable_shm=false"]);
+    let w = tcp_requester(&url);
+    for i in 0..8 {
+        w.put(&format!("rm-all-{i}"), &pattern(i, OBJ))
+            .expect("put");
+    }
+    c.wait_copies(8);
+    assert_eq!(w.remove_all(true).expect("remove_all"), 8);
+    w.put("rm-all-after", b"after").expect("put after");
+    // The feed is ordered: the standby sees the 8 removals before that put, so its copy never
+    // holds 9 objects; without the removals it would go 8 -> 9.
+    let standby = (0..c.masters.len())
+        .find(|&i| Some(i) != c.leader(None))
+        .expect("a standby");
+    let keys = |c: &Cluster| c.masters[standby].metric("master_warm_copy_keys");
+    let first_change = wait_until(Duration::from_secs(30), || keys(&c).filter(|&k| k != 8.0))
+        .expect("the standby's copy changed");
+    assert!(
+        first_change <= 1.0,
+        "the standby's copy went from 8 to {first_change} objects: RemoveAll did not reach it"
+    );
+    c.wait_copies(1);
+}

@@ -446,8 +446,8 @@ impl MasterCore {
     }
 
     /// Removes the objects whose key `pick` selects: complete and unleased ones, or (`force`)
-    /// every one. With `announce`, each complete one is announced as gone (events, warm
-    /// standbys), as a single remove does. Returns how many, and the frees to release.
+    /// every one. Warm standbys drop each complete one; with `announce`, each is also an event,
+    /// as a single remove is. Returns how many, and the frees to release.
     fn remove_matching(
         &self,
         force: bool,
@@ -468,8 +468,20 @@ impl MasterCore {
                 .collect();
             for k in keys {
                 if let Some(o) = shard.remove(&k) {
-                    if announce && o.state == ObjectState::Complete {
-                        self.emit_updated(&k, (o.generation, o.size), tiers_of(&o.replicas), &[]);
+                    if o.state == ObjectState::Complete {
+                        if announce {
+                            self.emit_updated(
+                                &k,
+                                (o.generation, o.size),
+                                tiers_of(&o.replicas),
+                                &[],
+                            );
+                        } else {
+                            // No per-key event (RemoveAll announces itself), but the warm
+                            // standbys must drop the key too, or a new leader would answer
+                            // for objects removed before the failover.
+                            self.replicate(&k, o.generation, o.size, &[]);
+                        }
                     }
                     frees.extend(self.pending_frees(&o));
                     removed += 1;
