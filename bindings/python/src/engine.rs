@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use lunakv_transfer::{
     MemoryRegistry, OwnedRegion, ProtocolChoice, RawRequest, RegionServer, RegionServerConfig,
-    TransferEngine as RawEngine, WireProtocol,
+    TransferEngine as RawEngine, TransferError, WireProtocol,
 };
 use parking_lot::{Condvar, Mutex, RwLock};
 use pyo3::prelude::*;
@@ -519,6 +519,40 @@ impl TransferEngine {
     /// (`None` before initialize). "rdma" on a machine or build without it serves "tcp".
     fn _protocol_info(&self) -> Option<HashMap<&'static str, String>> {
         self.active().map(|a| protocol_info(&a.protocol))
+    }
+
+    /// Upstream's handle of the engine, which SGLang hands to `store.setup(engine=...)`: this
+    /// object (lunakv's store already shares the process's data path with it).
+    fn get_engine(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Upstream's probe of a peer session before the first transfer: 0 when the peer's
+    /// transfer port answers, -1 when it cannot be reached (the reason is logged). lunakv asks
+    /// the peer for one byte at address 0, which no peer registers, on the connection
+    /// transfers use; the peer's "out of bounds" is the answer that proves it is there.
+    fn send_probe(&self, py: Python<'_>, session_id: String) -> i64 {
+        let Some(a) = self.active() else {
+            tracing::error!("lunakv: send_probe before initialize");
+            return FAILED;
+        };
+        let endpoint = match session_endpoint(&session_id) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::error!("lunakv: send_probe refused: {e}");
+                return FAILED;
+            }
+        };
+        detached(py, FAILED, move || {
+            let mut byte = [0u8; 1];
+            match a.engine.read_raw(&endpoint, 0, &mut [&mut byte[..]]) {
+                Ok(()) | Err(TransferError::OutOfBounds { .. }) => 0,
+                Err(e) => {
+                    tracing::warn!("lunakv: send_probe to {endpoint}: {e}");
+                    FAILED
+                }
+            }
+        })
     }
 
     /// lunakv: this engine's session id, `"host:rpc_port"` ("" before initialize).

@@ -246,6 +246,26 @@ def test_error_paths_return_negative_codes():
         a.transfer_sync_write(session, "not a pointer", target.ctypes.data, 16)
 
 
+def test_sglang_calls_get_engine_and_send_probe(peer, master):
+    """SGLang's calls: get_engine() is what it hands to store.setup(engine=...), and
+    send_probe(session) answers 0 for a live peer, -1 for one that is not there."""
+    te = engine()
+    assert te.get_engine() is te
+    assert te.send_probe(peer.session) == 0
+    assert te.send_probe(te.get_session_id()) == 0
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()
+    assert te.send_probe(f"127.0.0.1:{port}") == -1
+    assert te.send_probe("not-a-session") == -1
+    assert TransferEngine().send_probe(peer.session) == -1, "before initialize"
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", master, engine=te.get_engine()) == 0
+    assert store.close() == 0
+    te.shutdown()
+
+
 def test_listener_binds_exactly_the_given_host():
     te = engine()
     port = te.get_rpc_port()
