@@ -610,19 +610,27 @@ impl MooncakeDistributedStore {
     /// `bytearray` with upstream's `ptr()` and `size()`), or `None` if it is missing or the read
     /// failed.
     fn get_buffer<'py>(&self, py: Python<'py>, key: String) -> PyResult<Bound<'py, PyAny>> {
-        let mut got = self.get_batch(py, vec![key]);
-        buffer_handle(py, got.pop())
+        let mut got = self.batch_get_buffer(py, vec![key])?;
+        Ok(got.pop().unwrap_or_else(|| py.None().into_bound(py)))
     }
 
-    /// One `BufferHandle` per key, `None` for each missing one.
+    /// One `BufferHandle` per key, `None` for each missing one. The bytes are copied once, from
+    /// the transfer's buffer into the handle (not through a `bytes` first).
     fn batch_get_buffer<'py>(
         &self,
         py: Python<'py>,
         keys: Vec<String>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        self.get_batch(py, keys)
-            .into_iter()
-            .map(|b| buffer_handle(py, Some(b)))
+        let n = keys.len();
+        let got: Vec<Option<Vec<u8>>> = match self.client() {
+            None => vec![None; n],
+            Some(c) => detached(py, vec![None; n], move || {
+                let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+                c.batch_get(&ks).into_iter().map(Result::ok).collect()
+            }),
+        };
+        got.iter()
+            .map(|v| buffer_handle(py, v.as_deref()))
             .collect()
     }
 
@@ -923,19 +931,22 @@ fn as_bytes<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
     Ok(b.cast_into::<PyBytes>()?)
 }
 
-/// `mooncake.store.BufferHandle(bytes)`, or `None` for a miss: `get` answers empty bytes for a
-/// missing key, and no object is empty (a put of 0 bytes is refused).
-fn buffer_handle<'py>(
-    py: Python<'py>,
-    bytes: Option<Bound<'py, PyBytes>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    match bytes {
-        Some(b) if !b.as_bytes().is_empty() => py
-            .import("mooncake.store")?
-            .getattr("BufferHandle")?
-            .call1((b,)),
-        _ => Ok(py.None().into_bound(py)),
-    }
+/// A `mooncake.store.BufferHandle` holding `data`, or `None` for a miss (no object is empty: a
+/// put of 0 bytes is refused).
+fn buffer_handle<'py>(py: Python<'py>, data: Option<&[u8]>) -> PyResult<Bound<'py, PyAny>> {
+    let Some(data) = data.filter(|d| !d.is_empty()) else {
+        return Ok(py.None().into_bound(py));
+    };
+    // A zeroed handle of the right length, filled in place: one copy of the object.
+    let h = py
+        .import("mooncake.store")?
+        .getattr("BufferHandle")?
+        .call1((data.len(),))?;
+    let ba = h.cast::<pyo3::types::PyByteArray>()?;
+    // SAFETY: `ba` was just made, is not shared with Python code yet, and is not resized while
+    // the slice lives.
+    unsafe { ba.as_bytes_mut() }.copy_from_slice(data);
+    Ok(h)
 }
 
 /// Per-key single ranges; None when the list lengths disagree.
