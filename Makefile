@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python clean
+.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python bench-metadata clean
 
 all: build
 
@@ -68,6 +68,10 @@ bench-failover: release
 ## upstream's PyPI package when it can be installed (BENCH_ARGS=--no-upstream to skip it).
 bench-python:
 	bindings/python/build.sh bench
+
+## The masters' memory per key and batch ops per CPU-second, lunakv vs upstream (1M keys).
+bench-metadata:
+	bindings/python/build.sh bench-meta
 
 clean:
 	$(CARGO) clean

@@ -7,6 +7,8 @@
 #   bindings/python/build.sh bench    release wheel + release binaries, then bench/bench_store.py
 #                                     (lunakv vs upstream side by side; BENCH_ARGS=--no-upstream
 #                                     for lunakv alone)
+#   bindings/python/build.sh bench-meta  the same build, then bench/bench_meta.py (the masters'
+#                                     memory per key and ops per CPU-second, side by side)
 #
 # Environment: VENV (default <repo>/.venv), PYTHON (the interpreter that creates the venv,
 # default python3), PROFILE (cargo profile for the wheel: dev, the default, builds fast for
@@ -21,7 +23,7 @@ target=${CARGO_TARGET_DIR:-$repo/target}
 VENV=${VENV:-$repo/.venv}
 PYTHON=${PYTHON:-python3}
 what=${1:-test}
-if [ "$what" = bench ]; then
+if [ "$what" = bench ] || [ "$what" = bench-meta ]; then
     PROFILE=${PROFILE:-release}
 else
     PROFILE=${PROFILE:-dev}
@@ -50,10 +52,12 @@ if [ "$what" = test ]; then
     # shellcheck disable=SC2086
     "$VENV/bin/python" -m pytest -q tests ${PYTEST_ARGS:-}
 fi
-if [ "$what" = bench ]; then
+if [ "$what" = bench ] || [ "$what" = bench-meta ]; then
     echo "== benchmark"
     (cd "$repo" && cargo build --release --bins)
+    script=bench_store.py
+    [ "$what" = bench-meta ] && script=bench_meta.py
     # shellcheck disable=SC2086
-    "$VENV/bin/python" "$here/bench/bench_store.py" --lunakv-python "$VENV/bin/python" \
+    "$VENV/bin/python" "$here/bench/$script" --lunakv-python "$VENV/bin/python" \
         --bin-dir "${LUNAKV_BIN_DIR:-$target/release}" ${BENCH_ARGS:-}
 fi

@@ -248,6 +248,29 @@ def memcpy_ceiling(args) -> dict:
     return {"put_gbps": moved / put_t / 1e9, "get_gbps": moved / get_t / 1e9}
 
 
+def start_master(impl: str, bin_dir: str, tmp: str) -> tuple[Proc, str]:
+    """The implementation's master on a free loopback port, ready to serve; returns it and its
+    address."""
+    port = free_port()
+    if impl == "lunakv":
+        m = Proc([str(Path(bin_dir) / "lunakv-master"), "--rpc_address=127.0.0.1", f"--rpc_port={port}",
+                  "--metrics_port=0", f"--data_dir={tmp}"])
+        try:
+            m.wait_for("listening")
+        except RuntimeError:
+            m.stop()
+            raise
+    else:
+        exe = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or "mooncake_master"
+        m = Proc([exe, f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}"])
+        try:
+            wait_port(port)
+        except RuntimeError:
+            m.stop()
+            raise
+    return m, f"127.0.0.1:{port}"
+
+
 def store_setup(store, gss: int, master: str) -> None:
     # vLLM's positional order: local_hostname, metadata_server, global_segment_size,
     # local_buffer_size, protocol, device_name, master_server_address.
@@ -270,19 +293,8 @@ def worker(args) -> int:
     tmp = tempfile.mkdtemp(prefix=f"mc-bench-{impl}-")
     gss = segment_bytes(args)
     try:
-        port = free_port()
-        master = f"127.0.0.1:{port}"
-        if impl == "lunakv":
-            bindir = Path(args.bin_dir)
-            m = Proc([str(bindir / "lunakv-master"), "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                      "--metrics_port=0", f"--data_dir={tmp}"])
-            procs.append(m)
-            m.wait_for("listening")
-        else:
-            exe = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or "mooncake_master"
-            m = Proc([exe, f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}"])
-            procs.append(m)
-            wait_port(port)
+        m, master = start_master(impl, args.bin_dir, tmp)
+        procs.append(m)
         load = os.getloadavg()[0]
         ceil = memcpy_ceiling(args)
         print("RESULT " + json.dumps({"impl": impl, "mode": "memcpy", "load": load, **ceil}), flush=True)
