@@ -53,6 +53,11 @@ pub struct MasterCore {
     /// Bytes each client holds reserved by puts it has not ended: recounted by every
     /// [`Self::sweep_puts`] and raised by each PutStart in between (a leaf lock).
     reserved: Mutex<HashMap<String, u64>>,
+    /// Every put started and perhaps not yet ended, by key, with its generation (a leaf lock).
+    /// It may hold puts that have since ended or gone: [`Self::sweep_puts`] checks each against
+    /// the index and drops those. It lets the sweep visit the puts in flight instead of every
+    /// object, which at a million keys cost a tenth of a core (docs/BENCH.md, "Metadata").
+    inflight: Mutex<HashMap<String, u64>>,
     /// Objects in the index as of the last sweep (the key limit's cheap check).
     approx_keys: AtomicU64,
     /// Ranges of puts whose writer died, to free on the next [`Self::release_orphaned`].
@@ -97,6 +102,7 @@ impl MasterCore {
             clients: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(Vec::new()),
             reserved: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(HashMap::new()),
             approx_keys: AtomicU64::new(0),
             orphaned: Mutex::new(Vec::new()),
             eviction_lock: tokio::sync::Mutex::new(()),

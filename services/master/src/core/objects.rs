@@ -231,6 +231,7 @@ impl MasterCore {
             },
         );
         drop(shard);
+        self.inflight.lock().insert(key.to_string(), generation);
         *self
             .reserved
             .lock()

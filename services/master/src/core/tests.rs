@@ -390,6 +390,40 @@ async fn puts_never_ended_are_discarded_then_released() {
     );
 }
 
+/// The sweep visits only the puts in flight: ended puts leave its list, and a key put again
+/// after a revoke is followed at its new generation (discarded once, not twice).
+#[tokio::test]
+async fn the_sweep_follows_only_puts_in_flight() {
+    let (core, _) = new_core(CoreConfig {
+        put_discard_timeout: Duration::from_millis(100),
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", 1 << 20);
+    for i in 0..50 {
+        put(&core, &format!("done{i}"), 100, &opts(1)).await;
+    }
+    core.put_start("cl", "z", 100, &opts(1)).await.expect("put");
+    assert_eq!(core.sweep_puts().await, 0);
+    assert_eq!(
+        core.inflight.lock().keys().cloned().collect::<Vec<_>>(),
+        vec!["z".to_string()],
+        "ended puts are not followed"
+    );
+    core.put_revoke("cl", "z").await.expect("revoke");
+    core.put_start("cl", "z", 100, &opts(1))
+        .await
+        .expect("put again");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(core.sweep_puts().await, 1, "the new put, once");
+    assert!(core.query_key("z").is_none());
+    assert!(core.inflight.lock().is_empty(), "nothing left to follow");
+    assert_eq!(core.sweep_puts().await, 0);
+    assert!(
+        core.query_key("done7").is_some(),
+        "complete objects untouched"
+    );
+}
+
 #[tokio::test]
 async fn silent_clients_lose_their_segments() {
     let (core, _) = new_core(CoreConfig {

@@ -501,41 +501,46 @@ impl MasterCore {
     pub async fn sweep_puts(&self) -> u64 {
         let now = Instant::now();
         let mut discarded = 0;
-        let mut keys = 0u64;
         let mut reserved: HashMap<String, u64> = HashMap::new();
-        for shard in &self.shards {
-            let mut shard = shard.lock();
-            keys += shard.len() as u64;
-            for o in shard.values() {
-                if o.state == ObjectState::Processing {
-                    let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
-                    *reserved.entry(o.client_id.clone()).or_default() += bytes;
-                }
+        // Puts started while this runs land in the live map and are left for the next sweep.
+        let candidates = std::mem::take(&mut *self.inflight.lock());
+        let mut still = Vec::new();
+        for (key, generation) in candidates {
+            let mut shard = self.shard(&key).lock();
+            let Some(o) = shard.get(key.as_str()) else {
+                continue;
+            };
+            if o.state != ObjectState::Processing || o.generation != generation {
+                continue;
             }
-            let stale: Vec<String> = shard
-                .iter()
-                .filter(|(_, o)| {
-                    o.state == ObjectState::Processing
-                        && now.duration_since(o.put_start) >= self.cfg.put_discard_timeout
-                })
-                .map(|(k, _)| k.clone())
-                .collect();
-            for k in stale {
-                if let Some(o) = shard.remove(&k) {
-                    tracing::warn!(key = %k, client_id = %o.client_id, generation = o.generation, "put never ended; discarded");
-                    let frees = self.pending_frees(&o);
-                    // The writer may still be copying into these ranges: they stay allocated
-                    // until put_start + put_release_timeout, its revoke, or its death.
-                    self.quarantine.lock().push(Quarantined {
-                        until: o.put_start + self.cfg.put_release_timeout,
-                        key: k.clone(),
-                        client_id: o.client_id.clone(),
-                        frees,
-                    });
-                    discarded += 1;
-                }
+            if now.duration_since(o.put_start) < self.cfg.put_discard_timeout {
+                let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
+                *reserved.entry(o.client_id.clone()).or_default() += bytes;
+                still.push((key, generation));
+                continue;
+            }
+            if let Some(o) = shard.remove(key.as_str()) {
+                tracing::warn!(key = %key, client_id = %o.client_id, generation = o.generation, "put never ended; discarded");
+                let frees = self.pending_frees(&o);
+                // The writer may still be copying into these ranges: they stay allocated
+                // until put_start + put_release_timeout, its revoke, or its death.
+                self.quarantine.lock().push(Quarantined {
+                    until: o.put_start + self.cfg.put_release_timeout,
+                    key,
+                    client_id: o.client_id.clone(),
+                    frees,
+                });
+                discarded += 1;
             }
         }
+        {
+            let mut live = self.inflight.lock();
+            for (key, generation) in still {
+                // A newer put of the same key, started meanwhile, is the one to follow.
+                live.entry(key).or_insert(generation);
+            }
+        }
+        let keys = self.shards.iter().map(|s| s.lock().len() as u64).sum();
         // Discarded puts are no longer reservations (their ranges wait in quarantine).
         *self.reserved.lock() = reserved;
         self.approx_keys.store(keys, Ordering::Relaxed);
