@@ -19,6 +19,7 @@ use crate::metrics::Metrics;
 use crate::namespaces::NamespaceTracker;
 use crate::notifier::OwnerClient;
 
+mod intern;
 mod objects;
 mod segments;
 mod tiering;
@@ -34,6 +35,11 @@ pub use types::{
 };
 pub use warm::{IndexChange, IndexEntry, IndexSnapshot, WarmReplicaLoc};
 
+/// One shard of the object index. Keys and objects are boxed: the table then holds 24 bytes
+/// per slot instead of a whole [`Object`], and a table that has just doubled (half its slots
+/// empty) wastes little (docs/BENCH.md, "Metadata").
+type Index = HashMap<Box<str>, Box<Object>>;
+
 /// Number of object-index shards.
 pub const SHARDS: usize = 64;
 
@@ -43,7 +49,7 @@ pub struct MasterCore {
     epoch: u32,
     counter: AtomicU64,
     next_mount_id: AtomicU64,
-    shards: Vec<Mutex<HashMap<String, Object>>>,
+    shards: Vec<Mutex<Index>>,
     hasher: std::collections::hash_map::RandomState,
     segments: Mutex<HashMap<String, Segment>>,
     clients: Mutex<HashMap<String, ClientEntry>>,
@@ -58,6 +64,8 @@ pub struct MasterCore {
     /// the index and drops those. It lets the sweep visit the puts in flight instead of every
     /// object, which at a million keys cost a tenth of a core (docs/BENCH.md, "Metadata").
     inflight: Mutex<HashMap<String, u64>>,
+    /// The one copy of each client id and segment name the objects refer to.
+    names: intern::Interner,
     /// Objects in the index as of the last sweep (the key limit's cheap check).
     approx_keys: AtomicU64,
     /// Ranges of puts whose writer died, to free on the next [`Self::release_orphaned`].
@@ -103,6 +111,7 @@ impl MasterCore {
             quarantine: Mutex::new(Vec::new()),
             reserved: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
+            names: intern::Interner::default(),
             approx_keys: AtomicU64::new(0),
             orphaned: Mutex::new(Vec::new()),
             eviction_lock: tokio::sync::Mutex::new(()),
@@ -141,9 +150,12 @@ impl MasterCore {
             .map(|r| ReplicaRef {
                 disk: r.disk,
                 endpoint: segs
-                    .get(&r.segment)
+                    .get(&*r.segment)
                     .filter(|s| s.mount_id == r.mount_id)
-                    .map_or_else(|| r.segment.clone(), |s| s.desc.transfer_endpoint.clone()),
+                    .map_or_else(
+                        || r.segment.to_string(),
+                        |s| s.desc.transfer_endpoint.clone(),
+                    ),
             })
             .collect()
     }
@@ -185,7 +197,7 @@ impl MasterCore {
         self.epoch
     }
 
-    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Object>> {
+    fn shard(&self, key: &str) -> &Mutex<Index> {
         &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
     }
 

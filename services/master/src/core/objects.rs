@@ -129,7 +129,7 @@ impl MasterCore {
         let now = Instant::now();
         let mut shard = self.shard(key).lock();
         if let Some(o) = shard.get(key) {
-            if o.client_id != client_id {
+            if *o.client_id != *client_id {
                 // Another instance holds this block: the cross-instance sharing doctor checks.
                 self.namespaces.record_put(client_id, key, true);
             }
@@ -193,7 +193,7 @@ impl MasterCore {
                 continue;
             };
             replicas.push(ReplicaLoc {
-                segment: name.clone(),
+                segment: self.names.get(name),
                 mount_id: seg.mount_id,
                 offset,
                 disk: false,
@@ -215,20 +215,20 @@ impl MasterCore {
         }
         let soft_ttl = self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl);
         shard.insert(
-            key.to_string(),
-            Object {
+            key.into(),
+            Box::new(Object {
                 generation,
                 size,
                 replicas,
                 state: ObjectState::Processing,
-                client_id: client_id.to_string(),
+                client_id: self.names.get(client_id),
                 put_start: now,
                 lease_until: None,
                 soft_pin_until: opts.soft_pin.then(|| now + soft_ttl),
                 hard_pinned: opts.hard_pin,
                 last_access: now,
                 promoting: false,
-            },
+            }),
         );
         drop(shard);
         self.inflight.lock().insert(key.to_string(), generation);
@@ -321,7 +321,7 @@ impl MasterCore {
         if o.state != ObjectState::Complete {
             return Err(not_found(key, "its put has not ended yet"));
         }
-        if !client_id.is_empty() && o.client_id != client_id {
+        if !client_id.is_empty() && *o.client_id != *client_id {
             self.namespaces.record_found_from_other(client_id, key);
         }
         let lease_until = now + self.cfg.lease_ttl;
@@ -335,7 +335,7 @@ impl MasterCore {
             .replicas
             .iter()
             .filter_map(|r| {
-                segs.get(&r.segment)
+                segs.get(&*r.segment)
                     .filter(|s| s.mount_id == r.mount_id)
                     .map(|s| {
                         let mut v = ReplicaView {
@@ -356,13 +356,13 @@ impl MasterCore {
             // is not worth an eviction), and the next hit tries again.
             o.replicas.iter().filter(|r| r.disk).find_map(|r| {
                 let seg = segs
-                    .get_mut(&r.segment)
+                    .get_mut(&*r.segment)
                     .filter(|s| s.mount_id == r.mount_id && s.complete)?;
                 let offset = seg.alloc.allocate(o.size)?;
                 Some(PendingPromotion {
                     key: key.to_string(),
                     endpoint: seg.desc.transfer_endpoint.clone(),
-                    segment: r.segment.clone(),
+                    segment: r.segment.to_string(),
                     mount_id: r.mount_id,
                     generation: o.generation,
                     offset,
@@ -465,10 +465,10 @@ impl MasterCore {
                 .filter(|(k, o)| {
                     pick(k) && (force || (o.state == ObjectState::Complete && !o.leased(now)))
                 })
-                .map(|(k, _)| k.clone())
+                .map(|(k, _)| k.to_string())
                 .collect();
             for k in keys {
-                if let Some(o) = shard.remove(&k) {
+                if let Some(o) = shard.remove(k.as_str()) {
                     if o.state == ObjectState::Complete {
                         if announce {
                             self.emit_updated(
@@ -504,11 +504,11 @@ impl MasterCore {
         replicas
             .iter()
             .filter_map(|r| {
-                segs.get(&r.segment)
+                segs.get(&*r.segment)
                     .filter(|s| s.mount_id == r.mount_id)
                     .map(|s| PendingFree {
                         endpoint: s.desc.transfer_endpoint.clone(),
-                        segment: r.segment.clone(),
+                        segment: r.segment.to_string(),
                         mount_id: r.mount_id,
                         generation,
                         offset: if r.disk {

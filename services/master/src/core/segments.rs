@@ -208,7 +208,7 @@ impl MasterCore {
         }
         self.confirm_warm(&mut shard, &desc.name, mount_id, &item.key, item.disk);
         let mut displaced = Vec::new();
-        if let Some(existing) = shard.get(&item.key) {
+        if let Some(existing) = shard.get(item.key.as_str()) {
             if existing.generation > item.generation {
                 return Err(InventoryReject::Newer(existing.generation));
             }
@@ -216,7 +216,7 @@ impl MasterCore {
                 && existing
                     .replicas
                     .iter()
-                    .any(|r| r.segment == desc.name && r.disk == item.disk)
+                    .any(|r| *r.segment == *desc.name && r.disk == item.disk)
             {
                 return Err(InventoryReject::Duplicate);
             }
@@ -242,7 +242,7 @@ impl MasterCore {
             }
         }
         let loc = ReplicaLoc {
-            segment: desc.name.clone(),
+            segment: self.names.get(&desc.name),
             mount_id,
             offset: if item.disk {
                 lunakv_transfer::DISK_OFFSET
@@ -251,7 +251,7 @@ impl MasterCore {
             },
             disk: item.disk,
         };
-        match shard.get_mut(&item.key) {
+        match shard.get_mut(item.key.as_str()) {
             Some(existing) if existing.generation == item.generation => {
                 let before = tiers_of(&existing.replicas);
                 existing.replicas.push(loc);
@@ -265,11 +265,11 @@ impl MasterCore {
             Some(existing) => {
                 // An older copy: the inventory's is newer, so it wins.
                 displaced = self.pending_frees(existing);
-                *existing = Object::complete(
+                **existing = Object::complete(
                     item.generation,
                     item.size,
                     vec![loc],
-                    client_id.to_string(),
+                    self.names.get(client_id),
                     now,
                 );
                 self.emit_stored(&item.key, (item.generation, item.size), &existing.replicas);
@@ -281,14 +281,14 @@ impl MasterCore {
                     std::slice::from_ref(&loc),
                 );
                 shard.insert(
-                    item.key.clone(),
-                    Object::complete(
+                    item.key.as_str().into(),
+                    Box::new(Object::complete(
                         item.generation,
                         item.size,
                         vec![loc],
-                        client_id.to_string(),
+                        self.names.get(client_id),
                         now,
-                    ),
+                    )),
                 );
             }
         }
@@ -349,7 +349,7 @@ impl MasterCore {
                 let before = o.replicas.len();
                 let tiers = tiers_of(&o.replicas);
                 o.replicas
-                    .retain(|r| !(r.segment == segment && r.mount_id == mount_id));
+                    .retain(|r| !(*r.segment == *segment && r.mount_id == mount_id));
                 if o.replicas.len() != before && o.state == ObjectState::Complete {
                     self.emit_updated(k, (o.generation, o.size), tiers, &o.replicas);
                 }
@@ -388,7 +388,7 @@ impl MasterCore {
             }
         };
         for key in touched_keys {
-            if let Some(o) = self.shard(key).lock().get_mut(key) {
+            if let Some(o) = self.shard(key).lock().get_mut(key.as_str()) {
                 o.last_access = now;
             }
         }
@@ -447,11 +447,11 @@ impl MasterCore {
             let mut shard = shard.lock();
             let keys: Vec<String> = shard
                 .iter()
-                .filter(|(_, o)| o.state == ObjectState::Processing && o.client_id == client_id)
-                .map(|(k, _)| k.clone())
+                .filter(|(_, o)| o.state == ObjectState::Processing && *o.client_id == *client_id)
+                .map(|(k, _)| k.to_string())
                 .collect();
             for k in keys {
-                if let Some(o) = shard.remove(&k) {
+                if let Some(o) = shard.remove(k.as_str()) {
                     frees.extend(self.pending_frees(&o));
                     puts += 1;
                 }

@@ -59,7 +59,7 @@ impl MasterCore {
                     candidates.push((
                         o.soft_pinned(now),
                         o.last_access,
-                        k.clone(),
+                        k.to_string(),
                         o.generation,
                         bytes,
                     ));
@@ -77,7 +77,7 @@ impl MasterCore {
             }
             let mut shard = self.shard(&key).lock();
             // Re-check: a reader may have leased it since the scan.
-            let Some(o) = shard.get_mut(&key).filter(|o| {
+            let Some(o) = shard.get_mut(key.as_str()).filter(|o| {
                 o.generation == generation
                     && o.state == ObjectState::Complete
                     && !o.leased(Instant::now())
@@ -92,7 +92,7 @@ impl MasterCore {
             } else {
                 let segs = self.segments.lock();
                 o.replicas.iter().filter(|r| !r.disk).find_map(|r| {
-                    segs.get(&r.segment)
+                    segs.get(&*r.segment)
                         .filter(|s| {
                             s.mount_id == r.mount_id
                                 && s.desc.enable_offload
@@ -121,7 +121,7 @@ impl MasterCore {
                     offloads.push(PendingOffload {
                         key: key.clone(),
                         endpoint,
-                        segment: t.segment.clone(),
+                        segment: t.segment.to_string(),
                         mount_id: t.mount_id,
                         generation: o.generation,
                         offset: t.offset,
@@ -135,7 +135,7 @@ impl MasterCore {
                 self.emit_updated(&key, (o.generation, o.size), before, &o.replicas);
                 freed += bytes;
                 evicted += 1;
-            } else if let Some(o) = shard.remove(&key) {
+            } else if let Some(o) = shard.remove(key.as_str()) {
                 self.emit_updated(&key, (o.generation, o.size), before, &[]);
                 frees.extend(self.pending_frees(&o));
                 freed += bytes;
@@ -182,7 +182,7 @@ impl MasterCore {
             }
             let segs = self.segments.lock();
             let target = o.replicas.iter().position(|r| {
-                segs.get(&r.segment).is_some_and(|s| {
+                segs.get(&*r.segment).is_some_and(|s| {
                     s.mount_id == r.mount_id
                         && s.desc.enable_offload
                         && s.desc.disk_capacity >= o.size
@@ -201,14 +201,14 @@ impl MasterCore {
             let before = tiers_of(&o.replicas);
             let r = o.replicas.remove(i);
             let endpoint = segs
-                .get(&r.segment)
+                .get(&*r.segment)
                 .map(|s| s.desc.transfer_endpoint.clone())
                 .unwrap_or_default();
             drop(segs);
             let item = PendingOffload {
                 key: key.to_string(),
                 endpoint,
-                segment: r.segment.clone(),
+                segment: r.segment.to_string(),
                 mount_id: r.mount_id,
                 generation: o.generation,
                 offset: r.offset,
@@ -290,15 +290,15 @@ impl MasterCore {
             }
             let mut shard = self.shard(&f.key).lock();
             if let Some(o) = shard
-                .get_mut(&f.key)
+                .get_mut(f.key.as_str())
                 .filter(|o| o.generation == f.generation)
             {
                 let before = tiers_of(&o.replicas);
                 o.replicas
-                    .retain(|r| !(r.disk && r.segment == f.segment && r.mount_id == f.mount_id));
+                    .retain(|r| !(r.disk && *r.segment == *f.segment && r.mount_id == f.mount_id));
                 self.emit_updated(&f.key, (o.generation, o.size), before, &o.replicas);
                 if o.replicas.is_empty() {
-                    shard.remove(&f.key);
+                    shard.remove(f.key.as_str());
                     dropped += 1;
                 }
             }
@@ -383,7 +383,7 @@ impl MasterCore {
             };
             let mut shard = self.shard(&p.key).lock();
             let object = shard
-                .get_mut(&p.key)
+                .get_mut(p.key.as_str())
                 .filter(|o| o.generation == p.generation);
             let kept = match object {
                 Some(o) => {
@@ -393,7 +393,7 @@ impl MasterCore {
                         o.replicas.insert(
                             0,
                             ReplicaLoc {
-                                segment: p.segment.clone(),
+                                segment: self.names.get(&p.segment),
                                 mount_id: p.mount_id,
                                 offset: p.offset,
                                 disk: false,
@@ -445,17 +445,20 @@ impl MasterCore {
         let mut gone = 0;
         for (key, generation) in items {
             let mut shard = self.shard(key).lock();
-            let Some(o) = shard.get_mut(key).filter(|o| o.generation == *generation) else {
+            let Some(o) = shard
+                .get_mut(key.as_str())
+                .filter(|o| o.generation == *generation)
+            else {
                 continue;
             };
             let before = tiers_of(&o.replicas);
             o.replicas
-                .retain(|r| !(r.disk && owned.contains(&(r.segment.clone(), r.mount_id))));
+                .retain(|r| !(r.disk && owned.contains(&(r.segment.to_string(), r.mount_id))));
             if tiers_of(&o.replicas) != before {
                 self.emit_updated(key, (o.generation, o.size), before, &o.replicas);
             }
             if o.replicas.is_empty() {
-                shard.remove(key);
+                shard.remove(key.as_str());
                 gone += 1;
             }
         }
@@ -471,7 +474,7 @@ impl MasterCore {
         for shard in &self.shards {
             for o in shard.lock().values() {
                 for r in o.replicas.iter().filter(|r| r.disk) {
-                    let e = out.entry(r.segment.clone()).or_default();
+                    let e = out.entry(r.segment.to_string()).or_default();
                     e.0 += 1;
                     e.1 += o.size;
                 }
@@ -515,7 +518,7 @@ impl MasterCore {
             }
             if now.duration_since(o.put_start) < self.cfg.put_discard_timeout {
                 let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
-                *reserved.entry(o.client_id.clone()).or_default() += bytes;
+                *reserved.entry(o.client_id.to_string()).or_default() += bytes;
                 still.push((key, generation));
                 continue;
             }
@@ -527,7 +530,7 @@ impl MasterCore {
                 self.quarantine.lock().push(Quarantined {
                     until: o.put_start + self.cfg.put_release_timeout,
                     key,
-                    client_id: o.client_id.clone(),
+                    client_id: o.client_id.to_string(),
                     frees,
                 });
                 discarded += 1;
@@ -541,6 +544,7 @@ impl MasterCore {
             }
         }
         let keys = self.shards.iter().map(|s| s.lock().len() as u64).sum();
+        self.names.trim();
         // Discarded puts are no longer reservations (their ranges wait in quarantine).
         *self.reserved.lock() = reserved;
         self.approx_keys.store(keys, Ordering::Relaxed);
@@ -553,7 +557,7 @@ impl MasterCore {
     /// (other exits are corrected by the next sweep's recount).
     pub(super) fn unreserve(&self, o: &Object) {
         let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
-        if let Some(r) = self.reserved.lock().get_mut(&o.client_id) {
+        if let Some(r) = self.reserved.lock().get_mut(&*o.client_id) {
             *r = r.saturating_sub(bytes);
         }
     }
@@ -597,7 +601,12 @@ impl MasterCore {
         for shard in &self.shards {
             for (k, o) in shard.lock().iter() {
                 if o.state == ObjectState::Complete && !o.leased(now) && !o.hard_pinned {
-                    candidates.push((o.soft_pinned(now), o.last_access, k.clone(), o.generation));
+                    candidates.push((
+                        o.soft_pinned(now),
+                        o.last_access,
+                        k.to_string(),
+                        o.generation,
+                    ));
                 }
             }
         }
@@ -607,9 +616,9 @@ impl MasterCore {
         for (_, _, key, generation) in candidates.into_iter().take(excess as usize) {
             let mut shard = self.shard(&key).lock();
             if shard
-                .get(&key)
+                .get(key.as_str())
                 .is_some_and(|o| o.generation == generation && !o.leased(Instant::now()))
-                && let Some(o) = shard.remove(&key)
+                && let Some(o) = shard.remove(key.as_str())
             {
                 self.emit_updated(&key, (o.generation, o.size), tiers_of(&o.replicas), &[]);
                 frees.extend(self.pending_frees(&o));

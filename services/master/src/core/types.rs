@@ -1,6 +1,7 @@
 //! The core's types: its config, the domain types the edges see, and the index's entries.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lunakv_proto::ErrorCode;
@@ -203,7 +204,8 @@ pub enum CoreError {
 
 #[derive(Debug, Clone)]
 pub(super) struct ReplicaLoc {
-    pub(super) segment: String,
+    /// Shared with every replica on the segment ([`super::intern`]).
+    pub(super) segment: Arc<str>,
     pub(super) mount_id: u64,
     pub(super) offset: u64,
     /// In the owner's disk tier (no DRAM range; `offset` unused).
@@ -216,7 +218,8 @@ pub(super) struct Object {
     pub(super) size: u64,
     pub(super) replicas: Vec<ReplicaLoc>,
     pub(super) state: ObjectState,
-    pub(super) client_id: String,
+    /// Shared with the client's other objects ([`super::intern`]).
+    pub(super) client_id: Arc<str>,
     pub(super) put_start: Instant,
     pub(super) lease_until: Option<Instant>,
     pub(super) soft_pin_until: Option<Instant>,
@@ -233,7 +236,7 @@ impl Object {
         generation: u64,
         size: u64,
         replicas: Vec<ReplicaLoc>,
-        client_id: String,
+        client_id: Arc<str>,
         now: Instant,
     ) -> Object {
         Object {

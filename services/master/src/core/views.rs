@@ -103,14 +103,14 @@ impl MasterCore {
             generation: o.generation,
             size: o.size,
             state: o.state,
-            client_id: o.client_id.clone(),
+            client_id: o.client_id.to_string(),
             replicas: o
                 .replicas
                 .iter()
                 .map(|r| ReplicaInfo {
-                    segment: r.segment.clone(),
+                    segment: r.segment.to_string(),
                     transfer_endpoint: segs
-                        .get(&r.segment)
+                        .get(&*r.segment)
                         .map(|s| s.desc.transfer_endpoint.clone())
                         .unwrap_or_default(),
                     offset: r.offset,

@@ -151,7 +151,7 @@ impl MasterCore {
                 .filter_map(|r| {
                     let (mount_id, _) = mounts.get(&r.segment)?;
                     Some(ReplicaLoc {
-                        segment: r.segment.clone(),
+                        segment: self.names.get(&r.segment),
                         mount_id: *mount_id,
                         offset: r.offset,
                         disk: r.disk,
@@ -162,18 +162,24 @@ impl MasterCore {
                 continue;
             };
             let client_id = mounts
-                .get(&first.segment)
+                .get(&*first.segment)
                 .map(|(_, c)| c.clone())
                 .unwrap_or_default();
             for r in &replicas {
                 unconfirmed
-                    .entry(r.segment.clone())
+                    .entry(r.segment.to_string())
                     .or_default()
                     .push((e.key.clone(), r.disk));
             }
             self.shard(&e.key).lock().insert(
-                e.key,
-                Object::complete(e.generation, e.size, replicas, client_id, now),
+                e.key.into(),
+                Box::new(Object::complete(
+                    e.generation,
+                    e.size,
+                    replicas,
+                    self.names.get(&client_id),
+                    now,
+                )),
             );
             loaded += 1;
         }
@@ -217,7 +223,7 @@ impl MasterCore {
     /// key's shard locked.
     pub(super) fn confirm_warm_in_place(
         &self,
-        shard: &mut HashMap<String, Object>,
+        shard: &mut super::Index,
         client_id: &str,
         segment: &str,
         mount_id: u64,
@@ -226,7 +232,7 @@ impl MasterCore {
         if item.disk && !self.cfg.enable_offload {
             return false;
         }
-        let Some(o) = shard.get_mut(&item.key) else {
+        let Some(o) = shard.get_mut(item.key.as_str()) else {
             return false;
         };
         let offset = if item.disk {
@@ -238,7 +244,7 @@ impl MasterCore {
             || o.size != item.size
             || o.state != ObjectState::Complete
             || !o.replicas.iter().any(|r| {
-                r.segment == segment
+                *r.segment == *segment
                     && r.mount_id == mount_id
                     && r.disk == item.disk
                     && r.offset == offset
@@ -266,8 +272,8 @@ impl MasterCore {
                 w.unconfirmed.remove(&id);
             }
         }
-        if o.client_id != client_id {
-            o.client_id = client_id.to_string();
+        if *o.client_id != *client_id {
+            o.client_id = self.names.get(client_id);
         }
         true
     }
@@ -278,7 +284,7 @@ impl MasterCore {
     /// key's shard locked (passed in), before the item is indexed.
     pub(super) fn confirm_warm(
         &self,
-        shard: &mut HashMap<String, Object>,
+        shard: &mut super::Index,
         segment: &str,
         mount_id: u64,
         key: &str,
@@ -296,7 +302,7 @@ impl MasterCore {
         }
         if let Some(o) = shard.get_mut(key) {
             o.replicas
-                .retain(|r| !(r.segment == segment && r.mount_id == mount_id && r.disk == disk));
+                .retain(|r| !(*r.segment == *segment && r.mount_id == mount_id && r.disk == disk));
             if o.replicas.is_empty() {
                 shard.remove(key);
             }
@@ -335,14 +341,14 @@ impl MasterCore {
                 continue;
             }
             dropped += 1;
-            let Some(o) = shard.get_mut(&key) else {
+            let Some(o) = shard.get_mut(key.as_str()) else {
                 continue;
             };
             o.replicas
-                .retain(|r| !(r.segment == segment && r.mount_id == mount_id && r.disk == disk));
+                .retain(|r| !(*r.segment == *segment && r.mount_id == mount_id && r.disk == disk));
             self.replicate(&key, o.generation, o.size, &o.replicas);
             if o.replicas.is_empty() {
-                shard.remove(&key);
+                shard.remove(key.as_str());
             }
         }
         if let Some(s) = self.segments.lock().get_mut(segment)
@@ -395,7 +401,7 @@ fn entry_of(key: &str, generation: u64, size: u64, replicas: &[ReplicaLoc]) -> I
         replicas: replicas
             .iter()
             .map(|r| WarmReplicaLoc {
-                segment: r.segment.clone(),
+                segment: r.segment.to_string(),
                 offset: r.offset,
                 disk: r.disk,
             })
