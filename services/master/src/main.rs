@@ -7,6 +7,13 @@ use clap::{CommandFactory, Parser};
 use lunakv_config::master::MasterArgs;
 use lunakv_master::{Listeners, MasterConfig};
 
+/// The index makes millions of small allocations of a few sizes: mimalloc holds them without a
+/// per-allocation header and frees them into per-thread pages, where glibc spilled the batch
+/// answers' strings out of its thread cache into its locked slow path (docs/BENCH.md,
+/// "Metadata").
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The lunakv master: placement and metadata for the KV-cache pool (Mooncake-compatible flags).
 #[derive(Debug, Parser)]
 #[command(name = "lunakv-master", version)]
