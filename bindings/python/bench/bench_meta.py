@@ -31,6 +31,7 @@ upstream's, and its ops per master CPU-second at least 2x upstream's.
 from __future__ import annotations
 
 import argparse
+import statistics
 import json
 import os
 import shutil
@@ -320,7 +321,7 @@ def main() -> int:
         targets = {"bytes_per_key": (0.5, "<="), "put_ops_per_cpu_s": (2.0, ">="),
                    "exists_ops_per_cpu_s": (2.0, ">="), "replicas_ops_per_cpu_s": (2.0, ">=")}
         for name, v in rat.items():
-            med = sorted(v)[len(v) // 2]
+            med = statistics.median(v)
             verdict = ""
             if name in targets:
                 goal, op = targets[name]
