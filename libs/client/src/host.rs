@@ -777,17 +777,21 @@ impl tonic::service::Interceptor for MasterInject {
 /// The master client over `channel`. The token is read from the environment at each
 /// (re)connect, so a rotated token file takes effect on the next connection.
 pub(crate) fn master_client(channel: Channel) -> Result<Rpc, ClientError> {
-    let tokens = lunakv_config::auth::PoolTokens::from_env(&lunakv_config::process_env)
-        .map_err(|e| ClientError::Config(e.to_string()))?;
-    let authorization = match tokens.presented() {
-        None => None,
-        // A token is printable ASCII (checked when loaded), so this cannot fail.
-        Some(t) => tonic::metadata::MetadataValue::try_from(format!("Bearer {}", t.as_str())).ok(),
-    };
+    // A token is printable ASCII (checked when loaded), so the conversion cannot fail.
+    let authorization =
+        presented_authorization()?.and_then(|a| tonic::metadata::MetadataValue::try_from(a).ok());
     Ok(
         MasterClient::with_interceptor(channel, MasterInject { authorization })
             .max_decoding_message_size(256 << 20),
     )
+}
+
+/// The `authorization` value this process presents to the master (`Bearer <token>`), read
+/// from the environment now; None without a token.
+pub(crate) fn presented_authorization() -> Result<Option<String>, ClientError> {
+    let tokens = lunakv_config::auth::PoolTokens::from_env(&lunakv_config::process_env)
+        .map_err(|e| ClientError::Config(e.to_string()))?;
+    Ok(tokens.presented().map(|t| format!("Bearer {}", t.as_str())))
 }
 
 /// Whether the master at `addr` turns away a caller that presents no pool token: one status

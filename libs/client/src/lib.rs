@@ -25,6 +25,7 @@ mod host;
 mod link;
 mod location;
 mod options;
+mod quick;
 mod startup;
 mod store;
 

@@ -58,6 +58,15 @@ pub fn process_env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
+/// A switch in the environment that is on unless `var` says 0, off, false or no (for paths
+/// that are on by default and may be turned off to compare or to work around a fault).
+pub fn switched_on(var: &str) -> bool {
+    !matches!(
+        std::env::var(var).as_deref().map(str::trim),
+        Ok("0" | "off" | "false" | "no")
+    )
+}
+
 /// A loaded configuration together with the warnings found while loading it.
 /// The caller logs the warnings (`for w in &loaded.warnings { tracing::warn!("{w}") }`).
 #[derive(Debug, Clone, PartialEq)]

@@ -22,6 +22,8 @@ pub enum ClientSpeaks {
     Http1,
     /// A coro_rpc header: upstream Mooncake's client library.
     CoroRpc,
+    /// lunakv's quick calls ([`crate::quick`]).
+    Quick,
     Other,
 }
 
@@ -30,6 +32,10 @@ pub fn client_speaks(first: &[u8]) -> ClientSpeaks {
     let n = first.len().min(HTTP2_PREFACE.len());
     if n > 0 && first[..n] == HTTP2_PREFACE[..n] {
         return ClientSpeaks::Http2;
+    }
+    let q = first.len().min(crate::quick::MAGIC.len());
+    if first[..q] == crate::quick::MAGIC[..q] {
+        return ClientSpeaks::Quick;
     }
     if first.first() == Some(&CORO_RPC_MAGIC) {
         return ClientSpeaks::CoroRpc;
@@ -75,6 +81,13 @@ mod tests {
         );
         assert_eq!(client_speaks(b"GET /metrics HTTP/1.1"), ClientSpeaks::Http1);
         assert_eq!(client_speaks(b"\x16\x03\x01"), ClientSpeaks::Other, "TLS");
+        assert_eq!(client_speaks(b"LKVQUIK1\0\0"), ClientSpeaks::Quick);
+        assert_eq!(
+            client_speaks(b"LKV"),
+            ClientSpeaks::Quick,
+            "a prefix of the magic"
+        );
+        assert_eq!(client_speaks(b"LKVX"), ClientSpeaks::Other);
         assert!(server_speaks_http2(&[0, 0, 6, 0x4, 0, 0, 0, 0, 0]));
         assert!(!server_speaks_http2(&[
             CORO_RPC_MAGIC,

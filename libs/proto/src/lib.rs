@@ -12,6 +12,7 @@
 mod codes;
 pub mod foreign;
 mod keys;
+pub mod quick;
 pub mod status;
 pub mod views;
 

@@ -306,6 +306,11 @@ impl MasterService {
     /// The HA gate before acting (role, local lease deadline, recovery). Mounts are how a new
     /// leader rebuilds its index, so they pass during recovery; reads pass when a warm copy
     /// answers them.
+    /// Counts a call that came as a quick frame (its handler counts it as any call too).
+    pub(crate) fn count_quick_call(&self) {
+        self.slot.get().metrics.quick_calls_total.inc();
+    }
+
     fn admit(&self, access: Access) -> Result<Admitted, Status> {
         let started = std::time::Instant::now();
         let core = self.slot.get();

@@ -1,17 +1,20 @@
 //! The gRPC listener's connections, each checked once before tonic sees it: a client that does
 //! not speak HTTP/2 (upstream Mooncake's coro_rpc client, or curl against the RPC port) is told
 //! nothing on the wire (it would not understand) but named in the master's log, instead of
-//! leaving both sides with "end of file".
+//! leaving both sides with "end of file". Quick calls ([`crate::quick`]) share the port and
+//! are told apart here by their magic.
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lunakv_proto::foreign::{ClientSpeaks, client_speaks};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+
+use crate::quick::QuickServer;
 
 /// How long a new connection may stay silent before it is handed to tonic unchecked (an HTTP/2
 /// client sends its preface at once).
@@ -21,8 +24,11 @@ const PEEK_WAIT: Duration = Duration::from_secs(2);
 const LOG_EVERY: Duration = Duration::from_secs(30);
 
 /// Accepts on `listener` until the returned stream is dropped; yields the connections that speak
-/// HTTP/2 (or said nothing within [`PEEK_WAIT`]).
-pub fn grpc_connections(listener: TcpListener) -> ReceiverStream<io::Result<TcpStream>> {
+/// HTTP/2 (or said nothing within [`PEEK_WAIT`]) and hands quick-call connections to `quick`.
+pub(crate) fn grpc_connections(
+    listener: TcpListener,
+    quick: Arc<QuickServer>,
+) -> ReceiverStream<io::Result<TcpStream>> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         let last_log = std::sync::Arc::new(Mutex::new(None::<Instant>));
@@ -43,9 +49,14 @@ pub fn grpc_connections(listener: TcpListener) -> ReceiverStream<io::Result<TcpS
             let _ = stream.set_nodelay(true);
             let tx = tx.clone();
             let last_log = last_log.clone();
+            let quick = quick.clone();
             tokio::spawn(async move {
-                if admit(&stream, peer, &last_log).await {
-                    let _ = tx.send(Ok(stream)).await;
+                match admit(&stream, peer, &last_log).await {
+                    Admit::Grpc => {
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Admit::Quick => quick.accept(stream),
+                    Admit::Closed => {}
                 }
             });
         }
@@ -53,20 +64,28 @@ pub fn grpc_connections(listener: TcpListener) -> ReceiverStream<io::Result<TcpS
     ReceiverStream::new(rx)
 }
 
-async fn admit(stream: &TcpStream, peer: SocketAddr, last_log: &Mutex<Option<Instant>>) -> bool {
+/// Where a new connection goes.
+enum Admit {
+    Grpc,
+    Quick,
+    Closed,
+}
+
+async fn admit(stream: &TcpStream, peer: SocketAddr, last_log: &Mutex<Option<Instant>>) -> Admit {
     let mut first = [0u8; 8];
     let n = match tokio::time::timeout(PEEK_WAIT, stream.peek(&mut first)).await {
         Ok(Ok(n)) => n,
         // Closed or broken already: tonic would drop it too.
-        Ok(Err(_)) => return false,
-        Err(_) => return true,
+        Ok(Err(_)) => return Admit::Closed,
+        Err(_) => return Admit::Grpc,
     };
     if n == 0 {
-        return false;
+        return Admit::Closed;
     }
     let speaks = client_speaks(&first[..n]);
     let what = match speaks {
-        ClientSpeaks::Http2 => return true,
+        ClientSpeaks::Http2 => return Admit::Grpc,
+        ClientSpeaks::Quick => return Admit::Quick,
         ClientSpeaks::CoroRpc => {
             "upstream Mooncake's coro_rpc (its mooncake package or mooncake_client); give that engine lunakv's mooncake package, or point it at an upstream mooncake_master"
         }
@@ -83,5 +102,5 @@ async fn admit(stream: &TcpStream, peer: SocketAddr, last_log: &Mutex<Option<Ins
             "a client that does not speak gRPC connected to the master's RPC port and was closed: it speaks {what}"
         );
     }
-    false
+    Admit::Closed
 }

@@ -46,6 +46,7 @@ pub mod metrics;
 pub mod namespaces;
 pub mod notifier;
 pub mod persist;
+mod quick;
 pub mod recovery;
 pub mod server;
 pub mod standby;

@@ -96,6 +96,8 @@ pub struct Metrics {
     pub put_start_reservation_refused_total: IntCounter,
     /// PutStarts refused: the index is at max_keys and nothing could be dropped.
     pub put_start_key_limit_refused_total: IntCounter,
+    /// Calls answered as quick frames instead of gRPC (lunakv_proto::quick).
+    pub quick_calls_total: IntCounter,
     /// Ranges of unfinished puts freed because their writer died or revoked them late.
     pub put_reservations_reclaimed_total: IntCounter,
     /// Objects dropped because the index reached max_keys.
@@ -220,6 +222,11 @@ impl Metrics {
                 &r,
                 "master_put_start_key_limit_refused_total",
                 "PutStarts refused: the index is at max_keys and nothing can be evicted",
+            ),
+            quick_calls_total: counter(
+                &r,
+                "master_quick_calls_total",
+                "BatchExistKey and BatchGetReplicaList calls answered as quick frames on the RPC port instead of gRPC",
             ),
             put_reservations_reclaimed_total: counter(
                 &r,

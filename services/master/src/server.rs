@@ -341,6 +341,7 @@ impl Master {
                 || true,
             ));
         }
+        let quick = crate::quick::QuickServer::new(svc.clone(), tokens.clone());
         let (health_reporter, health) = tonic_health::server::health_reporter();
         tokio::spawn(report_health(
             health_reporter,
@@ -362,7 +363,7 @@ impl Master {
                 .add_service(reflection_v1)
                 .add_service(reflection_v1alpha)
                 .serve_with_incoming_shutdown(
-                    crate::incoming::grpc_connections(listeners.rpc),
+                    crate::incoming::grpc_connections(listeners.rpc, quick),
                     async move {
                         let _ = rx.changed().await;
                     },

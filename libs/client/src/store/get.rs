@@ -1,6 +1,7 @@
 //! Reads and lookups: locations from the cache or the master, bytes from the preferred
 //! replica, another replica or a fresh location when one is stale.
 
+use lunakv_proto::quick::Method;
 use lunakv_proto::views::ReplicaDesc;
 
 use super::*;
@@ -284,6 +285,13 @@ impl StoreClient {
                     client_id: self.client_id.clone(),
                     keys,
                 };
+                if let Some(r) = self.quick.call::<_, pb::BatchObjectLocations>(
+                    &self.master.current_addr(),
+                    Method::BatchExistKey,
+                    &req,
+                ) {
+                    return Ok(r.results);
+                }
                 self.rpc(|mut m| {
                     let req = req.clone();
                     async move { m.batch_exist_key(req).await }
@@ -312,6 +320,13 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             keys,
         };
+        if let Some(r) = self.quick.call::<_, pb::BatchObjectLocations>(
+            &self.master.current_addr(),
+            Method::BatchGetReplicaList,
+            &req,
+        ) {
+            return Ok(r.results);
+        }
         self.rpc(|mut m| {
             let req = req.clone();
             async move { m.batch_get_replica_list(req).await }

@@ -41,6 +41,8 @@ pub struct StoreClient {
     master: MasterLink,
     engine: Arc<TransferEngine>,
     cache: LocationCache,
+    /// The exists and location reads, on the caller's thread ([`crate::quick`]).
+    quick: crate::quick::QuickLink,
     host: Mutex<Option<SegmentHost>>,
     heartbeat_stop: watch::Sender<bool>,
     buffers: Mutex<BTreeMap<usize, usize>>,
@@ -210,6 +212,7 @@ impl StoreClient {
 
         Ok(StoreClient {
             cache: LocationCache::new(opts.location_cache_capacity),
+            quick: crate::quick::QuickLink::new(opts.rpc_timeout),
             opts,
             client_id,
             rt,

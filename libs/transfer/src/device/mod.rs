@@ -20,6 +20,7 @@
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
+use lunakv_config::switched_on;
 use parking_lot::{Mutex, RwLock};
 
 pub mod cuda;
@@ -393,14 +394,6 @@ const COALESCE_ENV: &str = "LUNAKV_DEVICE_COALESCE";
 /// Largest pitch handed to a 2D copy: CUDA's `CU_DEVICE_ATTRIBUTE_MAX_PITCH` is 2^31 - 1 on
 /// every GPU it has shipped on; wider strides are issued row by row.
 const MAX_PITCH: usize = i32::MAX as usize;
-
-/// A diagnostics switch: on unless `var` says 0, off, false or no.
-fn switched_on(var: &str) -> bool {
-    !matches!(
-        std::env::var(var).as_deref().map(str::trim),
-        Ok("0" | "off" | "false" | "no")
-    )
-}
 
 fn coalescing() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();

@@ -1,0 +1,223 @@
+//! The client's side of quick calls ([`lunakv_proto::quick`]): the hottest master reads written
+//! and read on the calling thread over a plain TCP connection, instead of handing each call to
+//! the client runtime's HTTP/2 connection task and back.
+//!
+//! A quick call either answers or steps aside: with quick calls off (`LUNAKV_QUICK_CALLS=0`), a
+//! master that does not speak them, a broken connection, or any status from the master, the
+//! caller makes the same call over gRPC, which follows leaders, waits out rebuilds and reports
+//! errors. So a quick call never changes an answer, only how fast it comes.
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use lunakv_proto::quick::{self, Method};
+use parking_lot::Mutex;
+use prost::Message;
+
+/// Set to 0 to send every master call over gRPC.
+pub const QUICK_CALLS_ENV: &str = "LUNAKV_QUICK_CALLS";
+
+/// Idle connections kept per client (concurrent callers beyond this open and close their own).
+const MAX_IDLE: usize = 4;
+/// After a master closed a fresh quick connection unanswered (an older lunakv-master, or one at
+/// its connection limit), quick calls to it rest this long.
+const REST: Duration = Duration::from_secs(30);
+/// The longest a connect may take before the call goes over gRPC instead.
+const CONNECT_WAIT: Duration = Duration::from_secs(1);
+
+struct Conn {
+    addr: String,
+    stream: TcpStream,
+    authorization: Vec<u8>,
+}
+
+pub(crate) struct QuickLink {
+    enabled: bool,
+    timeout: Duration,
+    idle: Mutex<Vec<Conn>>,
+    rest_until: Mutex<Option<(String, Instant)>>,
+}
+
+impl QuickLink {
+    pub(crate) fn new(timeout: Duration) -> QuickLink {
+        QuickLink {
+            enabled: lunakv_config::switched_on(QUICK_CALLS_ENV),
+            timeout,
+            idle: Mutex::new(Vec::new()),
+            rest_until: Mutex::new(None),
+        }
+    }
+
+    /// The master's answer to `req` at `addr` (a `host:port`), or None when the call should go
+    /// over gRPC instead (see the module docs).
+    pub(crate) fn call<Req: Message, Resp: Message + Default>(
+        &self,
+        addr: &str,
+        method: Method,
+        req: &Req,
+    ) -> Option<Resp> {
+        if !self.enabled || addr.starts_with("https://") {
+            return None;
+        }
+        let addr = addr.strip_prefix("http://").unwrap_or(addr);
+        if let Some((a, until)) = &*self.rest_until.lock()
+            && a == addr
+            && Instant::now() < *until
+        {
+            return None;
+        }
+        let (mut conn, fresh) = match self.take_idle(addr) {
+            Some(c) => (c, false),
+            None => (self.connect(addr)?, true),
+        };
+        let frame = quick::encode_request(method, &conn.authorization, &req.encode_to_vec());
+        let answer = match roundtrip(&mut conn.stream, &frame) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::debug!(addr, error = %e, "quick call failed; over gRPC instead");
+                if fresh {
+                    *self.rest_until.lock() = Some((addr.to_owned(), Instant::now() + REST));
+                }
+                return None;
+            }
+        };
+        let out = match quick::decode_response(&answer) {
+            Ok(quick::Response::Ok(body)) => Resp::decode(body).ok(),
+            Ok(st @ quick::Response::Status { .. }) => {
+                tracing::debug!(addr, answer = %st, "quick call answered a status; over gRPC instead");
+                None
+            }
+            Err(e) => {
+                tracing::debug!(addr, error = %e, "quick call answer unreadable; over gRPC instead");
+                return None;
+            }
+        };
+        let mut idle = self.idle.lock();
+        if idle.len() < MAX_IDLE {
+            idle.push(conn);
+        }
+        out
+    }
+
+    fn take_idle(&self, addr: &str) -> Option<Conn> {
+        let mut idle = self.idle.lock();
+        // A leader switch leaves connections to the old address: they are dropped here.
+        idle.retain(|c| c.addr == addr);
+        idle.pop()
+    }
+
+    fn connect(&self, addr: &str) -> Option<Conn> {
+        let authorization = match crate::host::presented_authorization() {
+            Ok(a) => a.unwrap_or_default().into_bytes(),
+            // A bad token file: gRPC reports it.
+            Err(_) => return None,
+        };
+        let sa = addr.to_socket_addrs().ok()?.next()?;
+        let mut stream = TcpStream::connect_timeout(&sa, CONNECT_WAIT.min(self.timeout)).ok()?;
+        stream.set_nodelay(true).ok()?;
+        stream.set_read_timeout(Some(self.timeout)).ok()?;
+        stream.set_write_timeout(Some(self.timeout)).ok()?;
+        stream.write_all(quick::MAGIC).ok()?;
+        Some(Conn {
+            addr: addr.to_owned(),
+            stream,
+            authorization,
+        })
+    }
+}
+
+/// Sends one request frame and reads one response frame's body.
+fn roundtrip(stream: &mut TcpStream, frame: &[u8]) -> std::io::Result<Vec<u8>> {
+    stream.write_all(frame)?;
+    let mut prefix = [0u8; 4];
+    stream.read_exact(&mut prefix)?;
+    let len = quick::frame_len(prefix)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body)?;
+    Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use lunakv_proto::master as pb;
+
+    use super::*;
+
+    fn req() -> pb::BatchExistKeyRequest {
+        pb::BatchExistKeyRequest {
+            client_id: "c".into(),
+            keys: vec!["k".into()],
+        }
+    }
+
+    /// An older master closes a connection whose first bytes are not HTTP/2: the call steps
+    /// aside to gRPC, and quick calls to that master rest instead of reconnecting every call.
+    #[test]
+    fn a_master_that_closes_quick_connections_is_left_alone_for_a_while() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let accepts = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut magic = [0u8; 8];
+            s.read_exact(&mut magic).unwrap();
+            drop(s);
+            l.set_nonblocking(true).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+            l.accept().is_ok()
+        });
+        let q = QuickLink::new(Duration::from_secs(5));
+        let r: Option<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
+        assert!(r.is_none(), "over gRPC instead");
+        let again: Option<pb::BatchObjectLocations> =
+            q.call(&format!("http://{addr}"), Method::BatchExistKey, &req());
+        assert!(again.is_none());
+        assert!(!accepts.join().unwrap(), "no second connection while resting");
+    }
+
+    /// A master that speaks quick frames answers on the caller's thread, over one connection
+    /// kept for the next call; a status answer steps aside but keeps the connection.
+    #[test]
+    fn answers_come_back_and_the_connection_is_reused() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut magic = [0u8; 8];
+            s.read_exact(&mut magic).unwrap();
+            assert_eq!(&magic, quick::MAGIC);
+            for i in 0..3 {
+                let mut prefix = [0u8; 4];
+                s.read_exact(&mut prefix).unwrap();
+                let mut body = vec![0u8; quick::frame_len(prefix).unwrap()];
+                s.read_exact(&mut body).unwrap();
+                let r = quick::decode_request(&body).unwrap();
+                let keys = pb::BatchExistKeyRequest::decode(r.body).unwrap().keys;
+                let out = if i == 1 {
+                    quick::encode_status(14, "not the leader")
+                } else {
+                    let results = keys
+                        .into_iter()
+                        .map(|_| pb::ObjectLocation {
+                            size: 7,
+                            ..Default::default()
+                        })
+                        .collect();
+                    quick::encode_ok(&pb::BatchObjectLocations { results }.encode_to_vec())
+                };
+                s.write_all(&out).unwrap();
+            }
+        });
+        let q = QuickLink::new(Duration::from_secs(5));
+        let r: pb::BatchObjectLocations = q.call(&addr, Method::BatchExistKey, &req()).unwrap();
+        assert_eq!(r.results[0].size, 7);
+        let st: Option<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
+        assert!(st.is_none(), "a status goes over gRPC");
+        let r: pb::BatchObjectLocations = q.call(&addr, Method::BatchExistKey, &req()).unwrap();
+        assert_eq!(r.results.len(), 1);
+        server.join().unwrap();
+    }
+}

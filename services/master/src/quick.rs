@@ -1,0 +1,150 @@
+//! The master's side of quick calls ([`lunakv_proto::quick`]): `BatchExistKey` and
+//! `BatchGetReplicaList` as plain frames on the RPC port, answered by the very handlers the
+//! gRPC calls reach, after the same token check ([`crate::auth::check_grpc`]).
+//!
+//! A status travels without its metadata (leader redirects, "rebuilding"): the client answers
+//! any status by making the same call over gRPC, which knows how to follow those.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use lunakv_config::auth::PoolTokens;
+use lunakv_proto::master as pb;
+use lunakv_proto::master::master_server::Master;
+use lunakv_proto::quick::{self, Method};
+use prost::Message;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+
+use crate::grpc::MasterService;
+
+/// Quick connections open at once; more are closed at once (their clients use gRPC).
+const MAX_CONNECTIONS: usize = 1024;
+/// A quick connection silent this long is closed (its client reconnects on its next call).
+const IDLE: Duration = Duration::from_secs(300);
+/// A client that opened a connection must send its magic within this.
+const HELLO_WAIT: Duration = Duration::from_secs(5);
+
+/// Serves the quick connections the RPC listener hands over.
+pub(crate) struct QuickServer {
+    svc: MasterService,
+    tokens: Arc<PoolTokens>,
+    slots: Arc<Semaphore>,
+    warned_full: AtomicBool,
+}
+
+impl QuickServer {
+    pub(crate) fn new(svc: MasterService, tokens: Arc<PoolTokens>) -> Arc<QuickServer> {
+        Arc::new(QuickServer {
+            svc,
+            tokens,
+            slots: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
+            warned_full: AtomicBool::new(false),
+        })
+    }
+
+    /// Takes over `stream`, whose first bytes are the quick magic.
+    pub(crate) fn accept(self: &Arc<Self>, stream: TcpStream) {
+        let Ok(permit) = self.slots.clone().try_acquire_owned() else {
+            if !self.warned_full.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    limit = MAX_CONNECTIONS,
+                    "quick-call connections are at their limit; new ones are closed and those clients use gRPC"
+                );
+            }
+            return;
+        };
+        let this = self.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            if let Err(e) = this.connection(stream).await {
+                tracing::debug!(error = %e, "quick-call connection ended");
+            }
+        });
+    }
+
+    async fn connection(&self, mut stream: TcpStream) -> std::io::Result<()> {
+        let mut magic = [0u8; 8];
+        tokio::time::timeout(HELLO_WAIT, stream.read_exact(&mut magic)).await??;
+        if &magic != quick::MAGIC {
+            return Ok(());
+        }
+        let mut frame = Vec::new();
+        loop {
+            let mut prefix = [0u8; 4];
+            match tokio::time::timeout(IDLE, stream.read_exact(&mut prefix)).await {
+                Err(_) => return Ok(()),
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Ok(r) => r?,
+            };
+            let len = match quick::frame_len(prefix) {
+                Ok(len) => len,
+                Err(e) => {
+                    let out =
+                        quick::encode_status(tonic::Code::ResourceExhausted as i32, &e.to_string());
+                    stream.write_all(&out).await?;
+                    return Ok(());
+                }
+            };
+            frame.resize(len, 0);
+            stream.read_exact(&mut frame).await?;
+            let out = self.answer(&frame).await;
+            stream.write_all(&out).await?;
+        }
+    }
+
+    /// One response frame for one request frame.
+    async fn answer(&self, frame: &[u8]) -> Vec<u8> {
+        let req = match quick::decode_request(frame) {
+            Ok(r) => r,
+            Err(e) => {
+                return quick::encode_status(tonic::Code::InvalidArgument as i32, &e.to_string());
+            }
+        };
+        let authorization = if req.authorization.is_empty() {
+            None
+        } else {
+            http::HeaderValue::from_bytes(req.authorization).ok()
+        };
+        if let Err(s) =
+            crate::auth::check_grpc(&self.tokens, req.method.grpc_path(), authorization.as_ref())
+        {
+            return status(&s);
+        }
+        self.svc.count_quick_call();
+        match req.method {
+            Method::BatchExistKey => match pb::BatchExistKeyRequest::decode(req.body) {
+                Ok(m) => reply(self.svc.batch_exist_key(tonic::Request::new(m)).await),
+                Err(e) => undecodable(req.method, &e),
+            },
+            Method::BatchGetReplicaList => match pb::BatchGetReplicaListRequest::decode(req.body) {
+                Ok(m) => reply(
+                    self.svc
+                        .batch_get_replica_list(tonic::Request::new(m))
+                        .await,
+                ),
+                Err(e) => undecodable(req.method, &e),
+            },
+        }
+    }
+}
+
+fn reply<T: Message>(r: Result<tonic::Response<T>, tonic::Status>) -> Vec<u8> {
+    match r {
+        Ok(resp) => quick::encode_ok(&resp.into_inner().encode_to_vec()),
+        Err(s) => status(&s),
+    }
+}
+
+fn status(s: &tonic::Status) -> Vec<u8> {
+    quick::encode_status(s.code() as i32, s.message())
+}
+
+fn undecodable(method: Method, e: &prost::DecodeError) -> Vec<u8> {
+    quick::encode_status(
+        tonic::Code::InvalidArgument as i32,
+        &format!("the {method:?} request in a quick-call frame does not decode: {e}"),
+    )
+}
