@@ -175,7 +175,10 @@ mod tests {
         let again: Option<pb::BatchObjectLocations> =
             q.call(&format!("http://{addr}"), Method::BatchExistKey, &req());
         assert!(again.is_none());
-        assert!(!accepts.join().unwrap(), "no second connection while resting");
+        assert!(
+            !accepts.join().unwrap(),
+            "no second connection while resting"
+        );
     }
 
     /// A master that speaks quick frames answers on the caller's thread, over one connection
