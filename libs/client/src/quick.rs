@@ -2,10 +2,17 @@
 //! and read on the calling thread over a plain TCP connection, instead of handing each call to
 //! the client runtime's HTTP/2 connection task and back.
 //!
-//! A quick call either answers or steps aside: with quick calls off (`LUNAKV_QUICK_CALLS=0`), a
-//! master that does not speak them, a broken connection, or any status from the master, the
-//! caller makes the same call over gRPC, which follows leaders, waits out rebuilds and reports
-//! errors. So a quick call never changes an answer, only how fast it comes.
+//! A quick call answers, steps aside, or is lost:
+//! - With quick calls off (`LUNAKV_QUICK_CALLS=0`), a master that does not speak them, a frame
+//!   that could not be sent, or any status from the master, it steps aside: the caller makes
+//!   the same call over gRPC, which follows leaders, waits out rebuilds and reports errors.
+//! - A frame sent whose answer never came is lost. A read is then asked again over gRPC. A
+//!   mutation (BatchPutStart, BatchPutEnd) may have been applied, so it is treated as a gRPC
+//!   call whose connection broke: made again at the leader under HA (a deposed leader refuses
+//!   it), reported failed otherwise. Idle connections are dropped well before the master's idle
+//!   limit closes them, so a healthy master does not lose frames.
+//!
+//! So a quick call never changes an answer, only how fast it comes.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -25,11 +32,24 @@ const MAX_IDLE: usize = 4;
 const REST: Duration = Duration::from_secs(30);
 /// The longest a connect may take before the call goes over gRPC instead.
 const CONNECT_WAIT: Duration = Duration::from_secs(1);
+/// Idle connections older than this are dropped, not reused: well inside the master's 300 s
+/// idle limit, so a reused connection is never one the master is closing.
+const MAX_IDLE_AGE: Duration = Duration::from_secs(60);
 
 struct Conn {
     addr: String,
     stream: TcpStream,
     authorization: Vec<u8>,
+    last_used: Instant,
+}
+
+/// What became of a quick call.
+pub(crate) enum Quick<T> {
+    Answered(T),
+    /// Not sent, or refused with a status: make the call over gRPC.
+    StepAside,
+    /// Sent, and no answer came: the master may have applied it.
+    Lost(String),
 }
 
 pub(crate) struct QuickLink {
@@ -49,50 +69,70 @@ impl QuickLink {
         }
     }
 
-    /// The master's answer to `req` at `addr` (a `host:port`), or None when the call should go
-    /// over gRPC instead (see the module docs).
+    /// The master's answer to `req` at `addr` (a `host:port`); see the module docs.
     pub(crate) fn call<Req: Message, Resp: Message + Default>(
         &self,
         addr: &str,
         method: Method,
         req: &Req,
-    ) -> Option<Resp> {
+    ) -> Quick<Resp> {
         if !self.enabled || addr.starts_with("https://") {
-            return None;
+            return Quick::StepAside;
         }
         let addr = addr.strip_prefix("http://").unwrap_or(addr);
         if let Some((a, until)) = &*self.rest_until.lock()
             && a == addr
             && Instant::now() < *until
         {
-            return None;
+            return Quick::StepAside;
         }
         let (mut conn, fresh) = match self.take_idle(addr) {
             Some(c) => (c, false),
-            None => (self.connect(addr)?, true),
+            None => match self.connect(addr) {
+                Some(c) => (c, true),
+                None => return Quick::StepAside,
+            },
         };
         let frame = quick::encode_request(method, &conn.authorization, &req.encode_to_vec());
-        let answer = match roundtrip(&mut conn.stream, &frame) {
+        if let Err(e) = conn.stream.write_all(&frame) {
+            tracing::debug!(addr, error = %e, "quick call not sent; over gRPC instead");
+            return Quick::StepAside;
+        }
+        let answer = match read_frame(&mut conn.stream) {
             Ok(a) => a,
             Err(e) => {
-                tracing::debug!(addr, error = %e, "quick call failed; over gRPC instead");
                 if fresh {
+                    // An older master closes a connection it cannot classify, unread.
                     *self.rest_until.lock() = Some((addr.to_owned(), Instant::now() + REST));
+                    if e.kind() == std::io::ErrorKind::UnexpectedEof
+                        || e.kind() == std::io::ErrorKind::ConnectionReset
+                    {
+                        return Quick::StepAside;
+                    }
                 }
-                return None;
+                return Quick::Lost(format!("no answer to a quick {method:?} from {addr}: {e}"));
             }
         };
         let out = match quick::decode_response(&answer) {
-            Ok(quick::Response::Ok(body)) => Resp::decode(body).ok(),
+            Ok(quick::Response::Ok(body)) => match Resp::decode(body) {
+                Ok(r) => Quick::Answered(r),
+                Err(e) => {
+                    return Quick::Lost(format!(
+                        "a quick {method:?} answer from {addr} does not decode: {e}"
+                    ));
+                }
+            },
             Ok(st @ quick::Response::Status { .. }) => {
                 tracing::debug!(addr, answer = %st, "quick call answered a status; over gRPC instead");
-                None
+                Quick::StepAside
             }
             Err(e) => {
-                tracing::debug!(addr, error = %e, "quick call answer unreadable; over gRPC instead");
-                return None;
+                return Quick::Lost(format!(
+                    "a quick {method:?} answer from {addr} is unreadable: {e}"
+                ));
             }
         };
+        conn.last_used = Instant::now();
         let mut idle = self.idle.lock();
         if idle.len() < MAX_IDLE {
             idle.push(conn);
@@ -102,8 +142,9 @@ impl QuickLink {
 
     fn take_idle(&self, addr: &str) -> Option<Conn> {
         let mut idle = self.idle.lock();
-        // A leader switch leaves connections to the old address: they are dropped here.
-        idle.retain(|c| c.addr == addr);
+        // A leader switch leaves connections to the old address: they are dropped here, as are
+        // connections idle long enough that the master may be closing them.
+        idle.retain(|c| c.addr == addr && c.last_used.elapsed() < MAX_IDLE_AGE);
         idle.pop()
     }
 
@@ -123,13 +164,13 @@ impl QuickLink {
             addr: addr.to_owned(),
             stream,
             authorization,
+            last_used: Instant::now(),
         })
     }
 }
 
-/// Sends one request frame and reads one response frame's body.
-fn roundtrip(stream: &mut TcpStream, frame: &[u8]) -> std::io::Result<Vec<u8>> {
-    stream.write_all(frame)?;
+/// Reads one response frame's body.
+fn read_frame(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     let mut prefix = [0u8; 4];
     stream.read_exact(&mut prefix)?;
     let len = quick::frame_len(prefix)
@@ -170,11 +211,11 @@ mod tests {
             l.accept().is_ok()
         });
         let q = QuickLink::new(Duration::from_secs(5));
-        let r: Option<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
-        assert!(r.is_none(), "over gRPC instead");
-        let again: Option<pb::BatchObjectLocations> =
+        let r: Quick<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
+        assert!(matches!(r, Quick::StepAside), "over gRPC instead");
+        let again: Quick<pb::BatchObjectLocations> =
             q.call(&format!("http://{addr}"), Method::BatchExistKey, &req());
-        assert!(again.is_none());
+        assert!(matches!(again, Quick::StepAside));
         assert!(
             !accepts.join().unwrap(),
             "no second connection while resting"
@@ -215,12 +256,27 @@ mod tests {
             }
         });
         let q = QuickLink::new(Duration::from_secs(5));
-        let r: pb::BatchObjectLocations = q.call(&addr, Method::BatchExistKey, &req()).unwrap();
+        let Quick::Answered::<pb::BatchObjectLocations>(r) =
+            q.call(&addr, Method::BatchExistKey, &req())
+        else {
+            panic!("an answer");
+        };
         assert_eq!(r.results[0].size, 7);
-        let st: Option<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
-        assert!(st.is_none(), "a status goes over gRPC");
-        let r: pb::BatchObjectLocations = q.call(&addr, Method::BatchExistKey, &req()).unwrap();
+        let st: Quick<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
+        assert!(matches!(st, Quick::StepAside), "a status goes over gRPC");
+        let Quick::Answered::<pb::BatchObjectLocations>(r) =
+            q.call(&addr, Method::BatchExistKey, &req())
+        else {
+            panic!("an answer");
+        };
         assert_eq!(r.results.len(), 1);
         server.join().unwrap();
+        // The master went away mid-conversation: the next frame is sent on the kept connection
+        // and no answer comes. That is lost, not stepped aside: a mutation may have landed.
+        let lost: Quick<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
+        assert!(
+            matches!(lost, Quick::Lost(_)),
+            "a sent frame without an answer is lost"
+        );
     }
 }

@@ -226,7 +226,7 @@ impl Metrics {
             quick_calls_total: counter(
                 &r,
                 "master_quick_calls_total",
-                "BatchExistKey and BatchGetReplicaList calls answered as quick frames on the RPC port instead of gRPC",
+                "BatchExistKey, BatchGetReplicaList, BatchPutStart and BatchPutEnd calls answered as quick frames on the RPC port instead of gRPC",
             ),
             put_reservations_reclaimed_total: counter(
                 &r,

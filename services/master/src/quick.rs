@@ -1,6 +1,7 @@
-//! The master's side of quick calls ([`lunakv_proto::quick`]): `BatchExistKey` and
-//! `BatchGetReplicaList` as plain frames on the RPC port, answered by the very handlers the
-//! gRPC calls reach, after the same token check ([`crate::auth::check_grpc`]).
+//! The master's side of quick calls ([`lunakv_proto::quick`]): `BatchExistKey`,
+//! `BatchGetReplicaList`, `BatchPutStart` and `BatchPutEnd` as plain frames on the RPC port,
+//! answered by the very handlers the gRPC calls reach, after the same token check
+//! ([`crate::auth::check_grpc`]).
 //!
 //! A status travels without its metadata (leader redirects, "rebuilding"): the client answers
 //! any status by making the same call over gRPC, which knows how to follow those.
@@ -125,6 +126,14 @@ impl QuickServer {
                         .batch_get_replica_list(tonic::Request::new(m))
                         .await,
                 ),
+                Err(e) => undecodable(req.method, &e),
+            },
+            Method::BatchPutStart => match pb::BatchPutStartRequest::decode(req.body) {
+                Ok(m) => reply(self.svc.batch_put_start(tonic::Request::new(m)).await),
+                Err(e) => undecodable(req.method, &e),
+            },
+            Method::BatchPutEnd => match pb::BatchKeysRequest::decode(req.body) {
+                Ok(m) => reply(self.svc.batch_put_end(tonic::Request::new(m)).await),
                 Err(e) => undecodable(req.method, &e),
             },
         }

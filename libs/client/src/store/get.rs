@@ -1,7 +1,6 @@
 //! Reads and lookups: locations from the cache or the master, bytes from the preferred
 //! replica, another replica or a fresh location when one is stale.
 
-use lunakv_proto::quick::Method;
 use lunakv_proto::views::ReplicaDesc;
 
 use super::*;
@@ -285,14 +284,7 @@ impl StoreClient {
                     client_id: self.client_id.clone(),
                     keys,
                 };
-                if let Some(r) = self.quick.call::<_, pb::BatchObjectLocations>(
-                    &self.master.current_addr(),
-                    Method::BatchExistKey,
-                    &req,
-                ) {
-                    return Ok(r.results);
-                }
-                self.rpc(|mut m| {
+                self.quick_or_rpc(Method::BatchExistKey, &req, |mut m| {
                     let req = req.clone();
                     async move { m.batch_exist_key(req).await }
                 })
@@ -320,14 +312,7 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             keys,
         };
-        if let Some(r) = self.quick.call::<_, pb::BatchObjectLocations>(
-            &self.master.current_addr(),
-            Method::BatchGetReplicaList,
-            &req,
-        ) {
-            return Ok(r.results);
-        }
-        self.rpc(|mut m| {
+        self.quick_or_rpc(Method::BatchGetReplicaList, &req, |mut m| {
             let req = req.clone();
             async move { m.batch_get_replica_list(req).await }
         })

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use lunakv_proto::master as pb;
+use lunakv_proto::quick::Method;
 use lunakv_proto::{ErrorCode, validate_key};
 use lunakv_transfer::{
     ProtocolChoice, TransferEngine, TransferError, TransferOptions, TransferRequest, WireProtocol,
@@ -18,6 +19,7 @@ use tokio::sync::watch;
 use crate::cache::LocationCache;
 use crate::host::{HostOptions, Mounter, SegmentHost};
 use crate::link::MasterLink;
+use crate::quick::Quick;
 use crate::{ClientError, ClientOptions, Location, Mode, ReplicateConfig, Result};
 
 mod admin;
@@ -291,6 +293,28 @@ impl StoreClient {
 
     /// One master call; with an etcd master address it retries across a leader failover
     /// (`call` runs once per attempt, so it clones its request).
+    /// One master call as a quick call where it can be ([`crate::quick`]), else over gRPC.
+    fn quick_or_rpc<Req, T, F, Fut>(&self, method: Method, req: &Req, call: F) -> Result<T>
+    where
+        Req: prost::Message,
+        T: prost::Message + Default,
+        F: Fn(crate::host::Rpc) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+    {
+        match self.quick.call(&self.master.current_addr(), method, req) {
+            Quick::Answered(r) => Ok(r),
+            // As a gRPC call whose connection broke: under HA it is made again at the leader
+            // (a deposed one refuses it), otherwise a mutation is reported failed.
+            Quick::Lost(message) if method.mutates() && !self.master.is_ha() => {
+                Err(ClientError::Rpc {
+                    addr: self.opts.master_server_address.clone(),
+                    message,
+                })
+            }
+            Quick::Lost(_) | Quick::StepAside => self.rpc(call),
+        }
+    }
+
     fn rpc<T, F, Fut>(&self, call: F) -> Result<T>
     where
         F: Fn(crate::host::Rpc) -> Fut,

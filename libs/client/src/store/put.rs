@@ -51,7 +51,7 @@ impl StoreClient {
                 items: pb_items,
                 config: Some(self.replicate_config(cfg)),
             };
-            match self.rpc(|mut m| {
+            match self.quick_or_rpc(Method::BatchPutStart, &req, |mut m| {
                 let req = req.clone();
                 async move { m.batch_put_start(req).await }
             }) {
@@ -176,7 +176,7 @@ impl StoreClient {
         // the put at all (its PutEnd fails with "not found"); the revoke is then a no-op and the
         // bytes at the owner stay unpublished until the space is reused.
         let mut unpublished = Vec::new();
-        match self.rpc(|mut m| {
+        match self.quick_or_rpc(Method::BatchPutEnd, &req, |mut m| {
             let req = req.clone();
             async move { m.batch_put_end(req).await }
         }) {
