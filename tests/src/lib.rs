@@ -38,6 +38,16 @@ pub fn bin(name: &str) -> PathBuf {
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// Runs the `lunakv` CLI against `master` with `args`, `env` added to its environment.
+pub fn cli(master: &str, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut cmd = std::process::Command::new(bin("lunakv"));
+    cmd.args(["--master", master]).args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run lunakv")
+}
+
 thread_local! {
     /// Set by [`child_env`]: variables for every process this test thread spawns.
     static CHILD_ENV: RefCell<Vec<(String, String)>> = const { RefCell::new(Vec::new()) };

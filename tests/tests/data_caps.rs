@@ -10,19 +10,18 @@ use std::net::TcpStream;
 
 use lunakv_proto::master::GetReplicaListRequest;
 use lunakv_proto::master::master_client::MasterClient;
-use lunakv_tests::{Master, Store, bin, child_env, http_get, pattern};
+use lunakv_tests::{Master, Store, child_env, http_get, pattern};
 use lunakv_transfer::wire::{self, Op, Request, Response, Status};
 
 const POOL: &str = "pool-0123456789abcdef0123456789";
 const LEN: usize = 8192;
 
 fn cli(master: &str, args: &[&str], token: Option<&str>) -> std::process::Output {
-    let mut cmd = std::process::Command::new(bin("lunakv"));
-    cmd.args(["--master", master]).args(args);
-    if let Some(t) = token {
-        cmd.env("LUNAKV_AUTH_TOKEN", t);
-    }
-    cmd.output().expect("run lunakv")
+    let env: Vec<_> = token
+        .map(|t| ("LUNAKV_AUTH_TOKEN", t))
+        .into_iter()
+        .collect();
+    lunakv_tests::cli(master, args, &env)
 }
 
 fn put(master: &str, key: &str, value: &[u8], dir: &std::path::Path, token: Option<&str>) {

@@ -6,19 +6,10 @@
 
 use lunakv_proto::master::RemoveAllRequest;
 use lunakv_proto::master::master_client::MasterClient;
-use lunakv_tests::{Master, Store, bin, child_env, http_get, pattern};
+use lunakv_tests::{Master, Store, child_env, cli, http_get, pattern};
 
 const POOL: &str = "pool-0123456789abcdef0123456789";
 const ADMIN: &str = "admin-0123456789abcdef012345678";
-
-fn cli(master: &str, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
-    let mut cmd = std::process::Command::new(bin("lunakv"));
-    cmd.args(["--master", master]).args(args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run lunakv")
-}
 
 /// RemoveAll from a raw gRPC client with `token` (or none) as a bearer token.
 fn remove_all(addr: &str, token: Option<&str>) -> Result<u64, tonic::Status> {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use lunakv_proto::ErrorCode;
 use lunakv_proto::master as pb;
 use lunakv_proto::quick::{self, Method};
-use lunakv_tests::{Master, Store, bin, child_env, pattern};
+use lunakv_tests::{Master, Store, child_env, cli, pattern};
 use prost::Message;
 
 const POOL: &str = "pool-quick-0123456789abcdef0123";
@@ -39,15 +39,6 @@ fn exist_frame(auth: &str, keys: &[&str]) -> Vec<u8> {
         keys: keys.iter().map(|k| k.to_string()).collect(),
     };
     quick::encode_request(Method::BatchExistKey, auth.as_bytes(), &req.encode_to_vec())
-}
-
-fn cli(master: &str, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
-    let mut cmd = std::process::Command::new(bin("lunakv"));
-    cmd.args(["--master", master]).args(args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run lunakv")
 }
 
 fn put(master: &str, dir: &std::path::Path, key: &str, env: &[(&str, &str)]) {

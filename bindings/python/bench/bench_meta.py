@@ -31,10 +31,10 @@ upstream's, and its ops per master CPU-second at least 2x upstream's.
 from __future__ import annotations
 
 import argparse
-import statistics
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,10 +47,10 @@ sys.path.insert(0, str(HERE))
 from bench_store import (  # noqa: E402
     MB,
     Proc,
-    ensure_upstream_venv,
     run_worker,
     start_master,
     store_setup,
+    worker_commands,
 )
 
 PHASES = ("put", "exists", "replicas")
@@ -277,23 +277,7 @@ def main() -> int:
     common = ["--keys", str(args.keys), "--clients", str(args.clients), "--batch", str(args.batch),
               "--value-bytes", str(args.value_bytes), "--bin-dir", args.bin_dir]
     me = str(Path(__file__).resolve())
-    quiet = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    env = dict(os.environ, **quiet)
-    env.setdefault("LUNAKV_LOG", "error")
-    lunakv_cmd = [args.lunakv_python, me, *common, "--worker", "lunakv"]
-    upstream_cmd = None
-    uenv: dict[str, str] = {}
-    if not args.no_upstream:
-        py = ensure_upstream_venv(Path(args.upstream_venv))
-        if py is None:
-            print("upstream unavailable: lunakv figures only (use --no-upstream to skip the attempt)")
-        elif not shutil.which("unshare"):
-            print("upstream skipped: `unshare` is missing (it keeps upstream's 0.0.0.0 listeners off the network)")
-        else:
-            uenv = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_METADATA_SERVER="P2PHANDSHAKE",
-                        GLOG_minloglevel="2", MC_LOG_LEVEL="ERROR", **quiet)
-            inner = " ".join(["exec", str(py), me, *common, "--worker", "upstream"])
-            upstream_cmd = ["unshare", "-n", "sh", "-c", f"ip link set lo up && {inner}"]
+    env, lunakv_cmd, uenv, upstream_cmd = worker_commands(args, me, common)
 
     print(f"== metadata: {args.keys} vLLM-shaped keys, {args.clients} clients, batches of {args.batch}, "
           f"{args.value_bytes}-byte values, {args.pairs} pair(s)", flush=True)

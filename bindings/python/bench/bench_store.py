@@ -360,6 +360,32 @@ def start_owner(impl: str, args, master: str, gss: int, tmp: str) -> Proc:
 
 # === the driver ===
 
+def worker_commands(args, me: str, common: list[str]):
+    """The two sides' worker command lines and environments: lunakv with its wheel's
+    interpreter; upstream from its throwaway venv inside `unshare -n` (None when it cannot run,
+    said on stdout). Returns (env, lunakv_cmd, upstream_env, upstream_cmd)."""
+    # numpy's OpenBLAS threads spin after numpy calls and take a core from whichever side is
+    # measured on a small box; neither side uses BLAS.
+    quiet = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    env = dict(os.environ, **quiet)
+    env.setdefault("LUNAKV_LOG", "error")
+    lunakv_cmd = [args.lunakv_python, me, *common, "--worker", "lunakv"]
+    upstream_cmd = None
+    uenv: dict[str, str] = {}
+    if not args.no_upstream:
+        py = ensure_upstream_venv(Path(args.upstream_venv))
+        if py is None:
+            print("upstream unavailable: lunakv figures only (use --no-upstream to skip the attempt)")
+        elif not shutil.which("unshare"):
+            print("upstream skipped: `unshare` is missing (it keeps upstream's 0.0.0.0 listeners off the network)")
+        else:
+            uenv = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_METADATA_SERVER="P2PHANDSHAKE",
+                        GLOG_minloglevel="2", MC_LOG_LEVEL="ERROR", **quiet)
+            inner = " ".join(["exec", str(py), me, *common, "--worker", "upstream"])
+            upstream_cmd = ["unshare", "-n", "sh", "-c", f"ip link set lo up && {inner}"]
+    return env, lunakv_cmd, uenv, upstream_cmd
+
+
 def run_worker(cmd: list[str], env: dict[str, str], timeout: float) -> list[dict]:
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     out = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
@@ -443,25 +469,7 @@ def main() -> int:
             out.append(rs[len(rs) // 2])
         return out
 
-    # numpy's OpenBLAS threads spin after numpy calls and take a core from whichever side is
-    # measured on a small box; neither side uses BLAS.
-    quiet = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    env = dict(os.environ, **quiet)
-    env.setdefault("LUNAKV_LOG", "error")
-    lunakv_cmd = [args.lunakv_python, me, *common, "--worker", "lunakv"]
-    upstream_cmd = None
-    uenv: dict[str, str] = {}
-    if not args.no_upstream:
-        py = ensure_upstream_venv(Path(args.upstream_venv))
-        if py is None:
-            print("upstream unavailable: lunakv figures only (use --no-upstream to skip the attempt)")
-        elif not shutil.which("unshare"):
-            print("upstream skipped: `unshare` is missing (it keeps upstream's 0.0.0.0 listeners off the network)")
-        else:
-            uenv = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1", MC_METADATA_SERVER="P2PHANDSHAKE",
-                        GLOG_minloglevel="2", MC_LOG_LEVEL="ERROR", **quiet)
-            inner = " ".join(["exec", str(py), me, *common, "--worker", "upstream"])
-            upstream_cmd = ["unshare", "-n", "sh", "-c", f"ip link set lo up && {inner}"]
+    env, lunakv_cmd, uenv, upstream_cmd = worker_commands(args, me, common)
 
     # Runs alternate between the two sides, so background load hits both alike.
     lruns: list[list[dict]] = []
