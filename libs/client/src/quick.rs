@@ -1,11 +1,13 @@
-//! The client's side of quick calls ([`lunakv_proto::quick`]): the hottest master reads written
-//! and read on the calling thread over a plain TCP connection, instead of handing each call to
-//! the client runtime's HTTP/2 connection task and back.
+//! The client's side of quick calls ([`lunakv_proto::quick`]): the hottest master calls (exists,
+//! location reads, the two halves of a put) written and read on the calling thread over a plain
+//! TCP connection, instead of handing each call to the client runtime's HTTP/2 connection task
+//! and back.
 //!
 //! A quick call answers, steps aside, or is lost:
-//! - With quick calls off (`LUNAKV_QUICK_CALLS=0`), a master that does not speak them, a frame
-//!   that could not be sent, or any status from the master, it steps aside: the caller makes
-//!   the same call over gRPC, which follows leaders, waits out rebuilds and reports errors.
+//! - With quick calls off (`LUNAKV_QUICK_CALLS=0`), while the process exports traces, against a
+//!   master that does not speak them, with a frame that could not be sent, or on any status from
+//!   the master, it steps aside: the caller makes the same call over gRPC, which follows
+//!   leaders, waits out rebuilds and reports errors.
 //! - A frame sent whose answer never came is lost. A read is then asked again over gRPC. A
 //!   mutation (BatchPutStart, BatchPutEnd) may have been applied, so it is treated as a gRPC
 //!   call whose connection broke: made again at the leader under HA (a deposed leader refuses
@@ -76,7 +78,9 @@ impl QuickLink {
         method: Method,
         req: &Req,
     ) -> Quick<Resp> {
-        if !self.enabled || addr.starts_with("https://") {
+        // Frames carry no trace context: while this process exports traces, its master calls
+        // go over gRPC, so that a traced put or get shows its master calls (docs/TRACING.md).
+        if !self.enabled || lunakv_telemetry::enabled() || addr.starts_with("https://") {
             return Quick::StepAside;
         }
         let addr = addr.strip_prefix("http://").unwrap_or(addr);
