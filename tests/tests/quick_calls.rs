@@ -200,3 +200,38 @@ fn the_cli_answers_alike_with_quick_calls_on_and_off() {
     assert_eq!(exists(true), "no");
     assert_eq!(exists(false), "no");
 }
+
+/// A peer that announces a large frame and trickles it is closed once the body's time is up,
+/// and the master goes on answering others meanwhile (nothing is reserved for what it did not
+/// send).
+#[test]
+fn a_trickled_frame_is_closed_and_others_are_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let master = Master::start(dir.path(), &[]);
+    let addr = master.addr();
+    let mut slow = connect(&addr);
+    slow.write_all(&(quick::MAX_FRAME as u32).to_be_bytes())
+        .unwrap();
+    slow.write_all(&[Method::BatchExistKey as u8, 0, 0])
+        .unwrap();
+
+    let mut other = connect(&addr);
+    let answer = roundtrip(&mut other, &exist_frame("", &["nothing-here"]));
+    assert!(matches!(
+        quick::decode_response(&answer).unwrap(),
+        quick::Response::Ok(_)
+    ));
+
+    slow.set_read_timeout(Some(Duration::from_secs(45)))
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut rest = Vec::new();
+    assert_eq!(
+        slow.read_to_end(&mut rest).expect("closed, not timed out"),
+        0
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(40),
+        "closed after the body's 30 s"
+    );
+}

@@ -177,10 +177,14 @@ impl QuickLink {
 fn read_frame(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     let mut prefix = [0u8; 4];
     stream.read_exact(&mut prefix)?;
-    let len = quick::frame_len(prefix)
+    let len = quick::answer_len(prefix)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body)?;
+    // Grown as bytes arrive: the prefix alone does not reserve up to 256 MiB.
+    let mut body = Vec::new();
+    let n = stream.take(len as u64).read_to_end(&mut body)?;
+    if n < len {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
     Ok(body)
 }
 

@@ -24,8 +24,13 @@ use std::fmt;
 /// What a quick-call client sends first on a new connection.
 pub const MAGIC: &[u8; 8] = b"LKVQUIK1";
 
-/// The largest frame either side accepts (tonic's default message limit).
+/// The largest request frame the master accepts (tonic's default message limit).
 pub const MAX_FRAME: usize = 4 << 20;
+
+/// The largest answer frame a client accepts: the same limit as its gRPC calls' answers (a
+/// large batch's locations pass 4 MiB, and a put's answer refused after the master placed it
+/// would be lost).
+pub const MAX_ANSWER: usize = 256 << 20;
 
 /// The calls a quick frame can carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,8 +73,8 @@ impl Method {
 /// A request frame's body that does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FrameError {
-    #[error("a quick-call frame of {0} bytes is over the {MAX_FRAME}-byte limit")]
-    TooLarge(usize),
+    #[error("a quick-call frame of {len} bytes is over the {max}-byte limit")]
+    TooLarge { len: usize, max: usize },
     #[error("a quick-call frame is cut short: {0}")]
     Short(&'static str),
     #[error("quick-call method {0} is unknown (this master knows 1 to 4)")]
@@ -100,11 +105,20 @@ pub fn encode_request(method: Method, authorization: &[u8], body: &[u8]) -> Vec<
     out
 }
 
-/// The body length a frame's 4-byte prefix announces, refused over [`MAX_FRAME`].
+/// The body length a request frame's 4-byte prefix announces, refused over [`MAX_FRAME`].
 pub fn frame_len(prefix: [u8; 4]) -> Result<usize, FrameError> {
+    len_within(prefix, MAX_FRAME)
+}
+
+/// The body length an answer frame's prefix announces, refused over [`MAX_ANSWER`].
+pub fn answer_len(prefix: [u8; 4]) -> Result<usize, FrameError> {
+    len_within(prefix, MAX_ANSWER)
+}
+
+fn len_within(prefix: [u8; 4], max: usize) -> Result<usize, FrameError> {
     let len = u32::from_be_bytes(prefix) as usize;
-    if len > MAX_FRAME {
-        return Err(FrameError::TooLarge(len));
+    if len > max {
+        return Err(FrameError::TooLarge { len, max });
     }
     Ok(len)
 }
@@ -236,8 +250,17 @@ mod tests {
     fn bad_frames_are_refused_by_name() {
         assert_eq!(
             frame_len(((MAX_FRAME + 1) as u32).to_be_bytes()),
-            Err(FrameError::TooLarge(MAX_FRAME + 1))
+            Err(FrameError::TooLarge {
+                len: MAX_FRAME + 1,
+                max: MAX_FRAME
+            })
         );
+        // An answer may be as large as a gRPC answer the client accepts.
+        assert_eq!(
+            answer_len(((MAX_FRAME + 1) as u32).to_be_bytes()),
+            Ok(MAX_FRAME + 1)
+        );
+        assert!(answer_len(((MAX_ANSWER + 1) as u32).to_be_bytes()).is_err());
         assert_eq!(decode_request(&[]), Err(FrameError::Short("no method")));
         assert_eq!(
             decode_request(&[9, 0, 0]),

@@ -27,6 +27,8 @@ const MAX_CONNECTIONS: usize = 1024;
 const IDLE: Duration = Duration::from_secs(300);
 /// A client that opened a connection must send its magic within this.
 const HELLO_WAIT: Duration = Duration::from_secs(5);
+/// A frame's body, once announced, must arrive within this.
+const BODY_WAIT: Duration = Duration::from_secs(30);
 
 /// Serves the quick connections the RPC listener hands over.
 pub(crate) struct QuickServer {
@@ -89,8 +91,22 @@ impl QuickServer {
                     return Ok(());
                 }
             };
-            frame.resize(len, 0);
-            stream.read_exact(&mut frame).await?;
+            // The buffer grows as bytes arrive, within BODY_WAIT: a peer that announces a large
+            // frame and trickles it holds neither memory it did not send nor its slot for long.
+            frame.clear();
+            let mut body = (&mut stream).take(len as u64);
+            match tokio::time::timeout(BODY_WAIT, body.read_to_end(&mut frame)).await {
+                Ok(Ok(n)) if n == len => {}
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    tracing::debug!(
+                        len,
+                        "quick-call frame not received within {BODY_WAIT:?}; closed"
+                    );
+                    return Ok(());
+                }
+            }
             let out = self.answer(&frame).await;
             stream.write_all(&out).await?;
         }
