@@ -83,8 +83,13 @@ fn upstream_master_flags_lunakv_cannot_honour_are_refused_with_the_fix() {
     let cases: &[(&[&str], &[&str])] = &[
         (&["-enable_cxl"], &["--enable_cxl=true", "CXL"]),
         (
-            &["--allocation_strategy=free_ratio_first"],
-            &["free_ratio_first", "random"],
+            &["--allocation_strategy=local_first"],
+            &[
+                "allocation_strategy",
+                "local_first",
+                "free_ratio_first",
+                "preferred_segment",
+            ],
         ),
         (
             &["-rpc_interface", "eth0"],

@@ -69,6 +69,10 @@ pub struct MasterConfig {
     /// lunakv: share of the pool's capacity one client may hold reserved by puts it started and
     /// has not ended; a PutStart past it is refused, so one stuck writer cannot block every put.
     pub put_reservation_limit_ratio: f64,
+    /// Upstream `--allocation_strategy`: how a new object's replicas pick their segments among
+    /// those with room for it: `random` (upstream's default) or `free_ratio_first` (the
+    /// emptiest first, so stores of different sizes fill evenly). See [`AllocationStrategy`].
+    pub allocation_strategy: String,
     /// HA (upstream `--enable_ha`): campaign for leadership in etcd; followers redirect clients.
     pub enable_ha: bool,
     /// etcd client endpoints, `;`-separated as upstream (`h1:2379;h2:2379`; `etcd://` accepted).
@@ -149,6 +153,7 @@ impl Default for MasterConfig {
             namespace_min_keys: 64,
             max_keys: 50_000_000,
             put_reservation_limit_ratio: 0.5,
+            allocation_strategy: "random".to_string(),
             enable_ha: false,
             etcd_endpoints: String::new(),
             ha_backend_type: "etcd".to_string(),
@@ -243,6 +248,9 @@ pub struct MasterArgs {
     /// Share of the pool one client may hold reserved by unfinished puts [default: 0.5].
     #[arg(long = "put_reservation_limit_ratio")]
     pub put_reservation_limit_ratio: Option<f64>,
+    /// Replica placement: random or free_ratio_first (emptiest segments first) [default: random].
+    #[arg(long = "allocation_strategy")]
+    pub allocation_strategy: Option<String>,
     /// HA: campaign for leadership in etcd; standbys redirect clients to the leader.
     #[arg(long = "enable_ha", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     pub enable_ha: Option<bool>,
@@ -345,14 +353,6 @@ pub const UPSTREAM_KEYS: &[UpstreamFlag] = &[
         false,
         "each segment has one offset allocator; there is no cachelib",
     ),
-    UpstreamFlag {
-        name: "allocation_strategy",
-        boolean: false,
-        treatment: Upstream::OnlyValue {
-            value: "random",
-            fix: "lunakv places replicas at random among the segments with room (upstream's default, random); free_ratio_first and cxl are not implemented, remove the setting",
-        },
-    },
     ignored("enable_http_metadata_server", true, NO_METADATA_SERVER),
     ignored("http_metadata_server_port", false, NO_METADATA_SERVER),
     ignored("http_metadata_server_host", false, NO_METADATA_SERVER),
@@ -516,6 +516,7 @@ impl MasterConfig {
             self.put_reservation_limit_ratio,
             "0.5",
         )?;
+        AllocationStrategy::parse(&self.allocation_strategy)?;
         check_positive(
             "put_start_discard_timeout_sec",
             self.put_start_discard_timeout_sec,
@@ -784,6 +785,45 @@ impl MasterConfig {
     }
 }
 
+/// How the master places a new object's replicas (upstream's `--allocation_strategy`). Both
+/// consider only segments whose largest free range fits the object, so a segment with much
+/// free space in small holes is never picked only to fail (upstream's `free_ratio_first` ranks
+/// by free bytes alone). Preferred segments (`preferred_segments`) come first either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AllocationStrategy {
+    /// Uniformly at random among the segments with room (upstream's default).
+    #[default]
+    Random,
+    /// The segments with the highest share of free bytes first; ties at random.
+    FreeRatioFirst,
+}
+
+impl AllocationStrategy {
+    /// Parses `--allocation_strategy`, naming the values lunakv implements on refusal.
+    pub fn parse(value: &str) -> Result<AllocationStrategy, MasterConfigError> {
+        match value {
+            "random" => Ok(AllocationStrategy::Random),
+            "free_ratio_first" => Ok(AllocationStrategy::FreeRatioFirst),
+            other => Err(MasterConfigError::Invalid {
+                field: "allocation_strategy",
+                value: format!("{other:?}"),
+                fix: "use random (the default) or free_ratio_first; upstream's \
+                      ssd_free_ratio_first, local_first and cxl are not implemented (for \
+                      local_first, name the local segment in ReplicateConfig's \
+                      preferred_segment)"
+                    .to_string(),
+            }),
+        }
+    }
+}
+
+impl MasterConfig {
+    /// The parsed `allocation_strategy` ([`MasterConfig::validate`] has refused any other).
+    pub fn allocation_strategy(&self) -> AllocationStrategy {
+        AllocationStrategy::parse(&self.allocation_strategy).unwrap_or_default()
+    }
+}
+
 fn check_ratio(field: &'static str, v: f64, default: &str) -> Result<(), MasterConfigError> {
     if v.is_finite() && v > 0.0 && v <= 1.0 {
         return Ok(());
@@ -949,6 +989,28 @@ mod tests {
         ])
         .expect_err("wildcard");
         assert!(e.to_string().contains("--advertise_address"), "{e}");
+    }
+
+    #[test]
+    fn allocation_strategy_takes_upstreams_two_placements_and_names_the_rest() {
+        assert_eq!(
+            MasterConfig::default().allocation_strategy(),
+            AllocationStrategy::Random
+        );
+        let c = load_flags(&[("allocation_strategy", "free_ratio_first")])
+            .expect("load")
+            .config;
+        assert_eq!(c.allocation_strategy(), AllocationStrategy::FreeRatioFirst);
+        for bad in ["cxl", "ssd_free_ratio_first", "Random"] {
+            let e = load_flags(&[("allocation_strategy", bad)]).expect_err(bad);
+            let msg = e.to_string();
+            assert!(
+                msg.contains("allocation_strategy")
+                    && msg.contains(bad)
+                    && msg.contains("free_ratio_first"),
+                "{msg}"
+            );
+        }
     }
 
     #[test]

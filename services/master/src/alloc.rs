@@ -74,6 +74,16 @@ impl OffsetAllocator {
         self.free_by_size.last().map_or(0, |(len, _)| *len)
     }
 
+    /// Orders allocators emptiest first: by the share of their capacity that is free, compared
+    /// exactly (cross-multiplied), so a 1 GiB and a 64 GiB segment rank by fill, not by bytes.
+    pub fn emptier_first(&self, other: &OffsetAllocator) -> std::cmp::Ordering {
+        let free = |a: &OffsetAllocator| u128::from(a.capacity - a.used);
+        let (cap_a, cap_b) = (u128::from(self.capacity), u128::from(other.capacity));
+        // free_a / cap_a > free_b / cap_b  <=>  free_a * cap_b > free_b * cap_a (caps > 0);
+        // an empty-capacity allocator has nothing free and sorts last.
+        (free(other) * cap_a.max(1)).cmp(&(free(self) * cap_b.max(1)))
+    }
+
     /// Number of free ranges (1 = unfragmented).
     pub fn free_ranges(&self) -> usize {
         self.free_by_off.len()
@@ -181,6 +191,27 @@ mod tests {
             "no room for the whole segment any more"
         );
         assert_eq!(a.largest_free(), 960 - 192);
+    }
+
+    #[test]
+    fn emptier_first_ranks_by_share_free_not_bytes_free() {
+        use std::cmp::Ordering::{Equal, Greater, Less};
+        let mut small = OffsetAllocator::new(64 * 10);
+        let mut big = OffsetAllocator::new(64 * 1000);
+        // small: 9/10 free (576 bytes); big: 500/1000 free (32000 bytes).
+        small.allocate(64).unwrap();
+        big.allocate(64 * 500).unwrap();
+        assert_eq!(
+            small.emptier_first(&big),
+            Less,
+            "90% free ranks before 50% free"
+        );
+        assert_eq!(big.emptier_first(&small), Greater);
+        let mut half = OffsetAllocator::new(64 * 10);
+        half.allocate(64 * 5).unwrap();
+        assert_eq!(half.emptier_first(&big), Equal, "both half free");
+        let none = OffsetAllocator::new(0);
+        assert_eq!(none.emptier_first(&big), Greater, "no capacity sorts last");
     }
 
     #[test]

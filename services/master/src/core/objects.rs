@@ -5,6 +5,7 @@ use lunakv_transfer::{Capability, Grant};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use lunakv_config::master::AllocationStrategy;
 use lunakv_proto::ErrorCode;
 use rand::seq::SliceRandom;
 
@@ -157,6 +158,10 @@ impl MasterCore {
             .map(|(n, _)| n)
             .collect();
         order.shuffle(&mut rand::rng());
+        if self.cfg.placement == AllocationStrategy::FreeRatioFirst {
+            // Stable: equally empty segments keep the shuffled order, so ties spread.
+            order.sort_by(|a, b| segs[*a].alloc.emptier_first(&segs[*b].alloc));
+        }
         // Preferred segments first, in the caller's order (those with room).
         let mut at = 0;
         for p in &opts.preferred_segments {

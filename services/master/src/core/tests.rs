@@ -129,6 +129,81 @@ async fn a_preferred_segment_without_room_is_passed_over_for_the_next() {
     }
 }
 
+/// Objects per segment name, from the admin view.
+fn objects_by_segment(core: &MasterCore) -> std::collections::BTreeMap<String, u64> {
+    core.segments()
+        .into_iter()
+        .map(|s| (s.name, s.objects))
+        .collect()
+}
+
+#[tokio::test]
+async fn free_ratio_first_fills_segments_of_different_sizes_evenly() {
+    let (core, _) = new_core(CoreConfig {
+        placement: lunakv_config::master::AllocationStrategy::FreeRatioFirst,
+        ..cfg()
+    });
+    mount(&core, "cl", "small:1", BLOCK * 100);
+    mount(&core, "cl", "big:1", BLOCK * 400);
+    for i in 0..250 {
+        put(&core, &format!("k{i}"), BLOCK, &opts(1)).await;
+    }
+    let by = objects_by_segment(&core);
+    // Both half full: 50 of 100 and 200 of 400 (ties may land either way by one).
+    assert!(by["small:1"].abs_diff(50) <= 1, "{by:?}");
+    assert!(by["big:1"].abs_diff(200) <= 1, "{by:?}");
+
+    // Random, upstream's default, ignores fill: the small one takes about half and is full
+    // long before the big one.
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "small:1", BLOCK * 100);
+    mount(&core, "cl", "big:1", BLOCK * 400);
+    for i in 0..250 {
+        put(&core, &format!("k{i}"), BLOCK, &opts(1)).await;
+    }
+    assert!(objects_by_segment(&core)["small:1"] > 80);
+}
+
+#[tokio::test]
+async fn free_ratio_first_puts_replicas_on_the_emptiest_segments_after_preferred_ones() {
+    let (core, _) = new_core(CoreConfig {
+        placement: lunakv_config::master::AllocationStrategy::FreeRatioFirst,
+        ..cfg()
+    });
+    for s in ["a:1", "b:1", "c:1"] {
+        mount(&core, "cl", s, BLOCK * 100);
+    }
+    let o = PutOptions {
+        replica_num: 1,
+        preferred_segments: vec!["a:1".into()],
+        ..Default::default()
+    };
+    for i in 0..30 {
+        let (_, reps) = core
+            .put_start("cl", &format!("a{i}"), BLOCK, &o)
+            .await
+            .expect("put");
+        assert_eq!(reps[0].segment.name, "a:1", "preferred first, however full");
+    }
+    for i in 0..10 {
+        let o = PutOptions {
+            replica_num: 1,
+            preferred_segments: vec!["b:1".into()],
+            ..Default::default()
+        };
+        core.put_start("cl", &format!("b{i}"), BLOCK, &o)
+            .await
+            .expect("put");
+    }
+    // a:1 70% free, b:1 90%, c:1 100%: two replicas go to c:1 and b:1, in that order.
+    let (_, reps) = core
+        .put_start("cl", "r", BLOCK, &opts(2))
+        .await
+        .expect("put");
+    let names: Vec<_> = reps.iter().map(|r| r.segment.name.as_str()).collect();
+    assert_eq!(names, ["c:1", "b:1"]);
+}
+
 #[tokio::test]
 async fn put_start_errors() {
     let (core, _) = new_core(cfg());

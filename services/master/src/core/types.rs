@@ -4,6 +4,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lunakv_config::master::AllocationStrategy;
 use lunakv_proto::ErrorCode;
 
 use crate::alloc::OffsetAllocator;
@@ -33,6 +34,8 @@ pub struct CoreConfig {
     pub max_keys: u64,
     /// Share of total capacity one client may hold reserved by unfinished puts.
     pub put_reservation_limit_ratio: f64,
+    /// How a new object's replicas pick their segments.
+    pub placement: AllocationStrategy,
 }
 
 impl CoreConfig {
@@ -53,6 +56,7 @@ impl CoreConfig {
             namespace_min_keys: c.namespace_min_keys,
             max_keys: c.max_keys,
             put_reservation_limit_ratio: c.put_reservation_limit_ratio,
+            placement: c.allocation_strategy(),
         }
     }
 }
