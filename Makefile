@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python bench-metadata clean
+.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster clean
 
 all: build
 
@@ -72,6 +72,12 @@ bench-python:
 ## The masters' memory per key and batch ops per CPU-second, lunakv vs upstream (1M keys).
 bench-metadata:
 	bindings/python/build.sh bench-meta
+
+## K store-clients and J requesters, each in its own network namespace on one bridge (real tcp
+## between "hosts"): aggregate get GB/s as K grows, balance, and gets with one store killed.
+## Needs root. `make bench-cluster BENCH_ARGS="--stores 2,4 --json"`.
+bench-cluster:
+	bindings/python/build.sh bench-cluster
 
 clean:
 	$(CARGO) clean

@@ -9,6 +9,8 @@
 #                                     for lunakv alone)
 #   bindings/python/build.sh bench-meta  the same build, then bench/bench_meta.py (the masters'
 #                                     memory per key and ops per CPU-second, side by side)
+#   bindings/python/build.sh bench-cluster  the same build, then bench/bench_cluster.py (K stores
+#                                     and J requesters in network namespaces; needs root)
 #
 # Environment: VENV (default <repo>/.venv), PYTHON (the interpreter that creates the venv,
 # default python3), PROFILE (cargo profile for the wheel: dev, the default, builds fast for
@@ -23,7 +25,7 @@ target=${CARGO_TARGET_DIR:-$repo/target}
 VENV=${VENV:-$repo/.venv}
 PYTHON=${PYTHON:-python3}
 what=${1:-test}
-if [ "$what" = bench ] || [ "$what" = bench-meta ]; then
+if [ "${what#bench}" != "$what" ]; then
     PROFILE=${PROFILE:-release}
 else
     PROFILE=${PROFILE:-dev}
@@ -52,11 +54,15 @@ if [ "$what" = test ]; then
     # shellcheck disable=SC2086
     "$VENV/bin/python" -m pytest -q tests ${PYTEST_ARGS:-}
 fi
-if [ "$what" = bench ] || [ "$what" = bench-meta ]; then
+if [ "${what#bench}" != "$what" ]; then
     echo "== benchmark"
     (cd "$repo" && cargo build --release --bins)
-    script=bench_store.py
-    [ "$what" = bench-meta ] && script=bench_meta.py
+    case $what in
+        bench) script=bench_store.py ;;
+        bench-meta) script=bench_meta.py ;;
+        bench-cluster) script=bench_cluster.py ;;
+        *) echo "unknown benchmark $what (bench, bench-meta, bench-cluster)" >&2; exit 2 ;;
+    esac
     # shellcheck disable=SC2086
     "$VENV/bin/python" "$here/bench/$script" --lunakv-python "$VENV/bin/python" \
         --bin-dir "${LUNAKV_BIN_DIR:-$target/release}" ${BENCH_ARGS:-}

@@ -64,10 +64,11 @@ MB = 1 << 20
 class Proc:
     """A child process whose output is read line by line in the background."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, stdin: bool = False):
         self.args = args
         self.p = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            args, stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env=env
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
@@ -93,6 +94,12 @@ class Proc:
         raise RuntimeError(
             f"{self.args[0]} printed no '{word}' within {timeout}s:\n" + "".join(self.log[-20:])
         )
+
+    def send(self, line: str) -> None:
+        """One line to the child's stdin (started with stdin=True)."""
+        assert self.p.stdin is not None, "started without stdin=True"
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
 
     def stop(self) -> None:
         if self.p.poll() is None:
