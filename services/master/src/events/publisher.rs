@@ -3,6 +3,11 @@
 //! `max_batch_size`, sends each batch on the Mooncake stream (and the vLLM stream when set),
 //! keeps the last `buffer_steps` Mooncake batches for replay and answers replay requests
 //! between batches (within ~10 ms when idle).
+//!
+//! While events keep coming the thread gathers them for [`GATHER`] instead of waking per event:
+//! a put then costs the index one `try_send` into a queue nobody is blocked on (no futex wake),
+//! and the thread, libzmq's I/O thread and every subscriber wake once per batch, not per put.
+//! On a 2-core machine those wake-ups were what events cost a put (docs/EVENTS.md, "Cost").
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
@@ -20,6 +25,11 @@ pub const END_SEQ: [u8; 8] = [0xFF; 8];
 
 /// How long the thread waits for an event before it looks at replay requests again.
 const IDLE_POLL: Duration = Duration::from_millis(10);
+
+/// How long a busy stream gathers events into one batch: the most an event waits beyond its
+/// predecessor's batch. A router learns of a block this much later, far below a request's
+/// time in the queue.
+pub const GATHER: Duration = Duration::from_millis(5);
 
 /// A publisher that could not start: the message names the setting and the fix.
 #[derive(Debug, thiserror::Error)]
@@ -282,24 +292,38 @@ fn now_ts() -> f64 {
 impl Worker {
     fn run(mut self) {
         let mut batch: Vec<PoolEvent> = Vec::with_capacity(self.cfg.max_batch_size);
+        // Busy: the last look found events, so the next one sleeps and drains rather than
+        // blocking on the queue (a blocked receiver makes every sender wake it).
+        let mut busy = false;
         loop {
             let stopping = self.stop.load(Ordering::Relaxed);
             let first = if stopping {
                 self.rx.try_recv().map_err(|_| RecvTimeoutError::Timeout)
+            } else if busy {
+                std::thread::sleep(GATHER);
+                self.rx.try_recv().map_err(|e| match e {
+                    std::sync::mpsc::TryRecvError::Empty => RecvTimeoutError::Timeout,
+                    std::sync::mpsc::TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
+                })
             } else {
                 self.rx.recv_timeout(IDLE_POLL)
             };
+            busy = first.is_ok();
             match first {
                 Ok(ev) => {
                     batch.push(ev);
-                    while batch.len() < self.cfg.max_batch_size {
-                        match self.rx.try_recv() {
-                            Ok(ev) => batch.push(ev),
-                            Err(_) => break,
-                        }
-                    }
+                    self.drain_into(&mut batch);
                     self.publish(&batch);
                     batch.clear();
+                    // Whatever is left beyond max_batch_size goes at once, batch by batch.
+                    loop {
+                        self.drain_into(&mut batch);
+                        if batch.is_empty() {
+                            break;
+                        }
+                        self.publish(&batch);
+                        batch.clear();
+                    }
                 }
                 Err(RecvTimeoutError::Timeout) if stopping => break,
                 Err(RecvTimeoutError::Timeout) => {}
@@ -311,6 +335,16 @@ impl Worker {
             }
         }
         self.stats.enabled.set(0);
+    }
+
+    /// Moves queued events into `batch` until it holds `max_batch_size`.
+    fn drain_into(&self, batch: &mut Vec<PoolEvent>) {
+        while batch.len() < self.cfg.max_batch_size {
+            match self.rx.try_recv() {
+                Ok(ev) => batch.push(ev),
+                Err(_) => break,
+            }
+        }
     }
 
     fn publish(&mut self, events: &[PoolEvent]) {
@@ -435,5 +469,55 @@ impl Worker {
             }
             let _ = send(&END_SEQ, &END_SEQ);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> EventsConfig {
+        EventsConfig {
+            endpoint: "tcp://127.0.0.1:*".into(),
+            replay_endpoint: None,
+            topic: "mooncake".into(),
+            hwm: 100_000,
+            max_queue_size: 100_000,
+            max_batch_size: 50,
+            buffer_steps: 0,
+            block_size: 0,
+            vllm_endpoint: None,
+            vllm_pods: vec![],
+            vllm_medium_dram: "lunakv_dram".into(),
+            vllm_medium_ssd: "lunakv_ssd".into(),
+        }
+    }
+
+    /// A steady stream, one event every 200 us (a busy master's put ends), leaves in batches:
+    /// the thread gathers instead of sending (and waking libzmq and every subscriber) per event,
+    /// as it did before (100 batches for 100 events).
+    #[test]
+    fn a_steady_stream_goes_out_in_gathered_batches() {
+        let stats = Arc::new(EventStats::new());
+        let p = Publisher::start(config(), stats.clone()).expect("publisher");
+        let sink = p.sink();
+        let events = 100u64;
+        for i in 0..events {
+            sink.emit(PoolEvent::Stored {
+                key: format!("k{i}"),
+                replicas: vec![],
+            });
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        drop(p); // flushes what is queued
+        let published = stats.published.with_label_values(&["mooncake"]).get();
+        let batches = stats.batches.with_label_values(&["mooncake"]).get();
+        assert_eq!(published, events, "every event sent");
+        // Each 5 ms window holds ~25 events here; even with every sleep overshooting to 1 ms
+        // a batch holds about 5. One message per event is what the thread did before.
+        assert!(
+            batches * 3 <= events,
+            "{batches} batches for {events} events: at least 3 events per batch expected"
+        );
     }
 }

@@ -96,6 +96,12 @@ fn tier_write(dir: &Path, total: u64, buf: &[u8], rep: u64) -> anyhow::Result<f6
 /// A service of a bench section; SIGTERM (then SIGKILL) when dropped.
 pub(super) struct Svc(Process);
 
+impl Svc {
+    pub(super) fn pid(&self) -> u32 {
+        self.0.pid()
+    }
+}
+
 impl Drop for Svc {
     fn drop(&mut self) {
         let _ = self.0.terminate(STOP_GRACE);
