@@ -1,4 +1,5 @@
-//! `lunakv bench --events`: what publishing KV events costs a put (docs/EVENTS.md).
+//! What publishing KV events costs a put (docs/EVENTS.md): a paired target of `lunakv bench`,
+//! and the whole of `lunakv bench --events`.
 //!
 //! Two stacks side by side, each its own lunakv-master + lunakv-store on loopback: one with
 //! events off, one with `--enable_kv_event_publish` and a subscriber in this process that reads
@@ -14,6 +15,7 @@ use anyhow::Context;
 use lunakv_client::{ClientOptions, StoreClient};
 
 use super::offload::{Svc, spawn};
+use super::paired::{Pair, PairedRatio, median};
 use crate::stack::{MASTER_BIN, STORE_BIN, service_bin};
 
 const VALUE: usize = 4096;
@@ -22,15 +24,9 @@ const VALUE: usize = 4096;
 pub struct EventsReport {
     pub object_bytes: usize,
     pub puts_per_pass: usize,
-    pub passes: usize,
-    pub off_put_ops: f64,
-    pub on_put_ops: f64,
-    /// Median of the per-pair ratios (on / off), and their spread.
-    pub ratio: f64,
-    pub min_ratio: f64,
-    pub max_ratio: f64,
-    pub pair_ratios: Vec<f64>,
-    pub pass: bool,
+    /// Per pair: `limit` = put ops/s with events off, `row` = with events on; the verdict is
+    /// the median on / off (target >= 0.95).
+    pub paired: PairedRatio,
     /// Master CPU time per put (all its threads), median over the passes: where an events
     /// cost shows up when the machine is not idle enough for put ops/s to show it.
     pub off_master_cpu_us_per_put: f64,
@@ -116,12 +112,8 @@ fn pass(side: &Side, tag: &str, n: usize, value: &[u8]) -> anyhow::Result<(f64, 
     Ok((ops, cpu_us))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
-pub fn run(bins: &std::path::Path, quick: bool) -> anyhow::Result<EventsReport> {
+/// Runs `passes` pairs (1000 puts per pass with `quick`, else 5000).
+pub fn run(bins: &std::path::Path, quick: bool, passes: usize) -> anyhow::Result<EventsReport> {
     let tmp = tempfile::Builder::new()
         .prefix("lunakv-bench-events-")
         .tempdir()?;
@@ -153,7 +145,7 @@ pub fn run(bins: &std::path::Path, quick: bool) -> anyhow::Result<EventsReport> 
     };
     // The subscription has to reach the publisher before the first timed put.
     std::thread::sleep(Duration::from_millis(300));
-    let (n, passes) = if quick { (1000, 3) } else { (5000, 5) };
+    let n = if quick { 1000 } else { 5000 };
     let value = vec![0x42u8; VALUE];
     pass(&off, "w0", n / 5, &value)?;
     pass(&on, "w1", n / 5, &value)?;
@@ -180,35 +172,27 @@ pub fn run(bins: &std::path::Path, quick: bool) -> anyhow::Result<EventsReport> 
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Ordering::Relaxed);
     let _ = reader.join();
-    let pair_ratios: Vec<f64> = offs
-        .iter()
-        .zip(&ons)
-        .map(|(off, on)| if *off > 0.0 { on / off } else { 0.0 })
-        .collect();
-    let ratio = median(pair_ratios.clone());
-    let min_ratio = pair_ratios.iter().copied().fold(f64::INFINITY, f64::min);
-    let max_ratio = pair_ratios.iter().copied().fold(0.0, f64::max);
-    let (off_ops, on_ops) = (median(offs), median(ons));
+    let pairs = offs.iter().zip(&ons).map(|(off, on)| Pair::new(*off, *on));
     Ok(EventsReport {
         object_bytes: VALUE,
         puts_per_pass: n,
-        passes,
-        off_put_ops: off_ops,
-        on_put_ops: on_ops,
-        ratio,
-        min_ratio,
-        max_ratio,
-        pair_ratios,
-        pass: ratio >= 0.95,
-        off_master_cpu_us_per_put: median(off_cpu),
-        on_master_cpu_us_per_put: median(on_cpu),
+        paired: PairedRatio::judge(
+            "kv_events_put_on_vs_off",
+            "put ops/s, kv events on / off",
+            "puts/s",
+            pairs.collect(),
+            0.95,
+        ),
+        off_master_cpu_us_per_put: median(&off_cpu),
+        on_master_cpu_us_per_put: median(&on_cpu),
         events_received: received.load(Ordering::Relaxed),
     })
 }
 
 pub fn render(r: &EventsReport) -> String {
+    let p = &r.paired;
     format!(
-        "lunakv bench --events: put {} B objects, one per call, {} per pass x {} passes, \
+        "lunakv bench --events: put {} B objects, one per call, {} per pass x {} pairs, \
          alternating two stacks\n\
          {:<34} {:>12}\n\
          {:<34} {:>12.0}\n\
@@ -218,18 +202,18 @@ pub fn render(r: &EventsReport) -> String {
          events received by the subscriber: {}\n",
         r.object_bytes,
         r.puts_per_pass,
-        r.passes,
+        p.pairs.len(),
         "",
         "put ops/s",
         "kv events off",
-        r.off_put_ops,
+        p.median_of(|x| x.limit),
         "kv events on + 1 subscriber",
-        r.on_put_ops,
+        p.median_of(|x| x.row),
         "on / off",
-        r.ratio,
-        r.min_ratio,
-        r.max_ratio,
-        if r.pass { "pass" } else { "FAIL" },
+        p.median_ratio,
+        p.min_ratio,
+        p.max_ratio,
+        if p.pass { "pass" } else { "FAIL" },
         r.off_master_cpu_us_per_put,
         r.on_master_cpu_us_per_put,
         r.events_received

@@ -121,9 +121,15 @@ struct Report {
 }
 
 pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
+    if a.pairs == 0 {
+        bail!(Coded::new(
+            ErrorCode::InvalidParams,
+            "--pairs 0: the verdicts need paired trials; use at least 1 (5 or more for a verdict that holds)"
+        ));
+    }
     if a.events {
         let bins = bin_dir(a.bin_dir.as_deref())?;
-        let r = events::run(&bins, a.quick)?;
+        let r = events::run(&bins, a.quick, a.pairs)?;
         print!("{}", events::render(&r));
         if json {
             print_json(&r)?;
@@ -156,12 +162,6 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
             ));
         }
         plan.bytes_per_pass = mib << 20;
-    }
-    if a.pairs == 0 {
-        bail!(Coded::new(
-            ErrorCode::InvalidParams,
-            "--pairs 0: the verdicts need paired trials; use at least 1 (5 or more for a verdict that holds)"
-        ));
     }
     let load_start = loadavg();
     let segment = lunakv_config::parse_size(&a.segment_size)
@@ -200,7 +200,7 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
     let data_dir = tempfile::Builder::new().prefix("lunakv-bench-").tempdir()?;
     progress.show("starting lunakv-master and lunakv-store");
     let mut stack = Stack::start(&StackOptions {
-        bin_dir: bins,
+        bin_dir: bins.clone(),
         rpc_port: 0,
         master_metrics_port: 0,
         data_dir: data_dir.path().join("master"),
@@ -223,8 +223,13 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
     });
     progress.show("stopping lunakv-store and lunakv-master");
     let stopped = stack.stop();
-    let ((rows, shm_offered), paired) = measured?;
+    let ((rows, shm_offered), mut paired) = measured?;
     stopped?;
+    // KV events' cost to a put: two stacks of their own, after this one is gone.
+    progress.show("kv events on / off");
+    let ev = events::run(&bins, a.quick, a.pairs)?;
+    progress.done(&paired_line(&ev.paired));
+    paired.push(ev.paired);
 
     // ...and after, so a noisy moment on a shared box shows as spread rather than bias.
     progress.show("memcpy");
