@@ -2560,3 +2560,116 @@ spec:
         }
     }
 }
+
+/// The kv-events component on every overlay: the rendered objects stay consistent (ports,
+/// references, hardening), the master's args and environment load as a master configuration
+/// with events on, its two event ports are reachable through Service lunakv-master, the vLLM
+/// stream's endpoint comes from an optional ConfigMap (so the master starts without one), and
+/// the name it resolves for pods is a headless Service in front of every serving pod's port 8000.
+#[test]
+fn kv_events_component_publishes_for_every_serving_pod() {
+    let Some(kubectl) = kubectl() else {
+        return no_kubectl();
+    };
+    let mut failures: Vec<String> = Vec::new();
+    for dir in overlays() {
+        let overlay = dir
+            .file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned();
+        let objs = render_with_component(&kubectl, &overlay, "kv-events");
+        failures.extend(
+            check_overlay(&overlay, &objs)
+                .failures
+                .into_iter()
+                .map(|f| format!("{overlay} + kv-events: {f}")),
+        );
+        let pods = pods(&objs);
+        let master = pods
+            .iter()
+            .find(|p| p.workload == "Deployment/lunakv-master")
+            .expect("a master");
+        let c = master
+            .containers()
+            .find(|c| is_image(c, "lunakv/master"))
+            .expect("master container");
+        // As the master reads them: its flags and its environment's literal values (the
+        // ConfigMap-backed endpoint is unset: no ConfigMap yet).
+        let flags: Vec<(String, String)> = args(c)
+            .iter()
+            .filter_map(|a| a.strip_prefix("--")?.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let loaded = lunakv_config::master::MasterConfig::load(
+            &lunakv_config::master::MasterConfigSources {
+                flags,
+                ..Default::default()
+            },
+            &|var| env(c, var),
+        );
+        match loaded {
+            Ok(l) => {
+                let cfg = l.config;
+                assert!(cfg.enable_kv_event_publish, "{overlay}: events on");
+                assert_eq!(cfg.kv_events_vllm_pods, "lunakv-serving-pods:8000");
+            }
+            Err(e) => failures.push(format!("{overlay}: the master's args do not load: {e}")),
+        }
+        let from_cm = arr(c, "/env").iter().find(|e| {
+            s(e, "/name") == "LUNAKV_MASTER_KV_EVENTS_VLLM_ENDPOINT"
+                && s(e, "/valueFrom/configMapKeyRef/name") == "lunakv-kv-events"
+                && e.pointer("/valueFrom/configMapKeyRef/optional") == Some(&Value::Bool(true))
+        });
+        assert!(
+            from_cm.is_some(),
+            "{overlay}: the vLLM stream's endpoint from optional ConfigMap lunakv-kv-events"
+        );
+        let master_svc = find(&objs, "Service", "lunakv", "lunakv-master").expect("master Service");
+        for (port_name, port) in [("kv-events", 19997), ("kv-replay", 19998)] {
+            match service_target(master_svc, port_name, &pods) {
+                Some((_, p)) if p == port => {}
+                other => failures.push(format!(
+                    "{overlay}: Service lunakv-master {port_name} reaches {:?}, want container port {port}",
+                    other.map(|(_, p)| p)
+                )),
+            }
+        }
+        let serving =
+            find(&objs, "Service", "lunakv", "lunakv-serving-pods").expect("serving pods");
+        assert_eq!(s(serving, "/spec/clusterIP"), "None", "{overlay}: headless");
+        let sel = string_map(serving, "/spec/selector");
+        let engines: Vec<&Pod<'_>> = pods
+            .iter()
+            .filter(|p| {
+                p.labels
+                    .get("llm-d.ai/inferenceServing")
+                    .map(String::as_str)
+                    == Some("true")
+            })
+            .collect();
+        assert!(!engines.is_empty(), "{overlay}: serving pods");
+        for p in engines {
+            assert!(
+                selects(&sel, &p.labels),
+                "{overlay}: {} is a serving pod",
+                p.workload
+            );
+            let has_8000 = p
+                .all_containers()
+                .flat_map(container_ports)
+                .any(|(_, n)| n == 8000);
+            assert!(
+                has_8000,
+                "{overlay}: {} serves llm-d on port 8000",
+                p.workload
+            );
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n  - {}",
+        failures.len(),
+        failures.join("\n  - ")
+    );
+}

@@ -74,7 +74,7 @@ VLLM_DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 class EventsMaster:
     """A lunakv-master publishing KV events on ephemeral ports."""
 
-    def __init__(self, extra: list[str] | None = None):
+    def __init__(self, extra: list[str] | None = None, pods: list[str] = PODS):
         self.dir = tempfile.TemporaryDirectory(prefix="lunakv-py-events-")
         self.p = Proc(
             "lunakv-master",
@@ -87,7 +87,7 @@ class EventsMaster:
                 "--kv_event_publisher_endpoint=tcp://127.0.0.1:*",
                 "--kv_event_publisher_replay_endpoint=tcp://127.0.0.1:*",
                 "--kv_events_vllm_endpoint=tcp://127.0.0.1:*",
-                f"--kv_events_vllm_pods={','.join(PODS)}",
+                f"--kv_events_vllm_pods={','.join(pods)}",
                 *(extra or []),
             ],
         )
@@ -304,6 +304,29 @@ def test_replay_returns_exactly_the_missed_batches_then_the_end_marker(events_ma
         s.close()
     finally:
         store.stop()
+
+
+def test_a_pod_name_stands_for_the_addresses_it_resolves_to(ctx):
+    """kv_events_vllm_pods=localhost:8000 (as a headless Service name would be): topics are
+    named by the resolved address, which is what llm-d matches against its endpoints."""
+    m = EventsMaster(pods=["localhost:8000"])
+    store, _ = start_store(m.rpc, "32MB")
+    try:
+        vll = Sub(ctx, m.vllm, b"kv@", "vllm", m)
+        s = connect(m.rpc)
+        obj = np.full(4096, 3, dtype=np.uint8)
+        key = vllm_key(0, prefix="name")
+        assert s.put_from(key, obj.ctypes.data, obj.nbytes) == 0
+        topic = f"kv@127.0.0.1:8000@{MODEL}"
+        vll.drain(lambda x: any(isinstance(e, BlockStored) for e in vllm_events(x, topic)))
+        stored = [e for e in vllm_events(vll, topic) if isinstance(e, BlockStored)]
+        assert stored[0].block_hashes == [bytes.fromhex(key_hash(key))]
+        assert not any(t.startswith(b"kv@localhost") for t, _, _ in vll.msgs), "names never become topics"
+        vll.close()
+        s.close()
+    finally:
+        store.stop()
+        m.stop()
 
 
 def test_eviction_removes_blocks(ctx):

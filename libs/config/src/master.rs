@@ -124,7 +124,9 @@ pub struct MasterConfig {
     /// central mode: the scheduler binds, publishers connect).
     pub kv_events_vllm_endpoint: String,
     /// lunakv: comma-separated `address:port` of the serving pods that can load from this
-    /// pool; the vLLM stream announces pool blocks on `kv@<pod>@<model>` for each.
+    /// pool; the vLLM stream announces pool blocks on `kv@<pod>@<model>` for each. A
+    /// `name:port` (a headless Service) stands for every address the name resolves to, resolved
+    /// again every 10 s.
     pub kv_events_vllm_pods: String,
     /// lunakv: the vLLM stream's `medium` of a block in the pool's DRAM / in its SSD tier.
     pub kv_events_vllm_medium_dram: String,
@@ -306,7 +308,8 @@ pub struct MasterArgs {
     /// KV events: vLLM-format stream endpoint; bound with a wildcard, else connected [default: off].
     #[arg(long = "kv_events_vllm_endpoint")]
     pub kv_events_vllm_endpoint: Option<String>,
-    /// KV events: serving pods (address:port, comma-separated) the vLLM stream speaks for.
+    /// KV events: serving pods (address:port, or a name:port resolved every 10 s, comma-separated)
+    /// the vLLM stream speaks for.
     #[arg(long = "kv_events_vllm_pods")]
     pub kv_events_vllm_pods: Option<String>,
     /// KV events: vLLM stream medium of the pool's DRAM [default: lunakv_dram].
@@ -680,7 +683,8 @@ impl MasterConfig {
                     field: "kv_events_vllm_pods",
                     value: format!("{pod:?}"),
                     fix: "list each serving pod as address:port (what llm-d's scheduler calls \
-                          the endpoint), comma-separated: 10.0.0.5:8000,10.0.0.6:8000"
+                          the endpoint), comma-separated: 10.0.0.5:8000,10.0.0.6:8000, or a \
+                          name:port that resolves to them (a headless Service: vllm.ns.svc:8000)"
                         .to_string(),
                 });
             }

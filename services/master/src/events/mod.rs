@@ -11,6 +11,7 @@
 //!   them ([`wire`]) in Mooncake's format (and, when configured, vLLM's), sends them with a
 //!   high-water mark, keeps the last batches for replay and answers replay requests.
 
+pub mod pods;
 pub mod publisher;
 pub mod wire;
 

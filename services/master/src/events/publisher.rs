@@ -16,6 +16,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use super::pods::Pods;
 use super::wire::{self, VllmEvent};
 use super::{EventSink, EventStats, EventsConfig, PoolEvent};
 
@@ -167,6 +168,8 @@ struct Worker {
     pub_sock: zmq::Socket,
     replay: Option<zmq::Socket>,
     vllm: Option<zmq::Socket>,
+    /// The vLLM stream's pods now (names resolved again and again).
+    pods: Pods,
     monitors: Vec<Monitor>,
     seq: u64,
     ring: VecDeque<(u64, Vec<u8>)>,
@@ -233,8 +236,10 @@ impl Publisher {
         stats.enabled.set(1);
         let (sink, rx) = EventSink::channel(cfg.max_queue_size, stats.clone(), endpoints.clone());
         let stop = Arc::new(AtomicBool::new(false));
+        let pods = Pods::start(if vllm.is_some() { &cfg.vllm_pods } else { &[] });
         let worker = Worker {
             cfg,
+            pods,
             stats,
             rx,
             stop: stop.clone(),
@@ -399,10 +404,12 @@ impl Worker {
             }
         }
         let Some(sock) = &self.vllm else { return };
+        let now = self.pods.now();
+        // No pods configured: one pool-level topic. Names that resolve to nothing: no topic.
         let pods: Vec<&str> = if self.cfg.vllm_pods.is_empty() {
             vec!["lunakv"]
         } else {
-            self.cfg.vllm_pods.iter().map(String::as_str).collect()
+            now.iter().map(String::as_str).collect()
         };
         for (model, evs) in by_model {
             let payload = wire::encode_vllm_batch(ts, evs.iter(), self.cfg.block_size);
