@@ -372,7 +372,8 @@ impl Worker {
                 d.inc_by(events.len() as u64);
             }
         }
-        if self.cfg.buffer_steps > 0 {
+        // Kept only where a replay socket can ask for them.
+        if self.cfg.buffer_steps > 0 && self.replay.is_some() {
             if self.ring.len() >= self.cfg.buffer_steps {
                 self.ring.pop_front();
             }
