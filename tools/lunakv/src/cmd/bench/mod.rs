@@ -485,7 +485,7 @@ fn render(r: &Report, note: &str) -> String {
     );
     let _ = writeln!(
         o,
-        "  memcpy, one thread, 64 MiB buffers        {:>6.2} / {:.2} GB/s  ({} copies)",
+        "  memcpy, one thread, 64 MiB from a segment {:>6.2} / {:.2} GB/s  ({} copies)",
         r.memcpy_gbps,
         r.memcpy_best_gbps,
         r.memcpy_samples_gbps.len()
