@@ -1979,6 +1979,22 @@ const METRICS_ENDPOINTS: &[(&str, &str, &str)] = &[
     ("lunakv/sidecar", "/lunakv/sidecar/metrics", "--port"),
 ];
 
+/// Every overlay's name and its objects rendered with `component` added.
+fn each_overlay_with(kubectl: &Path, component: &str) -> Vec<(String, Vec<Value>)> {
+    overlays()
+        .iter()
+        .map(|dir| {
+            let overlay = dir
+                .file_name()
+                .expect("name")
+                .to_string_lossy()
+                .into_owned();
+            let objs = render_with_component(kubectl, &overlay, component);
+            (overlay, objs)
+        })
+        .collect()
+}
+
 /// `overlay` with `component` added to its `components:`, as deploy/k8s/README.md tells
 /// operators, rendered. The copy sits beside the overlays (kustomize refuses absolute paths);
 /// overlays() skips dot-directories.
@@ -2107,13 +2123,7 @@ fn monitoring_component_scrapes_every_service_and_ships_the_dashboards() {
     );
 
     let mut failures: Vec<String> = Vec::new();
-    for dir in overlays() {
-        let overlay = dir
-            .file_name()
-            .expect("name")
-            .to_string_lossy()
-            .into_owned();
-        let objs = render_with_component(&kubectl, &overlay, "servicemonitor");
+    for (overlay, objs) in each_overlay_with(&kubectl, "servicemonitor") {
         let what = format!("{overlay}+servicemonitor");
         let mut ns_failures = Vec::new();
         check_namespaces(&objs, &mut ns_failures);
@@ -2572,13 +2582,7 @@ fn kv_events_component_publishes_for_every_serving_pod() {
         return no_kubectl();
     };
     let mut failures: Vec<String> = Vec::new();
-    for dir in overlays() {
-        let overlay = dir
-            .file_name()
-            .expect("name")
-            .to_string_lossy()
-            .into_owned();
-        let objs = render_with_component(&kubectl, &overlay, "kv-events");
+    for (overlay, objs) in each_overlay_with(&kubectl, "kv-events") {
         failures.extend(
             check_overlay(&overlay, &objs)
                 .failures
