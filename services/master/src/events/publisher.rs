@@ -7,7 +7,8 @@
 //! While events keep coming the thread gathers them for [`GATHER`] instead of waking per event:
 //! a put then costs the index one `try_send` into a queue nobody is blocked on (no futex wake),
 //! and the thread, libzmq's I/O thread and every subscriber wake once per batch, not per put.
-//! On a 2-core machine those wake-ups were what events cost a put (docs/EVENTS.md, "Cost").
+//! On a 2-core machine those wake-ups were what events cost a put (docs/EVENTS.md, "Batching"
+//! and "Benchmark").
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
@@ -31,6 +32,9 @@ const IDLE_POLL: Duration = Duration::from_millis(10);
 /// predecessor's batch. A router learns of a block this much later, far below a request's
 /// time in the queue.
 pub const GATHER: Duration = Duration::from_millis(5);
+
+/// Most batches sent between two looks at the replay socket and the monitors.
+const MAX_BATCHES_PER_LOOK: usize = 64;
 
 /// A publisher that could not start: the message names the setting and the fix.
 #[derive(Debug, thiserror::Error)]
@@ -300,12 +304,16 @@ impl Worker {
         // Busy: the last look found events, so the next one sleeps and drains rather than
         // blocking on the queue (a blocked receiver makes every sender wake it).
         let mut busy = false;
+        // A backlog was left after the last look's batches: look again without sleeping.
+        let mut backlog = false;
         loop {
             let stopping = self.stop.load(Ordering::Relaxed);
             let first = if stopping {
                 self.rx.try_recv().map_err(|_| RecvTimeoutError::Timeout)
             } else if busy {
-                std::thread::sleep(GATHER);
+                if !backlog {
+                    std::thread::sleep(GATHER);
+                }
                 self.rx.try_recv().map_err(|e| match e {
                     std::sync::mpsc::TryRecvError::Empty => RecvTimeoutError::Timeout,
                     std::sync::mpsc::TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
@@ -314,16 +322,20 @@ impl Worker {
                 self.rx.recv_timeout(IDLE_POLL)
             };
             busy = first.is_ok();
+            backlog &= busy;
             match first {
                 Ok(ev) => {
                     batch.push(ev);
                     self.drain_into(&mut batch);
                     self.publish(&batch);
                     batch.clear();
-                    // Whatever is left beyond max_batch_size goes at once, batch by batch.
-                    loop {
+                    // Whatever is left beyond max_batch_size goes at once, batch by batch, up to
+                    // a bound, so replay requests are still served under a flood.
+                    backlog = true;
+                    for _ in 0..MAX_BATCHES_PER_LOOK {
                         self.drain_into(&mut batch);
                         if batch.is_empty() {
+                            backlog = false;
                             break;
                         }
                         self.publish(&batch);
