@@ -176,10 +176,11 @@ impl EventStats {
         );
         let dropped = counter_vec(
             "master_kv_events_dropped_total",
-            "KV events lost before publishing: the publisher queue was full, or the send failed",
+            "KV events lost before publishing: the publisher queue was full, the send failed, or \
+             the vLLM stream already had MAX_VLLM_MODELS models",
             "reason",
         );
-        for reason in ["queue_full", "send_failed"] {
+        for reason in ["queue_full", "send_failed", "too_many_models"] {
             dropped.with_label_values(&[reason]);
         }
         let subscribers = IntGaugeVec::new(

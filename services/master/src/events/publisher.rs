@@ -33,6 +33,11 @@ const IDLE_POLL: Duration = Duration::from_millis(10);
 /// time in the queue.
 pub const GATHER: Duration = Duration::from_millis(5);
 
+/// Most models the vLLM stream keeps topics for. Model names come from the keys clients put, so
+/// without a bound one client could grow the publisher's state (and every clear's fan-out)
+/// without end; events of further models are dropped and counted (`too_many_models`).
+pub const MAX_VLLM_MODELS: usize = 256;
+
 /// Most batches sent between two looks at the replay socket and the monitors.
 const MAX_BATCHES_PER_LOOK: usize = 64;
 
@@ -177,7 +182,11 @@ struct Worker {
     monitors: Vec<Monitor>,
     seq: u64,
     ring: VecDeque<(u64, Vec<u8>)>,
-    vllm_seq: HashMap<String, u64>,
+    /// Next sequence number per (pod, model) topic; pods that left are forgotten when the pod
+    /// list changes (one that comes back restarts at 0, which subscribers read as a reset).
+    vllm_seq: HashMap<(String, String), u64>,
+    /// The pod list `vllm_seq` was last pruned for.
+    vllm_seq_pods: Arc<Vec<String>>,
     /// Models the vLLM stream has announced blocks of: a clear goes to each one's topics.
     vllm_models: BTreeSet<String>,
     // Held so the sockets outlive nothing they depend on.
@@ -254,6 +263,7 @@ impl Publisher {
             seq: 0,
             ring: VecDeque::new(),
             vllm_seq: HashMap::new(),
+            vllm_seq_pods: Arc::default(),
             vllm_models: BTreeSet::new(),
             _ctx: ctx,
         };
@@ -404,6 +414,11 @@ impl Worker {
                 match model {
                     Some(m) => {
                         if !self.vllm_models.contains(&m) {
+                            if self.vllm_models.len() >= MAX_VLLM_MODELS {
+                                let d = self.stats.dropped.with_label_values(&["too_many_models"]);
+                                d.inc();
+                                continue;
+                            }
                             self.vllm_models.insert(m.clone());
                         }
                         by_model.entry(m).or_default().push(v);
@@ -418,6 +433,12 @@ impl Worker {
         }
         let Some(sock) = &self.vllm else { return };
         let now = self.pods.now();
+        if !Arc::ptr_eq(&now, &self.vllm_seq_pods) {
+            let pool_level = self.cfg.vllm_pods.is_empty();
+            self.vllm_seq
+                .retain(|(pod, _), _| pool_level || now.contains(pod));
+            self.vllm_seq_pods = now.clone();
+        }
         // No pods configured: one pool-level topic. Names that resolve to nothing: no topic.
         let pods: Vec<&str> = if self.cfg.vllm_pods.is_empty() {
             vec!["lunakv"]
@@ -428,7 +449,10 @@ impl Worker {
             let payload = wire::encode_vllm_batch(ts, evs.iter(), self.cfg.block_size);
             for pod in &pods {
                 let topic = format!("kv@{pod}@{model}");
-                let seq = self.vllm_seq.entry(topic.clone()).or_insert(0);
+                let seq = self
+                    .vllm_seq
+                    .entry((pod.to_string(), model.clone()))
+                    .or_insert(0);
                 let frames: [&[u8]; 3] = [topic.as_bytes(), &seq.to_be_bytes(), &payload];
                 *seq += 1;
                 match sock.send_multipart(frames, zmq::DONTWAIT) {
@@ -494,6 +518,7 @@ impl Worker {
 
 #[cfg(test)]
 mod tests {
+    use super::super::ReplicaRef;
     use super::*;
 
     fn config() -> EventsConfig {
@@ -511,6 +536,35 @@ mod tests {
             vllm_medium_dram: "lunakv_dram".into(),
             vllm_medium_ssd: "lunakv_ssd".into(),
         }
+    }
+
+    /// Model names come from clients' keys: past MAX_VLLM_MODELS the vLLM stream drops and
+    /// counts instead of keeping a topic per name.
+    #[test]
+    fn the_vllm_stream_keeps_at_most_max_models() {
+        let stats = Arc::new(EventStats::new());
+        let p = Publisher::start(
+            EventsConfig {
+                vllm_endpoint: Some("tcp://127.0.0.1:*".into()),
+                ..config()
+            },
+            stats.clone(),
+        )
+        .expect("publisher");
+        let sink = p.sink();
+        let extra = 10;
+        for i in 0..MAX_VLLM_MODELS + extra {
+            sink.emit(PoolEvent::Stored {
+                key: format!("model{i}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{i:064x}"),
+                replicas: vec![ReplicaRef {
+                    disk: false,
+                    endpoint: "127.0.0.1:1".into(),
+                }],
+            });
+        }
+        drop(p);
+        let dropped = stats.dropped.with_label_values(&["too_many_models"]).get();
+        assert_eq!(dropped, extra as u64);
     }
 
     /// A steady stream, one event every 200 us (a busy master's put ends), leaves in batches:
