@@ -152,16 +152,17 @@ impl MasterCore {
             ));
         }
         let len = align_up(size).unwrap_or(u64::MAX);
-        let mut order: Vec<&String> = segs
+        let mut room: Vec<(&String, &crate::alloc::OffsetAllocator)> = segs
             .iter()
             .filter(|(_, s)| s.complete && s.alloc.largest_free() >= len)
-            .map(|(n, _)| n)
+            .map(|(n, s)| (n, &s.alloc))
             .collect();
-        order.shuffle(&mut rand::rng());
+        room.shuffle(&mut rand::rng());
         if self.cfg.placement == AllocationStrategy::FreeRatioFirst {
             // Stable: equally empty segments keep the shuffled order, so ties spread.
-            order.sort_by(|a, b| segs[*a].alloc.emptier_first(&segs[*b].alloc));
+            room.sort_by(|(_, a), (_, b)| a.emptier_first(b));
         }
+        let mut order: Vec<&String> = room.into_iter().map(|(n, _)| n).collect();
         // Preferred segments first, in the caller's order (those with room).
         let mut at = 0;
         for p in &opts.preferred_segments {
