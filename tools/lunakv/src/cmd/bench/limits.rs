@@ -26,24 +26,11 @@ const ACK: u8 = b'K';
 /// into a private buffer, `reps` times after one warm-up copy; GB/s. Between two private
 /// buffers the figure swung between ~6.5 and ~13 GB/s here, with whether the kernel had
 /// transparent huge pages to give, which a shmem segment never gets on this kernel; so the
-/// limit copies from the pages a shm get copies from. Falls back to private buffers if no
-/// memfd can be made.
-pub fn memcpy(reps: usize) -> Spread {
-    if let Ok(gbps) = lunakv_transfer::segment_copy_gbps(MEMCPY_BYTES, reps) {
-        return Spread::of(gbps);
-    }
-    // Non-zero fills fault every page in before timing.
-    let src = vec![0x5au8; MEMCPY_BYTES];
-    let mut dst = vec![0xa5u8; MEMCPY_BYTES];
-    dst.copy_from_slice(&src);
-    let mut gbps = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-        gbps.push(MEMCPY_BYTES as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    Spread::of(gbps)
+/// limit copies from the pages a shm get copies from.
+pub fn memcpy(reps: usize) -> anyhow::Result<Spread> {
+    let gbps = lunakv_transfer::segment_copy_gbps(MEMCPY_BYTES, reps)
+        .context("memcpy limit: cannot map segment memory (memfd)")?;
+    Ok(Spread::of(gbps))
 }
 
 /// Raw loopback TCP figures.
@@ -252,7 +239,7 @@ mod tests {
 
     #[test]
     fn memcpy_reports_positive_rates() {
-        let s = memcpy(2);
+        let s = memcpy(2).expect("memfd");
         assert_eq!(s.samples.len(), 2);
         assert!(s.best >= s.median && s.median > 0.0);
     }

@@ -193,7 +193,7 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
 
     // Limits before the store rows...
     progress.show("memcpy");
-    let mut memcpy = limits::memcpy(memcpy_reps).samples;
+    let mut memcpy = limits::memcpy(memcpy_reps)?.samples;
     progress.show("loopback TCP");
     let mut loopback = limits::loopback(stream_bytes, stream_reps, pings)?;
 
@@ -233,7 +233,7 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
 
     // ...and after, so a noisy moment on a shared box shows as spread rather than bias.
     progress.show("memcpy");
-    memcpy.extend(limits::memcpy(memcpy_reps).samples);
+    memcpy.extend(limits::memcpy(memcpy_reps)?.samples);
     progress.show("loopback TCP");
     loopback.merge(limits::loopback(stream_bytes, stream_reps, pings)?);
     progress.clear();
@@ -328,7 +328,7 @@ fn measure_pairs(
         pairs,
         |i| {
             progress.show(&format!("pair {}/{pairs}: memcpy", i + 1));
-            Ok(limits::memcpy(memcpy_reps).median)
+            Ok(limits::memcpy(memcpy_reps)?.median)
         },
         |i| {
             progress.show(&format!("pair {}/{pairs}: shm get 4 MiB", i + 1));
