@@ -21,6 +21,7 @@ fn remove_all(addr: &str, token: Option<&str>) -> Result<u64, tonic::Status> {
         let mut req = tonic::Request::new(RemoveAllRequest {
             client_id: "00000000-0000-0000-0000-000000000bad".into(),
             force: true,
+            ..Default::default()
         });
         if let Some(t) = token {
             req.metadata_mut()

@@ -5,8 +5,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lunakv_client::{ClientError, ClientOptions, ErrorCode, MasterWait, StoreClient};
-use lunakv_config::messages::TENANT_REFUSAL;
+use lunakv_client::{
+    ClientError, ClientOptions, ErrorCode, MasterWait, StoreClient, tenant_or_default,
+};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -122,6 +123,8 @@ struct SetupArgs {
     local_buffer_size: i128,
     protocol: String,
     master_server_addr: String,
+    /// Upstream's `tenant_id` (empty or `"default"`: the default tenant).
+    tenant_id: String,
 }
 
 /// The store client handle vLLM's `MooncakeStoreConnector` drives. Thread-safe: vLLM calls it
@@ -436,10 +439,6 @@ impl MooncakeDistributedStore {
         if enable_ssd_offload {
             warn_ignored_offload("enable_ssd_offload");
         }
-        if let Err(msg) = check_tenant(tenant_id.as_deref()) {
-            tracing::error!("lunakv: setup refused: {msg}");
-            return Ok(INVALID_PARAMS);
-        }
         if let Ok(dict) = local_hostname.cast::<PyDict>() {
             return Ok(match setup_args_from_dict(dict) {
                 Ok(a) => self.connect(py, a),
@@ -455,6 +454,7 @@ impl MooncakeDistributedStore {
             local_buffer_size,
             protocol: protocol.unwrap_or_else(|| "tcp".to_owned()),
             master_server_addr: master_server_addr.unwrap_or_else(|| "127.0.0.1:50051".to_owned()),
+            tenant_id: tenant_or_default(tenant_id.as_deref().unwrap_or_default()),
         };
         Ok(self.connect(py, a))
     }
@@ -1003,8 +1003,6 @@ enum SetupError {
         key: String,
         source: lunakv_config::SizeError,
     },
-    #[error("tenant_id={0:?}: {TENANT_REFUSAL}")]
-    Tenant(String),
     #[error("{field} {value} must be >= 0")]
     Negative { field: &'static str, value: i128 },
     #[error(
@@ -1053,7 +1051,6 @@ fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, SetupError> 
                 }),
         }
     };
-    check_tenant(get("tenant_id")?.as_deref())?;
     for k in ["enable_offload", "enable_ssd_offload"] {
         if get(k)?.is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1")) {
             warn_ignored_offload(k);
@@ -1072,17 +1069,8 @@ fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, SetupError> 
         master_server_addr: get("master_server_addr")?
             .or(get("master_server_address")?)
             .unwrap_or_else(|| "127.0.0.1:50051".to_owned()),
+        tenant_id: tenant_or_default(&get("tenant_id")?.unwrap_or_default()),
     })
-}
-
-/// lunakv has no tenant namespaces yet: a tenant other than upstream's default would share
-/// every key with the others, so it is refused instead of merged (vLLM then raises at startup,
-/// as it does against an upstream release without tenants).
-fn check_tenant(tenant_id: Option<&str>) -> Result<(), SetupError> {
-    match tenant_id.map(str::trim) {
-        None | Some("" | "default") => Ok(()),
-        Some(t) => Err(SetupError::Tenant(t.to_string())),
-    }
 }
 
 fn warn_ignored_offload(key: &str) {
@@ -1137,6 +1125,7 @@ fn options(a: &SetupArgs) -> Result<ClientOptions, SetupError> {
         protocol: a.protocol.trim().to_ascii_lowercase(),
         enable_shm,
         preferred_segment: env("MOONCAKE_PREFERRED_SEGMENT"),
+        tenant_id: a.tenant_id.clone(),
         ..defaults
     })
 }

@@ -237,18 +237,18 @@ def test_setup_refuses_bad_config_without_raising(master):
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", "not an address") != 0
 
 
-def test_a_tenant_lunakv_cannot_separate_is_refused_not_merged(master, capfd):
-    """vLLM passes tenant_id only when mooncake_config.json names a tenant other than "default".
-    lunakv has no tenant namespaces, so merging that tenant's keys with everyone else's would be
-    silent; setup refuses it (vLLM raises at startup) and names the fix."""
+def test_a_tenant_name_upstream_refuses_is_refused_by_name(master, capfd):
+    """vLLM passes tenant_id only when mooncake_config.json names a tenant other than "default"
+    (test_tenants.py covers what a tenant does). A name upstream reserves is refused at setup,
+    with the rule it breaks, in either setup form."""
     s = MooncakeDistributedStore()
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", master,
-                   tenant_id="team-a") == INVALID_PARAMS
+                   tenant_id="_internal") == INVALID_PARAMS
     assert s.setup({"local_hostname": "127.0.0.1", "master_server_addr": master,
-                    "tenant_id": "team-a"}) == INVALID_PARAMS
+                    "tenant_id": "bad\ttenant"}) == INVALID_PARAMS
     err = capfd.readouterr().err
-    assert 'tenant_id="team-a"' in err and "no tenant namespaces" in err, err
-    # The default tenant is what lunakv serves.
+    assert 'tenant_id "_internal"' in err and "reserves" in err, err
+    assert "control character" in err, err
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", master,
                    tenant_id="default") == 0
     s.close()

@@ -38,7 +38,7 @@ pub use lunakv_proto::views::{
     ClusterStatus, NamespaceReport, NamespaceStats, ReplicaDesc, ReplicaKind, Segment,
     SegmentStatus,
 };
-pub use options::{ClientOptions, MasterWait, Mode, ReplicateConfig};
+pub use options::{ClientOptions, MasterWait, Mode, ReplicateConfig, tenant_or_default};
 pub use store::StoreClient;
 
 /// Result alias for the client API.

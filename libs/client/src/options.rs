@@ -69,6 +69,9 @@ pub struct ClientOptions {
     pub enable_offload: Option<bool>,
     /// Whether connecting waits for a master that is not reachable yet (default: no).
     pub master_wait: MasterWait,
+    /// Upstream's `tenant_id`: the namespace of this client's keys (docs/TENANTS.md). Another
+    /// tenant's client never sees or removes them; `"default"` is every older client's.
+    pub tenant_id: String,
 }
 
 impl Default for ClientOptions {
@@ -85,6 +88,7 @@ impl Default for ClientOptions {
             rpc_timeout: Duration::from_secs(10),
             location_cache_capacity: 1 << 20,
             shm_dir: None,
+            tenant_id: lunakv_proto::DEFAULT_TENANT.to_owned(),
             enable_offload: None,
             master_wait: MasterWait::NoWait,
         }
@@ -112,6 +116,10 @@ impl ClientOptions {
             ));
         }
         self.wire_protocol()?;
+        if self.tenant_id != lunakv_proto::DEFAULT_TENANT {
+            lunakv_proto::validate_tenant(&self.tenant_id)
+                .map_err(|e| ClientError::Config(e.to_string()))?;
+        }
         Ok(())
     }
 
@@ -169,10 +177,19 @@ impl ClientOptions {
             enable_shm: cfg.enable_shm,
             preferred_segment: cfg.preferred_segment.clone(),
             enable_offload: Some(cfg.enable_offload),
+            tenant_id: tenant_or_default(&cfg.tenant_id),
             ..ClientOptions::default()
         };
         opts.validate()?;
         Ok(opts)
+    }
+}
+
+/// Upstream's normalisation of a configured tenant: empty means the default tenant.
+pub fn tenant_or_default(tenant: &str) -> String {
+    match tenant.trim() {
+        "" => lunakv_proto::DEFAULT_TENANT.to_owned(),
+        t => t.to_owned(),
     }
 }
 

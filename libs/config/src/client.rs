@@ -36,7 +36,8 @@
 //! value the file set is reported as a [`ConfigWarning::EnvOverride`].
 //! - `MOONCAKE_MASTER` -> master_server_address; `MOONCAKE_TE_META_DATA_SERVER` -> metadata_server;
 //!   `MOONCAKE_GLOBAL_SEGMENT_SIZE`, `MOONCAKE_LOCAL_BUFFER_SIZE` -> sizes; `MOONCAKE_PROTOCOL`;
-//!   `MOONCAKE_DEVICE` -> device_name; `MOONCAKE_PREFERRED_SEGMENT` -> preferred_segment (env only).
+//!   `MOONCAKE_DEVICE` -> device_name; `MOONCAKE_PREFERRED_SEGMENT` -> preferred_segment (env only);
+//!   `MOONCAKE_TENANT_ID` -> tenant_id.
 //! - local_hostname: `MOONCAKE_REQUESTER_LOCAL_HOSTNAME` (vLLM's), else `MOONCAKE_LOCAL_HOSTNAME`,
 //!   else the file, else `VLLM_HOST_IP` (vLLM's `get_ip()`), else `""` (the client picks an address).
 //! - `LUNAKV_DISABLE_SHM=1` forces enable_shm off.
@@ -313,6 +314,13 @@ impl MooncakeConfig {
             "",
         );
         set_string("MOONCAKE_DEVICE", "device_name", &mut self.device_name, "");
+        // Upstream's name when the config comes from the environment (SGLang documents it).
+        set_string(
+            "MOONCAKE_TENANT_ID",
+            "tenant_id",
+            &mut self.tenant_id,
+            "default",
+        );
         // local_hostname: the Mooncake variables, else the file, else VLLM_HOST_IP.
         let file_hostname = std::mem::take(&mut self.local_hostname);
         let from_env = [

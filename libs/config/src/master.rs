@@ -73,6 +73,15 @@ pub struct MasterConfig {
     /// those with room for it: `random` (upstream's default) or `free_ratio_first` (the
     /// emptiest first, so stores of different sizes fill evenly). See [`AllocationStrategy`].
     pub allocation_strategy: String,
+    /// Upstream `--enable_multi_tenants`: admit every tenant's puts against its quota from the
+    /// tenant policy, and refuse tenants the policy does not name (docs/TENANTS.md). Without
+    /// it tenants still have their own key namespaces and usage, but no quota.
+    pub enable_multi_tenants: bool,
+    /// Upstream `--tenant_quota_connector_type`: where the tenant policy lives. `file` only.
+    pub tenant_quota_connector_type: String,
+    /// Upstream `--tenant_quota_connector_uri`: the policy file (upstream's YAML schema,
+    /// `version: 1`, `tenants: [{name, quota}]`); the admin API writes its changes back to it.
+    pub tenant_quota_connector_uri: String,
     /// HA (upstream `--enable_ha`): campaign for leadership in etcd; followers redirect clients.
     pub enable_ha: bool,
     /// etcd client endpoints, `;`-separated as upstream (`h1:2379;h2:2379`; `etcd://` accepted).
@@ -156,6 +165,9 @@ impl Default for MasterConfig {
             max_keys: 50_000_000,
             put_reservation_limit_ratio: 0.5,
             allocation_strategy: "random".to_string(),
+            enable_multi_tenants: false,
+            tenant_quota_connector_type: "file".to_string(),
+            tenant_quota_connector_uri: String::new(),
             enable_ha: false,
             etcd_endpoints: String::new(),
             ha_backend_type: "etcd".to_string(),
@@ -253,6 +265,15 @@ pub struct MasterArgs {
     /// Replica placement: random or free_ratio_first (emptiest segments first) [default: random].
     #[arg(long = "allocation_strategy")]
     pub allocation_strategy: Option<String>,
+    /// Tenants: admit puts against each tenant's quota; unknown tenants are refused [default: false].
+    #[arg(long = "enable_multi_tenants", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub enable_multi_tenants: Option<bool>,
+    /// Tenants: where the quota policy lives; only "file" [default: file].
+    #[arg(long = "tenant_quota_connector_type")]
+    pub tenant_quota_connector_type: Option<String>,
+    /// Tenants: the quota policy file (YAML: version 1, tenants: [{name, quota}]).
+    #[arg(long = "tenant_quota_connector_uri")]
+    pub tenant_quota_connector_uri: Option<String>,
     /// HA: campaign for leadership in etcd; standbys redirect clients to the leader.
     #[arg(long = "enable_ha", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     pub enable_ha: Option<bool>,
@@ -520,6 +541,7 @@ impl MasterConfig {
             "0.5",
         )?;
         AllocationStrategy::parse(&self.allocation_strategy)?;
+        self.validate_tenants()?;
         check_positive(
             "put_start_discard_timeout_sec",
             self.put_start_discard_timeout_sec,
@@ -592,6 +614,41 @@ impl MasterConfig {
                 value: "\"\"".to_string(),
                 fix: "give a directory for the master's metadata file, e.g. \
                       ./lunakv-master-data"
+                    .to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Tenant quota settings (upstream's multi-tenancy flags).
+    fn validate_tenants(&self) -> Result<(), MasterConfigError> {
+        if self.tenant_quota_connector_type != "file" {
+            return Err(MasterConfigError::Invalid {
+                field: "tenant_quota_connector_type",
+                value: format!("{:?}", self.tenant_quota_connector_type),
+                fix: "lunakv reads the tenant quota policy from a file only (etcd is not \
+                      implemented): use --tenant_quota_connector_type=file with \
+                      --tenant_quota_connector_uri=/path/tenant_quotas.yaml"
+                    .to_string(),
+            });
+        }
+        let uri = self.tenant_quota_connector_uri.trim();
+        if self.enable_multi_tenants && uri.is_empty() {
+            return Err(MasterConfigError::Invalid {
+                field: "tenant_quota_connector_uri",
+                value: "\"\"".to_string(),
+                fix: "enable_multi_tenants needs the policy file: give \
+                      --tenant_quota_connector_uri=/path/tenant_quotas.yaml (`version: 1` and \
+                      `tenants: []` to start empty and add tenants through the admin API)"
+                    .to_string(),
+            });
+        }
+        if !self.enable_multi_tenants && !uri.is_empty() {
+            return Err(MasterConfigError::Invalid {
+                field: "tenant_quota_connector_uri",
+                value: format!("{uri:?}"),
+                fix: "quotas apply only with --enable_multi_tenants=true: add it, or remove \
+                      the policy file from the command line"
                     .to_string(),
             });
         }

@@ -1,11 +1,11 @@
 //! User-facing messages that more than one crate prints or checks: one constant each, so the
 //! service, the tools that explain it and the tests that pin it cannot drift apart.
 
-/// Why a tenant other than upstream's `"default"` is refused, wherever upstream's `tenant_id`
-/// arrives: `lunakv-store --tenant_id`, and the Python `setup(tenant_id=...)` that vLLM calls
-/// when mooncake_config.json names a tenant. lunakv has one key namespace, so accepting the
-/// tenant would silently mix its keys with everyone else's.
-pub const TENANT_REFUSAL: &str = "lunakv has no tenant namespaces yet, so this tenant's keys would mix with every other's; remove tenant_id (from mooncake_config.json or the command line) or set it to \"default\"";
+/// Why `lunakv-store --tenant_id` takes only upstream's `"default"`: a store-client's segment
+/// holds every tenant's objects, and in lunakv each engine names its own tenant (the Python
+/// `setup(tenant_id=...)` that vLLM and SGLang call from their Mooncake config), so a tenant on
+/// the store-client would have nothing to apply to.
+pub const TENANT_REFUSAL: &str = "a lunakv-store segment holds every tenant's objects and each engine names its own tenant, so tenant_id here would be ignored; set tenant_id in the engine's mooncake_config.json (or setup(tenant_id=...)) and remove it from the lunakv-store command line";
 
 /// The master's cross-instance rule for a flagged namespace (vLLM instances that never share a
 /// block): its metric help text, `lunakv doctor`'s line, and the tests of both.

@@ -24,10 +24,16 @@ pub enum ErrorCode {
     TransferFail = -800,
     RpcFail = -900,
     UnavailableInCurrentStatus = -1010,
+    /// The tenant's puts would pass its quota and none of its own objects can be evicted.
+    TenantQuotaExceeded = -1700,
+    /// Multi-tenant mode and the tenant policy does not name the tenant.
+    TenantNotRegistered = -1701,
+    /// A tenant's policy cannot go while it still holds objects.
+    TenantNotEmpty = -1702,
 }
 
 impl ErrorCode {
-    const ALL: [ErrorCode; 18] = [
+    const ALL: [ErrorCode; 21] = [
         ErrorCode::Ok,
         ErrorCode::InternalError,
         ErrorCode::BufferOverflow,
@@ -46,6 +52,9 @@ impl ErrorCode {
         ErrorCode::TransferFail,
         ErrorCode::RpcFail,
         ErrorCode::UnavailableInCurrentStatus,
+        ErrorCode::TenantQuotaExceeded,
+        ErrorCode::TenantNotRegistered,
+        ErrorCode::TenantNotEmpty,
     ];
 
     pub fn as_i32(self) -> i32 {
@@ -82,6 +91,9 @@ impl ErrorCode {
             ErrorCode::TransferFail => "TRANSFER_FAIL",
             ErrorCode::RpcFail => "RPC_FAIL",
             ErrorCode::UnavailableInCurrentStatus => "UNAVAILABLE_IN_CURRENT_STATUS",
+            ErrorCode::TenantQuotaExceeded => "TENANT_QUOTA_EXCEEDED",
+            ErrorCode::TenantNotRegistered => "TENANT_NOT_REGISTERED",
+            ErrorCode::TenantNotEmpty => "TENANT_NOT_EMPTY",
         }
     }
 }
@@ -107,6 +119,8 @@ mod tests {
         assert_eq!(ErrorCode::ObjectHasLease.as_i32(), -706);
         assert_eq!(ErrorCode::TransferFail.as_i32(), -800);
         assert_eq!(ErrorCode::RpcFail.as_i32(), -900);
+        assert_eq!(ErrorCode::TenantQuotaExceeded.as_i32(), -1700);
+        assert_eq!(ErrorCode::TenantNotEmpty.as_i32(), -1702);
         assert_eq!(ErrorCode::from_i32(-123_456), ErrorCode::InternalError);
     }
 }

@@ -17,7 +17,10 @@ pub mod status;
 pub mod views;
 
 pub use codes::ErrorCode;
-pub use keys::{KeyError, MAX_KEY_LEN, validate_key};
+pub use keys::{
+    DEFAULT_TENANT, KeyError, MAX_KEY_LEN, MAX_TENANT_LEN, scope_key, split_scoped, validate_key,
+    validate_scoped_key, validate_tenant,
+};
 
 /// Generated code for `proto/lunakv/master.proto`.
 pub mod master {

@@ -100,6 +100,24 @@ pub struct ClusterStatus {
     pub kv_events_replay_endpoint: String,
     pub kv_events_topic: String,
     pub kv_events_vllm_endpoint: String,
+    /// Each tenant holding objects or having a quota (docs/TENANTS.md).
+    pub tenants: Vec<TenantStatus>,
+    /// The master runs with `--enable_multi_tenants` (quotas are enforced).
+    pub enable_multi_tenants: bool,
+}
+
+/// One tenant's usage and quota (`GetClusterStatus`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TenantStatus {
+    pub tenant_id: String,
+    pub objects: u64,
+    /// DRAM charged: each memory replica's aligned size, complete or being put.
+    pub dram_bytes: u64,
+    pub disk_objects: u64,
+    /// `None`: no quota.
+    pub quota_bytes: Option<u64>,
+    /// Puts refused for the quota since the master started.
+    pub quota_rejected: u64,
 }
 
 impl From<pb::ClusterStatus> for ClusterStatus {
@@ -135,6 +153,19 @@ impl From<pb::ClusterStatus> for ClusterStatus {
             kv_events_replay_endpoint: s.kv_events_replay_endpoint,
             kv_events_topic: s.kv_events_topic,
             kv_events_vllm_endpoint: s.kv_events_vllm_endpoint,
+            tenants: s
+                .tenants
+                .into_iter()
+                .map(|t| TenantStatus {
+                    tenant_id: t.tenant_id,
+                    objects: t.objects,
+                    dram_bytes: t.dram_bytes,
+                    disk_objects: t.disk_objects,
+                    quota_bytes: (t.quota_bytes > 0).then_some(t.quota_bytes),
+                    quota_rejected: t.quota_rejected,
+                })
+                .collect(),
+            enable_multi_tenants: s.enable_multi_tenants,
         }
     }
 }

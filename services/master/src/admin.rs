@@ -1,6 +1,7 @@
 //! The admin and Prometheus HTTP listener (upstream's port 9003): `/metrics`, `/metrics/summary`,
 //! `/health`, `/get_all_segments`, `/query_key?key=...`, and for HA `/role`, `/leader`,
-//! `/ha_status` (upstream's names); lunakv's `/namespaces` (cross-instance key consistency).
+//! `/ha_status` (upstream's names); lunakv's `/namespaces` (cross-instance key consistency);
+//! upstream's tenant quota API, `/api/v1/tenant_quotas` (GET, PUT, DELETE; docs/TENANTS.md).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,10 +11,12 @@ use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get;
+use lunakv_proto::ErrorCode;
 
 use crate::core::MasterCore;
 use crate::events::publisher::Publisher;
 use crate::ha::{CoreSlot, HaState, Role};
+use crate::tenants::{AdminError, TenantAdmin};
 
 #[derive(Clone)]
 struct AdminState {
@@ -237,4 +240,197 @@ async fn kv_events(State(s): State<AdminState>) -> Json<serde_json::Value> {
         "replay_requests": st.replay_requests.get(),
         "leading": s.ha.as_ref().is_none_or(|h| h.leading_term().is_some()),
     }))
+}
+
+#[derive(Clone)]
+struct TenantState {
+    slot: Arc<CoreSlot>,
+    ha: Option<Arc<HaState>>,
+    tenants: Option<Arc<TenantAdmin>>,
+}
+
+/// Upstream's `/api/v1/tenant_quotas`: list (GET), one tenant (GET `?tenant_id=`), set
+/// (PUT `?tenant_id=` with `{"requested_quota_bytes": N}`), drop (DELETE `?tenant_id=`).
+/// Bodies and statuses are upstream's: `{"success": true, "data": ...}`, or `{"success":
+/// false, "error_code", "error_message"}` with 400/404/409/503.
+pub fn tenant_routes(
+    slot: Arc<CoreSlot>,
+    ha: Option<Arc<HaState>>,
+    tenants: Option<Arc<TenantAdmin>>,
+) -> Router {
+    Router::new()
+        .route(
+            "/api/v1/tenant_quotas",
+            get(tenant_get).put(tenant_put).delete(tenant_delete),
+        )
+        .with_state(TenantState { slot, ha, tenants })
+}
+
+fn tenant_error(status: StatusCode, code: ErrorCode, message: String) -> Response {
+    (
+        status,
+        Json(serde_json::json!({
+            "success": false,
+            "error_code": code.as_i32(),
+            "error_message": message,
+        })),
+    )
+        .into_response()
+}
+
+/// Why the tenant API cannot act; answered as upstream answers.
+enum Refusal {
+    NotLeader,
+    ModeOff,
+    BadTenant(String),
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        match self {
+            Refusal::NotLeader => tenant_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorCode::UnavailableInCurrentStatus,
+                "this master is not the leader: send tenant quota changes to the leader (/leader)"
+                    .into(),
+            ),
+            Refusal::ModeOff => tenant_error(
+                StatusCode::CONFLICT,
+                ErrorCode::UnavailableInCurrentStatus,
+                "UNAVAILABLE_IN_CURRENT_MODE: this master runs without --enable_multi_tenants, \
+                 so tenants have no quotas; start it with --enable_multi_tenants=true and \
+                 --tenant_quota_connector_uri=/path/tenant_quotas.yaml"
+                    .into(),
+            ),
+            Refusal::BadTenant(why) => tenant_error(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidParams,
+                format!("{why}: give ?tenant_id=<tenant>"),
+            ),
+        }
+    }
+}
+
+/// The admin of a leading master in multi-tenant mode.
+fn tenant_admin(s: &TenantState) -> Result<&Arc<TenantAdmin>, Refusal> {
+    if s.ha.as_ref().is_some_and(|h| h.leading_term().is_none()) {
+        return Err(Refusal::NotLeader);
+    }
+    s.tenants.as_ref().ok_or(Refusal::ModeOff)
+}
+
+fn tenant_param(q: &HashMap<String, String>) -> Result<&str, Refusal> {
+    let t = q.get("tenant_id").map(String::as_str).unwrap_or_default();
+    lunakv_proto::validate_tenant(t)
+        .map(|()| t)
+        .map_err(|e| Refusal::BadTenant(e.to_string()))
+}
+
+fn tenant_snapshot(core: &MasterCore, tenant: &str) -> serde_json::Value {
+    let quota = core.tenant_quotas().get(tenant).copied();
+    let charged = core.tenant_usage_of(tenant).dram_bytes;
+    serde_json::json!({
+        "tenant_id": tenant,
+        "requested_quota_bytes": quota.unwrap_or(0),
+        "effective_quota_bytes": quota.unwrap_or(0),
+        "charged_bytes": charged,
+        "admission_closed": quota.is_none(),
+        "over_quota": quota.is_some_and(|q| charged > q),
+        "has_explicit_policy": quota.is_some(),
+    })
+}
+
+fn admin_failure(e: &AdminError) -> Response {
+    let status = match e {
+        AdminError::Invalid(_) => StatusCode::BAD_REQUEST,
+        AdminError::NotRegistered(_) => StatusCode::NOT_FOUND,
+        AdminError::NotEmpty { .. } => StatusCode::CONFLICT,
+        AdminError::Policy(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    tenant_error(status, e.code(), e.to_string())
+}
+
+async fn tenant_get(
+    State(s): State<TenantState>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    if let Err(r) = tenant_admin(&s) {
+        return r.into_response();
+    }
+    let core = s.slot.get();
+    if q.contains_key("tenant_id") {
+        let tenant = match tenant_param(&q) {
+            Ok(t) => t,
+            Err(r) => return r.into_response(),
+        };
+        if !core.tenant_quotas().contains_key(tenant) {
+            return admin_failure(&AdminError::NotRegistered(tenant.to_owned()));
+        }
+        return Json(serde_json::json!({"success": true, "data": tenant_snapshot(&core, tenant)}))
+            .into_response();
+    }
+    let data: Vec<_> = core
+        .tenant_quotas()
+        .keys()
+        .map(|t| tenant_snapshot(&core, t))
+        .collect();
+    Json(serde_json::json!({"success": true, "data": data})).into_response()
+}
+
+async fn tenant_put(
+    State(s): State<TenantState>,
+    Query(q): Query<HashMap<String, String>>,
+    body: axum::body::Bytes,
+) -> Response {
+    let admin = match tenant_admin(&s) {
+        Ok(a) => a.clone(),
+        Err(r) => return r.into_response(),
+    };
+    let tenant = match tenant_param(&q) {
+        Ok(t) => t.to_owned(),
+        Err(r) => return r.into_response(),
+    };
+    #[derive(serde::Deserialize)]
+    struct Body {
+        requested_quota_bytes: u64,
+    }
+    let bytes = match serde_json::from_slice::<Body>(&body) {
+        Ok(b) => b.requested_quota_bytes,
+        Err(e) => {
+            return tenant_error(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidParams,
+                format!("Invalid JSON body: {e}; send {{\"requested_quota_bytes\": <bytes>}}"),
+            );
+        }
+    };
+    if let Err(e) = admin.upsert(&tenant, bytes).await {
+        return admin_failure(&e);
+    }
+    tracing::info!(%tenant, bytes, "tenant quota set");
+    let core = s.slot.get();
+    Json(serde_json::json!({"success": true, "data": tenant_snapshot(&core, &tenant)}))
+        .into_response()
+}
+
+async fn tenant_delete(
+    State(s): State<TenantState>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let admin = match tenant_admin(&s) {
+        Ok(a) => a.clone(),
+        Err(r) => return r.into_response(),
+    };
+    let tenant = match tenant_param(&q) {
+        Ok(t) => t.to_owned(),
+        Err(r) => return r.into_response(),
+    };
+    let core = s.slot.get();
+    let before = tenant_snapshot(&core, &tenant);
+    let u = core.tenant_usage_of(&tenant);
+    if let Err(e) = admin.delete(&tenant, (u.objects, u.dram_bytes)).await {
+        return admin_failure(&e);
+    }
+    tracing::info!(%tenant, "tenant quota removed");
+    Json(serde_json::json!({"success": true, "data": before})).into_response()
 }

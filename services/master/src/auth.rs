@@ -27,8 +27,14 @@ const ADMIN_RPCS: &[&str] = &[
     // One pattern can remove every key, as RemoveAll does.
     "/lunakv.master.v1.Master/RemoveByRegex",
 ];
-/// Admin-port paths that reveal object locations or segment endpoints.
-const GUARDED_HTTP: &[&str] = &["/query_key", "/get_all_segments", "/namespaces"];
+/// Admin-port paths that reveal object locations or segment endpoints, or change the pool's
+/// policy.
+const GUARDED_HTTP: &[&str] = &[
+    "/query_key",
+    "/get_all_segments",
+    "/namespaces",
+    "/api/v1/tenant_quotas",
+];
 
 fn bearer(header: Option<&http::HeaderValue>) -> Option<&[u8]> {
     let v = header?.as_bytes();
@@ -97,8 +103,9 @@ pub fn check_http(
         return Ok(());
     }
     Err(
-        "this listing reveals where objects live: send `Authorization: Bearer <token>` with the \
-         pool's admin token (LUNAKV_ADMIN_TOKEN), or the pool token when no admin token is set\n",
+        "this route reveals where objects live or changes the pool's policy: send \
+         `Authorization: Bearer <token>` with the pool's admin token (LUNAKV_ADMIN_TOKEN), or the \
+         pool token when no admin token is set\n",
     )
 }
 

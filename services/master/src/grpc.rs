@@ -229,8 +229,19 @@ fn key_result(r: Result<(), OpError>) -> pb::KeyResult {
     }
 }
 
+/// A request's `tenant_id` (empty: the default tenant), checked with upstream's rules.
+fn tenant_field(tenant: &str) -> Result<&str, String> {
+    if tenant.is_empty() {
+        return Ok(lunakv_proto::DEFAULT_TENANT);
+    }
+    lunakv_proto::validate_tenant(tenant)
+        .map(|()| tenant)
+        .map_err(|e| e.to_string())
+}
+
 fn check_key(key: &str) -> Result<(), OpError> {
-    lunakv_proto::validate_key(key).map_err(|e| OpError::new(ErrorCode::InvalidKey, e.to_string()))
+    lunakv_proto::validate_scoped_key(key)
+        .map_err(|e| OpError::new(ErrorCode::InvalidKey, e.to_string()))
 }
 
 /// A validated put request item.
@@ -776,14 +787,18 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::RemoveAllRequest>,
     ) -> Result<Response<pb::RemoveAllResponse>, Status> {
         let a = self.admit(Access::Write)?;
-        let removed = a.core.remove_all(request.into_inner().force).await;
+        let req = request.into_inner();
+        let (code, message, removed) = match tenant_field(&req.tenant_id) {
+            Ok(tenant) => (0, String::new(), a.core.remove_all(tenant, req.force).await),
+            Err(message) => (ErrorCode::InvalidParams as i32, message, 0),
+        };
         self.done(
             &a,
             Rpc::RemoveAll,
-            false,
+            code != 0,
             pb::RemoveAllResponse {
-                code: 0,
-                message: String::new(),
+                code,
+                message,
                 removed,
             },
         )
@@ -795,14 +810,15 @@ impl pb::master_server::Master for MasterService {
     ) -> Result<Response<pb::RemoveAllResponse>, Status> {
         let a = self.admit(Access::Write)?;
         let req = request.into_inner();
-        let (code, message, removed) = match key_regex(&req.regex) {
-            Ok(re) => (
-                0,
-                String::new(),
-                a.core.remove_by_regex(&re, req.force).await,
-            ),
-            Err(message) => (ErrorCode::InvalidParams as i32, message, 0),
-        };
+        let (code, message, removed) =
+            match tenant_field(&req.tenant_id).and_then(|t| Ok((t, key_regex(&req.regex)?))) {
+                Ok((tenant, re)) => (
+                    0,
+                    String::new(),
+                    a.core.remove_by_regex(tenant, &re, req.force).await,
+                ),
+                Err(message) => (ErrorCode::InvalidParams as i32, message, 0),
+            };
         self.done(
             &a,
             Rpc::RemoveByRegex,
@@ -863,6 +879,8 @@ impl pb::master_server::Master for MasterService {
                 .events()
                 .and_then(|e| e.vllm_endpoint.clone())
                 .unwrap_or_default(),
+            tenants: tenant_statuses(core),
+            enable_multi_tenants: core.config().multi_tenants,
         }))
     }
 
@@ -939,4 +957,29 @@ fn namespace_report(r: &crate::namespaces::NamespaceReport) -> pb::NamespaceStat
             })
             .collect(),
     }
+}
+
+/// Tenants shown in a status answer at most (those with a quota first, then by DRAM held): the
+/// answer stays far below gRPC's message limit however many tenant names peers make up.
+const MAX_STATUS_TENANTS: usize = 1024;
+
+fn tenant_statuses(core: &crate::core::MasterCore) -> Vec<pb::TenantStatus> {
+    let quotas = core.tenant_quotas();
+    let rejected = core.tenant_quota_rejected();
+    let mut rows: Vec<pb::TenantStatus> = core
+        .tenant_usage()
+        .into_iter()
+        .map(|(t, u)| pb::TenantStatus {
+            quota_bytes: quotas.get(&t).copied().unwrap_or(0),
+            quota_rejected: rejected.get(&t).copied().unwrap_or(0),
+            tenant_id: t,
+            objects: u.objects,
+            dram_bytes: u.dram_bytes,
+            disk_objects: u.disk_objects,
+        })
+        .collect();
+    rows.sort_by_key(|r| (r.quota_bytes == 0, std::cmp::Reverse(r.dram_bytes)));
+    rows.truncate(MAX_STATUS_TENANTS);
+    rows.sort_by(|a, b| a.tenant_id.cmp(&b.tenant_id));
+    rows
 }

@@ -17,6 +17,7 @@
 //!   [`lunakv_meta::MetaStore`]; the object index is rebuilt from owners' inventories.
 //! - [`server`]: wiring, listeners, background tasks, graceful drain.
 //! - [`ha`]: `--enable_ha`: leader election on etcd, the lease-based write fence, redirects.
+//! - [`tenants`]: the tenant quota policy file (`--enable_multi_tenants`) and its admin API.
 //!
 //! # Starting one in a test
 //! ```no_run
@@ -50,6 +51,7 @@ mod quick;
 pub mod recovery;
 pub mod server;
 pub mod standby;
+pub mod tenants;
 
 pub use lunakv_config::master::{MasterConfig, MasterConfigSources};
 pub use server::{Listeners, Master, RunningMaster, ServeError, serve, start, start_master};

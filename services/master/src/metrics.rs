@@ -1,7 +1,7 @@
 //! The master's Prometheus metrics, under Mooncake's names, in a registry owned by one master
 //! (not global), so several masters can run in one test process.
 
-use prometheus::{IntCounter, IntGauge, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 /// The RPCs counted as `master_<rpc>_requests_total` / `master_<rpc>_failures_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,9 +72,20 @@ impl Rpc {
     }
 }
 
+/// Tenants given their own series in the per-tenant gauges; the rest are summed under
+/// `tenant_id="_other"` (`_` starts no tenant name), so made-up tenant names cannot grow a
+/// scrape without bound.
+pub const MAX_TENANT_SERIES: usize = 256;
+
 /// Every metric the master exports.
 pub struct Metrics {
     pub registry: Registry,
+    /// Upstream's `mooncake_tenant_quota_reject_total{tenant_id, reason}`.
+    pub tenant_quota_reject: IntCounterVec,
+    /// Per tenant: objects, DRAM bytes charged, quota (docs/TENANTS.md).
+    pub tenant_objects: IntGaugeVec,
+    pub tenant_dram_bytes: IntGaugeVec,
+    pub tenant_quota_bytes: IntGaugeVec,
     pub allocated_bytes: IntGauge,
     pub total_capacity_bytes: IntGauge,
     pub key_count: IntGauge,
@@ -186,7 +197,37 @@ impl Metrics {
         .expect("static metric definition");
         r.register(Box::new(durations.clone()))
             .expect("metric names are unique within a fresh registry");
+        let tenant_gauge = |name: &str, help: &str| {
+            let g = IntGaugeVec::new(Opts::new(name, help), &["tenant_id"])
+                .expect("static metric definition");
+            r.register(Box::new(g.clone()))
+                .expect("metric names are unique within a fresh registry");
+            g
+        };
+        let tenant_objects = tenant_gauge("lunakv_tenant_objects", "Objects each tenant holds");
+        let tenant_dram_bytes = tenant_gauge(
+            "lunakv_tenant_dram_bytes",
+            "DRAM charged to each tenant (memory replicas, complete or being put)",
+        );
+        let tenant_quota_bytes = tenant_gauge(
+            "lunakv_tenant_quota_bytes",
+            "Each tenant's DRAM quota (tenants with a policy)",
+        );
+        let tenant_quota_reject = IntCounterVec::new(
+            Opts::new(
+                "mooncake_tenant_quota_reject_total",
+                "Total number of tenant quota admission rejects",
+            ),
+            &["tenant_id", "reason"],
+        )
+        .expect("static metric definition");
+        r.register(Box::new(tenant_quota_reject.clone()))
+            .expect("metric names are unique within a fresh registry");
         Metrics {
+            tenant_quota_reject,
+            tenant_objects,
+            tenant_dram_bytes,
+            tenant_quota_bytes,
             allocated_bytes: gauge(&r, "master_allocated_bytes", "Bytes allocated in segments"),
             total_capacity_bytes: gauge(
                 &r,
@@ -302,6 +343,21 @@ impl Metrics {
     }
 
     /// Counts one call of `rpc`, failed or not.
+    /// Counts a put refused for its tenant's quota.
+    pub fn tenant_quota_rejected(&self, tenant: &str) {
+        self.tenant_quota_reject
+            .with_label_values(&[tenant, "quota_exceeded"])
+            .inc();
+    }
+
+    /// Counts a put refused because multi-tenant mode does not know its tenant (one series for
+    /// all of them: the names come from peers).
+    pub fn tenant_not_registered(&self) {
+        self.tenant_quota_reject
+            .with_label_values(&["_unregistered", "not_registered"])
+            .inc();
+    }
+
     /// Counts `n` evicted keys under both names.
     pub fn evicted(&self, n: u64) {
         self.evicted_key_count.inc_by(n);

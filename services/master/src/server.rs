@@ -25,6 +25,7 @@ use crate::ha::{CoreSlot, Election, HaState};
 use crate::notifier::{OwnerClient, TransferOwnerClient};
 use crate::persist::{self, PersistError};
 use crate::recovery::{RECOVERY_GRACE, RecoveryGate};
+use crate::tenants::{PolicyFile, TenantAdmin};
 use std::collections::BTreeSet;
 
 /// File name of the embedded metadata store inside `data_dir`.
@@ -55,6 +56,8 @@ pub enum ServeError {
     Config(String),
     #[error(transparent)]
     Events(#[from] EventsError),
+    #[error(transparent)]
+    Tenants(#[from] crate::tenants::PolicyError),
     #[error(
         "cannot reach etcd at {endpoints}: {message}; check --etcd_endpoints (\";\"-separated \
          host:port of etcd's client URLs) and that etcd is running"
@@ -116,6 +119,28 @@ pub struct Master {
     known: BTreeSet<String>,
     /// The KV event publisher (`enable_kv_event_publish`); one per process, fed by each core.
     events: Option<Arc<Publisher>>,
+    /// The tenant quota policy (`enable_multi_tenants`), shared by every core's config.
+    tenants: Option<Arc<TenantAdmin>>,
+}
+
+/// Loads the tenant quota policy into `core_cfg` when multi-tenant mode is on.
+fn load_tenants(
+    cfg: &MasterConfig,
+    core_cfg: &CoreConfig,
+) -> Result<Option<Arc<TenantAdmin>>, ServeError> {
+    if !cfg.enable_multi_tenants {
+        return Ok(None);
+    }
+    let admin = TenantAdmin::load(
+        PolicyFile::new(cfg.tenant_quota_connector_uri.trim()),
+        core_cfg.quotas.clone(),
+    )?;
+    tracing::info!(
+        policy = %admin.file().path().display(),
+        tenants = core_cfg.quotas.read().len(),
+        "multi-tenant mode: puts are admitted against each tenant's quota"
+    );
+    Ok(Some(Arc::new(admin)))
 }
 
 /// Starts the KV event publisher when the config asks for it.
@@ -190,6 +215,7 @@ impl Master {
             "master state opened; owners remount with their inventories on their next ping"
         );
         let events = start_events(&cfg)?;
+        let tenants = load_tenants(&cfg, &core_cfg)?;
         let core = Arc::new(
             MasterCore::new(core_cfg, epoch, notifier)
                 .with_events(events.as_ref().map(|p| p.sink())),
@@ -208,6 +234,7 @@ impl Master {
             recovery,
             known,
             events,
+            tenants,
         })
     }
 
@@ -254,6 +281,7 @@ impl Master {
             prefix.clone(),
         ));
         let core_cfg = CoreConfig::from_master(&cfg);
+        let tenants = load_tenants(&cfg, &core_cfg)?;
         // A placeholder core: followers never serve from it; each won term gets a fresh one.
         let core = Arc::new(MasterCore::new(core_cfg.clone(), 0, notifier.clone()));
         // Every master binds its sockets; only a leader's core feeds them (each won term
@@ -276,6 +304,7 @@ impl Master {
                 events: events.as_ref().map(|p| p.sink()),
             }),
             events,
+            tenants,
             cfg,
         })
     }
@@ -374,6 +403,11 @@ impl Master {
             axum::serve(
                 listeners.admin,
                 crate::admin::router_full(self.slot.clone(), ha_state.clone(), self.events.clone())
+                    .merge(crate::admin::tenant_routes(
+                        self.slot.clone(),
+                        ha_state.clone(),
+                        self.tenants.clone(),
+                    ))
                     .layer(axum::middleware::from_fn(move |req, next| {
                         crate::auth::admin_http(tokens.clone(), req, next)
                     })),

@@ -283,6 +283,7 @@ async fn grpc_round_trip_codes_and_admin_routes() {
         .remove_all(pb::RemoveAllRequest {
             client_id: "client-1".into(),
             force: true,
+            ..Default::default()
         })
         .await
         .expect("remove all")

@@ -14,7 +14,7 @@ impl StoreClient {
 
     pub fn batch_remove(&self, keys: &[&str], force: bool) -> Vec<Result<()>> {
         for k in keys {
-            self.cache.invalidate(k, None);
+            self.cache.invalidate(&self.scoped(k), None);
         }
         self.per_key(
             keys,
@@ -69,13 +69,15 @@ impl StoreClient {
             .collect()
     }
 
-    /// Removes every object (leased ones too when `force`); returns how many were removed.
+    /// Removes every object of this client's tenant (leased ones too when `force`); returns
+    /// how many were removed. Other tenants' objects stay.
     pub fn remove_all(&self, force: bool) -> Result<u64> {
         self.check_open()?;
         self.cache.clear();
         let req = pb::RemoveAllRequest {
             client_id: self.client_id.clone(),
             force,
+            tenant_id: self.opts.tenant_id.clone(),
         };
         let r = self.rpc(|mut m| {
             let req = req.clone();
@@ -87,9 +89,9 @@ impl StoreClient {
         Ok(r.removed)
     }
 
-    /// Upstream's RemoveByRegex: removes every object whose key matches `regex` (Rust regex
-    /// syntax), leased and in-progress ones too when `force`; returns how many. Needs the
-    /// admin token where the master has one, as RemoveAll does.
+    /// Upstream's RemoveByRegex: removes every object of this client's tenant whose key
+    /// matches `regex` (Rust regex syntax), leased and in-progress ones too when `force`;
+    /// returns how many. Needs the admin token where the master has one, as RemoveAll does.
     pub fn remove_by_regex(&self, regex: &str, force: bool) -> Result<u64> {
         self.check_open()?;
         self.cache.clear();
@@ -97,6 +99,7 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             regex: regex.to_owned(),
             force,
+            tenant_id: self.opts.tenant_id.clone(),
         };
         let r = self.rpc(|mut m| {
             let req = req.clone();
@@ -191,7 +194,8 @@ impl StoreClient {
     /// probe of `lunakv doctor`). Returns once the owner made the bytes durable.
     pub fn offload_key(&self, key: &str) -> Result<()> {
         self.check_open()?;
-        validate_key(key)?;
+        let key = &*self.scoped(key);
+        self.check_key(key)?;
         let req = pb::OffloadKeyRequest {
             client_id: self.client_id.clone(),
             key: key.to_owned(),

@@ -12,7 +12,8 @@ impl StoreClient {
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let _span = op_span("get", 1).entered();
         self.check_open()?;
-        validate_key(key)?;
+        let key = &*self.scoped(key);
+        self.check_key(key)?;
         for attempt in 0..READ_ATTEMPTS {
             let loc = self.resolve(key, attempt > 0)?;
             let mut buf = vec![0u8; loc.size as usize];
@@ -37,7 +38,13 @@ impl StoreClient {
     pub fn get_into_parts(&self, key: &str, dst: &mut [&mut [u8]]) -> Result<u64> {
         let _span = op_span("get", 1).entered();
         self.check_open()?;
-        validate_key(key)?;
+        let key = &*self.scoped(key);
+        self.check_key(key)?;
+        self.read_into_parts(key, dst)
+    }
+
+    /// [`Self::get_into_parts`] of a key already scoped and checked.
+    fn read_into_parts(&self, key: &str, dst: &mut [&mut [u8]]) -> Result<u64> {
         for attempt in 0..READ_ATTEMPTS {
             let loc = self.resolve(key, attempt > 0)?;
             let have: u64 = dst.iter().map(|d| d.len() as u64).sum();
@@ -65,10 +72,13 @@ impl StoreClient {
         if self.check_open().is_err() {
             return keys.iter().map(|_| Err(ClientError::Closed)).collect();
         }
+        let scoped: Vec<Cow<'_, str>> = keys.iter().map(|k| self.scoped(k)).collect();
+        let keys: Vec<&str> = scoped.iter().map(|k| k.as_ref()).collect();
+        let keys = &keys[..];
         let mut locs: Vec<Option<Arc<Location>>> = vec![None; keys.len()];
         let mut misses = Vec::new();
         for (i, key) in keys.iter().enumerate() {
-            if let Err(e) = validate_key(key) {
+            if let Err(e) = self.check_key(key) {
                 results[i] = Some(Err(e.into()));
                 continue;
             }
@@ -129,7 +139,7 @@ impl StoreClient {
             }
         }
         for i in retry {
-            results[i] = Some(self.get_into_parts(keys[i], &mut dsts[i]));
+            results[i] = Some(self.read_into_parts(keys[i], &mut dsts[i]));
         }
         results
             .into_iter()
@@ -331,10 +341,12 @@ impl StoreClient {
         if self.check_open().is_err() {
             return keys.iter().map(|_| Err(ClientError::Closed)).collect();
         }
+        let scoped: Vec<Cow<'_, str>> = keys.iter().map(|k| self.scoped(k)).collect();
+        let keys: Vec<&str> = scoped.iter().map(|k| k.as_ref()).collect();
         let mut out: Vec<Option<Result<T>>> = (0..keys.len()).map(|_| None).collect();
         let mut ask = Vec::new();
         for (i, k) in keys.iter().enumerate() {
-            match validate_key(k) {
+            match self.check_key(k) {
                 Ok(()) => ask.push(i),
                 Err(e) => out[i] = Some(Err(e.into())),
             }
@@ -383,7 +395,8 @@ impl StoreClient {
     /// The object's size in bytes (asks the master: sizes are cheap and must not be stale).
     pub fn get_size(&self, key: &str) -> Result<u64> {
         self.check_open()?;
-        validate_key(key)?;
+        let key = &*self.scoped(key);
+        self.check_key(key)?;
         let req = pb::ExistKeyRequest {
             client_id: self.client_id.clone(),
             key: key.to_owned(),

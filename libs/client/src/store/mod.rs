@@ -8,11 +8,12 @@ use std::time::Duration;
 
 use lunakv_proto::master as pb;
 use lunakv_proto::quick::Method;
-use lunakv_proto::{ErrorCode, validate_key};
+use lunakv_proto::{ErrorCode, KeyError, validate_key};
 use lunakv_transfer::{
     ProtocolChoice, TransferEngine, TransferError, TransferOptions, TransferRequest, WireProtocol,
 };
 use parking_lot::Mutex;
+use std::borrow::Cow;
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
 
@@ -244,6 +245,35 @@ impl StoreClient {
     /// The transfer engine this client moves bytes with.
     pub fn engine(&self) -> &Arc<TransferEngine> {
         &self.engine
+    }
+
+    /// The key this client sends for `key`: scoped by its tenant (`<tenant>\0<key>`), or `key`
+    /// itself for the default tenant (lunakv_proto's key rules).
+    pub(super) fn scoped<'a>(&self, key: &'a str) -> Cow<'a, str> {
+        if self.opts.tenant_id == lunakv_proto::DEFAULT_TENANT {
+            Cow::Borrowed(key)
+        } else {
+            Cow::Owned(lunakv_proto::scope_key(&self.opts.tenant_id, key))
+        }
+    }
+
+    /// Checks a key this client scoped: the caller's own key must follow the key rules (a NUL
+    /// in it can never pass as a tenant separator).
+    pub(super) fn check_key(&self, scoped: &str) -> std::result::Result<(), KeyError> {
+        let user = if self.opts.tenant_id == lunakv_proto::DEFAULT_TENANT {
+            scoped
+        } else {
+            scoped
+                .strip_prefix(self.opts.tenant_id.as_str())
+                .and_then(|k| k.strip_prefix('\0'))
+                .unwrap_or(scoped)
+        };
+        validate_key(user)
+    }
+
+    /// The tenant this client's keys belong to.
+    pub fn tenant_id(&self) -> &str {
+        &self.opts.tenant_id
     }
 
     pub fn client_id(&self) -> &str {

@@ -27,11 +27,17 @@ impl StoreClient {
         if self.check_open().is_err() {
             return items.iter().map(|_| Err(ClientError::Closed)).collect();
         }
+        let scoped: Vec<Cow<'_, str>> = items.iter().map(|(k, _)| self.scoped(k)).collect();
+        let items: Vec<(&str, Vec<&[u8]>)> = scoped
+            .iter()
+            .zip(items)
+            .map(|(k, (_, parts))| (k.as_ref(), parts.clone()))
+            .collect();
         let mut started = Vec::new();
         let mut pb_items = Vec::new();
         for (i, (key, parts)) in items.iter().enumerate() {
             let size: u64 = parts.iter().map(|p| p.len() as u64).sum();
-            if let Err(e) = validate_key(key) {
+            if let Err(e) = self.check_key(key) {
                 results[i] = Some(Err(e.into()));
             } else if size == 0 {
                 results[i] = Some(Err(ClientError::InvalidParams(format!(
@@ -64,7 +70,7 @@ impl StoreClient {
                         }));
                     }
                 }
-                Ok(resp) => self.finish_puts(items, &started, resp.results, &mut results),
+                Ok(resp) => self.finish_puts(&items, &started, resp.results, &mut results),
             }
         }
         results

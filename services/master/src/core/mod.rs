@@ -19,26 +19,29 @@ use crate::metrics::Metrics;
 use crate::namespaces::NamespaceTracker;
 use crate::notifier::OwnerClient;
 
+mod index;
 mod intern;
 mod objects;
+mod quota;
 mod segments;
 mod tiering;
 mod types;
 mod views;
 mod warm;
 
-use types::{ClientEntry, Object, Quarantined, ReplicaLoc, Segment};
+use types::{ClientEntry, Quarantined, ReplicaLoc, Segment};
 pub use types::{
     CoreConfig, CoreError, InventoryItem, Location, MountOutcome, ObjectInfo, ObjectState, OpError,
     PendingFree, PendingOffload, PendingPromotion, PutOptions, ReplicaInfo, ReplicaView,
-    SegmentDesc, SegmentInfo,
+    SegmentDesc, SegmentInfo, TenantQuotas,
 };
 pub use warm::{IndexChange, IndexEntry, IndexSnapshot, WarmReplicaLoc};
 
-/// One shard of the object index. Keys and objects are boxed: the table then holds 24 bytes
-/// per slot instead of a whole [`Object`], and a table that has just doubled (half its slots
-/// empty) wastes little (docs/BENCH.md, "Metadata").
-type Index = HashMap<Box<str>, Box<Object>>;
+// One shard of the object index ([`index::Index`]). Keys and objects are boxed: the table then
+// holds 24 bytes per slot instead of a whole [`Object`], and a table that has just doubled
+// (half its slots empty) wastes little (docs/BENCH.md, "Metadata").
+use index::Index;
+pub use index::TenantUsage;
 
 /// Number of object-index shards.
 pub const SHARDS: usize = 64;
@@ -78,6 +81,12 @@ pub struct MasterCore {
     pub metrics: Metrics,
     /// Per key namespace: keys put per client and how many another client held (a leaf lock).
     pub namespaces: NamespaceTracker,
+    /// Bytes of puts admitted against their tenant's quota and not yet in the index (a lock
+    /// taken before the shards, see [`quota`]).
+    quota_pending: Mutex<HashMap<String, u64>>,
+    /// Puts refused for their tenant's quota, by tenant (a leaf lock; only tenants with a
+    /// quota appear, so the policy bounds it).
+    quota_rejected: Mutex<HashMap<String, u64>>,
     /// KV events (docs/EVENTS.md): where the index's changes go, when publishing is on.
     events: Option<EventSink>,
     /// HA: every change of the index, for the standbys' warm copies ([`warm`]); nothing is
@@ -104,7 +113,7 @@ impl MasterCore {
             epoch,
             counter: AtomicU64::new(1),
             next_mount_id: AtomicU64::new(1),
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(Index::default())).collect(),
             hasher: std::collections::hash_map::RandomState::new(),
             segments: Mutex::new(HashMap::new()),
             clients: Mutex::new(HashMap::new()),
@@ -120,6 +129,8 @@ impl MasterCore {
             notifier,
             metrics: Metrics::new(),
             namespaces: NamespaceTracker::new(cfg_min_keys),
+            quota_pending: Mutex::new(HashMap::new()),
+            quota_rejected: Mutex::new(HashMap::new()),
             events: None,
             feed: tokio::sync::broadcast::channel(warm::FEED_CAPACITY).0,
             warm_start: std::sync::atomic::AtomicBool::new(false),
@@ -160,9 +171,17 @@ impl MasterCore {
             .collect()
     }
 
+    /// Where `key`'s events go: the streams speak for the default tenant's keys only (an
+    /// engine subscribing to them knows its keys unscoped; docs/TENANTS.md).
+    fn events_for(&self, key: &str) -> Option<&EventSink> {
+        self.events
+            .as_ref()
+            .filter(|_| index::tenant_of(key) == lunakv_proto::DEFAULT_TENANT)
+    }
+
     fn emit_stored(&self, key: &str, (generation, size): (u64, u64), replicas: &[ReplicaLoc]) {
         self.replicate(key, generation, size, replicas);
-        if let Some(sink) = &self.events {
+        if let Some(sink) = self.events_for(key) {
             sink.emit(PoolEvent::Stored {
                 key: key.to_string(),
                 replicas: self.replica_refs(replicas),
@@ -180,7 +199,7 @@ impl MasterCore {
         replicas: &[ReplicaLoc],
     ) {
         self.replicate(key, generation, size, replicas);
-        if let Some(sink) = &self.events {
+        if let Some(sink) = self.events_for(key) {
             sink.emit(PoolEvent::Updated {
                 key: key.to_string(),
                 before,
@@ -236,3 +255,5 @@ where
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_tenants;

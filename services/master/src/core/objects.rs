@@ -13,6 +13,7 @@ use crate::alloc::align_up;
 use crate::events::PoolEvent;
 use crate::notifier::FreeEntry;
 
+use super::index::tenant_of;
 use super::types::{
     Location, Object, ObjectState, OpError, PendingFree, PendingPromotion, PutOptions, ReplicaLoc,
     ReplicaView,
@@ -30,6 +31,8 @@ impl MasterCore {
         opts: &PutOptions,
     ) -> Result<(u64, Vec<ReplicaView>), OpError> {
         self.admit_put(client_id, size, opts).await?;
+        // Held until the object is in the index, which then charges its tenant.
+        let _quota = self.admit_tenant(key, size, opts).await?;
         match self.try_place(client_id, key, size, opts) {
             Err(e) if e.code == ErrorCode::NoAvailableHandle => {}
             other => return other,
@@ -251,12 +254,12 @@ impl MasterCore {
     /// Publishes a put: from now on gets and exists see it.
     pub fn put_end(&self, key: &str) -> Result<(), OpError> {
         let mut shard = self.shard(key).lock();
-        let o = shard
+        let mut o = shard
             .get_mut(key)
             .ok_or_else(|| not_found(key, "no put in progress"))?;
         let first = o.state == ObjectState::Processing;
         if first {
-            self.unreserve(o);
+            self.unreserve(&o);
         }
         o.state = ObjectState::Complete;
         o.last_access = Instant::now();
@@ -321,7 +324,7 @@ impl MasterCore {
     pub fn get_replica_list_for(&self, client_id: &str, key: &str) -> Result<Location, OpError> {
         let now = Instant::now();
         let mut shard = self.shard(key).lock();
-        let o = shard
+        let mut o = shard
             .get_mut(key)
             .ok_or_else(|| not_found(key, "not found"))?;
         if o.state != ObjectState::Complete {
@@ -433,21 +436,28 @@ impl MasterCore {
         Ok(())
     }
 
-    /// Removes every complete, unleased object (with `force`: every object). Returns how many.
-    pub async fn remove_all(&self, force: bool) -> u64 {
-        let (removed, frees) = self.remove_matching(force, false, |_| true);
-        if let Some(sink) = &self.events {
+    /// Removes every complete, unleased object of `tenant` (with `force`: every one of its
+    /// objects); other tenants' objects stay. Returns how many.
+    pub async fn remove_all(&self, tenant: &str, force: bool) -> u64 {
+        let default = tenant == lunakv_proto::DEFAULT_TENANT;
+        // The event streams speak for the default tenant's keys only (docs/TENANTS.md): its
+        // RemoveAll is one "all cleared" event, another tenant's is nothing to them.
+        let (removed, frees) = self.remove_matching(force, !default, |k| tenant_of(k) == tenant);
+        if default && let Some(sink) = &self.events {
             sink.emit(PoolEvent::RemovedAll);
         }
         self.release(frees).await;
         removed
     }
 
-    /// Upstream's RemoveByRegex: removes every object whose key `re` matches, complete and
-    /// unleased ones only unless `force`, as [`MasterCore::remove`] would one by one. Returns
-    /// how many.
-    pub async fn remove_by_regex(&self, re: &regex::Regex, force: bool) -> u64 {
-        let (removed, frees) = self.remove_matching(force, true, |k| re.is_match(k));
+    /// Upstream's RemoveByRegex: removes every object of `tenant` whose key (without the
+    /// tenant) `re` matches, complete and unleased ones only unless `force`, as
+    /// [`MasterCore::remove`] would one by one. Returns how many.
+    pub async fn remove_by_regex(&self, tenant: &str, re: &regex::Regex, force: bool) -> u64 {
+        let (removed, frees) = self.remove_matching(force, true, |k| {
+            let (t, user) = lunakv_proto::split_scoped(k);
+            t == tenant && re.is_match(user)
+        });
         self.release(frees).await;
         removed
     }

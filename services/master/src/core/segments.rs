@@ -197,7 +197,7 @@ impl MasterCore {
         mount_id: u64,
         item: &InventoryItem,
     ) -> Result<Vec<PendingFree>, InventoryReject> {
-        lunakv_proto::validate_key(&item.key)?;
+        lunakv_proto::validate_scoped_key(&item.key)?;
         if item.size == 0 {
             return Err(InventoryReject::SizeZero);
         }
@@ -251,46 +251,47 @@ impl MasterCore {
             },
             disk: item.disk,
         };
-        match shard.get_mut(item.key.as_str()) {
-            Some(existing) if existing.generation == item.generation => {
-                let before = tiers_of(&existing.replicas);
-                existing.replicas.push(loc);
-                self.emit_updated(
-                    &item.key,
-                    (existing.generation, existing.size),
-                    before,
-                    &existing.replicas,
-                );
-            }
-            Some(existing) => {
-                // An older copy: the inventory's is newer, so it wins.
-                displaced = self.pending_frees(existing);
-                **existing = Object::complete(
+        if shard.get(item.key.as_str()).is_none() {
+            self.emit_stored(
+                &item.key,
+                (item.generation, item.size),
+                std::slice::from_ref(&loc),
+            );
+            shard.insert(
+                item.key.as_str().into(),
+                Box::new(Object::complete(
                     item.generation,
                     item.size,
                     vec![loc],
                     self.names.get(client_id),
                     now,
-                );
-                self.emit_stored(&item.key, (item.generation, item.size), &existing.replicas);
-            }
-            None => {
-                self.emit_stored(
-                    &item.key,
-                    (item.generation, item.size),
-                    std::slice::from_ref(&loc),
-                );
-                shard.insert(
-                    item.key.as_str().into(),
-                    Box::new(Object::complete(
-                        item.generation,
-                        item.size,
-                        vec![loc],
-                        self.names.get(client_id),
-                        now,
-                    )),
-                );
-            }
+                )),
+            );
+            return Ok(displaced);
+        }
+        let Some(mut existing) = shard.get_mut(item.key.as_str()) else {
+            return Ok(displaced);
+        };
+        if existing.generation == item.generation {
+            let before = tiers_of(&existing.replicas);
+            existing.replicas.push(loc);
+            self.emit_updated(
+                &item.key,
+                (existing.generation, existing.size),
+                before,
+                &existing.replicas,
+            );
+        } else {
+            // An older copy: the inventory's is newer, so it wins.
+            displaced = self.pending_frees(&existing);
+            *existing = Object::complete(
+                item.generation,
+                item.size,
+                vec![loc],
+                self.names.get(client_id),
+                now,
+            );
+            self.emit_stored(&item.key, (item.generation, item.size), &existing.replicas);
         }
         Ok(displaced)
     }
@@ -388,7 +389,7 @@ impl MasterCore {
             }
         };
         for key in touched_keys {
-            if let Some(o) = self.shard(key).lock().get_mut(key.as_str()) {
+            if let Some(mut o) = self.shard(key).lock().get_mut(key.as_str()) {
                 o.last_access = now;
             }
         }

@@ -744,8 +744,12 @@ async fn remove_all_skips_leased_unless_forced() {
     }
     core.put_start("cl", "p", 10, &opts(1)).await.expect("put");
     core.get_replica_list("a").expect("lease");
-    assert_eq!(core.remove_all(false).await, 2);
-    assert_eq!(core.remove_all(true).await, 2, "leased a and in-progress p");
+    assert_eq!(core.remove_all("default", false).await, 2);
+    assert_eq!(
+        core.remove_all("default", true).await,
+        2,
+        "leased a and in-progress p"
+    );
     assert_eq!(core.key_count(), 0);
     assert_eq!(core.allocated_bytes(), 0);
 }
@@ -762,10 +766,14 @@ async fn remove_by_regex_removes_only_matching_keys_and_skips_leased_unless_forc
         .expect("put");
     core.get_replica_list("m1@a").expect("lease");
     let m1 = regex::Regex::new("^m1@").unwrap();
-    assert_eq!(core.remove_by_regex(&m1, false).await, 2, "m1@b and m1@c");
+    assert_eq!(
+        core.remove_by_regex("default", &m1, false).await,
+        2,
+        "m1@b and m1@c"
+    );
     assert!(core.get_replica_list("m2@a").is_ok(), "m2@a does not match");
     assert_eq!(
-        core.remove_by_regex(&m1, true).await,
+        core.remove_by_regex("default", &m1, true).await,
         2,
         "leased m1@a and in-progress m1@p"
     );

@@ -41,16 +41,23 @@ impl MasterCore {
     /// DRAM range is freed, and it stays indexed with a LOCAL_DISK replica. An object that already
     /// has a disk copy just loses its DRAM replicas. Returns keys evicted from DRAM.
     pub async fn evict(&self, min_bytes: u64) -> u64 {
-        let _guard = self.eviction_lock.lock().await;
-        let now = Instant::now();
         let target =
             ((self.total_capacity() as f64 * self.cfg.eviction_ratio) as u64).max(min_bytes);
+        self.evict_matching(target, |_| true).await
+    }
+
+    /// Evicts at least `target` bytes of DRAM, as [`Self::evict`] does, from the objects whose
+    /// key `pick` selects (a tenant's, when its quota is full).
+    pub(super) async fn evict_matching(&self, target: u64, pick: impl Fn(&str) -> bool) -> u64 {
+        let _guard = self.eviction_lock.lock().await;
+        let now = Instant::now();
         // (soft pinned, last access, key, generation, DRAM bytes)
         let mut candidates: Vec<(bool, Instant, String, u64, u64)> = Vec::new();
         for shard in &self.shards {
             for (k, o) in shard.lock().iter() {
                 let in_dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
                 if in_dram > 0
+                    && pick(k)
                     && o.state == ObjectState::Complete
                     && !o.leased(now)
                     && !o.hard_pinned
@@ -77,7 +84,7 @@ impl MasterCore {
             }
             let mut shard = self.shard(&key).lock();
             // Re-check: a reader may have leased it since the scan.
-            let Some(o) = shard.get_mut(key.as_str()).filter(|o| {
+            let Some(mut o) = shard.get_mut(key.as_str()).filter(|o| {
                 o.generation == generation
                     && o.state == ObjectState::Complete
                     && !o.leased(Instant::now())
@@ -135,11 +142,14 @@ impl MasterCore {
                 self.emit_updated(&key, (o.generation, o.size), before, &o.replicas);
                 freed += bytes;
                 evicted += 1;
-            } else if let Some(o) = shard.remove(key.as_str()) {
-                self.emit_updated(&key, (o.generation, o.size), before, &[]);
-                frees.extend(self.pending_frees(&o));
-                freed += bytes;
-                evicted += 1;
+            } else {
+                drop(o);
+                if let Some(o) = shard.remove(key.as_str()) {
+                    self.emit_updated(&key, (o.generation, o.size), before, &[]);
+                    frees.extend(self.pending_frees(&o));
+                    freed += bytes;
+                    evicted += 1;
+                }
             }
         }
         if evicted > 0 {
@@ -171,7 +181,7 @@ impl MasterCore {
         }
         let item = {
             let mut shard = self.shard(key).lock();
-            let o = shard
+            let mut o = shard
                 .get_mut(key)
                 .ok_or_else(|| not_found(key, "not found"))?;
             if o.state != ObjectState::Complete {
@@ -289,18 +299,21 @@ impl MasterCore {
                 continue;
             }
             let mut shard = self.shard(&f.key).lock();
-            if let Some(o) = shard
+            let Some(mut o) = shard
                 .get_mut(f.key.as_str())
                 .filter(|o| o.generation == f.generation)
-            {
-                let before = tiers_of(&o.replicas);
-                o.replicas
-                    .retain(|r| !(r.disk && *r.segment == *f.segment && r.mount_id == f.mount_id));
-                self.emit_updated(&f.key, (o.generation, o.size), before, &o.replicas);
-                if o.replicas.is_empty() {
-                    shard.remove(f.key.as_str());
-                    dropped += 1;
-                }
+            else {
+                continue;
+            };
+            let before = tiers_of(&o.replicas);
+            o.replicas
+                .retain(|r| !(r.disk && *r.segment == *f.segment && r.mount_id == f.mount_id));
+            self.emit_updated(&f.key, (o.generation, o.size), before, &o.replicas);
+            let empty = o.replicas.is_empty();
+            drop(o);
+            if empty {
+                shard.remove(f.key.as_str());
+                dropped += 1;
             }
         }
         let ok = items.len() as u64 - failed.len().min(items.len()) as u64;
@@ -382,11 +395,11 @@ impl MasterCore {
                     .is_some_and(|s| s.mount_id == p.mount_id)
             };
             let mut shard = self.shard(&p.key).lock();
-            let object = shard
+            let kept = match shard
                 .get_mut(p.key.as_str())
-                .filter(|o| o.generation == p.generation);
-            let kept = match object {
-                Some(o) => {
+                .filter(|o| o.generation == p.generation)
+            {
+                Some(mut o) => {
                     o.promoting = false;
                     if ok && mounted() {
                         let before = tiers_of(&o.replicas);
@@ -445,7 +458,7 @@ impl MasterCore {
         let mut gone = 0;
         for (key, generation) in items {
             let mut shard = self.shard(key).lock();
-            let Some(o) = shard
+            let Some(mut o) = shard
                 .get_mut(key.as_str())
                 .filter(|o| o.generation == *generation)
             else {
@@ -457,7 +470,9 @@ impl MasterCore {
             if tiers_of(&o.replicas) != before {
                 self.emit_updated(key, (o.generation, o.size), before, &o.replicas);
             }
-            if o.replicas.is_empty() {
+            let empty = o.replicas.is_empty();
+            drop(o);
+            if empty {
                 shard.remove(key.as_str());
                 gone += 1;
             }

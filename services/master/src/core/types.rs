@@ -36,7 +36,15 @@ pub struct CoreConfig {
     pub put_reservation_limit_ratio: f64,
     /// How a new object's replicas pick their segments.
     pub placement: AllocationStrategy,
+    /// Upstream `--enable_multi_tenants`: a tenant without a quota may not put.
+    pub multi_tenants: bool,
+    /// Tenant -> DRAM quota in bytes (docs/TENANTS.md). Shared by every clone of the config,
+    /// so each HA term's core and the admin API see one policy.
+    pub quotas: TenantQuotas,
 }
+
+/// The quota policy in force, tenant -> bytes.
+pub type TenantQuotas = std::sync::Arc<parking_lot::RwLock<std::collections::HashMap<String, u64>>>;
 
 impl CoreConfig {
     pub fn from_master(c: &lunakv_config::master::MasterConfig) -> CoreConfig {
@@ -57,6 +65,8 @@ impl CoreConfig {
             max_keys: c.max_keys,
             put_reservation_limit_ratio: c.put_reservation_limit_ratio,
             placement: c.allocation_strategy(),
+            multi_tenants: c.enable_multi_tenants,
+            quotas: TenantQuotas::default(),
         }
     }
 }

@@ -3,7 +3,10 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use crate::metrics::MAX_TENANT_SERIES;
+
 use super::MasterCore;
+use super::index::TenantUsage;
 use super::types::{ObjectInfo, ReplicaInfo, SegmentDesc, SegmentInfo};
 
 impl MasterCore {
@@ -53,6 +56,44 @@ impl MasterCore {
         let disk_keys = i64::try_from(disk_keys).unwrap_or(i64::MAX);
         m.disk_key_count.set(disk_keys);
         m.disk_keys.set(disk_keys);
+        self.refresh_tenant_gauges();
+    }
+
+    /// The per-tenant gauges: the [`MAX_TENANT_SERIES`] tenants holding the most DRAM (and
+    /// every tenant with a quota) by name, the rest summed as `_other`.
+    fn refresh_tenant_gauges(&self) {
+        let m = &self.metrics;
+        let quotas = self.tenant_quotas();
+        let mut usage: Vec<(String, TenantUsage)> = self.tenant_usage().into_iter().collect();
+        usage.sort_by_key(|(t, u)| (!quotas.contains_key(t), std::cmp::Reverse(u.dram_bytes)));
+        m.tenant_objects.reset();
+        m.tenant_dram_bytes.reset();
+        m.tenant_quota_bytes.reset();
+        let mut other = TenantUsage::default();
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for (i, (t, u)) in usage.iter().enumerate() {
+            if i >= MAX_TENANT_SERIES && !quotas.contains_key(t) {
+                other.add(*u);
+                continue;
+            }
+            m.tenant_objects
+                .with_label_values(&[t])
+                .set(gauge(u.objects));
+            m.tenant_dram_bytes
+                .with_label_values(&[t])
+                .set(gauge(u.dram_bytes));
+            if let Some(q) = quotas.get(t) {
+                m.tenant_quota_bytes.with_label_values(&[t]).set(gauge(*q));
+            }
+        }
+        if other.objects > 0 {
+            m.tenant_objects
+                .with_label_values(&["_other"])
+                .set(gauge(other.objects));
+            m.tenant_dram_bytes
+                .with_label_values(&["_other"])
+                .set(gauge(other.dram_bytes));
+        }
     }
 
     pub fn segments(&self) -> Vec<SegmentInfo> {

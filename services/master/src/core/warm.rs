@@ -232,7 +232,7 @@ impl MasterCore {
         if item.disk && !self.cfg.enable_offload {
             return false;
         }
-        let Some(o) = shard.get_mut(item.key.as_str()) else {
+        let Some(mut o) = shard.get_mut(item.key.as_str()) else {
             return false;
         };
         let offset = if item.disk {
@@ -300,12 +300,15 @@ impl MasterCore {
         if !was_warm {
             return;
         }
-        if let Some(o) = shard.get_mut(key) {
-            o.replicas
-                .retain(|r| !(*r.segment == *segment && r.mount_id == mount_id && r.disk == disk));
-            if o.replicas.is_empty() {
-                shard.remove(key);
-            }
+        let Some(mut o) = shard.get_mut(key) else {
+            return;
+        };
+        o.replicas
+            .retain(|r| !(*r.segment == *segment && r.mount_id == mount_id && r.disk == disk));
+        let empty = o.replicas.is_empty();
+        drop(o);
+        if empty {
+            shard.remove(key);
         }
     }
 
@@ -341,13 +344,15 @@ impl MasterCore {
                 continue;
             }
             dropped += 1;
-            let Some(o) = shard.get_mut(key.as_str()) else {
+            let Some(mut o) = shard.get_mut(key.as_str()) else {
                 continue;
             };
             o.replicas
                 .retain(|r| !(*r.segment == *segment && r.mount_id == mount_id && r.disk == disk));
             self.replicate(&key, o.generation, o.size, &o.replicas);
-            if o.replicas.is_empty() {
+            let empty = o.replicas.is_empty();
+            drop(o);
+            if empty {
                 shard.remove(key.as_str());
             }
         }

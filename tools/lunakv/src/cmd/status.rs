@@ -46,6 +46,20 @@ struct StatusJson {
     disk_used_bytes: u64,
     kv_events: KvEventsJson,
     segments: Vec<SegmentJson>,
+    /// Per tenant: objects, DRAM charged, quota (docs/TENANTS.md).
+    enable_multi_tenants: bool,
+    tenants: Vec<TenantJson>,
+}
+
+#[derive(Debug, Serialize)]
+struct TenantJson {
+    tenant_id: String,
+    objects: u64,
+    dram_bytes: u64,
+    disk_objects: u64,
+    /// null: no quota.
+    quota_bytes: Option<u64>,
+    quota_rejected: u64,
 }
 
 /// Whether the master publishes KV events, and where (docs/EVENTS.md).
@@ -130,7 +144,57 @@ impl StatusJson {
                     }
                 })
                 .collect(),
+            enable_multi_tenants: s.enable_multi_tenants,
+            tenants: s
+                .tenants
+                .iter()
+                .map(|t| TenantJson {
+                    tenant_id: t.tenant_id.clone(),
+                    objects: t.objects,
+                    dram_bytes: t.dram_bytes,
+                    disk_objects: t.disk_objects,
+                    quota_bytes: t.quota_bytes,
+                    quota_rejected: t.quota_rejected,
+                })
+                .collect(),
         }
+    }
+}
+
+/// One line per tenant, shown when any key belongs to a tenant other than the default one or
+/// the master enforces quotas.
+fn render_tenants(o: &mut String, s: &ClusterStatus) {
+    use std::fmt::Write;
+    let only_default = s
+        .tenants
+        .iter()
+        .all(|t| t.tenant_id == lunakv_proto::DEFAULT_TENANT && t.quota_bytes.is_none());
+    if only_default && !s.enable_multi_tenants {
+        return;
+    }
+    let mode = if s.enable_multi_tenants {
+        "quotas enforced"
+    } else {
+        "no quotas"
+    };
+    let _ = writeln!(o, "tenants   {} ({mode})", s.tenants.len());
+    for t in &s.tenants {
+        let quota = match t.quota_bytes {
+            Some(q) => format!(
+                "  quota {} ({:.1}%)  refused {}",
+                human_bytes(q),
+                percent(t.dram_bytes, q),
+                t.quota_rejected
+            ),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            o,
+            "  {}  objects {}  dram {}{quota}",
+            t.tenant_id,
+            t.objects,
+            human_bytes(t.dram_bytes)
+        );
     }
 }
 
@@ -195,6 +259,7 @@ fn render(master: &str, s: &ClusterStatus) -> String {
     } else {
         let _ = writeln!(o, "kv events off");
     }
+    render_tenants(&mut o, s);
     if s.segments.is_empty() {
         let _ = writeln!(
             o,
@@ -313,6 +378,34 @@ mod tests {
         ] {
             assert!(t.contains(want), "missing {want} in:\n{t}");
         }
+    }
+
+    #[test]
+    fn tenants_show_their_usage_and_quota() {
+        let mut s = sample();
+        assert!(
+            !render("m:1", &s).contains("tenants"),
+            "one default tenant: no section"
+        );
+        s.enable_multi_tenants = true;
+        s.tenants = vec![lunakv_proto::views::TenantStatus {
+            tenant_id: "team-a".into(),
+            objects: 7,
+            dram_bytes: 512 << 20,
+            quota_bytes: Some(1 << 30),
+            quota_rejected: 3,
+            ..Default::default()
+        }];
+        let t = render("m:1", &s);
+        for want in [
+            "tenants   1 (quotas enforced)",
+            "team-a  objects 7  dram 512.0 MiB  quota 1.0 GiB (50.0%)  refused 3",
+        ] {
+            assert!(t.contains(want), "missing {want:?} in:\n{t}");
+        }
+        let v = serde_json::to_value(StatusJson::from_proto("m:1", &s)).expect("json");
+        assert_eq!(v["tenants"][0]["quota_bytes"], 1u64 << 30);
+        assert_eq!(v["tenants"][0]["dram_bytes"], 512u64 << 20);
     }
 
     #[test]

@@ -1,0 +1,189 @@
+//! One shard of the object index, with each tenant's usage kept exact under the shard's lock.
+//!
+//! Every change of an object goes through [`Index`]: inserts, removes, `retain`, and
+//! [`Index::get_mut`], whose guard compares the object's charge before and after. So no path
+//! that adds or drops a replica (puts, eviction, offload, promotion, unmounts, inventories, the
+//! zombie sweep, warm copies) can forget to account for it, and quotas never drift from the
+//! index. A tenant's total is the sum of its rows in the [`super::SHARDS`] shards.
+
+use std::collections::HashMap;
+use std::ops::{Deref, DerefMut};
+
+use serde::Serialize;
+
+use crate::alloc::align_up;
+
+use super::types::Object;
+
+/// What one tenant holds in one shard (or, summed, in the whole index).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TenantUsage {
+    pub objects: u64,
+    /// Each DRAM replica's aligned size, complete or still being put (upstream charges
+    /// in-flight allocations too).
+    pub dram_bytes: u64,
+    /// Objects with a copy in an owner's disk tier.
+    pub disk_objects: u64,
+}
+
+impl TenantUsage {
+    fn of(o: &Object) -> TenantUsage {
+        let dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
+        TenantUsage {
+            objects: 1,
+            dram_bytes: align_up(o.size).unwrap_or(o.size).saturating_mul(dram),
+            disk_objects: u64::from(o.replicas.iter().any(|r| r.disk)),
+        }
+    }
+
+    pub fn add(&mut self, o: TenantUsage) {
+        self.objects = self.objects.saturating_add(o.objects);
+        self.dram_bytes = self.dram_bytes.saturating_add(o.dram_bytes);
+        self.disk_objects = self.disk_objects.saturating_add(o.disk_objects);
+    }
+
+    fn sub(&mut self, o: TenantUsage) {
+        self.objects = self.objects.saturating_sub(o.objects);
+        self.dram_bytes = self.dram_bytes.saturating_sub(o.dram_bytes);
+        self.disk_objects = self.disk_objects.saturating_sub(o.disk_objects);
+    }
+}
+
+/// The tenant of a key as the index holds it.
+pub(super) fn tenant_of(key: &str) -> &str {
+    lunakv_proto::split_scoped(key).0
+}
+
+#[derive(Default)]
+pub(super) struct Index {
+    map: HashMap<Box<str>, Box<Object>>,
+    usage: HashMap<Box<str>, TenantUsage>,
+}
+
+impl Index {
+    fn charge(&mut self, key: &str, add: Option<TenantUsage>, sub: Option<TenantUsage>) {
+        if add == sub {
+            return;
+        }
+        let tenant = tenant_of(key);
+        if !self.usage.contains_key(tenant) {
+            self.usage.insert(tenant.into(), TenantUsage::default());
+        }
+        let Some(u) = self.usage.get_mut(tenant) else {
+            return;
+        };
+        if let Some(s) = sub {
+            u.sub(s);
+        }
+        if let Some(a) = add {
+            u.add(a);
+        }
+        if u.objects == 0 {
+            self.usage.remove(tenant);
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub(super) fn get(&self, key: &str) -> Option<&Object> {
+        self.map.get(key).map(|o| &**o)
+    }
+
+    /// The object under `key`, for a change: its tenant's usage follows when the guard drops.
+    pub(super) fn get_mut<'a, 'k>(&'a mut self, key: &'k str) -> Option<Charged<'a, 'k>> {
+        let obj = self.map.get_mut(key)?;
+        let before = TenantUsage::of(obj);
+        Some(Charged {
+            obj,
+            usage: &mut self.usage,
+            key,
+            before,
+        })
+    }
+
+    pub(super) fn insert(&mut self, key: Box<str>, o: Box<Object>) -> Option<Box<Object>> {
+        let add = TenantUsage::of(&o);
+        let old = self.map.insert(key.clone(), o);
+        let sub = old.as_deref().map(TenantUsage::of);
+        self.charge(&key, Some(add), sub);
+        old
+    }
+
+    pub(super) fn remove(&mut self, key: &str) -> Option<Box<Object>> {
+        let old = self.map.remove(key)?;
+        self.charge(key, None, Some(TenantUsage::of(&old)));
+        Some(old)
+    }
+
+    /// `HashMap::retain`, accounting for what `keep` changes or drops.
+    pub(super) fn retain(&mut self, mut keep: impl FnMut(&str, &mut Object) -> bool) {
+        let mut deltas: Vec<(Box<str>, Option<TenantUsage>, TenantUsage)> = Vec::new();
+        self.map.retain(|k, o| {
+            let before = TenantUsage::of(o);
+            let kept = keep(k, o);
+            let after = kept.then(|| TenantUsage::of(o));
+            if after != Some(before) {
+                deltas.push((k.clone(), after, before));
+            }
+            kept
+        });
+        for (k, add, sub) in deltas {
+            self.charge(&k, add, Some(sub));
+        }
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&str, &Object)> {
+        self.map.iter().map(|(k, o)| (&**k, &**o))
+    }
+
+    pub(super) fn values(&self) -> impl Iterator<Item = &Object> {
+        self.map.values().map(|o| &**o)
+    }
+
+    /// Each tenant's usage in this shard.
+    pub(super) fn usage(&self) -> &HashMap<Box<str>, TenantUsage> {
+        &self.usage
+    }
+
+    /// One tenant's usage in this shard.
+    pub(super) fn usage_of(&self, tenant: &str) -> TenantUsage {
+        self.usage.get(tenant).copied().unwrap_or_default()
+    }
+}
+
+/// An object borrowed for a change; on drop its tenant's usage moves by what changed.
+pub(super) struct Charged<'a, 'k> {
+    obj: &'a mut Box<Object>,
+    usage: &'a mut HashMap<Box<str>, TenantUsage>,
+    key: &'k str,
+    before: TenantUsage,
+}
+
+impl Deref for Charged<'_, '_> {
+    type Target = Object;
+    fn deref(&self) -> &Object {
+        self.obj
+    }
+}
+
+impl DerefMut for Charged<'_, '_> {
+    fn deref_mut(&mut self) -> &mut Object {
+        self.obj
+    }
+}
+
+impl Drop for Charged<'_, '_> {
+    fn drop(&mut self) {
+        let after = TenantUsage::of(self.obj);
+        if after == self.before {
+            return;
+        }
+        let tenant = tenant_of(self.key);
+        if let Some(u) = self.usage.get_mut(tenant) {
+            u.sub(self.before);
+            u.add(after);
+        }
+    }
+}
