@@ -344,6 +344,7 @@ fn raw_put_start(addr: std::net::SocketAddr, key: &str) -> Result<i32, tonic::St
                 key: key.into(),
                 size: 4096,
                 config: None,
+                group_id: String::new(),
             })
             .await?;
         Ok(r.into_inner().code)

@@ -127,6 +127,7 @@ fn raw_put_start(addr: SocketAddr, key: &str) -> Result<pb::PutStartResponse, to
                 key: key.into(),
                 size: 4096,
                 config: None,
+                group_id: String::new(),
             })
             .await
             .map(tonic::Response::into_inner)

@@ -87,13 +87,14 @@ fn put_items(
     }
     let keys: Vec<&str> = items.iter().map(|(k, _)| *k).collect();
     let prepared = c.prepare_upsert(&keys);
-    let ready: Vec<(&str, Vec<&[u8]>)> = items
+    let idx: Vec<usize> = (0..items.len()).filter(|&i| prepared[i].is_ok()).collect();
+    let ready: Vec<(&str, Vec<&[u8]>)> = idx
         .iter()
-        .zip(&prepared)
-        .filter(|(_, p)| p.is_ok())
-        .map(|((k, parts), _)| (*k, parts.clone()))
+        .map(|&i| (items[i].0, items[i].1.clone()))
         .collect();
-    let mut put = c.batch_put(&ready, cfg).into_iter();
+    let mut put = c
+        .batch_put(&ready, &cfg.select(items.len(), &idx))
+        .into_iter();
     prepared
         .into_iter()
         .map(|p| p.and_then(|()| put.next().unwrap_or(Err(ClientError::Closed))))
@@ -235,6 +236,7 @@ impl MooncakeDistributedStore {
                     Err(msg) => tracing::error!("lunakv: put of '{key}' refused: {msg}"),
                 }
             }
+            let cfg = cfg.select(n, &idx);
             for (i, r) in idx.into_iter().zip(put_items(&c, &items, &cfg, upsert)) {
                 out[i] = match r {
                     Ok(()) => 0,

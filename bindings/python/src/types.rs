@@ -6,12 +6,13 @@ use pyo3::prelude::*;
 /// Where and how to place an object's replicas; vLLM builds one per put. Attribute names and
 /// defaults are upstream's. lunakv acts on `replica_num`, `preferred_segment` and
 /// `preferred_segments` (replicas go to `preferred_segment`, then to each listed segment in
-/// order, each where it has room, then anywhere), `with_soft_pin` and `with_hard_pin`. `group_ids` and
-/// `soft_pin_ttl_ms` are deliberately absent: lunakv does not implement them, and vLLM and
-/// SGLang probe `group_ids` and fall back to plain puts, with their own warning, when it is
-/// missing; accepting and ignoring it would break their all-or-nothing group assumption
-/// silently. `prefer_alloc_in_same_node`, `nof_replica_num` and `dfs_replica_num` keep their
-/// defaults' meaning (no same-node preference, no NoF or DFS replicas).
+/// order, each where it has room, then anywhere), `with_soft_pin`, `with_hard_pin` and
+/// `group_ids` (one group id per key of the put, `""` for none: the objects of a group are
+/// evicted and removed together and read all or none; docs/GROUPS.md). `soft_pin_ttl_ms` is
+/// deliberately absent: a per-put pin lifetime is not implemented, and setting it raises
+/// `AttributeError` instead of being ignored. `prefer_alloc_in_same_node`, `nof_replica_num`
+/// and `dfs_replica_num` keep their defaults' meaning (no same-node preference, no NoF or DFS
+/// replicas).
 #[pyclass(module = "mooncake.store", get_all, set_all)]
 #[derive(Debug, Clone)]
 pub struct ReplicateConfig {
@@ -23,6 +24,7 @@ pub struct ReplicateConfig {
     pub prefer_alloc_in_same_node: bool,
     pub nof_replica_num: usize,
     pub dfs_replica_num: usize,
+    pub group_ids: Option<Vec<String>>,
 }
 
 impl Default for ReplicateConfig {
@@ -36,6 +38,7 @@ impl Default for ReplicateConfig {
             prefer_alloc_in_same_node: false,
             nof_replica_num: 0,
             dfs_replica_num: 0,
+            group_ids: None,
         }
     }
 }
@@ -72,6 +75,7 @@ impl ReplicateConfig {
             preferred_segments: self.preferred_segments.clone(),
             with_soft_pin: self.with_soft_pin,
             with_hard_pin: self.with_hard_pin,
+            group_ids: self.group_ids.clone(),
         }
     }
 }

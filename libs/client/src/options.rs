@@ -146,6 +146,29 @@ pub struct ReplicateConfig {
     pub preferred_segments: Vec<String>,
     pub with_soft_pin: bool,
     pub with_hard_pin: bool,
+    /// Upstream's `group_ids`: one group id per key of the put (`""`: that key has none);
+    /// `None`: no key has one. Objects of one group are evicted and removed together and read
+    /// all or none (docs/GROUPS.md).
+    pub group_ids: Option<Vec<String>>,
+}
+
+impl ReplicateConfig {
+    /// This config for the items at `idx` of a put of `n` items (the group ids follow their
+    /// keys when a caller drops some items). Group ids that do not match `n` stay as they are,
+    /// so the put refuses them by name instead of pairing them with the wrong keys.
+    pub fn select(&self, n: usize, idx: &[usize]) -> ReplicateConfig {
+        ReplicateConfig {
+            group_ids: self.group_ids.as_ref().map(|g| {
+                if g.len() != n {
+                    return g.clone();
+                }
+                idx.iter()
+                    .map(|&i| g.get(i).cloned().unwrap_or_default())
+                    .collect()
+            }),
+            ..self.clone()
+        }
+    }
 }
 
 impl ClientOptions {

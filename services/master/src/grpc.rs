@@ -161,6 +161,7 @@ impl From<Option<pb::ReplicateConfig>> for PutOptions {
             },
             soft_pin: c.with_soft_pin,
             hard_pin: c.with_hard_pin,
+            group: None,
         }
     }
 }
@@ -249,12 +250,14 @@ fn check_key(key: &str) -> Result<(), OpError> {
 pub struct PutItem {
     pub key: String,
     pub size: u64,
+    /// Its group (`None`: ungrouped; docs/GROUPS.md).
+    pub group: Option<String>,
 }
 
-impl TryFrom<(String, u64)> for PutItem {
+impl TryFrom<(String, u64, String)> for PutItem {
     type Error = OpError;
 
-    fn try_from((key, size): (String, u64)) -> Result<Self, OpError> {
+    fn try_from((key, size, group): (String, u64, String)) -> Result<Self, OpError> {
         check_key(&key)?;
         if size == 0 {
             return Err(OpError::new(
@@ -262,7 +265,22 @@ impl TryFrom<(String, u64)> for PutItem {
                 format!("key {key:?}: size 0 cannot be stored; put at least one byte"),
             ));
         }
-        Ok(PutItem { key, size })
+        let group = if group.is_empty() {
+            None
+        } else {
+            // A group id follows the key rules (it is scoped by the key's tenant the same way).
+            lunakv_proto::validate_key(&group).map_err(|e| {
+                OpError::new(
+                    ErrorCode::InvalidParams,
+                    format!(
+                        "key {key:?}: group_id {}",
+                        e.to_string().replacen("key ", "", 1)
+                    ),
+                )
+            })?;
+            Some(group)
+        };
+        Ok(PutItem { key, size, group })
     }
 }
 
@@ -374,11 +392,17 @@ impl MasterService {
         &self,
         core: &MasterCore,
         client_id: &str,
-        key: String,
-        size: u64,
+        (key, size, group): (String, u64, String),
         opts: &PutOptions,
     ) -> pb::PutStartResponse {
-        let r = match PutItem::try_from((key, size)) {
+        let r = match PutItem::try_from((key, size, group)) {
+            Ok(item) if item.group.is_some() => {
+                let opts = PutOptions {
+                    group: item.group,
+                    ..opts.clone()
+                };
+                core.put_start(client_id, &item.key, item.size, &opts).await
+            }
             Ok(item) => core.put_start(client_id, &item.key, item.size, opts).await,
             Err(e) => Err(e),
         };
@@ -612,7 +636,12 @@ impl pb::master_server::Master for MasterService {
         let req = request.into_inner();
         let opts = PutOptions::from(req.config);
         let r = self
-            .put_start_one(&a.core, &req.client_id, req.key, req.size, &opts)
+            .put_start_one(
+                &a.core,
+                &req.client_id,
+                (req.key, req.size, req.group_id),
+                &opts,
+            )
             .await;
         self.done(&a, Rpc::PutStart, r.code != 0, r)
     }
@@ -628,7 +657,14 @@ impl pb::master_server::Master for MasterService {
             &a,
             Rpc::BatchPutStart,
             req.items,
-            |item| self.put_start_one(&a.core, &req.client_id, item.key, item.size, &opts),
+            |item| {
+                self.put_start_one(
+                    &a.core,
+                    &req.client_id,
+                    (item.key, item.size, item.group_id),
+                    &opts,
+                )
+            },
             |r: &pb::PutStartResponse| r.code != 0,
             |results| pb::BatchPutStartResponse { results },
         )

@@ -99,6 +99,8 @@ pub struct Metrics {
     pub evicted_keys_total: IntCounter,
     /// Eviction passes that freed at least one key.
     pub successful_evictions_total: IntCounter,
+    /// Objects removed because another member of their group was gone (docs/GROUPS.md).
+    pub group_members_dropped_total: IntCounter,
     /// PutStarts that found no room even after eviction.
     pub put_start_alloc_failures_total: IntCounter,
     /// PutStarts refused before any eviction: larger than every segment.
@@ -239,6 +241,11 @@ impl Metrics {
             active_clients: gauge(&r, "master_active_clients", "Clients that ping"),
             evicted_key_count: counter(&r, "master_evicted_key_count", "Keys evicted"),
             evicted_keys_total: counter(&r, "master_evicted_keys_total", "Keys evicted"),
+            group_members_dropped_total: counter(
+                &r,
+                "lunakv_group_members_dropped_total",
+                "Objects removed because another member of their group was gone",
+            ),
             successful_evictions_total: counter(
                 &r,
                 "master_successful_evictions_total",

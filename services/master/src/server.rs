@@ -574,6 +574,8 @@ async fn background(
                 core.release_orphaned().await;
                 core.enforce_key_limit().await;
                 core.evict_if_needed().await;
+                // Groups broken by an owner that died or a disk copy lost (docs/GROUPS.md).
+                core.drop_broken_groups().await;
             }
             _ = put_end.notified() => {
                 if leading() {

@@ -74,6 +74,7 @@ async fn put(c: &mut MasterClient<Channel>, key: &str, size: u64) -> pb::PutStar
         key: key.into(),
         size,
         config: None,
+        group_id: String::new(),
     })
     .await
     .expect("put_start")
@@ -178,6 +179,7 @@ async fn grpc_round_trip_codes_and_admin_routes() {
                 .map(|k| pb::PutStartItem {
                     key: k.clone(),
                     size: 100,
+                    group_id: String::new(),
                 })
                 .collect(),
             config: None,

@@ -33,6 +33,20 @@ impl StoreClient {
             .zip(items)
             .map(|(k, (_, parts))| (k.as_ref(), parts.clone()))
             .collect();
+        if let Some(g) = &cfg.group_ids
+            && g.len() != items.len()
+        {
+            let why = format!(
+                "group_ids has {} entries for {} keys: give one per key (\"\" for a key without \
+                 a group)",
+                g.len(),
+                items.len()
+            );
+            return items
+                .iter()
+                .map(|_| Err(ClientError::InvalidParams(why.clone())))
+                .collect();
+        }
         let mut started = Vec::new();
         let mut pb_items = Vec::new();
         for (i, (key, parts)) in items.iter().enumerate() {
@@ -48,6 +62,11 @@ impl StoreClient {
                 pb_items.push(pb::PutStartItem {
                     key: (*key).to_owned(),
                     size,
+                    group_id: cfg
+                        .group_ids
+                        .as_ref()
+                        .and_then(|g| g.get(i).cloned())
+                        .unwrap_or_default(),
                 });
             }
         }

@@ -1,18 +1,22 @@
-//! One shard of the object index, with each tenant's usage kept exact under the shard's lock.
+//! One shard of the object index, with each tenant's usage kept exact under the shard's lock
+//! and each group's members kept in the shared [`Groups`] registry.
 //!
 //! Every change of an object goes through [`Index`]: inserts, removes, `retain`, and
-//! [`Index::get_mut`], whose guard compares the object's charge before and after. So no path
-//! that adds or drops a replica (puts, eviction, offload, promotion, unmounts, inventories, the
-//! zombie sweep, warm copies) can forget to account for it, and quotas never drift from the
-//! index. A tenant's total is the sum of its rows in the [`super::SHARDS`] shards.
+//! [`Index::get_mut`], whose guard compares the object's charge (and group) before and after.
+//! So no path that adds or drops a replica or an object (puts, eviction, offload, promotion,
+//! unmounts, inventories, the zombie sweep, warm copies) can forget to account for it, quotas
+//! never drift from the index, and a group always knows its members. A tenant's total is the
+//! sum of its rows in the [`super::SHARDS`] shards.
 
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 
 use serde::Serialize;
 
 use crate::alloc::align_up;
 
+use super::groups::Groups;
 use super::types::Object;
 
 /// What one tenant holds in one shard (or, summed, in the whole index).
@@ -54,13 +58,21 @@ pub(super) fn tenant_of(key: &str) -> &str {
     lunakv_proto::split_scoped(key).0
 }
 
-#[derive(Default)]
 pub(super) struct Index {
     map: HashMap<Box<str>, Box<Object>>,
     usage: HashMap<Box<str>, TenantUsage>,
+    groups: Arc<Groups>,
 }
 
 impl Index {
+    pub(super) fn new(groups: Arc<Groups>) -> Index {
+        Index {
+            map: HashMap::new(),
+            usage: HashMap::new(),
+            groups,
+        }
+    }
+
     fn charge(&mut self, key: &str, add: Option<TenantUsage>, sub: Option<TenantUsage>) {
         if add == sub {
             return;
@@ -95,37 +107,59 @@ impl Index {
     pub(super) fn get_mut<'a, 'k>(&'a mut self, key: &'k str) -> Option<Charged<'a, 'k>> {
         let obj = self.map.get_mut(key)?;
         let before = TenantUsage::of(obj);
+        let group = obj.group.clone();
+        let state = obj.state;
         Some(Charged {
             obj,
             usage: &mut self.usage,
+            groups: &self.groups,
             key,
             before,
+            group,
+            state,
         })
     }
 
     pub(super) fn insert(&mut self, key: Box<str>, o: Box<Object>) -> Option<Box<Object>> {
         let add = TenantUsage::of(&o);
+        let group = o.group.clone();
         let old = self.map.insert(key.clone(), o);
         let sub = old.as_deref().map(TenantUsage::of);
         self.charge(&key, Some(add), sub);
+        let old_group = old.as_ref().and_then(|o| o.group.clone());
+        if old_group != group {
+            if let (Some(g), Some(o)) = (&old_group, &old) {
+                self.groups.left(g, &key, o.state);
+            }
+            if let Some(g) = &group {
+                self.groups.joined(g, &key);
+            }
+        }
         old
     }
 
     pub(super) fn remove(&mut self, key: &str) -> Option<Box<Object>> {
         let old = self.map.remove(key)?;
         self.charge(key, None, Some(TenantUsage::of(&old)));
+        if let Some(g) = &old.group {
+            self.groups.left(g, key, old.state);
+        }
         Some(old)
     }
 
     /// `HashMap::retain`, accounting for what `keep` changes or drops.
     pub(super) fn retain(&mut self, mut keep: impl FnMut(&str, &mut Object) -> bool) {
         let mut deltas: Vec<(Box<str>, Option<TenantUsage>, TenantUsage)> = Vec::new();
+        let groups = &self.groups;
         self.map.retain(|k, o| {
             let before = TenantUsage::of(o);
             let kept = keep(k, o);
             let after = kept.then(|| TenantUsage::of(o));
             if after != Some(before) {
                 deltas.push((k.clone(), after, before));
+            }
+            if !kept && let Some(g) = &o.group {
+                groups.left(g, k, o.state);
             }
             kept
         });
@@ -153,12 +187,16 @@ impl Index {
     }
 }
 
-/// An object borrowed for a change; on drop its tenant's usage moves by what changed.
+/// An object borrowed for a change; on drop its tenant's usage moves by what changed, and its
+/// group learns of a changed membership.
 pub(super) struct Charged<'a, 'k> {
     obj: &'a mut Box<Object>,
     usage: &'a mut HashMap<Box<str>, TenantUsage>,
+    groups: &'a Groups,
     key: &'k str,
     before: TenantUsage,
+    group: Option<Arc<str>>,
+    state: super::types::ObjectState,
 }
 
 impl Deref for Charged<'_, '_> {
@@ -176,6 +214,14 @@ impl DerefMut for Charged<'_, '_> {
 
 impl Drop for Charged<'_, '_> {
     fn drop(&mut self) {
+        if self.obj.group != self.group {
+            if let Some(g) = &self.group {
+                self.groups.left(g, self.key, self.state);
+            }
+            if let Some(g) = &self.obj.group {
+                self.groups.joined(g, self.key);
+            }
+        }
         let after = TenantUsage::of(self.obj);
         if after == self.before {
             return;

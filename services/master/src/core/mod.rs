@@ -19,6 +19,7 @@ use crate::metrics::Metrics;
 use crate::namespaces::NamespaceTracker;
 use crate::notifier::OwnerClient;
 
+mod groups;
 mod index;
 mod intern;
 mod objects;
@@ -53,6 +54,8 @@ pub struct MasterCore {
     counter: AtomicU64,
     next_mount_id: AtomicU64,
     shards: Vec<Mutex<Index>>,
+    /// Each group's members ([`groups`]), kept by the shards.
+    groups: Arc<groups::Groups>,
     hasher: std::collections::hash_map::RandomState,
     segments: Mutex<HashMap<String, Segment>>,
     clients: Mutex<HashMap<String, ClientEntry>>,
@@ -108,12 +111,16 @@ impl MasterCore {
     /// A core for `epoch` (the high 32 bits of every generation it hands out).
     pub fn new(cfg: CoreConfig, epoch: u32, notifier: Arc<dyn OwnerClient>) -> MasterCore {
         let cfg_min_keys = cfg.namespace_min_keys;
+        let groups = Arc::new(groups::Groups::default());
         MasterCore {
             cfg,
             epoch,
             counter: AtomicU64::new(1),
             next_mount_id: AtomicU64::new(1),
-            shards: (0..SHARDS).map(|_| Mutex::new(Index::default())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(Index::new(groups.clone())))
+                .collect(),
+            groups,
             hasher: std::collections::hash_map::RandomState::new(),
             segments: Mutex::new(HashMap::new()),
             clients: Mutex::new(HashMap::new()),
@@ -255,5 +262,7 @@ where
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_groups;
 #[cfg(test)]
 mod tests_tenants;

@@ -237,6 +237,10 @@ impl MasterCore {
                 hard_pinned: opts.hard_pin,
                 last_access: now,
                 promoting: false,
+                group: opts.group.as_deref().map(|g| {
+                    self.groups
+                        .name(&lunakv_proto::scope_key(tenant_of(key), g))
+                }),
             }),
         );
         drop(shard);
@@ -329,6 +333,14 @@ impl MasterCore {
             .ok_or_else(|| not_found(key, "not found"))?;
         if o.state != ObjectState::Complete {
             return Err(not_found(key, "its put has not ended yet"));
+        }
+        if let Some(g) = &o.group
+            && self.groups.is_broken(g)
+        {
+            return Err(not_found(
+                key,
+                "another object of its group is gone, so the group is (docs/GROUPS.md)",
+            ));
         }
         if !client_id.is_empty() && *o.client_id != *client_id {
             self.namespaces.record_found_from_other(client_id, key);
@@ -433,6 +445,8 @@ impl MasterCore {
             o.map(|o| self.pending_frees(&o)).unwrap_or_default()
         };
         self.release(frees).await;
+        // A grouped object takes its group with it.
+        self.drop_broken_groups().await;
         Ok(())
     }
 
@@ -447,6 +461,8 @@ impl MasterCore {
             sink.emit(PoolEvent::RemovedAll);
         }
         self.release(frees).await;
+        // Without force a group's leased member stays behind; the group goes whole.
+        self.drop_broken_groups().await;
         removed
     }
 
@@ -459,6 +475,8 @@ impl MasterCore {
             t == tenant && re.is_match(user)
         });
         self.release(frees).await;
+        // A pattern that matches part of a group removes the group.
+        self.drop_broken_groups().await;
         removed
     }
 

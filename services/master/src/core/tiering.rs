@@ -1,6 +1,7 @@
 //! Eviction and sweeps: eviction, offload to disk, promotion, zombie puts and the key limit.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -13,6 +14,23 @@ use super::types::{
     Object, ObjectState, OpError, PendingFree, PendingOffload, Quarantined, ReplicaLoc,
 };
 use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
+
+/// A group whose newest member was put this recently may still be waiting for members (the
+/// other TP ranks' shards of a chunk arrive within a step of each other): eviction takes it
+/// only after every settled candidate, so it is not emptied before it is whole.
+const GROUP_SETTLE: Duration = Duration::from_secs(5);
+
+/// What eviction takes at once: one object, or a whole group.
+struct Unit {
+    /// A group still settling ([`GROUP_SETTLE`]); always false for an object alone.
+    young: bool,
+    soft_pinned: bool,
+    last_access: Instant,
+    /// Every member may go (complete, unleased, not hard-pinned).
+    evictable: bool,
+    /// (key, generation, DRAM bytes) of each member with DRAM to free.
+    members: Vec<(String, u64, u64)>,
+}
 
 impl MasterCore {
     /// Allocated share of total capacity, in [0, 1].
@@ -51,104 +69,132 @@ impl MasterCore {
     pub(super) async fn evict_matching(&self, target: u64, pick: impl Fn(&str) -> bool) -> u64 {
         let _guard = self.eviction_lock.lock().await;
         let now = Instant::now();
-        // (soft pinned, last access, key, generation, DRAM bytes)
-        let mut candidates: Vec<(bool, Instant, String, u64, u64)> = Vec::new();
+        // A unit is one object, or every member of a group: a group goes whole or not at all,
+        // only when no member is leased, pinned or being put (docs/GROUPS.md).
+        let mut candidates: Vec<Unit> = Vec::new();
+        let mut groups: HashMap<Arc<str>, Unit> = HashMap::new();
         for shard in &self.shards {
             for (k, o) in shard.lock().iter() {
+                if !pick(k) {
+                    continue;
+                }
                 let in_dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
-                if in_dram > 0
-                    && pick(k)
-                    && o.state == ObjectState::Complete
-                    && !o.leased(now)
-                    && !o.hard_pinned
-                {
-                    let bytes = align_up(o.size).unwrap_or(o.size) * in_dram;
-                    candidates.push((
-                        o.soft_pinned(now),
-                        o.last_access,
-                        k.to_string(),
-                        o.generation,
-                        bytes,
-                    ));
+                let evictable =
+                    o.state == ObjectState::Complete && !o.leased(now) && !o.hard_pinned;
+                let bytes = align_up(o.size).unwrap_or(o.size) * in_dram;
+                let member = (k.to_string(), o.generation, bytes);
+                match &o.group {
+                    None if in_dram > 0 && evictable => candidates.push(Unit {
+                        young: false,
+                        soft_pinned: o.soft_pinned(now),
+                        last_access: o.last_access,
+                        evictable: true,
+                        members: vec![member],
+                    }),
+                    None => {}
+                    Some(g) => {
+                        let u = groups.entry(g.clone()).or_insert_with(|| Unit {
+                            young: false,
+                            soft_pinned: false,
+                            last_access: o.last_access,
+                            evictable: true,
+                            members: Vec::new(),
+                        });
+                        u.evictable &= evictable;
+                        u.young |= now.saturating_duration_since(o.put_start) < GROUP_SETTLE;
+                        u.soft_pinned |= o.soft_pinned(now);
+                        u.last_access = u.last_access.max(o.last_access);
+                        if in_dram > 0 {
+                            u.members.push(member);
+                        }
+                    }
                 }
             }
         }
-        candidates.sort_by_key(|c| (c.0, c.1));
+        candidates.extend(
+            groups
+                .into_values()
+                .filter(|u| u.evictable && !u.members.is_empty()),
+        );
+        candidates.sort_by_key(|c| (c.young, c.soft_pinned, c.last_access));
         let mut freed = 0u64;
         let mut evicted = 0u64;
         let mut frees = Vec::new();
         let mut offloads = Vec::new();
-        for (_, _, key, generation, bytes) in candidates {
+        for unit in candidates {
+            // The target is checked per unit, so it never cuts a group in half.
             if freed >= target {
                 break;
             }
-            let mut shard = self.shard(&key).lock();
-            // Re-check: a reader may have leased it since the scan.
-            let Some(mut o) = shard.get_mut(key.as_str()).filter(|o| {
-                o.generation == generation
-                    && o.state == ObjectState::Complete
-                    && !o.leased(Instant::now())
-                    && !o.hard_pinned
-            }) else {
-                continue;
-            };
-            let has_disk = o.replicas.iter().any(|r| r.disk);
-            let before = tiers_of(&o.replicas);
-            let spill_to = if has_disk || !self.cfg.enable_offload {
-                None
-            } else {
-                let segs = self.segments.lock();
-                o.replicas.iter().filter(|r| !r.disk).find_map(|r| {
-                    segs.get(&*r.segment)
-                        .filter(|s| {
-                            s.mount_id == r.mount_id
-                                && s.desc.enable_offload
-                                && s.desc.disk_capacity >= o.size
-                        })
-                        .map(|s| (r.clone(), s.desc.transfer_endpoint.clone()))
-                })
-            };
-            if has_disk || spill_to.is_some() {
-                // The object survives on disk; its DRAM replicas go (the one being offloaded
-                // is freed by the OFFLOAD round trip, after the owner made it durable).
-                let mem: Vec<ReplicaLoc> = o
-                    .replicas
-                    .iter()
-                    .filter(|r| !r.disk)
-                    .filter(|r| {
-                        spill_to
-                            .as_ref()
-                            .is_none_or(|(t, _)| !(t.segment == r.segment && t.offset == r.offset))
+            for (key, generation, bytes) in unit.members {
+                let mut shard = self.shard(&key).lock();
+                // Re-check: a reader may have leased it since the scan.
+                let Some(mut o) = shard.get_mut(key.as_str()).filter(|o| {
+                    o.generation == generation
+                        && o.state == ObjectState::Complete
+                        && !o.leased(Instant::now())
+                        && !o.hard_pinned
+                }) else {
+                    continue;
+                };
+                let has_disk = o.replicas.iter().any(|r| r.disk);
+                let before = tiers_of(&o.replicas);
+                let spill_to = if has_disk || !self.cfg.enable_offload {
+                    None
+                } else {
+                    let segs = self.segments.lock();
+                    o.replicas.iter().filter(|r| !r.disk).find_map(|r| {
+                        segs.get(&*r.segment)
+                            .filter(|s| {
+                                s.mount_id == r.mount_id
+                                    && s.desc.enable_offload
+                                    && s.desc.disk_capacity >= o.size
+                            })
+                            .map(|s| (r.clone(), s.desc.transfer_endpoint.clone()))
                     })
-                    .cloned()
-                    .collect();
-                frees.extend(self.frees_of(o.generation, &mem));
-                o.replicas.retain(|r| r.disk);
-                if let Some((t, endpoint)) = spill_to {
-                    offloads.push(PendingOffload {
-                        key: key.clone(),
-                        endpoint,
-                        segment: t.segment.to_string(),
-                        mount_id: t.mount_id,
-                        generation: o.generation,
-                        offset: t.offset,
-                    });
-                    o.replicas.push(ReplicaLoc {
-                        offset: lunakv_transfer::DISK_OFFSET,
-                        disk: true,
-                        ..t
-                    });
-                }
-                self.emit_updated(&key, (o.generation, o.size), before, &o.replicas);
-                freed += bytes;
-                evicted += 1;
-            } else {
-                drop(o);
-                if let Some(o) = shard.remove(key.as_str()) {
-                    self.emit_updated(&key, (o.generation, o.size), before, &[]);
-                    frees.extend(self.pending_frees(&o));
+                };
+                if has_disk || spill_to.is_some() {
+                    // The object survives on disk; its DRAM replicas go (the one being offloaded
+                    // is freed by the OFFLOAD round trip, after the owner made it durable).
+                    let mem: Vec<ReplicaLoc> = o
+                        .replicas
+                        .iter()
+                        .filter(|r| !r.disk)
+                        .filter(|r| {
+                            spill_to.as_ref().is_none_or(|(t, _)| {
+                                !(t.segment == r.segment && t.offset == r.offset)
+                            })
+                        })
+                        .cloned()
+                        .collect();
+                    frees.extend(self.frees_of(o.generation, &mem));
+                    o.replicas.retain(|r| r.disk);
+                    if let Some((t, endpoint)) = spill_to {
+                        offloads.push(PendingOffload {
+                            key: key.clone(),
+                            endpoint,
+                            segment: t.segment.to_string(),
+                            mount_id: t.mount_id,
+                            generation: o.generation,
+                            offset: t.offset,
+                        });
+                        o.replicas.push(ReplicaLoc {
+                            offset: lunakv_transfer::DISK_OFFSET,
+                            disk: true,
+                            ..t
+                        });
+                    }
+                    self.emit_updated(&key, (o.generation, o.size), before, &o.replicas);
                     freed += bytes;
                     evicted += 1;
+                } else {
+                    drop(o);
+                    if let Some(o) = shard.remove(key.as_str()) {
+                        self.emit_updated(&key, (o.generation, o.size), before, &[]);
+                        frees.extend(self.pending_frees(&o));
+                        freed += bytes;
+                        evicted += 1;
+                    }
                 }
             }
         }
@@ -165,6 +211,8 @@ impl MasterCore {
         }
         self.release(frees).await;
         self.run_offloads(offloads).await;
+        // A member leased between the scan and its turn stayed: its group goes whole now.
+        self.drop_broken_groups().await;
         evicted
     }
 

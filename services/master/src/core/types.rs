@@ -122,6 +122,8 @@ pub struct InventoryItem {
 /// Placement options of a put.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PutOptions {
+    /// Upstream's `group_ids` entry of this object (scoped by the key's tenant in the core).
+    pub group: Option<String>,
     pub replica_num: u32,
     /// Segments to place replicas on first, in order, each where it has room.
     pub preferred_segments: Vec<String>,
@@ -241,6 +243,8 @@ pub(super) struct Object {
     pub(super) last_access: Instant,
     /// A promotion on hit is in flight (at most one per object).
     pub(super) promoting: bool,
+    /// The group this object lives and dies with ([`super::groups`]), scoped by its tenant.
+    pub(super) group: Option<Arc<str>>,
 }
 
 impl Object {
@@ -265,6 +269,7 @@ impl Object {
             hard_pinned: false,
             last_access: now,
             promoting: false,
+            group: None,
         }
     }
 
