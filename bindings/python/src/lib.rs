@@ -55,6 +55,7 @@ mod shared;
 mod store;
 mod testing;
 mod types;
+mod upstream;
 
 use pyo3::prelude::*;
 
@@ -65,6 +66,7 @@ fn _lunakv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<store::MooncakeDistributedStore>()?;
     m.add_class::<types::ReplicateConfig>()?;
+    m.add_class::<types::SoftPinAction>()?;
     m.add_class::<types::ReplicaDescriptor>()?;
     m.add_class::<types::MemoryDescriptor>()?;
     m.add_class::<types::BufferDescriptor>()?;

@@ -608,6 +608,92 @@ impl MooncakeDistributedStore {
         })
     }
 
+    /// Upstream's `upsert_parts`: `put_parts` that replaces what `key` holds. 0 or a negative
+    /// code.
+    #[pyo3(signature = (key, *parts, config = None))]
+    fn upsert_parts(
+        &self,
+        py: Python<'_>,
+        key: String,
+        parts: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i64 {
+        let Ok(owned) = parts.iter().map(as_bytes).collect::<PyResult<Vec<_>>>() else {
+            tracing::error!("lunakv: upsert_parts of '{key}' refused: a part is not bytes-like");
+            return INVALID_PARAMS;
+        };
+        let Some(c) = self.client() else {
+            return INVALID_PARAMS;
+        };
+        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
+        let data: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
+        detached(py, INTERNAL_ERROR, move || {
+            put_items(&c, &[(key.as_str(), data)], &cfg, true)
+                .pop()
+                .map_or(INTERNAL_ERROR, |r| r.map_or_else(|e| code(&e), |()| 0))
+        })
+    }
+
+    /// SGLang's standalone storage (`standalone_storage`): upstream's "dummy" client hands
+    /// every call to a real client process at `server_address`. lunakv has no such split:
+    /// this process talks to the master itself and moves bytes over shared memory with the
+    /// store on its host. So the master comes from the engine's Mooncake config
+    /// (`MOONCAKE_MASTER`, or `master_server_address` in `MOONCAKE_CONFIG_PATH`'s file), and
+    /// the lunakv-store at `server_address` (its transfer address, default port 50052 like
+    /// upstream's real client) is where puts land first. Pool memory comes from
+    /// `MooncakeHostMemAllocator`. 0, or INVALID_PARAMS with the reason logged.
+    fn setup_dummy(
+        &self,
+        py: Python<'_>,
+        mem_pool_size: i128,
+        local_buffer_size: i128,
+        server_address: String,
+    ) -> i64 {
+        let _ = mem_pool_size;
+        let master = env("MOONCAKE_MASTER").or_else(|| {
+            lunakv_config::MooncakeConfig::load_from_env(&lunakv_config::process_env)
+                .ok()
+                .map(|l| l.config.master_server_address)
+                .filter(|m| !m.is_empty())
+        });
+        let Some(master) = master else {
+            tracing::error!(
+                "lunakv: setup_dummy refused: lunakv has no dummy client, so this process reaches \
+                 the master itself; set MOONCAKE_MASTER (or master_server_address in the file \
+                 MOONCAKE_CONFIG_PATH names). The store at {server_address} is then the \
+                 preferred segment"
+            );
+            return INVALID_PARAMS;
+        };
+        let a = SetupArgs {
+            local_hostname: strip_port(server_address.trim()).to_owned(),
+            global_segment_size: 0,
+            local_buffer_size,
+            protocol: "tcp".to_owned(),
+            master_server_addr: master,
+            tenant_id: tenant_or_default(&env("MOONCAKE_TENANT_ID").unwrap_or_default()),
+        };
+        let mut opts = match options(&a) {
+            Ok(o) => o,
+            Err(msg) => {
+                tracing::error!("lunakv: setup_dummy refused: {msg}");
+                return INVALID_PARAMS;
+            }
+        };
+        opts.preferred_segment = Some(server_address.trim().to_owned());
+        self.install(py, opts)
+    }
+
+    /// Upstream calls lunakv does not implement raise `AttributeError` naming them and the
+    /// alternative ([`crate::upstream`]); any other unknown name is Python's usual error.
+    fn __getattr__(&self, name: &str) -> PyResult<Py<PyAny>> {
+        Err(pyo3::exceptions::PyAttributeError::new_err(
+            crate::upstream::refusal(name).unwrap_or_else(|| {
+                format!("'MooncakeDistributedStore' object has no attribute '{name}'")
+            }),
+        ))
+    }
+
     /// Upstream's `get_buffer` (LMCache's load path): the object as a `BufferHandle` (a
     /// `bytearray` with upstream's `ptr()` and `size()`), or `None` if it is missing or the read
     /// failed.

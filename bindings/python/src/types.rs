@@ -8,14 +8,19 @@ use pyo3::prelude::*;
 /// `preferred_segments` (replicas go to `preferred_segment`, then to each listed segment in
 /// order, each where it has room, then anywhere), `with_soft_pin`, `with_hard_pin` and
 /// `group_ids` (one group id per key of the put, `""` for none: the objects of a group are
-/// evicted and removed together and read all or none; docs/GROUPS.md). `soft_pin_ttl_ms` is
-/// deliberately absent: a per-put pin lifetime is not implemented, and setting it raises
-/// `AttributeError` instead of being ignored. `prefer_alloc_in_same_node`, `nof_replica_num`
+/// evicted and removed together and read all or none; docs/GROUPS.md),
+/// `soft_pin_action` (upstream's replacement of `with_soft_pin`: `ENABLE` pins, `DISABLE`
+/// does not, `PRESERVE` leaves `with_soft_pin` in charge) and `soft_pin_ttl_ms` (the pin's
+/// lifetime, capped by the master's `max_kv_soft_pin_ttl`; 0 pins nothing). A new object has
+/// no pin to preserve, and lunakv's upsert is a remove then a put, so `PRESERVE` on an upsert
+/// does not carry the old object's pin over. `prefer_alloc_in_same_node`, `nof_replica_num`
 /// and `dfs_replica_num` keep their defaults' meaning (no same-node preference, no NoF or DFS
 /// replicas).
 #[pyclass(module = "mooncake.store", get_all, set_all)]
 #[derive(Debug, Clone)]
 pub struct ReplicateConfig {
+    pub soft_pin_action: SoftPinAction,
+    pub soft_pin_ttl_ms: Option<u64>,
     pub replica_num: usize,
     pub preferred_segment: String,
     pub preferred_segments: Vec<String>,
@@ -30,6 +35,8 @@ pub struct ReplicateConfig {
 impl Default for ReplicateConfig {
     fn default() -> Self {
         ReplicateConfig {
+            soft_pin_action: SoftPinAction::PRESERVE,
+            soft_pin_ttl_ms: None,
             replica_num: 1,
             preferred_segment: String::new(),
             preferred_segments: Vec::new(),
@@ -73,11 +80,26 @@ impl ReplicateConfig {
             replica_num: u32::try_from(self.replica_num.max(1)).unwrap_or(u32::MAX),
             preferred_segment: Some(self.preferred_segment.clone()).filter(|s| !s.is_empty()),
             preferred_segments: self.preferred_segments.clone(),
-            with_soft_pin: self.with_soft_pin,
+            with_soft_pin: match self.soft_pin_action {
+                SoftPinAction::ENABLE => true,
+                SoftPinAction::DISABLE => false,
+                SoftPinAction::PRESERVE => self.with_soft_pin,
+            },
+            soft_pin_ttl_ms: self.soft_pin_ttl_ms,
             with_hard_pin: self.with_hard_pin,
             group_ids: self.group_ids.clone(),
         }
     }
+}
+
+/// Upstream's `SoftPinAction`, the pin request of `ReplicateConfig.soft_pin_action`.
+#[pyclass(module = "mooncake.store", eq, eq_int, from_py_object)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum SoftPinAction {
+    PRESERVE,
+    ENABLE,
+    DISABLE,
 }
 
 /// One replica of an object, as `batch_get_replica_desc` returns it. vLLM probes

@@ -145,6 +145,8 @@ pub struct ReplicateConfig {
     /// `preferred_segment`), each where it has room.
     pub preferred_segments: Vec<String>,
     pub with_soft_pin: bool,
+    /// Upstream's `soft_pin_ttl_ms` (`None`: the master's default; 0: no pin).
+    pub soft_pin_ttl_ms: Option<u64>,
     pub with_hard_pin: bool,
     /// Upstream's `group_ids`: one group id per key of the put (`""`: that key has none);
     /// `None`: no key has one. Objects of one group are evicted and removed together and read

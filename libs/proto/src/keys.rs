@@ -140,7 +140,9 @@ mod tests {
         assert_eq!(split_scoped(&scoped), ("team-a", "k"));
         assert_eq!(split_scoped("k"), (DEFAULT_TENANT, "k"));
         assert!(validate_scoped_key(&scoped).is_ok());
-        assert_ne!(scope_key("a", "b\0c"), scope_key("a\0b", "c"));
+        // A NUL in a user key (or a tenant) can never pass as the separator.
+        assert!(validate_scoped_key(&scope_key("a", "b\0c")).is_err());
+        assert!(validate_tenant("a\0b").is_err());
         assert_eq!(
             validate_scoped_key("team-a\0b\0c"),
             Err(KeyError::Nul { at: 8 })

@@ -160,6 +160,7 @@ impl From<Option<pb::ReplicateConfig>> for PutOptions {
                 v
             },
             soft_pin: c.with_soft_pin,
+            soft_pin_ttl: c.soft_pin_ttl_ms.map(std::time::Duration::from_millis),
             hard_pin: c.with_hard_pin,
             group: None,
         }

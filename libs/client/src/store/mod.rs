@@ -318,6 +318,7 @@ impl StoreClient {
             with_soft_pin: cfg.with_soft_pin,
             with_hard_pin: cfg.with_hard_pin,
             preferred_segments: cfg.preferred_segments.clone(),
+            soft_pin_ttl_ms: cfg.soft_pin_ttl_ms,
         }
     }
 

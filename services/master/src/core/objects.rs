@@ -222,7 +222,12 @@ impl MasterCore {
             // The writer reads its own put back from its cache: read and write.
             v.capability = capability(v, generation, RIGHT_READ | RIGHT_WRITE, WRITE_TTL);
         }
-        let soft_ttl = self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl);
+        let soft_ttl = opts
+            .soft_pin_ttl
+            .unwrap_or(self.cfg.soft_pin_ttl)
+            .min(self.cfg.max_soft_pin_ttl);
+        // Upstream: a soft pin of ttl 0 pins nothing.
+        let soft_pin = opts.soft_pin && !soft_ttl.is_zero();
         shard.insert(
             key.into(),
             Box::new(Object {
@@ -233,7 +238,12 @@ impl MasterCore {
                 client_id: self.names.get(client_id),
                 put_start: now,
                 lease_until: None,
-                soft_pin_until: opts.soft_pin.then(|| now + soft_ttl),
+                soft_pin_until: soft_pin.then(|| now + soft_ttl),
+                soft_pin_ms: if soft_pin {
+                    u32::try_from(soft_ttl.as_millis()).unwrap_or(u32::MAX)
+                } else {
+                    0
+                },
                 hard_pinned: opts.hard_pin,
                 last_access: now,
                 promoting: false,
@@ -349,7 +359,11 @@ impl MasterCore {
         o.lease_until = Some(o.lease_until.map_or(lease_until, |t| t.max(lease_until)));
         o.last_access = now;
         if o.soft_pin_until.is_some() {
-            o.soft_pin_until = Some(now + self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl));
+            let ttl = match o.soft_pin_ms {
+                0 => self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl),
+                ms => Duration::from_millis(u64::from(ms)),
+            };
+            o.soft_pin_until = Some(now + ttl);
         }
         let mut segs = self.segments.lock();
         let replicas = o

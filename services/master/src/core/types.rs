@@ -128,6 +128,8 @@ pub struct PutOptions {
     /// Segments to place replicas on first, in order, each where it has room.
     pub preferred_segments: Vec<String>,
     pub soft_pin: bool,
+    /// The soft pin's lifetime (`None`: the master's default); capped at its maximum.
+    pub soft_pin_ttl: Option<Duration>,
     pub hard_pin: bool,
 }
 
@@ -243,6 +245,8 @@ pub(super) struct Object {
     pub(super) last_access: Instant,
     /// A promotion on hit is in flight (at most one per object).
     pub(super) promoting: bool,
+    /// How long each read extends its soft pin, in ms (the put's ttl, capped; 0: not pinned).
+    pub(super) soft_pin_ms: u32,
     /// The group this object lives and dies with ([`super::groups`]), scoped by its tenant.
     pub(super) group: Option<Arc<str>>,
 }
@@ -269,6 +273,7 @@ impl Object {
             hard_pinned: false,
             last_access: now,
             promoting: false,
+            soft_pin_ms: 0,
             group: None,
         }
     }
