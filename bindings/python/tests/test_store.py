@@ -34,6 +34,11 @@ MB = 1 << 20
 
 @pytest.mark.parametrize("mode", ["embedded", "standalone-shm", "standalone-tcp"])
 def test_vllm_save_then_load_from_another_process(request, master, tmp_path, mode):
+    """vLLM's store worker, as vllm-project/vllm main (mid-2026)
+    `distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_store_worker.py` calls it:
+    `setup` with its positional order, `register_buffer` per KV tensor, `batch_is_exist` then
+    `batch_put_from_multi_buffers` (one piece per layer) on save, and
+    `batch_get_into_multi_buffers` on load, from another process."""
     env = {}
     if mode == "embedded":
         gss = 64 * MB
@@ -478,8 +483,10 @@ def test_remove_by_regex(master, store_64mb):
 
 
 def test_lmcache_calls_put_parts_get_buffer_batch_get_buffer(master, store_64mb):
-    """LMCache's default save and load path: put_parts(key, *parts) and get_buffer /
-    batch_get_buffer, whose BufferHandle has upstream's ptr(), size() and the buffer protocol."""
+    """LMCache's default save and load path, as LMCache/LMCache dev (mid-2026)
+    `lmcache/v1/storage_backend/connector/mooncakestore_connector.py` calls it: put_parts(key,
+    *parts) and get_buffer / batch_get_buffer, whose BufferHandle has upstream's ptr(), size()
+    and the buffer protocol."""
     import ctypes
 
     from mooncake.store import BufferHandle
