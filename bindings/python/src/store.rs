@@ -250,26 +250,30 @@ impl MooncakeDistributedStore {
         })
     }
 
-    /// `put` / `put_batch` and their upsert forms: 0 when every value was stored, else the first
-    /// failure's code.
+    /// `put` / `put_batch` / `put_parts` and their upsert forms: each object made of its
+    /// bytes-like parts. 0 when every object was stored, else the first failure's code.
     fn put_values(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
-        values: Vec<Bound<'_, PyAny>>,
+        objects: Vec<Vec<Bound<'_, PyAny>>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
         upsert: bool,
         call: &str,
     ) -> i64 {
-        if keys.len() != values.len() {
+        if keys.len() != objects.len() {
             tracing::error!(
                 "lunakv: {call} refused: {} keys but {} values",
                 keys.len(),
-                values.len()
+                objects.len()
             );
             return INVALID_PARAMS;
         }
-        let Ok(owned) = values.iter().map(as_bytes).collect::<PyResult<Vec<_>>>() else {
+        let Ok(owned) = objects
+            .iter()
+            .map(|parts| parts.iter().map(as_bytes).collect::<PyResult<Vec<_>>>())
+            .collect::<PyResult<Vec<_>>>()
+        else {
             tracing::error!("lunakv: {call} refused: a value is not bytes-like");
             return INVALID_PARAMS;
         };
@@ -277,12 +281,15 @@ impl MooncakeDistributedStore {
             return INVALID_PARAMS;
         };
         let cfg = config.map(|c| c.to_client()).unwrap_or_default();
-        let data: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
+        let data: Vec<Vec<&[u8]>> = owned
+            .iter()
+            .map(|parts| parts.iter().map(|b| b.as_bytes()).collect())
+            .collect();
         detached(py, INTERNAL_ERROR, move || {
             let items: Vec<(&str, Vec<&[u8]>)> = keys
                 .iter()
                 .map(String::as_str)
-                .zip(data.iter().map(|d| vec![*d]))
+                .zip(data.iter().cloned())
                 .collect();
             put_items(&c, &items, &cfg, upsert)
                 .into_iter()
@@ -566,7 +573,14 @@ impl MooncakeDistributedStore {
         value: &Bound<'_, PyAny>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i64 {
-        self.put_values(py, vec![key], vec![value.clone()], config, false, "put")
+        self.put_values(
+            py,
+            vec![key],
+            vec![vec![value.clone()]],
+            config,
+            false,
+            "put",
+        )
     }
 
     /// Stores several values; 0 if all were stored, else the first failure's code.
@@ -578,7 +592,14 @@ impl MooncakeDistributedStore {
         values: Vec<Bound<'_, PyAny>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i64 {
-        self.put_values(py, keys, values, config, false, "put_batch")
+        self.put_values(
+            py,
+            keys,
+            values.into_iter().map(|v| vec![v]).collect(),
+            config,
+            false,
+            "put_batch",
+        )
     }
 
     /// LMCache's save path: one object made of `parts` (each bytes-like), in order. 0 or a
@@ -591,21 +612,7 @@ impl MooncakeDistributedStore {
         parts: Vec<Bound<'_, PyAny>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i64 {
-        let Ok(owned) = parts.iter().map(as_bytes).collect::<PyResult<Vec<_>>>() else {
-            tracing::error!("lunakv: put_parts of '{key}' refused: a part is not bytes-like");
-            return INVALID_PARAMS;
-        };
-        let Some(c) = self.client() else {
-            return INVALID_PARAMS;
-        };
-        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
-        let data: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
-        detached(py, INTERNAL_ERROR, move || {
-            match c.put_parts(&key, &data, &cfg) {
-                Ok(()) => 0,
-                Err(e) => code(&e),
-            }
-        })
+        self.put_values(py, vec![key], vec![parts], config, false, "put_parts")
     }
 
     /// Upstream's `upsert_parts`: `put_parts` that replaces what `key` holds. 0 or a negative
@@ -618,20 +625,7 @@ impl MooncakeDistributedStore {
         parts: Vec<Bound<'_, PyAny>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i64 {
-        let Ok(owned) = parts.iter().map(as_bytes).collect::<PyResult<Vec<_>>>() else {
-            tracing::error!("lunakv: upsert_parts of '{key}' refused: a part is not bytes-like");
-            return INVALID_PARAMS;
-        };
-        let Some(c) = self.client() else {
-            return INVALID_PARAMS;
-        };
-        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
-        let data: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
-        detached(py, INTERNAL_ERROR, move || {
-            put_items(&c, &[(key.as_str(), data)], &cfg, true)
-                .pop()
-                .map_or(INTERNAL_ERROR, |r| r.map_or_else(|e| code(&e), |()| 0))
-        })
+        self.put_values(py, vec![key], vec![parts], config, true, "upsert_parts")
     }
 
     /// SGLang's standalone storage (`standalone_storage`): upstream's "dummy" client hands
@@ -734,7 +728,14 @@ impl MooncakeDistributedStore {
         value: &Bound<'_, PyAny>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i64 {
-        self.put_values(py, vec![key], vec![value.clone()], config, true, "upsert")
+        self.put_values(
+            py,
+            vec![key],
+            vec![vec![value.clone()]],
+            config,
+            true,
+            "upsert",
+        )
     }
 
     /// As `put_batch`, replacing existing objects.
@@ -746,7 +747,14 @@ impl MooncakeDistributedStore {
         values: Vec<Bound<'_, PyAny>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i64 {
-        self.put_values(py, keys, values, config, true, "upsert_batch")
+        self.put_values(
+            py,
+            keys,
+            values.into_iter().map(|v| vec![v]).collect(),
+            config,
+            true,
+            "upsert_batch",
+        )
     }
 
     /// As `put_from`, replacing an existing object.

@@ -326,6 +326,15 @@ fn tenant_param(q: &HashMap<String, String>) -> Result<&str, Refusal> {
         .map_err(|e| Refusal::BadTenant(e.to_string()))
 }
 
+/// The admin and the `?tenant_id=` of a change.
+fn tenant_change(
+    s: &TenantState,
+    q: &HashMap<String, String>,
+) -> Result<(Arc<TenantAdmin>, String), Refusal> {
+    let admin = tenant_admin(s)?.clone();
+    Ok((admin, tenant_param(q)?.to_owned()))
+}
+
 fn tenant_snapshot(core: &MasterCore, tenant: &str) -> serde_json::Value {
     let quota = core.tenant_quotas().get(tenant).copied();
     let charged = core.tenant_usage_of(tenant).dram_bytes;
@@ -382,12 +391,8 @@ async fn tenant_put(
     Query(q): Query<HashMap<String, String>>,
     body: axum::body::Bytes,
 ) -> Response {
-    let admin = match tenant_admin(&s) {
-        Ok(a) => a.clone(),
-        Err(r) => return r.into_response(),
-    };
-    let tenant = match tenant_param(&q) {
-        Ok(t) => t.to_owned(),
+    let (admin, tenant) = match tenant_change(&s, &q) {
+        Ok(a) => a,
         Err(r) => return r.into_response(),
     };
     #[derive(serde::Deserialize)]
@@ -417,12 +422,8 @@ async fn tenant_delete(
     State(s): State<TenantState>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let admin = match tenant_admin(&s) {
-        Ok(a) => a.clone(),
-        Err(r) => return r.into_response(),
-    };
-    let tenant = match tenant_param(&q) {
-        Ok(t) => t.to_owned(),
+    let (admin, tenant) = match tenant_change(&s, &q) {
+        Ok(a) => a,
         Err(r) => return r.into_response(),
     };
     let core = s.slot.get();

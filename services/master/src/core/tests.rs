@@ -24,7 +24,7 @@ fn new_core(cfg: CoreConfig) -> (Arc<MasterCore>, Arc<RecordingNotifier>) {
     (Arc::new(MasterCore::new(cfg, 7, n.clone())), n)
 }
 
-fn desc(name: &str, size: u64) -> SegmentDesc {
+pub(super) fn desc(name: &str, size: u64) -> SegmentDesc {
     SegmentDesc {
         name: name.into(),
         transfer_endpoint: format!("ep-{name}"),

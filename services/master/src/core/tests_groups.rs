@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use lunakv_proto::{ErrorCode, scope_key};
 
+use super::tests::desc;
 use super::*;
 use crate::notifier::RecordingNotifier;
 
@@ -23,23 +24,6 @@ fn new_core() -> Arc<MasterCore> {
         7,
         Arc::new(RecordingNotifier::default()),
     ))
-}
-
-fn desc(name: &str, size: u64) -> SegmentDesc {
-    SegmentDesc {
-        name: name.into(),
-        transfer_endpoint: format!("ep-{name}"),
-        size,
-        host_id: "h".into(),
-        shm_socket: String::new(),
-        protocol: "tcp".into(),
-        enable_offload: false,
-        disk_capacity: 0,
-        instance_id: format!("i-{name}"),
-        requested_protocol: "tcp".into(),
-        protocol_reason: String::new(),
-        data_secret: None,
-    }
 }
 
 fn grouped(group: &str, segment: Option<&str>) -> PutOptions {

@@ -8,6 +8,7 @@ use std::time::Duration;
 use lunakv_proto::{ErrorCode, scope_key};
 
 use super::index::TenantUsage;
+use super::tests::desc;
 use super::*;
 use crate::notifier::RecordingNotifier;
 
@@ -24,23 +25,6 @@ fn core_with(quotas: &[(&str, u64)], multi: bool) -> Arc<MasterCore> {
     let q: BTreeMap<String, u64> = quotas.iter().map(|(t, b)| (t.to_string(), *b)).collect();
     core.set_tenant_quotas(&q);
     Arc::new(core)
-}
-
-fn desc(name: &str, size: u64) -> SegmentDesc {
-    SegmentDesc {
-        name: name.into(),
-        transfer_endpoint: format!("ep-{name}"),
-        size,
-        host_id: "h".into(),
-        shm_socket: String::new(),
-        protocol: "tcp".into(),
-        enable_offload: false,
-        disk_capacity: 0,
-        instance_id: format!("i-{name}"),
-        requested_protocol: "tcp".into(),
-        protocol_reason: String::new(),
-        data_secret: None,
-    }
 }
 
 fn one() -> PutOptions {
