@@ -130,9 +130,6 @@ def test_sglang_pages_grouped_and_a_removed_member_takes_its_group(short_lease_m
         assert s.batch_put_from(["x1", "x2"], ptrs[:2], sizes[:2], cfg) == [INVALID_PARAMS] * 2
         cfg.group_ids = ["", "g"]
         assert s.batch_put_from(["x1", "x2"], ptrs[:2], sizes[:2], cfg) == [0, 0]
-        # soft_pin_ttl_ms is not implemented: setting it raises, it is never silently dropped.
-        with pytest.raises(AttributeError):
-            cfg.soft_pin_ttl_ms = 1000
         s.close()
     finally:
         proc.stop()

@@ -1326,3 +1326,28 @@ async fn a_matching_inventory_item_confirms_the_warm_entry_without_a_change() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_soft_pin_lasts_the_puts_ttl_capped_and_a_zero_ttl_pins_nothing() {
+    let (core, _) = new_core(cfg());
+    mount(&core, "cl", "a:1", BLOCK * 16);
+    let pin = |ms: u64| PutOptions {
+        replica_num: 1,
+        soft_pin: true,
+        soft_pin_ttl: Some(Duration::from_millis(ms)),
+        ..PutOptions::default()
+    };
+    put(&core, "zero", BLOCK, &pin(0)).await;
+    put(&core, "short", BLOCK, &pin(1)).await;
+    put(&core, "long", BLOCK, &pin(3_600_000)).await;
+    put(&core, "huge", BLOCK, &pin(u64::MAX / 2)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let pinned = |k: &str| core.query_key(k).expect(k).soft_pinned;
+    assert!(!pinned("zero"), "upstream: a ttl of 0 pins nothing");
+    assert!(!pinned("short"), "a 1 ms pin is over");
+    assert!(pinned("long") && pinned("huge"));
+    let max = core.config().max_soft_pin_ttl.as_millis() as u32;
+    let ms = |k: &str| core.shard(k).lock().get(k).map(|o| o.soft_pin_ms);
+    assert_eq!(ms("huge"), Some(max), "capped at max_kv_soft_pin_ttl");
+    assert_eq!(ms("long"), Some(3_600_000));
+}
