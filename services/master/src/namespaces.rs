@@ -319,11 +319,13 @@ impl NamespaceTracker {
     }
 }
 
-/// A Prometheus label value: backslash, double quote and newline escaped.
+/// A Prometheus label value: backslash, double quote and newline escaped, and a tenant's
+/// separator (a NUL, docs/TENANTS.md) shown as `/`.
 fn escape(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+        .replace('\0', "/")
 }
 
 #[cfg(test)]
@@ -449,5 +451,6 @@ mod tests {
     #[test]
     fn label_values_are_escaped() {
         assert_eq!(escape("a\"b\\c"), "a\\\"b\\\\c");
+        assert_eq!(escape("team-a\0m@tp_rank:0"), "team-a/m@tp_rank:0");
     }
 }
