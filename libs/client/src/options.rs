@@ -69,6 +69,16 @@ pub struct ClientOptions {
     pub enable_offload: Option<bool>,
     /// Whether connecting waits for a master that is not reachable yet (default: no).
     pub master_wait: MasterWait,
+    /// Layer-wise sessions (`batch_put_session_start`, `batch_get_session_start`): at most this
+    /// many keys with an open put or get session at once; more are refused.
+    pub session_max_keys: usize,
+    /// ... and at most this many bytes staged for them (a session holds its object's bytes in
+    /// this process, see `StoreClient::batch_put_session_start`).
+    pub session_max_bytes: u64,
+    /// A session not used for this long is dropped when the next one starts, so a caller that
+    /// never ends its sessions does not keep their memory. Longer than the master's default
+    /// put_start_discard_timeout_sec (30 s), which frees an unended put's reservation.
+    pub session_idle_timeout: Duration,
 }
 
 impl Default for ClientOptions {
@@ -87,6 +97,9 @@ impl Default for ClientOptions {
             shm_dir: None,
             enable_offload: None,
             master_wait: MasterWait::NoWait,
+            session_max_keys: 4096,
+            session_max_bytes: 4 << 30,
+            session_idle_timeout: Duration::from_secs(60),
         }
     }
 }
