@@ -285,3 +285,30 @@ def test_sessions_never_ended_are_dropped_when_idle(master, monkeypatch):
         assert s.get(fresh) == buf.tobytes()
     finally:
         s.close()
+
+
+def test_device_buffers_are_refused_not_dereferenced(master):
+    """Session ranges are copied by the CPU, so device memory (the fake double: a CPU access
+    is SIGSEGV, docs/GPU.md) is refused with -600; reaching this test's end proves no copy ran."""
+    from mooncake import _lunakv_testing as dev
+
+    assert dev.device_layer() == "fake", "conftest.py sets LUNAKV_DEVICE=fake"
+    s = connect(master, 64 * MB)
+    gpu = dev.device_alloc(4096)
+    try:
+        assert s.register_buffer(gpu, 4096) == 0
+        key = vllm_key(1, prefix="device")
+        assert s.batch_put_session_start([key], [4096]) == [0]
+        assert s.batch_put_from_multi_buffer_ranges([key], [[gpu]], [[4096]], [[0]]) == [INVALID_PARAMS]
+        host = np.full(4096, 7, dtype=np.uint8)
+        assert s.batch_put_from_multi_buffer_ranges([key], [[host.ctypes.data]], [[4096]], [[0]]) == [4096]
+        assert s.batch_put_session_end([key]) == [0]
+        assert s.batch_get_session_start([key]) == [0]
+        assert s.batch_get_into_multi_buffer_ranges([key], [[gpu]], [[4096]], [[0]]) == [INVALID_PARAMS]
+        assert s.batch_get_session_end([key]) == 0
+        # The whole-block calls take the same device buffer.
+        assert s.batch_get_into_multi_buffers([key], [[gpu]], [[4096]]) == [4096]
+        assert dev.device_read(gpu, 4096) == host.tobytes()
+    finally:
+        s.close()
+        dev.device_free(gpu)
