@@ -889,7 +889,9 @@ impl MooncakeDistributedStore {
                     ),
                 }
             }
-            for (i, r) in idx.into_iter().zip(c.batch_put_session_start(&items, &cfg)) {
+            let got = c.batch_put_session_start(&items, &cfg);
+            warn_session_limit("batch_put_session_start", &got);
+            for (i, r) in idx.into_iter().zip(got) {
                 out[i] = unit_code("put session start", r);
             }
             out
@@ -960,7 +962,16 @@ impl MooncakeDistributedStore {
     /// Opens a get session per key (starting it again replaces it). One code per key: 0, or
     /// negative (-704 missing, -200 past the session bounds).
     fn batch_get_session_start(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
-        self.per_key(py, keys, |c, ks| c.batch_get_session_start(ks), |()| 0)
+        self.per_key(
+            py,
+            keys,
+            |c, ks| {
+                let got = c.batch_get_session_start(ks);
+                warn_session_limit("batch_get_session_start", &got);
+                got
+            },
+            |()| 0,
+        )
     }
 
     /// Reads ranges of objects with an open get session: `all_sizes[i][j]` bytes at
@@ -1257,6 +1268,21 @@ fn offset_ranges(
             })
             .collect(),
     )
+}
+
+/// One warning per call that refused keys at a session bound, naming the bound: the caller
+/// sees only -200, which also means a full pool.
+fn warn_session_limit<T>(call: &str, results: &[Result<T, ClientError>]) {
+    let mut refused = results
+        .iter()
+        .filter_map(|r| r.as_ref().err())
+        .filter(|e| matches!(e, ClientError::SessionLimit { .. }));
+    if let Some(first) = refused.next() {
+        tracing::warn!(
+            "lunakv: {call} refused {} key(s) at a session bound: {first}",
+            1 + refused.count()
+        );
+    }
 }
 
 /// 0, or the error's code (logged at debug: per-key failures are the caller's to handle).

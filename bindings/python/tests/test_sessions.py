@@ -227,13 +227,16 @@ def test_calls_without_a_session(store):
     assert s._session_counts() == (0, 0, 0)
 
 
-def test_session_bounds_refuse_more_and_free_on_end(master, monkeypatch):
+def test_session_bounds_refuse_more_and_free_on_end(master, monkeypatch, capfd):
     monkeypatch.setenv("LUNAKV_SESSION_MAX_KEYS", "3")
     monkeypatch.setenv("LUNAKV_SESSION_MAX_BYTES", "64KB")
     s = connect(master, 64 * MB)
     try:
         keys = [vllm_key(i, prefix="bound") for i in range(5)]
         assert s.batch_put_session_start(keys, [4096] * 5) == [0, 0, 0, NO_AVAILABLE_HANDLE, NO_AVAILABLE_HANDLE]
+        # -200 alone would read as a full pool: the log names the bound that refused them.
+        err = capfd.readouterr().err
+        assert "refused 2 key(s) at a session bound" in err and "LUNAKV_SESSION_MAX_KEYS" in err, err
         assert s._session_counts() == (3, 0, 3 * 4096)
         # Get sessions count against the same bound.
         assert s.put(keys[4], b"x" * 100) == 0
@@ -247,6 +250,7 @@ def test_session_bounds_refuse_more_and_free_on_end(master, monkeypatch):
         # The byte bound: 64 KiB in all.
         big = vllm_key(99, prefix="bound")
         assert s.batch_put_session_start([big], [64 * 1024]) == [NO_AVAILABLE_HANDLE]
+        assert "LUNAKV_SESSION_MAX_BYTES" in capfd.readouterr().err
         assert s.batch_get_session_end([keys[4]]) == 0
         assert s.batch_put_session_revoke([keys[2]]) == [0]
         assert s.batch_put_session_start([big], [64 * 1024]) == [0]
