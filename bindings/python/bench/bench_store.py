@@ -395,7 +395,10 @@ def store_setup(store, gss: int, master: str) -> None:
 
 
 def segment_bytes(args) -> int:
-    need = args.total_mib * MB + 64 * MB
+    # The layer-wise pass stores the bytes twice (whole-block and session keys); the first
+    # pass's objects are removed before it.
+    copies = 1 if args.no_layerwise else 2
+    need = copies * args.total_mib * MB + 64 * MB
     return max(need * 2, 512 * MB)
 
 
@@ -430,6 +433,7 @@ def worker(args) -> int:
             res = workload(s, args, tag)
             print("RESULT " + json.dumps({"impl": impl, "mode": mode, "load": load, **res}), flush=True)
             if not args.no_layerwise and hasattr(s, "batch_put_session_start"):
+                s.remove_all(True)
                 load = os.getloadavg()[0]
                 res = layerwise_workload(s, args, tag)
                 print("RESULT " + json.dumps({"impl": impl, "mode": f"{mode} layer-wise", "load": load,
