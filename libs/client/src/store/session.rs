@@ -475,7 +475,7 @@ impl StoreClient {
                 )?;
                 for (offset, piece) in ranges {
                     let at = *offset as usize;
-                    data[at..at + piece.len()].copy_from_slice(piece);
+                    lunakv_transfer::copy_slice(&mut data[at..at + piece.len()], piece);
                 }
                 Ok(total)
             })
@@ -713,7 +713,8 @@ impl StoreClient {
                 )?;
                 for (offset, dst) in ranges.iter_mut() {
                     let at = *offset as usize;
-                    dst.copy_from_slice(&data[at..at + dst.len()]);
+                    let n = dst.len();
+                    lunakv_transfer::copy_slice(dst, &data[at..at + n]);
                 }
                 Ok(total)
             })
