@@ -229,10 +229,9 @@ pub(crate) fn copy_out(m: &Mapping, offset: usize, dst: &mut [&mut [u8]]) {
     }
 }
 
-/// [`copy_bytes`] for two slices of one length, for copies between caller buffers and memory
-/// other crates stage (the client's layer-wise sessions): the same vector loop, so they avoid
-/// glibc's `rep movsb` cliff into numpy buffers as the segment copies do. Panics when the
-/// lengths differ.
+/// Copies `src` into `dst` (of the same length; panics otherwise) with the data path's copy
+/// loop, for memory other crates stage (the client's layer-wise sessions): a 32-byte vector
+/// loop that avoids glibc's `rep movsb` cliff into numpy buffers, as the segment copies do.
 pub fn copy_slice(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_slice: lengths differ");
     // SAFETY: both slices are valid for `src.len()` bytes, and a `&mut` slice never overlaps
