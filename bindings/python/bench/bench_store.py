@@ -33,6 +33,16 @@ a failed install, runs lunakv alone.
     bindings/python/build.sh bench                    # release wheel + binaries, then this
     python bench_store.py [--no-upstream] [--pairs 5] [--total-mib 256] [--batch 32] ...
 
+Layer-wise sessions (lunakv only: upstream's 0.3.13 wheel has no session calls; --no-layerwise
+skips them): after each mode's pass, the same objects are saved and loaded again two ways,
+interleaved batch by batch in one pass, alternating which goes first: whole blocks
+(batch_put_from_multi_buffers / batch_get_into_multi_buffers, as above) and a layer-wise session
+(batch_put_session_start, one batch_put_from_multi_buffer_ranges call per layer with one range
+per object, batch_put_session_end; batch_get_session_start, one
+batch_get_into_multi_buffer_ranges call per layer, batch_get_session_end). Each path's GB/s is
+over its own time; p50/p99 are per batch (a session's whole sequence of calls). The row's ratio
+is session / whole-block per run, median over the runs.
+
 Ratios are paired trials: lunakv, upstream, lunakv, upstream, ... (--pairs N, default 5), each
 pair's ratio taken from two back-to-back passes, so a burst of neighbour load skews one pair
 rather than one side. The verdict uses the median per-pair ratio, printed with its min-max and
@@ -218,6 +228,104 @@ def workload(store, args, tag: str) -> dict:
     }
 
 
+def layerwise_workload(store, args, tag: str) -> dict:
+    """The same bytes as `workload`, saved and loaded both as whole blocks and through
+    layer-wise sessions, interleaved per batch (see the module docs)."""
+    import numpy as np
+
+    piece = args.piece_kib * 1024
+    obj = args.layers * piece
+    n_objects = max(args.batch, (args.total_mib * MB) // obj // args.batch * args.batch)
+    src = np.random.default_rng(8).integers(0, 256, (args.layers, n_objects, piece), dtype=np.uint8)
+    dst = {"block": np.zeros_like(src), "session": np.zeros_like(src)}
+    for d in dst.values():
+        d.fill(0)  # warm, as in `workload`
+    for buf in (src, *dst.values()):
+        rc = store.register_buffer(buf.ctypes.data, buf.nbytes)
+        if rc != 0:
+            raise RuntimeError(f"register_buffer: {rc}")
+    stride = n_objects * piece
+
+    def addrs(base: int, blocks: range):
+        ptrs = [[base + layer * stride + b * piece for layer in range(args.layers)] for b in blocks]
+        return ptrs, [[piece] * args.layers for _ in blocks]
+
+    def layer_args(base: int, blocks: range, layer: int):
+        return ([[base + layer * stride + b * piece] for b in blocks], [[piece] for _ in blocks],
+                [[layer * piece] for _ in blocks])
+
+    def put_block(keys, blocks):
+        ptrs, sizes = addrs(src.ctypes.data, blocks)
+        r = store.batch_put_from_multi_buffers(keys, ptrs, sizes)
+        if any(x != 0 for x in r):
+            raise RuntimeError(f"batch_put_from_multi_buffers: {r[:4]}...")
+
+    def put_session(keys, blocks):
+        r = store.batch_put_session_start(keys, [obj] * len(keys))
+        if any(x != 0 for x in r):
+            raise RuntimeError(f"batch_put_session_start: {r[:4]}...")
+        for layer in range(args.layers):
+            r = store.batch_put_from_multi_buffer_ranges(keys, *layer_args(src.ctypes.data, blocks, layer))
+            if any(x != piece for x in r):
+                raise RuntimeError(f"batch_put_from_multi_buffer_ranges: {r[:4]}... (want {piece})")
+        r = store.batch_put_session_end(keys)
+        if any(x != 0 for x in r):
+            raise RuntimeError(f"batch_put_session_end: {r[:4]}...")
+
+    def get_block(keys, blocks):
+        ptrs, sizes = addrs(dst["block"].ctypes.data, blocks)
+        r = store.batch_get_into_multi_buffers(keys, ptrs, sizes)
+        if any(x != obj for x in r):
+            raise RuntimeError(f"batch_get_into_multi_buffers: {r[:4]}... (want {obj})")
+
+    def get_session(keys, blocks):
+        r = store.batch_get_session_start(keys)
+        if any(x != 0 for x in r):
+            raise RuntimeError(f"batch_get_session_start: {r[:4]}...")
+        for layer in range(args.layers):
+            r = store.batch_get_into_multi_buffer_ranges(
+                keys, *layer_args(dst["session"].ctypes.data, blocks, layer))
+            if any(x != piece for x in r):
+                raise RuntimeError(f"batch_get_into_multi_buffer_ranges: {r[:4]}... (want {piece})")
+        if store.batch_get_session_end(keys) != 0:
+            raise RuntimeError("batch_get_session_end failed")
+
+    keys = {p: [f"{tag}-{p}@layerwise@pp_rank:0@group:0@{i:064x}" for i in range(n_objects)]
+            for p in ("block", "session")}
+    lat: dict[str, list[float]] = {f"{p}_{op}": [] for p in ("block", "session") for op in ("put", "get")}
+    phases = (("put", {"block": put_block, "session": put_session}),
+              ("get", {"block": get_block, "session": get_session}))
+    for op, fns in phases:
+        for n, first in enumerate(range(0, n_objects, args.batch)):
+            blocks = range(first, first + args.batch)
+            # Alternate which path goes first, so neither always runs on a warmer cache.
+            order = ("block", "session") if n % 2 == 0 else ("session", "block")
+            for p in order:
+                t = time.perf_counter()
+                fns[p](keys[p][first : first + args.batch], blocks)
+                lat[f"{p}_{op}"].append(time.perf_counter() - t)
+    for p, d in dst.items():
+        if not np.array_equal(src, d):
+            raise RuntimeError(f"layer-wise bench: {p} loads differ from the saved bytes")
+    for buf in (src, *dst.values()):
+        store.unregister_buffer(buf.ctypes.data)
+    store.batch_remove(keys["block"] + keys["session"], True)
+    moved = n_objects * obj
+
+    def pct(v: list[float], q: float) -> float:
+        s = sorted(v)
+        return s[min(len(s) - 1, int(q * len(s)))] * 1e6
+
+    out: dict = {"objects": n_objects, "object_bytes": obj, "bytes": moved}
+    for k, v in lat.items():
+        out[f"{k}_gbps"] = moved / sum(v) / 1e9
+        out[f"{k}_p50_us"] = pct(v, 0.5)
+        out[f"{k}_p99_us"] = pct(v, 0.99)
+    # `median` ranks a run's rows by put + get GB/s: the session path's.
+    out["put_gbps"], out["get_gbps"] = out["session_put_gbps"], out["session_get_gbps"]
+    return out
+
+
 def memcpy_ceiling(args) -> dict:
     """The C library's memcpy of the very same pieces, in this process: the KV-cache layout
     (one region per layer) into and out of a page-aligned, warm "segment", batch by batch. This
@@ -287,7 +395,10 @@ def store_setup(store, gss: int, master: str) -> None:
 
 
 def segment_bytes(args) -> int:
-    need = args.total_mib * MB + 64 * MB
+    # The layer-wise pass stores the bytes twice (whole-block and session keys); the first
+    # pass's objects are removed before it.
+    copies = 1 if args.no_layerwise else 2
+    need = copies * args.total_mib * MB + 64 * MB
     return max(need * 2, 512 * MB)
 
 
@@ -307,22 +418,29 @@ def worker(args) -> int:
         print("RESULT " + json.dumps({"impl": impl, "mode": "memcpy", "load": load, **ceil}), flush=True)
         for mode in args.modes.split(","):
             load = os.getloadavg()[0]
+            owner = None
             if mode == "embedded":
                 s = MooncakeDistributedStore()
                 store_setup(s, gss, master)
-                res = workload(s, args, f"{impl}-emb")
-                s.close()
             elif mode == "standalone-store":
                 owner = start_owner(impl, args, master, gss, tmp)
                 procs.append(owner)
                 s = MooncakeDistributedStore()
                 store_setup(s, 0, master)
-                res = workload(s, args, f"{impl}-sa")
-                s.close()
-                owner.stop()
             else:
                 raise SystemExit(f"unknown mode {mode}")
+            tag = f"{impl}-{'emb' if owner is None else 'sa'}"
+            res = workload(s, args, tag)
             print("RESULT " + json.dumps({"impl": impl, "mode": mode, "load": load, **res}), flush=True)
+            if not args.no_layerwise and hasattr(s, "batch_put_session_start"):
+                s.remove_all(True)
+                load = os.getloadavg()[0]
+                res = layerwise_workload(s, args, tag)
+                print("RESULT " + json.dumps({"impl": impl, "mode": f"{mode} layer-wise", "load": load,
+                                              **res}), flush=True)
+            s.close()
+            if owner is not None:
+                owner.stop()
     finally:
         for p in reversed(procs):
             p.stop()
@@ -424,6 +542,14 @@ def fmt(r: dict) -> str:
     if r["mode"] == "memcpy":
         return (f"{r['impl']:8} {'memcpy (ceiling)':17} put {r['put_gbps']:6.2f} GB/s"
                 f"{'':31}get {r['get_gbps']:6.2f} GB/s{'':31}{load}")
+    if "session_put_gbps" in r:
+        w = max(17, len(r["mode"]))
+        return "\n".join(
+            f"{r['impl']:8} {r['mode'] if p == 'block' else '':{w}} {p:7} put {r[f'{p}_put_gbps']:6.2f} GB/s "
+            f"(p50 {r[f'{p}_put_p50_us']:8.0f} us, p99 {r[f'{p}_put_p99_us']:8.0f} us)   get "
+            f"{r[f'{p}_get_gbps']:6.2f} GB/s (p50 {r[f'{p}_get_p50_us']:8.0f} us, p99 "
+            f"{r[f'{p}_get_p99_us']:8.0f} us){load if p == 'block' else ''}"
+            for p in ("block", "session"))
     line = (f"{r['impl']:8} {r['mode']:17} put {r['put_gbps']:6.2f} GB/s (p50 {r['put_p50_us']:8.0f} us,"
             f" p99 {r['put_p99_us']:8.0f} us)   get {r['get_gbps']:6.2f} GB/s (p50 {r['get_p50_us']:8.0f} us,"
             f" p99 {r['get_p99_us']:8.0f} us){load}")
@@ -448,6 +574,8 @@ def main() -> int:
     ap.add_argument("--cold-dst", action="store_true",
                     help="load into never-touched buffers (first-touch page faults inside the gets)")
     ap.add_argument("--no-upstream", action="store_true", help="measure lunakv only")
+    ap.add_argument("--no-layerwise", action="store_true",
+                    help="skip the layer-wise session rows (whole-block vs session, lunakv only)")
     ap.add_argument("--lunakv-python", default=str(REPO / ".venv" / "bin" / "python"))
     ap.add_argument("--upstream-venv", default="/tmp/mc-upstream-venv")
     ap.add_argument("--bin-dir", default=os.environ.get("LUNAKV_BIN_DIR", str(REPO / "target" / "release")))
@@ -462,7 +590,8 @@ def main() -> int:
     common = ["--modes", args.modes, "--total-mib", str(args.total_mib), "--batch", str(args.batch),
               "--layers", str(args.layers), "--piece-kib", str(args.piece_kib), "--bin-dir", args.bin_dir,
               "--exists-batch", str(args.exists_batch),
-              *(["--cold-dst"] if args.cold_dst else [])]
+              *(["--cold-dst"] if args.cold_dst else []),
+              *(["--no-layerwise"] if args.no_layerwise else [])]
     me = str(Path(__file__).resolve())
     print(f"== workload: objects of {args.layers} x {args.piece_kib} KiB, batches of {args.batch}, "
           f"~{args.total_mib} MiB each way, modes {args.modes}, "
@@ -499,6 +628,12 @@ def main() -> int:
         print(f"== medians of {args.runs} alternating runs")
     for r in lunakv + upstream:
         print(fmt(r), flush=True)
+    for mode in [r["mode"] for r in lunakv if r["mode"].endswith("layer-wise")]:
+        ratios = layerwise_ratios(lruns, mode)
+        put, get = summarize(ratios["put"]), summarize(ratios["get"])
+        print(f"== {mode}: session / whole-block, median of {len(ratios['put'])} runs [min-max]: "
+              f"put {put['median']:.2f}x [{put['min']:.2f}-{put['max']:.2f}]   "
+              f"get {get['median']:.2f}x [{get['min']:.2f}-{get['max']:.2f}]")
 
     if upstream:
         load_end = os.getloadavg()
@@ -541,6 +676,20 @@ def paired_ratios(lruns: list[list[dict]], uruns: list[list[dict]], mode: str) -
             lat = f"{op}_p50_us"
             if lat in lm and lat in um:
                 out[op].append(um[lat] / lm[lat] if lm[lat] > 0 else 0.0)
+    return out
+
+
+def layerwise_ratios(runs: list[list[dict]], mode: str) -> dict[str, list[float]]:
+    """Per run: the layer-wise session path's GB/s over the whole-block path's, both measured
+    interleaved in that run's `mode` row."""
+    out: dict[str, list[float]] = {"put": [], "get": []}
+    for run in runs:
+        r = next((r for r in run if r["mode"] == mode), None)
+        if r is None:
+            continue
+        for op in ("put", "get"):
+            b = r[f"block_{op}_gbps"]
+            out[op].append(r[f"session_{op}_gbps"] / b if b > 0 else 0.0)
     return out
 
 

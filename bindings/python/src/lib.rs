@@ -21,7 +21,9 @@
 //!   check with -600: a null pointer, a negative size, a range that wraps the address space, and
 //!   destination ranges that overlap each other.
 //! - A buffer may be GPU memory (torch CUDA tensors' `data_ptr()`): every call detects it and
-//!   copies by DMA, never with the CPU (docs/GPU.md; `register_buffer` classifies it once).
+//!   copies by DMA, never with the CPU (docs/GPU.md; `register_buffer` classifies it once),
+//!   except the layer-wise session ranges, which are staged by the CPU and refuse device memory
+//!   with -600 (README, "Layer-wise sessions").
 //!
 //! ## Threads and safety
 //! Every `StoreClient` call runs with the GIL released (`Python::detach`), so vLLM's sending and

@@ -63,6 +63,10 @@ pub enum RangeError {
     NotUserSpace { ptr: usize, len: usize, end: usize },
     #[error("{ptrs} buffer pointers but {sizes} sizes: pass one size per pointer")]
     Counts { ptrs: usize, sizes: usize },
+    #[error("{ptrs} buffer pointers but {offsets} offsets: pass one offset per pointer")]
+    Offsets { ptrs: usize, offsets: usize },
+    #[error("object offset {0} is negative or too large")]
+    Offset(i128),
 }
 
 /// A checked `(ptr, len)` range of caller memory. Holding one promises nothing about the memory

@@ -45,6 +45,44 @@ fn setup_wait(env: &dyn Fn(&str) -> Option<String>) -> MasterWait {
     }
 }
 
+/// The variables that bound the layer-wise sessions' staged state (keys, bytes, idle seconds).
+const SESSION_MAX_KEYS_ENV: &str = "LUNAKV_SESSION_MAX_KEYS";
+const SESSION_MAX_BYTES_ENV: &str = "LUNAKV_SESSION_MAX_BYTES";
+const SESSION_IDLE_ENV: &str = "LUNAKV_SESSION_IDLE_SEC";
+
+/// Applies the session bounds the environment sets; a value that does not parse keeps the
+/// default, with a warning naming it.
+fn session_bounds(opts: &mut ClientOptions, env: &dyn Fn(&str) -> Option<String>) {
+    let get = |name: &str| {
+        env(name)
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+    };
+    let bad = |name: &str, v: &str| {
+        tracing::warn!("lunakv: {name}={v:?} does not parse; keeping the default");
+    };
+    if let Some(v) = get(SESSION_MAX_KEYS_ENV) {
+        match v.parse::<usize>() {
+            Ok(n) => opts.session_max_keys = n,
+            Err(_) => bad(SESSION_MAX_KEYS_ENV, &v),
+        }
+    }
+    if let Some(v) = get(SESSION_MAX_BYTES_ENV) {
+        match lunakv_config::parse_size(&v) {
+            Ok(n) => opts.session_max_bytes = n,
+            Err(_) => bad(SESSION_MAX_BYTES_ENV, &v),
+        }
+    }
+    if let Some(v) = get(SESSION_IDLE_ENV) {
+        match v.parse::<f64>() {
+            Ok(s) if s.is_finite() && s > 0.0 => {
+                opts.session_idle_timeout = Duration::from_secs_f64(s);
+            }
+            _ => bad(SESSION_IDLE_ENV, &v),
+        }
+    }
+}
+
 /// A key that never exists; `health_check` asks the master about it.
 const HEALTH_KEY: &str = "__lunakv_health_check__";
 
@@ -159,6 +197,7 @@ impl MooncakeDistributedStore {
         // setup still returns a code, now after the wait (RPC_FAIL when it never answered).
         // Refusals and malformed addresses return at once.
         opts.master_wait = setup_wait(&lunakv_config::process_env);
+        session_bounds(&mut opts, &lunakv_config::process_env);
         // A second setup replaces the first client, as upstream re-creates its client. The lock
         // is released before the GIL is: no lock is ever held across `detached`.
         let old = self.client.write().take();
@@ -906,6 +945,200 @@ impl MooncakeDistributedStore {
         }
     }
 
+    // === layer-wise sessions (upstream's session API) ===
+
+    /// Reserves each object (PutStart) without moving bytes. One code per key: 0, or negative
+    /// (-600 for a key whose put session is already open, -200 past the session bounds).
+    #[pyo3(signature = (keys, sizes, config = None))]
+    fn batch_put_session_start(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        sizes: Vec<PyInt>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i64> {
+        let n = keys.len();
+        let Some(c) = self.client() else {
+            return vec![INVALID_PARAMS; n];
+        };
+        if sizes.len() != n {
+            tracing::error!(
+                "lunakv: batch_put_session_start refused: {n} keys but {} sizes",
+                sizes.len()
+            );
+            return vec![INVALID_PARAMS; n];
+        }
+        let cfg = config.map(|c| c.to_client()).unwrap_or_default();
+        detached(py, vec![INTERNAL_ERROR; n], move || {
+            let mut out = vec![INVALID_PARAMS; n];
+            let mut items = Vec::with_capacity(n);
+            let mut idx = Vec::with_capacity(n);
+            for (i, (key, size)) in keys.iter().zip(&sizes).enumerate() {
+                match u64::try_from(size.0) {
+                    Ok(s) => {
+                        items.push((key.as_str(), s));
+                        idx.push(i);
+                    }
+                    Err(_) => tracing::error!(
+                        "lunakv: put session of '{key}' refused: size {} is negative or too large",
+                        size.0
+                    ),
+                }
+            }
+            let got = c.batch_put_session_start(&items, &cfg);
+            warn_session_limit("batch_put_session_start", &got);
+            for (i, r) in idx.into_iter().zip(got) {
+                out[i] = unit_code("put session start", r);
+            }
+            out
+        })
+    }
+
+    /// Writes ranges into objects whose put session is open: object `i` gets
+    /// `all_sizes[i][j]` bytes from `all_buffer_ptrs[i][j]` at `all_dst_offsets[i][j]`. One
+    /// result per key: the bytes written, or a negative code (-600 for a key with no open
+    /// session or a range outside its object; nothing of that key is written).
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, all_dst_offsets))]
+    fn batch_put_from_multi_buffer_ranges(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<PyInt>>,
+        all_sizes: Vec<Vec<PyInt>>,
+        all_dst_offsets: Vec<Vec<PyInt>>,
+    ) -> Vec<i64> {
+        let n = keys.len();
+        let Some(c) = self.client() else {
+            return vec![INVALID_PARAMS; n];
+        };
+        let Some(ranges) = offset_ranges(n, &all_buffer_ptrs, &all_sizes, &all_dst_offsets) else {
+            return vec![INVALID_PARAMS; n];
+        };
+        detached(py, vec![INTERNAL_ERROR; n], move || {
+            let mut out = vec![INVALID_PARAMS; n];
+            let mut items = Vec::with_capacity(n);
+            let mut idx = Vec::with_capacity(n);
+            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
+                match r {
+                    // SAFETY: the caller promised these ranges are valid readable memory for
+                    // the duration of this call (module docs); they were checked by Range::new.
+                    Ok(parts) => {
+                        items.push((
+                            key.as_str(),
+                            parts
+                                .iter()
+                                .map(|(o, p)| (*o, unsafe { p.slice() }))
+                                .collect(),
+                        ));
+                        idx.push(i);
+                    }
+                    Err(msg) => tracing::error!("lunakv: range put of '{key}' refused: {msg}"),
+                }
+            }
+            for (i, r) in idx.into_iter().zip(c.batch_put_ranges(&items)) {
+                out[i] = count_code("range put", r);
+            }
+            out
+        })
+    }
+
+    /// Writes each session's object to its replicas and publishes it (PutEnd). One code per
+    /// key: 0, or negative (-600 without an open session; a failed end keeps the session for
+    /// another end or a revoke).
+    fn batch_put_session_end(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
+        self.per_key(py, keys, |c, ks| c.batch_put_session_end(ks), |()| 0)
+    }
+
+    /// Abandons each open put session (PutRevoke): the key can be put again. One code per key:
+    /// 0, or negative (-600 without an open session).
+    fn batch_put_session_revoke(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
+        self.per_key(py, keys, |c, ks| c.batch_put_session_revoke(ks), |()| 0)
+    }
+
+    /// Opens a get session per key (starting it again replaces it). One code per key: 0, or
+    /// negative (-704 missing, -200 past the session bounds).
+    fn batch_get_session_start(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i64> {
+        self.per_key(
+            py,
+            keys,
+            |c, ks| {
+                let got = c.batch_get_session_start(ks);
+                warn_session_limit("batch_get_session_start", &got);
+                got
+            },
+            |()| 0,
+        )
+    }
+
+    /// Reads ranges of objects with an open get session: `all_sizes[i][j]` bytes at
+    /// `all_src_offsets[i][j]` into `all_buffer_ptrs[i][j]`. One result per key: the bytes
+    /// read, or a negative code (-600 for a key with no open session or a range outside its
+    /// object).
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, all_src_offsets))]
+    fn batch_get_into_multi_buffer_ranges(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<PyInt>>,
+        all_sizes: Vec<Vec<PyInt>>,
+        all_src_offsets: Vec<Vec<PyInt>>,
+    ) -> Vec<i64> {
+        let n = keys.len();
+        let Some(c) = self.client() else {
+            return vec![INVALID_PARAMS; n];
+        };
+        let Some(ranges) = offset_ranges(n, &all_buffer_ptrs, &all_sizes, &all_src_offsets) else {
+            return vec![INVALID_PARAMS; n];
+        };
+        if !disjoint(ranges.iter().flatten().flatten().map(|(_, r)| r)) {
+            tracing::error!("lunakv: range get refused: destination buffers overlap each other");
+            return vec![INVALID_PARAMS; n];
+        }
+        detached(py, vec![INTERNAL_ERROR; n], move || {
+            let mut out = vec![INVALID_PARAMS; n];
+            let mut items = Vec::with_capacity(n);
+            let mut idx = Vec::with_capacity(n);
+            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
+                match r {
+                    // SAFETY: the caller promised these ranges are valid writable memory for
+                    // the duration of this call; `disjoint` above proved no two of them overlap.
+                    Ok(parts) => {
+                        items.push((
+                            key.as_str(),
+                            parts
+                                .iter()
+                                .map(|(o, p)| (*o, unsafe { p.slice_mut() }))
+                                .collect(),
+                        ));
+                        idx.push(i);
+                    }
+                    Err(msg) => tracing::error!("lunakv: range get of '{key}' refused: {msg}"),
+                }
+            }
+            for (i, r) in idx.into_iter().zip(c.batch_get_ranges(&mut items)) {
+                out[i] = count_code("range get", r);
+            }
+            out
+        })
+    }
+
+    /// Drops the get sessions of `keys`. 0 (also for keys without one, as upstream).
+    fn batch_get_session_end(&self, py: Python<'_>, keys: Vec<String>) -> i64 {
+        let Some(c) = self.client() else {
+            return INVALID_PARAMS;
+        };
+        detached(py, INTERNAL_ERROR, move || {
+            let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+            c.batch_get_session_end(&ks);
+            0
+        })
+    }
+
+    /// lunakv test hook: `(open put sessions, open get sessions, bytes they stage)`.
+    fn _session_counts(&self) -> (usize, usize, u64) {
+        self.client().map_or((0, 0, 0), |c| c.session_counts())
+    }
+
     // === metadata ===
 
     /// 1 if the object exists, 0 if not, a negative code on failure.
@@ -1087,6 +1320,87 @@ fn multi_ranges(
             .map(|(p, s)| Range::list(p, s))
             .collect(),
     )
+}
+
+/// Per-key lists of `(offset, range)`; None when the outer list lengths disagree. A key whose
+/// inner lists disagree, or with a bad pointer, size or offset, fails alone.
+#[allow(clippy::type_complexity)]
+fn offset_ranges(
+    n: usize,
+    ptrs: &[Vec<PyInt>],
+    sizes: &[Vec<PyInt>],
+    offsets: &[Vec<PyInt>],
+) -> Option<Vec<Result<Vec<(u64, Range)>, RangeError>>> {
+    if ptrs.len() != n || sizes.len() != n || offsets.len() != n {
+        tracing::error!(
+            "lunakv: refused: {n} keys, {} pointer lists, {} size lists, {} offset lists: pass \
+             one of each per key",
+            ptrs.len(),
+            sizes.len(),
+            offsets.len()
+        );
+        return None;
+    }
+    Some(
+        ptrs.iter()
+            .zip(sizes)
+            .zip(offsets)
+            .map(|((p, s), o)| {
+                if o.len() != p.len() {
+                    return Err(RangeError::Offsets {
+                        ptrs: p.len(),
+                        offsets: o.len(),
+                    });
+                }
+                let ranges = Range::list(p, s)?;
+                o.iter()
+                    .zip(ranges)
+                    .map(|(off, r)| {
+                        u64::try_from(off.0)
+                            .map(|off| (off, r))
+                            .map_err(|_| RangeError::Offset(off.0))
+                    })
+                    .collect()
+            })
+            .collect(),
+    )
+}
+
+/// One warning per call that refused keys at a session bound, naming the bound: the caller
+/// sees only -200, which also means a full pool.
+fn warn_session_limit<T>(call: &str, results: &[Result<T, ClientError>]) {
+    let mut refused = results
+        .iter()
+        .filter_map(|r| r.as_ref().err())
+        .filter(|e| matches!(e, ClientError::SessionLimit { .. }));
+    if let Some(first) = refused.next() {
+        tracing::warn!(
+            "lunakv: {call} refused {} key(s) at a session bound: {first}",
+            1 + refused.count()
+        );
+    }
+}
+
+/// 0, or the error's code (logged at debug: per-key failures are the caller's to handle).
+fn unit_code(what: &str, r: Result<(), ClientError>) -> i64 {
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::debug!("lunakv: {what} failed: {e}");
+            code(&e)
+        }
+    }
+}
+
+/// The byte count, or the error's code.
+fn count_code(what: &str, r: Result<u64, ClientError>) -> i64 {
+    match r {
+        Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
+        Err(e) => {
+            tracing::debug!("lunakv: {what} failed: {e}");
+            code(&e)
+        }
+    }
 }
 
 /// Why setup refused its arguments (logged; setup returns -600).

@@ -42,3 +42,25 @@ def test_exists_ratios_are_upstream_latency_over_lunakvs():
     r = bench.paired_ratios(lruns, uruns, "embedded")
     assert r["exists_first"] == [1.5, 0.5]
     assert r["exists_again"] == [30.0, 10.0]
+
+
+def layerwise_row(block, session):
+    row = {"impl": "lunakv", "mode": "embedded layer-wise", "load": 0.5}
+    for p, (put, get) in (("block", block), ("session", session)):
+        for op, v in (("put", put), ("get", get)):
+            row[f"{p}_{op}_gbps"] = v
+            row[f"{p}_{op}_p50_us"] = row[f"{p}_{op}_p99_us"] = 100.0
+    return row
+
+
+def test_layerwise_ratios_are_session_over_block_within_each_run():
+    runs = [
+        [{"mode": "memcpy"}, layerwise_row((4.0, 8.0), (2.0, 8.0))],
+        [{"mode": "memcpy"}, layerwise_row((2.0, 4.0), (2.0, 2.0))],
+        [{"mode": "memcpy"}],
+    ]
+    r = bench.layerwise_ratios(runs, "embedded layer-wise")
+    assert r == {"put": [0.5, 1.0], "get": [1.0, 0.5]}
+    # One row, two lines: the whole-block path, then the session path.
+    lines = bench.fmt(runs[0][1]).splitlines()
+    assert len(lines) == 2 and "block" in lines[0] and "session" in lines[1]

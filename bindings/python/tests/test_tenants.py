@@ -187,3 +187,30 @@ def test_a_master_without_tenants_mode_still_separates_tenants(master_addrs):
             s.close()
     finally:
         store.stop()
+
+
+def test_layer_wise_sessions_stay_in_their_tenant(master_addrs):
+    """vLLM-Ascend's layer-wise calls scope their keys by the tenant as every other call does."""
+    import numpy as np
+
+    master, _admin = master_addrs
+    store, _seg = start_store(master, "64MB")
+    try:
+        a, b = tenant(master, "team-a"), tenant(master, "team-b")
+        buf = np.arange(4096, dtype=np.uint8)
+        assert a.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+        assert a.batch_put_session_start(["layered"], [4096]) == [0]
+        for layer in range(4):
+            at = layer * 1024
+            assert a.batch_put_from_multi_buffer_ranges(
+                ["layered"], [[buf.ctypes.data + at]], [[1024]], [[at]]) == [1024]
+        assert a.batch_put_session_end(["layered"]) == [0]
+        assert a.get("layered") == buf.tobytes()
+        assert b.is_exist("layered") == 0
+        assert b.batch_get_session_start(["layered"]) == [-704]
+        assert a.batch_get_session_start(["layered"]) == [0]
+        a.batch_get_session_end(["layered"])
+        for s in (a, b):
+            s.close()
+    finally:
+        store.stop()

@@ -36,6 +36,27 @@ pub enum ClientError {
     Config(String),
     #[error("the client is closed")]
     Closed,
+    /// A layer-wise session call for a key with no open session of that kind: never started,
+    /// already ended or revoked, or dropped after sitting idle.
+    #[error("no open {kind} session for '{key}'")]
+    NoSession { kind: &'static str, key: String },
+    /// The key's put session is being ended or revoked, or its end failed: only another end or
+    /// a revoke may follow (upstream's sealed session).
+    #[error("the put session for '{0}' is sealed: end or revoke it")]
+    SessionSealed(String),
+    #[error("a put session for '{0}' is already open: end or revoke it first")]
+    SessionExists(String),
+    #[error("range {offset}+{len} lies outside object '{key}' of {size} bytes")]
+    RangeOutOfBounds {
+        key: String,
+        offset: u64,
+        len: u64,
+        size: u64,
+    },
+    /// Opening one more session would pass a bound of the client's session table
+    /// ([`crate::ClientOptions::session_max_keys`] / `session_max_bytes`).
+    #[error("cannot open a session for '{key}': {limit} (end or revoke open sessions first)")]
+    SessionLimit { key: String, limit: String },
     /// Any other code the master returned for one item.
     #[error("master answered {code} for '{key}': {message}")]
     Master {
@@ -54,7 +75,14 @@ impl ClientError {
             ClientError::ObjectAlreadyExists(_) => ErrorCode::ObjectAlreadyExists,
             ClientError::ObjectHasLease(_) => ErrorCode::ObjectHasLease,
             ClientError::InvalidKey(_) => ErrorCode::InvalidKey,
-            ClientError::InvalidParams(_) | ClientError::Config(_) => ErrorCode::InvalidParams,
+            ClientError::InvalidParams(_)
+            | ClientError::Config(_)
+            | ClientError::NoSession { .. }
+            | ClientError::SessionSealed(_)
+            | ClientError::SessionExists(_)
+            | ClientError::RangeOutOfBounds { .. } => ErrorCode::InvalidParams,
+            // As a full pool: the caller backs off and retries once sessions are closed.
+            ClientError::SessionLimit { .. } => ErrorCode::NoAvailableHandle,
             ClientError::BufferTooSmall { .. } => ErrorCode::BufferOverflow,
             ClientError::Transfer { .. } => ErrorCode::TransferFail,
             ClientError::Rpc { .. } | ClientError::Closed => ErrorCode::RpcFail,

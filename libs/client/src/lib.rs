@@ -39,7 +39,7 @@ pub use lunakv_proto::views::{
     SegmentStatus,
 };
 pub use options::{ClientOptions, MasterWait, Mode, ReplicateConfig, tenant_or_default};
-pub use store::StoreClient;
+pub use store::{GetRanges, PutRanges, StoreClient};
 
 /// Result alias for the client API.
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;

@@ -72,6 +72,16 @@ pub struct ClientOptions {
     /// Upstream's `tenant_id`: the namespace of this client's keys (docs/TENANTS.md). Another
     /// tenant's client never sees or removes them; `"default"` is every older client's.
     pub tenant_id: String,
+    /// Layer-wise sessions (`batch_put_session_start`, `batch_get_session_start`): at most this
+    /// many keys with an open put or get session at once; more are refused.
+    pub session_max_keys: usize,
+    /// ... and at most this many bytes staged for them (a session holds its object's bytes in
+    /// this process, see `StoreClient::batch_put_session_start`).
+    pub session_max_bytes: u64,
+    /// A session not used for this long is dropped when the next one starts, so a caller that
+    /// never ends its sessions does not keep their memory. Longer than the master's default
+    /// put_start_discard_timeout_sec (30 s), which frees an unended put's reservation.
+    pub session_idle_timeout: Duration,
 }
 
 impl Default for ClientOptions {
@@ -91,6 +101,9 @@ impl Default for ClientOptions {
             tenant_id: lunakv_proto::DEFAULT_TENANT.to_owned(),
             enable_offload: None,
             master_wait: MasterWait::NoWait,
+            session_max_keys: 4096,
+            session_max_bytes: 4 << 30,
+            session_idle_timeout: Duration::from_secs(60),
         }
     }
 }

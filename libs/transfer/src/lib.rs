@@ -62,7 +62,7 @@ use engine::copy_helpers;
 pub use engine::{LOCAL_SPLIT_MIN_BYTES, TransferEngine, Transport};
 pub use error::TransferError;
 pub use guard::raise_fd_limit;
-pub use mem::segment_copy_gbps;
+pub use mem::{copy_slice, segment_copy_gbps};
 pub use raw::RawRequest;
 pub use rdma::{
     GPUDIRECT_ENV, GpuDirect, PeerRdma, ProtocolChoice, RDMA_COMPILED, RdmaDescriptor,

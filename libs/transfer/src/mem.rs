@@ -229,6 +229,16 @@ pub(crate) fn copy_out(m: &Mapping, offset: usize, dst: &mut [&mut [u8]]) {
     }
 }
 
+/// Copies `src` into `dst` (of the same length; panics otherwise) with the data path's copy
+/// loop, for memory other crates stage (the client's layer-wise sessions): a 32-byte vector
+/// loop that avoids glibc's `rep movsb` cliff into numpy buffers, as the segment copies do.
+pub fn copy_slice(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_slice: lengths differ");
+    // SAFETY: both slices are valid for `src.len()` bytes, and a `&mut` slice never overlaps
+    // a live shared one.
+    unsafe { copy_bytes(dst.as_mut_ptr(), src.as_ptr(), src.len()) }
+}
+
 /// Copies below this size go to the C library's memcpy: the vector loop only pays off once
 /// its head/tail handling is amortised, and small copies are not where the time goes.
 const VECTOR_COPY_MIN: usize = 2048;
@@ -302,7 +312,7 @@ unsafe fn copy_avx2(dst: *mut u8, src: *const u8, len: usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::copy_bytes;
+    use super::{copy_bytes, copy_slice};
 
     fn pattern(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 131 + i / 251) as u8).collect()
@@ -346,6 +356,16 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn copy_slice_copies_and_refuses_different_lengths() {
+        let src: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+        let mut dst = vec![0u8; 5003];
+        copy_slice(&mut dst[3..], &src);
+        assert_eq!(&dst[3..], &src[..]);
+        let r = std::panic::catch_unwind(|| copy_slice(&mut [0u8; 2], &[1u8; 3]));
+        assert!(r.is_err());
     }
 
     #[test]

@@ -159,6 +159,8 @@ impl StoreClient {
             return Ok(());
         }
         let _ = self.heartbeat_stop.send(true);
+        // Staged session bytes go now, not when the last handle to the client drops.
+        self.sessions.clear();
         // The device layer forgets this client's buffers (their memory may be freed next).
         for (&ptr, _) in std::mem::take(&mut *self.buffers.lock()).iter() {
             lunakv_transfer::device::unregister_range(ptr);

@@ -26,6 +26,9 @@ use crate::{ClientError, ClientOptions, Location, Mode, ReplicateConfig, Result}
 mod admin;
 mod get;
 mod put;
+mod session;
+
+pub use session::{GetRanges, PutRanges};
 
 /// What a batch answer with fewer per-item results than items asked is reported as.
 const SHORT_ANSWER_ITEMS: &str = "master answered fewer results than items";
@@ -54,6 +57,8 @@ pub struct StoreClient {
     offload_mismatch: Option<String>,
     /// The protocol asked for and the one this client serves.
     protocol: ProtocolChoice,
+    /// Open layer-wise sessions ([`session`]).
+    sessions: session::Sessions,
 }
 
 impl StoreClient {
@@ -215,6 +220,7 @@ impl StoreClient {
 
         Ok(StoreClient {
             cache: LocationCache::new(opts.location_cache_capacity),
+            sessions: session::Sessions::new(&opts),
             quick: crate::quick::QuickLink::new(opts.rpc_timeout),
             opts,
             client_id,

@@ -71,15 +71,7 @@ impl StoreClient {
             }
         }
         if !pb_items.is_empty() {
-            let req = pb::BatchPutStartRequest {
-                client_id: self.client_id.clone(),
-                items: pb_items,
-                config: Some(self.replicate_config(cfg)),
-            };
-            match self.quick_or_rpc(Method::BatchPutStart, &req, |mut m| {
-                let req = req.clone();
-                async move { m.batch_put_start(req).await }
-            }) {
+            match self.put_start(pb_items, cfg) {
                 Err(e) => {
                     let msg = e.to_string();
                     for (i, _) in &started {
@@ -89,7 +81,7 @@ impl StoreClient {
                         }));
                     }
                 }
-                Ok(resp) => self.finish_puts(&items, &started, resp.results, &mut results),
+                Ok(resp) => self.finish_puts(&items, &started, resp, &mut results),
             }
         }
         results
@@ -127,18 +119,59 @@ impl StoreClient {
                 }
             }
         }
+        let keys: Vec<&str> = started.iter().map(|(i, _)| items[*i].0).collect();
+        let parts: Vec<Vec<&[u8]>> = started.iter().map(|(i, _)| items[*i].1.clone()).collect();
+        for (j, r) in self
+            .write_and_publish(&keys, &parts, &mut locs)
+            .into_iter()
+            .enumerate()
+        {
+            if let Some(r) = r {
+                results[started[j].0] = Some(r);
+            }
+        }
+    }
+
+    /// One BatchPutStart: the master reserves room for each item and answers its placement.
+    pub(super) fn put_start(
+        &self,
+        items: Vec<pb::PutStartItem>,
+        cfg: &ReplicateConfig,
+    ) -> Result<Vec<pb::PutStartResponse>> {
+        let req = pb::BatchPutStartRequest {
+            client_id: self.client_id.clone(),
+            items,
+            config: Some(self.replicate_config(cfg)),
+        };
+        self.quick_or_rpc(Method::BatchPutStart, &req, |mut m| {
+            let req = req.clone();
+            async move { m.batch_put_start(req).await }
+        })
+        .map(|r| r.results)
+    }
+
+    /// Writes object `j` (`parts[j]`) to every replica of `locs[j]` in one transfer batch,
+    /// revokes the objects whose transfer failed, and publishes the rest with one BatchPutEnd.
+    /// A published object's location moves into the location cache (`locs[j]` becomes None);
+    /// a failed one keeps it. One result per object, None where `locs[j]` was None.
+    pub(super) fn write_and_publish(
+        &self,
+        keys: &[&str],
+        parts: &[Vec<&[u8]>],
+        locs: &mut [Option<Location>],
+    ) -> Vec<Option<Result<()>>> {
+        let mut results: Vec<Option<Result<()>>> = (0..keys.len()).map(|_| None).collect();
         let mut reqs = Vec::new();
         let mut owner = Vec::new();
-        for (j, (i, _)) in started.iter().enumerate() {
+        for (j, key) in keys.iter().enumerate() {
             let Some(loc) = &locs[j] else { continue };
-            let (key, parts) = &items[*i];
             for r in &loc.replicas {
                 reqs.push(TransferRequest::Write {
                     target: &r.target,
                     generation: loc.generation,
                     key,
                     offset: r.offset,
-                    src: parts.clone(),
+                    src: parts[j].clone(),
                 });
                 owner.push(j);
             }
@@ -148,7 +181,8 @@ impl StoreClient {
         } else {
             self.engine.batch(&mut reqs)
         };
-        let mut failed: Vec<Option<TransferError>> = (0..started.len()).map(|_| None).collect();
+        drop(reqs);
+        let mut failed: Vec<Option<TransferError>> = (0..keys.len()).map(|_| None).collect();
         for (k, r) in outcomes.into_iter().enumerate() {
             if let Err(e) = r {
                 failed[owner[k]].get_or_insert(e);
@@ -157,21 +191,20 @@ impl StoreClient {
         let mut end_keys = Vec::new();
         let mut end_idx = Vec::new();
         let mut revoke_keys = Vec::new();
-        for (j, (i, _)) in started.iter().enumerate() {
+        for (j, key) in keys.iter().enumerate() {
             if locs[j].is_none() {
                 continue;
             }
-            let key = items[*i].0;
             match failed[j].take() {
                 Some(e) => {
-                    revoke_keys.push(key.to_owned());
-                    results[*i] = Some(Err(ClientError::Transfer {
-                        key: key.to_owned(),
+                    revoke_keys.push((*key).to_owned());
+                    results[j] = Some(Err(ClientError::Transfer {
+                        key: (*key).to_owned(),
                         source: e,
                     }));
                 }
                 None => {
-                    end_keys.push(key.to_owned());
+                    end_keys.push((*key).to_owned());
                     end_idx.push(j);
                 }
             }
@@ -190,7 +223,7 @@ impl StoreClient {
             }
         }
         if end_keys.is_empty() {
-            return;
+            return results;
         }
         let req = pb::BatchKeysRequest {
             client_id: self.client_id.clone(),
@@ -208,8 +241,8 @@ impl StoreClient {
             Err(e) => {
                 let msg = e.to_string();
                 for j in end_idx {
-                    unpublished.push(items[started[j].0].0.to_owned());
-                    results[started[j].0] = Some(Err(ClientError::Rpc {
+                    unpublished.push(keys[j].to_owned());
+                    results[j] = Some(Err(ClientError::Rpc {
                         addr: self.opts.master_server_address.clone(),
                         message: msg.clone(),
                     }));
@@ -217,8 +250,8 @@ impl StoreClient {
             }
             Ok(resp) => {
                 for (n, j) in end_idx.into_iter().enumerate() {
-                    let (i, size) = started[j];
-                    let key = items[i].0;
+                    let key = keys[j];
+                    let size = locs[j].as_ref().map_or(0, |l| l.size);
                     let r = match resp.results.get(n) {
                         Some(r) if r.code == 0 => {
                             if let Some(loc) = locs[j].take() {
@@ -232,7 +265,7 @@ impl StoreClient {
                     if r.is_err() {
                         unpublished.push(key.to_owned());
                     }
-                    results[i] = Some(r);
+                    results[j] = Some(r);
                 }
             }
         }
@@ -248,5 +281,6 @@ impl StoreClient {
                 tracing::warn!(error = %e, "revoking unpublished puts failed; the master reclaims them after its discard timeout");
             }
         }
+        results
     }
 }
