@@ -58,8 +58,13 @@ pub(super) fn tenant_of(key: &str) -> &str {
     lunakv_proto::split_scoped(key).0
 }
 
+/// Keys come from clients: the hasher is seeded per process (HashDoS needs the seed), and
+/// foldhash's quality variant costs a fraction of std's SipHash, which profiles put at ~6% of
+/// the master's CPU under a key-heavy load (docs/BENCH.md, "Metadata").
+type Keyed<V> = HashMap<Box<str>, V, foldhash::quality::RandomState>;
+
 pub(super) struct Index {
-    map: HashMap<Box<str>, Box<Object>>,
+    map: Keyed<Box<Object>>,
     usage: HashMap<Box<str>, TenantUsage>,
     groups: Arc<Groups>,
 }
@@ -67,7 +72,7 @@ pub(super) struct Index {
 impl Index {
     pub(super) fn new(groups: Arc<Groups>) -> Index {
         Index {
-            map: HashMap::new(),
+            map: Keyed::default(),
             usage: HashMap::new(),
             groups,
         }

@@ -56,7 +56,7 @@ pub struct MasterCore {
     shards: Vec<Mutex<Index>>,
     /// Each group's members ([`groups`]), kept by the shards.
     groups: Arc<groups::Groups>,
-    hasher: std::collections::hash_map::RandomState,
+    hasher: foldhash::quality::RandomState,
     segments: Mutex<HashMap<String, Segment>>,
     clients: Mutex<HashMap<String, ClientEntry>>,
     /// Ranges of discarded puts, freed once their release deadline passes (or at once when
@@ -69,7 +69,7 @@ pub struct MasterCore {
     /// It may hold puts that have since ended or gone: [`Self::sweep_puts`] checks each against
     /// the index and drops those. It lets the sweep visit the puts in flight instead of every
     /// object, which at a million keys cost a tenth of a core (docs/BENCH.md, "Metadata").
-    inflight: Mutex<HashMap<String, u64>>,
+    inflight: Mutex<HashMap<String, u64, foldhash::quality::RandomState>>,
     /// The one copy of each client id and segment name the objects refer to.
     names: intern::Interner,
     /// Objects in the index as of the last sweep (the key limit's cheap check).
@@ -121,12 +121,12 @@ impl MasterCore {
                 .map(|_| Mutex::new(Index::new(groups.clone())))
                 .collect(),
             groups,
-            hasher: std::collections::hash_map::RandomState::new(),
+            hasher: foldhash::quality::RandomState::default(),
             segments: Mutex::new(HashMap::new()),
             clients: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(Vec::new()),
             reserved: Mutex::new(HashMap::new()),
-            inflight: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(HashMap::default()),
             names: intern::Interner::default(),
             approx_keys: AtomicU64::new(0),
             orphaned: Mutex::new(Vec::new()),
