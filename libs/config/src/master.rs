@@ -436,6 +436,66 @@ pub const UPSTREAM_KEYS: &[UpstreamFlag] = &[
         true,
         "lunakv binds the KV event port it is given; a taken port is a startup error naming it, not a silent move to a port no subscriber knows",
     ),
+    // Upstream flags added by mid-2026 (master.cpp at 3b5a594).
+    ignored("enable_oplog", true, NO_OPLOG),
+    ignored("oplog_poll_interval_ms", false, NO_OPLOG),
+    ignored("oplog_batch_max_entries", false, NO_OPLOG),
+    ignored("batch_oplog_retry_timeout_sec", false, NO_OPLOG),
+    UpstreamFlag {
+        name: "dynamic_replication_mode",
+        boolean: false,
+        treatment: Upstream::OnlyValue {
+            value: "off",
+            fix: "lunakv places replica_num replicas when an object is put; there is no dynamic fan-out of hot objects",
+        },
+    },
+    ignored("dynamic_replication_heat_window_seconds", false, NO_DYNAMIC),
+    ignored("kv_events_additional_salt", false, DEPRECATED_EVENT_FIELD),
+    ignored("kv_events_block_size", false, DEPRECATED_EVENT_FIELD),
+    ignored("kv_events_dp_rank", false, DEPRECATED_EVENT_FIELD),
+    ignored("kv_events_lora_name", false, DEPRECATED_EVENT_FIELD),
+    ignored("kv_events_model_name", false, DEPRECATED_EVENT_FIELD),
+    ignored(
+        "kv_events_tenant_id",
+        false,
+        "deprecated upstream (each event carries its object's tenant there); lunakv's streams carry the default tenant's keys only (docs/TENANTS.md)",
+    ),
+    ignored(
+        "kv_events_backend_id",
+        false,
+        "lunakv's events name each replica's store endpoint, not a backend id (docs/EVENTS.md)",
+    ),
+    ignored(
+        "kv_events_emit_legacy_compat",
+        true,
+        "lunakv's events always have the vLLM/SGLang-compatible type and block_hashes fields (docs/EVENTS.md)",
+    ),
+    ignored(
+        "kv_events_emit_object_key",
+        true,
+        "lunakv's Mooncake-format events always carry the object key (docs/EVENTS.md)",
+    ),
+    refused(
+        "kv_events_bind_endpoint",
+        false,
+        "give the ZMQ endpoint as --kv_event_publisher_endpoint (tcp://*:5557 to bind every interface)",
+    ),
+    refused(
+        "kv_events_queue_capacity",
+        false,
+        "give the queue bound as --kv_event_publisher_max_queue_size (events past it are dropped and counted)",
+    ),
+    ignored("nof_eviction_high_watermark_ratio", false, NO_NOF),
+    ignored("nof_eviction_ratio", false, NO_NOF),
+    ignored("nof_heartbeat_interval_sec", false, NO_NOF),
+    ignored("nof_heartbeat_probe_timeout_ms", false, NO_NOF),
+    ignored("offload_cap_ratio", false, NO_OFFLOAD_QUEUE),
+    ignored("offload_force_evict", true, NO_OFFLOAD_QUEUE),
+    ignored("pod_name", false, NO_POD_ROUTING),
+    ignored("pod_namespace", false, NO_POD_ROUTING),
+    ignored("promotion_admission_threshold", false, NO_PROMOTION_QUEUE),
+    ignored("promotion_max_per_heartbeat", false, NO_PROMOTION_QUEUE),
+    ignored("promotion_queue_limit", false, NO_PROMOTION_QUEUE),
 ];
 
 const THREADS: &str = "the tokio runtime sizes its worker threads to the CPUs it may use";
@@ -444,6 +504,15 @@ const SSD_ON_STORES: &str = "the SSD tier lives on the store-clients (lunakv-sto
 const NO_SNAPSHOTS: &str = "a master rebuilds its index from the store-clients' inventories (and, with --enable_ha, keeps its view in etcd), so there are no snapshots";
 const NO_TASKS: &str = "lunakv has no copy/move task manager";
 const NO_CXL: &str = "lunakv has no CXL memory support; remove the flag";
+const NO_OPLOG: &str = "HA standbys copy the leader's index over ReplicateIndex and elect through etcd (--enable_ha, docs/HA.md); there is no OpLog";
+const NO_DYNAMIC: &str = "lunakv places replica_num replicas when an object is put; there is no dynamic fan-out of hot objects";
+const DEPRECATED_EVENT_FIELD: &str = "deprecated upstream and not emitted on events there either; an indexer learns it when its engines register";
+const NO_NOF: &str =
+    "lunakv has no NVMe-oF tier; the SSD tier lives on the store-clients (docs/OFFLOAD.md)";
+const NO_OFFLOAD_QUEUE: &str = "eviction with --enable_offload offloads every evicted object through its owner; there is no offload queue to cap";
+const NO_POD_ROUTING: &str =
+    "clients reach segments by their advertised address; there is no label-based routing";
+const NO_PROMOTION_QUEUE: &str = "--promotion_on_hit promotes a disk-only object on its first hit, one promotion per object at a time; there is no admission sketch or queue limit";
 
 const fn ignored(name: &'static str, boolean: bool, why: &'static str) -> UpstreamFlag {
     UpstreamFlag {
@@ -1290,6 +1359,129 @@ mod tests {
                 .warnings
                 .iter()
                 .any(|w| w.contains("kv_event_publisher_auto_port"))
+        );
+    }
+
+    #[test]
+    fn every_flag_of_upstreams_master_is_ours_or_judged() {
+        use clap::CommandFactory;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: MasterArgs,
+        }
+        // Every DEFINE_* of kvcache-ai/Mooncake mooncake-store/src/master.cpp at 3b5a594
+        // (2026-08-22): each must be a lunakv flag (or alias) or in UPSTREAM_KEYS, so an
+        // upstream command line never meets a bare "unexpected argument".
+        const UPSTREAM: &[&str] = &[
+            "allow_evict_soft_pinned_objects",
+            "batch_oplog_retry_timeout_sec",
+            "cluster_id",
+            "config_path",
+            "cxl_path",
+            "cxl_size",
+            "default_kv_lease_ttl",
+            "default_kv_soft_pin_ttl",
+            "dynamic_replication_heat_window_seconds",
+            "dynamic_replication_mode",
+            "enable_cxl",
+            "enable_disk_eviction",
+            "enable_ha",
+            "enable_http_metadata_server",
+            "enable_kv_events",
+            "enable_metric_reporting",
+            "enable_multi_tenants",
+            "enable_offload",
+            "enable_oplog",
+            "enable_snapshot",
+            "enable_snapshot_restore",
+            "eviction_high_watermark_ratio",
+            "eviction_ratio",
+            "global_file_segment_size",
+            "ha_backend_connstring",
+            "ha_backend_type",
+            "http_metadata_server_host",
+            "http_metadata_server_port",
+            "kv_events_additional_salt",
+            "kv_events_backend_id",
+            "kv_events_bind_endpoint",
+            "kv_events_block_size",
+            "kv_events_dp_rank",
+            "kv_events_emit_legacy_compat",
+            "kv_events_emit_object_key",
+            "kv_events_lora_name",
+            "kv_events_model_name",
+            "kv_events_queue_capacity",
+            "kv_events_tenant_id",
+            "max_kv_soft_pin_ttl",
+            "max_retry_attempts",
+            "max_total_finished_tasks",
+            "max_total_pending_tasks",
+            "max_total_processing_tasks",
+            "memory_allocator",
+            "metrics_host",
+            "metrics_port",
+            "nof_eviction_high_watermark_ratio",
+            "nof_eviction_ratio",
+            "nof_heartbeat_interval_sec",
+            "nof_heartbeat_probe_timeout_ms",
+            "offload_cap_ratio",
+            "offload_force_evict",
+            "offload_on_evict",
+            "offloading_queue_limit",
+            "oplog_batch_max_entries",
+            "oplog_poll_interval_ms",
+            "pending_task_timeout_sec",
+            "pod_name",
+            "pod_namespace",
+            "port",
+            "processing_task_timeout_sec",
+            "promotion_admission_threshold",
+            "promotion_max_per_heartbeat",
+            "promotion_on_hit",
+            "promotion_queue_limit",
+            "put_start_discard_timeout_sec",
+            "put_start_release_timeout_sec",
+            "root_fs_dir",
+            "rpc_address",
+            "rpc_conn_timeout_seconds",
+            "rpc_enable_tcp_no_delay",
+            "rpc_interface",
+            "rpc_thread_num",
+            "snapshot_backup_dir",
+            "snapshot_catalog_backend_connstring",
+            "snapshot_catalog_backend_type",
+            "snapshot_catalog_store_connstring",
+            "snapshot_catalog_store_type",
+            "snapshot_child_timeout_seconds",
+            "snapshot_interval_seconds",
+            "snapshot_object_store_type",
+            "snapshot_payload_backend_type",
+            "snapshot_payload_store_type",
+            "snapshot_retention_count",
+            "tenant_quota_connector_type",
+            "tenant_quota_connector_uri",
+        ];
+        let cmd = Cli::command();
+        let ours: Vec<String> = cmd
+            .get_arguments()
+            .flat_map(|a| {
+                a.get_long()
+                    .into_iter()
+                    .chain(a.get_all_aliases().into_iter().flatten())
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let missing: Vec<&str> = UPSTREAM
+            .iter()
+            .copied()
+            .filter(|f| !ours.iter().any(|o| o == f))
+            .filter(|f| !UPSTREAM_KEYS.iter().any(|u| u.name == *f))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "upstream flags lunakv neither takes nor judges: {missing:?}"
         );
     }
 
