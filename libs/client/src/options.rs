@@ -168,6 +168,25 @@ pub struct ReplicateConfig {
 }
 
 impl ReplicateConfig {
+    /// Why these group ids do not fit a put of `n` keys (one entry per key), if they do not.
+    pub(crate) fn group_ids_mismatch(&self, n: usize) -> Option<String> {
+        self.group_ids.as_ref().filter(|g| g.len() != n).map(|g| {
+            format!(
+                "group_ids has {} entries for {n} keys: give one per key (\"\" for a key without \
+                 a group)",
+                g.len()
+            )
+        })
+    }
+
+    /// The group id of key `i` of the put (`""`: none).
+    pub(crate) fn group_of(&self, i: usize) -> String {
+        self.group_ids
+            .as_ref()
+            .and_then(|g| g.get(i).cloned())
+            .unwrap_or_default()
+    }
+
     /// This config for the items at `idx` of a put of `n` items (the group ids follow their
     /// keys when a caller drops some items). Group ids that do not match `n` stay as they are,
     /// so the put refuses them by name instead of pairing them with the wrong keys.

@@ -33,15 +33,7 @@ impl StoreClient {
             .zip(items)
             .map(|(k, (_, parts))| (k.as_ref(), parts.clone()))
             .collect();
-        if let Some(g) = &cfg.group_ids
-            && g.len() != items.len()
-        {
-            let why = format!(
-                "group_ids has {} entries for {} keys: give one per key (\"\" for a key without \
-                 a group)",
-                g.len(),
-                items.len()
-            );
+        if let Some(why) = cfg.group_ids_mismatch(items.len()) {
             return items
                 .iter()
                 .map(|_| Err(ClientError::InvalidParams(why.clone())))
@@ -62,11 +54,7 @@ impl StoreClient {
                 pb_items.push(pb::PutStartItem {
                     key: (*key).to_owned(),
                     size,
-                    group_id: cfg
-                        .group_ids
-                        .as_ref()
-                        .and_then(|g| g.get(i).cloned())
-                        .unwrap_or_default(),
+                    group_id: cfg.group_of(i),
                 });
             }
         }

@@ -353,15 +353,7 @@ impl StoreClient {
         if self.check_open().is_err() {
             return items.iter().map(|_| Err(ClientError::Closed)).collect();
         }
-        if let Some(g) = &cfg.group_ids
-            && g.len() != items.len()
-        {
-            let why = format!(
-                "group_ids has {} entries for {} keys: give one per key (\"\" for a key without \
-                 a group)",
-                g.len(),
-                items.len()
-            );
+        if let Some(why) = cfg.group_ids_mismatch(items.len()) {
             return items
                 .iter()
                 .map(|_| Err(ClientError::InvalidParams(why.clone())))
@@ -403,11 +395,7 @@ impl StoreClient {
             .map(|&i| pb::PutStartItem {
                 key: self.scoped(items[i].0).into_owned(),
                 size: items[i].1,
-                group_id: cfg
-                    .group_ids
-                    .as_ref()
-                    .and_then(|g| g.get(i).cloned())
-                    .unwrap_or_default(),
+                group_id: cfg.group_of(i),
             })
             .collect();
         let placements = self.put_start(pb_items, cfg);
