@@ -2,73 +2,16 @@
 //! newest first, within the room and the time it is given; objects the master frees during the
 //! drain lose their drained copy again, objects it offloads keep theirs.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lunakv_transfer::{
-    ColdItem, ColdTier, ColdTierError, DrainProgress, SegmentServer, SegmentServerConfig, Target,
-    TcpTransport, TransferEngine, TransferOptions,
+    ColdTier, DrainProgress, SegmentServer, SegmentServerConfig, Target, TcpTransport,
+    TransferEngine, TransferOptions,
 };
-use parking_lot::Mutex;
 
-/// A disk tier in memory that takes at most `room` bytes in a drain.
-struct FakeTier {
-    objects: Mutex<HashMap<u64, Vec<u8>>>,
-    room: u64,
-}
-
-impl FakeTier {
-    fn new(room: u64) -> Arc<FakeTier> {
-        Arc::new(FakeTier {
-            objects: Mutex::default(),
-            room,
-        })
-    }
-
-    fn held(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = self.objects.lock().keys().copied().collect();
-        v.sort_unstable();
-        v
-    }
-}
-
-impl ColdTier for FakeTier {
-    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, ColdTierError> {
-        let mut o = self.objects.lock();
-        Ok(items
-            .iter()
-            .map(|i| {
-                o.insert(i.generation, i.bytes.to_vec());
-                i.generation
-            })
-            .collect())
-    }
-    fn size_of(&self, generation: u64) -> Option<u64> {
-        self.objects.lock().get(&generation).map(|v| v.len() as u64)
-    }
-    fn proof_of(&self, _generation: u64) -> Option<lunakv_transfer::PlacementProof> {
-        None
-    }
-    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, ColdTierError> {
-        match self.objects.lock().get(&generation) {
-            Some(v) if v.len() == dst.len() => {
-                dst.copy_from_slice(v);
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
-    }
-    fn remove(&self, generations: &[u64]) {
-        let mut o = self.objects.lock();
-        for g in generations {
-            o.remove(g);
-        }
-    }
-    fn prepare_drain(&self) -> u64 {
-        self.room
-    }
-}
+mod support;
+use support::MemTier;
 
 const LEN: usize = 1000;
 
@@ -77,7 +20,7 @@ fn bytes(g: u64) -> Vec<u8> {
 }
 
 /// A segment with `n` entries, generations 101.. committed in that order at offsets 4096*i.
-fn segment(tier: Arc<FakeTier>, n: u64) -> (SegmentServer, Target) {
+fn segment(tier: Arc<MemTier>, n: u64) -> (SegmentServer, Target) {
     let server = SegmentServer::start(SegmentServerConfig {
         bind: "127.0.0.1:0".parse().unwrap(),
         size: 1 << 20,
@@ -107,7 +50,7 @@ fn later() -> Instant {
 
 #[test]
 fn drains_newest_first_within_the_room_and_counts_the_rest_as_dropped() {
-    let tier = FakeTier::new(3 * LEN as u64 + 500);
+    let tier = MemTier::with_room(3 * LEN as u64 + 500);
     let (server, _) = segment(tier.clone(), 6);
     let progress = Arc::new(DrainProgress::default());
     let mut d = server
@@ -128,7 +71,7 @@ fn drains_newest_first_within_the_room_and_counts_the_rest_as_dropped() {
 
 #[test]
 fn a_spent_budget_drains_nothing_and_drops_everything() {
-    let tier = FakeTier::new(u64::MAX);
+    let tier = MemTier::with_room(u64::MAX);
     let (server, _) = segment(tier.clone(), 4);
     let mut d = server
         .begin_drain(Arc::new(DrainProgress::default()))
@@ -142,10 +85,10 @@ fn a_spent_budget_drains_nothing_and_drops_everything() {
 
 #[test]
 fn objects_the_master_frees_during_the_drain_lose_their_copy_offloaded_ones_keep_it() {
-    let tier = FakeTier::new(u64::MAX);
+    let tier = MemTier::with_room(u64::MAX);
     let (server, t) = segment(tier.clone(), 5);
     // 101 was offloaded by the master before the drain (and promoted back): already on disk.
-    tier.objects.lock().insert(101, bytes(101));
+    tier.insert(101, bytes(101));
     let mut d = server
         .begin_drain(Arc::new(DrainProgress::default()))
         .unwrap();

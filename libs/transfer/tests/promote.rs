@@ -2,60 +2,15 @@
 //! reserved DRAM range and commits it under the same generation; missing or corrupt disk
 //! objects answer STALE and commit nothing.
 
-use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use lunakv_transfer::{
-    ColdItem, ColdTier, ColdTierError, SegmentServer, SegmentServerConfig, Target, TcpTransport,
-    TransferEngine, TransferError, TransferOptions,
+    ColdTier, SegmentServer, SegmentServerConfig, Target, TcpTransport, TransferEngine,
+    TransferError, TransferOptions,
 };
-use parking_lot::Mutex;
 
-/// A disk tier in memory; objects in `corrupt` fail their checksum (dropped, never served).
-#[derive(Default)]
-struct FakeTier {
-    objects: Mutex<HashMap<u64, Vec<u8>>>,
-    corrupt: Mutex<Vec<u64>>,
-}
-
-impl ColdTier for FakeTier {
-    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, ColdTierError> {
-        let mut o = self.objects.lock();
-        Ok(items
-            .iter()
-            .map(|i| {
-                o.insert(i.generation, i.bytes.to_vec());
-                i.generation
-            })
-            .collect())
-    }
-    fn size_of(&self, generation: u64) -> Option<u64> {
-        self.objects.lock().get(&generation).map(|v| v.len() as u64)
-    }
-    fn proof_of(&self, _generation: u64) -> Option<lunakv_transfer::PlacementProof> {
-        None
-    }
-    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, ColdTierError> {
-        if self.corrupt.lock().contains(&generation) {
-            self.objects.lock().remove(&generation);
-            return Ok(false);
-        }
-        match self.objects.lock().get(&generation) {
-            Some(v) if v.len() == dst.len() => {
-                dst.copy_from_slice(v);
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
-    }
-    fn remove(&self, generations: &[u64]) {
-        let mut o = self.objects.lock();
-        for g in generations {
-            o.remove(g);
-        }
-    }
-}
+mod support;
+use support::MemTier;
 
 #[test]
 fn promote_fills_the_range_and_commits_under_the_same_generation() {
@@ -67,10 +22,10 @@ fn promote_fills_the_range_and_commits_under_the_same_generation() {
         ..Default::default()
     })
     .unwrap();
-    let tier = Arc::new(FakeTier::default());
+    let tier = MemTier::new();
     let bytes: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
-    tier.objects.lock().insert(42, bytes.clone());
-    tier.objects.lock().insert(43, bytes.clone());
+    tier.insert(42, bytes.clone());
+    tier.insert(43, bytes.clone());
     tier.corrupt.lock().push(43);
     assert!(server.set_cold_tier(tier.clone()));
     let t = Target::from(&server.info());

@@ -2,67 +2,20 @@
 //! master attaches to a write capability is kept with the entry, whichever way the bytes came
 //! (tcp WRITE, shm COMMIT, the in-process path), follows it to the disk tier and back (OFFLOAD,
 //! PROMOTE), and comes back in the inventory the owner mounts with. Real sockets and memfds; the
-//! disk tier is an in-memory double of lunakv-offload.
+//! disk tier is the in-memory double of lunakv-offload (tests/support).
 
-use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use lunakv_transfer::cap::{RIGHT_READ, RIGHT_WRITE, WRITE_TTL};
 use lunakv_transfer::{
-    Capability, ColdItem, ColdTier, ColdTierError, Grant, InventoryKey, MountSecret,
-    PlacementProof, SegmentServer, SegmentServerConfig, Target, TcpTransport, TransferEngine,
-    TransferOptions,
+    Capability, ColdTier, Grant, InventoryKey, MountSecret, PlacementProof, SegmentServer,
+    SegmentServerConfig, Target, TcpTransport, TransferEngine, TransferOptions,
 };
-use parking_lot::Mutex;
+
+mod support;
+use support::MemTier;
 
 const LEN: u64 = 4096;
-
-/// What the tier holds of one object: its bytes and its proof.
-type Held = (Vec<u8>, Option<PlacementProof>);
-
-/// A disk tier in memory that keeps what lunakv-offload keeps: bytes and proof per generation.
-#[derive(Default)]
-struct Tier {
-    objects: Mutex<HashMap<u64, Held>>,
-}
-
-impl ColdTier for Tier {
-    fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, ColdTierError> {
-        let mut o = self.objects.lock();
-        Ok(items
-            .iter()
-            .map(|i| {
-                o.insert(i.generation, (i.bytes.to_vec(), i.proof));
-                i.generation
-            })
-            .collect())
-    }
-    fn size_of(&self, generation: u64) -> Option<u64> {
-        self.objects
-            .lock()
-            .get(&generation)
-            .map(|v| v.0.len() as u64)
-    }
-    fn proof_of(&self, generation: u64) -> Option<PlacementProof> {
-        self.objects.lock().get(&generation).and_then(|v| v.1)
-    }
-    fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, ColdTierError> {
-        match self.objects.lock().get(&generation) {
-            Some((v, _)) if v.len() == dst.len() => {
-                dst.copy_from_slice(v);
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
-    }
-    fn remove(&self, generations: &[u64]) {
-        let mut o = self.objects.lock();
-        for g in generations {
-            o.remove(g);
-        }
-    }
-}
 
 struct Owner {
     server: SegmentServer,
@@ -164,7 +117,7 @@ fn every_write_path_keeps_the_proof_and_the_inventory_returns_it() {
 fn the_proof_follows_the_entry_to_disk_and_back() {
     let o = owner();
     let ik = InventoryKey::generate();
-    let tier = Arc::new(Tier::default());
+    let tier = MemTier::new();
     assert!(o.server.set_cold_tier(tier.clone()));
     let e = TransferEngine::new(TransferOptions {
         enable_shm: false,
