@@ -254,7 +254,11 @@ impl MooncakeConfig {
             ("tenant_id", &mut c.tenant_id, "\"default\""),
             ("tls_cert", &mut c.tls_cert, "\"/etc/lunakv/tls/tls.crt\""),
             ("tls_key", &mut c.tls_key, "\"/etc/lunakv/tls/tls.key\""),
-            ("tls_cacert", &mut c.tls_cacert, "\"/etc/lunakv/tls/ca.crt\""),
+            (
+                "tls_cacert",
+                &mut c.tls_cacert,
+                "\"/etc/lunakv/tls/ca.crt\"",
+            ),
         ];
         for (key, slot, example) in strings {
             if let Some(v) = string_field(map, key, example)? {
@@ -338,12 +342,7 @@ impl MooncakeConfig {
             &mut self.tenant_id,
             "default",
         );
-        set_string(
-            crate::tls::ENV_TLS_CERT,
-            "tls_cert",
-            &mut self.tls_cert,
-            "",
-        );
+        set_string(crate::tls::ENV_TLS_CERT, "tls_cert", &mut self.tls_cert, "");
         set_string(crate::tls::ENV_TLS_KEY, "tls_key", &mut self.tls_key, "");
         set_string(
             crate::tls::ENV_TLS_CACERT,

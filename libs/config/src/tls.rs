@@ -65,7 +65,10 @@ impl TlsPaths {
         if p.ca.is_some() && p.cert.is_none() {
             return Err(invalid(
                 ENV_TLS_CACERT,
-                &p.ca.as_ref().map(|c| c.path.display().to_string()).unwrap_or_default(),
+                &p.ca
+                    .as_ref()
+                    .map(|c| c.path.display().to_string())
+                    .unwrap_or_default(),
                 "a server asks for client certificates only over TLS, and TLS needs its own \
                  certificate",
                 "set LUNAKV_TLS_CERT and LUNAKV_TLS_KEY to this server's certificate and key too",
@@ -239,8 +242,8 @@ mod tests {
 
         assert!(!TlsPaths::server_from_env(&env(&[])).unwrap().is_on());
         assert!(!TlsPaths::client_from_env(&env(&[])).unwrap().is_on());
-        let s = TlsPaths::server_from_env(&env(&[(ENV_TLS_CERT, &cert), (ENV_TLS_KEY, &key)]))
-            .unwrap();
+        let s =
+            TlsPaths::server_from_env(&env(&[(ENV_TLS_CERT, &cert), (ENV_TLS_KEY, &key)])).unwrap();
         assert!(s.is_on() && s.ca.is_none());
         let c = TlsPaths::client_from_env(&env(&[(ENV_TLS_CACERT, &ca)])).unwrap();
         assert!(c.is_on() && c.cert.is_none());
@@ -248,11 +251,17 @@ mod tests {
         let e = TlsPaths::server_from_env(&env(&[(ENV_TLS_CERT, &cert)]))
             .unwrap_err()
             .to_string();
-        assert!(e.contains(ENV_TLS_CERT) && e.contains("LUNAKV_TLS_KEY"), "{e}");
+        assert!(
+            e.contains(ENV_TLS_CERT) && e.contains("LUNAKV_TLS_KEY"),
+            "{e}"
+        );
         let e = TlsPaths::server_from_env(&env(&[(ENV_TLS_CACERT, &ca)]))
             .unwrap_err()
             .to_string();
-        assert!(e.contains(ENV_TLS_CACERT) && e.contains("LUNAKV_TLS_CERT"), "{e}");
+        assert!(
+            e.contains(ENV_TLS_CACERT) && e.contains("LUNAKV_TLS_CERT"),
+            "{e}"
+        );
         let e = TlsPaths::client_from_env(&env(&[(ENV_TLS_CERT, &cert), (ENV_TLS_KEY, &key)]))
             .unwrap_err()
             .to_string();
@@ -289,7 +298,10 @@ mod tests {
             (ENV_TLS_CACERT, &other),
         ]))
         .unwrap();
-        assert!(p.cert.is_none(), "the variables replace the file's keys as a whole");
+        assert!(
+            p.cert.is_none(),
+            "the variables replace the file's keys as a whole"
+        );
         assert_eq!(p.ca.unwrap().origin, ENV_TLS_CACERT);
     }
 

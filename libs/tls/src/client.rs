@@ -35,13 +35,9 @@ impl ServerCertVerifier for ServerVerifier {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        self.0.get().verify_server_cert(
-            end_entity,
-            intermediates,
-            server_name,
-            ocsp_response,
-            now,
-        )
+        self.0
+            .get()
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
     }
 
     fn verify_tls12_signature(
@@ -193,7 +189,12 @@ impl ClientTls {
         let name = self.server_name(host)?;
         let tcp = tokio::time::timeout(wait, TcpStream::connect(host_port))
             .await
-            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, format!("cannot connect to {host_port} within {wait:?}")))??;
+            .map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("cannot connect to {host_port} within {wait:?}"),
+                )
+            })??;
         let _ = tcp.set_nodelay(true);
         let s = tokio::time::timeout(wait, self.0.grpc.connect(name, tcp))
             .await
@@ -253,19 +254,15 @@ impl ClientTls {
     pub fn explain(&self, server: &str, e: &io::Error) -> String {
         let p = &self.0.paths;
         let mine = || {
-            let file = p
-                .cert
-                .as_ref()
-                .map_or_else(String::new, |f| f.to_string());
+            let file = p.cert.as_ref().map_or_else(String::new, |f| f.to_string());
             match self.certificate() {
                 Some(s) => format!("this client's certificate {file} ({s})"),
                 None => format!("this client's certificate {file}"),
             }
         };
-        let ca = p
-            .ca
-            .as_ref()
-            .map_or_else(|| "LUNAKV_TLS_CACERT".to_string(), ToString::to_string);
+        let ca =
+            p.ca.as_ref()
+                .map_or_else(|| "LUNAKV_TLS_CACERT".to_string(), ToString::to_string);
         match rustls_error(e) {
             Some(rustls::Error::AlertReceived(a)) if p.cert.is_none() => format!(
                 "{server} requires a client certificate and this client presents none (TLS alert \
@@ -331,9 +328,7 @@ impl ClientTls {
 
 /// `host` of `host:port` (`[v6]:port` keeps its brackets off).
 fn host_of(host_port: &str) -> &str {
-    let h = host_port
-        .rsplit_once(':')
-        .map_or(host_port, |(h, _)| h);
+    let h = host_port.rsplit_once(':').map_or(host_port, |(h, _)| h);
     h.trim_start_matches('[').trim_end_matches(']')
 }
 
@@ -410,7 +405,10 @@ impl tower::Service<http::Uri> for Connector {
         let (tls, wait) = (self.tls.clone(), self.wait);
         Box::pin(async move {
             let auth = uri.authority().ok_or_else(|| {
-                io::Error::new(io::ErrorKind::InvalidInput, format!("no host:port in {uri}"))
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("no host:port in {uri}"),
+                )
             })?;
             let host_port = if auth.port().is_some() {
                 auth.to_string()

@@ -126,7 +126,10 @@ mod tests {
         assert!(!s.expired && s.subject.contains("empty"), "{s}");
         let c = cert(Some("old"), vec![], true);
         let s = CertSummary::of(&c).unwrap();
-        assert!(s.expired && s.to_string().contains("EXPIRED") && s.subject == "CN=old", "{s}");
+        assert!(
+            s.expired && s.to_string().contains("EXPIRED") && s.subject == "CN=old",
+            "{s}"
+        );
         assert!(identity_of(b"not a certificate").is_none());
     }
 }

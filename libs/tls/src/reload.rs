@@ -112,7 +112,9 @@ mod tests {
         let w = Watched::new("the value", vec![f.clone()], move || {
             n.fetch_add(1, Ordering::Relaxed);
             let s = std::fs::read_to_string(&path).unwrap();
-            s.trim().parse::<u32>().map_err(|e| TlsError::Setup(e.to_string()))
+            s.trim()
+                .parse::<u32>()
+                .map_err(|e| TlsError::Setup(e.to_string()))
         })
         .unwrap();
         assert_eq!(*w.get(), 1);
@@ -130,6 +132,10 @@ mod tests {
         let before = loads.load(Ordering::Relaxed);
         w.state.lock().checked -= RELOAD_CHECK;
         assert_eq!(*w.get(), 2);
-        assert_eq!(loads.load(Ordering::Relaxed), before, "unchanged files are not reread");
+        assert_eq!(
+            loads.load(Ordering::Relaxed),
+            before,
+            "unchanged files are not reread"
+        );
     }
 }

@@ -104,7 +104,8 @@ impl ClientVerifier {
                 CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => {
                     "it is not valid yet".to_string()
                 }
-                CertificateError::InvalidPurpose | CertificateError::InvalidPurposeContext { .. } => {
+                CertificateError::InvalidPurpose
+                | CertificateError::InvalidPurposeContext { .. } => {
                     "it is not for client authentication (no clientAuth extended key usage)"
                         .to_string()
                 }
@@ -131,9 +132,14 @@ impl ClientCertVerifier for ClientVerifier {
             .get()
             .verify_client_cert(end_entity, intermediates, now)
             .inspect_err(|e| {
-                let what = CertSummary::of(end_entity.as_ref())
-                    .map_or_else(|| "an unparsable certificate".to_string(), |s| s.to_string());
-                let line = format!("its client certificate ({what}) was refused: {}", self.why(e));
+                let what = CertSummary::of(end_entity.as_ref()).map_or_else(
+                    || "an unparsable certificate".to_string(),
+                    |s| s.to_string(),
+                );
+                let line = format!(
+                    "its client certificate ({what}) was refused: {}",
+                    self.why(e)
+                );
                 REFUSED.with(|r| *r.borrow_mut() = Some(line));
             })
     }
@@ -144,7 +150,9 @@ impl ClientCertVerifier for ClientVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.current.get().verify_tls12_signature(message, cert, dss)
+        self.current
+            .get()
+            .verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -153,7 +161,9 @@ impl ClientCertVerifier for ClientVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.current.get().verify_tls13_signature(message, cert, dss)
+        self.current
+            .get()
+            .verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
@@ -284,7 +294,10 @@ impl ServerTls {
             }
             let now = Instant::now();
             let key = (addr.ip(), why.clone());
-            if logged.get(&key).is_some_and(|t| now.duration_since(*t) < LOG_EVERY) {
+            if logged
+                .get(&key)
+                .is_some_and(|t| now.duration_since(*t) < LOG_EVERY)
+            {
                 return;
             }
             logged.insert(key, now);
