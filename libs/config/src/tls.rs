@@ -91,8 +91,7 @@ impl TlsPaths {
             };
         }
         p.check_pair()?;
-        if p.cert.is_some() && p.ca.is_none() {
-            let c = p.cert.as_ref().expect("checked");
+        if let (Some(c), None) = (&p.cert, &p.ca) {
             return Err(invalid(
                 &c.origin,
                 &c.path.display().to_string(),

@@ -22,6 +22,35 @@ use tokio_rustls::TlsConnector;
 
 use crate::{CertSummary, TlsError, Watched, files, provider, rustls_error};
 
+/// A TLS failure explained ([`ClientTls::explain`]): what the I/O errors of [`ClientTls`]'s
+/// streams and handshakes carry, so a caller can tell a refused certificate from a connection
+/// that waiting would fix.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TlsFailure(pub String);
+
+impl TlsFailure {
+    /// The explained failure inside `e`, if it is one.
+    pub fn of(e: &io::Error) -> Option<&TlsFailure> {
+        e.get_ref()?.downcast_ref::<TlsFailure>()
+    }
+
+    /// The first explained failure in `e`'s chain of sources (a tonic or hyper error).
+    pub fn in_chain<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a TlsFailure> {
+        let mut cur = Some(e);
+        while let Some(c) = cur {
+            if let Some(f) = c.downcast_ref::<TlsFailure>() {
+                return Some(f);
+            }
+            if let Some(f) = c.downcast_ref::<io::Error>().and_then(TlsFailure::of) {
+                return Some(f);
+            }
+            cur = c.source();
+        }
+        None
+    }
+}
+
 /// The server's certificate verified against the CA in a file, reloaded when it changes.
 #[derive(Debug)]
 struct ServerVerifier(Watched<Arc<WebPkiServerVerifier>>);
@@ -196,7 +225,7 @@ impl ClientTls {
                 )
             })??;
         let _ = tcp.set_nodelay(true);
-        let s = tokio::time::timeout(wait, self.0.grpc.connect(name, tcp))
+        let mut s = tokio::time::timeout(wait, self.0.grpc.connect(name, tcp))
             .await
             .map_err(|_| {
                 io::Error::new(
@@ -205,8 +234,11 @@ impl ClientTls {
                 )
             })?
             .map_err(|e| self.explained(host_port, e))?;
+        let early = accepted(&mut s, wait)
+            .await
+            .map_err(|e| self.explained(host_port, e))?;
         Ok(TlsIo {
-            inner: s,
+            inner: crate::io::Prefixed::new(early, s),
             tls: self.clone(),
             server: host_port.to_string(),
         })
@@ -225,6 +257,7 @@ impl ClientTls {
             conn.complete_io(&mut tcp)
                 .map_err(|e| self.explained(host_port, e))?;
         }
+        accepted_blocking(&mut conn, &mut tcp).map_err(|e| self.explained(host_port, e))?;
         Ok(rustls::StreamOwned::new(conn, tcp))
     }
 
@@ -246,7 +279,7 @@ impl ClientTls {
         {
             return e;
         }
-        io::Error::new(e.kind(), self.explain(server, &e))
+        io::Error::new(e.kind(), TlsFailure(self.explain(server, &e)))
     }
 
     /// What a TLS failure with `server` means and what fixes it, naming this client's
@@ -269,7 +302,9 @@ impl ClientTls {
                  {a:?}): set LUNAKV_TLS_CERT and LUNAKV_TLS_KEY (tls_cert and tls_key in \
                  mooncake_config.json) to a certificate issued by the CA the server trusts"
             ),
-            Some(rustls::Error::AlertReceived(AlertDescription::UnknownCA)) => format!(
+            Some(rustls::Error::AlertReceived(
+                AlertDescription::UnknownCA | AlertDescription::DecryptError,
+            )) => format!(
                 "{server} refused {}: it is not issued by a CA the server trusts (the server's \
                  LUNAKV_TLS_CACERT); use a certificate issued by the pool's CA",
                 mine()
@@ -326,6 +361,100 @@ impl ClientTls {
     }
 }
 
+/// How long a client waits after its TLS 1.3 handshake for the server's verdict on its
+/// certificate before it carries on (a server that sends no session tickets gives none).
+const VERDICT_WAIT: Duration = Duration::from_secs(2);
+
+/// Under TLS 1.3 the server verifies a client certificate after the client's handshake is
+/// done: a refusal arrives as an alert, an acceptance as the session tickets the server sends
+/// next (rustls sends two). Waits for either, so a refused certificate fails the connect with
+/// its reason rather than the first call with "connection closed". Returns application bytes
+/// read meanwhile (a server that speaks first), to be read again.
+async fn accepted(
+    s: &mut tokio_rustls::client::TlsStream<TcpStream>,
+    wait: Duration,
+) -> io::Result<Vec<u8>> {
+    let mut early = Vec::new();
+    let conn = &s.get_ref().1;
+    if conn.protocol_version() != Some(rustls::ProtocolVersion::TLSv1_3)
+        || conn.tls13_tickets_received() > 0
+    {
+        return Ok(early);
+    }
+    let mut buf = [0u8; 4096];
+    let verdict = std::future::poll_fn(|cx| {
+        let mut rb = ReadBuf::new(&mut buf);
+        match Pin::new(&mut *s).poll_read(cx, &mut rb) {
+            Poll::Ready(Ok(())) if rb.filled().is_empty() => {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the server closed the connection after the TLS handshake",
+                )));
+            }
+            // The server spoke: it accepted this client, tickets or not.
+            Poll::Ready(Ok(())) => {
+                early.extend_from_slice(rb.filled());
+                return Poll::Ready(Ok(()));
+            }
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => {}
+        }
+        if s.get_ref().1.tls13_tickets_received() > 0 {
+            Poll::Ready(Ok(()))
+        } else {
+            Poll::Pending
+        }
+    });
+    match tokio::time::timeout(wait.min(VERDICT_WAIT), verdict).await {
+        Ok(r) => r.map(|()| early),
+        Err(_) => Ok(early),
+    }
+}
+
+/// [`accepted`] on a blocking connection; application bytes stay buffered in `conn`.
+fn accepted_blocking(
+    conn: &mut rustls::ClientConnection,
+    tcp: &mut std::net::TcpStream,
+) -> io::Result<()> {
+    if conn.protocol_version() != Some(rustls::ProtocolVersion::TLSv1_3) {
+        return Ok(());
+    }
+    let before = tcp.read_timeout()?;
+    tcp.set_read_timeout(Some(before.map_or(VERDICT_WAIT, |b| b.min(VERDICT_WAIT))))?;
+    let r = (|| {
+        while conn.tls13_tickets_received() == 0 {
+            match conn.read_tls(tcp) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the server closed the connection after the TLS handshake",
+                    ));
+                }
+                Ok(_) => {
+                    let state = conn
+                        .process_new_packets()
+                        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+                    if state.plaintext_bytes_to_read() > 0 {
+                        return Ok(());
+                    }
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    })();
+    tcp.set_read_timeout(before)?;
+    r
+}
+
 /// `host` of `host:port` (`[v6]:port` keeps its brackets off).
 fn host_of(host_port: &str) -> &str {
     let h = host_port.rsplit_once(':').map_or(host_port, |(h, _)| h);
@@ -334,7 +463,7 @@ fn host_of(host_port: &str) -> &str {
 
 /// A client TLS stream whose errors are explained ([`ClientTls::explain`]).
 pub struct TlsIo {
-    inner: tokio_rustls::client::TlsStream<TcpStream>,
+    inner: crate::io::Prefixed<tokio_rustls::client::TlsStream<TcpStream>>,
     tls: ClientTls,
     server: String,
 }
@@ -342,7 +471,7 @@ pub struct TlsIo {
 impl TlsIo {
     fn map(&self, e: io::Error) -> io::Error {
         if rustls_error(&e).is_some() {
-            io::Error::new(e.kind(), self.tls.explain(&self.server, &e))
+            io::Error::new(e.kind(), TlsFailure(self.tls.explain(&self.server, &e)))
         } else {
             e
         }

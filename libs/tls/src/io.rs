@@ -42,7 +42,7 @@ pub async fn read_head<S: AsyncRead + Unpin>(
 ) -> io::Result<Vec<u8>> {
     let mut head = vec![0u8; n];
     let mut got = 0;
-    let _ = tokio::time::timeout(wait, async {
+    let read = tokio::time::timeout(wait, async {
         while got < n {
             match s.read(&mut head[got..]).await {
                 Ok(0) => break,
@@ -52,8 +52,9 @@ pub async fn read_head<S: AsyncRead + Unpin>(
         }
         Ok(())
     })
-    .await
-    .unwrap_or(Ok(()))?;
+    .await;
+    // Silent for `wait`: what came so far.
+    read.unwrap_or(Ok(()))?;
     head.truncate(got);
     Ok(head)
 }

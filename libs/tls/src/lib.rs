@@ -15,6 +15,9 @@
 //!   (path, subject) and what the server said ([`client::ClientTls::explain`]).
 //! - [`io::Prefixed`]: a stream whose first bytes were read to tell protocols apart, so the
 //!   master can sort TLS connections (gRPC, quick calls) after decrypting them.
+//! - [`grpc`]: a tonic port with TLS: TLS and plaintext connections sorted by their first byte,
+//!   the [`Peer`] of each call as a request extension, and plaintext limited to
+//!   `grpc.health.v1` (the kubelet's probes speak no TLS).
 //!
 //! Where the files are named is `lunakv_config::tls` (`LUNAKV_TLS_CERT`, `LUNAKV_TLS_KEY`,
 //! `LUNAKV_TLS_CACERT`); docs/SECURITY.md, "mTLS and identities".
@@ -29,11 +32,12 @@ use rustls::crypto::CryptoProvider;
 pub mod client;
 pub mod describe;
 mod files;
+pub mod grpc;
 pub mod io;
 mod reload;
 pub mod server;
 
-pub use client::ClientTls;
+pub use client::{ClientTls, TlsFailure};
 pub use describe::{CertSummary, identity_of};
 pub use files::{certified_key, certs};
 pub use reload::Watched;

@@ -26,6 +26,8 @@ use crate::{CertSummary, TlsError, Watched, files, identity_of, provider, rustls
 #[derive(Debug, Clone)]
 pub struct Peer {
     pub addr: SocketAddr,
+    /// The connection is a TLS session.
+    pub tls: bool,
     /// The client certificate's identity ([`identity_of`]); `None` without mTLS.
     pub identity: Option<Arc<str>>,
 }
@@ -97,6 +99,18 @@ impl ClientVerifier {
             rustls::Error::InvalidCertificate(c) => match c {
                 CertificateError::UnknownIssuer => {
                     format!("it is not issued by the CA in {}", self.ca)
+                }
+                // A CA of the same name signed it, but not this CA's key.
+                #[allow(deprecated)]
+                CertificateError::BadSignature
+                | CertificateError::UnsupportedSignatureAlgorithm
+                | CertificateError::UnsupportedSignatureAlgorithmContext { .. }
+                | CertificateError::UnsupportedSignatureAlgorithmForPublicKeyContext { .. } => {
+                    format!(
+                        "it is not issued by the CA in {} (its signature does not verify with \
+                         that CA's key)",
+                        self.ca
+                    )
                 }
                 CertificateError::Expired | CertificateError::ExpiredContext { .. } => {
                     "it has expired".to_string()
@@ -253,7 +267,14 @@ impl ServerTls {
                     .and_then(|c| c.first())
                     .and_then(|c| identity_of(c.as_ref()))
                     .map(Arc::from);
-                return Some((s, Peer { addr, identity }));
+                return Some((
+                    s,
+                    Peer {
+                        addr,
+                        tls: true,
+                        identity,
+                    },
+                ));
             }
             Ok(Err(e)) => REFUSED
                 .with(|r| r.borrow_mut().take())

@@ -8,7 +8,7 @@
 //!   token is set); `/metrics`, `/health`, `/role`, `/leader` stay open for Prometheus and probes.
 //!
 //! - mTLS (`LUNAKV_TLS_CERT`, `LUNAKV_TLS_KEY`, `LUNAKV_TLS_CACERT`): the connection's client
-//!   certificate names the caller ([`Transport::identity`]), which reaches the handlers as a
+//!   certificate names the caller ([`Peer::identity`]), which reaches the handlers as a
 //!   [`Caller`]. The admin RPCs then need an identity in `LUNAKV_ADMIN_IDENTITIES` (or the admin
 //!   token). With TLS on, a plaintext connection gets only `grpc.health.v1` (the kubelet's
 //!   probes); every other call is refused naming the variables to set.
@@ -25,6 +25,8 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 use lunakv_config::auth::{PoolTokens, Token};
 use tonic::Status;
+
+use lunakv_tls::Peer;
 
 use crate::core::Caller;
 
@@ -73,14 +75,6 @@ impl AuthPolicy {
     }
 }
 
-/// How a call arrived, as the RPC listener saw its connection: the request extension the auth
-/// layer reads (absent: a plaintext connection).
-#[derive(Debug, Clone, Default)]
-pub struct Transport {
-    pub tls: bool,
-    /// The client certificate's identity (CN, else first SAN) under mTLS.
-    pub identity: Option<Arc<str>>,
-}
 /// Admin-port paths that reveal object locations or segment endpoints, or change the pool's
 /// policy.
 const GUARDED_HTTP: &[&str] = &[
@@ -102,32 +96,25 @@ fn any_matches(candidates: &[Option<&Token>], presented: Option<&[u8]>) -> bool 
     candidates.iter().flatten().any(|t| t.matches(p))
 }
 
-/// Whether a gRPC call to `path` with `authorization`, over `transport` (`None`: plaintext),
-/// may proceed, and as which [`Caller`].
+/// Whether a gRPC call to `path` with `authorization`, over the connection of `peer` (`None`:
+/// plaintext), may proceed, and as which [`Caller`].
 pub fn check_grpc(
     policy: &AuthPolicy,
     path: &str,
     authorization: Option<&http::HeaderValue>,
-    transport: Option<&Transport>,
+    peer: Option<&Peer>,
 ) -> Result<Caller, Status> {
     if path.starts_with(HEALTH_PREFIX) {
         return Ok(Caller::default());
     }
     let tokens = &policy.tokens;
-    let tls = transport.is_some_and(|t| t.tls);
-    if policy.tls != TlsMode::Off && !tls {
-        return Err(Status::unauthenticated(if policy.tls == TlsMode::Mutual {
-            "lunakv-master requires mTLS on this port and this client connected in plaintext: \
-             set LUNAKV_TLS_CACERT (the pool's CA), LUNAKV_TLS_CERT and LUNAKV_TLS_KEY (this \
-             client's certificate and key) in its environment, or tls_cacert, tls_cert and \
-             tls_key in its mooncake_config.json"
-        } else {
-            "lunakv-master requires TLS on this port and this client connected in plaintext: set \
-             LUNAKV_TLS_CACERT (the CA of the master's certificate) in its environment, or \
-             tls_cacert in its mooncake_config.json"
-        }));
+    if policy.tls != TlsMode::Off && !peer.is_some_and(|p| p.tls) {
+        return Err(lunakv_tls::grpc::plaintext_refusal(
+            "lunakv-master",
+            policy.tls == TlsMode::Mutual,
+        ));
     }
-    let identity = transport.and_then(|t| t.identity.clone());
+    let identity = peer.and_then(|p| p.identity.clone());
     let presented = bearer(authorization);
     let admin_token = tokens.admin.is_some() && any_matches(&[tokens.admin.as_ref()], presented);
     let caller = Caller {
@@ -245,7 +232,7 @@ where
             &self.policy,
             req.uri().path(),
             req.headers().get(http::header::AUTHORIZATION),
-            req.extensions().get::<Transport>(),
+            req.extensions().get::<Peer>(),
         ) {
             Ok(caller) => {
                 req.extensions_mut().insert(caller);
@@ -355,7 +342,8 @@ mod tests {
             admin_identities: vec!["ops".into()],
             ..AuthPolicy::default()
         };
-        let conn = |id: &str| Transport {
+        let conn = |id: &str| Peer {
+            addr: "127.0.0.1:1".parse().unwrap(),
             tls: true,
             identity: Some(Arc::from(id)),
         };

@@ -6,117 +6,32 @@
 //!
 //! With TLS on (`LUNAKV_TLS_CERT`), a connection that opens with a TLS handshake is decrypted
 //! first ([`lunakv_tls::ServerTls::accept`]: with mTLS, a client certificate from the CA is
-//! required, and its identity travels with the connection as [`Transport`]); the gRPC-or-quick
+//! required, and its identity travels with the connection as a [`Peer`]); the gRPC-or-quick
 //! sorting then reads the decrypted bytes. A plaintext connection still reaches tonic or the
 //! quick server, where the auth layer answers only `grpc.health.v1` and refuses every other
 //! call naming the variables to set ([`crate::auth::check_grpc`]).
 
 use std::io;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use lunakv_proto::foreign::{ClientSpeaks, client_speaks};
-use lunakv_tls::ServerTls;
-use lunakv_tls::io::{Prefixed, TLS_HANDSHAKE, read_head};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use lunakv_tls::grpc::{HANDSHAKE_WAIT, ServerIo, opens_tls};
+use lunakv_tls::io::{Prefixed, read_head};
+use lunakv_tls::{Peer, ServerTls};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::auth::Transport;
 use crate::quick::QuickServer;
 
 /// How long a new connection may stay silent before it is handed to tonic unchecked (an HTTP/2
 /// client sends its preface at once).
 const PEEK_WAIT: Duration = Duration::from_secs(2);
-/// How long a TLS handshake may take.
-const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
 /// At most one log line per this interval for foreign clients: a misconfigured fleet must not
 /// flood the log.
 const LOG_EVERY: Duration = Duration::from_secs(30);
-
-type TlsIo = Prefixed<tokio_rustls::server::TlsStream<TcpStream>>;
-
-enum Io {
-    Plain(TcpStream),
-    Tls(Box<TlsIo>),
-}
-
-/// A connection of the RPC port, as tonic serves it; its [`Transport`] becomes a request
-/// extension of every call on it (tonic's `Connected`).
-pub(crate) struct RpcIo {
-    io: Io,
-    transport: Transport,
-}
-
-impl tonic::transport::server::Connected for RpcIo {
-    type ConnectInfo = Transport;
-
-    fn connect_info(&self) -> Transport {
-        self.transport.clone()
-    }
-}
-
-impl AsyncRead for RpcIo {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match &mut self.io {
-            Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for RpcIo {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match &mut self.io {
-            Io::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Io::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        match &mut self.io {
-            Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match &self.io {
-            Io::Plain(s) => s.is_write_vectored(),
-            Io::Tls(s) => s.is_write_vectored(),
-        }
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match &mut self.io {
-            Io::Plain(s) => Pin::new(s).poll_flush(cx),
-            Io::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match &mut self.io {
-            Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
-    }
-}
 
 /// Accepts on `listener` until the returned stream is dropped; yields the connections that speak
 /// HTTP/2 (or said nothing within [`PEEK_WAIT`]) and hands quick-call connections to `quick`.
@@ -125,7 +40,7 @@ pub(crate) fn grpc_connections(
     listener: TcpListener,
     quick: Arc<QuickServer>,
     tls: Option<Arc<ServerTls>>,
-) -> ReceiverStream<io::Result<RpcIo>> {
+) -> ReceiverStream<io::Result<ServerIo>> {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         let last_log = std::sync::Arc::new(Mutex::new(None::<Instant>));
@@ -165,7 +80,7 @@ async fn sort(
     last_log: &Mutex<Option<Instant>>,
     tls: Option<&ServerTls>,
     quick: &Arc<QuickServer>,
-) -> Option<RpcIo> {
+) -> Option<ServerIo> {
     let mut first = [0u8; 8];
     let n = match tokio::time::timeout(PEEK_WAIT, stream.peek(&mut first)).await {
         Ok(Ok(0)) | Ok(Err(_)) => return None,
@@ -174,14 +89,9 @@ async fn sort(
         Err(_) => 0,
     };
     if let Some(tls) = tls
-        && n > 0
-        && first[0] == TLS_HANDSHAKE
+        && opens_tls(&first[..n])
     {
         let (mut s, p) = tls.accept(stream, peer, HANDSHAKE_WAIT).await?;
-        let transport = Transport {
-            tls: true,
-            identity: p.identity,
-        };
         let head = read_head(&mut s, 8, PEEK_WAIT).await.ok()?;
         let speaks = if head.is_empty() {
             ClientSpeaks::Http2
@@ -190,12 +100,9 @@ async fn sort(
         };
         let io = Prefixed::new(head, s);
         return match speaks {
-            ClientSpeaks::Http2 => Some(RpcIo {
-                io: Io::Tls(Box::new(io)),
-                transport,
-            }),
+            ClientSpeaks::Http2 => Some(ServerIo::tls(io, p)),
             ClientSpeaks::Quick => {
-                quick.accept(io, transport);
+                quick.accept(io, p);
                 None
             }
             other => {
@@ -210,12 +117,16 @@ async fn sort(
         client_speaks(&first[..n])
     };
     match speaks {
-        ClientSpeaks::Http2 => Some(RpcIo {
-            io: Io::Plain(stream),
-            transport: Transport::default(),
-        }),
+        ClientSpeaks::Http2 => Some(ServerIo::plain(stream, peer)),
         ClientSpeaks::Quick => {
-            quick.accept(stream, Transport::default());
+            quick.accept(
+                stream,
+                Peer {
+                    addr: peer,
+                    tls: false,
+                    identity: None,
+                },
+            );
             None
         }
         other => {

@@ -4,7 +4,7 @@
 //! ([`crate::auth::check_grpc`]).
 //!
 //! Over TLS the frames travel inside the TLS session, and the connection's client identity
-//! (mTLS) reaches the handlers as the gRPC calls' does ([`crate::auth::Transport`]).
+//! (mTLS) reaches the handlers as the gRPC calls' does ([`lunakv_tls::Peer`]).
 //!
 //! A status travels without its metadata (leader redirects, "rebuilding"): the client answers
 //! any status by making the same call over gRPC, which knows how to follow those.
@@ -20,9 +20,10 @@ use prost::Message;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
-use crate::auth::{AuthPolicy, Transport};
+use crate::auth::AuthPolicy;
 use crate::core::Caller;
 use crate::grpc::MasterService;
+use lunakv_tls::Peer;
 
 /// Quick connections open at once; more are closed at once (their clients use gRPC).
 const MAX_CONNECTIONS: usize = 1024;
@@ -51,8 +52,8 @@ impl QuickServer {
         })
     }
 
-    /// Takes over `stream`, whose first bytes are the quick magic, arrived over `transport`.
-    pub(crate) fn accept<S>(self: &Arc<Self>, stream: S, transport: Transport)
+    /// Takes over `stream`, whose first bytes are the quick magic, arrived from `peer`.
+    pub(crate) fn accept<S>(self: &Arc<Self>, stream: S, peer: Peer)
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -68,13 +69,13 @@ impl QuickServer {
         let this = self.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = this.connection(stream, &transport).await {
+            if let Err(e) = this.connection(stream, &peer).await {
                 tracing::debug!(error = %e, "quick-call connection ended");
             }
         });
     }
 
-    async fn connection<S>(&self, mut stream: S, transport: &Transport) -> std::io::Result<()>
+    async fn connection<S>(&self, mut stream: S, peer: &Peer) -> std::io::Result<()>
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
@@ -116,13 +117,13 @@ impl QuickServer {
                     return Ok(());
                 }
             }
-            let out = self.answer(&frame, transport).await;
+            let out = self.answer(&frame, peer).await;
             stream.write_all(&out).await?;
         }
     }
 
     /// One response frame for one request frame.
-    async fn answer(&self, frame: &[u8], transport: &Transport) -> Vec<u8> {
+    async fn answer(&self, frame: &[u8], peer: &Peer) -> Vec<u8> {
         let req = match quick::decode_request(frame) {
             Ok(r) => r,
             Err(e) => {
@@ -138,7 +139,7 @@ impl QuickServer {
             &self.policy,
             req.method.grpc_path(),
             authorization.as_ref(),
-            Some(transport),
+            Some(peer),
         ) {
             Ok(c) => c,
             Err(s) => return status(&s),
