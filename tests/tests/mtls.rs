@@ -270,6 +270,50 @@ fn a_master_with_mtls_serves_certified_clients_and_refuses_strangers_naming_the_
         before >= quick_calls + 1.0,
         "the certified quick call was answered as one"
     );
+
+    // `lunakv doctor`'s security row: mTLS on and this client's certificate named; a doctor
+    // without one is told what to set; a client with TLS against a plaintext master is told
+    // that the two disagree.
+    let row = doctor_security(&addr, &alice);
+    assert_eq!(row["status"], "pass", "{row}");
+    let detail = row["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("mTLS") && detail.contains("\"alice\""),
+        "{row}"
+    );
+    let row = doctor_security(&addr, &[]);
+    assert_eq!(row["status"], "warn", "{row}");
+    assert!(
+        row["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("presents none"),
+        "{row}"
+    );
+    let plain = Master::start(&pki.path().join("plain"), &[]);
+    let row = doctor_security(&plain.addr(), &alice);
+    assert_eq!(row["status"], "warn", "{row}");
+    assert!(
+        row["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("serves plaintext"),
+        "{row}"
+    );
+}
+
+/// The `security` row of `lunakv --json doctor` against `addr` with `env`.
+fn doctor_security(addr: &str, env: &[(String, String)]) -> serde_json::Value {
+    let out = cli(addr, &["--json", "doctor"], &refs(env));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("no JSON ({e}): {}", stderr(&out)));
+    v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "security")
+        .cloned()
+        .expect("a security row")
 }
 
 #[test]

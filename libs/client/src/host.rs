@@ -231,14 +231,21 @@ impl SegmentHost {
             ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind))
         })?;
         server.set_cluster_id(&opts.cluster_id);
-        // The pool token is the switch: with it the control channel is authenticated, so the
-        // secret can travel in MountSegment; without it a secret would protect nothing.
+        // The pool token or TLS towards the master is the switch: with either the control
+        // channel is private, so the secret can travel in MountSegment; without, a secret
+        // would protect nothing.
         let tokens = lunakv_config::auth::PoolTokens::from_env(&lunakv_config::process_env)
             .map_err(|e| ClientError::Config(e.to_string()))?;
-        if tokens.presented().is_some() {
+        let tls = master_tls()?.is_some();
+        if tokens.presented().is_some() || tls {
             server.require_capabilities(lunakv_transfer::MountSecret::generate());
             tracing::info!(
-                "the pool token is set: this segment requires capabilities on every transfer request"
+                "{} is set: this segment requires capabilities on every transfer request",
+                if tls {
+                    "TLS towards the master"
+                } else {
+                    "the pool token"
+                }
             );
         }
         // Fresh pages cost a fault per 4 KiB on the first put into them (7-12x slower than warm
@@ -842,6 +849,62 @@ pub(crate) fn lazy_channel(
         Some(t) => endpoint.connect_with_connector_lazy(t.connector(connect_timeout)),
         None => endpoint.connect_lazy(),
     }
+}
+
+/// What a master's RPC port requires of its callers' transport (`lunakv doctor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MasterTls {
+    /// Plaintext gRPC.
+    Off,
+    /// TLS, no client certificate asked.
+    On,
+    /// TLS with a client certificate from its CA (mTLS).
+    Mutual,
+}
+
+/// [`MasterTls`] of the master at `addr` (`host:port`): one status call in plaintext, which a
+/// master with TLS refuses with the `x-lunakv-tls-required` header.
+pub(crate) async fn master_tls_mode(
+    addr: &str,
+    timeout: Duration,
+) -> Result<MasterTls, ClientError> {
+    let rpc_err = |message: String| ClientError::Rpc {
+        addr: addr.to_owned(),
+        message,
+    };
+    let connect_timeout = Duration::from_secs(3).min(timeout);
+    let endpoint = Channel::from_shared(format!("http://{addr}"))
+        .map_err(|e| rpc_err(format!("not a valid address ({e})")))?
+        .connect_timeout(connect_timeout)
+        .timeout(timeout);
+    let channel = channel(addr, endpoint, None, connect_timeout).await?;
+    match MasterClient::new(channel)
+        .get_cluster_status(pb::GetClusterStatusRequest {})
+        .await
+    {
+        Ok(_) => Ok(MasterTls::Off),
+        Err(s) => match s
+            .metadata()
+            .get(lunakv_tls::grpc::TLS_REQUIRED_HEADER)
+            .and_then(|v| v.to_str().ok())
+        {
+            Some("mtls") => Ok(MasterTls::Mutual),
+            Some(_) => Ok(MasterTls::On),
+            // Refused for its token: a plaintext master.
+            None if s.code() == tonic::Code::Unauthenticated => Ok(MasterTls::Off),
+            None => Err(rpc_err(format!("status in plaintext: {}", s.message()))),
+        },
+    }
+}
+
+/// [`master_tls_mode`] from synchronous code (`lunakv doctor`, which may not have connected:
+/// a master with mTLS refuses a doctor without a certificate). Not from inside a runtime.
+pub fn probe_master_tls(addr: &str, timeout: Duration) -> Result<MasterTls, ClientError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| ClientError::Config(format!("cannot start a runtime: {e}")))?;
+    rt.block_on(master_tls_mode(addr, timeout))
 }
 
 /// Whether the master at `addr` turns away a caller that presents no pool token: one status

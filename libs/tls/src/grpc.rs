@@ -202,9 +202,13 @@ impl PlaintextHealthOnly {
     }
 }
 
-/// The refusal of a plaintext call on a port that serves TLS.
+/// The metadata key of [`plaintext_refusal`]: `mtls` or `tls`, what the port requires.
+pub const TLS_REQUIRED_HEADER: &str = "x-lunakv-tls-required";
+
+/// The refusal of a plaintext call on a port that serves TLS; carries
+/// [`TLS_REQUIRED_HEADER`] so a client (`lunakv doctor`) can tell without reading the text.
 pub fn plaintext_refusal(service: &str, mutual: bool) -> tonic::Status {
-    tonic::Status::unauthenticated(if mutual {
+    let mut s = tonic::Status::unauthenticated(if mutual {
         format!(
             "{service} requires mTLS on this port and this client connected in plaintext: set \
              LUNAKV_TLS_CACERT (the pool's CA), LUNAKV_TLS_CERT and LUNAKV_TLS_KEY (this \
@@ -217,7 +221,12 @@ pub fn plaintext_refusal(service: &str, mutual: bool) -> tonic::Status {
              LUNAKV_TLS_CACERT (the CA of the server's certificate) in its environment, or \
              tls_cacert in its mooncake_config.json"
         )
-    })
+    });
+    s.metadata_mut().insert(
+        TLS_REQUIRED_HEADER,
+        tonic::metadata::MetadataValue::from_static(if mutual { "mtls" } else { "tls" }),
+    );
+    s
 }
 
 impl<S> tower::Layer<S> for PlaintextHealthOnly {
