@@ -2724,7 +2724,12 @@ fn mtls_component_gives_every_caller_a_certificate_and_the_master_its_admins() {
             .into_owned();
         let objs = render_with_component_at(&kubectl, &overlay, "mtls", true);
         let fail = |f: String| format!("{overlay} + mtls: {f}");
-        failures.extend(check_overlay(&overlay, &objs).failures.into_iter().map(fail));
+        failures.extend(
+            check_overlay(&overlay, &objs)
+                .failures
+                .into_iter()
+                .map(fail),
+        );
         for cert in objs.iter().filter(|o| s(o, "/kind") == "Certificate") {
             let issuer = s(cert, "/spec/issuerRef/name");
             if find(&objs, "Issuer", ns(cert), issuer).is_none() {

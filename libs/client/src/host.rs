@@ -862,8 +862,7 @@ pub enum MasterTls {
     Mutual,
 }
 
-/// [`MasterTls`] of the master at `addr` (`host:port`): one status call in plaintext, which a
-/// master with TLS refuses with the `x-lunakv-tls-required` header.
+/// [`probe_master_tls`], async.
 pub(crate) async fn master_tls_mode(
     addr: &str,
     timeout: Duration,
@@ -897,8 +896,10 @@ pub(crate) async fn master_tls_mode(
     }
 }
 
-/// [`master_tls_mode`] from synchronous code (`lunakv doctor`, which may not have connected:
-/// a master with mTLS refuses a doctor without a certificate). Not from inside a runtime.
+/// What the master at `addr` (`host:port`) requires of its callers' transport, from
+/// synchronous code (`lunakv doctor`, which may not have connected: a master with mTLS refuses a
+/// doctor without a certificate): one status call in plaintext, which a master with TLS refuses
+/// with the `x-lunakv-tls-required` header. Not from inside a runtime.
 pub fn probe_master_tls(addr: &str, timeout: Duration) -> Result<MasterTls, ClientError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

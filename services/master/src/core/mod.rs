@@ -74,7 +74,7 @@ pub struct MasterCore {
     /// key (a leaf lock). Kept beside the index rather than in each object, which would cost
     /// every key its bytes; empty without mTLS. Entries leave at PutEnd, PutRevoke and discard,
     /// and [`Self::sweep_puts`] drops those whose put went another way.
-    put_owners: Mutex<HashMap<u64, (Box<str>, Arc<str>)>>,
+    put_owners: Mutex<HashMap<u64, PutOwner>>,
     /// The one copy of each client id and segment name the objects refer to.
     names: intern::Interner,
     /// Objects in the index as of the last sweep (the key limit's cheap check).
@@ -104,6 +104,10 @@ pub struct MasterCore {
     /// until the owners' remounts confirmed it.
     warm_start: std::sync::atomic::AtomicBool,
 }
+
+/// The key of a put in flight and the client identity that started it ([`MasterCore`]'s
+/// `put_owners`).
+type PutOwner = (Box<str>, Arc<str>);
 
 fn tiers_of(replicas: &[ReplicaLoc]) -> Tiers {
     Tiers {

@@ -635,7 +635,7 @@ impl MasterCore {
             .collect();
         for (generation, key) in owned {
             let live =
-                self.shard(&key).lock().get(&*key).is_some_and(|o| {
+                self.shard(&key).lock().get(&key).is_some_and(|o| {
                     o.generation == generation && o.state == ObjectState::Processing
                 });
             if !live {
