@@ -1,7 +1,8 @@
 //! mTLS on the master's and the bootstrap's gRPC ports, and per-client identities (issue 18,
 //! item 1; docs/SECURITY.md, "mTLS and identities"), with real binaries on loopback and
 //! certificates from a test CA:
-//! - a store and the CLI with certificates from the pool's CA work, over gRPC and quick calls;
+//! - a store and the CLI with certificates from the pool's CA work, over gRPC and quick calls,
+//!   with the files named by LUNAKV_TLS_* or by the tls_* keys of mooncake_config.json;
 //! - a client without a certificate, with one from another CA, or with an expired one is
 //!   refused, and both its error and the master's log name the certificate and why;
 //! - quick calls go inside the TLS session and refuse the same strangers;
@@ -196,6 +197,31 @@ fn a_master_with_mtls_serves_certified_clients_and_refuses_strangers_naming_the_
     let mut grpc_only = alice.clone();
     grpc_only.push(("LUNAKV_QUICK_CALLS".into(), "0".into()));
     let got = cli(&addr, &["get", "tls-k"], &refs(&grpc_only));
+    assert_eq!(got.stdout, value, "{}", stderr(&got));
+    // An engine's files as tls_* keys of its mooncake_config.json (relative to the file), with
+    // no LUNAKV_TLS_* set: what a vLLM pod may use instead of the variables.
+    let config = pki.path().join("mooncake_config.json");
+    std::fs::write(
+        &config,
+        serde_json::json!({
+            "mode": "standalone-store",
+            "master_server_address": addr,
+            "metadata_server": "P2PHANDSHAKE",
+            "global_segment_size": 0,
+            "local_buffer_size": "16MB",
+            "protocol": "tcp",
+            "tls_cert": "alice.crt",
+            "tls_key": "alice.key",
+            "tls_cacert": "ca.crt",
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let got = cli(
+        &addr,
+        &["get", "tls-k"],
+        &[("MOONCAKE_CONFIG_PATH", &config.display().to_string())],
+    );
     assert_eq!(got.stdout, value, "{}", stderr(&got));
 
     // Plaintext: refused, naming the variables to set.
