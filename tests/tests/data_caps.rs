@@ -268,3 +268,120 @@ fn a_restarted_master_learns_the_same_secret_at_the_remount_and_its_capabilities
         "no request of the victim was refused"
     );
 }
+
+/// What a forged inventory did: the master's answer to the attacker's MountSegment and what
+/// the victim's next get returned.
+struct Forgery {
+    accepted: u64,
+    rejected: usize,
+    victim_reads: Vec<u8>,
+}
+
+/// Issue 18's forged inventory: a caller with the pool token (or, without one, anyone) runs a
+/// segment of its own holding its bytes under the victim's key, and mounts it with an
+/// inventory that claims the key at a generation far above the victim's.
+fn forge_inventory(token: Option<&str>) -> Forgery {
+    let dir = tempfile::tempdir().unwrap();
+    let env: Vec<(&str, &str)> = token
+        .map(|t| ("LUNAKV_AUTH_TOKEN", t))
+        .into_iter()
+        .collect();
+    let _env = child_env(&env);
+    let master = Master::start(dir.path(), &[]);
+    let addr = master.addr();
+    let _store = Store::start(&addr, "64MB", &[]);
+    let value = pattern(14, LEN);
+    put(&addr, "victim", &value, dir.path(), token);
+    let l = locate(&addr, "victim", token);
+
+    // The attacker's own segment server, in this process: tcp only, no capabilities.
+    let evil_server = lunakv_transfer::SegmentServer::start(lunakv_transfer::SegmentServerConfig {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        size: 1 << 20,
+        shm_socket: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let info = evil_server.info();
+    let forged_gen = l.generation + (1 << 40);
+    let evil = vec![0xEE; LEN];
+    lunakv_transfer::TransferEngine::new(lunakv_transfer::TransferOptions {
+        enable_shm: false,
+        ..Default::default()
+    })
+    .write(
+        &lunakv_transfer::Target::from(&info),
+        forged_gen,
+        "victim",
+        0,
+        &[&evil],
+    )
+    .unwrap();
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let resp = rt.block_on(async {
+        use lunakv_proto::master as pb;
+        let mut c = MasterClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        let mut req = tonic::Request::new(pb::MountSegmentRequest {
+            client_id: "attacker".into(),
+            cluster_id: "mooncake_cluster".into(),
+            segment: Some(pb::SegmentDescriptor {
+                name: info.name.clone(),
+                transfer_endpoint: info.transfer_endpoint.clone(),
+                size: info.size,
+                host_id: "elsewhere".into(),
+                protocol: "tcp".into(),
+                instance_id: info.instance_id.clone(),
+                ..Default::default()
+            }),
+            inventory: vec![pb::InventoryItem {
+                key: "victim".into(),
+                offset: 0,
+                size: LEN as u64,
+                generation: forged_gen,
+                kind: pb::ReplicaKind::Memory as i32,
+                // A made-up proof: the master's key never left the master.
+                proof: vec![0x5A; 16],
+            }],
+            ..Default::default()
+        });
+        if let Some(t) = token {
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {t}").parse().unwrap());
+        }
+        c.mount_segment(req).await.unwrap().into_inner()
+    });
+    let victim_reads = get(&addr, "victim", token);
+    if token.is_some() {
+        assert_eq!(
+            master.metric("master_inventory_unproven_total"),
+            Some(1.0),
+            "the rejection is counted"
+        );
+    }
+    Forgery {
+        accepted: resp.accepted_objects,
+        rejected: resp.rejected_generations.len(),
+        victim_reads,
+    }
+}
+
+#[test]
+fn with_the_pool_token_a_forged_inventory_is_rejected_and_the_victim_reads_its_bytes() {
+    let f = forge_inventory(Some(POOL));
+    assert_eq!((f.accepted, f.rejected), (0, 1));
+    assert_eq!(f.victim_reads, pattern(14, LEN), "the victim's own bytes");
+}
+
+#[test]
+fn without_the_pool_token_a_forged_inventory_poisons_the_key() {
+    let f = forge_inventory(None);
+    assert_eq!((f.accepted, f.rejected), (1, 0));
+    assert_eq!(
+        f.victim_reads,
+        vec![0xEE; LEN],
+        "the default is open on loopback"
+    );
+}

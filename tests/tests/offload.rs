@@ -660,3 +660,61 @@ fn a_zero_drain_budget_drops_the_dram_objects_and_reports_them() {
     assert_eq!(missing, in_dram, "exactly the dropped objects are missing");
     assert_eq!(served + missing, 48);
 }
+
+/// Issue 18 item 3 (docs/SECURITY.md, "Verified inventories"): with the pool token the master
+/// indexes only inventory entries that carry its placement proof. Every genuine entry must keep
+/// one wherever it went: written into DRAM, offloaded to disk by eviction, drained to disk by a
+/// SIGTERM. After a master restart (DRAM and disk entries remount) and a store restart (disk
+/// only), every object is still served with its bytes, and nothing was rejected.
+#[test]
+fn with_the_pool_token_every_dram_and_disk_entry_survives_restarts_with_its_proof() {
+    const TOKEN: &str = "pool-0123456789abcdef0123456789";
+    const N: u64 = 24;
+    let env = [("LUNAKV_AUTH_TOKEN", TOKEN)];
+    let _env = lunakv_tests::child_env(&env);
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    let mut m = Master::start(mdir.path(), &["--enable_offload=true"]);
+    let port = free_port();
+    let mut s = start_store(&m.addr(), odir.path(), port, &[]);
+    for i in 0..N {
+        let file = mdir.path().join(format!("v-{i}"));
+        std::fs::write(&file, pattern(i, OBJ)).unwrap();
+        let out = lunakv_tests::cli(
+            &m.addr(),
+            &["put", &format!("k-{i}"), &file.display().to_string()],
+            &env,
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    wait_until(Duration::from_secs(10), || {
+        (metric(s.admin, "lunakv_store_disk_objects")? >= 4.0).then_some(())
+    })
+    .expect("eviction moved objects to disk");
+    let every_object_is_served = |m: &Master, when: &str| {
+        for i in 0..N {
+            let got = wait_until(Duration::from_secs(30), || {
+                let out = lunakv_tests::cli(&m.addr(), &["get", &format!("k-{i}")], &env);
+                out.status.success().then_some(out.stdout)
+            })
+            .unwrap_or_else(|| panic!("k-{i} is not served {when}"));
+            assert!(got == pattern(i, OBJ), "k-{i}: wrong bytes {when}");
+        }
+        assert_eq!(
+            m.metric("master_inventory_unproven_total"),
+            Some(0.0),
+            "no genuine entry was rejected {when}"
+        );
+    };
+
+    m.restart();
+    every_object_is_served(&m, "after a master restart");
+
+    assert_eq!(s.proc.terminate(Duration::from_secs(60)), Some(0));
+    let _s2 = start_store(&m.addr(), odir.path(), port, &[]);
+    every_object_is_served(&m, "after a store restart");
+}

@@ -62,8 +62,8 @@ pub struct HostOptions {
 pub trait DiskInventory: Send + Sync + 'static {
     /// Bytes the tier may hold; 0 when it is unusable.
     fn capacity(&self) -> u64;
-    /// `(key, generation, size)` of every object on disk.
-    fn objects(&self) -> Vec<(String, u64, u64)>;
+    /// Every object on disk (`offset` unused), with the placement proof stored with it.
+    fn objects(&self) -> Vec<lunakv_transfer::Entry>;
     /// `(key, generation, size)` dropped since the last call (size limit, failed checksum).
     fn take_dropped(&self) -> Vec<(String, u64, u64)>;
 }
@@ -465,6 +465,19 @@ struct MountPlan {
     items: usize,
 }
 
+/// An entry as its owner reports it at mount, with its placement proof.
+fn inventory_item(e: lunakv_transfer::Entry, kind: pb::ReplicaKind) -> pb::InventoryItem {
+    let disk = kind == pb::ReplicaKind::LocalDisk;
+    pb::InventoryItem {
+        key: e.key,
+        offset: if disk { 0 } else { e.offset },
+        size: e.size,
+        generation: e.generation,
+        kind: kind as i32,
+        proof: e.proof.map(|p| p.as_bytes().to_vec()).unwrap_or_default(),
+    }
+}
+
 /// What the master accepted over a plan's requests.
 #[derive(Default)]
 struct MountTally {
@@ -488,24 +501,14 @@ impl Mounter {
         let mut inventory: Vec<pb::InventoryItem> = server
             .inventory()
             .into_iter()
-            .map(|e| pb::InventoryItem {
-                key: e.key,
-                offset: e.offset,
-                size: e.size,
-                generation: e.generation,
-                kind: pb::ReplicaKind::Memory as i32,
-            })
+            .map(|e| inventory_item(e, pb::ReplicaKind::Memory))
             .collect();
         if let Some(d) = &self.disk {
-            inventory.extend(d.objects().into_iter().map(|(key, generation, size)| {
-                pb::InventoryItem {
-                    key,
-                    offset: 0,
-                    size,
-                    generation,
-                    kind: pb::ReplicaKind::LocalDisk as i32,
-                }
-            }));
+            inventory.extend(
+                d.objects()
+                    .into_iter()
+                    .map(|e| inventory_item(e, pb::ReplicaKind::LocalDisk)),
+            );
         }
         let items = inventory.len();
         let mut segment = descriptor(&info, &self.protocol, self.enable_offload);
@@ -674,6 +677,7 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
                 size,
                 generation,
                 kind: pb::ReplicaKind::LocalDisk as i32,
+                proof: Vec::new(),
             })
             .collect();
         let req = pb::PingRequest {
@@ -1089,6 +1093,8 @@ mod tests {
                 size: 4096,
                 generation: (7 << 32) | i,
                 kind: pb::ReplicaKind::Memory as i32,
+                // As with a pool token: every entry carries its proof.
+                proof: vec![0xAB; 16],
             })
             .collect();
         let parts = inventory_parts(items.clone());

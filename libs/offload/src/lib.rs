@@ -179,6 +179,8 @@ pub struct DiskObject {
     pub key: String,
     pub generation: u64,
     pub size: u64,
+    /// The master's placement proof stored with the object (16 bytes), if it came with one.
+    pub proof: Option<[u8; PROOF_LEN]>,
 }
 
 /// What [`DiskTier::open`] found.
@@ -218,6 +220,12 @@ pub struct DiskStats {
     pub compacted_bytes_total: u64,
 }
 
+/// Bytes of a placement proof (lunakv-transfer's `PlacementProof`, kept opaque here).
+pub const PROOF_LEN: usize = 16;
+/// Marks the end of the key in an index row that carries a proof: 0xFF never occurs in UTF-8,
+/// so rows written before proofs existed (the key runs to the end) still decode.
+const PROOF_MARK: u8 = 0xFF;
+
 #[derive(Debug, Clone)]
 struct Loc {
     bucket: u64,
@@ -225,16 +233,23 @@ struct Loc {
     len: u64,
     crc: u32,
     key: String,
+    proof: Option<[u8; PROOF_LEN]>,
 }
 
 impl Loc {
+    /// The index row: bucket, offset, len (u64 LE), crc (u32 LE), the key, then optionally
+    /// [`PROOF_MARK`] and the proof.
     fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(28 + self.key.len());
+        let mut v = Vec::with_capacity(28 + self.key.len() + 1 + PROOF_LEN);
         v.extend_from_slice(&self.bucket.to_le_bytes());
         v.extend_from_slice(&self.offset.to_le_bytes());
         v.extend_from_slice(&self.len.to_le_bytes());
         v.extend_from_slice(&self.crc.to_le_bytes());
         v.extend_from_slice(self.key.as_bytes());
+        if let Some(p) = &self.proof {
+            v.push(PROOF_MARK);
+            v.extend_from_slice(p);
+        }
         v
     }
 
@@ -242,12 +257,18 @@ impl Loc {
         let u64_at = |i: usize| -> Option<u64> {
             Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?))
         };
+        let tail = b.get(28..)?;
+        let (key, proof) = match tail.iter().position(|&c| c == PROOF_MARK) {
+            Some(at) => (&tail[..at], Some(tail.get(at + 1..)?.try_into().ok()?)),
+            None => (tail, None),
+        };
         Some(Loc {
             bucket: u64_at(0)?,
             offset: u64_at(8)?,
             len: u64_at(16)?,
             crc: u32::from_le_bytes(b.get(24..28)?.try_into().ok()?),
-            key: String::from_utf8(b.get(28..)?.to_vec()).ok()?,
+            key: String::from_utf8(key.to_vec()).ok()?,
+            proof,
         })
     }
 }
@@ -312,6 +333,8 @@ pub struct StoreItem<'a> {
     pub generation: u64,
     /// The object's bytes, in pieces (written in order).
     pub bytes: &'a [u8],
+    /// The master's placement proof of the object, kept in its index row.
+    pub proof: Option<[u8; PROOF_LEN]>,
 }
 
 fn bucket_path(dir: &Path, id: u64) -> PathBuf {

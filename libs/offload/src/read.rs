@@ -13,6 +13,11 @@ impl DiskTier {
         self.inner.lock().objects.get(&generation).map(|l| l.len)
     }
 
+    /// The placement proof stored with object `generation`, if any.
+    pub fn proof_of(&self, generation: u64) -> Option<[u8; PROOF_LEN]> {
+        self.inner.lock().objects.get(&generation)?.proof
+    }
+
     /// Reads object `generation` into `dst` (exactly its size) and verifies its checksum. A
     /// corrupt object is dropped from the index and queued for [`Self::take_dropped`].
     pub fn load(&self, generation: u64, dst: &mut [u8]) -> Result<(), LoadError> {
@@ -64,6 +69,7 @@ impl DiskTier {
                 key: &loc.key,
                 generation,
                 bytes: dst,
+                proof: loc.proof,
             };
             if let Err(e) = self.store(&[item], true) {
                 tracing::debug!(error = %e, "LRU re-append failed");
@@ -90,6 +96,7 @@ impl DiskTier {
                         key: l.key,
                         generation: *gen_,
                         size: l.len,
+                        proof: l.proof,
                     });
                 }
             }
@@ -112,6 +119,7 @@ impl DiskTier {
                 key: l.key.clone(),
                 generation: *gen_,
                 size: l.len,
+                proof: l.proof,
             })
             .collect();
         v.sort_by_key(|o| o.generation);

@@ -19,6 +19,7 @@ fn put(t: &DiskTier, i: u64, len: usize) {
             key: &key,
             generation: i,
             bytes: &b,
+            proof: None,
         }])
         .unwrap();
     assert_eq!(stored, vec![i]);
@@ -73,6 +74,7 @@ fn fifo_drops_oldest_buckets_at_the_limit() {
             key: "big",
             generation: 99,
             bytes: &vec![0u8; 200_000],
+            proof: None,
         }]),
         Err(OffloadError::TooLarge { .. })
     ));
@@ -285,4 +287,56 @@ fn reads_during_a_compaction_see_the_right_bytes() {
     stop.store(true, Ordering::Relaxed);
     assert!(reader.join().unwrap() > 0);
     check(&t, 4, 10_000);
+}
+
+#[test]
+fn placement_proofs_survive_a_restart_and_rows_without_one_still_decode() {
+    let d = tempfile::tempdir().unwrap();
+    let mut c = cfg(d.path(), 1 << 30);
+    c.policy = EvictionPolicy::Lru;
+    // A tenant-scoped key holds a NUL; the proof may hold any byte, 0xFF included.
+    let key = "tenant-a\0model/0/abc";
+    let proof = [0xFFu8; PROOF_LEN];
+    {
+        let (t, _) = DiskTier::open(c.clone()).unwrap();
+        let b = obj(1, 5000);
+        t.store_batch(&[
+            StoreItem {
+                key,
+                generation: 1,
+                bytes: &b,
+                proof: Some(proof),
+            },
+            StoreItem {
+                key: "plain",
+                generation: 2,
+                bytes: &b,
+                proof: None,
+            },
+        ])
+        .unwrap();
+        // An LRU read re-appends the object: its new row keeps the proof.
+        let mut buf = vec![0u8; 5000];
+        t.load(1, &mut buf).unwrap();
+        assert_eq!(t.proof_of(1), Some(proof));
+    }
+    let (t, _) = DiskTier::open(c).unwrap();
+    let inv = t.inventory();
+    assert_eq!(inv[0].key, key);
+    assert_eq!(inv[0].proof, Some(proof));
+    assert_eq!(inv[1].proof, None);
+    assert_eq!(t.proof_of(1), Some(proof));
+    // A row written before proofs existed: the key runs to the end.
+    let mut old = Vec::new();
+    for v in [3u64, 4096, 5000] {
+        old.extend_from_slice(&v.to_le_bytes());
+    }
+    old.extend_from_slice(&7u32.to_le_bytes());
+    old.extend_from_slice(b"old-key");
+    let l = Loc::decode(&old).expect("an old row decodes");
+    assert_eq!((l.key.as_str(), l.proof), ("old-key", None));
+    // A proof cut short is a corrupt row, not a wrong key.
+    let mut cut = old.clone();
+    cut.extend_from_slice(&[PROOF_MARK, 1, 2]);
+    assert!(Loc::decode(&cut).is_none());
 }

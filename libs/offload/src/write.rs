@@ -182,6 +182,7 @@ impl DiskTier {
                 len,
                 crc: crc32fast::hash(it.bytes),
                 key: it.key.to_owned(),
+                proof: it.proof,
             });
         }
         let mut synced: Vec<u64> = Vec::new();
@@ -256,6 +257,7 @@ impl DiskTier {
                     key: l.key,
                     generation: gen_,
                     size: l.len,
+                    proof: l.proof,
                 });
                 self.counters.evicted.fetch_add(1, Ordering::Relaxed);
             }

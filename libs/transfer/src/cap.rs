@@ -9,6 +9,12 @@
 //! The master's own requests (FREE, OFFLOAD, PROMOTE) carry an owner tag (`owner_tag`) over the whole
 //! request under the same secret.
 //!
+//! A write capability may carry a [`PlacementProof`] after it: the master's tag, under a key only
+//! masters hold ([`InventoryKey`]), over (key, generation, size) of the object being placed. The
+//! owner cannot check it; it keeps it with the entry and hands it back in its inventory when it
+//! mounts again, where the master checks it (docs/SECURITY.md, "Verified inventories"). So an
+//! owner can only ever report objects the master placed with it.
+//!
 //! Keyed BLAKE3, not HMAC-SHA256: the input is ~60 bytes, where BLAKE3 is one compression
 //! (~100 ns) against HMAC's four SHA-256 blocks, and the check runs on every request of the
 //! data path. Tags are cut to 128 bits: a forger gets one online guess per round trip.
@@ -17,6 +23,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Bytes of a capability on the wire and in `Replica.capability`.
 pub const CAP_LEN: usize = 56;
+/// Bytes of a [`PlacementProof`].
+pub const PROOF_LEN: usize = 16;
+/// A write capability with its placement proof: the longest `Replica.capability`.
+pub const CAP_MAX_LEN: usize = CAP_LEN + PROOF_LEN;
 /// Read rights: READ, PIN, LOAD (and ATTACH).
 pub const RIGHT_READ: u8 = 1;
 /// Write rights: WRITE, COMMIT (and ATTACH).
@@ -38,6 +48,7 @@ pub const EXPIRY_MARGIN: Duration = Duration::from_secs(30);
 
 const DATA_DOMAIN: &[u8] = b"lunakv-cap-v1";
 const OWNER_DOMAIN: &[u8] = b"lunakv-owner-v1";
+const PROOF_DOMAIN: &[u8] = b"lunakv-placement-v1";
 
 /// The per-mount secret an owner shares with the master. Its `Debug` never shows the bytes.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -65,6 +76,72 @@ impl std::fmt::Debug for MountSecret {
     }
 }
 
+/// The masters' key for [`PlacementProof`]s: 32 random bytes the first master of a cluster
+/// creates in its meta store (etcd in HA), so every master and every restart shares it. Owners
+/// never see it. Its `Debug` never shows the bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct InventoryKey([u8; 32]);
+
+impl InventoryKey {
+    pub fn generate() -> InventoryKey {
+        InventoryKey(rand::random())
+    }
+
+    /// From the stored bytes; `None` unless exactly 32.
+    pub fn from_slice(b: &[u8]) -> Option<InventoryKey> {
+        Some(InventoryKey(b.try_into().ok()?))
+    }
+
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for InventoryKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InventoryKey(..)")
+    }
+}
+
+/// The master's word that it placed object (key, generation, size): keyed BLAKE3 under the
+/// [`InventoryKey`], cut to 128 bits. No segment and no offset: generations are unique across
+/// restarts, so a proof names one put, and an owner may move the entry (offload to disk,
+/// promote back) without a new one.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PlacementProof([u8; PROOF_LEN]);
+
+impl std::fmt::Debug for PlacementProof {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PlacementProof(..)")
+    }
+}
+
+impl PlacementProof {
+    pub fn issue(k: &InventoryKey, key: &str, generation: u64, size: u64) -> PlacementProof {
+        let mut h = blake3::Hasher::new_keyed(&k.0);
+        h.update(PROOF_DOMAIN);
+        h.update(&generation.to_le_bytes());
+        h.update(&size.to_le_bytes());
+        h.update(&(key.len() as u64).to_le_bytes());
+        h.update(key.as_bytes());
+        PlacementProof(cut(h.finalize()))
+    }
+
+    /// The master's check of an inventory entry, in constant time.
+    pub fn verify(&self, k: &InventoryKey, key: &str, generation: u64, size: u64) -> bool {
+        ct_eq(&PlacementProof::issue(k, key, generation, size).0, &self.0)
+    }
+
+    /// From the wire, the proto or the disk index; `None` unless exactly [`PROOF_LEN`] bytes.
+    pub fn from_slice(b: &[u8]) -> Option<PlacementProof> {
+        Some(PlacementProof(b.try_into().ok()?))
+    }
+
+    pub fn as_bytes(&self) -> &[u8; PROOF_LEN] {
+        &self.0
+    }
+}
+
 /// What a capability covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Grant<'a> {
@@ -76,9 +153,14 @@ pub struct Grant<'a> {
 
 /// A capability as it travels: rights (1 byte), 7 zero bytes, then little-endian u64s expiry
 /// (unix ms), generation, offset and length, then the tag (16 bytes). The range travels along
-/// so an ATTACH, which names no range, can still be checked.
+/// so an ATTACH, which names no range, can still be checked. A write capability may be
+/// followed by the placement's [`PlacementProof`] ([`CAP_MAX_LEN`] bytes in all), which the tag
+/// does not cover: only the master can check it, at a later mount.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Capability([u8; CAP_LEN]);
+pub struct Capability {
+    b: [u8; CAP_MAX_LEN],
+    proven: bool,
+}
 
 impl std::fmt::Debug for Capability {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -120,27 +202,51 @@ impl Capability {
         rights: u8,
         expiry_ms: u64,
     ) -> Capability {
-        let mut b = [0u8; CAP_LEN];
+        let mut b = [0u8; CAP_MAX_LEN];
         b[0] = rights;
         b[8..16].copy_from_slice(&expiry_ms.to_le_bytes());
         b[16..24].copy_from_slice(&g.generation.to_le_bytes());
         b[24..32].copy_from_slice(&g.offset.to_le_bytes());
         b[32..40].copy_from_slice(&g.len.to_le_bytes());
-        b[40..].copy_from_slice(&data_tag(secret, g, rights, expiry_ms));
-        Capability(b)
+        b[40..CAP_LEN].copy_from_slice(&data_tag(secret, g, rights, expiry_ms));
+        Capability { b, proven: false }
     }
 
-    /// From the wire or the proto; `None` unless exactly [`CAP_LEN`] bytes.
+    /// From the wire or the proto: [`CAP_LEN`] bytes, or [`CAP_MAX_LEN`] with a placement
+    /// proof; `None` for any other length.
     pub fn from_slice(b: &[u8]) -> Option<Capability> {
-        Some(Capability(b.try_into().ok()?))
+        let mut c = Capability {
+            b: [0u8; CAP_MAX_LEN],
+            proven: b.len() == CAP_MAX_LEN,
+        };
+        if b.len() != CAP_LEN && !c.proven {
+            return None;
+        }
+        c.b[..b.len()].copy_from_slice(b);
+        Some(c)
     }
 
-    pub fn as_bytes(&self) -> &[u8; CAP_LEN] {
-        &self.0
+    /// The wire and proto form: [`CAP_LEN`] bytes, then the proof if it carries one.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.b[..if self.proven { CAP_MAX_LEN } else { CAP_LEN }]
+    }
+
+    /// This capability with the placement's proof after it (the master, for write placements).
+    pub fn with_proof(mut self, p: PlacementProof) -> Capability {
+        self.b[CAP_LEN..].copy_from_slice(&p.0);
+        self.proven = true;
+        self
+    }
+
+    /// The placement proof it carries, if any.
+    pub fn proof(&self) -> Option<PlacementProof> {
+        self.proven
+            .then(|| PlacementProof::from_slice(&self.b[CAP_LEN..]))
+            .flatten()
     }
 
     pub fn rights(&self) -> u8 {
-        self.0[0]
+        self.b[0]
     }
 
     pub fn expiry_ms(&self) -> u64 {
@@ -153,7 +259,7 @@ impl Capability {
     }
 
     fn word(&self, at: usize) -> u64 {
-        u64::from_le_bytes(self.0[at..at + 8].try_into().unwrap_or_default())
+        u64::from_le_bytes(self.b[at..at + 8].try_into().unwrap_or_default())
     }
 
     /// Whether a client should ask the master for a fresh one before using it.
@@ -174,7 +280,7 @@ impl Capability {
             return Err(CapError::Expired);
         }
         let want = data_tag(secret, g, self.rights(), self.expiry_ms());
-        if ct_eq(&want, &self.0[40..]) {
+        if ct_eq(&want, &self.b[40..CAP_LEN]) {
             Ok(())
         } else {
             Err(CapError::BadTag)
@@ -202,11 +308,11 @@ impl Capability {
     /// (so it covers op, generation, offset, len, count and timeout) and the whole `body`.
     pub fn owner(secret: &MountSecret, header: &[u8; crate::wire::REQ_LEN], body: &[u8]) -> Self {
         let expiry = now_ms().saturating_add(OWNER_TTL.as_millis() as u64);
-        let mut b = [0u8; CAP_LEN];
+        let mut b = [0u8; CAP_MAX_LEN];
         b[0] = RIGHT_OWNER;
         b[8..16].copy_from_slice(&expiry.to_le_bytes());
-        b[40..].copy_from_slice(&owner_tag(secret, header, body, expiry));
-        Capability(b)
+        b[40..CAP_LEN].copy_from_slice(&owner_tag(secret, header, body, expiry));
+        Capability { b, proven: false }
     }
 
     /// The owner's check of [`Capability::owner`].
@@ -224,7 +330,7 @@ impl Capability {
         }
         if ct_eq(
             &owner_tag(secret, header, body, self.expiry_ms()),
-            &self.0[40..],
+            &self.b[40..CAP_LEN],
         ) {
             Ok(())
         } else {
@@ -309,7 +415,7 @@ mod tests {
             Err(CapError::BadTag)
         );
         // Raising the rights byte breaks the tag.
-        let mut forged = *r.as_bytes();
+        let mut forged = r.as_bytes().to_vec();
         forged[0] = RIGHT_READ | RIGHT_WRITE;
         let forged = Capability::from_slice(&forged).unwrap();
         assert_eq!(forged.verify(&k, &G, RIGHT_WRITE), Err(CapError::BadTag));
@@ -320,6 +426,32 @@ mod tests {
         assert_eq!(rw.range(), (G.generation, G.offset, G.len));
         assert_eq!(rw.verify_any(&k, G.segment), Ok(()));
         assert_eq!(rw.verify_any(&k, "elsewhere:1"), Err(CapError::BadTag));
+    }
+
+    #[test]
+    fn a_placement_proof_names_one_put_and_travels_after_the_capability() {
+        let k = InventoryKey::generate();
+        let p = PlacementProof::issue(&k, "model/0/abc", 7, 4096);
+        assert!(p.verify(&k, "model/0/abc", 7, 4096));
+        assert!(!p.verify(&k, "model/0/abd", 7, 4096));
+        assert!(!p.verify(&k, "model/0/abc", 8, 4096));
+        assert!(!p.verify(&k, "model/0/abc", 7, 4097));
+        assert!(!p.verify(&InventoryKey::generate(), "model/0/abc", 7, 4096));
+        let s = MountSecret::generate();
+        let w = Capability::issue(&s, &G, RIGHT_READ | RIGHT_WRITE, WRITE_TTL);
+        assert_eq!(w.as_bytes().len(), CAP_LEN);
+        assert_eq!(w.proof(), None);
+        let wp = w.with_proof(p);
+        assert_eq!(wp.as_bytes().len(), CAP_MAX_LEN);
+        let back = Capability::from_slice(wp.as_bytes()).unwrap();
+        assert_eq!(back.proof(), Some(p));
+        // The proof is outside the tag: the capability checks the same with or without it.
+        assert_eq!(back.verify(&s, &G, RIGHT_WRITE), Ok(()));
+        assert!(Capability::from_slice(&wp.as_bytes()[..CAP_LEN + 3]).is_none());
+        assert_eq!(
+            format!("{k:?} {p:?}"),
+            "InventoryKey(..) PlacementProof(..)"
+        );
     }
 
     #[test]

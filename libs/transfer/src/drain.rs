@@ -17,9 +17,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::ColdTier;
 use crate::server::{SegmentServer, Shared};
-use crate::table::PinId;
-use crate::{ColdItem, ColdTier};
+use crate::table::Pinned;
 
 /// Most bytes per disk batch: one fsync each, and the budget is checked between batches, so a
 /// drain overshoots its deadline by at most one batch.
@@ -144,7 +144,7 @@ impl ColdDrain {
                     self.budget_spent = true;
                     return;
                 }
-                let mut pinned: Vec<(PinId, String, u64, u64, u64)> = Vec::new();
+                let mut pinned: Vec<Pinned> = Vec::new();
                 let mut bytes = 0u64;
                 while next < todo.len()
                     && pinned.len() < BATCH_ITEMS
@@ -163,17 +163,16 @@ impl ColdDrain {
                         continue;
                     }
                     // None: freed since the scan; the master dropped it, nothing to keep.
-                    let Some((pin, key, len)) = self.shared.table.pin_for_drain(generation, offset)
-                    else {
+                    let Some(p) = self.shared.table.pin_for_drain(generation, offset) else {
                         continue;
                     };
-                    self.room -= len;
-                    bytes += len;
-                    pinned.push((pin, key, generation, offset, len));
+                    self.room -= p.len;
+                    bytes += p.len;
+                    pinned.push(p);
                 }
                 self.store(&pinned);
-                for (pin, ..) in pinned {
-                    self.shared.table.unpin(pin);
+                for p in pinned {
+                    self.shared.table.unpin(p.pin);
                 }
                 if self.write_failed {
                     return;
@@ -182,23 +181,11 @@ impl ColdDrain {
         }
     }
 
-    fn store(&mut self, pinned: &[(PinId, String, u64, u64, u64)]) {
+    fn store(&mut self, pinned: &[Pinned]) {
         if pinned.is_empty() {
             return;
         }
-        let mut batch = Vec::with_capacity(pinned.len());
-        for (_, key, generation, offset, len) in pinned {
-            if let Some((o, l)) = self.shared.mem.check(*offset, *len) {
-                // SAFETY: bounds-checked and pinned: no WRITE or FREE reuses the range until
-                // the caller unpins, after the disk tier is done with the slice.
-                let bytes = unsafe { std::slice::from_raw_parts(self.shared.mem.ptr_at(o), l) };
-                batch.push(ColdItem {
-                    key,
-                    generation: *generation,
-                    bytes,
-                });
-            }
-        }
+        let batch = crate::server::cold_items(&self.shared, pinned, |_| {});
         match self.cold.store(&batch) {
             Ok(done) => {
                 let sizes: HashMap<u64, u64> = batch

@@ -52,7 +52,7 @@ mod trace;
 mod vio;
 pub mod wire;
 
-pub use cap::{CapError, Capability, Grant, MountSecret};
+pub use cap::{CapError, Capability, Grant, InventoryKey, MountSecret, PlacementProof};
 pub use optimes::{OP_TIME_BOUNDS, OpTimesSnapshot, TimedOp};
 
 pub use drain::{ColdDrain, DrainProgress, DrainReport};
@@ -83,6 +83,9 @@ pub struct ColdItem<'a> {
     pub key: &'a str,
     pub generation: u64,
     pub bytes: &'a [u8],
+    /// The entry's placement proof: the tier keeps it, so the object stays provable on disk
+    /// and after a promotion back to DRAM.
+    pub proof: Option<PlacementProof>,
 }
 
 /// Why a [`ColdTier`] could not store or load: the tier's own error, kept whole (not flattened
@@ -106,6 +109,8 @@ pub trait ColdTier: Send + Sync + 'static {
     fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, ColdTierError>;
     /// Size of the object if held.
     fn size_of(&self, generation: u64) -> Option<u64>;
+    /// The placement proof stored with the object, if any (a promotion carries it back to DRAM).
+    fn proof_of(&self, generation: u64) -> Option<PlacementProof>;
     /// Fills `dst` (exactly the object's size) with verified bytes. `Ok(false)`: not held (or
     /// dropped just now because its checksum failed: never served).
     fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, ColdTierError>;
@@ -269,6 +274,9 @@ pub struct Entry {
     pub offset: u64,
     pub size: u64,
     pub generation: u64,
+    /// The master's proof of this placement, when its write capability carried one; the owner
+    /// reports it in its inventory (docs/SECURITY.md, "Verified inventories").
+    pub proof: Option<PlacementProof>,
 }
 
 /// Counters of a segment server.

@@ -18,7 +18,7 @@ use crate::mem::{Mapping, copy_in_any, copy_out_any, queue_in, queue_out};
 use crate::server::{OVERWRITE_PIN_WAIT, Shared};
 use crate::table::PinResult;
 use crate::tcp::{check_request, total_len};
-use crate::{SegmentServer, Target, TransferError, TransferRequest};
+use crate::{PlacementProof, SegmentServer, Target, TransferError, TransferRequest};
 
 struct Attached {
     endpoint: String,
@@ -75,6 +75,12 @@ fn bounds(m: &Mapping, offset: u64, len: u64) -> Result<usize, TransferError> {
         })
 }
 
+/// The placement proof the master attached to a write target's capability: the in-process
+/// owner keeps it, as a WRITE over a socket would.
+fn proof_of(t: &Target) -> Option<PlacementProof> {
+    t.capability.as_ref().and_then(crate::Capability::proof)
+}
+
 /// WRITE against an in-process segment: the tcp WRITE op without the socket.
 pub(crate) fn write(
     s: &Shared,
@@ -94,7 +100,8 @@ pub(crate) fn write(
     // are one DMA each into the (pinned) segment; host pieces a CPU copy that stays correct even
     // if a caller passed bytes of the segment (memmove).
     copy_in_any(&s.mem, off, src)?;
-    s.table.commit(generation, key.to_owned(), offset, len);
+    s.table
+        .commit(generation, key.to_owned(), offset, len, proof_of(t));
     s.counters.writes.fetch_add(1, Ordering::Relaxed);
     s.counters.bytes_written.fetch_add(len, Ordering::Relaxed);
     Ok(())
@@ -132,6 +139,7 @@ pub(crate) enum Queued {
         key: String,
         offset: u64,
         len: u64,
+        proof: Option<PlacementProof>,
     },
     /// The entry is pinned until the copy out of it finished.
     Read(crate::table::PinId),
@@ -165,6 +173,7 @@ pub(crate) fn start(
                 key: (*key).to_owned(),
                 offset,
                 len,
+                proof: proof_of(target),
             })
         }
         TransferRequest::Read {
@@ -210,11 +219,12 @@ impl Queued {
                 key,
                 offset,
                 len,
+                proof,
             } => {
                 if let Err(e) = synced {
                     return Err(e.duplicate());
                 }
-                s.table.commit(generation, key, offset, len);
+                s.table.commit(generation, key, offset, len, proof);
                 s.counters.writes.fetch_add(1, Ordering::Relaxed);
                 s.counters.bytes_written.fetch_add(len, Ordering::Relaxed);
                 Ok(())

@@ -16,11 +16,11 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::cap::{CAP_LEN, Capability, Grant, MountSecret, RIGHT_READ, RIGHT_WRITE};
+use crate::cap::{CAP_LEN, CAP_MAX_LEN, Capability, Grant, MountSecret, RIGHT_READ, RIGHT_WRITE};
 use crate::guard::{AcceptBackoff, Admission, Caps, PeerLog, Refusal, Slot, peer_name};
 use crate::mem::Mapping;
 use crate::optimes::TimedOp;
-use crate::table::{PinId, PinResult, Table};
+use crate::table::{PinId, PinResult, Pinned, Table};
 use crate::wire::{self, Op, Request, Response, Status};
 use crate::{
     ColdItem, ColdTier, Entry, SegmentIdentity, SegmentInfo, SegmentServerConfig, SegmentStats,
@@ -698,11 +698,16 @@ fn serve<S: Stream>(
         let _in_span = span.as_ref().map(|s| s.enter());
         c.cap = None;
         if wire::has_cap(&hdr) {
-            let mut b = [0u8; CAP_LEN];
-            if let Err(e) = c.rd.read_exact(&mut b) {
+            let mut b = [0u8; CAP_MAX_LEN];
+            let n = if wire::has_proof(&hdr) {
+                CAP_MAX_LEN
+            } else {
+                CAP_LEN
+            };
+            if let Err(e) = c.rd.read_exact(&mut b[..n]) {
                 return Err(End::Garbage(format!("truncated capability: {e}")));
             }
-            c.cap = Capability::from_slice(&b);
+            c.cap = Capability::from_slice(&b[..n]);
         }
         let shm_only = matches!(req.op, Op::Attach | Op::Pin | Op::Unpin | Op::Commit);
         if shm_only && !c.unix && (c.rdma_qps.is_empty() || req.op == Op::Attach) {
@@ -890,9 +895,12 @@ impl<S: Stream> Conn<'_, S> {
             self.reply(Status::BadRequest, 0, "key is not UTF-8")?;
             return Ok(());
         };
+        // Only a capability that passed `allowed` gets here, so the proof is the master's
+        // answer to this very placement (or, with capabilities off, none).
+        let proof = self.cap.as_ref().and_then(Capability::proof);
         shared
             .table
-            .commit(req.generation, key.to_owned(), req.offset, req.len);
+            .commit(req.generation, key.to_owned(), req.offset, req.len, proof);
         shared.counters.writes.fetch_add(1, Ordering::Relaxed);
         shared
             .counters
@@ -1152,9 +1160,10 @@ impl<S: Stream> Conn<'_, S> {
         let dst = unsafe { std::slice::from_raw_parts_mut(shared.mem.ptr_at(off), len) };
         match cold.load(req.generation, dst) {
             Ok(true) => {
+                let proof = cold.proof_of(req.generation);
                 shared
                     .table
-                    .commit(req.generation, key, req.offset, req.len);
+                    .commit(req.generation, key, req.offset, req.len, proof);
                 self.reply(Status::Ok, 0, "")?;
             }
             Ok(false) => self.reply(Status::Stale, 0, "")?,
@@ -1265,26 +1274,12 @@ fn offload(shared: &Shared, items: &[(u64, u64)]) -> (u64, Vec<u64>) {
     let mut stored = 0u64;
     for &(generation, offset) in items {
         match shared.table.pin_at(generation, offset) {
-            Some((pin, key, len)) => pinned.push((pin, key, generation, offset, len)),
+            Some(p) => pinned.push(p),
             None if cold.size_of(generation).is_some() => stored += 1,
             None => failed.push(generation),
         }
     }
-    let mut batch = Vec::with_capacity(pinned.len());
-    for (_, key, generation, offset, len) in &pinned {
-        if let Some((o, l)) = shared.mem.check(*offset, *len) {
-            // SAFETY: bounds-checked and pinned: no WRITE or FREE reuses the range until the
-            // unpin below, after the disk tier is done with the slice.
-            let bytes = unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(o), l) };
-            batch.push(ColdItem {
-                key,
-                generation: *generation,
-                bytes,
-            });
-        } else {
-            failed.push(*generation);
-        }
-    }
+    let batch = cold_items(shared, &pinned, |g| failed.push(g));
     match cold.store(&batch) {
         Ok(done) => {
             // A shutdown drain keeps these disk copies: they are the master's replicas now.
@@ -1304,10 +1299,37 @@ fn offload(shared: &Shared, items: &[(u64, u64)]) -> (u64, Vec<u64>) {
         }
     }
     drop(batch);
-    for (pin, ..) in pinned {
-        shared.table.unpin(pin);
+    for p in pinned {
+        shared.table.unpin(p.pin);
     }
     (stored, failed)
+}
+
+/// The disk tier's items for pinned entries: their bytes in the mapping, with key and proof.
+/// An entry whose range is outside the mapping (cannot happen for a committed one) goes to
+/// `outside`.
+pub(crate) fn cold_items<'a>(
+    shared: &'a Shared,
+    pinned: &'a [Pinned],
+    mut outside: impl FnMut(u64),
+) -> Vec<ColdItem<'a>> {
+    let mut batch = Vec::with_capacity(pinned.len());
+    for p in pinned {
+        let Some((o, l)) = shared.mem.check(p.offset, p.len) else {
+            outside(p.generation);
+            continue;
+        };
+        // SAFETY: bounds-checked and pinned: no WRITE or FREE reuses the range until the
+        // caller unpins, after the disk tier is done with the slice.
+        let bytes = unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(o), l) };
+        batch.push(ColdItem {
+            key: &p.key,
+            generation: p.generation,
+            bytes,
+            proof: p.proof,
+        });
+    }
+    batch
 }
 
 /// ATTACH: the response header travels with the memfd in SCM_RIGHTS, followed by the

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::Entry;
+use crate::{Entry, PlacementProof};
 
 struct Rec {
     generation: u64,
@@ -19,6 +19,8 @@ struct Rec {
     len: u64,
     pins: u32,
     live: bool,
+    /// The master's proof of the placement, reported back in the inventory.
+    proof: Option<PlacementProof>,
 }
 
 #[derive(Default)]
@@ -56,6 +58,16 @@ struct DrainWatch {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PinId(u64);
 
+/// An entry pinned for the disk tier (OFFLOAD, a shutdown drain): what it must store.
+pub(crate) struct Pinned {
+    pub(crate) pin: PinId,
+    pub(crate) generation: u64,
+    pub(crate) offset: u64,
+    pub(crate) key: String,
+    pub(crate) len: u64,
+    pub(crate) proof: Option<PlacementProof>,
+}
+
 pub(crate) enum PinResult {
     Pinned(PinId),
     Stale,
@@ -68,6 +80,23 @@ pub(crate) struct Table {
 }
 
 impl Inner {
+    fn pin_at(&mut self, generation: u64, offset: u64) -> Option<Pinned> {
+        let &id = self.by_gen.get(&generation)?;
+        let rec = self.entries.get_mut(&id)?;
+        if rec.offset != offset {
+            return None;
+        }
+        rec.pins += 1;
+        Some(Pinned {
+            pin: PinId(id),
+            generation,
+            offset,
+            key: rec.key.clone(),
+            len: rec.len,
+            proof: rec.proof,
+        })
+    }
+
     /// Makes an entry not live; returns its id if it is still pinned (someone must wait).
     fn retire(&mut self, id: u64) -> Option<u64> {
         let rec = self.entries.get_mut(&id)?;
@@ -121,16 +150,9 @@ impl Table {
     }
 
     /// Pins the live entry of `generation` at `offset`, whatever its length (OFFLOAD knows the
-    /// master's `(generation, offset)` only); returns the pin, the key and the length.
-    pub(crate) fn pin_at(&self, generation: u64, offset: u64) -> Option<(PinId, String, u64)> {
-        let mut g = self.inner.lock();
-        let &id = g.by_gen.get(&generation)?;
-        let rec = g.entries.get_mut(&id)?;
-        if rec.offset != offset {
-            return None;
-        }
-        rec.pins += 1;
-        Some((PinId(id), rec.key.clone(), rec.len))
+    /// master's `(generation, offset)` only).
+    pub(crate) fn pin_at(&self, generation: u64, offset: u64) -> Option<Pinned> {
+        self.inner.lock().pin_at(generation, offset)
     }
 
     /// Pins the live entry of `generation` if it has length `len`; returns the pin and offset
@@ -174,7 +196,14 @@ impl Table {
 
     /// Records a committed entry, retiring anything it overlaps (a no-op when the WRITE path
     /// already invalidated; the shm COMMIT path relies on it).
-    pub(crate) fn commit(&self, generation: u64, key: String, offset: u64, len: u64) {
+    pub(crate) fn commit(
+        &self,
+        generation: u64,
+        key: String,
+        offset: u64,
+        len: u64,
+        proof: Option<PlacementProof>,
+    ) {
         let mut g = self.inner.lock();
         for id in g.overlapping(offset, offset + len) {
             g.retire(id);
@@ -193,6 +222,7 @@ impl Table {
                 len,
                 pins: 0,
                 live: true,
+                proof,
             },
         );
         g.by_gen.insert(generation, id);
@@ -269,6 +299,7 @@ impl Table {
                     offset: r.offset,
                     size: r.len,
                     generation: r.generation,
+                    proof: r.proof,
                 }
             })
             .collect()
@@ -322,21 +353,9 @@ impl Table {
 
     /// [`Self::pin_at`] for the drain: also records `generation` as taken, in the same lock, so
     /// a FREE that lands from now on is seen.
-    pub(crate) fn pin_for_drain(
-        &self,
-        generation: u64,
-        offset: u64,
-    ) -> Option<(PinId, String, u64)> {
+    pub(crate) fn pin_for_drain(&self, generation: u64, offset: u64) -> Option<Pinned> {
         let mut g = self.inner.lock();
-        let pinned = {
-            let &id = g.by_gen.get(&generation)?;
-            let rec = g.entries.get_mut(&id)?;
-            if rec.offset != offset {
-                return None;
-            }
-            rec.pins += 1;
-            (PinId(id), rec.key.clone(), rec.len)
-        };
+        let pinned = g.pin_at(generation, offset)?;
         if let Some(w) = g.drain.as_mut() {
             w.taken.insert(generation);
         }

@@ -48,6 +48,9 @@ pub const FEATURE_IDENTITY: u8 = 2;
 /// trace context when both are set). Set only when the master handed out a capability, i.e.
 /// when the owner requires them; with capabilities off no request carries it.
 pub const FLAG_CAP: u8 = 4;
+/// Request flag, only with [`FLAG_CAP`] on WRITE and COMMIT: the capability is followed by the
+/// placement's [`crate::cap::PROOF_LEN`]-byte proof, which the owner keeps with the entry.
+pub const FLAG_PROOF: u8 = 8;
 /// What this crate's servers understand; every response they send carries it.
 pub const FEATURES: u8 = FEATURE_TRACE | FEATURE_IDENTITY;
 /// Longest identity an ATTACH answer may carry (three short strings).
@@ -361,12 +364,15 @@ impl Response {
     }
 }
 
-/// Sets [`FLAG_CAP`] on `hdr` when `cap` is given; returns the bytes to send after the trace
-/// context (empty without a capability).
+/// Sets [`FLAG_CAP`] on `hdr` when `cap` is given (and [`FLAG_PROOF`] when it carries a
+/// placement proof); returns the bytes to send after the trace context (empty without one).
 pub fn attach_cap<'c>(hdr: &mut [u8; REQ_LEN], cap: Option<&'c crate::Capability>) -> &'c [u8] {
     match cap {
         Some(c) => {
             hdr[FLAGS_AT] |= FLAG_CAP;
+            if c.proof().is_some() {
+                hdr[FLAGS_AT] |= FLAG_PROOF;
+            }
             c.as_bytes()
         }
         None => &[],
@@ -376,6 +382,11 @@ pub fn attach_cap<'c>(hdr: &mut [u8; REQ_LEN], cap: Option<&'c crate::Capability
 /// Whether a request header carries a capability.
 pub fn has_cap(b: &[u8; REQ_LEN]) -> bool {
     b[FLAGS_AT] & FLAG_CAP != 0
+}
+
+/// Whether a request header's capability is followed by a placement proof.
+pub fn has_proof(b: &[u8; REQ_LEN]) -> bool {
+    has_cap(b) && b[FLAGS_AT] & FLAG_PROOF != 0
 }
 
 /// Whether a request header carries a trace context.

@@ -47,6 +47,9 @@ impl ColdTier for FakeTier {
     fn size_of(&self, generation: u64) -> Option<u64> {
         self.objects.lock().get(&generation).map(|v| v.len() as u64)
     }
+    fn proof_of(&self, _generation: u64) -> Option<lunakv_transfer::PlacementProof> {
+        None
+    }
     fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, ColdTierError> {
         match self.objects.lock().get(&generation) {
             Some(v) if v.len() == dst.len() => {

@@ -143,6 +143,7 @@ impl From<pb::InventoryItem> for InventoryItem {
             size: i.size,
             generation: i.generation,
             disk: i.kind == pb::ReplicaKind::LocalDisk as i32,
+            proof: lunakv_transfer::PlacementProof::from_slice(&i.proof),
         }
     }
 }

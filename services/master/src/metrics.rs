@@ -135,6 +135,8 @@ pub struct Metrics {
     pub disk_hits_total: IntCounter,
     /// Mounts whose enable_offload disagreed with the master's (refused or warned).
     pub offload_mismatch_total: IntCounter,
+    /// Inventory entries rejected for want of a valid placement proof (docs/SECURITY.md).
+    pub inventory_unproven_total: IntCounter,
     /// Disk-only objects copied back into their owner's DRAM on a hit (`--promotion_on_hit`).
     pub promotions_total: IntCounter,
     /// Promotions the owner could not complete (the object stays served from disk).
@@ -332,6 +334,11 @@ impl Metrics {
                 &r,
                 "master_offload_mismatch_total",
                 "Mounts whose enable_offload disagreed with the master's",
+            ),
+            inventory_unproven_total: counter(
+                &r,
+                "master_inventory_unproven_total",
+                "Inventory entries rejected for want of a valid placement proof",
             ),
             promotions_total: counter(
                 &r,

@@ -10,6 +10,7 @@ use crate::core::SegmentDesc;
 const CLUSTER_ID_KEY: &str = "master/cluster_id";
 const EPOCH_KEY: &str = "master/epoch";
 const SEGMENTS_PREFIX: &str = "segments/";
+const INVENTORY_KEY: &str = "master/inventory_key";
 
 /// Errors while reading or updating the persisted facts.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +92,25 @@ pub async fn bump_epoch(store: &dyn MetaStore) -> Result<u32, PersistError> {
     }
 }
 
+/// The cluster's placement-proof key: created once by the first master (compare-and-create, so
+/// masters racing in an HA group agree on one), then read by every master and restart.
+pub async fn inventory_key(
+    store: &dyn MetaStore,
+) -> Result<lunakv_transfer::InventoryKey, PersistError> {
+    let fresh = lunakv_transfer::InventoryKey::generate();
+    let stored = match store
+        .compare_and_swap(INVENTORY_KEY, None, Some(fresh.as_bytes()))
+        .await?
+    {
+        CasOutcome::Swapped => return Ok(fresh),
+        CasOutcome::Conflict { current } => current.unwrap_or_default(),
+    };
+    lunakv_transfer::InventoryKey::from_slice(&stored).ok_or_else(|| PersistError::Corrupt {
+        key: INVENTORY_KEY,
+        value: format!("{} bytes, expected 32", stored.len()),
+    })
+}
+
 /// Records a mounted segment's descriptor.
 pub async fn save_segment(store: &dyn MetaStore, desc: &SegmentDesc) -> Result<(), PersistError> {
     let value = serde_json::to_vec(desc).map_err(|e| PersistError::Corrupt {
@@ -153,6 +173,19 @@ mod tests {
             bump_epoch(&s).await,
             Err(PersistError::Corrupt { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn the_inventory_key_is_created_once_and_kept() {
+        let s = MemMetaStore::new();
+        let a = inventory_key(&s).await.unwrap();
+        assert_eq!(inventory_key(&s).await.unwrap(), a);
+        s.put(INVENTORY_KEY, b"short").await.unwrap();
+        let e = inventory_key(&s).await.unwrap_err().to_string();
+        assert!(
+            e.contains("master/inventory_key") && e.contains("5 bytes"),
+            "{e}"
+        );
     }
 
     #[tokio::test]

@@ -27,6 +27,7 @@ use crate::notifier::{OwnerClient, TransferOwnerClient};
 use crate::persist::{self, PersistError};
 use crate::recovery::{RECOVERY_GRACE, RecoveryGate};
 use crate::tenants::{PolicyFile, TenantAdmin};
+use lunakv_config::auth::PoolTokens;
 use std::collections::BTreeSet;
 
 /// File name of the embedded metadata store inside `data_dir`.
@@ -122,6 +123,28 @@ pub struct Master {
     events: Option<Arc<Publisher>>,
     /// The tenant quota policy (`enable_multi_tenants`), shared by every core's config.
     tenants: Option<Arc<TenantAdmin>>,
+    /// The pool and admin tokens callers must present (from the environment).
+    tokens: Arc<PoolTokens>,
+}
+
+/// The tokens this master enforces (docs/SECURITY.md).
+fn pool_tokens() -> Result<Arc<PoolTokens>, ServeError> {
+    PoolTokens::from_env(&lunakv_config::process_env)
+        .map(Arc::new)
+        .map_err(|e| ServeError::Config(e.to_string()))
+}
+
+/// Placement proofs: every master issues them under the cluster's key (kept in `meta`), and
+/// one with a pool token indexes only proven inventory items (docs/SECURITY.md, "Verified
+/// inventories").
+async fn placement_proofs(
+    core_cfg: &mut CoreConfig,
+    meta: &dyn MetaStore,
+    tokens: &PoolTokens,
+) -> Result<(), ServeError> {
+    core_cfg.inventory_key = Some(persist::inventory_key(meta).await?);
+    core_cfg.verify_inventories = tokens.pool.is_some();
+    Ok(())
 }
 
 /// Loads the tenant quota policy into `core_cfg` when multi-tenant mode is on.
@@ -197,10 +220,11 @@ impl Master {
     /// (tests use milliseconds).
     pub async fn with_core_config(
         cfg: MasterConfig,
-        core_cfg: CoreConfig,
+        mut core_cfg: CoreConfig,
         meta: Arc<dyn MetaStore>,
         notifier: Arc<dyn OwnerClient>,
     ) -> Result<Master, ServeError> {
+        let tokens = pool_tokens()?;
         persist::check_cluster_id(
             meta.as_ref(),
             &cfg.cluster_id,
@@ -208,6 +232,7 @@ impl Master {
         )
         .await?;
         let epoch = persist::bump_epoch(meta.as_ref()).await?;
+        placement_proofs(&mut core_cfg, meta.as_ref(), &tokens).await?;
         let known = persist::known_segments(meta.as_ref()).await?;
         tracing::info!(
             epoch,
@@ -236,6 +261,7 @@ impl Master {
             known,
             events,
             tenants,
+            tokens,
         })
     }
 
@@ -281,7 +307,9 @@ impl Master {
             Arc::new(EtcdMetaStore::new(etcd.clone()).with_fence(fence.clone())),
             prefix.clone(),
         ));
-        let core_cfg = CoreConfig::from_master(&cfg);
+        let tokens = pool_tokens()?;
+        let mut core_cfg = CoreConfig::from_master(&cfg);
+        placement_proofs(&mut core_cfg, election_meta.as_ref(), &tokens).await?;
         let tenants = load_tenants(&cfg, &core_cfg)?;
         // A placeholder core: followers never serve from it; each won term gets a fresh one.
         let core = Arc::new(MasterCore::new(core_cfg.clone(), 0, notifier.clone()));
@@ -306,6 +334,7 @@ impl Master {
             }),
             events,
             tenants,
+            tokens,
             cfg,
         })
     }
@@ -334,10 +363,7 @@ impl Master {
     ) -> Result<(), ServeError> {
         let rpc_addr = local_addr(&listeners.rpc, "rpc")?;
         let admin_addr = local_addr(&listeners.admin, "admin/metrics")?;
-        let tokens = Arc::new(
-            lunakv_config::auth::PoolTokens::from_env(&lunakv_config::process_env)
-                .map_err(|e| ServeError::Config(e.to_string()))?,
-        );
+        let tokens = self.tokens.clone();
         // A standby presents the strongest token it has to the leader's ReplicateIndex.
         let standby_token = tokens
             .admin

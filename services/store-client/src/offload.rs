@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use lunakv_client::DiskInventory;
 use lunakv_offload::{DiskTier, LoadError, StoreItem};
-use lunakv_transfer::{ColdItem, ColdTier, ColdTierError};
+use lunakv_transfer::{ColdItem, ColdTier, ColdTierError, Entry, PlacementProof};
 
 /// Env var choosing the disk eviction policy at the size limit: `fifo` (default) or `lru`.
 pub const EVICTION_POLICY_ENV: &str = "LUNAKV_OFFLOAD_EVICTION_POLICY";
@@ -21,6 +21,7 @@ impl ColdTier for Tier {
                 key: i.key,
                 generation: i.generation,
                 bytes: i.bytes,
+                proof: i.proof.map(|p| *p.as_bytes()),
             })
             .collect();
         self.0.store_batch(&items).map_err(ColdTierError::new)
@@ -28,6 +29,10 @@ impl ColdTier for Tier {
 
     fn size_of(&self, generation: u64) -> Option<u64> {
         self.0.size_of(generation)
+    }
+
+    fn proof_of(&self, generation: u64) -> Option<PlacementProof> {
+        PlacementProof::from_slice(&self.0.proof_of(generation)?)
     }
 
     fn load(&self, generation: u64, dst: &mut [u8]) -> Result<bool, ColdTierError> {
@@ -59,11 +64,17 @@ impl DiskInventory for Tier {
         self.0.config().limit_bytes
     }
 
-    fn objects(&self) -> Vec<(String, u64, u64)> {
+    fn objects(&self) -> Vec<Entry> {
         self.0
             .inventory()
             .into_iter()
-            .map(|o| (o.key, o.generation, o.size))
+            .map(|o| Entry {
+                key: o.key,
+                offset: 0,
+                size: o.size,
+                generation: o.generation,
+                proof: o.proof.and_then(|p| PlacementProof::from_slice(&p)),
+            })
             .collect()
     }
 

@@ -61,11 +61,11 @@ pub(super) fn tenant_of(key: &str) -> &str {
 /// Keys come from clients: the hasher is seeded per process (HashDoS needs the seed), and
 /// foldhash's quality variant costs a fraction of std's SipHash, which profiles put at ~6% of
 /// the master's CPU under a key-heavy load (docs/BENCH.md, "Metadata").
-type Keyed<V> = HashMap<Box<str>, V, foldhash::quality::RandomState>;
+pub(super) type Keyed<V> = HashMap<Box<str>, V, foldhash::quality::RandomState>;
 
 pub(super) struct Index {
     map: Keyed<Box<Object>>,
-    usage: HashMap<Box<str>, TenantUsage>,
+    usage: Keyed<TenantUsage>,
     groups: Arc<Groups>,
 }
 
@@ -73,7 +73,7 @@ impl Index {
     pub(super) fn new(groups: Arc<Groups>) -> Index {
         Index {
             map: Keyed::default(),
-            usage: HashMap::new(),
+            usage: Keyed::default(),
             groups,
         }
     }
@@ -83,11 +83,10 @@ impl Index {
             return;
         }
         let tenant = tenant_of(key);
-        if !self.usage.contains_key(tenant) {
-            self.usage.insert(tenant.into(), TenantUsage::default());
-        }
-        let Some(u) = self.usage.get_mut(tenant) else {
-            return;
+        // One lookup on the hot path (the tenant has a row); the insert only for its first.
+        let u = match self.usage.get_mut(tenant) {
+            Some(u) => u,
+            None => self.usage.entry(tenant.into()).or_default(),
         };
         if let Some(s) = sub {
             u.sub(s);
@@ -182,7 +181,7 @@ impl Index {
     }
 
     /// Each tenant's usage in this shard.
-    pub(super) fn usage(&self) -> &HashMap<Box<str>, TenantUsage> {
+    pub(super) fn usage(&self) -> &Keyed<TenantUsage> {
         &self.usage
     }
 
@@ -196,7 +195,7 @@ impl Index {
 /// group learns of a changed membership.
 pub(super) struct Charged<'a, 'k> {
     obj: &'a mut Box<Object>,
-    usage: &'a mut HashMap<Box<str>, TenantUsage>,
+    usage: &'a mut Keyed<TenantUsage>,
     groups: &'a Groups,
     key: &'k str,
     before: TenantUsage,

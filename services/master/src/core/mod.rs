@@ -275,4 +275,6 @@ mod tests;
 #[cfg(test)]
 mod tests_groups;
 #[cfg(test)]
+mod tests_proofs;
+#[cfg(test)]
 mod tests_tenants;

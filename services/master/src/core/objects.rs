@@ -1,7 +1,7 @@
 //! Objects: puts, reads and removal, and the release of freed ranges.
 
 use lunakv_transfer::cap::{READ_TTL, RIGHT_READ, RIGHT_WRITE, WRITE_TTL};
-use lunakv_transfer::{Capability, Grant};
+use lunakv_transfer::{Capability, Grant, PlacementProof};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -234,9 +234,21 @@ impl MasterCore {
         drop(segs);
         let placed = replicas.len() as u64;
         let generation = self.next_generation()?;
+        // Only capabilities carry it, so it is computed only when an owner requires them.
+        let mut proof = None;
         for v in &mut views {
-            // The writer reads its own put back from its cache: read and write.
-            v.capability = capability(v, generation, RIGHT_READ | RIGHT_WRITE, WRITE_TTL);
+            // The writer reads its own put back from its cache: read and write. The proof
+            // goes to the owner with the bytes, which it reports at its next mount.
+            v.capability =
+                capability(v, generation, RIGHT_READ | RIGHT_WRITE, WRITE_TTL).map(|c| {
+                    let p = *proof.get_or_insert_with(|| {
+                        self.cfg
+                            .inventory_key
+                            .as_ref()
+                            .map(|k| PlacementProof::issue(k, key, generation, size))
+                    });
+                    p.map_or(c, |p| c.with_proof(p))
+                });
         }
         let soft_ttl = opts
             .soft_pin_ttl

@@ -187,17 +187,27 @@ impl MasterCore {
         complete: bool,
     ) -> MountOutcome {
         let mut out = MountOutcome::default();
+        let mut unproven = 0u64;
         for item in items {
             match self.index_inventory_item(client_id, desc, mount_id, &item) {
                 Ok(displaced) => {
                     out.accepted += 1;
                     out.displaced.extend(displaced);
                 }
+                // One line per mount, not per item: a forged inventory may hold millions.
+                Err(InventoryReject::Unproven) => {
+                    unproven += 1;
+                    out.rejected_generations.push(item.generation);
+                }
                 Err(reason) => {
                     tracing::warn!(segment = %desc.name, key = %item.key, generation = item.generation, %reason, "inventory entry rejected");
                     out.rejected_generations.push(item.generation);
                 }
             }
+        }
+        if unproven > 0 {
+            self.metrics.inventory_unproven_total.inc_by(unproven);
+            tracing::warn!(segment = %desc.name, client_id, items = unproven, "inventory entries without a valid placement proof rejected: this master did not place them there (a forged inventory, or entries written before the pool token was set); their ranges go to new placements");
         }
         if complete {
             self.finish_warm(&desc.name, mount_id);
@@ -230,6 +240,15 @@ impl MasterCore {
         lunakv_proto::validate_scoped_key(&item.key)?;
         if item.size == 0 {
             return Err(InventoryReject::SizeZero);
+        }
+        if self.cfg.verify_inventories {
+            let proven = match (&self.cfg.inventory_key, &item.proof) {
+                (Some(k), Some(p)) => p.verify(k, &item.key, item.generation, item.size),
+                _ => false,
+            };
+            if !proven {
+                return Err(InventoryReject::Unproven);
+            }
         }
         let now = Instant::now();
         let mut shard = self.shard(&item.key).lock();

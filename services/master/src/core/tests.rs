@@ -564,6 +564,7 @@ fn item(key: &str, offset: u64, size: u64, generation: u64) -> InventoryItem {
         size,
         generation,
         disk: false,
+        proof: None,
     }
 }
 
@@ -873,6 +874,7 @@ async fn offload_mismatch_is_refused_and_disk_inventory_is_indexed() {
     });
     let disk = InventoryItem {
         disk: true,
+        proof: None,
         ..item("d", 0, 5000, (7 << 32) | 3)
     };
     let out = core
@@ -894,6 +896,7 @@ async fn promotion_on_hit_adds_a_memory_replica_once_the_owner_confirms() {
     let g = (7 << 32) | 3;
     let disk = InventoryItem {
         disk: true,
+        proof: None,
         ..item("d", 0, 5000, g)
     };
     // Without the switch a disk hit reserves nothing.
@@ -963,6 +966,7 @@ async fn failed_promotion_frees_the_reservation_through_the_owner() {
     n.unreachable.lock().push("ep-s:1".into());
     let disk = InventoryItem {
         disk: true,
+        proof: None,
         ..item("d", 0, 5000, g)
     };
     core.mount("cl", "c", offload_desc("s:1", 1 << 20), vec![disk])
@@ -1306,6 +1310,7 @@ async fn a_warm_copy_serves_at_once_and_the_inventory_reconciles_it() {
         size: BLOCK,
         generation,
         disk: false,
+        proof: None,
     };
     let newer = (changed.0 + 1, changed.1 + 4096);
     let out = next
@@ -1384,6 +1389,7 @@ async fn a_matching_inventory_item_confirms_the_warm_entry_without_a_change() {
         size: BLOCK,
         generation,
         disk: false,
+        proof: None,
     };
     let out = next
         .mount_parts(

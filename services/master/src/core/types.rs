@@ -41,6 +41,12 @@ pub struct CoreConfig {
     /// Tenant -> DRAM quota in bytes (docs/TENANTS.md). Shared by every clone of the config,
     /// so each HA term's core and the admin API see one policy.
     pub quotas: TenantQuotas,
+    /// The cluster's placement-proof key: each write placement on a segment that requires
+    /// capabilities carries a proof under it (docs/SECURITY.md, "Verified inventories").
+    pub inventory_key: Option<lunakv_transfer::InventoryKey>,
+    /// Index only inventory items whose proof checks under `inventory_key` (the master has a
+    /// pool token: an owner could otherwise claim any key it never got).
+    pub verify_inventories: bool,
 }
 
 /// The quota policy in force, tenant -> bytes.
@@ -67,6 +73,8 @@ impl CoreConfig {
             placement: c.allocation_strategy(),
             multi_tenants: c.enable_multi_tenants,
             quotas: TenantQuotas::default(),
+            inventory_key: None,
+            verify_inventories: false,
         }
     }
 }
@@ -117,6 +125,9 @@ pub struct InventoryItem {
     pub generation: u64,
     /// In the owner's disk tier rather than at `offset` of its DRAM.
     pub disk: bool,
+    /// The placement proof the owner kept with the entry; `None` when it sent none (or a
+    /// malformed one).
+    pub proof: Option<lunakv_transfer::PlacementProof>,
 }
 
 /// Placement options of a put.
@@ -474,4 +485,6 @@ pub(super) enum InventoryReject {
     Unmounted,
     #[error(transparent)]
     Reserve(#[from] crate::alloc::ReserveError),
+    #[error("no valid placement proof: this master did not place that object there")]
+    Unproven,
 }

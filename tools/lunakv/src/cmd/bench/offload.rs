@@ -81,6 +81,7 @@ fn tier_write(dir: &Path, total: u64, buf: &[u8], rep: u64) -> anyhow::Result<f6
                 key: &keys[i + j],
                 generation: (i + j) as u64 + 1,
                 bytes: buf,
+                proof: None,
             })
             .collect();
         tier.store_batch(&items)?;
