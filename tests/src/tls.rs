@@ -37,11 +37,16 @@ impl Default for TestCa {
 
 impl TestCa {
     pub fn new() -> TestCa {
+        TestCa::named("lunakv test CA")
+    }
+
+    /// A CA whose subject CN is `cn`.
+    pub fn named(cn: &str) -> TestCa {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca params");
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         params
             .distinguished_name
-            .push(rcgen::DnType::CommonName, "lunakv test CA");
+            .push(rcgen::DnType::CommonName, cn);
         let key = rcgen::KeyPair::generate().expect("ca key");
         TestCa {
             issuer: rcgen::CertifiedIssuer::self_signed(params, key).expect("ca cert"),
@@ -84,12 +89,94 @@ impl TestCa {
         self.issuer.pem()
     }
 
+    /// A client certificate for `cn` that expired a year before now (rcgen's `not_after`).
+    pub fn issue_client_expired(&self, cn: &str) -> Issued {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("leaf params");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        let key = rcgen::KeyPair::generate().expect("leaf key");
+        let cert = params.signed_by(&key, &self.issuer).expect("leaf cert");
+        Issued {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            der: cert.der().clone(),
+        }
+    }
+
+    /// Writes the CA certificate to `dir/name`; its path.
+    pub fn write_ca(&self, dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, self.ca_pem()).expect("write the CA");
+        p
+    }
+
     /// Roots that trust this CA only.
     pub fn roots(&self) -> rustls::RootCertStore {
         let mut r = rustls::RootCertStore::empty();
         r.add(self.issuer.der().clone()).expect("add the CA");
         r
     }
+}
+
+impl Issued {
+    /// Writes `dir/<name>.crt` and `dir/<name>.key` (each renamed into place, so a watcher
+    /// never reads half a file); their paths.
+    pub fn write(
+        &self,
+        dir: &std::path::Path,
+        name: &str,
+    ) -> (std::path::PathBuf, std::path::PathBuf) {
+        let put = |file: String, text: &str| {
+            let tmp = dir.join(format!(".{file}.tmp"));
+            std::fs::write(&tmp, text).expect("write");
+            std::fs::rename(&tmp, dir.join(&file)).expect("rename");
+            dir.join(file)
+        };
+        (
+            put(format!("{name}.crt"), &self.cert_pem),
+            put(format!("{name}.key"), &self.key_pem),
+        )
+    }
+}
+
+/// The certificate a TLS server at `addr` presents to a client that trusts `roots` (as
+/// `localhost`) and shows `client` (cert PEM, key PEM), if any.
+pub fn served_certificate(
+    addr: SocketAddr,
+    roots: rustls::RootCertStore,
+    client: Option<&Issued>,
+) -> Result<CertificateDer<'static>, HttpsError> {
+    let b = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots);
+    let cfg = match client {
+        Some(c) => {
+            use rustls_pki_types::pem::PemObject;
+            let certs = vec![
+                CertificateDer::from_pem_slice(c.cert_pem.as_bytes())
+                    .map_err(|e| std::io::Error::other(e.to_string()))?,
+            ];
+            let key = PrivateKeyDer::from_pem_slice(c.key_pem.as_bytes())
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            b.with_client_auth_cert(certs, key)?
+        }
+        None => b.with_no_client_auth(),
+    };
+    let mut conn =
+        rustls::ClientConnection::new(Arc::new(cfg), ServerName::try_from("localhost")?)?;
+    let mut tcp = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    tcp.set_read_timeout(Some(Duration::from_secs(5)))?;
+    while conn.is_handshaking() {
+        conn.complete_io(&mut tcp)?;
+    }
+    conn.peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.clone().into_owned())
+        .ok_or(HttpsError::NoCertificate)
 }
 
 /// Why [`https_request`] got no answer (a refused certificate is a [`HttpsError::Tls`]).

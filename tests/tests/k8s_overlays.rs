@@ -1999,6 +1999,17 @@ fn each_overlay_with(kubectl: &Path, component: &str) -> Vec<(String, Vec<Value>
 /// operators, rendered. The copy sits beside the overlays (kustomize refuses absolute paths);
 /// overlays() skips dot-directories.
 fn render_with_component(kubectl: &Path, overlay: &str, component: &str) -> Vec<Value> {
+    render_with_component_at(kubectl, overlay, component, false)
+}
+
+/// [`render_with_component`], the component first or (`last`) after the overlay's own: a
+/// component that patches what other components add (components/mtls) goes last.
+fn render_with_component_at(
+    kubectl: &Path,
+    overlay: &str,
+    component: &str,
+    last: bool,
+) -> Vec<Value> {
     let overlays_dir = repo().join("deploy/k8s/overlays");
     let dir = tempfile::Builder::new()
         .prefix(&format!(".test-{overlay}-"))
@@ -2016,11 +2027,25 @@ fn render_with_component(kubectl: &Path, overlay: &str, component: &str) -> Vec<
         text.contains("\ncomponents:\n"),
         "overlay {overlay} has a components: list"
     );
-    let text = text.replacen(
-        "\ncomponents:\n",
-        &format!("\ncomponents:\n  - ../../components/{component}\n"),
-        1,
-    );
+    let text = if last {
+        let (head, list) = text
+            .split_once("\ncomponents:\n")
+            .expect("a components: list");
+        let mut lines: Vec<&str> = list.split('\n').collect();
+        let end = lines
+            .iter()
+            .position(|l| !(l.starts_with("  - ") || l.starts_with("  #")))
+            .unwrap_or(lines.len());
+        let entry = format!("  - ../../components/{component}");
+        lines.insert(end, &entry);
+        format!("{head}\ncomponents:\n{}", lines.join("\n"))
+    } else {
+        text.replacen(
+            "\ncomponents:\n",
+            &format!("\ncomponents:\n  - ../../components/{component}\n"),
+            1,
+        )
+    };
     std::fs::write(&k, text).expect("write kustomization");
     render(kubectl, dir.path())
 }
@@ -2669,6 +2694,165 @@ fn kv_events_component_publishes_for_every_serving_pod() {
                 p.workload
             );
         }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n  - {}",
+        failures.len(),
+        failures.join("\n  - ")
+    );
+}
+
+/// components/mtls, last in every overlay (deploy/k8s/README.md#mtls): every Certificate's
+/// Issuer renders and every CA Issuer's Secret is issued; the master and the bootstrap serve
+/// LUNAKV_TLS_CERT/KEY/CACERT from a Secret a Certificate issues for server auth; every other
+/// caller of the master (stores, vLLM engines) presents one for client auth, with a CN of its
+/// role (its identity), and expects a name the master's certificate carries
+/// (LUNAKV_TLS_SERVER_NAME); the master's LUNAKV_ADMIN_IDENTITIES holds the admin CN and its
+/// own (a standby follows the leader's index as an admin). The overlay's own checks still hold.
+#[test]
+fn mtls_component_gives_every_caller_a_certificate_and_the_master_its_admins() {
+    let Some(kubectl) = kubectl() else {
+        return no_kubectl();
+    };
+    let mut failures: Vec<String> = Vec::new();
+    for dir in overlays() {
+        let overlay = dir
+            .file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned();
+        let objs = render_with_component_at(&kubectl, &overlay, "mtls", true);
+        let fail = |f: String| format!("{overlay} + mtls: {f}");
+        failures.extend(
+            check_overlay(&overlay, &objs)
+                .failures
+                .into_iter()
+                .map(fail),
+        );
+        for cert in objs.iter().filter(|o| s(o, "/kind") == "Certificate") {
+            let issuer = s(cert, "/spec/issuerRef/name");
+            if find(&objs, "Issuer", ns(cert), issuer).is_none() {
+                failures.push(fail(format!(
+                    "{}: issuerRef names Issuer {issuer}, which is not rendered",
+                    name(cert)
+                )));
+            }
+        }
+        for issuer in objs.iter().filter(|o| s(o, "/kind") == "Issuer") {
+            let ca = s(issuer, "/spec/ca/secretName");
+            if !ca.is_empty() && certificate_for(&objs, ns(issuer), ca).is_none() {
+                failures.push(fail(format!(
+                    "{}: its CA Secret {ca} is issued by no Certificate",
+                    name(issuer)
+                )));
+            }
+        }
+        let pods = pods(&objs);
+        let mut master_names: Vec<String> = Vec::new();
+        let mut callers: Vec<(String, String, Option<String>)> = Vec::new();
+        let mut servers = 0;
+        for p in &pods {
+            for c in p.containers() {
+                let is_master = is_image(c, "lunakv/master");
+                let is_bootstrap = is_image(c, "lunakv/bootstrap");
+                let is_caller =
+                    is_image(c, "lunakv/store") || env(c, "MOONCAKE_CONFIG_PATH").is_some();
+                if !(is_master || is_bootstrap || is_caller) {
+                    continue;
+                }
+                let who = format!("{} container {}", p.workload, s(c, "/name"));
+                let mut issued: Option<&Value> = None;
+                for var in ["LUNAKV_TLS_CERT", "LUNAKV_TLS_KEY", "LUNAKV_TLS_CACERT"] {
+                    let Some(path) = env(c, var) else {
+                        failures.push(fail(format!("{who} has no {var}")));
+                        continue;
+                    };
+                    match certificate_of_path(&objs, p, c, &path) {
+                        Some(cert) => issued = Some(cert),
+                        None => failures.push(fail(format!(
+                            "{who}: {var}={path} is not in a Secret volume a Certificate issues"
+                        ))),
+                    }
+                }
+                let Some(cert) = issued else { continue };
+                let usages: Vec<&str> = arr(cert, "/spec/usages")
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .collect();
+                let cn = s(cert, "/spec/commonName").to_string();
+                if cn.is_empty() {
+                    failures.push(fail(format!("{who}: {} has no commonName", name(cert))));
+                }
+                if is_master || is_bootstrap {
+                    servers += 1;
+                    if !usages.contains(&"server auth") {
+                        failures.push(fail(format!("{who}: {} lacks server auth", name(cert))));
+                    }
+                }
+                if (is_master || is_caller) && !usages.contains(&"client auth") {
+                    failures.push(fail(format!("{who}: {} lacks client auth", name(cert))));
+                }
+                if is_master {
+                    master_names = arr(cert, "/spec/dnsNames")
+                        .iter()
+                        .filter_map(Value::as_str)
+                        .map(str::to_string)
+                        .collect();
+                    let admins = env(c, "LUNAKV_ADMIN_IDENTITIES").unwrap_or_default();
+                    let admins: Vec<&str> = admins.split(',').map(str::trim).collect();
+                    let admin_cert = objs.iter().any(|o| {
+                        s(o, "/kind") == "Certificate"
+                            && s(o, "/spec/commonName") != cn
+                            && admins.contains(&s(o, "/spec/commonName"))
+                    });
+                    if !admins.contains(&cn.as_str()) || !admin_cert {
+                        failures.push(fail(format!(
+                            "{who}: LUNAKV_ADMIN_IDENTITIES {admins:?} must hold the masters' CN \
+                             {cn:?} and an operator's admin certificate's CN"
+                        )));
+                    }
+                }
+                if is_master || is_caller {
+                    callers.push((who, cn, env(c, "LUNAKV_TLS_SERVER_NAME")));
+                }
+            }
+        }
+        if master_names.is_empty() {
+            failures.push(fail("the master's certificate has no dnsNames".into()));
+        }
+        for (who, _, server_name) in &callers {
+            match server_name {
+                Some(n) if master_names.contains(n) => {}
+                other => failures.push(fail(format!(
+                    "{who}: LUNAKV_TLS_SERVER_NAME {other:?} is not a name of the master's \
+                     certificate {master_names:?}"
+                ))),
+            }
+        }
+        let store_cn = callers
+            .iter()
+            .find(|(w, _, _)| w.starts_with("DaemonSet/lunakv-store"))
+            .map(|(_, cn, _)| cn.clone());
+        let engine_cn = callers
+            .iter()
+            .find(|(w, _, _)| w.contains("vllm"))
+            .map(|(_, cn, _)| cn.clone());
+        if store_cn.is_some() && store_cn == engine_cn {
+            failures.push(fail(
+                "the stores and the engines share one identity: one could unmount the other's \
+                 segments"
+                    .into(),
+            ));
+        }
+        let want_servers = 1 + usize::from(overlay == "pd-mooncake");
+        if servers < want_servers {
+            failures.push(fail(format!(
+                "{servers} TLS servers found, {want_servers} expected (the master, and the \
+                 bootstrap in pd-mooncake)"
+            )));
+        }
+        println!("{overlay} + mtls: {} callers of the master", callers.len());
     }
     assert!(
         failures.is_empty(),

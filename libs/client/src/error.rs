@@ -32,6 +32,11 @@ pub enum ClientError {
     },
     #[error("master at {addr} unreachable or failed: {message}")]
     Rpc { addr: String, message: String },
+    /// TLS with the master failed in a way waiting does not fix: a certificate refused (this
+    /// client's, or the master's), or a master without TLS. The message names the certificate
+    /// and the fix (`lunakv_tls::ClientTls::explain`).
+    #[error("TLS with the master at {addr} failed: {message}")]
+    Tls { addr: String, message: String },
     #[error("configuration: {0}")]
     Config(String),
     #[error("the client is closed")]
@@ -85,7 +90,9 @@ impl ClientError {
             ClientError::SessionLimit { .. } => ErrorCode::NoAvailableHandle,
             ClientError::BufferTooSmall { .. } => ErrorCode::BufferOverflow,
             ClientError::Transfer { .. } => ErrorCode::TransferFail,
-            ClientError::Rpc { .. } | ClientError::Closed => ErrorCode::RpcFail,
+            ClientError::Rpc { .. } | ClientError::Tls { .. } | ClientError::Closed => {
+                ErrorCode::RpcFail
+            }
             ClientError::Master { code, .. } => *code,
         }
     }

@@ -231,14 +231,21 @@ impl SegmentHost {
             ClientError::Config(format!("cannot serve a segment on {}: {e}", opts.bind))
         })?;
         server.set_cluster_id(&opts.cluster_id);
-        // The pool token is the switch: with it the control channel is authenticated, so the
-        // secret can travel in MountSegment; without it a secret would protect nothing.
+        // The pool token or TLS towards the master is the switch: with either the control
+        // channel is private, so the secret can travel in MountSegment; without, a secret
+        // would protect nothing.
         let tokens = lunakv_config::auth::PoolTokens::from_env(&lunakv_config::process_env)
             .map_err(|e| ClientError::Config(e.to_string()))?;
-        if tokens.presented().is_some() {
+        let tls = master_tls()?.is_some();
+        if tokens.presented().is_some() || tls {
             server.require_capabilities(lunakv_transfer::MountSecret::generate());
             tracing::info!(
-                "the pool token is set: this segment requires capabilities on every transfer request"
+                "{} is set: this segment requires capabilities on every transfer request",
+                if tls {
+                    "TLS towards the master"
+                } else {
+                    "the pool token"
+                }
             );
         }
         // Fresh pages cost a fault per 4 KiB on the first put into them (7-12x slower than warm
@@ -798,20 +805,128 @@ pub(crate) fn presented_authorization() -> Result<Option<String>, ClientError> {
     Ok(tokens.presented().map(|t| format!("Bearer {}", t.as_str())))
 }
 
+/// TLS towards the master, from this process's `LUNAKV_TLS_*` (or the `tls_*` keys of the
+/// engine's mooncake_config.json); `None`: plaintext. Read at each connect, as the token is.
+pub(crate) fn master_tls() -> Result<Option<lunakv_tls::ClientTls>, ClientError> {
+    let paths = lunakv_config::tls::TlsPaths::client_from_env(&lunakv_config::process_env)
+        .map_err(|e| ClientError::Config(e.to_string()))?;
+    lunakv_tls::ClientTls::from_paths(&paths).map_err(|e| ClientError::Config(e.to_string()))
+}
+
+/// A channel to `addr` (`host:port`), over TLS when `tls` is set; connected now, or lazily.
+async fn channel(
+    addr: &str,
+    endpoint: tonic::transport::Endpoint,
+    tls: Option<&lunakv_tls::ClientTls>,
+    connect_timeout: Duration,
+) -> Result<Channel, ClientError> {
+    let connected = match tls {
+        Some(t) => {
+            endpoint
+                .connect_with_connector(t.connector(connect_timeout))
+                .await
+        }
+        None => endpoint.connect().await,
+    };
+    connected.map_err(|e| match lunakv_tls::TlsFailure::in_chain(&e) {
+        Some(f) => ClientError::Tls {
+            addr: addr.to_owned(),
+            message: f.to_string(),
+        },
+        None => ClientError::Rpc {
+            addr: addr.to_owned(),
+            message: format!(
+                "cannot connect ({}): is lunakv-master running there?",
+                source_chain(&e)
+            ),
+        },
+    })
+}
+
+/// [`channel`], connected at the first call (HA leaders).
+pub(crate) fn lazy_channel(
+    endpoint: tonic::transport::Endpoint,
+    tls: Option<&lunakv_tls::ClientTls>,
+    connect_timeout: Duration,
+) -> Channel {
+    match tls {
+        Some(t) => endpoint.connect_with_connector_lazy(t.connector(connect_timeout)),
+        None => endpoint.connect_lazy(),
+    }
+}
+
+/// What a master's RPC port requires of its callers' transport (`lunakv doctor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MasterTls {
+    /// Plaintext gRPC.
+    Off,
+    /// TLS, no client certificate asked.
+    On,
+    /// TLS with a client certificate from its CA (mTLS).
+    Mutual,
+}
+
+/// [`probe_master_tls`], async.
+pub(crate) async fn master_tls_mode(
+    addr: &str,
+    timeout: Duration,
+) -> Result<MasterTls, ClientError> {
+    let rpc_err = |message: String| ClientError::Rpc {
+        addr: addr.to_owned(),
+        message,
+    };
+    let connect_timeout = Duration::from_secs(3).min(timeout);
+    let endpoint = Channel::from_shared(format!("http://{addr}"))
+        .map_err(|e| rpc_err(format!("not a valid address ({e})")))?
+        .connect_timeout(connect_timeout)
+        .timeout(timeout);
+    let channel = channel(addr, endpoint, None, connect_timeout).await?;
+    match MasterClient::new(channel)
+        .get_cluster_status(pb::GetClusterStatusRequest {})
+        .await
+    {
+        Ok(_) => Ok(MasterTls::Off),
+        Err(s) => match s
+            .metadata()
+            .get(lunakv_tls::grpc::TLS_REQUIRED_HEADER)
+            .and_then(|v| v.to_str().ok())
+        {
+            Some("mtls") => Ok(MasterTls::Mutual),
+            Some(_) => Ok(MasterTls::On),
+            // Refused for its token: a plaintext master.
+            None if s.code() == tonic::Code::Unauthenticated => Ok(MasterTls::Off),
+            None => Err(rpc_err(format!("status in plaintext: {}", s.message()))),
+        },
+    }
+}
+
+/// What the master at `addr` (`host:port`) requires of its callers' transport, from
+/// synchronous code (`lunakv doctor`, which may not have connected: a master with mTLS refuses a
+/// doctor without a certificate): one status call in plaintext, which a master with TLS refuses
+/// with the `x-lunakv-tls-required` header. Not from inside a runtime.
+pub fn probe_master_tls(addr: &str, timeout: Duration) -> Result<MasterTls, ClientError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| ClientError::Config(format!("cannot start a runtime: {e}")))?;
+    rt.block_on(master_tls_mode(addr, timeout))
+}
+
 /// Whether the master at `addr` turns away a caller that presents no pool token: one status
-/// call on a fresh connection without credentials (`lunakv doctor`'s security row).
+/// call on a fresh connection without credentials (`lunakv doctor`'s security row). Over TLS
+/// when this process has it (the certificate is not a token).
 pub(crate) async fn refuses_anonymous(addr: &str, timeout: Duration) -> Result<bool, ClientError> {
     let rpc_err = |message: String| ClientError::Rpc {
         addr: addr.to_owned(),
         message,
     };
-    let channel = Channel::from_shared(format!("http://{addr}"))
+    let tls = master_tls()?;
+    let connect_timeout = Duration::from_secs(3).min(timeout);
+    let endpoint = Channel::from_shared(format!("http://{addr}"))
         .map_err(|e| rpc_err(format!("not a valid address ({e})")))?
-        .connect_timeout(Duration::from_secs(3).min(timeout))
-        .timeout(timeout)
-        .connect()
-        .await
-        .map_err(|e| rpc_err(format!("cannot connect ({})", source_chain(&e))))?;
+        .connect_timeout(connect_timeout)
+        .timeout(timeout);
+    let channel = channel(addr, endpoint, tls.as_ref(), connect_timeout).await?;
     let mut anonymous = MasterClient::new(channel);
     match anonymous
         .get_cluster_status(pb::GetClusterStatusRequest {})
@@ -823,7 +938,11 @@ pub(crate) async fn refuses_anonymous(addr: &str, timeout: Duration) -> Result<b
     }
 }
 
-pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Rpc, ClientError> {
+pub(crate) async fn connect_master(
+    addr: &str,
+    timeout: Duration,
+    tls: Option<&lunakv_tls::ClientTls>,
+) -> Result<Rpc, ClientError> {
     let uri = if addr.contains("://") {
         addr.to_owned()
     } else {
@@ -832,41 +951,65 @@ pub(crate) async fn connect_master(addr: &str, timeout: Duration) -> Result<Rpc,
     let endpoint = Channel::from_shared(uri).map_err(|e| ClientError::Config(format!(
         "master_server_address '{addr}' is not a valid address ({e}): use host:port, e.g. \"127.0.0.1:50051\""
     )))?;
-    speaks_grpc(addr, timeout).await?;
-    let channel = endpoint
+    speaks_grpc(addr, timeout, tls).await?;
+    let connect_timeout = Duration::from_secs(3).min(timeout);
+    let endpoint = endpoint
         .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(3).min(timeout))
-        .timeout(timeout)
-        .connect()
-        .await
-        .map_err(|e| ClientError::Rpc {
-            addr: addr.to_owned(),
-            message: format!(
-                "cannot connect ({}): is lunakv-master running there?",
-                source_chain(&e)
-            ),
-        })?;
-    master_client(channel)
+        .connect_timeout(connect_timeout)
+        .timeout(timeout);
+    master_client(channel(addr, endpoint, tls, connect_timeout).await?)
 }
 
 /// One look at what `addr` speaks before tonic connects: a peer that closes the connection on
 /// the HTTP/2 preface, or answers with something other than HTTP/2, is not a lunakv-master
 /// (upstream's `mooncake_master` speaks coro_rpc); without this the first call fails with a bare
 /// transport error. `Err` ([`ClientError::Rpc`]) only when that is certain: a refused or silent
-/// peer is left to tonic's connect and its usual errors.
-async fn speaks_grpc(addr: &str, timeout: Duration) -> Result<(), ClientError> {
+/// peer is left to tonic's connect and its usual errors. Over TLS the same look also shows
+/// whether the master accepted this client's certificate (under TLS 1.3 its refusal arrives
+/// after the handshake), as a [`ClientError::Tls`] that names the certificate.
+async fn speaks_grpc(
+    addr: &str,
+    timeout: Duration,
+    tls: Option<&lunakv_tls::ClientTls>,
+) -> Result<(), ClientError> {
+    let wait = Duration::from_secs(2).min(timeout);
+    let host = addr.split_once("://").map_or(addr, |(_, rest)| rest);
+    let tls_err = |f: &lunakv_tls::TlsFailure| ClientError::Tls {
+        addr: addr.to_owned(),
+        message: f.to_string(),
+    };
+    match tls {
+        None => {
+            let Ok(Ok(s)) = tokio::time::timeout(wait, tokio::net::TcpStream::connect(host)).await
+            else {
+                return Ok(());
+            };
+            first_frame(addr, s, wait).await
+        }
+        Some(t) => {
+            let s = match t.connect(host, wait).await {
+                Ok(s) => s,
+                Err(e) => {
+                    return lunakv_tls::TlsFailure::of(&e).map_or(Ok(()), |f| Err(tls_err(f)));
+                }
+            };
+            first_frame(addr, s, wait).await
+        }
+    }
+}
+
+/// Sends HTTP/2's preface and reads the first frame's header: `Err` when the peer is certainly
+/// no lunakv-master, or refused this client's TLS certificate.
+async fn first_frame<S>(addr: &str, mut s: S, wait: Duration) -> Result<(), ClientError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     use lunakv_proto::foreign::{
         CORO_RPC_MAGIC, HTTP2_EMPTY_SETTINGS, HTTP2_PREFACE, NOT_A_LUNAKV_MASTER,
         server_speaks_http2,
     };
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    let wait = Duration::from_secs(2).min(timeout);
-    let host = addr.split_once("://").map_or(addr, |(_, rest)| rest);
-    let Ok(Ok(mut s)) = tokio::time::timeout(wait, tokio::net::TcpStream::connect(host)).await
-    else {
-        return Ok(());
-    };
     let mut hello = HTTP2_PREFACE.to_vec();
     hello.extend_from_slice(&HTTP2_EMPTY_SETTINGS);
     if s.write_all(&hello).await.is_err() {
@@ -874,15 +1017,28 @@ async fn speaks_grpc(addr: &str, timeout: Duration) -> Result<(), ClientError> {
     }
     let mut first = [0u8; 9];
     let mut got = 0;
+    let mut tls_failure = None;
     let read = tokio::time::timeout(wait, async {
         while got < first.len() {
             match s.read(&mut first[got..]).await {
-                Ok(0) | Err(_) => break,
+                Ok(0) => break,
+                Err(e) => {
+                    if lunakv_tls::TlsFailure::of(&e).is_some() {
+                        tls_failure = Some(e);
+                    }
+                    break;
+                }
                 Ok(n) => got += n,
             }
         }
     })
     .await;
+    if let Some(f) = tls_failure.as_ref().and_then(lunakv_tls::TlsFailure::of) {
+        return Err(ClientError::Tls {
+            addr: addr.to_owned(),
+            message: f.to_string(),
+        });
+    }
     if read.is_err() && got == 0 {
         // Silent: maybe overloaded; tonic decides.
         return Ok(());

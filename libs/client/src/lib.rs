@@ -30,7 +30,10 @@ mod startup;
 mod store;
 
 pub use error::ClientError;
-pub use host::{BoundSegment, DiskInventory, HostDisk, HostOptions, MountStatus, SegmentHost};
+pub use host::{
+    BoundSegment, DiskInventory, HostDisk, HostOptions, MasterTls, MountStatus, SegmentHost,
+    probe_master_tls,
+};
 pub use location::{Location, LocationError, ReplicaLocation};
 pub use lunakv_proto::ErrorCode;
 /// What the master reports, as domain types (the prost types stay behind the gRPC edge).

@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use tonic::transport::Channel;
 
 use crate::ClientError;
-use crate::host::{Rpc, connect_master, master_client, rpc_error};
+use crate::host::{Rpc, connect_master, lazy_channel, master_client, master_tls, rpc_error};
 
 /// How long an HA call keeps retrying across a failover: the 5 s lease, the election, and the
 /// new leader's index rebuild (at most 3 s), with room to spare.
@@ -48,6 +48,8 @@ struct Inner {
     /// Bumped on every switch, so waiters and heartbeats react at once.
     changed: watch::Sender<u64>,
     timeout: Duration,
+    /// TLS towards every master this link talks to (`LUNAKV_TLS_*`), read once at connect.
+    tls: Option<lunakv_tls::ClientTls>,
     /// Dropped with the last link: stops the watcher task.
     _stop: watch::Sender<()>,
 }
@@ -56,18 +58,22 @@ struct Inner {
 #[derive(Clone)]
 pub(crate) struct MasterLink(Arc<Inner>);
 
-fn lazy_client(addr: &str, timeout: Duration) -> Result<Rpc, ClientError> {
+fn lazy_client(
+    addr: &str,
+    timeout: Duration,
+    tls: Option<&lunakv_tls::ClientTls>,
+) -> Result<Rpc, ClientError> {
     let uri = format!("http://{addr}");
     let ep = Channel::from_shared(uri).map_err(|e| ClientError::Rpc {
         addr: addr.to_owned(),
         message: format!("the leader key names an invalid address '{addr}': {e}"),
     })?;
-    let ch = ep
+    let connect_timeout = Duration::from_secs(2).min(timeout);
+    let ep = ep
         .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(2).min(timeout))
-        .timeout(timeout)
-        .connect_lazy();
-    master_client(ch)
+        .connect_timeout(connect_timeout)
+        .timeout(timeout);
+    master_client(lazy_channel(ep, tls, connect_timeout))
 }
 
 impl MasterLink {
@@ -81,8 +87,9 @@ impl MasterLink {
         timeout: Duration,
     ) -> Result<MasterLink, ClientError> {
         let trimmed = spec.trim();
+        let tls = master_tls()?;
         if !trimmed.starts_with("etcd://") {
-            let client = connect_master(trimmed, timeout).await?;
+            let client = connect_master(trimmed, timeout, tls.as_ref()).await?;
             let (changed, _) = watch::channel(0);
             let (stop, _) = watch::channel(());
             return Ok(MasterLink(Arc::new(Inner {
@@ -95,6 +102,7 @@ impl MasterLink {
                 }),
                 changed,
                 timeout,
+                tls,
                 _stop: stop,
             })));
         }
@@ -144,7 +152,7 @@ impl MasterLink {
                 tokio::time::sleep(Duration::from_millis(200).min(left)).await;
             }
         };
-        let client = lazy_client(&view.address, timeout)?;
+        let client = lazy_client(&view.address, timeout, tls.as_ref())?;
         let (changed, _) = watch::channel(0);
         let (stop, stop_rx) = watch::channel(());
         let link = MasterLink(Arc::new(Inner {
@@ -157,11 +165,17 @@ impl MasterLink {
             }),
             changed,
             timeout,
+            tls,
             _stop: stop,
         }));
         tracing::info!(leader = %view.address, term = view.term, etcd = %endpoints, "following the lunakv-master leader through etcd");
         tokio::spawn(follow(Arc::downgrade(&link.0), etcd, key, stop_rx));
         Ok(link)
+    }
+
+    /// TLS towards the master, when this client has it (quick calls use it too).
+    pub(crate) fn tls(&self) -> Option<&lunakv_tls::ClientTls> {
+        self.0.tls.as_ref()
     }
 
     /// Whether the master is found through etcd.
@@ -272,7 +286,7 @@ fn switch(inner: &Inner, addr: &str, term: u64) {
             return;
         }
     }
-    match lazy_client(addr, inner.timeout) {
+    match lazy_client(addr, inner.timeout, inner.tls.as_ref()) {
         Ok(client) => {
             let mut cur = inner.current.write();
             let same_addr = cur.addr == addr;

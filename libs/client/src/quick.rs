@@ -15,6 +15,11 @@
 //!   limit closes them, so a healthy master does not lose frames.
 //!
 //! So a quick call never changes an answer, only how fast it comes.
+//!
+//! With TLS towards the master (`LUNAKV_TLS_*`), a quick connection is a TLS session too (the
+//! same certificate and CA; no ALPN, the master tells it from gRPC by the decrypted magic). A
+//! handshake or a first answer that fails with a TLS error steps aside: gRPC then reports the
+//! refusal by name, and nothing was sent in the clear.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -38,9 +43,40 @@ const CONNECT_WAIT: Duration = Duration::from_secs(1);
 /// idle limit, so a reused connection is never one the master is closing.
 const MAX_IDLE_AGE: Duration = Duration::from_secs(60);
 
+/// A quick connection: plain TCP, or a TLS session over it.
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.write(buf),
+            Stream::Tls(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Plain(s) => s.flush(),
+            Stream::Tls(s) => s.flush(),
+        }
+    }
+}
+
 struct Conn {
     addr: String,
-    stream: TcpStream,
+    stream: Stream,
     authorization: Vec<u8>,
     last_used: Instant,
 }
@@ -57,15 +93,17 @@ pub(crate) enum Quick<T> {
 pub(crate) struct QuickLink {
     enabled: bool,
     timeout: Duration,
+    tls: Option<lunakv_tls::ClientTls>,
     idle: Mutex<Vec<Conn>>,
     rest_until: Mutex<Option<(String, Instant)>>,
 }
 
 impl QuickLink {
-    pub(crate) fn new(timeout: Duration) -> QuickLink {
+    pub(crate) fn new(timeout: Duration, tls: Option<lunakv_tls::ClientTls>) -> QuickLink {
         QuickLink {
             enabled: lunakv_config::switched_on(QUICK_CALLS_ENV),
             timeout,
+            tls,
             idle: Mutex::new(Vec::new()),
             rest_until: Mutex::new(None),
         }
@@ -98,7 +136,11 @@ impl QuickLink {
             },
         };
         let frame = quick::encode_request(method, &conn.authorization, &req.encode_to_vec());
-        if let Err(e) = conn.stream.write_all(&frame) {
+        if let Err(e) = conn
+            .stream
+            .write_all(&frame)
+            .and_then(|()| conn.stream.flush())
+        {
             tracing::debug!(addr, error = %e, "quick call not sent; over gRPC instead");
             return Quick::StepAside;
         }
@@ -106,10 +148,13 @@ impl QuickLink {
             Ok(a) => a,
             Err(e) => {
                 if fresh {
-                    // An older master closes a connection it cannot classify, unread.
+                    // An older master closes a connection it cannot classify, unread; a TLS
+                    // master that refused this client's certificate says so in an alert,
+                    // before it read the frame. gRPC then reports either.
                     *self.rest_until.lock() = Some((addr.to_owned(), Instant::now() + REST));
                     if e.kind() == std::io::ErrorKind::UnexpectedEof
                         || e.kind() == std::io::ErrorKind::ConnectionReset
+                        || lunakv_tls::rustls_error(&e).is_some()
                     {
                         return Quick::StepAside;
                     }
@@ -159,11 +204,22 @@ impl QuickLink {
             Err(_) => return None,
         };
         let sa = addr.to_socket_addrs().ok()?.next()?;
-        let mut stream = TcpStream::connect_timeout(&sa, CONNECT_WAIT.min(self.timeout)).ok()?;
-        stream.set_nodelay(true).ok()?;
-        stream.set_read_timeout(Some(self.timeout)).ok()?;
-        stream.set_write_timeout(Some(self.timeout)).ok()?;
+        let tcp = TcpStream::connect_timeout(&sa, CONNECT_WAIT.min(self.timeout)).ok()?;
+        tcp.set_nodelay(true).ok()?;
+        tcp.set_read_timeout(Some(self.timeout)).ok()?;
+        tcp.set_write_timeout(Some(self.timeout)).ok()?;
+        let mut stream = match &self.tls {
+            None => Stream::Plain(tcp),
+            Some(t) => match t.handshake_blocking(addr, tcp) {
+                Ok(s) => Stream::Tls(Box::new(s)),
+                Err(e) => {
+                    tracing::debug!(addr, error = %e, "quick-call TLS handshake failed; over gRPC instead");
+                    return None;
+                }
+            },
+        };
         stream.write_all(quick::MAGIC).ok()?;
+        stream.flush().ok()?;
         Some(Conn {
             addr: addr.to_owned(),
             stream,
@@ -174,7 +230,7 @@ impl QuickLink {
 }
 
 /// Reads one response frame's body.
-fn read_frame(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+fn read_frame(stream: &mut Stream) -> std::io::Result<Vec<u8>> {
     let mut prefix = [0u8; 4];
     stream.read_exact(&mut prefix)?;
     let len = quick::answer_len(prefix)
@@ -218,7 +274,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(200));
             l.accept().is_ok()
         });
-        let q = QuickLink::new(Duration::from_secs(5));
+        let q = QuickLink::new(Duration::from_secs(5), None);
         let r: Quick<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
         assert!(matches!(r, Quick::StepAside), "over gRPC instead");
         let again: Quick<pb::BatchObjectLocations> =
@@ -263,7 +319,7 @@ mod tests {
                 s.write_all(&out).unwrap();
             }
         });
-        let q = QuickLink::new(Duration::from_secs(5));
+        let q = QuickLink::new(Duration::from_secs(5), None);
         let Quick::Answered::<pb::BatchObjectLocations>(r) =
             q.call(&addr, Method::BatchExistKey, &req())
         else {

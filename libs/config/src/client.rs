@@ -26,6 +26,7 @@
 //! | `tenant_id` | `"default"` | |
 //! | `local_hostname` | `""` | not read by vLLM (which uses its own IP); read by Mooncake's Python |
 //! | `enable_shm` | `true` | lunakv only: same-host shared-memory transfers |
+//! | `tls_cert`, `tls_key`, `tls_cacert` | `""` | lunakv only: mTLS to the master (PEM paths, relative to this file; docs/SECURITY.md) |
 //!
 //! `null` for any field means "use the default".
 //!
@@ -41,6 +42,8 @@
 //! - local_hostname: `MOONCAKE_REQUESTER_LOCAL_HOSTNAME` (vLLM's), else `MOONCAKE_LOCAL_HOSTNAME`,
 //!   else the file, else `VLLM_HOST_IP` (vLLM's `get_ip()`), else `""` (the client picks an address).
 //! - `LUNAKV_DISABLE_SHM=1` forces enable_shm off.
+//! - `LUNAKV_TLS_CERT`, `LUNAKV_TLS_KEY`, `LUNAKV_TLS_CACERT` -> tls_cert, tls_key, tls_cacert
+//!   ([`crate::tls`]).
 //!
 //! # Checks
 //! In vLLM's order, with its messages: unknown mode; `local_buffer_size must be > 0`; embedded
@@ -83,6 +86,9 @@ const KNOWN_KEYS: &[&str] = &[
     "enable_offload",
     "tenant_id",
     "enable_shm",
+    "tls_cert",
+    "tls_key",
+    "tls_cacert",
 ];
 
 /// Who owns the DRAM pool.
@@ -148,6 +154,11 @@ pub struct MooncakeConfig {
     /// `MOONCAKE_PREFERRED_SEGMENT`: the segment (`host:port`) puts should land on. Env only.
     #[serde(skip)]
     pub preferred_segment: Option<String>,
+    /// lunakv: the client certificate, its key and the CA for mTLS to the master (PEM paths;
+    /// `LUNAKV_TLS_*` win; [`crate::tls`]).
+    pub tls_cert: String,
+    pub tls_key: String,
+    pub tls_cacert: String,
 }
 
 impl Default for MooncakeConfig {
@@ -165,6 +176,9 @@ impl Default for MooncakeConfig {
             tenant_id: "default".to_string(),
             enable_shm: true,
             preferred_segment: None,
+            tls_cert: String::new(),
+            tls_key: String::new(),
+            tls_cacert: String::new(),
         }
     }
 }
@@ -224,7 +238,7 @@ impl MooncakeConfig {
         if let Some(mode) = string_field(map, "mode", "\"embedded\"")? {
             c.mode = mode.parse()?;
         }
-        let strings: [(&str, &mut String, &'static str); 5] = [
+        let strings: [(&str, &mut String, &'static str); 8] = [
             ("local_hostname", &mut c.local_hostname, "\"10.0.0.5\""),
             (
                 "metadata_server",
@@ -238,6 +252,13 @@ impl MooncakeConfig {
             ),
             ("device_name", &mut c.device_name, "\"\""),
             ("tenant_id", &mut c.tenant_id, "\"default\""),
+            ("tls_cert", &mut c.tls_cert, "\"/etc/lunakv/tls/tls.crt\""),
+            ("tls_key", &mut c.tls_key, "\"/etc/lunakv/tls/tls.key\""),
+            (
+                "tls_cacert",
+                &mut c.tls_cacert,
+                "\"/etc/lunakv/tls/ca.crt\"",
+            ),
         ];
         for (key, slot, example) in strings {
             if let Some(v) = string_field(map, key, example)? {
@@ -320,6 +341,14 @@ impl MooncakeConfig {
             "tenant_id",
             &mut self.tenant_id,
             "default",
+        );
+        set_string(crate::tls::ENV_TLS_CERT, "tls_cert", &mut self.tls_cert, "");
+        set_string(crate::tls::ENV_TLS_KEY, "tls_key", &mut self.tls_key, "");
+        set_string(
+            crate::tls::ENV_TLS_CACERT,
+            "tls_cacert",
+            &mut self.tls_cacert,
+            "",
         );
         // local_hostname: the Mooncake variables, else the file, else VLLM_HOST_IP.
         let file_hostname = std::mem::take(&mut self.local_hostname);

@@ -16,6 +16,8 @@
 //! - [`duration`]: Go durations (`1m30s`) as llm-d's flags write them, for the sidecar and the
 //!   bootstrap.
 //! - [`size`]: human sizes, `"80GB"` = 80 GiB as in vLLM's parser; also a serde `with` module.
+//! - [`tls`]: where the master, the bootstrap and their clients find their mTLS certificates
+//!   (`LUNAKV_TLS_*`), and the master's admin identities.
 //! - [`messages`]: user-facing messages several crates print or pin (the tenant refusal, the
 //!   master's unshared-namespace rule).
 //!
@@ -40,6 +42,7 @@ pub mod master;
 pub mod messages;
 pub mod size;
 pub mod store;
+pub mod tls;
 
 use std::fmt;
 use std::net::Ipv6Addr;

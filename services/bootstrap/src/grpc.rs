@@ -90,11 +90,12 @@ impl Bootstrap for BootstrapService {
         &self,
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
-        // Served over TcpListenerStream, so the peer is always known; without it the
+        // Served over lunakv_tls::grpc::incoming, so the peer is always known; without it the
         // registration counts under `::` and is never probed (no addr is on that host).
         let peer = req
-            .remote_addr()
-            .map_or(IpAddr::V6(Ipv6Addr::UNSPECIFIED), |a| a.ip());
+            .extensions()
+            .get::<lunakv_tls::Peer>()
+            .map_or(IpAddr::V6(Ipv6Addr::UNSPECIFIED), |p| p.addr.ip());
         let r = req.into_inner();
         let w = r
             .worker

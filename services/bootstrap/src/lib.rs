@@ -202,6 +202,13 @@ pub async fn serve(
     };
     let http_addr = local(&listeners.http)?;
     let grpc_addr = local(&listeners.grpc)?;
+    // mTLS on the gRPC port (LUNAKV_TLS_*; docs/SECURITY.md). The HTTP API stays vLLM's
+    // plaintext one.
+    let tls_paths = lunakv_config::tls::TlsPaths::server_from_env(&lunakv_config::process_env)
+        .map_err(|e| BootstrapError::Config(e.to_string()))?;
+    let tls = lunakv_tls::ServerTls::from_paths("lunakv-bootstrap", &tls_paths, &[b"h2"])
+        .map_err(|e| BootstrapError::Config(e.to_string()))?
+        .map(Arc::new);
     let (stop_tx, stop_rx) = watch::channel(false);
     let api = Arc::new(api::Api {
         state: state.clone(),
@@ -233,13 +240,17 @@ pub async fn serve(
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .tcp_nodelay(true)
+            .layer(lunakv_tls::grpc::PlaintextHealthOnly::new(
+                "lunakv-bootstrap",
+                tls.as_deref(),
+            ))
             .trace_fn(lunakv_telemetry::propagate::grpc_server_span)
             .add_service(grpc::server(api.clone(), stop_rx.clone()))
             .add_service(health)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
+                lunakv_tls::grpc::incoming(listeners.grpc, tls.clone()),
                 async move {
                     let _ = rx.changed().await;
                 },
@@ -247,10 +258,21 @@ pub async fn serve(
     );
     let upkeep = tokio::spawn(upkeep(state.clone(), cfg.clone(), stop_rx.clone()));
 
-    lunakv_telemetry::announce(
-        "lunakv-bootstrap",
-        &[("http", &http_addr), ("grpc", &grpc_addr)],
-    );
+    {
+        let mut fields: Vec<(&str, &dyn std::fmt::Display)> =
+            vec![("http", &http_addr), ("grpc", &grpc_addr)];
+        if let Some(t) = &tls {
+            fields.push((
+                "tls",
+                if t.requires_client_certificates() {
+                    &"mtls"
+                } else {
+                    &"tls"
+                },
+            ));
+        }
+        lunakv_telemetry::announce("lunakv-bootstrap", &fields);
+    }
     tracing::info!(%http_addr, %grpc_addr, lease = ?cfg.lease, probe = cfg.probe_workers, probe_any_host = cfg.probe_any_host, limits = ?cfg.limits, "lunakv-bootstrap serving");
 
     shutdown.await;

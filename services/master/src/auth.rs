@@ -7,6 +7,12 @@
 //!   `/get_all_segments`, `/namespaces`) need the admin token (or the pool token when no admin
 //!   token is set); `/metrics`, `/health`, `/role`, `/leader` stay open for Prometheus and probes.
 //!
+//! - mTLS (`LUNAKV_TLS_CERT`, `LUNAKV_TLS_KEY`, `LUNAKV_TLS_CACERT`): the connection's client
+//!   certificate names the caller ([`Peer::identity`]), which reaches the handlers as a
+//!   [`Caller`]. The admin RPCs then need an identity in `LUNAKV_ADMIN_IDENTITIES` (or the admin
+//!   token). With TLS on, a plaintext connection gets only `grpc.health.v1` (the kubelet's
+//!   probes); every other call is refused naming the variables to set.
+//!
 //! Nothing set: no check. The check sits in a tower layer in front of every service, so no
 //! handler can forget it.
 
@@ -20,13 +26,55 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 use lunakv_config::auth::{PoolTokens, Token};
 use tonic::Status;
 
+use lunakv_tls::Peer;
+
+use crate::core::Caller;
+
 const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
-/// The calls that can wipe what others stored.
+/// The calls that can wipe what others stored, or read what only masters may.
 const ADMIN_RPCS: &[&str] = &[
     "/lunakv.master.v1.Master/RemoveAll",
     // One pattern can remove every key, as RemoveAll does.
     "/lunakv.master.v1.Master/RemoveByRegex",
+    // A standby's copy of the index carries every owner's mount secret.
+    "/lunakv.master.v1.Master/ReplicateIndex",
 ];
+
+/// What the RPC port's connections speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsMode {
+    /// Plaintext (no `LUNAKV_TLS_CERT`).
+    #[default]
+    Off,
+    /// TLS, no client certificates asked (no `LUNAKV_TLS_CACERT`).
+    On,
+    /// TLS with a client certificate from the CA required: every caller has an identity.
+    Mutual,
+}
+
+/// What the master's doors check: the tokens, TLS, and which client identities are admins.
+#[derive(Debug, Default)]
+pub struct AuthPolicy {
+    pub tokens: PoolTokens,
+    pub tls: TlsMode,
+    /// `LUNAKV_ADMIN_IDENTITIES`.
+    pub admin_identities: Vec<String>,
+}
+
+impl AuthPolicy {
+    /// Only tokens (as before TLS).
+    pub fn tokens(tokens: PoolTokens) -> AuthPolicy {
+        AuthPolicy {
+            tokens,
+            ..AuthPolicy::default()
+        }
+    }
+
+    fn is_admin_identity(&self, identity: Option<&str>) -> bool {
+        identity.is_some_and(|id| self.admin_identities.iter().any(|a| a == id))
+    }
+}
+
 /// Admin-port paths that reveal object locations or segment endpoints, or change the pool's
 /// policy.
 const GUARDED_HTTP: &[&str] = &[
@@ -48,21 +96,49 @@ fn any_matches(candidates: &[Option<&Token>], presented: Option<&[u8]>) -> bool 
     candidates.iter().flatten().any(|t| t.matches(p))
 }
 
-/// Whether a gRPC call to `path` with `authorization` may proceed.
+/// Whether a gRPC call to `path` with `authorization`, over the connection of `peer` (`None`:
+/// plaintext), may proceed, and as which [`Caller`].
 pub fn check_grpc(
-    tokens: &PoolTokens,
+    policy: &AuthPolicy,
     path: &str,
     authorization: Option<&http::HeaderValue>,
-) -> Result<(), Status> {
-    if tokens.is_empty() || path.starts_with(HEALTH_PREFIX) {
-        return Ok(());
+    peer: Option<&Peer>,
+) -> Result<Caller, Status> {
+    if path.starts_with(HEALTH_PREFIX) {
+        return Ok(Caller::default());
     }
+    let tokens = &policy.tokens;
+    if policy.tls != TlsMode::Off && !peer.is_some_and(|p| p.tls) {
+        return Err(lunakv_tls::grpc::plaintext_refusal(
+            "lunakv-master",
+            policy.tls == TlsMode::Mutual,
+        ));
+    }
+    let identity = peer.and_then(|p| p.identity.clone());
     let presented = bearer(authorization);
-    if ADMIN_RPCS.contains(&path) && tokens.admin.is_some() {
-        if any_matches(&[tokens.admin.as_ref()], presented) {
-            return Ok(());
+    let admin_token = tokens.admin.is_some() && any_matches(&[tokens.admin.as_ref()], presented);
+    let caller = Caller {
+        admin: admin_token || policy.is_admin_identity(identity.as_deref()),
+        identity,
+    };
+    let rpc = path.rsplit('/').next().unwrap_or(path);
+    if ADMIN_RPCS.contains(&path)
+        && let Some(id) = &caller.identity
+        && !caller.admin
+    {
+        return Err(Status::permission_denied(format!(
+            "{rpc} needs an admin identity: this client's certificate identity {id:?} is not one \
+             of the master's LUNAKV_ADMIN_IDENTITIES; call it with a certificate whose CN is \
+             listed there, or with the pool's admin token (LUNAKV_ADMIN_TOKEN)"
+        )));
+    }
+    if tokens.is_empty() {
+        return Ok(caller);
+    }
+    if ADMIN_RPCS.contains(&path) && tokens.admin.is_some() && caller.identity.is_none() {
+        if admin_token {
+            return Ok(caller);
         }
-        let rpc = path.rsplit('/').next().unwrap_or(path);
         if presented.is_none() {
             return Err(Status::unauthenticated(format!(
                 "{rpc} needs the pool's admin token: set LUNAKV_ADMIN_TOKEN (or \
@@ -77,7 +153,7 @@ pub fn check_grpc(
     if tokens.pool.is_none()
         || any_matches(&[tokens.pool.as_ref(), tokens.admin.as_ref()], presented)
     {
-        return Ok(());
+        return Ok(caller);
     }
     Err(Status::unauthenticated(if presented.is_some() {
         "lunakv-master refused this client's token: LUNAKV_AUTH_TOKEN (or LUNAKV_AUTH_TOKEN_FILE) \
@@ -112,12 +188,12 @@ pub fn check_http(
 /// The tower layer for the gRPC server.
 #[derive(Clone)]
 pub struct GrpcAuthLayer {
-    tokens: Arc<PoolTokens>,
+    policy: Arc<AuthPolicy>,
 }
 
 impl GrpcAuthLayer {
-    pub fn new(tokens: Arc<PoolTokens>) -> GrpcAuthLayer {
-        GrpcAuthLayer { tokens }
+    pub fn new(policy: Arc<AuthPolicy>) -> GrpcAuthLayer {
+        GrpcAuthLayer { policy }
     }
 }
 
@@ -127,7 +203,7 @@ impl<S> tower::Layer<S> for GrpcAuthLayer {
     fn layer(&self, inner: S) -> GrpcAuth<S> {
         GrpcAuth {
             inner,
-            tokens: self.tokens.clone(),
+            policy: self.policy.clone(),
         }
     }
 }
@@ -135,7 +211,7 @@ impl<S> tower::Layer<S> for GrpcAuthLayer {
 #[derive(Clone)]
 pub struct GrpcAuth<S> {
     inner: S,
-    tokens: Arc<PoolTokens>,
+    policy: Arc<AuthPolicy>,
 }
 
 impl<S, B> tower::Service<http::Request<B>> for GrpcAuth<S>
@@ -151,13 +227,17 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         match check_grpc(
-            &self.tokens,
+            &self.policy,
             req.uri().path(),
             req.headers().get(http::header::AUTHORIZATION),
+            req.extensions().get::<Peer>(),
         ) {
-            Ok(()) => Box::pin(self.inner.call(req)),
+            Ok(caller) => {
+                req.extensions_mut().insert(caller);
+                Box::pin(self.inner.call(req))
+            }
             Err(status) => {
                 let resp = status.into_http();
                 Box::pin(async move { Ok(resp) })
@@ -187,13 +267,17 @@ pub async fn admin_http(
 mod tests {
     use super::*;
 
-    fn tokens(pool: Option<&str>, admin: Option<&str>) -> PoolTokens {
+    fn pool_tokens(pool: Option<&str>, admin: Option<&str>) -> PoolTokens {
         let env = |k: &str| match k {
             "LUNAKV_AUTH_TOKEN" => pool.map(str::to_string),
             "LUNAKV_ADMIN_TOKEN" => admin.map(str::to_string),
             _ => None,
         };
         PoolTokens::from_env(&env).unwrap()
+    }
+
+    fn tokens(pool: Option<&str>, admin: Option<&str>) -> AuthPolicy {
+        AuthPolicy::tokens(pool_tokens(pool, admin))
     }
 
     fn h(v: &str) -> http::HeaderValue {
@@ -208,57 +292,104 @@ mod tests {
     #[test]
     fn grpc_calls_need_the_pool_token_and_remove_all_the_admin_token() {
         let open = tokens(None, None);
-        assert!(check_grpc(&open, RM_ALL, None).is_ok());
+        assert!(check_grpc(&open, RM_ALL, None, None).is_ok());
 
         let t = tokens(Some(POOL), Some(ADMIN));
         let pool = h(&format!("Bearer {POOL}"));
         let admin = h(&format!("Bearer {ADMIN}"));
         assert_eq!(
-            check_grpc(&t, PUT, None).unwrap_err().code(),
+            check_grpc(&t, PUT, None, None).unwrap_err().code(),
             tonic::Code::Unauthenticated
         );
-        assert!(check_grpc(&t, PUT, Some(&h("Bearer wrong-token-0123456789"))).is_err());
-        assert!(check_grpc(&t, PUT, Some(&pool)).is_ok());
-        assert!(check_grpc(&t, PUT, Some(&admin)).is_ok());
-        let e = check_grpc(&t, RM_ALL, Some(&pool)).unwrap_err();
+        assert!(check_grpc(&t, PUT, Some(&h("Bearer wrong-token-0123456789")), None).is_err());
+        assert!(check_grpc(&t, PUT, Some(&pool), None).is_ok());
+        assert!(check_grpc(&t, PUT, Some(&admin), None).is_ok());
+        let e = check_grpc(&t, RM_ALL, Some(&pool), None).unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
         assert!(
             e.message().contains("LUNAKV_ADMIN_TOKEN"),
             "{}",
             e.message()
         );
-        assert!(check_grpc(&t, RM_ALL, Some(&admin)).is_ok());
+        assert!(check_grpc(&t, RM_ALL, Some(&admin), None).is_ok());
         // A pattern can remove every key too.
         let by_regex = "/lunakv.master.v1.Master/RemoveByRegex";
         assert_eq!(
-            check_grpc(&t, by_regex, Some(&pool)).unwrap_err().code(),
+            check_grpc(&t, by_regex, Some(&pool), None)
+                .unwrap_err()
+                .code(),
             tonic::Code::PermissionDenied
         );
-        assert!(check_grpc(&t, by_regex, Some(&admin)).is_ok());
-        assert!(check_grpc(&t, "/grpc.health.v1.Health/Check", None).is_ok());
+        assert!(check_grpc(&t, by_regex, Some(&admin), None).is_ok());
+        assert!(check_grpc(&t, "/grpc.health.v1.Health/Check", None, None).is_ok());
 
         // Only a pool token: RemoveAll takes it.
         let p = tokens(Some(POOL), None);
-        assert!(check_grpc(&p, RM_ALL, Some(&pool)).is_ok());
+        assert!(check_grpc(&p, RM_ALL, Some(&pool), None).is_ok());
         // Only an admin token: ordinary calls are open, RemoveAll is not.
         let a = tokens(None, Some(ADMIN));
-        assert!(check_grpc(&a, PUT, None).is_ok());
+        assert!(check_grpc(&a, PUT, None, None).is_ok());
         assert_eq!(
-            check_grpc(&a, RM_ALL, None).unwrap_err().code(),
+            check_grpc(&a, RM_ALL, None, None).unwrap_err().code(),
             tonic::Code::Unauthenticated
         );
     }
 
     #[test]
+    fn under_mtls_identities_name_callers_and_admin_rpcs_need_an_admin_identity() {
+        let mtls = AuthPolicy {
+            tls: TlsMode::Mutual,
+            admin_identities: vec!["ops".into()],
+            ..AuthPolicy::default()
+        };
+        let conn = |id: &str| Peer {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            tls: true,
+            identity: Some(Arc::from(id)),
+        };
+        // Plaintext gets the health service only, and a refusal that names the variables.
+        assert!(check_grpc(&mtls, "/grpc.health.v1.Health/Check", None, None).is_ok());
+        let e = check_grpc(&mtls, PUT, None, None).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(e.message().contains("LUNAKV_TLS_CERT"), "{}", e.message());
+        let c = check_grpc(&mtls, PUT, None, Some(&conn("alice"))).unwrap();
+        assert_eq!(c.identity.as_deref(), Some("alice"));
+        assert!(!c.admin);
+        let e = check_grpc(&mtls, RM_ALL, None, Some(&conn("alice"))).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(
+            e.message().contains("\"alice\"") && e.message().contains("LUNAKV_ADMIN_IDENTITIES"),
+            "{}",
+            e.message()
+        );
+        let c = check_grpc(&mtls, RM_ALL, None, Some(&conn("ops"))).unwrap();
+        assert!(c.admin && c.overrides_owners());
+        // The admin token keeps working under mTLS.
+        let both = AuthPolicy {
+            tokens: pool_tokens(Some(POOL), Some(ADMIN)),
+            ..mtls
+        };
+        let admin = h(&format!("Bearer {ADMIN}"));
+        assert!(check_grpc(&both, RM_ALL, Some(&admin), Some(&conn("alice"))).is_ok());
+        let pool = h(&format!("Bearer {POOL}"));
+        assert!(check_grpc(&both, RM_ALL, Some(&pool), Some(&conn("alice"))).is_err());
+        assert!(check_grpc(&both, RM_ALL, Some(&pool), Some(&conn("ops"))).is_ok());
+        assert!(
+            check_grpc(&both, PUT, None, Some(&conn("ops"))).is_err(),
+            "an admin identity still needs the pool token where one is set"
+        );
+    }
+
+    #[test]
     fn admin_listings_need_a_token_and_metrics_stay_open() {
-        let t = tokens(Some(POOL), Some(ADMIN));
+        let t = pool_tokens(Some(POOL), Some(ADMIN));
         assert!(check_http(&t, "/metrics", None).is_ok());
         assert!(check_http(&t, "/health", None).is_ok());
         assert!(check_http(&t, "/query_key", None).is_err());
         assert!(check_http(&t, "/query_key", Some(&h(&format!("Bearer {POOL}")))).is_err());
         assert!(check_http(&t, "/query_key", Some(&h(&format!("Bearer {ADMIN}")))).is_ok());
-        let p = tokens(Some(POOL), None);
+        let p = pool_tokens(Some(POOL), None);
         assert!(check_http(&p, "/get_all_segments", Some(&h(&format!("Bearer {POOL}")))).is_ok());
-        assert!(check_http(&tokens(None, None), "/query_key", None).is_ok());
+        assert!(check_http(&pool_tokens(None, None), "/query_key", None).is_ok());
     }
 }

@@ -12,7 +12,8 @@ use tokio::sync::Notify;
 use tonic::{Code, Request, Response, Status};
 
 use crate::core::{
-    CoreError, InventoryItem, Location, MasterCore, OpError, PutOptions, ReplicaView, SegmentDesc,
+    Caller, CoreError, InventoryItem, Location, MasterCore, OpError, PutOptions, ReplicaView,
+    SegmentDesc,
 };
 use crate::ha::{CoreSlot, HaState};
 use crate::metrics::Rpc;
@@ -43,7 +44,9 @@ impl GrpcError for ServiceError {
             ) => Code::FailedPrecondition,
             ServiceError::Core(CoreError::SegmentNotFound(_)) => Code::NotFound,
             ServiceError::Core(CoreError::InventoryNotAwaited { .. }) => Code::Aborted,
-            ServiceError::Core(CoreError::NotOwner { .. }) => Code::PermissionDenied,
+            ServiceError::Core(CoreError::NotOwner { .. } | CoreError::OtherIdentity { .. }) => {
+                Code::PermissionDenied
+            }
             ServiceError::Core(CoreError::InvalidArgument(_)) | ServiceError::Invalid(_) => {
                 Code::InvalidArgument
             }
@@ -222,6 +225,15 @@ fn location(r: Result<Location, OpError>) -> pb::ObjectLocation {
     }
 }
 
+/// Who made the call: the identity the auth layer found on its connection (mTLS), or none.
+fn caller_of<T>(request: &Request<T>) -> Caller {
+    request
+        .extensions()
+        .get::<Caller>()
+        .cloned()
+        .unwrap_or_default()
+}
+
 fn key_result(r: Result<(), OpError>) -> pb::KeyResult {
     match r {
         Ok(()) => pb::KeyResult::default(),
@@ -393,6 +405,7 @@ impl MasterService {
     async fn put_start_one(
         &self,
         core: &MasterCore,
+        caller: &Caller,
         client_id: &str,
         (key, size, group): (String, u64, String),
         opts: &PutOptions,
@@ -403,9 +416,13 @@ impl MasterService {
                     group: item.group,
                     ..opts.clone()
                 };
-                core.put_start(client_id, &item.key, item.size, &opts).await
+                core.put_start_by(caller, client_id, &item.key, item.size, &opts)
+                    .await
             }
-            Ok(item) => core.put_start(client_id, &item.key, item.size, opts).await,
+            Ok(item) => {
+                core.put_start_by(caller, client_id, &item.key, item.size, opts)
+                    .await
+            }
             Err(e) => Err(e),
         };
         match r {
@@ -423,17 +440,23 @@ impl MasterService {
         }
     }
 
-    fn put_end_one(&self, core: &MasterCore, key: &str) -> pb::KeyResult {
-        let r = check_key(key).and_then(|()| core.put_end(key));
+    fn put_end_one(&self, core: &MasterCore, caller: &Caller, key: &str) -> pb::KeyResult {
+        let r = check_key(key).and_then(|()| core.put_end_by(caller, key));
         if r.is_ok() {
             self.put_end.notify_one();
         }
         key_result(r)
     }
 
-    async fn put_revoke_one(&self, core: &MasterCore, client_id: &str, key: &str) -> pb::KeyResult {
+    async fn put_revoke_one(
+        &self,
+        core: &MasterCore,
+        caller: &Caller,
+        client_id: &str,
+        key: &str,
+    ) -> pb::KeyResult {
         let r = match check_key(key) {
-            Ok(()) => core.put_revoke(client_id, key).await,
+            Ok(()) => core.put_revoke_by(caller, client_id, key).await,
             Err(e) => Err(e),
         };
         key_result(r)
@@ -506,6 +529,7 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::MountSegmentRequest>,
     ) -> Result<Response<pb::MountSegmentResponse>, Status> {
         let a = self.admit(Access::Mount)?;
+        let caller = caller_of(&request);
         let req = request.into_inner();
         let result: Result<pb::MountSegmentResponse, ServiceError> = async {
             let mut desc: SegmentDesc = req
@@ -515,6 +539,7 @@ impl pb::master_server::Master for MasterService {
             desc.data_secret = data_secret(&req.data_secret)?;
             let inventory = req.inventory.into_iter().map(InventoryItem::from).collect();
             let out = a.core.mount_parts(
+                &caller,
                 &req.client_id,
                 &req.cluster_id,
                 desc.clone(),
@@ -544,9 +569,11 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::MountInventoryRequest>,
     ) -> Result<Response<pb::MountSegmentResponse>, Status> {
         let a = self.admit(Access::Mount)?;
+        let caller = caller_of(&request);
         let req = request.into_inner();
         let items = req.items.into_iter().map(InventoryItem::from).collect();
         let result = a.core.mount_inventory(
+            &caller,
             &req.client_id,
             &req.segment_name,
             &req.instance_id,
@@ -575,11 +602,15 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::UnmountSegmentRequest>,
     ) -> Result<Response<pb::UnmountSegmentResponse>, Status> {
         let a = self.admit(Access::Mount)?;
+        let caller = caller_of(&request);
         let req = request.into_inner();
         let result: Result<u64, ServiceError> = async {
-            let dropped =
-                a.core
-                    .unmount_owned(&req.client_id, &req.segment_name, &req.instance_id)?;
+            let dropped = a.core.unmount_owned(
+                &caller,
+                &req.client_id,
+                &req.segment_name,
+                &req.instance_id,
+            )?;
             persist::forget_segment(self.meta.as_ref(), &req.segment_name).await?;
             Ok(dropped)
         }
@@ -600,6 +631,7 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::PingRequest>,
     ) -> Result<Response<pb::PingResponse>, Status> {
         let a = self.admit(Access::Mount)?;
+        let caller = caller_of(&request);
         let req = request.into_inner();
         if req.client_id.is_empty() {
             return self.fail(
@@ -617,7 +649,7 @@ impl pb::master_server::Master for MasterService {
                 .into_iter()
                 .map(|i| (i.key, i.generation))
                 .collect();
-            a.core.disk_dropped(&req.client_id, &dropped);
+            a.core.disk_dropped(&caller, &req.client_id, &dropped);
         }
         self.done(
             &a,
@@ -635,11 +667,13 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::PutStartRequest>,
     ) -> Result<Response<pb::PutStartResponse>, Status> {
         let a = self.admit(Access::Write)?;
+        let caller = caller_of(&request);
         let req = request.into_inner();
         let opts = PutOptions::from(req.config);
         let r = self
             .put_start_one(
                 &a.core,
+                &caller,
                 &req.client_id,
                 (req.key, req.size, req.group_id),
                 &opts,
@@ -653,6 +687,7 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::BatchPutStartRequest>,
     ) -> Result<Response<pb::BatchPutStartResponse>, Status> {
         let a = self.admit(Access::Write)?;
+        let caller = caller_of(&request);
         let req = request.into_inner();
         let opts = PutOptions::from(req.config);
         self.batch(
@@ -662,6 +697,7 @@ impl pb::master_server::Master for MasterService {
             |item| {
                 self.put_start_one(
                     &a.core,
+                    &caller,
                     &req.client_id,
                     (item.key, item.size, item.group_id),
                     &opts,
@@ -678,7 +714,12 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::PutEndRequest>,
     ) -> Result<Response<pb::KeyResult>, Status> {
         let a = self.admit(Access::Write)?;
-        let r = self.put_end_one(&a.core, &request.into_inner().key);
+        let caller = caller_of(&request);
+        let key = request.into_inner().key;
+        if let Err(e) = a.core.check_reservations(&caller, [key.as_str()]) {
+            return self.fail(&a, Rpc::PutEnd, e.into());
+        }
+        let r = self.put_end_one(&a.core, &caller, &key);
         self.done(&a, Rpc::PutEnd, r.code != 0, r)
     }
 
@@ -687,11 +728,19 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::BatchKeysRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
         let a = self.admit(Access::Write)?;
+        let caller = caller_of(&request);
+        let keys = request.into_inner().keys;
+        if let Err(e) = a
+            .core
+            .check_reservations(&caller, keys.iter().map(String::as_str))
+        {
+            return self.fail(&a, Rpc::BatchPutEnd, e.into());
+        }
         self.batch(
             &a,
             Rpc::BatchPutEnd,
-            request.into_inner().keys,
-            |k| std::future::ready(self.put_end_one(&a.core, &k)),
+            keys,
+            |k| std::future::ready(self.put_end_one(&a.core, &caller, &k)),
             key_failed,
             |results| pb::BatchKeyResults { results },
         )
@@ -703,8 +752,14 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::PutRevokeRequest>,
     ) -> Result<Response<pb::KeyResult>, Status> {
         let a = self.admit(Access::Write)?;
+        let caller = caller_of(&request);
         let req = request.into_inner();
-        let r = self.put_revoke_one(&a.core, &req.client_id, &req.key).await;
+        if let Err(e) = a.core.check_reservations(&caller, [req.key.as_str()]) {
+            return self.fail(&a, Rpc::PutRevoke, e.into());
+        }
+        let r = self
+            .put_revoke_one(&a.core, &caller, &req.client_id, &req.key)
+            .await;
         self.done(&a, Rpc::PutRevoke, r.code != 0, r)
     }
 
@@ -713,12 +768,19 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::BatchKeysRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
         let a = self.admit(Access::Write)?;
+        let caller = caller_of(&request);
         let req = request.into_inner();
+        if let Err(e) = a
+            .core
+            .check_reservations(&caller, req.keys.iter().map(String::as_str))
+        {
+            return self.fail(&a, Rpc::BatchPutRevoke, e.into());
+        }
         self.batch(
             &a,
             Rpc::BatchPutRevoke,
             &req.keys,
-            |k| self.put_revoke_one(&a.core, &req.client_id, k),
+            |k| self.put_revoke_one(&a.core, &caller, &req.client_id, k),
             key_failed,
             |results| pb::BatchKeyResults { results },
         )

@@ -451,6 +451,8 @@ pub struct Election {
     pub warm: Option<Arc<crate::standby::WarmCopy>>,
     /// The token a standby presents to the leader's `ReplicateIndex` (admin, else pool).
     pub token: Option<String>,
+    /// TLS towards the leader when the RPC ports serve it (the master's own `LUNAKV_TLS_*`).
+    pub tls: Option<lunakv_tls::ClientTls>,
 }
 
 impl Election {
@@ -621,6 +623,7 @@ impl Election {
             leader.address.clone(),
             self.address.clone(),
             self.token.clone(),
+            self.tls.clone(),
         ));
         Some(AbortOnDrop(task))
     }

@@ -3,6 +3,9 @@
 //! answered by the very handlers the gRPC calls reach, after the same token check
 //! ([`crate::auth::check_grpc`]).
 //!
+//! Over TLS the frames travel inside the TLS session, and the connection's client identity
+//! (mTLS) reaches the handlers as the gRPC calls' does ([`lunakv_tls::Peer`]).
+//!
 //! A status travels without its metadata (leader redirects, "rebuilding"): the client answers
 //! any status by making the same call over gRPC, which knows how to follow those.
 
@@ -10,16 +13,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use lunakv_config::auth::PoolTokens;
 use lunakv_proto::master as pb;
 use lunakv_proto::master::master_server::Master;
 use lunakv_proto::quick::{self, Method};
 use prost::Message;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
+use crate::auth::AuthPolicy;
+use crate::core::Caller;
 use crate::grpc::MasterService;
+use lunakv_tls::Peer;
 
 /// Quick connections open at once; more are closed at once (their clients use gRPC).
 const MAX_CONNECTIONS: usize = 1024;
@@ -33,23 +37,26 @@ const BODY_WAIT: Duration = Duration::from_secs(30);
 /// Serves the quick connections the RPC listener hands over.
 pub(crate) struct QuickServer {
     svc: MasterService,
-    tokens: Arc<PoolTokens>,
+    policy: Arc<AuthPolicy>,
     slots: Arc<Semaphore>,
     warned_full: AtomicBool,
 }
 
 impl QuickServer {
-    pub(crate) fn new(svc: MasterService, tokens: Arc<PoolTokens>) -> Arc<QuickServer> {
+    pub(crate) fn new(svc: MasterService, policy: Arc<AuthPolicy>) -> Arc<QuickServer> {
         Arc::new(QuickServer {
             svc,
-            tokens,
+            policy,
             slots: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
             warned_full: AtomicBool::new(false),
         })
     }
 
-    /// Takes over `stream`, whose first bytes are the quick magic.
-    pub(crate) fn accept(self: &Arc<Self>, stream: TcpStream) {
+    /// Takes over `stream`, whose first bytes are the quick magic, arrived from `peer`.
+    pub(crate) fn accept<S>(self: &Arc<Self>, stream: S, peer: Peer)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let Ok(permit) = self.slots.clone().try_acquire_owned() else {
             if !self.warned_full.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
@@ -62,13 +69,16 @@ impl QuickServer {
         let this = self.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = this.connection(stream).await {
+            if let Err(e) = this.connection(stream, &peer).await {
                 tracing::debug!(error = %e, "quick-call connection ended");
             }
         });
     }
 
-    async fn connection(&self, mut stream: TcpStream) -> std::io::Result<()> {
+    async fn connection<S>(&self, mut stream: S, peer: &Peer) -> std::io::Result<()>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
         let mut magic = [0u8; 8];
         tokio::time::timeout(HELLO_WAIT, stream.read_exact(&mut magic)).await??;
         if &magic != quick::MAGIC {
@@ -107,13 +117,13 @@ impl QuickServer {
                     return Ok(());
                 }
             }
-            let out = self.answer(&frame).await;
+            let out = self.answer(&frame, peer).await;
             stream.write_all(&out).await?;
         }
     }
 
     /// One response frame for one request frame.
-    async fn answer(&self, frame: &[u8]) -> Vec<u8> {
+    async fn answer(&self, frame: &[u8], peer: &Peer) -> Vec<u8> {
         let req = match quick::decode_request(frame) {
             Ok(r) => r,
             Err(e) => {
@@ -125,35 +135,43 @@ impl QuickServer {
         } else {
             http::HeaderValue::from_bytes(req.authorization).ok()
         };
-        if let Err(s) =
-            crate::auth::check_grpc(&self.tokens, req.method.grpc_path(), authorization.as_ref())
-        {
-            return status(&s);
-        }
+        let caller = match crate::auth::check_grpc(
+            &self.policy,
+            req.method.grpc_path(),
+            authorization.as_ref(),
+            Some(peer),
+        ) {
+            Ok(c) => c,
+            Err(s) => return status(&s),
+        };
         self.svc.count_quick_call();
+        let svc = &self.svc;
         match req.method {
             Method::BatchExistKey => match pb::BatchExistKeyRequest::decode(req.body) {
-                Ok(m) => reply(self.svc.batch_exist_key(tonic::Request::new(m)).await),
+                Ok(m) => reply(svc.batch_exist_key(request(m, &caller)).await),
                 Err(e) => undecodable(req.method, &e),
             },
             Method::BatchGetReplicaList => match pb::BatchGetReplicaListRequest::decode(req.body) {
-                Ok(m) => reply(
-                    self.svc
-                        .batch_get_replica_list(tonic::Request::new(m))
-                        .await,
-                ),
+                Ok(m) => reply(svc.batch_get_replica_list(request(m, &caller)).await),
                 Err(e) => undecodable(req.method, &e),
             },
             Method::BatchPutStart => match pb::BatchPutStartRequest::decode(req.body) {
-                Ok(m) => reply(self.svc.batch_put_start(tonic::Request::new(m)).await),
+                Ok(m) => reply(svc.batch_put_start(request(m, &caller)).await),
                 Err(e) => undecodable(req.method, &e),
             },
             Method::BatchPutEnd => match pb::BatchKeysRequest::decode(req.body) {
-                Ok(m) => reply(self.svc.batch_put_end(tonic::Request::new(m)).await),
+                Ok(m) => reply(svc.batch_put_end(request(m, &caller)).await),
                 Err(e) => undecodable(req.method, &e),
             },
         }
     }
+}
+
+/// A request as the gRPC handlers get it, with the caller the auth check found.
+fn request<T>(m: T, caller: &Caller) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(m);
+    r.extensions_mut().insert(caller.clone());
+    r
 }
 
 fn reply<T: Message>(r: Result<tonic::Response<T>, tonic::Status>) -> Vec<u8> {

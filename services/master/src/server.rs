@@ -17,6 +17,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
+use crate::auth::{AuthPolicy, TlsMode};
 use crate::core::{CoreConfig, MasterCore};
 use crate::events::publisher::{EventsError, Publisher};
 use crate::events::{EventSink, EventStats, EventsConfig};
@@ -376,6 +377,11 @@ impl Master {
                 "callers must present the pool's token (docs/SECURITY.md)"
             );
         }
+        let RpcSecurity {
+            tls,
+            policy,
+            leader_tls,
+        } = rpc_security(&tokens)?;
         let (stop_tx, stop_rx) = watch::channel(false);
         let put_end = Arc::new(Notify::new());
 
@@ -396,7 +402,7 @@ impl Master {
                 || true,
             ));
         }
-        let quick = crate::quick::QuickServer::new(svc.clone(), tokens.clone());
+        let quick = crate::quick::QuickServer::new(svc.clone(), policy.clone());
         let (health_reporter, health) = tonic_health::server::health_reporter();
         tokio::spawn(report_health(
             health_reporter,
@@ -408,7 +414,7 @@ impl Master {
         let grpc = tokio::spawn(
             tonic::transport::Server::builder()
                 .tcp_nodelay(true)
-                .layer(crate::auth::GrpcAuthLayer::new(tokens.clone()))
+                .layer(crate::auth::GrpcAuthLayer::new(policy.clone()))
                 // Each call a span under its caller's trace; heartbeats only inside a trace.
                 .trace_fn(lunakv_telemetry::propagate::grpc_server_span_quiet(&[
                     "Ping",
@@ -418,7 +424,7 @@ impl Master {
                 .add_service(reflection_v1)
                 .add_service(reflection_v1alpha)
                 .serve_with_incoming_shutdown(
-                    crate::incoming::grpc_connections(listeners.rpc, quick),
+                    crate::incoming::grpc_connections(listeners.rpc, quick, tls.clone()),
                     async move {
                         let _ = rx.changed().await;
                     },
@@ -473,6 +479,7 @@ impl Master {
                 fast_takeover: self.cfg.ha_fast_takeover,
                 warm,
                 token: standby_token,
+                tls: leader_tls,
             };
             tokio::spawn(election.run(stop_rx))
         });
@@ -484,6 +491,16 @@ impl Master {
                 vec![("rpc", &rpc_addr), ("admin", &admin_addr)];
             if election.is_some() {
                 fields.push(("ha", &"etcd"));
+            }
+            if let Some(t) = &tls {
+                fields.push((
+                    "tls",
+                    if t.requires_client_certificates() {
+                        &"mtls"
+                    } else {
+                        &"tls"
+                    },
+                ));
             }
             if let Some(e) = &events {
                 fields.push(("events", &e.endpoint));
@@ -524,6 +541,69 @@ impl Master {
             }
         }
     }
+}
+
+/// The RPC port's TLS and the auth policy of its calls.
+struct RpcSecurity {
+    tls: Option<Arc<lunakv_tls::ServerTls>>,
+    policy: Arc<AuthPolicy>,
+    /// A standby follows the leader's ReplicateIndex with the same files, as a client.
+    leader_tls: Option<lunakv_tls::ClientTls>,
+}
+
+/// TLS on the RPC port (`LUNAKV_TLS_*`) and the auth policy of its calls (tokens, TLS,
+/// `LUNAKV_ADMIN_IDENTITIES`); every refusal names the variable and the fix.
+fn rpc_security(tokens: &lunakv_config::auth::PoolTokens) -> Result<RpcSecurity, ServeError> {
+    let env = &lunakv_config::process_env;
+    let config = |e: lunakv_config::ConfigError| ServeError::Config(e.to_string());
+    let paths = lunakv_config::tls::TlsPaths::server_from_env(env).map_err(config)?;
+    let tls = lunakv_tls::ServerTls::from_paths("lunakv-master", &paths, &[b"h2"])
+        .map_err(|e| ServeError::Config(e.to_string()))?
+        .map(Arc::new);
+    let admin_identities = lunakv_config::tls::admin_identities(env).map_err(config)?;
+    let mode = match &tls {
+        None => TlsMode::Off,
+        Some(t) if t.requires_client_certificates() => TlsMode::Mutual,
+        Some(_) => TlsMode::On,
+    };
+    match mode {
+        TlsMode::Mutual => {
+            tracing::info!(
+                cert = %paths.cert.as_ref().map(|f| f.path.display().to_string()).unwrap_or_default(),
+                ca = %paths.ca.as_ref().map(|f| f.path.display().to_string()).unwrap_or_default(),
+                admin_identities = ?admin_identities,
+                "the RPC port serves mTLS: every caller presents a certificate from the CA, whose \
+                 identity owns its mounts and puts (docs/SECURITY.md)"
+            );
+            if admin_identities.is_empty() && tokens.admin.is_none() {
+                tracing::warn!(
+                    "no LUNAKV_ADMIN_IDENTITIES (and no LUNAKV_ADMIN_TOKEN): RemoveAll, \
+                     RemoveByRegex and ReplicateIndex (a standby's warm copy) are refused to \
+                     every caller; list the admins' and the masters' certificate CNs there"
+                );
+            }
+        }
+        TlsMode::On => tracing::info!(
+            "the RPC port serves TLS without client certificates (no LUNAKV_TLS_CACERT): callers \
+             are not identified"
+        ),
+        TlsMode::Off if !admin_identities.is_empty() => tracing::warn!(
+            "LUNAKV_ADMIN_IDENTITIES is set but the RPC port has no mTLS (LUNAKV_TLS_CERT, \
+             LUNAKV_TLS_KEY, LUNAKV_TLS_CACERT): no caller has an identity, so it has no effect"
+        ),
+        TlsMode::Off => {}
+    }
+    let leader_tls =
+        lunakv_tls::ClientTls::from_paths(&paths).map_err(|e| ServeError::Config(e.to_string()))?;
+    Ok(RpcSecurity {
+        tls,
+        policy: Arc::new(AuthPolicy {
+            tokens: tokens.clone(),
+            tls: mode,
+            admin_identities,
+        }),
+        leader_tls,
+    })
 }
 
 fn flatten<E: std::fmt::Display>(

@@ -298,10 +298,19 @@ impl WarmCopy {
 
     /// Keeps the copy in step with the leader at `address` until the task is aborted:
     /// subscribes, applies the stream, and subscribes again when it breaks.
-    pub async fn follow(self: Arc<Self>, address: String, me: String, token: Option<String>) {
+    pub async fn follow(
+        self: Arc<Self>,
+        address: String,
+        me: String,
+        token: Option<String>,
+        tls: Option<lunakv_tls::ClientTls>,
+    ) {
         let mut logged = false;
         loop {
-            match self.follow_once(&address, &me, token.as_deref()).await {
+            match self
+                .follow_once(&address, &me, token.as_deref(), tls.as_ref())
+                .await
+            {
                 Ok(()) => {}
                 Err(e) if !logged => {
                     tracing::info!(leader = %address, error = %e, "cannot follow the leader's index (retrying); a takeover by this standby would rebuild it from the owners");
@@ -320,13 +329,19 @@ impl WarmCopy {
         address: &str,
         me: &str,
         token: Option<&str>,
+        tls: Option<&lunakv_tls::ClientTls>,
     ) -> Result<(), Status> {
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+        let ep = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
             .map_err(|e| Status::invalid_argument(e.to_string()))?
-            .connect_timeout(Duration::from_secs(2))
-            .connect()
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+            .connect_timeout(Duration::from_secs(2));
+        let ch = match tls {
+            Some(t) => {
+                ep.connect_with_connector(t.connector(Duration::from_secs(2)))
+                    .await
+            }
+            None => ep.connect().await,
+        }
+        .map_err(|e| Status::unavailable(e.to_string()))?;
         let mut client =
             pb::master_client::MasterClient::new(ch).max_decoding_message_size(MAX_MESSAGE);
         let mut req = tonic::Request::new(pb::ReplicateIndexRequest {

@@ -180,6 +180,11 @@ impl StoreClient {
             .map(ClusterStatus::from)
     }
 
+    /// The address of the master this client talks to now (the leader's, under HA).
+    pub fn master_addr(&self) -> String {
+        self.master.current_addr()
+    }
+
     /// Whether the current master turns away callers that present no pool token
     /// (`LUNAKV_AUTH_TOKEN` on the master): one status call on a separate connection without
     /// credentials. `lunakv doctor` reports a master that answers it as open to strangers.

@@ -221,7 +221,7 @@ impl StoreClient {
         Ok(StoreClient {
             cache: LocationCache::new(opts.location_cache_capacity),
             sessions: session::Sessions::new(&opts),
-            quick: crate::quick::QuickLink::new(opts.rpc_timeout),
+            quick: crate::quick::QuickLink::new(opts.rpc_timeout, master.tls().cloned()),
             opts,
             client_id,
             rt,

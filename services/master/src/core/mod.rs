@@ -30,12 +30,12 @@ mod types;
 mod views;
 mod warm;
 
-use types::{ClientEntry, Quarantined, ReplicaLoc, Segment};
 pub use types::{
-    CoreConfig, CoreError, InventoryItem, Location, MountOutcome, ObjectInfo, ObjectState, OpError,
-    PendingFree, PendingOffload, PendingPromotion, PutOptions, ReplicaInfo, ReplicaView,
+    Caller, CoreConfig, CoreError, InventoryItem, Location, MountOutcome, ObjectInfo, ObjectState,
+    OpError, PendingFree, PendingOffload, PendingPromotion, PutOptions, ReplicaInfo, ReplicaView,
     SegmentDesc, SegmentInfo, TenantQuotas,
 };
+use types::{ClientEntry, Quarantined, ReplicaLoc, Segment};
 pub use warm::{IndexChange, IndexEntry, IndexSnapshot, WarmReplicaLoc};
 
 // One shard of the object index ([`index::Index`]). Keys and objects are boxed: the table then
@@ -70,6 +70,11 @@ pub struct MasterCore {
     /// the index and drops those. It lets the sweep visit the puts in flight instead of every
     /// object, which at a million keys cost a tenth of a core (docs/BENCH.md, "Metadata").
     inflight: Mutex<HashMap<String, u64, foldhash::quality::RandomState>>,
+    /// Under mTLS, the client identity that started each put in flight, by generation, with its
+    /// key (a leaf lock). Kept beside the index rather than in each object, which would cost
+    /// every key its bytes; empty without mTLS. Entries leave at PutEnd, PutRevoke and discard,
+    /// and [`Self::sweep_puts`] drops those whose put went another way.
+    put_owners: Mutex<HashMap<u64, PutOwner>>,
     /// The one copy of each client id and segment name the objects refer to.
     names: intern::Interner,
     /// Objects in the index as of the last sweep (the key limit's cheap check).
@@ -100,6 +105,10 @@ pub struct MasterCore {
     warm_start: std::sync::atomic::AtomicBool,
 }
 
+/// The key of a put in flight and the client identity that started it ([`MasterCore`]'s
+/// `put_owners`).
+type PutOwner = (Box<str>, Arc<str>);
+
 fn tiers_of(replicas: &[ReplicaLoc]) -> Tiers {
     Tiers {
         dram: replicas.iter().any(|r| !r.disk),
@@ -127,6 +136,7 @@ impl MasterCore {
             quarantine: Mutex::new(Vec::new()),
             reserved: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::default()),
+            put_owners: Mutex::new(HashMap::new()),
             names: intern::Interner::default(),
             approx_keys: AtomicU64::new(0),
             orphaned: Mutex::new(Vec::new()),

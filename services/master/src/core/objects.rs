@@ -15,8 +15,8 @@ use crate::notifier::FreeEntry;
 
 use super::index::tenant_of;
 use super::types::{
-    Location, Object, ObjectState, OpError, PendingFree, PendingPromotion, PutOptions, ReplicaLoc,
-    ReplicaView,
+    Caller, CoreError, Location, Object, ObjectState, OpError, PendingFree, PendingPromotion,
+    PutOptions, ReplicaLoc, ReplicaView,
 };
 use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
 
@@ -30,10 +30,25 @@ impl MasterCore {
         size: u64,
         opts: &PutOptions,
     ) -> Result<(u64, Vec<ReplicaView>), OpError> {
+        self.put_start_by(&Caller::default(), client_id, key, size, opts)
+            .await
+    }
+
+    /// [`Self::put_start`] for `caller`: under mTLS the reservation records its identity, and
+    /// only that identity (or an admin identity) may end or revoke it.
+    pub async fn put_start_by(
+        &self,
+        caller: &Caller,
+        client_id: &str,
+        key: &str,
+        size: u64,
+        opts: &PutOptions,
+    ) -> Result<(u64, Vec<ReplicaView>), OpError> {
         self.admit_put(client_id, size, opts).await?;
         // Held until the object is in the index, which then charges its tenant.
         let _quota = self.admit_tenant(key, size, opts).await?;
-        match self.try_place(client_id, key, size, opts) {
+        let owner = caller.identity.as_ref();
+        match self.try_place(owner, client_id, key, size, opts) {
             Err(e) if e.code == ErrorCode::NoAvailableHandle => {}
             other => return other,
         }
@@ -45,7 +60,7 @@ impl MasterCore {
                 .saturating_mul(u64::from(opts.replica_num.max(1)));
             self.evict(need).await;
         }
-        let r = self.try_place(client_id, key, size, opts);
+        let r = self.try_place(owner, client_id, key, size, opts);
         if matches!(&r, Err(e) if e.code == ErrorCode::NoAvailableHandle) {
             self.metrics.put_start_alloc_failures_total.inc();
         }
@@ -125,6 +140,7 @@ impl MasterCore {
 
     pub(super) fn try_place(
         &self,
+        owner: Option<&std::sync::Arc<str>>,
         client_id: &str,
         key: &str,
         size: u64,
@@ -265,6 +281,12 @@ impl MasterCore {
                 }),
             }),
         );
+        if let Some(id) = owner {
+            // Before the shard is released: PutEnd and PutRevoke check it under that lock.
+            self.put_owners
+                .lock()
+                .insert(generation, (key.into(), id.clone()));
+        }
         drop(shard);
         self.inflight.lock().insert(key.to_string(), generation);
         *self
@@ -279,13 +301,76 @@ impl MasterCore {
 
     /// Publishes a put: from now on gets and exists see it.
     pub fn put_end(&self, key: &str) -> Result<(), OpError> {
+        self.put_end_by(&Caller::default(), key)
+    }
+
+    /// The identity that started the put of `o` (`key`), when one did (mTLS).
+    fn put_owner(&self, o: &Object) -> Option<std::sync::Arc<str>> {
+        if o.state != ObjectState::Processing {
+            return None;
+        }
+        self.put_owners
+            .lock()
+            .get(&o.generation)
+            .map(|(_, id)| id.clone())
+    }
+
+    fn other_identity(key: &str, owner: &str, caller: &Caller) -> CoreError {
+        CoreError::OtherIdentity {
+            what: format!("the put of key {key:?}"),
+            owner: owner.to_string(),
+            caller: caller.name().to_string(),
+        }
+    }
+
+    /// Refuses the whole call when any of `keys` is a put another identity started (under
+    /// mTLS): PutEnd and PutRevoke ask this before they act on any key, so a batch that names a
+    /// stranger's reservation changes nothing. The calls check each key again as they act.
+    pub fn check_reservations<'a>(
+        &self,
+        caller: &Caller,
+        keys: impl IntoIterator<Item = &'a str>,
+    ) -> Result<(), CoreError> {
+        if self.put_owners.lock().is_empty() {
+            return Ok(());
+        }
+        for key in keys {
+            let owner = self
+                .shard(key)
+                .lock()
+                .get(key)
+                .and_then(|o| self.put_owner(o));
+            if !caller.may_act_for(owner.as_ref()) {
+                return Err(Self::other_identity(
+                    key,
+                    owner.as_deref().unwrap_or_default(),
+                    caller,
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::put_end`] for `caller`: under mTLS only the identity that started the put, or
+    /// an admin identity, ends it.
+    pub fn put_end_by(&self, caller: &Caller, key: &str) -> Result<(), OpError> {
         let mut shard = self.shard(key).lock();
         let mut o = shard
             .get_mut(key)
             .ok_or_else(|| not_found(key, "no put in progress"))?;
+        let owner = self.put_owner(&o);
+        if !caller.may_act_for(owner.as_ref()) {
+            return Err(OpError::new(
+                ErrorCode::InvalidWrite,
+                Self::other_identity(key, owner.as_deref().unwrap_or_default(), caller).to_string(),
+            ));
+        }
         let first = o.state == ObjectState::Processing;
         if first {
             self.unreserve(&o);
+            if owner.is_some() {
+                self.put_owners.lock().remove(&o.generation);
+            }
         }
         o.state = ObjectState::Complete;
         o.last_access = Instant::now();
@@ -299,12 +384,35 @@ impl MasterCore {
     /// discarded as a zombie is still held in quarantine: its writer's revoke frees it now
     /// (`client_id` empty = any client).
     pub async fn put_revoke(&self, client_id: &str, key: &str) -> Result<(), OpError> {
+        self.put_revoke_by(&Caller::default(), client_id, key).await
+    }
+
+    /// [`Self::put_revoke`] for `caller`: under mTLS only the identity that started the put,
+    /// or an admin identity, revokes it.
+    pub async fn put_revoke_by(
+        &self,
+        caller: &Caller,
+        client_id: &str,
+        key: &str,
+    ) -> Result<(), OpError> {
         let frees = {
             let mut shard = self.shard(key).lock();
+            if let Some(o) = shard.get(key) {
+                let owner = self.put_owner(o);
+                if !caller.may_act_for(owner.as_ref()) {
+                    return Err(OpError::new(
+                        ErrorCode::InvalidWrite,
+                        Self::other_identity(key, owner.as_deref().unwrap_or_default(), caller)
+                            .to_string(),
+                    ));
+                }
+            }
             match shard.get(key) {
                 None => {
                     let frees = self.unquarantine(|q| {
-                        q.key == key && (client_id.is_empty() || q.client_id == client_id)
+                        q.key == key
+                            && (client_id.is_empty() || q.client_id == client_id)
+                            && caller.may_act_for(q.owner.as_ref())
                     });
                     if frees.is_empty() {
                         return Err(not_found(key, "no put in progress"));
@@ -329,6 +437,7 @@ impl MasterCore {
                     .remove(key)
                     .map(|o| {
                         self.unreserve(&o);
+                        self.put_owners.lock().remove(&o.generation);
                         self.pending_frees(&o)
                     })
                     .unwrap_or_default(),

@@ -7,8 +7,8 @@ use std::time::Instant;
 use crate::alloc::OffsetAllocator;
 
 use super::types::{
-    ClientEntry, CoreError, InventoryItem, InventoryReject, MountOutcome, Object, ObjectState,
-    PendingFree, ReplicaLoc, Segment, SegmentDesc,
+    Caller, ClientEntry, CoreError, InventoryItem, InventoryReject, MountOutcome, Object,
+    ObjectState, PendingFree, ReplicaLoc, Segment, SegmentDesc,
 };
 use super::{MasterCore, tiers_of};
 
@@ -22,14 +22,24 @@ impl MasterCore {
         desc: SegmentDesc,
         inventory: Vec<InventoryItem>,
     ) -> Result<MountOutcome, CoreError> {
-        self.mount_parts(client_id, cluster_id, desc, inventory, false)
+        self.mount_parts(
+            &Caller::default(),
+            client_id,
+            cluster_id,
+            desc,
+            inventory,
+            false,
+        )
     }
 
     /// [`MasterCore::mount`] with the first part of the inventory. With `inventory_follows`
     /// the rest arrives through [`MasterCore::mount_inventory`] (an inventory can be larger
     /// than one gRPC message) and the segment takes no placements until its last part.
+    /// Under mTLS the mount records `caller`'s identity, and a segment another identity
+    /// mounted cannot be mounted over ([`Caller::may_act_for`]).
     pub fn mount_parts(
         &self,
+        caller: &Caller,
         client_id: &str,
         cluster_id: &str,
         desc: SegmentDesc,
@@ -57,6 +67,16 @@ impl MasterCore {
         let name = desc.name.clone();
         let (mount_id, replaced) = {
             let mut segs = self.segments.lock();
+            if let Some(old) = segs.get(&name)
+                && !caller.may_act_for(old.owner.as_ref())
+            {
+                self.metrics.foreign_unmounts_refused_total.inc();
+                return Err(CoreError::OtherIdentity {
+                    what: format!("segment {name:?}, mounted by client {:?},", old.client_id),
+                    owner: old.owner.as_deref().unwrap_or_default().to_string(),
+                    caller: caller.name().to_string(),
+                });
+            }
             // A segment of the warm copy keeps its mount id and entries: the inventory
             // confirms them one by one instead of the index losing them until it arrives.
             let warm = segs.get_mut(&name).and_then(MasterCore::carry_warm);
@@ -71,6 +91,7 @@ impl MasterCore {
                     alloc: OffsetAllocator::new(desc.size),
                     desc: desc.clone(),
                     client_id: client_id.to_string(),
+                    owner: caller.identity.clone(),
                     mount_id,
                     complete: false,
                     warm: warm.map(|(_, w)| w),
@@ -114,9 +135,11 @@ impl MasterCore {
 
     /// A further part of the inventory of a segment mounted with `inventory_follows`; `last`
     /// opens it to placements. Refused unless `client_id` owns the mount `instance_id` names:
-    /// an owner that meets this refusal mounts again from the start.
+    /// an owner that meets this refusal mounts again from the start. Under mTLS only the
+    /// identity that mounted the segment may add to its inventory.
     pub fn mount_inventory(
         &self,
+        caller: &Caller,
         client_id: &str,
         segment_name: &str,
         instance_id: &str,
@@ -131,6 +154,13 @@ impl MasterCore {
                 client: client_id.to_string(),
             };
             let seg = segs.get(segment_name).ok_or_else(not_awaited)?;
+            if !caller.may_act_for(seg.owner.as_ref()) {
+                return Err(CoreError::OtherIdentity {
+                    what: format!("the inventory of segment {segment_name:?}"),
+                    owner: seg.owner.as_deref().unwrap_or_default().to_string(),
+                    caller: caller.name().to_string(),
+                });
+            }
             if seg.client_id != client_id || seg.desc.instance_id != instance_id || seg.complete {
                 return Err(not_awaited());
             }
@@ -316,9 +346,11 @@ impl MasterCore {
     }
 
     /// [`Self::unmount`] on behalf of `client_id`: only the client that mounted the segment,
-    /// and (when `instance_id` is given) only for the server instance it mounted.
+    /// and (when `instance_id` is given) only for the server instance it mounted. Under mTLS,
+    /// also only the client identity that mounted it; an admin identity may unmount any.
     pub fn unmount_owned(
         &self,
+        caller: &Caller,
         client_id: &str,
         segment_name: &str,
         instance_id: &str,
@@ -328,8 +360,21 @@ impl MasterCore {
             let seg = segs
                 .get(segment_name)
                 .ok_or_else(|| CoreError::SegmentNotFound(segment_name.to_string()))?;
-            if seg.client_id != client_id
-                || (!instance_id.is_empty() && seg.desc.instance_id != instance_id)
+            if !caller.may_act_for(seg.owner.as_ref()) {
+                self.metrics.foreign_unmounts_refused_total.inc();
+                return Err(CoreError::OtherIdentity {
+                    what: format!(
+                        "segment {segment_name:?}, mounted by client {:?},",
+                        seg.client_id
+                    ),
+                    owner: seg.owner.as_deref().unwrap_or_default().to_string(),
+                    caller: caller.name().to_string(),
+                });
+            }
+            let by_admin = caller.overrides_owners();
+            if !by_admin
+                && (seg.client_id != client_id
+                    || (!instance_id.is_empty() && seg.desc.instance_id != instance_id))
             {
                 self.metrics.foreign_unmounts_refused_total.inc();
                 return Err(CoreError::NotOwner {

@@ -612,6 +612,7 @@ async fn an_inventory_in_parts_opens_the_segment_only_after_the_last() {
     let (core, _) = new_core(cfg());
     let old = 3u64 << 32;
     core.mount_parts(
+        &Caller::default(),
         "cl",
         "c",
         desc("a:1", BLOCK * 8),
@@ -630,14 +631,14 @@ async fn an_inventory_in_parts_opens_the_segment_only_after_the_last() {
     core.get_replica_list("k1")
         .expect("k1 after the refused put");
     let e = core
-        .mount_inventory("intruder", "a:1", "i-a:1", vec![], true)
+        .mount_inventory(&Caller::default(), "intruder", "a:1", "i-a:1", vec![], true)
         .expect_err("not the owner");
     assert!(e.to_string().contains("mount the segment again"), "{e}");
     // A part for a segment this master does not know (it restarted between parts) is the same
     // answer, and on the wire an ABORTED that owners retry by mounting again: a starting store
     // treats INVALID_ARGUMENT and NOT_FOUND as fatal.
     let e = core
-        .mount_inventory("cl", "gone:1", "i-gone:1", vec![], true)
+        .mount_inventory(&Caller::default(), "cl", "gone:1", "i-gone:1", vec![], true)
         .expect_err("unknown segment");
     assert!(matches!(e, CoreError::InventoryNotAwaited { .. }), "{e}");
     assert_eq!(
@@ -645,6 +646,7 @@ async fn an_inventory_in_parts_opens_the_segment_only_after_the_last() {
         tonic::Code::Aborted
     );
     core.mount_inventory(
+        &Caller::default(),
         "cl",
         "a:1",
         "i-a:1",
@@ -655,6 +657,7 @@ async fn an_inventory_in_parts_opens_the_segment_only_after_the_last() {
     .expect("middle part");
     assert!(core.complete_segments().is_empty());
     core.mount_inventory(
+        &Caller::default(),
         "cl",
         "a:1",
         "i-a:1",
@@ -672,7 +675,7 @@ async fn an_inventory_in_parts_opens_the_segment_only_after_the_last() {
         BLOCK * 3,
         "never on a range the inventory named"
     );
-    core.mount_inventory("cl", "a:1", "i-a:1", vec![], true)
+    core.mount_inventory(&Caller::default(), "cl", "a:1", "i-a:1", vec![], true)
         .expect_err("no part is awaited after the last");
 }
 
@@ -881,7 +884,10 @@ async fn offload_mismatch_is_refused_and_disk_inventory_is_indexed() {
     assert_eq!(core.allocated_bytes(), 0, "a disk object holds no DRAM");
     assert!(core.get_replica_list("d").expect("indexed").replicas[0].disk);
     // The owner reports it dropped (size limit or bad checksum): the master forgets it.
-    assert_eq!(core.disk_dropped("cl", &[("d".into(), (7 << 32) | 3)]), 1);
+    assert_eq!(
+        core.disk_dropped(&Caller::default(), "cl", &[("d".into(), (7 << 32) | 3)]),
+        1
+    );
     assert!(core.get_replica_list("d").is_err());
 }
 
@@ -1035,13 +1041,13 @@ async fn only_the_owner_unmounts_and_a_forgotten_owner_is_told_to_remount() {
         .expect("mount");
     put(&core, "victim", 100, &opts(1)).await;
     let e = core
-        .unmount_owned("attacker", "a:1", "")
+        .unmount_owned(&Caller::default(), "attacker", "a:1", "")
         .expect_err("a foreign unmount");
     assert!(matches!(e, CoreError::NotOwner { .. }), "{e}");
     assert!(e.to_string().contains("only its owner"), "{e}");
     // The owner's predecessor instance cannot unmount the new one either.
     assert!(matches!(
-        core.unmount_owned("owner", "a:1", "an-older-instance"),
+        core.unmount_owned(&Caller::default(), "owner", "a:1", "an-older-instance"),
         Err(CoreError::NotOwner { .. })
     ));
     assert!(
@@ -1059,11 +1065,98 @@ async fn only_the_owner_unmounts_and_a_forgotten_owner_is_told_to_remount() {
         core.ping("owner", &[], &["a:1".to_string()]),
         "an owner whose segment the master forgot must remount"
     );
-    core.unmount_owned("owner", "a:1", "i-a:1")
+    core.unmount_owned(&Caller::default(), "owner", "a:1", "i-a:1")
         .expect_err("already gone");
     core.mount("owner", "c", desc("a:1", 1 << 20), vec![])
         .expect("remount");
-    assert_eq!(core.unmount_owned("owner", "a:1", "i-a:1").expect("own"), 0);
+    assert_eq!(
+        core.unmount_owned(&Caller::default(), "owner", "a:1", "i-a:1")
+            .expect("own"),
+        0
+    );
+}
+
+/// Under mTLS every mount and put records the caller's certificate identity: another identity
+/// cannot unmount, mount over or add to a segment, nor end or revoke a reservation, even when it
+/// names the owner's client id; an admin identity can; without identities nothing changes.
+#[tokio::test]
+async fn under_mtls_only_the_identity_that_mounted_or_reserved_acts_on_it() {
+    let (core, _) = new_core(cfg());
+    let alice = Caller::with_identity("alice", false);
+    let bob = Caller::with_identity("bob", false);
+    let ops = Caller::with_identity("ops", true);
+    core.mount_parts(&alice, "a-client", "c", desc("a:1", 1 << 20), vec![], true)
+        .expect("alice mounts; her inventory follows");
+    let e = core
+        .unmount_owned(&bob, "a-client", "a:1", "")
+        .expect_err("bob names alice's client id");
+    assert!(matches!(e, CoreError::OtherIdentity { .. }), "{e}");
+    assert!(
+        e.to_string().contains("\"alice\"") && e.to_string().contains("\"bob\""),
+        "{e}"
+    );
+    let e = core
+        .mount_parts(&bob, "a-client", "c", desc("a:1", 1 << 20), vec![], false)
+        .expect_err("bob mounts over alice's segment");
+    assert!(matches!(e, CoreError::OtherIdentity { .. }), "{e}");
+    assert!(matches!(
+        core.mount_inventory(&bob, "a-client", "a:1", "i-a:1", vec![], true),
+        Err(CoreError::OtherIdentity { .. })
+    ));
+    core.mount_inventory(&alice, "a-client", "a:1", "i-a:1", vec![], true)
+        .expect("alice completes her inventory");
+
+    let (generation, _) = core
+        .put_start_by(&alice, "a-client", "k", 100, &opts(1))
+        .await
+        .expect("alice reserves");
+    assert!(matches!(
+        core.check_reservations(&bob, ["k"]),
+        Err(CoreError::OtherIdentity { .. })
+    ));
+    assert!(core.check_reservations(&alice, ["k"]).is_ok());
+    let e = core
+        .put_end_by(&bob, "k")
+        .expect_err("bob ends alice's put");
+    assert!(e.message.contains("\"alice\""), "{}", e.message);
+    let e = core
+        .put_revoke_by(&bob, "a-client", "k")
+        .await
+        .expect_err("bob revokes alice's put");
+    assert!(e.message.contains("\"alice\""), "{}", e.message);
+    core.get_replica_list("k").expect_err("still in progress");
+    core.put_end_by(&alice, "k").expect("alice ends her put");
+    assert_eq!(
+        core.get_replica_list("k").expect("visible").generation,
+        generation
+    );
+    assert!(
+        core.put_owners.lock().is_empty(),
+        "an ended put forgets its owner"
+    );
+
+    // An admin identity acts on anyone's.
+    core.put_start_by(&alice, "a-client", "k2", 100, &opts(1))
+        .await
+        .expect("alice reserves again");
+    core.put_revoke_by(&ops, "", "k2")
+        .await
+        .expect("the admin revokes");
+    core.unmount_owned(&ops, "ops-client", "a:1", "")
+        .expect("the admin unmounts alice's segment");
+
+    // Without identities (no mTLS), today's rules: anyone may end a put, the owner unmounts.
+    core.mount("anon", "c", desc("b:1", 1 << 20), vec![])
+        .expect("mount");
+    put(&core, "plain", 100, &opts(1)).await;
+    assert!(
+        core.put_owners.lock().is_empty(),
+        "nothing recorded without mTLS"
+    );
+    assert!(
+        core.unmount_owned(&bob, "anon", "b:1", "").is_ok(),
+        "a segment mounted without an identity keeps the client-id rule only"
+    );
 }
 
 #[tokio::test]
@@ -1222,6 +1315,7 @@ async fn a_warm_copy_serves_at_once_and_the_inventory_reconciles_it() {
     let newer = (changed.0 + 1, changed.1 + 4096);
     let out = next
         .mount_parts(
+            &Caller::default(),
             "owner",
             "c",
             desc("a:1", 1 << 20),
@@ -1234,8 +1328,15 @@ async fn a_warm_copy_serves_at_once_and_the_inventory_reconciles_it() {
         next.get_replica_list("gone").is_ok(),
         "unconfirmed entries stay readable while the inventory arrives"
     );
-    next.mount_inventory("owner", "a:1", "i-a:1", vec![item("changed", newer)], true)
-        .expect("last part");
+    next.mount_inventory(
+        &Caller::default(),
+        "owner",
+        "a:1",
+        "i-a:1",
+        vec![item("changed", newer)],
+        true,
+    )
+    .expect("last part");
     let l = next.get_replica_list("kept").expect("confirmed");
     assert_eq!((l.generation, l.replicas[0].offset), kept);
     let l = next.get_replica_list("changed").expect("the owner's entry");
@@ -1292,6 +1393,7 @@ async fn a_matching_inventory_item_confirms_the_warm_entry_without_a_change() {
     };
     let out = next
         .mount_parts(
+            &Caller::default(),
             "owner",
             "c",
             desc("a:1", 4 * BLOCK),
@@ -1314,8 +1416,15 @@ async fn a_matching_inventory_item_confirms_the_warm_entry_without_a_change() {
         "the confirmed range is reserved"
     );
     let newer = (changed.0 + 1, changed.1);
-    next.mount_inventory("owner", "a:1", "i-a:1", vec![item("changed", newer)], true)
-        .expect("last part");
+    next.mount_inventory(
+        &Caller::default(),
+        "owner",
+        "a:1",
+        "i-a:1",
+        vec![item("changed", newer)],
+        true,
+    )
+    .expect("last part");
     assert!(
         matches!(feed.try_recv().as_deref(), Ok(IndexChange::Entry(e)) if e.key == "changed" && e.generation == newer.0),
         "an entry the owner holds at another generation replaces the copy's and is sent"

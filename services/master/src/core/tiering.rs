@@ -11,7 +11,7 @@ use crate::alloc::align_up;
 use crate::notifier::{OffloadEntry, Promote};
 
 use super::types::{
-    Object, ObjectState, OpError, PendingFree, PendingOffload, Quarantined, ReplicaLoc,
+    Caller, Object, ObjectState, OpError, PendingFree, PendingOffload, Quarantined, ReplicaLoc,
 };
 use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
 
@@ -491,8 +491,9 @@ impl MasterCore {
     }
 
     /// The owner's disk tier dropped these objects (its size limit, a failed checksum): forget
-    /// their LOCAL_DISK replicas on `client_id`'s segments. Returns objects that disappeared.
-    pub fn disk_dropped(&self, client_id: &str, items: &[(String, u64)]) -> u64 {
+    /// their LOCAL_DISK replicas on `client_id`'s segments (under mTLS, only those `caller`'s
+    /// identity mounted). Returns objects that disappeared.
+    pub fn disk_dropped(&self, caller: &Caller, client_id: &str, items: &[(String, u64)]) -> u64 {
         if items.is_empty() {
             return 0;
         }
@@ -500,7 +501,7 @@ impl MasterCore {
             .segments
             .lock()
             .iter()
-            .filter(|(_, s)| s.client_id == client_id)
+            .filter(|(_, s)| s.client_id == client_id && caller.may_act_for(s.owner.as_ref()))
             .map(|(n, s)| (n.clone(), s.mount_id))
             .collect();
         let mut gone = 0;
@@ -590,10 +591,16 @@ impl MasterCore {
                 let frees = self.pending_frees(&o);
                 // The writer may still be copying into these ranges: they stay allocated
                 // until put_start + put_release_timeout, its revoke, or its death.
+                let owner = self
+                    .put_owners
+                    .lock()
+                    .remove(&o.generation)
+                    .map(|(_, id)| id);
                 self.quarantine.lock().push(Quarantined {
                     until: o.put_start + self.cfg.put_release_timeout,
                     key,
                     client_id: o.client_id.to_string(),
+                    owner,
                     frees,
                 });
                 discarded += 1;
@@ -606,6 +613,7 @@ impl MasterCore {
                 live.entry(key).or_insert(generation);
             }
         }
+        self.forget_gone_put_owners();
         let keys = self.shards.iter().map(|s| s.lock().len() as u64).sum();
         self.names.trim();
         // Discarded puts are no longer reservations (their ranges wait in quarantine).
@@ -614,6 +622,26 @@ impl MasterCore {
         let due = self.unquarantine(|q| q.until <= now);
         self.release(due).await;
         discarded
+    }
+
+    /// Drops the recorded identities of puts that went without PutEnd, PutRevoke or discard (a
+    /// remove, an unmount, the writer's death): those whose object is gone or complete.
+    fn forget_gone_put_owners(&self) {
+        let owned: Vec<(u64, Box<str>)> = self
+            .put_owners
+            .lock()
+            .iter()
+            .map(|(g, (k, _))| (*g, k.clone()))
+            .collect();
+        for (generation, key) in owned {
+            let live =
+                self.shard(&key).lock().get(&key).is_some_and(|o| {
+                    o.generation == generation && o.state == ObjectState::Processing
+                });
+            if !live {
+                self.put_owners.lock().remove(&generation);
+            }
+        }
     }
 
     /// A put of `o` ended or was revoked: its bytes no longer count against its client

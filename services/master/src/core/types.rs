@@ -144,6 +144,48 @@ pub struct PutOptions {
     pub hard_pin: bool,
 }
 
+/// Who makes a call, as the transport proved it (docs/SECURITY.md, "mTLS and identities").
+/// Under mTLS, `identity` is the client certificate's (its CN, else its first SAN); without
+/// mTLS it is `None` and every caller is the same, as before identities. `admin`: the identity
+/// is one of the master's `LUNAKV_ADMIN_IDENTITIES`, or the call carries the admin token.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Caller {
+    pub identity: Option<Arc<str>>,
+    pub admin: bool,
+}
+
+impl Caller {
+    /// A caller with this certificate identity.
+    pub fn with_identity(identity: &str, admin: bool) -> Caller {
+        Caller {
+            identity: Some(Arc::from(identity)),
+            admin,
+        }
+    }
+
+    /// An admin identity acts on anyone's mounts and reservations. (The admin token alone
+    /// does not: without mTLS nothing records who mounted or reserved what.)
+    pub fn overrides_owners(&self) -> bool {
+        self.admin && self.identity.is_some()
+    }
+
+    /// Whether this caller may act on what `owner` mounted or reserved: that identity, an
+    /// admin identity, or anyone when it was made without one (no mTLS).
+    pub fn may_act_for(&self, owner: Option<&Arc<str>>) -> bool {
+        match owner {
+            None => true,
+            Some(o) => self.overrides_owners() || self.identity.as_deref() == Some(&**o),
+        }
+    }
+
+    /// The identity for messages.
+    pub fn name(&self) -> &str {
+        self.identity
+            .as_deref()
+            .unwrap_or("(none: no client certificate)")
+    }
+}
+
 /// A per-item failure: a Mooncake code and a message for humans.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpError {
@@ -200,6 +242,17 @@ pub enum CoreError {
     InvalidArgument(String),
     #[error("segment {0:?} is not mounted")]
     SegmentNotFound(String),
+    /// Under mTLS: a segment or a reservation of another client identity.
+    #[error(
+        "{what} belongs to client identity {owner:?}, and this client's certificate identity is \
+         {caller:?}: only that identity or an admin identity (the master's \
+         LUNAKV_ADMIN_IDENTITIES) may do this"
+    )]
+    OtherIdentity {
+        what: String,
+        owner: String,
+        caller: String,
+    },
     #[error(
         "segment {segment:?} belongs to client {owner:?} (instance {instance:?}), not to \
          {caller:?}: only its owner may unmount it; a dead owner's segment goes after client_ttl"
@@ -301,6 +354,8 @@ impl Object {
 pub(super) struct Segment {
     pub(super) desc: SegmentDesc,
     pub(super) client_id: String,
+    /// The client identity that mounted it (mTLS; `None` without).
+    pub(super) owner: Option<Arc<str>>,
     pub(super) mount_id: u64,
     pub(super) alloc: OffsetAllocator,
     /// The owner's whole inventory is indexed. Until then nothing is placed here: the
@@ -397,6 +452,8 @@ pub(super) struct Quarantined {
     pub(super) until: Instant,
     pub(super) key: String,
     pub(super) client_id: String,
+    /// The client identity that started the put (mTLS; `None` without).
+    pub(super) owner: Option<Arc<str>>,
     pub(super) frees: Vec<PendingFree>,
 }
 

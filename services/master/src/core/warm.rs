@@ -135,6 +135,8 @@ impl MasterCore {
                         alloc: OffsetAllocator::new(desc.size),
                         desc,
                         client_id,
+                        // The stream carries no identities: the owner's remount records its own.
+                        owner: None,
                         mount_id,
                         complete: false,
                         warm: Some(WarmSegment::default()),

@@ -183,10 +183,21 @@ pub fn run(
     let anonymous = client
         .as_ref()
         .map(|c| c.master_refuses_anonymous().map_err(|e| e.to_string()));
+    // What the master's RPC port requires, asked in plaintext: also when this doctor could not
+    // connect (a master with mTLS refuses a doctor without a certificate).
+    let rpc_addr = client
+        .as_ref()
+        .map(|c| c.master_addr())
+        .or_else(|| (!target.master.trim().starts_with("etcd://")).then(|| target.master.clone()));
+    let tls = rpc_addr.map(|a| {
+        lunakv_client::probe_master_tls(&a, std::time::Duration::from_secs(5))
+            .map_err(|e| e.to_string())
+    });
     checks.push(check_security(
         &target.master,
         &lunakv_config::process_env,
         anonymous.as_ref(),
+        tls.as_ref(),
     ));
 
     let failed = checks.iter().any(|c| c.status == Outcome::Fail);
@@ -928,19 +939,85 @@ fn check_key_consistency(client: Option<&StoreClient>) -> Check {
 ///   requires the pool token of every caller, and its owners require its capabilities on their
 ///   transfer ports; one that answers is open to whoever reaches it, unless that is only
 ///   loopback.
+/// - mTLS: `tls` is what the master's RPC port requires ([`lunakv_client::probe_master_tls`]).
+///   With mTLS every caller shows a certificate from the pool's CA, whose identity owns its
+///   mounts and puts; this doctor's own `LUNAKV_TLS_*` must agree with the master's, and its
+///   certificate must be valid.
 fn check_security(
     master: &str,
     env: &dyn Fn(&str) -> Option<String>,
     refuses_anonymous: Option<&Result<bool, String>>,
+    tls: Option<&Result<lunakv_client::MasterTls, String>>,
 ) -> Check {
+    use lunakv_client::MasterTls;
     const NAME: &str = "security";
     const DOC: &str = "docs/SECURITY.md";
     let tokens = match lunakv_config::auth::PoolTokens::from_env(env) {
         Ok(t) => t,
         Err(e) => return Check::fail(NAME, e.to_string(), "fix the variable it names"),
     };
+    let mine = match lunakv_config::tls::TlsPaths::client_from_env(env)
+        .map_err(|e| e.to_string())
+        .and_then(|p| lunakv_tls::ClientTls::from_paths(&p).map_err(|e| e.to_string()))
+    {
+        Ok(t) => t,
+        Err(e) => return Check::fail(NAME, e, "fix the variable or file it names"),
+    };
     let mut warns: Vec<(String, String)> = Vec::new();
     let mut passes: Vec<String> = Vec::new();
+    let tls_fix = format!(
+        "set LUNAKV_TLS_CERT, LUNAKV_TLS_KEY and LUNAKV_TLS_CACERT on the master, the stores, the \
+         engines (or tls_cert, tls_key, tls_cacert in mooncake_config.json) and the CLI \
+         (components/mtls does it in Kubernetes) ({DOC})"
+    );
+    let mtls = matches!(tls, Some(Ok(MasterTls::Mutual)));
+    match tls {
+        Some(Ok(MasterTls::Mutual)) => {
+            let file = mine
+                .as_ref()
+                .and_then(|t| t.paths().cert.as_ref())
+                .map(ToString::to_string);
+            match (mine.as_ref().and_then(|t| t.certificate()), file) {
+                (Some(c), Some(f)) if c.expired || c.not_yet_valid => warns.push((
+                    format!(
+                        "the master requires mTLS and this client's certificate {f} is not \
+                         valid now ({c})"
+                    ),
+                    "renew it (cert-manager renews before expiry; the files are reread when \
+                     they change)"
+                        .into(),
+                )),
+                (Some(c), _) => passes.push(format!(
+                    "mTLS: the master requires a client certificate from its CA of every \
+                     caller, whose identity owns its mounts and puts; this client is {:?} ({c})",
+                    c.identity.as_deref().unwrap_or("(no CN or SAN)")
+                )),
+                (None, _) => warns.push((
+                    "the master requires mTLS (a client certificate from its CA) and this \
+                     client presents none"
+                        .into(),
+                    tls_fix.clone(),
+                )),
+            }
+        }
+        Some(Ok(MasterTls::On)) => warns.push((
+            "the master serves TLS but asks no client certificate: callers are not \
+             identified, so any of them may act on the others' mounts and puts"
+                .into(),
+            format!(
+                "set LUNAKV_TLS_CACERT on the master to the CA of the clients' certificates \
+                 ({DOC})"
+            ),
+        )),
+        Some(Ok(MasterTls::Off)) if mine.is_some() => warns.push((
+            "this client has TLS settings (LUNAKV_TLS_*) but the master serves plaintext".into(),
+            format!(
+                "start the master with LUNAKV_TLS_CERT, LUNAKV_TLS_KEY and LUNAKV_TLS_CACERT, or \
+                 unset them here ({DOC})"
+            ),
+        )),
+        _ => {}
+    }
     if master.trim().starts_with("etcd://") {
         let creds = match lunakv_config::EtcdCredentials::from_env(env) {
             Ok(c) => c,
@@ -992,10 +1069,14 @@ fn check_security(
             .is_ok_and(|ip| ip.is_loopback());
     let token_fix = format!(
         "set LUNAKV_AUTH_TOKEN (or LUNAKV_AUTH_TOKEN_FILE) on the master, every store and every \
-         engine (the overlays' optional Secret lunakv-auth), and keep lunakv's ports closed to \
-         strangers with the NetworkPolicies (components/network-policy) ({DOC})"
+         engine (the overlays' optional Secret lunakv-auth), or turn on mTLS (LUNAKV_TLS_*, \
+         components/mtls), and keep lunakv's ports closed to strangers with the NetworkPolicies \
+         (components/network-policy) ({DOC})"
     );
     match refuses_anonymous {
+        // Callers are authenticated by their certificates (said above); owners then require
+        // capabilities too.
+        _ if mtls => {}
         Some(Ok(true)) => passes.push(
             "the master refuses callers without the pool token, and its owners require its \
              capabilities on their transfer ports"
@@ -1168,38 +1249,43 @@ mod tests {
         let none = |_: &str| None::<String>;
         let (open, guarded) = (Ok(false), Ok(true));
         assert_eq!(
-            check_security("127.0.0.1:50051", &none, Some(&open)).status,
+            check_security("127.0.0.1:50051", &none, Some(&open), None).status,
             Outcome::Pass
         );
-        let stranger = check_security("lunakv-master.lunakv.svc:50051", &none, Some(&open));
+        let stranger = check_security("lunakv-master.lunakv.svc:50051", &none, Some(&open), None);
         assert_eq!(stranger.status, Outcome::Warn);
         let fix = stranger.fix.as_deref().unwrap_or("");
         assert!(
             fix.contains("NetworkPolicies") && fix.contains("LUNAKV_AUTH_TOKEN"),
             "{fix}"
         );
-        let ok = check_security("lunakv-master.lunakv.svc:50051", &none, Some(&guarded));
+        let ok = check_security(
+            "lunakv-master.lunakv.svc:50051",
+            &none,
+            Some(&guarded),
+            None,
+        );
         assert_eq!(ok.status, Outcome::Pass, "{}", ok.detail);
         assert!(ok.detail.contains("capabilities"), "{}", ok.detail);
         // This doctor has the token but the master does not ask for it: started without it.
         let with_token =
             |k: &str| (k == "LUNAKV_AUTH_TOKEN").then(|| "doctor-token-0123456789".to_string());
-        let mismatch = check_security("10.0.0.7:50051", &with_token, Some(&open));
+        let mismatch = check_security("10.0.0.7:50051", &with_token, Some(&open), None);
         assert_eq!(mismatch.status, Outcome::Warn);
         assert!(
             mismatch.detail.contains("started without it"),
             "{}",
             mismatch.detail
         );
-        let unknown = check_security("10.0.0.7:50051", &none, None);
+        let unknown = check_security("10.0.0.7:50051", &none, None, None);
         assert_eq!(unknown.status, Outcome::Warn);
         let short = |k: &str| (k == "LUNAKV_AUTH_TOKEN").then(|| "short".to_string());
         assert_eq!(
-            check_security("10.0.0.7:50051", &short, Some(&guarded)).status,
+            check_security("10.0.0.7:50051", &short, Some(&guarded), None).status,
             Outcome::Fail
         );
 
-        let plain = check_security("etcd://e1:2379;e2:2379", &none, Some(&guarded));
+        let plain = check_security("etcd://e1:2379;e2:2379", &none, Some(&guarded), None);
         assert_eq!(plain.status, Outcome::Warn);
         assert!(
             plain
@@ -1220,7 +1306,7 @@ mod tests {
         .unwrap();
         let pem = pem.display().to_string();
         let ca_only = |k: &str| (k == "LUNAKV_ETCD_CACERT").then(|| pem.clone());
-        let anon = check_security("etcd://e1:2379", &ca_only, Some(&guarded));
+        let anon = check_security("etcd://e1:2379", &ca_only, Some(&guarded), None);
         assert_eq!(anon.status, Outcome::Warn);
         assert!(anon.detail.contains("no identity"), "{}", anon.detail);
         let with_user = |k: &str| match k {
@@ -1228,7 +1314,7 @@ mod tests {
             "LUNAKV_ETCD_USER" => Some("lunakv:Hunter2-not-in-any-path".into()),
             _ => None,
         };
-        let ok = check_security("etcd://e1:2379", &with_user, Some(&guarded));
+        let ok = check_security("etcd://e1:2379", &with_user, Some(&guarded), None);
         assert_eq!(ok.status, Outcome::Pass, "{}", ok.detail);
         // The password is distinctive on purpose: the detail holds a random temp path,
         // and a short password like "pw" turns up in those by chance.
@@ -1239,12 +1325,12 @@ mod tests {
         );
         // etcd secured, the master open to strangers: still a warning.
         assert_eq!(
-            check_security("etcd://e1:2379", &with_user, Some(&open)).status,
+            check_security("etcd://e1:2379", &with_user, Some(&open), None).status,
             Outcome::Warn
         );
         let broken = |k: &str| (k == "LUNAKV_ETCD_CACERT").then(|| "/nonexistent.pem".to_string());
         assert_eq!(
-            check_security("etcd://e1:2379", &broken, Some(&guarded)).status,
+            check_security("etcd://e1:2379", &broken, Some(&guarded), None).status,
             Outcome::Fail
         );
     }

@@ -1,0 +1,601 @@
+//! mTLS on the master's and the bootstrap's gRPC ports, and per-client identities (issue 18,
+//! item 1; docs/SECURITY.md, "mTLS and identities"), with real binaries on loopback and
+//! certificates from a test CA:
+//! - a store and the CLI with certificates from the pool's CA work, over gRPC and quick calls,
+//!   with the files named by LUNAKV_TLS_* or by the tls_* keys of mooncake_config.json;
+//! - a client without a certificate, with one from another CA, or with an expired one is
+//!   refused, and both its error and the master's log name the certificate and why;
+//! - quick calls go inside the TLS session and refuse the same strangers;
+//! - a certificate replaced on disk is served without a restart;
+//! - identities: one client cannot unmount another's segment or end or revoke its put, and only
+//!   an admin identity may RemoveAll;
+//! - the bootstrap's gRPC port: a registration with a certificate works, one without is refused.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use lunakv_config::tls::TlsPaths;
+use lunakv_proto::bootstrap::bootstrap_client::BootstrapClient;
+use lunakv_proto::master as pb;
+use lunakv_proto::master::master_client::MasterClient;
+use lunakv_proto::quick;
+use lunakv_tests::tls::{TestCa, served_certificate};
+use lunakv_tests::{Master, Store, child_env, cli, pattern, wait_until};
+use lunakv_tls::ClientTls;
+use prost::Message;
+use tonic::transport::{Channel, Endpoint};
+
+/// The pool's CA, another CA, and the files of each party's certificate in one directory.
+struct Pki {
+    dir: tempfile::TempDir,
+    ca: TestCa,
+    other: TestCa,
+    ca_file: PathBuf,
+}
+
+/// `(cert, key)` paths.
+type Files = (PathBuf, PathBuf);
+
+impl Pki {
+    fn new() -> Pki {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = TestCa::new();
+        let ca_file = ca.write_ca(dir.path(), "ca.crt");
+        Pki {
+            dir,
+            ca,
+            other: TestCa::named("another CA"),
+            ca_file,
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A server certificate (localhost, 127.0.0.1) from the pool's CA, written as `name`.
+    fn server(&self, name: &str) -> Files {
+        self.ca
+            .issue("127.0.0.1".parse().unwrap())
+            .write(self.path(), name)
+    }
+
+    /// A client certificate for `cn` from the pool's CA, written as `cn`.
+    fn client(&self, cn: &str) -> Files {
+        self.ca.issue_client(cn).write(self.path(), cn)
+    }
+
+    /// The environment of a process with `files` and the pool's CA.
+    fn env(&self, files: &Files) -> Vec<(String, String)> {
+        vec![
+            ("LUNAKV_TLS_CERT".into(), files.0.display().to_string()),
+            ("LUNAKV_TLS_KEY".into(), files.1.display().to_string()),
+            (
+                "LUNAKV_TLS_CACERT".into(),
+                self.ca_file.display().to_string(),
+            ),
+        ]
+    }
+
+    /// Only the CA: TLS, no client certificate.
+    fn ca_only(&self) -> Vec<(String, String)> {
+        vec![(
+            "LUNAKV_TLS_CACERT".into(),
+            self.ca_file.display().to_string(),
+        )]
+    }
+}
+
+fn refs(v: &[(String, String)]) -> Vec<(&str, &str)> {
+    v.iter().map(|(k, s)| (k.as_str(), s.as_str())).collect()
+}
+
+/// A client's TLS from `env`, as every lunakv client reads it.
+fn client_tls(env: &[(String, String)]) -> ClientTls {
+    let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    let paths = TlsPaths::client_from_env(&get).expect("client paths");
+    ClientTls::from_paths(&paths)
+        .expect("client TLS")
+        .expect("TLS on")
+}
+
+async fn channel(addr: &str, env: &[(String, String)]) -> Result<Channel, String> {
+    Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_with_connector(client_tls(env).connector(Duration::from_secs(5)))
+        .await
+        .map_err(|e| {
+            lunakv_tls::TlsFailure::in_chain(&e).map_or_else(|| e.to_string(), |f| f.to_string())
+        })
+}
+
+async fn master_client(addr: &str, env: &[(String, String)]) -> MasterClient<Channel> {
+    MasterClient::new(channel(addr, env).await.expect("connect"))
+}
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The CLI's `get` of `key` with `env`: refused, and its message.
+fn refused_get(addr: &str, key: &str, env: &[(String, String)]) -> String {
+    let o = cli(addr, &["get", key], &refs(env));
+    let text = stderr(&o);
+    assert!(!o.status.success() && o.stdout.is_empty(), "{text}");
+    text
+}
+
+/// One quick-call frame on `stream` (magic first) and its answer: `Ok` body, or the status.
+fn quick_exists<S: Read + Write>(stream: &mut S, key: &str) -> std::io::Result<Result<(), String>> {
+    let body = pb::BatchExistKeyRequest {
+        client_id: "quick-test".into(),
+        keys: vec![key.into()],
+    }
+    .encode_to_vec();
+    stream.write_all(quick::MAGIC)?;
+    stream.write_all(&quick::encode_request(
+        quick::Method::BatchExistKey,
+        b"",
+        &body,
+    ))?;
+    stream.flush()?;
+    let mut prefix = [0u8; 4];
+    stream.read_exact(&mut prefix)?;
+    let mut answer = vec![0u8; quick::answer_len(prefix).unwrap()];
+    stream.read_exact(&mut answer)?;
+    Ok(match quick::decode_response(&answer).unwrap() {
+        quick::Response::Ok(_) => Ok(()),
+        st @ quick::Response::Status { .. } => Err(st.to_string()),
+    })
+}
+
+fn tcp(addr: &str) -> std::net::TcpStream {
+    let s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s
+}
+
+#[test]
+fn a_master_with_mtls_serves_certified_clients_and_refuses_strangers_naming_the_certificate() {
+    let pki = Pki::new();
+    let master_files = pki.server("master");
+    let master = {
+        let _env = child_env(&refs(&pki.env(&master_files)));
+        Master::start(&pki.path().join("data"), &[])
+    };
+    assert!(
+        master.proc.output().contains("tls=mtls"),
+        "{}",
+        master.proc.output()
+    );
+    let addr = master.addr();
+    let _store = {
+        let _env = child_env(&refs(&pki.env(&pki.client("store"))));
+        Store::start(&addr, "64MB", &[])
+    };
+
+    // A client with a certificate from the pool's CA: put and get, by quick calls and by gRPC.
+    let alice = pki.env(&pki.client("alice"));
+    let value = pattern(11, 8192);
+    let file = pki.path().join("v");
+    std::fs::write(&file, &value).unwrap();
+    let put = cli(
+        &addr,
+        &["put", "tls-k", &file.display().to_string()],
+        &refs(&alice),
+    );
+    assert!(put.status.success(), "{}", stderr(&put));
+    let got = cli(&addr, &["get", "tls-k"], &refs(&alice));
+    assert!(got.status.success(), "{}", stderr(&got));
+    assert_eq!(got.stdout, value);
+    let quick_calls = master.metric("master_quick_calls_total").unwrap_or(0.0);
+    assert!(
+        quick_calls >= 1.0,
+        "the CLI's master calls went as quick calls inside TLS"
+    );
+    let mut grpc_only = alice.clone();
+    grpc_only.push(("LUNAKV_QUICK_CALLS".into(), "0".into()));
+    let got = cli(&addr, &["get", "tls-k"], &refs(&grpc_only));
+    assert_eq!(got.stdout, value, "{}", stderr(&got));
+    // An engine's files as tls_* keys of its mooncake_config.json (relative to the file), with
+    // no LUNAKV_TLS_* set: what a vLLM pod may use instead of the variables.
+    let config = pki.path().join("mooncake_config.json");
+    std::fs::write(
+        &config,
+        serde_json::json!({
+            "mode": "standalone-store",
+            "master_server_address": addr,
+            "metadata_server": "P2PHANDSHAKE",
+            "global_segment_size": 0,
+            "local_buffer_size": "16MB",
+            "protocol": "tcp",
+            "tls_cert": "alice.crt",
+            "tls_key": "alice.key",
+            "tls_cacert": "ca.crt",
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let got = cli(
+        &addr,
+        &["get", "tls-k"],
+        &[("MOONCAKE_CONFIG_PATH", &config.display().to_string())],
+    );
+    assert_eq!(got.stdout, value, "{}", stderr(&got));
+
+    // Plaintext: refused, naming the variables to set.
+    let text = refused_get(&addr, "tls-k", &[]);
+    assert!(
+        text.contains("requires mTLS") && text.contains("LUNAKV_TLS_CERT"),
+        "{text}"
+    );
+    // TLS without a client certificate.
+    let text = refused_get(&addr, "tls-k", &pki.ca_only());
+    assert!(
+        text.contains("requires a client certificate") && text.contains("LUNAKV_TLS_CERT"),
+        "{text}"
+    );
+    // A certificate from another CA: the message names its file and subject.
+    let mallory_files = pki
+        .other
+        .issue_client("mallory")
+        .write(pki.path(), "mallory");
+    let mallory = pki.env(&mallory_files);
+    let text = refused_get(&addr, "tls-k", &mallory);
+    assert!(
+        text.contains(&mallory_files.0.display().to_string())
+            && text.contains("CN=mallory")
+            && text.contains("not issued by a CA the server trusts"),
+        "{text}"
+    );
+    // An expired certificate from the right CA.
+    let old_files = pki.ca.issue_client_expired("old").write(pki.path(), "old");
+    let text = refused_get(&addr, "tls-k", &pki.env(&old_files));
+    assert!(
+        text.contains(&old_files.0.display().to_string())
+            && text.contains("CN=old")
+            && text.contains("expired"),
+        "{text}"
+    );
+    // The master's log names each refused certificate and why.
+    let logged = wait_until(Duration::from_secs(10), || {
+        let out = master.proc.output();
+        (out.contains("CN=mallory")
+            && out.contains("not issued by the CA in")
+            && out.contains("CN=old")
+            && out.contains("it has expired")
+            && out.contains("presented no client certificate"))
+        .then_some(())
+    });
+    assert!(logged.is_some(), "{}", master.proc.output());
+
+    // Quick calls: in the clear they are refused by name; inside TLS a certified client is
+    // answered and a stranger's session is refused.
+    let plain = quick_exists(&mut tcp(&addr), "tls-k").expect("an answer");
+    let refusal = plain.expect_err("a plaintext quick call is refused");
+    assert!(
+        refusal.contains("requires mTLS") && refusal.contains("LUNAKV_TLS_CERT"),
+        "{refusal}"
+    );
+    let mut s = client_tls(&alice)
+        .handshake_blocking(&addr, tcp(&addr))
+        .expect("handshake");
+    quick_exists(&mut s, "tls-k")
+        .expect("an answer")
+        .expect("a certified quick call is answered");
+    let e = client_tls(&mallory)
+        .handshake_blocking(&addr, tcp(&addr))
+        .expect_err("the master refuses a stranger's quick session");
+    let text = lunakv_tls::TlsFailure::of(&e)
+        .expect("explained")
+        .to_string();
+    assert!(text.contains("CN=mallory"), "{text}");
+    let before = master.metric("master_quick_calls_total").unwrap_or(0.0);
+    assert!(
+        before >= quick_calls + 1.0,
+        "the certified quick call was answered as one"
+    );
+
+    // `lunakv doctor`'s security row: mTLS on and this client's certificate named; a doctor
+    // without one is told what to set; a client with TLS against a plaintext master is told
+    // that the two disagree.
+    let row = doctor_security(&addr, &alice);
+    assert_eq!(row["status"], "pass", "{row}");
+    let detail = row["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("mTLS") && detail.contains("\"alice\""),
+        "{row}"
+    );
+    let row = doctor_security(&addr, &[]);
+    assert_eq!(row["status"], "warn", "{row}");
+    assert!(
+        row["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("presents none"),
+        "{row}"
+    );
+    let plain = Master::start(&pki.path().join("plain"), &[]);
+    let row = doctor_security(&plain.addr(), &alice);
+    assert_eq!(row["status"], "warn", "{row}");
+    assert!(
+        row["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("serves plaintext"),
+        "{row}"
+    );
+}
+
+/// The `security` row of `lunakv --json doctor` against `addr` with `env`.
+fn doctor_security(addr: &str, env: &[(String, String)]) -> serde_json::Value {
+    let out = cli(addr, &["--json", "doctor"], &refs(env));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("no JSON ({e}): {}", stderr(&out)));
+    v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "security")
+        .cloned()
+        .expect("a security row")
+}
+
+#[test]
+fn certificates_replaced_on_disk_are_used_without_a_restart() {
+    let pki = Pki::new();
+    let first = pki.ca.issue("127.0.0.1".parse().unwrap());
+    let master_files = first.write(pki.path(), "master");
+    // The master's own copy of the CA for client certificates, swapped below.
+    let clients_ca = pki.ca.write_ca(pki.path(), "clients-ca.crt");
+    let master = {
+        let mut env = pki.env(&master_files);
+        env[2].1 = clients_ca.display().to_string();
+        let _env = child_env(&refs(&env));
+        Master::start(&pki.path().join("data"), &[])
+    };
+    let alice = pki.ca.issue_client("alice");
+    let served = served_certificate(master.rpc, pki.ca.roots(), Some(&alice)).expect("served");
+    assert_eq!(served, first.der);
+
+    // mtime granularity: make sure the new files look changed.
+    std::thread::sleep(Duration::from_millis(1100));
+    let second = pki.ca.issue("127.0.0.1".parse().unwrap());
+    second.write(pki.path(), "master");
+    let reloaded = wait_until(Duration::from_secs(15), || {
+        let c = served_certificate(master.rpc, pki.ca.roots(), Some(&alice)).ok()?;
+        (c == second.der).then_some(())
+    });
+    assert!(reloaded.is_some(), "the new certificate was never served");
+
+    // The CA for client certificates too: once its file holds another CA, that CA's clients
+    // are admitted and the old one's refused.
+    let alice = pki.env(&alice.write(pki.path(), "alice"));
+    let mallory = pki.env(
+        &pki.other
+            .issue_client("mallory")
+            .write(pki.path(), "mallory"),
+    );
+    assert!(status_ok(&master.addr(), &alice));
+    assert!(!status_ok(&master.addr(), &mallory));
+    let tmp = pki.path().join(".clients-ca.tmp");
+    std::fs::write(&tmp, pki.other.ca_pem()).unwrap();
+    std::fs::rename(&tmp, &clients_ca).unwrap();
+    let swapped = wait_until(Duration::from_secs(15), || {
+        (status_ok(&master.addr(), &mallory) && !status_ok(&master.addr(), &alice)).then_some(())
+    });
+    assert!(swapped.is_some(), "{}", master.proc.output());
+}
+
+/// Whether a GetClusterStatus with the TLS of `env` succeeds.
+fn status_ok(addr: &str, env: &[(String, String)]) -> bool {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let Ok(ch) = channel(addr, env).await else {
+            return false;
+        };
+        MasterClient::new(ch)
+            .get_cluster_status(pb::GetClusterStatusRequest {})
+            .await
+            .is_ok()
+    })
+}
+
+#[test]
+fn identities_own_their_mounts_and_puts_and_only_an_admin_identity_removes_all() {
+    let pki = Pki::new();
+    let master_files = pki.server("master");
+    let mut master_env = pki.env(&master_files);
+    master_env.push(("LUNAKV_ADMIN_IDENTITIES".into(), "ops".into()));
+    let master = {
+        let _env = child_env(&refs(&master_env));
+        Master::start(&pki.path().join("data"), &[])
+    };
+    let addr = master.addr();
+    let _store = {
+        let _env = child_env(&refs(&pki.env(&pki.client("store-a"))));
+        Store::start(&addr, "64MB", &[])
+    };
+    let (alice, bob, ops) = (
+        pki.env(&pki.client("alice")),
+        pki.env(&pki.client("bob")),
+        pki.env(&pki.client("ops")),
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut a = master_client(&addr, &alice).await;
+        let mut b = master_client(&addr, &bob).await;
+        let mut o = master_client(&addr, &ops).await;
+
+        // Bob names the store's segment and client id, as GetClusterStatus shows them.
+        let status = b
+            .get_cluster_status(pb::GetClusterStatusRequest {})
+            .await
+            .expect("status")
+            .into_inner();
+        let seg = &status.segments[0];
+        let name = seg.segment.as_ref().unwrap().name.clone();
+        let e = b
+            .unmount_segment(pb::UnmountSegmentRequest {
+                client_id: seg.client_id.clone(),
+                segment_name: name.clone(),
+                instance_id: String::new(),
+            })
+            .await
+            .expect_err("bob unmounts store-a's segment");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(
+            e.message().contains("\"store-a\"") && e.message().contains("\"bob\""),
+            "{}",
+            e.message()
+        );
+
+        // Alice reserves a key; bob can neither end nor revoke it; alice ends it.
+        let r = a
+            .put_start(pb::PutStartRequest {
+                client_id: "alice-client".into(),
+                key: "alices".into(),
+                size: 4096,
+                ..Default::default()
+            })
+            .await
+            .expect("put start")
+            .into_inner();
+        assert_eq!(r.code, 0, "{}", r.message);
+        let e = b
+            .put_end(pb::PutEndRequest {
+                client_id: "alice-client".into(),
+                key: "alices".into(),
+            })
+            .await
+            .expect_err("bob ends alice's put");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("\"alice\""), "{}", e.message());
+        let e = b
+            .batch_put_revoke(pb::BatchKeysRequest {
+                client_id: "alice-client".into(),
+                keys: vec!["alices".into()],
+            })
+            .await
+            .expect_err("bob revokes alice's put");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        let r = a
+            .put_end(pb::PutEndRequest {
+                client_id: "alice-client".into(),
+                key: "alices".into(),
+            })
+            .await
+            .expect("alice ends her put")
+            .into_inner();
+        assert_eq!(r.code, 0, "{}", r.message);
+
+        // RemoveAll: not for bob, for the admin identity.
+        let all = || pb::RemoveAllRequest {
+            client_id: "x".into(),
+            force: true,
+            ..Default::default()
+        };
+        let e = b.remove_all(all()).await.expect_err("bob removes all");
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(
+            e.message().contains("LUNAKV_ADMIN_IDENTITIES") && e.message().contains("\"bob\""),
+            "{}",
+            e.message()
+        );
+        let still = a
+            .exist_key(pb::ExistKeyRequest {
+                client_id: "alice-client".into(),
+                key: "alices".into(),
+            })
+            .await
+            .expect("exists")
+            .into_inner();
+        assert_eq!(still.code, 0, "a refused RemoveAll removed alice's object");
+        let removed = o
+            .remove_all(all())
+            .await
+            .expect("ops removes all")
+            .into_inner();
+        assert!(removed.removed >= 1, "{removed:?}");
+        // And the admin identity may unmount anyone's segment.
+        o.unmount_segment(pb::UnmountSegmentRequest {
+            client_id: "ops-client".into(),
+            segment_name: name,
+            instance_id: String::new(),
+        })
+        .await
+        .expect("ops unmounts store-a's segment");
+    });
+}
+
+#[test]
+fn the_bootstrap_grpc_port_takes_registrations_with_a_certificate_only() {
+    let pki = Pki::new();
+    let server = pki.server("bootstrap");
+    let b = {
+        let _env = child_env(&refs(&pki.env(&server)));
+        lunakv_tests::pd::Bootstrap::start(
+            "127.0.0.1".parse().unwrap(),
+            0,
+            &["--probe-workers=false"],
+        )
+    };
+    assert!(b.proc.output().contains("tls=mtls"), "{}", b.proc.output());
+    let addr = b.grpc.to_string();
+    let reg = || lunakv_proto::bootstrap::RegisterRequest {
+        worker: Some(lunakv_proto::bootstrap::Worker {
+            engine_id: "E".into(),
+            dp_rank: 0,
+            tp_rank: 0,
+            pp_rank: 0,
+            addr: "tcp://127.0.0.1:1".into(),
+        }),
+        lease_ttl_ms: 5000,
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let alice = pki.env(&pki.client("alice"));
+        let mut c = BootstrapClient::new(channel(&addr, &alice).await.expect("connect"));
+        c.register(reg()).await.expect("a certified registration");
+
+        // No client certificate: refused at the handshake, the message says what to set.
+        let refused = channel(&addr, &pki.ca_only())
+            .await
+            .expect_err("connected without a certificate");
+        assert!(
+            refused.contains("requires a client certificate")
+                && refused.contains("LUNAKV_TLS_CERT"),
+            "{refused}"
+        );
+
+        // Plaintext: health answers (the kubelet's probe), a registration is refused by name.
+        let plain = Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .expect("plaintext connects");
+        let mut h = tonic_health::pb::health_client::HealthClient::new(plain.clone());
+        h.check(tonic_health::pb::HealthCheckRequest::default())
+            .await
+            .expect("health over plaintext");
+        let e = BootstrapClient::new(plain)
+            .register(reg())
+            .await
+            .expect_err("a plaintext registration");
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert!(
+            e.message().contains("lunakv-bootstrap requires mTLS")
+                && e.message().contains("LUNAKV_TLS_CERT"),
+            "{}",
+            e.message()
+        );
+    });
+    let logged = wait_until(Duration::from_secs(10), || {
+        b.proc
+            .output()
+            .contains("presented no client certificate")
+            .then_some(())
+    });
+    assert!(logged.is_some(), "{}", b.proc.output());
+}
