@@ -599,3 +599,93 @@ fn the_bootstrap_grpc_port_takes_registrations_with_a_certificate_only() {
     });
     assert!(logged.is_some(), "{}", b.proc.output());
 }
+
+/// mTLS without a pool token still closes the forged-inventory route (docs/SECURITY.md,
+/// "Verified inventories"): a caller with a good certificate mounts a segment of its own whose
+/// inventory claims another engine's key at a higher generation; the master rejects the entry
+/// for want of its placement proof, and after a master restart the genuine owner's entries,
+/// which carry their proofs, are all indexed again.
+#[test]
+fn with_mtls_a_certified_callers_forged_inventory_is_rejected() {
+    let pki = Pki::new();
+    let master_env = pki.env(&pki.server("master"));
+    let mut master = {
+        let _env = child_env(&refs(&master_env));
+        Master::start(&pki.path().join("data"), &[])
+    };
+    let addr = master.addr();
+    let _store = {
+        let _env = child_env(&refs(&pki.env(&pki.client("store"))));
+        Store::start(&addr, "64MB", &[])
+    };
+    let alice = pki.env(&pki.client("alice"));
+    let value = pattern(21, 8192);
+    let file = pki.path().join("victim");
+    std::fs::write(&file, &value).unwrap();
+    let put = cli(
+        &addr,
+        &["put", "victim", &file.display().to_string()],
+        &refs(&alice),
+    );
+    assert!(put.status.success(), "{}", stderr(&put));
+
+    let mallory = pki.env(&pki.client("mallory"));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let resp = rt.block_on(async {
+        let mut m = master_client(&addr, &mallory).await;
+        let loc = m
+            .get_replica_list(pb::GetReplicaListRequest {
+                client_id: String::new(),
+                key: "victim".into(),
+            })
+            .await
+            .expect("locate")
+            .into_inner();
+        assert_eq!(loc.code, 0, "{}", loc.message);
+        m.mount_segment(pb::MountSegmentRequest {
+            client_id: "mallory-client".into(),
+            cluster_id: "mooncake_cluster".into(),
+            segment: Some(pb::SegmentDescriptor {
+                name: "127.0.0.1:9".into(),
+                transfer_endpoint: "127.0.0.1:9".into(),
+                size: 1 << 20,
+                host_id: "elsewhere".into(),
+                protocol: "tcp".into(),
+                instance_id: "mallory".into(),
+                ..Default::default()
+            }),
+            inventory: vec![pb::InventoryItem {
+                key: "victim".into(),
+                offset: 0,
+                size: value.len() as u64,
+                generation: loc.generation + (1 << 40),
+                kind: pb::ReplicaKind::Memory as i32,
+                proof: vec![0x5A; 16],
+            }],
+            ..Default::default()
+        })
+        .await
+        .expect("a certified caller may mount")
+        .into_inner()
+    });
+    assert_eq!(
+        (resp.accepted_objects, resp.rejected_generations.len()),
+        (0, 1)
+    );
+    assert_eq!(master.metric("master_inventory_unproven_total"), Some(1.0));
+    let got = cli(&addr, &["get", "victim"], &refs(&alice));
+    assert_eq!(got.stdout, value, "{}", stderr(&got));
+
+    // The genuine entry, after a restart, proves itself.
+    {
+        let _env = child_env(&refs(&master_env));
+        master.restart();
+    }
+    let got = wait_until(Duration::from_secs(30), || {
+        let o = cli(&addr, &["get", "victim"], &refs(&alice));
+        o.status.success().then_some(o.stdout)
+    })
+    .expect("the owner's proven entry is indexed after the restart");
+    assert_eq!(got, value);
+    assert_eq!(master.metric("master_inventory_unproven_total"), Some(0.0));
+}

@@ -105,6 +105,11 @@ impl TlsPaths {
         Ok(p)
     }
 
+    /// A server's files ask every caller for a certificate from the CA (mTLS).
+    pub fn requires_client_certificates(&self) -> bool {
+        self.cert.is_some() && self.ca.is_some()
+    }
+
     /// Whether TLS is on: a server with a certificate, a client with a CA.
     pub fn is_on(&self) -> bool {
         self.cert.is_some() || self.ca.is_some()

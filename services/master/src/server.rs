@@ -135,15 +135,19 @@ fn pool_tokens() -> Result<Arc<PoolTokens>, ServeError> {
 }
 
 /// Placement proofs: every master issues them under the cluster's key (kept in `meta`), and
-/// one with a pool token indexes only proven inventory items (docs/SECURITY.md, "Verified
-/// inventories").
+/// one that admits only known callers (a pool token, or mTLS: `LUNAKV_TLS_CACERT` beside its
+/// certificate) indexes only proven inventory items (docs/SECURITY.md, "Verified
+/// inventories"). Without either, any caller may mount anything, and nothing is checked.
 async fn placement_proofs(
     core_cfg: &mut CoreConfig,
     meta: &dyn MetaStore,
     tokens: &PoolTokens,
 ) -> Result<(), ServeError> {
+    let mtls = lunakv_config::tls::TlsPaths::server_from_env(&lunakv_config::process_env)
+        .map_err(|e| ServeError::Config(e.to_string()))?
+        .requires_client_certificates();
     core_cfg.inventory_key = Some(persist::inventory_key(meta).await?);
-    core_cfg.verify_inventories = tokens.pool.is_some();
+    core_cfg.verify_inventories = tokens.pool.is_some() || mtls;
     Ok(())
 }
 
