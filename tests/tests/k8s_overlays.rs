@@ -2750,6 +2750,8 @@ fn mtls_component_gives_every_caller_a_certificate_and_the_master_its_admins() {
         }
         let pods = pods(&objs);
         let mut master_names: Vec<String> = Vec::new();
+        let mut mounters: Option<Vec<String>> = None;
+        let mut stores: Vec<(String, String)> = Vec::new();
         let mut callers: Vec<(String, String, Option<String>)> = Vec::new();
         let mut servers = 0;
         for p in &pods {
@@ -2793,7 +2795,12 @@ fn mtls_component_gives_every_caller_a_certificate_and_the_master_its_admins() {
                 if (is_master || is_caller) && !usages.contains(&"client auth") {
                     failures.push(fail(format!("{who}: {} lacks client auth", name(cert))));
                 }
+                if is_image(c, "lunakv/store") {
+                    stores.push((who.clone(), cn.clone()));
+                }
                 if is_master {
+                    mounters = env(c, "LUNAKV_MOUNT_IDENTITIES")
+                        .map(|v| v.split(',').map(|m| m.trim().to_string()).collect());
                     master_names = arr(cert, "/spec/dnsNames")
                         .iter()
                         .filter_map(Value::as_str)
@@ -2820,6 +2827,16 @@ fn mtls_component_gives_every_caller_a_certificate_and_the_master_its_admins() {
         }
         if master_names.is_empty() {
             failures.push(fail("the master's certificate has no dnsNames".into()));
+        }
+        // A store whose identity may not mount serves nothing: the install would be empty.
+        if let Some(m) = &mounters {
+            for (who, cn) in &stores {
+                if !m.contains(cn) {
+                    failures.push(fail(format!(
+                        "{who}: its CN {cn:?} is not in the master's LUNAKV_MOUNT_IDENTITIES {m:?}"
+                    )));
+                }
+            }
         }
         for (who, _, server_name) in &callers {
             match server_name {

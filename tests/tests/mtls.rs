@@ -689,3 +689,55 @@ fn with_mtls_a_certified_callers_forged_inventory_is_rejected() {
     assert_eq!(got, value);
     assert_eq!(master.metric("master_inventory_unproven_total"), Some(0.0));
 }
+
+/// `LUNAKV_MOUNT_IDENTITIES`: only the listed identities open segments to placements, so a
+/// certified engine cannot mount a segment of its own and have new objects placed (and served)
+/// there; the store-client's identity mounts as before.
+#[test]
+fn with_mount_identities_only_a_listed_identity_mounts() {
+    let pki = Pki::new();
+    let mut master_env = pki.env(&pki.server("master"));
+    master_env.push(("LUNAKV_MOUNT_IDENTITIES".into(), "store".into()));
+    let master = {
+        let _env = child_env(&refs(&master_env));
+        Master::start(&pki.path().join("data"), &[])
+    };
+    let addr = master.addr();
+    let _store = {
+        let _env = child_env(&refs(&pki.env(&pki.client("store"))));
+        Store::start(&addr, "64MB", &[])
+    };
+    let engine = pki.env(&pki.client("engine"));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let e = rt.block_on(async {
+        master_client(&addr, &engine)
+            .await
+            .mount_segment(pb::MountSegmentRequest {
+                client_id: "engine-client".into(),
+                cluster_id: "mooncake_cluster".into(),
+                segment: Some(pb::SegmentDescriptor {
+                    name: "127.0.0.1:9".into(),
+                    transfer_endpoint: "127.0.0.1:9".into(),
+                    size: 1 << 20,
+                    host_id: "elsewhere".into(),
+                    protocol: "tcp".into(),
+                    instance_id: "engine".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .expect_err("an engine identity may not mount")
+    });
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(
+        e.message().contains("\"engine\"") && e.message().contains("LUNAKV_MOUNT_IDENTITIES"),
+        "{}",
+        e.message()
+    );
+    // The store's segment is the only one, and a put lands there.
+    let file = pki.path().join("v");
+    std::fs::write(&file, pattern(31, 4096)).unwrap();
+    let put = cli(&addr, &["put", "k", &file.display().to_string()], &refs(&engine));
+    assert!(put.status.success(), "{}", stderr(&put));
+}

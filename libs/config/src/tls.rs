@@ -24,6 +24,8 @@ pub const ENV_TLS_KEY: &str = "LUNAKV_TLS_KEY";
 pub const ENV_TLS_CACERT: &str = "LUNAKV_TLS_CACERT";
 pub const ENV_TLS_SERVER_NAME: &str = "LUNAKV_TLS_SERVER_NAME";
 pub const ENV_ADMIN_IDENTITIES: &str = "LUNAKV_ADMIN_IDENTITIES";
+/// Master: the client certificate identities that may mount segments (comma list).
+pub const ENV_MOUNT_IDENTITIES: &str = "LUNAKV_MOUNT_IDENTITIES";
 
 /// The mooncake_config.json keys an engine may give its files in.
 pub const KEY_TLS_CERT: &str = "tls_cert";
@@ -191,7 +193,21 @@ fn config_file_paths(env: &dyn Fn(&str) -> Option<String>) -> TlsPaths {
 /// first SAN when it has no CN) that may call the admin RPCs and act on what others mounted or
 /// reserved. Empty or unset: none.
 pub fn admin_identities(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<String>, ConfigError> {
-    let Some(v) = env(ENV_ADMIN_IDENTITIES) else {
+    identity_list(env, ENV_ADMIN_IDENTITIES)
+}
+
+/// `LUNAKV_MOUNT_IDENTITIES`: the certificate identities that may mount a segment (the
+/// store-clients', and the engines' in embedded mode); empty: any admitted caller may.
+pub fn mount_identities(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<String>, ConfigError> {
+    identity_list(env, ENV_MOUNT_IDENTITIES)
+}
+
+/// A comma list of certificate identities from `var`.
+fn identity_list(
+    env: &dyn Fn(&str) -> Option<String>,
+    var: &str,
+) -> Result<Vec<String>, ConfigError> {
+    let Some(v) = env(var) else {
         return Ok(Vec::new());
     };
     let mut out = Vec::new();
@@ -202,7 +218,7 @@ pub fn admin_identities(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<Stri
         }
         if id.chars().any(char::is_control) {
             return Err(invalid(
-                ENV_ADMIN_IDENTITIES,
+                var,
                 &v,
                 "an identity holds a control character",
                 "write the identities as a comma list of CNs, e.g. lunakv-admin,lunakv-master",

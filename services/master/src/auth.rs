@@ -40,6 +40,14 @@ const ADMIN_RPCS: &[&str] = &[
     "/lunakv.master.v1.Master/ReplicateIndex",
 ];
 
+/// The calls that open a segment to placements: under mTLS with `LUNAKV_MOUNT_IDENTITIES`, only
+/// those identities may make them. Any other admitted caller could otherwise mount a segment of
+/// its own, and new objects would be placed there: it would serve their bytes.
+const MOUNT_RPCS: &[&str] = &[
+    "/lunakv.master.v1.Master/MountSegment",
+    "/lunakv.master.v1.Master/MountInventory",
+];
+
 /// What the RPC port's connections speak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TlsMode {
@@ -59,6 +67,8 @@ pub struct AuthPolicy {
     pub tls: TlsMode,
     /// `LUNAKV_ADMIN_IDENTITIES`.
     pub admin_identities: Vec<String>,
+    /// `LUNAKV_MOUNT_IDENTITIES` (empty: any admitted caller may mount).
+    pub mount_identities: Vec<String>,
 }
 
 impl AuthPolicy {
@@ -130,6 +140,17 @@ pub fn check_grpc(
             "{rpc} needs an admin identity: this client's certificate identity {id:?} is not one \
              of the master's LUNAKV_ADMIN_IDENTITIES; call it with a certificate whose CN is \
              listed there, or with the pool's admin token (LUNAKV_ADMIN_TOKEN)"
+        )));
+    }
+    if MOUNT_RPCS.contains(&path)
+        && !policy.mount_identities.is_empty()
+        && let Some(id) = &caller.identity
+        && !caller.admin
+        && !policy.mount_identities.iter().any(|m| **m == **id)
+    {
+        return Err(Status::permission_denied(format!(
+            "{rpc} needs a mount identity: this client's certificate identity {id:?} is not one              of the master's LUNAKV_MOUNT_IDENTITIES ({}); mount from a store-client's (or an              embedded engine's) certificate, or add this CN to that list",
+            policy.mount_identities.join(",")
         )));
     }
     if tokens.is_empty() {
@@ -378,6 +399,41 @@ mod tests {
             check_grpc(&both, PUT, None, Some(&conn("ops"))).is_err(),
             "an admin identity still needs the pool token where one is set"
         );
+    }
+
+    #[test]
+    fn with_mount_identities_only_those_identities_and_admins_mount() {
+        let conn = |id: &str| Peer {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            tls: true,
+            identity: Some(Arc::from(id)),
+        };
+        const MOUNT: &str = "/lunakv.master.v1.Master/MountSegment";
+        const MORE: &str = "/lunakv.master.v1.Master/MountInventory";
+        let open = AuthPolicy {
+            tls: TlsMode::Mutual,
+            ..AuthPolicy::default()
+        };
+        assert!(check_grpc(&open, MOUNT, None, Some(&conn("engine"))).is_ok());
+        let closed = AuthPolicy {
+            admin_identities: vec!["ops".into()],
+            mount_identities: vec!["lunakv-store".into()],
+            ..open
+        };
+        assert!(check_grpc(&closed, MOUNT, None, Some(&conn("lunakv-store"))).is_ok());
+        assert!(check_grpc(&closed, MOUNT, None, Some(&conn("ops"))).is_ok());
+        for rpc in [MOUNT, MORE] {
+            let e = check_grpc(&closed, rpc, None, Some(&conn("lunakv-engine"))).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::PermissionDenied);
+            assert!(
+                e.message().contains("\"lunakv-engine\"")
+                    && e.message().contains("LUNAKV_MOUNT_IDENTITIES"),
+                "{}",
+                e.message()
+            );
+        }
+        // Other calls of that identity are not affected.
+        assert!(check_grpc(&closed, PUT, None, Some(&conn("lunakv-engine"))).is_ok());
     }
 
     #[test]

@@ -565,6 +565,7 @@ fn rpc_security(tokens: &lunakv_config::auth::PoolTokens) -> Result<RpcSecurity,
         .map_err(|e| ServeError::Config(e.to_string()))?
         .map(Arc::new);
     let admin_identities = lunakv_config::tls::admin_identities(env).map_err(config)?;
+    let mount_identities = lunakv_config::tls::mount_identities(env).map_err(config)?;
     let mode = match &tls {
         None => TlsMode::Off,
         Some(t) if t.requires_client_certificates() => TlsMode::Mutual,
@@ -576,6 +577,7 @@ fn rpc_security(tokens: &lunakv_config::auth::PoolTokens) -> Result<RpcSecurity,
                 cert = %paths.cert.as_ref().map(|f| f.path.display().to_string()).unwrap_or_default(),
                 ca = %paths.ca.as_ref().map(|f| f.path.display().to_string()).unwrap_or_default(),
                 admin_identities = ?admin_identities,
+                mount_identities = ?mount_identities,
                 "the RPC port serves mTLS: every caller presents a certificate from the CA, whose \
                  identity owns its mounts and puts (docs/SECURITY.md)"
             );
@@ -591,10 +593,13 @@ fn rpc_security(tokens: &lunakv_config::auth::PoolTokens) -> Result<RpcSecurity,
             "the RPC port serves TLS without client certificates (no LUNAKV_TLS_CACERT): callers \
              are not identified"
         ),
-        TlsMode::Off if !admin_identities.is_empty() => tracing::warn!(
-            "LUNAKV_ADMIN_IDENTITIES is set but the RPC port has no mTLS (LUNAKV_TLS_CERT, \
-             LUNAKV_TLS_KEY, LUNAKV_TLS_CACERT): no caller has an identity, so it has no effect"
-        ),
+        TlsMode::Off if !admin_identities.is_empty() || !mount_identities.is_empty() => {
+            tracing::warn!(
+                "LUNAKV_ADMIN_IDENTITIES or LUNAKV_MOUNT_IDENTITIES is set but the RPC port has \
+                 no mTLS (LUNAKV_TLS_CERT, LUNAKV_TLS_KEY, LUNAKV_TLS_CACERT): no caller has an \
+                 identity, so it has no effect"
+            )
+        }
         TlsMode::Off => {}
     }
     let leader_tls =
@@ -605,6 +610,7 @@ fn rpc_security(tokens: &lunakv_config::auth::PoolTokens) -> Result<RpcSecurity,
             tokens: tokens.clone(),
             tls: mode,
             admin_identities,
+            mount_identities,
         }),
         leader_tls,
     })
