@@ -845,3 +845,51 @@ fn admin_tls_without_a_certificate_is_refused_at_start_naming_what_to_set() {
         "{out}"
     );
 }
+
+#[test]
+fn lunakv_up_with_admin_tls_prints_an_https_metrics_url_that_answers() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let pki = Pki::new();
+    // One certificate for the master and, as its client, the store (`up` gives both the same
+    // environment); it carries no extended key usage, so it serves either way.
+    let env = pki.env(&pki.server("both"));
+    let run = pki.path().join("run");
+    let mut up = Command::new(lunakv_tests::bin("lunakv"))
+        .args(["--json", "up", "--rpc-port=0", "--metrics-port=0"])
+        .args([
+            "--store-port=0",
+            "--store-metrics-port=0",
+            "--segment-size=32MB",
+        ])
+        .arg("--run-dir")
+        .arg(&run)
+        .env_remove("MOONCAKE_MASTER")
+        .env_remove("MOONCAKE_CONFIG_PATH")
+        .envs(env.iter().cloned())
+        .env("LUNAKV_ADMIN_TLS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn lunakv up");
+    let mut first = String::new();
+    std::io::BufReader::new(up.stdout.take().expect("stdout"))
+        .read_line(&mut first)
+        .expect("read the ready line");
+    let ready: Result<serde_json::Value, _> = serde_json::from_str(&first);
+    let url = ready
+        .as_ref()
+        .ok()
+        .and_then(|r| r["metrics_url"].as_str().map(str::to_string));
+    let got = url
+        .as_deref()
+        .map(|u| admin_get(u, Some(&pki.ca_only()), None));
+    let _ = Command::new("kill")
+        .args(["-TERM", &up.id().to_string()])
+        .status();
+    let _ = up.wait();
+    let url = url.unwrap_or_else(|| panic!("no metrics_url in {first:?}"));
+    assert!(url.starts_with("https://"), "{url}");
+    let (code, body) = got.unwrap().unwrap_or_else(|e| panic!("{url}: {e}"));
+    assert_eq!(code, 200, "{body}");
+}
