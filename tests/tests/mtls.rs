@@ -690,6 +690,210 @@ fn with_mtls_a_certified_callers_forged_inventory_is_rejected() {
     assert_eq!(master.metric("master_inventory_unproven_total"), Some(0.0));
 }
 
+/// GET `url` with lunakv's HTTP client and the TLS of `env` (`None`: no TLS), with
+/// `authorization` when given: (status, body), or the error's text.
+fn admin_get(
+    url: &str,
+    env: Option<&[(String, String)]>,
+    authorization: Option<&str>,
+) -> Result<(u16, String), String> {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = lunakv_http::HttpClient::with_tls(Duration::from_secs(5), env.map(client_tls));
+        let mut req = lunakv_http::request(hyper::Method::GET, url, bytes::Bytes::new())
+            .map_err(|e| e.to_string())?;
+        if let Some(a) = authorization {
+            req.headers_mut()
+                .insert(hyper::header::AUTHORIZATION, a.parse().unwrap());
+        }
+        let r = client
+            .send(req, Duration::from_secs(10))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((r.status.as_u16(), r.text()))
+    })
+}
+
+#[test]
+fn with_admin_tls_the_admin_port_serves_https_and_admits_an_admin_certificate_or_the_token() {
+    const ADMIN: &str = "admin-token-0123456789";
+    let pki = Pki::new();
+    let master_files = pki.server("master");
+    let mut master_env = pki.env(&master_files);
+    master_env.push(("LUNAKV_ADMIN_TLS".into(), "1".into()));
+    master_env.push(("LUNAKV_ADMIN_IDENTITIES".into(), "ops".into()));
+    master_env.push(("LUNAKV_ADMIN_TOKEN".into(), ADMIN.into()));
+    let master = {
+        let _env = child_env(&refs(&master_env));
+        Master::start(&pki.path().join("data"), &[])
+    };
+    assert!(
+        master.proc.output().contains("admin_tls=https"),
+        "{}",
+        master.proc.output()
+    );
+    let base = format!("https://{}", master.admin);
+    let (anonymous, alice, ops) = (
+        pki.ca_only(),
+        pki.env(&pki.client("alice")),
+        pki.env(&pki.client("ops")),
+    );
+
+    // Probes and scrapes: no client certificate needed.
+    for path in ["/metrics", "/health", "/role"] {
+        let (code, body) = admin_get(&format!("{base}{path}"), Some(&anonymous), None)
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert_eq!(code, 200, "{path}: {body}");
+    }
+    let (_, metrics) = admin_get(&format!("{base}/metrics"), Some(&anonymous), None).unwrap();
+    assert!(metrics.contains("master_"), "{metrics}");
+
+    // The guarded listings: neither certificate nor token is refused, naming both ways in.
+    let listing = format!("{base}/get_all_segments");
+    let (code, body) = admin_get(&listing, Some(&anonymous), None).unwrap();
+    assert_eq!(code, 401, "{body}");
+    assert!(
+        body.contains("LUNAKV_ADMIN_IDENTITIES") && body.contains("LUNAKV_ADMIN_TOKEN"),
+        "{body}"
+    );
+    // An admin identity's certificate admits them; another identity's is refused by name.
+    let (code, body) = admin_get(&listing, Some(&ops), None).unwrap();
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = admin_get(&format!("{base}/namespaces"), Some(&alice), None).unwrap();
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains("\"alice\"") && body.contains("LUNAKV_ADMIN_IDENTITIES"),
+        "{body}"
+    );
+    // The admin token, as before, with or without a certificate.
+    let bearer = format!("Bearer {ADMIN}");
+    let (code, body) = admin_get(&listing, Some(&anonymous), Some(&bearer)).unwrap();
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = admin_get(&listing, Some(&alice), Some(&bearer)).unwrap();
+    assert_eq!(code, 200, "{body}");
+
+    // A certificate from another CA is refused at the handshake.
+    let mallory = pki.env(
+        &pki.other
+            .issue_client("mallory")
+            .write(pki.path(), "mallory"),
+    );
+    assert!(admin_get(&listing, Some(&mallory), None).is_err());
+
+    // Plaintext HTTP gets a 400 that says what to use, and the master logs it.
+    let plain = format!("http://{}/metrics", master.admin);
+    let (code, body) = admin_get(&plain, None, None).expect("a plaintext answer");
+    assert_eq!(code, 400, "{body}");
+    assert!(
+        body.contains("HTTPS") && body.contains("LUNAKV_ADMIN_TLS") && body.contains("https://"),
+        "{body}"
+    );
+    let logged = wait_until(Duration::from_secs(5), || {
+        master
+            .proc
+            .output()
+            .contains("plaintext HTTP request on the admin port")
+            .then_some(())
+    });
+    assert!(logged.is_some(), "{}", master.proc.output());
+    // The master still serves after it.
+    assert_eq!(
+        admin_get(&format!("{base}/health"), Some(&anonymous), None)
+            .unwrap()
+            .0,
+        200
+    );
+
+    // The CLI keeps working against it: status, and doctor's master and security rows.
+    let _store = {
+        let _env = child_env(&refs(&pki.env(&pki.client("store"))));
+        Store::start(&master.addr(), "64MB", &[])
+    };
+    let st = cli(&master.addr(), &["status"], &refs(&alice));
+    assert!(st.status.success(), "{}", stderr(&st));
+    let out = cli(&master.addr(), &["--json", "doctor"], &refs(&alice));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("no JSON ({e}): {}", stderr(&out)));
+    let row = |name: &str| {
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} row: {v}"))
+    };
+    assert_eq!(row("master")["status"], "pass", "{v}");
+    assert_ne!(row("security")["status"], "fail", "{v}");
+}
+
+#[test]
+fn admin_tls_without_a_certificate_is_refused_at_start_naming_what_to_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = vec![
+        "--rpc_address=127.0.0.1".to_owned(),
+        "--rpc_port=0".to_owned(),
+        "--metrics_port=0".to_owned(),
+        format!("--data_dir={}", dir.path().join("data").display()),
+    ];
+    let mut p = lunakv_tests::Proc::spawn("lunakv-master", &args, &[("LUNAKV_ADMIN_TLS", "1")]);
+    let code = p.wait_exit(Duration::from_secs(30));
+    let out = p.output();
+    assert!(code.is_some_and(|c| c != 0), "{code:?}: {out}");
+    assert!(
+        out.contains("LUNAKV_ADMIN_TLS") && out.contains("LUNAKV_TLS_CERT"),
+        "{out}"
+    );
+}
+
+#[test]
+fn lunakv_up_with_admin_tls_prints_an_https_metrics_url_that_answers() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let pki = Pki::new();
+    // One certificate for the master and, as its client, the store (`up` gives both the same
+    // environment); it carries no extended key usage, so it serves either way.
+    let env = pki.env(&pki.server("both"));
+    let run = pki.path().join("run");
+    let mut up = Command::new(lunakv_tests::bin("lunakv"))
+        .args(["--json", "up", "--rpc-port=0", "--metrics-port=0"])
+        .args([
+            "--store-port=0",
+            "--store-metrics-port=0",
+            "--segment-size=32MB",
+        ])
+        .arg("--run-dir")
+        .arg(&run)
+        .env_remove("MOONCAKE_MASTER")
+        .env_remove("MOONCAKE_CONFIG_PATH")
+        .envs(env.iter().cloned())
+        .env("LUNAKV_ADMIN_TLS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn lunakv up");
+    let mut first = String::new();
+    std::io::BufReader::new(up.stdout.take().expect("stdout"))
+        .read_line(&mut first)
+        .expect("read the ready line");
+    let ready: Result<serde_json::Value, _> = serde_json::from_str(&first);
+    let url = ready
+        .as_ref()
+        .ok()
+        .and_then(|r| r["metrics_url"].as_str().map(str::to_string));
+    let got = url
+        .as_deref()
+        .map(|u| admin_get(u, Some(&pki.ca_only()), None));
+    let _ = Command::new("kill")
+        .args(["-TERM", &up.id().to_string()])
+        .status();
+    let _ = up.wait();
+    let url = url.unwrap_or_else(|| panic!("no metrics_url in {first:?}"));
+    assert!(url.starts_with("https://"), "{url}");
+    let (code, body) = got.unwrap().unwrap_or_else(|e| panic!("{url}: {e}"));
+    assert_eq!(code, 200, "{body}");
+}
+
 /// `LUNAKV_MOUNT_IDENTITIES`: only the listed identities open segments to placements, so a
 /// certified engine cannot mount a segment of its own and have new objects placed (and served)
 /// there; the store-client's identity mounts as before.

@@ -9,6 +9,7 @@
 //! | `LUNAKV_TLS_CACERT` | the CA client certificates must chain to: a client certificate is required | the CA the server's certificate must chain to: TLS on |
 //! | `LUNAKV_TLS_SERVER_NAME` | - | the name expected in the server's certificate (default: the host dialled) |
 //! | `LUNAKV_ADMIN_IDENTITIES` | master: the client identities (CN or first SAN) that are admins | - |
+//! | `LUNAKV_ADMIN_TLS` | master: `1` serves the admin HTTP port (metrics, probes, listings) as HTTPS with the same files; client certificates asked but optional | - |
 //!
 //! An engine may give the three files as `tls_cert`, `tls_key` and `tls_cacert` in the
 //! mooncake_config.json that `MOONCAKE_CONFIG_PATH` names; the variables win. The files are PEM;
@@ -26,6 +27,7 @@ pub const ENV_TLS_SERVER_NAME: &str = "LUNAKV_TLS_SERVER_NAME";
 pub const ENV_ADMIN_IDENTITIES: &str = "LUNAKV_ADMIN_IDENTITIES";
 /// Master: the client certificate identities that may mount segments (comma list).
 pub const ENV_MOUNT_IDENTITIES: &str = "LUNAKV_MOUNT_IDENTITIES";
+pub const ENV_ADMIN_TLS: &str = "LUNAKV_ADMIN_TLS";
 
 /// The mooncake_config.json keys an engine may give its files in.
 pub const KEY_TLS_CERT: &str = "tls_cert";
@@ -229,6 +231,25 @@ fn identity_list(
     Ok(out)
 }
 
+/// `LUNAKV_ADMIN_TLS`: whether the master's admin HTTP port serves HTTPS (`1`/`true`/`on`;
+/// unset, `0`, `false`, `off`: plaintext, the default). It needs the server's files
+/// ([`TlsPaths::server_from_env`]); the master refuses to start when they are missing.
+pub fn admin_tls(env: &dyn Fn(&str) -> Option<String>) -> Result<bool, ConfigError> {
+    let Some(v) = env(ENV_ADMIN_TLS) else {
+        return Ok(false);
+    };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" | "0" | "false" | "off" | "no" => Ok(false),
+        "1" | "true" | "on" | "yes" => Ok(true),
+        _ => Err(invalid(
+            ENV_ADMIN_TLS,
+            &v,
+            "not a switch",
+            "set it to 1 (the admin port serves HTTPS) or 0 (plaintext)",
+        )),
+    }
+}
+
 fn invalid(field: &str, value: &str, reason: &str, fix: &str) -> ConfigError {
     ConfigError::Invalid {
         field: field.to_string(),
@@ -323,6 +344,17 @@ mod tests {
             "the variables replace the file's keys as a whole"
         );
         assert_eq!(p.ca.unwrap().origin, ENV_TLS_CACERT);
+    }
+
+    #[test]
+    fn admin_tls_is_a_switch_off_by_default() {
+        assert!(!admin_tls(&env(&[])).unwrap());
+        assert!(admin_tls(&env(&[(ENV_ADMIN_TLS, "1")])).unwrap());
+        assert!(!admin_tls(&env(&[(ENV_ADMIN_TLS, "off")])).unwrap());
+        let e = admin_tls(&env(&[(ENV_ADMIN_TLS, "maybe")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(ENV_ADMIN_TLS), "{e}");
     }
 
     #[test]

@@ -214,6 +214,22 @@ impl ClientTls {
     /// [`ClientTls::explain`]ed, as are those of later reads (a refused client certificate
     /// shows on the first read under TLS 1.3).
     pub async fn connect(&self, host_port: &str, wait: Duration) -> io::Result<TlsIo> {
+        self.connect_with(&self.0.grpc, host_port, wait).await
+    }
+
+    /// As [`ClientTls::connect`], without ALPN: for HTTP/1 over TLS (the master's admin port
+    /// under `LUNAKV_ADMIN_TLS`, through `lunakv-http`).
+    pub async fn connect_http1(&self, host_port: &str, wait: Duration) -> io::Result<TlsIo> {
+        let connector = TlsConnector::from(self.0.plain.clone());
+        self.connect_with(&connector, host_port, wait).await
+    }
+
+    async fn connect_with(
+        &self,
+        connector: &TlsConnector,
+        host_port: &str,
+        wait: Duration,
+    ) -> io::Result<TlsIo> {
         let host = host_of(host_port);
         let name = self.server_name(host)?;
         let tcp = tokio::time::timeout(wait, TcpStream::connect(host_port))
@@ -225,7 +241,7 @@ impl ClientTls {
                 )
             })??;
         let _ = tcp.set_nodelay(true);
-        let mut s = tokio::time::timeout(wait, self.0.grpc.connect(name, tcp))
+        let mut s = tokio::time::timeout(wait, connector.connect(name, tcp))
             .await
             .map_err(|_| {
                 io::Error::new(

@@ -68,29 +68,36 @@ thread_local! {
 struct ClientVerifier {
     ca: TlsFile,
     current: Watched<Arc<dyn ClientCertVerifier>>,
+    /// A client may present no certificate (the master's admin port: probes and scrapes
+    /// carry none); one it presents is still verified.
+    optional: bool,
 }
 
 impl ClientVerifier {
-    fn new(ca: &TlsFile) -> Result<ClientVerifier, TlsError> {
+    fn new(ca: &TlsFile, optional: bool) -> Result<ClientVerifier, TlsError> {
         let file = ca.clone();
         let current = Watched::new(
             "the CA for client certificates",
             vec![ca.path.clone()],
             move || {
                 let roots = files::roots(&file)?;
-                WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
-                    .build()
-                    .map_err(|e| TlsError::File {
-                        file: file.clone(),
-                        reason: format!("cannot verify client certificates with it: {e}"),
-                        fix: "give the CA certificate(s) that issue the clients' certificates"
-                            .into(),
-                    })
+                let b = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider());
+                let b = if optional {
+                    b.allow_unauthenticated()
+                } else {
+                    b
+                };
+                b.build().map_err(|e| TlsError::File {
+                    file: file.clone(),
+                    reason: format!("cannot verify client certificates with it: {e}"),
+                    fix: "give the CA certificate(s) that issue the clients' certificates".into(),
+                })
             },
         )?;
         Ok(ClientVerifier {
             ca: ca.clone(),
             current,
+            optional,
         })
     }
 
@@ -131,6 +138,10 @@ impl ClientVerifier {
 }
 
 impl ClientCertVerifier for ClientVerifier {
+    fn client_auth_mandatory(&self) -> bool {
+        !self.optional
+    }
+
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
         // No hints: a lunakv client has one certificate to offer, and the CA may be reloaded.
         &[]
@@ -195,6 +206,8 @@ pub struct ServerTls {
     service: &'static str,
     acceptor: TlsAcceptor,
     ca: Option<TlsFile>,
+    /// Client certificates are asked for but a client may present none.
+    optional: bool,
     logged: Mutex<HashMap<(IpAddr, String), Instant>>,
 }
 
@@ -216,6 +229,27 @@ impl ServerTls {
         paths: &TlsPaths,
         alpn: &[&[u8]],
     ) -> Result<Option<ServerTls>, TlsError> {
+        ServerTls::build(service, paths, alpn, false)
+    }
+
+    /// As [`ServerTls::from_paths`], but with a CA a client certificate is asked for and
+    /// optional: one presented is verified (a refused one fails the handshake) and names the
+    /// caller ([`Peer::identity`]); a client without one is served without an identity. For
+    /// ports that probes and scrapers reach without certificates (the master's admin port).
+    pub fn with_optional_client_certificates(
+        service: &'static str,
+        paths: &TlsPaths,
+        alpn: &[&[u8]],
+    ) -> Result<Option<ServerTls>, TlsError> {
+        ServerTls::build(service, paths, alpn, true)
+    }
+
+    fn build(
+        service: &'static str,
+        paths: &TlsPaths,
+        alpn: &[&[u8]],
+        optional: bool,
+    ) -> Result<Option<ServerTls>, TlsError> {
         let (Some(cert), Some(key)) = (&paths.cert, &paths.key) else {
             return Ok(None);
         };
@@ -225,7 +259,7 @@ impl ServerTls {
             .map_err(|e| TlsError::Setup(e.to_string()))?;
         let mut cfg = match &paths.ca {
             Some(ca) => builder
-                .with_client_cert_verifier(Arc::new(ClientVerifier::new(ca)?))
+                .with_client_cert_verifier(Arc::new(ClientVerifier::new(ca, optional)?))
                 .with_cert_resolver(resolver),
             None => builder.with_no_client_auth().with_cert_resolver(resolver),
         };
@@ -234,13 +268,25 @@ impl ServerTls {
             service,
             acceptor: TlsAcceptor::from(Arc::new(cfg)),
             ca: paths.ca.clone(),
+            optional,
             logged: Mutex::new(HashMap::new()),
         }))
     }
 
     /// Whether every client must present a certificate from the CA (mTLS).
     pub fn requires_client_certificates(&self) -> bool {
+        self.ca.is_some() && !self.optional
+    }
+
+    /// Whether client certificates are asked for (required or optional), so callers may have
+    /// identities.
+    pub fn asks_client_certificates(&self) -> bool {
         self.ca.is_some()
+    }
+
+    /// The service this port belongs to, as log lines and refusals name it.
+    pub fn service(&self) -> &'static str {
+        self.service
     }
 
     /// The rustls acceptor (for servers that drive the handshake themselves).
@@ -307,7 +353,9 @@ impl ServerTls {
         }
     }
 
-    fn log(&self, addr: SocketAddr, why: String) {
+    /// Logs a refused connection from `addr` and `why`, at most once per peer and reason per
+    /// 30 s (a plaintext request on a TLS port, for one).
+    pub fn log(&self, addr: SocketAddr, why: String) {
         {
             let mut logged = self.logged.lock();
             if logged.len() >= LOG_KEYS {

@@ -6,6 +6,8 @@
 //! - Admin HTTP: the listings that reveal where objects live (`/query_key`,
 //!   `/get_all_segments`, `/namespaces`) need the admin token (or the pool token when no admin
 //!   token is set); `/metrics`, `/health`, `/role`, `/leader` stay open for Prometheus and probes.
+//!   With `LUNAKV_ADMIN_TLS=1` the port serves HTTPS ([`crate::admin_tls`]) and a client
+//!   certificate whose identity is in `LUNAKV_ADMIN_IDENTITIES` admits them too.
 //!
 //! - mTLS (`LUNAKV_TLS_CERT`, `LUNAKV_TLS_KEY`, `LUNAKV_TLS_CACERT`): the connection's client
 //!   certificate names the caller ([`Peer::identity`]), which reaches the handlers as a
@@ -185,25 +187,85 @@ pub fn check_grpc(
     }))
 }
 
-/// Whether an admin-port request for `path` with `authorization` may proceed; `Err` is the
-/// body of a 401.
+/// What the admin HTTP port checks on its guarded routes.
+#[derive(Debug, Default)]
+pub struct AdminHttpPolicy {
+    pub tokens: PoolTokens,
+    /// `LUNAKV_ADMIN_IDENTITIES`.
+    pub admin_identities: Vec<String>,
+    /// The port serves HTTPS and asks for (optional) client certificates
+    /// (`LUNAKV_ADMIN_TLS=1` with `LUNAKV_TLS_CACERT`): an admin identity admits, and with
+    /// identities listed the guarded routes are closed to callers with neither.
+    pub certificates: bool,
+}
+
+impl AdminHttpPolicy {
+    /// Only tokens (a plaintext admin port).
+    pub fn tokens(tokens: PoolTokens) -> AdminHttpPolicy {
+        AdminHttpPolicy {
+            tokens,
+            ..AdminHttpPolicy::default()
+        }
+    }
+}
+
+/// Whether an admin-port request for `path` with `authorization`, from a caller whose client
+/// certificate names `identity` (`None`: none presented, or plaintext), may proceed; `Err` is
+/// the status (401 or 403) and a body that names what to send or set.
 pub fn check_http(
-    tokens: &PoolTokens,
+    policy: &AdminHttpPolicy,
     path: &str,
     authorization: Option<&http::HeaderValue>,
-) -> Result<(), &'static str> {
-    let need = tokens.admin.as_ref().or(tokens.pool.as_ref());
-    let Some(need) = need else {
-        return Ok(());
-    };
-    if !GUARDED_HTTP.contains(&path) || any_matches(&[Some(need)], bearer(authorization)) {
+    identity: Option<&str>,
+) -> Result<(), (http::StatusCode, String)> {
+    if !GUARDED_HTTP.contains(&path) {
         return Ok(());
     }
-    Err(
-        "this route reveals where objects live or changes the pool's policy: send \
-         `Authorization: Bearer <token>` with the pool's admin token (LUNAKV_ADMIN_TOKEN), or the \
-         pool token when no admin token is set\n",
-    )
+    let certs = policy.certificates && !policy.admin_identities.is_empty();
+    if certs && identity.is_some_and(|id| policy.admin_identities.iter().any(|a| a == id)) {
+        return Ok(());
+    }
+    let tokens = &policy.tokens;
+    let need = tokens.admin.as_ref().or(tokens.pool.as_ref());
+    match need {
+        None if !certs => return Ok(()),
+        Some(t) if any_matches(&[Some(t)], bearer(authorization)) => return Ok(()),
+        _ => {}
+    }
+    const WHY: &str = "this route reveals where objects live or changes the pool's policy";
+    let token = match need {
+        Some(_) => {
+            "send `Authorization: Bearer <token>` with the pool's admin token \
+             (LUNAKV_ADMIN_TOKEN), or the pool token when no admin token is set"
+        }
+        None => "",
+    };
+    if let Some(id) = identity.filter(|_| certs) {
+        let or = if token.is_empty() { "" } else { ", or " };
+        return Err((
+            http::StatusCode::FORBIDDEN,
+            format!(
+                "{WHY}: this client's certificate identity {id:?} is not one of the master's \
+                 LUNAKV_ADMIN_IDENTITIES; call it with a certificate whose CN is listed there\
+                 {or}{token}\n"
+            ),
+        ));
+    }
+    let cert = if certs {
+        "present a client certificate from the pool's CA whose CN is in the master's \
+         LUNAKV_ADMIN_IDENTITIES (LUNAKV_TLS_CERT, LUNAKV_TLS_KEY)"
+    } else {
+        ""
+    };
+    let or = if !cert.is_empty() && !token.is_empty() {
+        ", or "
+    } else {
+        ""
+    };
+    Err((
+        http::StatusCode::UNAUTHORIZED,
+        format!("{WHY}: {cert}{or}{token}\n"),
+    ))
 }
 
 /// The tower layer for the gRPC server.
@@ -267,20 +329,26 @@ where
     }
 }
 
-/// axum middleware for the admin port.
+/// axum middleware for the admin port; under HTTPS the caller's certificate identity comes
+/// from the connection ([`crate::admin_tls::AdminPeer`]).
 pub async fn admin_http(
-    tokens: Arc<PoolTokens>,
+    policy: Arc<AdminHttpPolicy>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
+    let identity = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<crate::admin_tls::AdminPeer>>()
+        .and_then(|c| c.0.0.identity.clone());
     match check_http(
-        &tokens,
+        &policy,
         req.uri().path(),
         req.headers().get(http::header::AUTHORIZATION),
+        identity.as_deref(),
     ) {
         Ok(()) => next.run(req).await,
-        Err(body) => (http::StatusCode::UNAUTHORIZED, body).into_response(),
+        Err((status, body)) => (status, body).into_response(),
     }
 }
 
@@ -438,14 +506,57 @@ mod tests {
 
     #[test]
     fn admin_listings_need_a_token_and_metrics_stay_open() {
-        let t = pool_tokens(Some(POOL), Some(ADMIN));
-        assert!(check_http(&t, "/metrics", None).is_ok());
-        assert!(check_http(&t, "/health", None).is_ok());
-        assert!(check_http(&t, "/query_key", None).is_err());
-        assert!(check_http(&t, "/query_key", Some(&h(&format!("Bearer {POOL}")))).is_err());
-        assert!(check_http(&t, "/query_key", Some(&h(&format!("Bearer {ADMIN}")))).is_ok());
-        let p = pool_tokens(Some(POOL), None);
-        assert!(check_http(&p, "/get_all_segments", Some(&h(&format!("Bearer {POOL}")))).is_ok());
-        assert!(check_http(&pool_tokens(None, None), "/query_key", None).is_ok());
+        let t = AdminHttpPolicy::tokens(pool_tokens(Some(POOL), Some(ADMIN)));
+        assert!(check_http(&t, "/metrics", None, None).is_ok());
+        assert!(check_http(&t, "/health", None, None).is_ok());
+        assert!(check_http(&t, "/query_key", None, None).is_err());
+        let pool = h(&format!("Bearer {POOL}"));
+        let admin = h(&format!("Bearer {ADMIN}"));
+        assert!(check_http(&t, "/query_key", Some(&pool), None).is_err());
+        assert!(check_http(&t, "/query_key", Some(&admin), None).is_ok());
+        let p = AdminHttpPolicy::tokens(pool_tokens(Some(POOL), None));
+        assert!(check_http(&p, "/get_all_segments", Some(&pool), None).is_ok());
+        let open = AdminHttpPolicy::tokens(pool_tokens(None, None));
+        assert!(check_http(&open, "/query_key", None, None).is_ok());
+        // Without client certificates on the port, an identity counts for nothing.
+        let plain = AdminHttpPolicy {
+            admin_identities: vec!["ops".into()],
+            ..AdminHttpPolicy::tokens(pool_tokens(None, Some(ADMIN)))
+        };
+        assert!(check_http(&plain, "/query_key", None, Some("ops")).is_err());
+    }
+
+    #[test]
+    fn under_admin_tls_an_admin_identity_admits_the_listings() {
+        let certs = AdminHttpPolicy {
+            admin_identities: vec!["ops".into()],
+            certificates: true,
+            ..AdminHttpPolicy::default()
+        };
+        assert!(check_http(&certs, "/metrics", None, None).is_ok());
+        assert!(check_http(&certs, "/role", None, None).is_ok());
+        let (code, body) = check_http(&certs, "/query_key", None, None).unwrap_err();
+        assert_eq!(code, http::StatusCode::UNAUTHORIZED);
+        assert!(body.contains("LUNAKV_ADMIN_IDENTITIES"), "{body}");
+        assert!(check_http(&certs, "/query_key", None, Some("ops")).is_ok());
+        let (code, body) = check_http(&certs, "/namespaces", None, Some("alice")).unwrap_err();
+        assert_eq!(code, http::StatusCode::FORBIDDEN);
+        assert!(
+            body.contains("\"alice\"") && body.contains("LUNAKV_ADMIN_IDENTITIES"),
+            "{body}"
+        );
+        // The admin token keeps working, and is named.
+        let both = AdminHttpPolicy {
+            tokens: pool_tokens(Some(POOL), Some(ADMIN)),
+            ..certs
+        };
+        let admin = h(&format!("Bearer {ADMIN}"));
+        assert!(check_http(&both, "/query_key", Some(&admin), Some("alice")).is_ok());
+        assert!(check_http(&both, "/query_key", Some(&admin), None).is_ok());
+        let (_, body) = check_http(&both, "/query_key", None, None).unwrap_err();
+        assert!(
+            body.contains("LUNAKV_ADMIN_TOKEN") && body.contains("LUNAKV_ADMIN_IDENTITIES"),
+            "{body}"
+        );
     }
 }

@@ -12,6 +12,7 @@
 //! - [`notifier`]: how frees reach a segment's owner before a range is reused.
 //! - [`grpc`]: the tonic service, prost -> domain conversions, the error -> `Status` mapping.
 //! - [`admin`]: `/metrics`, `/health`, `/get_all_segments`, `/query_key`, `/namespaces`.
+//! - [`admin_tls`]: HTTPS on the admin port (`LUNAKV_ADMIN_TLS=1`), client certificates optional.
 //! - [`namespaces`]: cross-instance key consistency per vLLM key namespace (`lunakv doctor`).
 //! - [`persist`]: what survives a restart (epoch, cluster id, segment endpoints) in a
 //!   [`lunakv_meta::MetaStore`]; the object index is rebuilt from owners' inventories.
@@ -36,6 +37,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod admin_tls;
 pub mod alloc;
 pub mod auth;
 pub mod core;

@@ -385,7 +385,15 @@ impl Master {
             tls,
             policy,
             leader_tls,
+            admin_tls,
         } = rpc_security(&tokens)?;
+        let admin_policy = Arc::new(crate::auth::AdminHttpPolicy {
+            tokens: (*tokens).clone(),
+            admin_identities: policy.admin_identities.clone(),
+            certificates: admin_tls
+                .as_ref()
+                .is_some_and(|t| t.asks_client_certificates()),
+        });
         let (stop_tx, stop_rx) = watch::channel(false);
         let put_end = Arc::new(Notify::new());
 
@@ -435,24 +443,43 @@ impl Master {
                 ),
         );
         let mut rx = stop_rx.clone();
-        let admin = tokio::spawn(
-            axum::serve(
-                listeners.admin,
-                crate::admin::router_full(self.slot.clone(), ha_state.clone(), self.events.clone())
-                    .merge(crate::admin::tenant_routes(
-                        self.slot.clone(),
-                        ha_state.clone(),
-                        self.tenants.clone(),
-                    ))
-                    .layer(axum::middleware::from_fn(move |req, next| {
-                        crate::auth::admin_http(tokens.clone(), req, next)
-                    })),
-            )
-            .with_graceful_shutdown(async move {
-                let _ = rx.changed().await;
-            })
-            .into_future(),
-        );
+        let router =
+            crate::admin::router_full(self.slot.clone(), ha_state.clone(), self.events.clone())
+                .merge(crate::admin::tenant_routes(
+                    self.slot.clone(),
+                    ha_state.clone(),
+                    self.tenants.clone(),
+                ))
+                .layer(axum::middleware::from_fn(move |req, next| {
+                    crate::auth::admin_http(admin_policy.clone(), req, next)
+                }));
+        let admin_stop = async move {
+            let _ = rx.changed().await;
+        };
+        let admin = match &admin_tls {
+            // HTTPS: each request carries its caller's certificate identity, if any.
+            Some(t) => {
+                let listener = crate::admin_tls::TlsAdminListener::new(listeners.admin, t.clone())
+                    .map_err(|source| ServeError::Bind {
+                        what: "admin/metrics",
+                        addr: admin_addr.to_string(),
+                        source,
+                    })?;
+                tokio::spawn(
+                    axum::serve(
+                        listener,
+                        router.into_make_service_with_connect_info::<crate::admin_tls::AdminPeer>(),
+                    )
+                    .with_graceful_shutdown(admin_stop)
+                    .into_future(),
+                )
+            }
+            None => tokio::spawn(
+                axum::serve(listeners.admin, router)
+                    .with_graceful_shutdown(admin_stop)
+                    .into_future(),
+            ),
+        };
         let background = tokio::spawn(background(
             self.slot.clone(),
             self.meta.clone(),
@@ -495,6 +522,9 @@ impl Master {
                 vec![("rpc", &rpc_addr), ("admin", &admin_addr)];
             if election.is_some() {
                 fields.push(("ha", &"etcd"));
+            }
+            if admin_tls.is_some() {
+                fields.push(("admin_tls", &"https"));
             }
             if let Some(t) = &tls {
                 fields.push((
@@ -553,10 +583,13 @@ struct RpcSecurity {
     policy: Arc<AuthPolicy>,
     /// A standby follows the leader's ReplicateIndex with the same files, as a client.
     leader_tls: Option<lunakv_tls::ClientTls>,
+    /// `LUNAKV_ADMIN_TLS=1`: the admin port's HTTPS, client certificates optional.
+    admin_tls: Option<Arc<lunakv_tls::ServerTls>>,
 }
 
-/// TLS on the RPC port (`LUNAKV_TLS_*`) and the auth policy of its calls (tokens, TLS,
-/// `LUNAKV_ADMIN_IDENTITIES`); every refusal names the variable and the fix.
+/// TLS on the RPC port (`LUNAKV_TLS_*`) and on the admin port (`LUNAKV_ADMIN_TLS`), and the
+/// auth policy of the RPC port's calls (tokens, TLS, `LUNAKV_ADMIN_IDENTITIES`); every refusal
+/// names the variable and the fix.
 fn rpc_security(tokens: &lunakv_config::auth::PoolTokens) -> Result<RpcSecurity, ServeError> {
     let env = &lunakv_config::process_env;
     let config = |e: lunakv_config::ConfigError| ServeError::Config(e.to_string());
@@ -604,7 +637,35 @@ fn rpc_security(tokens: &lunakv_config::auth::PoolTokens) -> Result<RpcSecurity,
     }
     let leader_tls =
         lunakv_tls::ClientTls::from_paths(&paths).map_err(|e| ServeError::Config(e.to_string()))?;
+    let admin_tls = if lunakv_config::tls::admin_tls(env).map_err(config)? {
+        let t = lunakv_tls::ServerTls::with_optional_client_certificates(
+            "lunakv-master",
+            &paths,
+            // axum serves HTTP/1 here (no `http2` feature): offer only that.
+            &[b"http/1.1"],
+        )
+        .map_err(|e| ServeError::Config(e.to_string()))?
+        .ok_or_else(|| {
+            ServeError::Config(
+                "LUNAKV_ADMIN_TLS=1 serves the admin port as HTTPS with the RPC port's \
+                 certificate, and none is set: set LUNAKV_TLS_CERT and LUNAKV_TLS_KEY (and \
+                 LUNAKV_TLS_CACERT for client certificates), or unset LUNAKV_ADMIN_TLS"
+                    .into(),
+            )
+        })?;
+        tracing::info!(
+            client_certificates = t.asks_client_certificates(),
+            "the admin port serves HTTPS (LUNAKV_ADMIN_TLS): /metrics, /health, /role and \
+             /leader stay open to callers without a certificate; the listings and the tenant \
+             API admit the admin token or a certificate whose identity is in \
+             LUNAKV_ADMIN_IDENTITIES (docs/SECURITY.md)"
+        );
+        Some(Arc::new(t))
+    } else {
+        None
+    };
     Ok(RpcSecurity {
+        admin_tls,
         tls,
         policy: Arc::new(AuthPolicy {
             tokens: tokens.clone(),

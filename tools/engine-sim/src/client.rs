@@ -65,10 +65,12 @@ impl JsonClient {
                     after,
                 },
                 HttpError::Url { reason, .. } => CallError::Url(format!("{url}: {reason}")),
-                HttpError::Transport { msg, .. } => CallError::Http {
-                    url: url.to_string(),
-                    msg,
-                },
+                HttpError::Transport { msg, .. } | HttpError::Tls { reason: msg, .. } => {
+                    CallError::Http {
+                        url: url.to_string(),
+                        msg,
+                    }
+                }
             })?;
         propagate::record_http_status(&span, resp.status);
         if !resp.status.is_success() {

@@ -71,6 +71,8 @@ pub struct Stack {
     /// `host:port` of the master's gRPC endpoint.
     pub master_rpc: String,
     pub master_admin: Option<String>,
+    /// The master's admin port serves HTTPS (`LUNAKV_ADMIN_TLS`: `admin_tls=https` in its line).
+    pub master_admin_https: bool,
     pub store_transfer: String,
     pub store_admin: Option<String>,
 }
@@ -99,6 +101,7 @@ impl Stack {
         )?;
         let master_rpc = master.field("rpc")?.to_owned();
         let master_admin = master.fields.get("admin").cloned();
+        let master_admin_https = master.fields.contains_key("admin_tls");
         let mut store = match Service::spawn(
             "store",
             &store_bin,
@@ -135,6 +138,7 @@ impl Stack {
             store,
             master_rpc,
             master_admin,
+            master_admin_https,
             store_transfer,
             store_admin,
         })

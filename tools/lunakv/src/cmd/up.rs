@@ -76,10 +76,14 @@ pub fn run(a: &UpArgs, json: bool) -> anyhow::Result<ExitCode> {
     std::fs::write(&config_path, format!("{config_text}\n"))
         .with_context(|| format!("cannot write {}", config_path.display()))?;
     let config_abs = std::fs::canonicalize(&config_path).unwrap_or(config_path.clone());
-    let metrics = stack
-        .master_admin
-        .as_ref()
-        .map(|a| format!("http://{a}/metrics"));
+    let metrics = stack.master_admin.as_ref().map(|a| {
+        let scheme = if stack.master_admin_https {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{a}/metrics")
+    });
 
     if json {
         print_json(&serde_json::json!({
