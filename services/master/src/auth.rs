@@ -40,6 +40,9 @@ const ADMIN_RPCS: &[&str] = &[
     "/lunakv.master.v1.Master/RemoveByRegex",
     // A standby's copy of the index carries every owner's mount secret.
     "/lunakv.master.v1.Master/ReplicateIndex",
+    // An eviction control: it moves any engine's object out of DRAM now (and loses it where the
+    // owner cannot write it to disk). `lunakv doctor` proves the SSD tier with it, as an admin.
+    "/lunakv.master.v1.Master/OffloadKey",
 ];
 
 /// The calls that open a segment to placements: under mTLS with `LUNAKV_MOUNT_IDENTITIES`, only
@@ -453,6 +456,11 @@ mod tests {
         );
         let c = check_grpc(&mtls, RM_ALL, None, Some(&conn("ops"))).unwrap();
         assert!(c.admin && c.overrides_owners());
+        // Eviction controls are admin calls too.
+        const OFFLOAD: &str = "/lunakv.master.v1.Master/OffloadKey";
+        let e = check_grpc(&mtls, OFFLOAD, None, Some(&conn("alice"))).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(check_grpc(&mtls, OFFLOAD, None, Some(&conn("ops"))).is_ok());
         // The admin token keeps working under mTLS.
         let both = AuthPolicy {
             tokens: pool_tokens(Some(POOL), Some(ADMIN)),
