@@ -942,6 +942,10 @@ fn with_mount_identities_only_a_listed_identity_mounts() {
     // The store's segment is the only one, and a put lands there.
     let file = pki.path().join("v");
     std::fs::write(&file, pattern(31, 4096)).unwrap();
-    let put = cli(&addr, &["put", "k", &file.display().to_string()], &refs(&engine));
+    let put = cli(
+        &addr,
+        &["put", "k", &file.display().to_string()],
+        &refs(&engine),
+    );
     assert!(put.status.success(), "{}", stderr(&put));
 }
