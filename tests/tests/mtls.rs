@@ -78,6 +78,38 @@ impl Pki {
         ]
     }
 
+    /// A master's environment: a server certificate from the pool's CA, the CA, and `extra`.
+    fn master_env(&self, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+        let mut env = self.env(&self.server("master"));
+        env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        env
+    }
+
+    /// A master started with `env` (see [`Pki::master_env`]).
+    fn start_master(&self, env: &[(String, String)]) -> Master {
+        let _env = child_env(&refs(env));
+        Master::start(&self.path().join("data"), &[])
+    }
+
+    /// A master with the pool's server certificate and CA, plus `extra` variables.
+    fn master(&self, extra: &[(&str, &str)]) -> Master {
+        self.start_master(&self.master_env(extra))
+    }
+
+    /// A store-client on `addr` whose certificate names `cn`.
+    fn store(&self, addr: &str, cn: &str) -> Store {
+        let _env = child_env(&refs(&self.env(&self.client(cn))));
+        Store::start(addr, "64MB", &[])
+    }
+
+    /// `lunakv put key` of `value` through the CLI with `env`; it must succeed.
+    fn put(&self, addr: &str, key: &str, value: &[u8], env: &[(String, String)]) {
+        let file = self.path().join(format!("value-{key}"));
+        std::fs::write(&file, value).unwrap();
+        let put = cli(addr, &["put", key, &file.display().to_string()], &refs(env));
+        assert!(put.status.success(), "{}", stderr(&put));
+    }
+
     /// Only the CA: TLS, no client certificate.
     fn ca_only(&self) -> Vec<(String, String)> {
         vec![(
@@ -159,33 +191,19 @@ fn tcp(addr: &str) -> std::net::TcpStream {
 #[test]
 fn a_master_with_mtls_serves_certified_clients_and_refuses_strangers_naming_the_certificate() {
     let pki = Pki::new();
-    let master_files = pki.server("master");
-    let master = {
-        let _env = child_env(&refs(&pki.env(&master_files)));
-        Master::start(&pki.path().join("data"), &[])
-    };
+    let master = pki.master(&[]);
     assert!(
         master.proc.output().contains("tls=mtls"),
         "{}",
         master.proc.output()
     );
     let addr = master.addr();
-    let _store = {
-        let _env = child_env(&refs(&pki.env(&pki.client("store"))));
-        Store::start(&addr, "64MB", &[])
-    };
+    let _store = pki.store(&addr, "store");
 
     // A client with a certificate from the pool's CA: put and get, by quick calls and by gRPC.
     let alice = pki.env(&pki.client("alice"));
     let value = pattern(11, 8192);
-    let file = pki.path().join("v");
-    std::fs::write(&file, &value).unwrap();
-    let put = cli(
-        &addr,
-        &["put", "tls-k", &file.display().to_string()],
-        &refs(&alice),
-    );
-    assert!(put.status.success(), "{}", stderr(&put));
+    pki.put(&addr, "tls-k", &value, &alice);
     let got = cli(&addr, &["get", "tls-k"], &refs(&alice));
     assert!(got.status.success(), "{}", stderr(&got));
     assert_eq!(got.stdout, value);
@@ -405,18 +423,9 @@ fn status_ok(addr: &str, env: &[(String, String)]) -> bool {
 #[test]
 fn identities_own_their_mounts_and_puts_and_only_an_admin_identity_removes_all() {
     let pki = Pki::new();
-    let master_files = pki.server("master");
-    let mut master_env = pki.env(&master_files);
-    master_env.push(("LUNAKV_ADMIN_IDENTITIES".into(), "ops".into()));
-    let master = {
-        let _env = child_env(&refs(&master_env));
-        Master::start(&pki.path().join("data"), &[])
-    };
+    let master = pki.master(&[("LUNAKV_ADMIN_IDENTITIES", "ops")]);
     let addr = master.addr();
-    let _store = {
-        let _env = child_env(&refs(&pki.env(&pki.client("store-a"))));
-        Store::start(&addr, "64MB", &[])
-    };
+    let _store = pki.store(&addr, "store-a");
     let (alice, bob, ops) = (
         pki.env(&pki.client("alice")),
         pki.env(&pki.client("bob")),
@@ -608,26 +617,13 @@ fn the_bootstrap_grpc_port_takes_registrations_with_a_certificate_only() {
 #[test]
 fn with_mtls_a_certified_callers_forged_inventory_is_rejected() {
     let pki = Pki::new();
-    let master_env = pki.env(&pki.server("master"));
-    let mut master = {
-        let _env = child_env(&refs(&master_env));
-        Master::start(&pki.path().join("data"), &[])
-    };
+    let master_env = pki.master_env(&[]);
+    let mut master = pki.start_master(&master_env);
     let addr = master.addr();
-    let _store = {
-        let _env = child_env(&refs(&pki.env(&pki.client("store"))));
-        Store::start(&addr, "64MB", &[])
-    };
+    let _store = pki.store(&addr, "store");
     let alice = pki.env(&pki.client("alice"));
     let value = pattern(21, 8192);
-    let file = pki.path().join("victim");
-    std::fs::write(&file, &value).unwrap();
-    let put = cli(
-        &addr,
-        &["put", "victim", &file.display().to_string()],
-        &refs(&alice),
-    );
-    assert!(put.status.success(), "{}", stderr(&put));
+    pki.put(&addr, "victim", &value, &alice);
 
     let mallory = pki.env(&pki.client("mallory"));
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -718,15 +714,11 @@ fn admin_get(
 fn with_admin_tls_the_admin_port_serves_https_and_admits_an_admin_certificate_or_the_token() {
     const ADMIN: &str = "admin-token-0123456789";
     let pki = Pki::new();
-    let master_files = pki.server("master");
-    let mut master_env = pki.env(&master_files);
-    master_env.push(("LUNAKV_ADMIN_TLS".into(), "1".into()));
-    master_env.push(("LUNAKV_ADMIN_IDENTITIES".into(), "ops".into()));
-    master_env.push(("LUNAKV_ADMIN_TOKEN".into(), ADMIN.into()));
-    let master = {
-        let _env = child_env(&refs(&master_env));
-        Master::start(&pki.path().join("data"), &[])
-    };
+    let master = pki.master(&[
+        ("LUNAKV_ADMIN_TLS", "1"),
+        ("LUNAKV_ADMIN_IDENTITIES", "ops"),
+        ("LUNAKV_ADMIN_TOKEN", ADMIN),
+    ]);
     assert!(
         master.proc.output().contains("admin_tls=https"),
         "{}",
@@ -805,10 +797,7 @@ fn with_admin_tls_the_admin_port_serves_https_and_admits_an_admin_certificate_or
     );
 
     // The CLI keeps working against it: status, and doctor's master and security rows.
-    let _store = {
-        let _env = child_env(&refs(&pki.env(&pki.client("store"))));
-        Store::start(&master.addr(), "64MB", &[])
-    };
+    let _store = pki.store(&master.addr(), "store");
     let st = cli(&master.addr(), &["status"], &refs(&alice));
     assert!(st.status.success(), "{}", stderr(&st));
     let out = cli(&master.addr(), &["--json", "doctor"], &refs(&alice));
@@ -900,17 +889,9 @@ fn lunakv_up_with_admin_tls_prints_an_https_metrics_url_that_answers() {
 #[test]
 fn with_mount_identities_only_a_listed_identity_mounts() {
     let pki = Pki::new();
-    let mut master_env = pki.env(&pki.server("master"));
-    master_env.push(("LUNAKV_MOUNT_IDENTITIES".into(), "store".into()));
-    let master = {
-        let _env = child_env(&refs(&master_env));
-        Master::start(&pki.path().join("data"), &[])
-    };
+    let master = pki.master(&[("LUNAKV_MOUNT_IDENTITIES", "store")]);
     let addr = master.addr();
-    let _store = {
-        let _env = child_env(&refs(&pki.env(&pki.client("store"))));
-        Store::start(&addr, "64MB", &[])
-    };
+    let _store = pki.store(&addr, "store");
     let engine = pki.env(&pki.client("engine"));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let e = rt.block_on(async {
@@ -940,12 +921,5 @@ fn with_mount_identities_only_a_listed_identity_mounts() {
         e.message()
     );
     // The store's segment is the only one, and a put lands there.
-    let file = pki.path().join("v");
-    std::fs::write(&file, pattern(31, 4096)).unwrap();
-    let put = cli(
-        &addr,
-        &["put", "k", &file.display().to_string()],
-        &refs(&engine),
-    );
-    assert!(put.status.success(), "{}", stderr(&put));
+    pki.put(&addr, "k", &pattern(31, 4096), &engine);
 }

@@ -250,13 +250,7 @@ impl fmt::Display for MasterAddress {
 mod tests {
     use super::*;
 
-    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |k| {
-            vars.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| v.to_string())
-        }
-    }
+    use crate::test_env as env;
 
     fn refusal(vars: &[(&str, &str)]) -> String {
         EtcdCredentials::from_env(&env(vars))

@@ -384,6 +384,16 @@ impl HostPort {
     }
 }
 
+/// Tests' environment: a lookup over fixed `(variable, value)` pairs, as `process_env` is.
+#[cfg(test)]
+pub(crate) fn test_env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+    move |k| {
+        vars.iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| v.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

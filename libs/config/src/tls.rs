@@ -263,13 +263,7 @@ fn invalid(field: &str, value: &str, reason: &str, fix: &str) -> ConfigError {
 mod tests {
     use super::*;
 
-    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |k| {
-            vars.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| v.to_string())
-        }
-    }
+    use crate::test_env as env;
 
     #[test]
     fn servers_and_clients_find_their_files_and_refuse_half_configurations_by_name() {

@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::io::{Prefixed, TLS_HANDSHAKE};
@@ -133,54 +132,43 @@ pub fn opens_tls(first: &[u8]) -> bool {
     first.first() == Some(&TLS_HANDSHAKE)
 }
 
+/// The first byte a new connection sends: `None` when it stays silent for a moment (or closes
+/// at once); `Err` when its socket failed.
+pub async fn first_byte(stream: &TcpStream) -> io::Result<Option<u8>> {
+    let mut first = [0u8; 1];
+    match tokio::time::timeout(FIRST_BYTE_WAIT, stream.peek(&mut first)).await {
+        Ok(Ok(0)) | Err(_) => Ok(None),
+        Ok(Ok(_)) => Ok(Some(first[0])),
+        Ok(Err(e)) => Err(e),
+    }
+}
+
 /// The connections of `listener` for `serve_with_incoming`: with `tls`, those that open a TLS
 /// handshake are decrypted (a refused one is logged and closed), the rest stay plaintext.
 pub fn incoming(
     listener: TcpListener,
     tls: Option<Arc<ServerTls>>,
 ) -> ReceiverStream<io::Result<ServerIo>> {
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(async move {
-        loop {
-            let (stream, addr) = tokio::select! {
-                r = listener.accept() => match r {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "gRPC accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-                () = tx.closed() => return,
-            };
-            let _ = stream.set_nodelay(true);
-            let Some(tls) = tls.clone() else {
-                if tx.send(Ok(ServerIo::plain(stream, addr))).await.is_err() {
-                    return;
-                }
-                continue;
-            };
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let mut first = [0u8; 1];
-                let n = match tokio::time::timeout(FIRST_BYTE_WAIT, stream.peek(&mut first)).await {
-                    Ok(Ok(n)) => n,
-                    Ok(Err(_)) => return,
-                    Err(_) => 0,
+    ReceiverStream::new(crate::accept::each_connection(
+        listener,
+        "gRPC",
+        move |stream, addr| {
+            let tls = tls.clone();
+            async move {
+                let Some(tls) = tls else {
+                    return Some(Ok(ServerIo::plain(stream, addr)));
                 };
-                let io = if opens_tls(&first[..n]) {
-                    let Some((s, peer)) = tls.accept(stream, addr, HANDSHAKE_WAIT).await else {
-                        return;
-                    };
+                let first = first_byte(&stream).await.ok()?;
+                let io = if first.is_some_and(|b| opens_tls(&[b])) {
+                    let (s, peer) = tls.accept(stream, addr, HANDSHAKE_WAIT).await?;
                     ServerIo::tls(Prefixed::new(Vec::new(), s), peer)
                 } else {
                     ServerIo::plain(stream, addr)
                 };
-                let _ = tx.send(Ok(io)).await;
-            });
-        }
-    });
-    ReceiverStream::new(rx)
+                Some(Ok(io))
+            }
+        },
+    ))
 }
 
 /// A tower layer for a tonic server whose port may serve TLS: with `tls` on, calls on plaintext

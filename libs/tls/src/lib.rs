@@ -29,6 +29,7 @@ use std::time::Duration;
 use lunakv_config::tls::TlsFile;
 use rustls::crypto::CryptoProvider;
 
+pub mod accept;
 pub mod client;
 pub mod describe;
 mod files;

@@ -15,15 +15,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::serve::{IncomingStream, Listener};
-use lunakv_tls::grpc::{HANDSHAKE_WAIT, TLS_REQUIRED_HEADER, opens_tls};
+use lunakv_tls::grpc::{HANDSHAKE_WAIT, TLS_REQUIRED_HEADER, first_byte, opens_tls};
 use lunakv_tls::{Peer, ServerTls};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
-
-/// How long a new connection may stay silent before it counts as plaintext.
-const FIRST_BYTE_WAIT: Duration = Duration::from_secs(2);
 
 /// The caller of an admin-port request under HTTPS (axum's `ConnectInfo`).
 #[derive(Debug, Clone)]
@@ -47,43 +44,20 @@ impl TlsAdminListener {
     /// Starts accepting on `listener` with `tls`.
     pub fn new(listener: TcpListener, tls: Arc<ServerTls>) -> std::io::Result<TlsAdminListener> {
         let local = listener.local_addr()?;
-        let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(async move {
-            loop {
-                let (stream, addr) = tokio::select! {
-                    r = listener.accept() => match r {
-                        Ok(c) => c,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "admin port accept failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    },
-                    () = tx.closed() => return,
-                };
-                let (tls, tx) = (tls.clone(), tx.clone());
-                tokio::spawn(async move {
-                    let mut first = [0u8; 1];
-                    let n = match tokio::time::timeout(FIRST_BYTE_WAIT, stream.peek(&mut first))
-                        .await
-                    {
-                        Ok(Ok(n)) => n,
-                        Ok(Err(_)) => return,
-                        Err(_) => 0,
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    if !opens_tls(&first[..n]) {
+        let rx =
+            lunakv_tls::accept::each_connection(listener, "admin port", move |stream, addr| {
+                let tls = tls.clone();
+                async move {
+                    // Silent or gone: nothing to answer.
+                    let first = first_byte(&stream).await.ok()??;
+                    if !opens_tls(&[first]) {
                         refuse_plaintext(&tls, stream, addr).await;
-                        return;
+                        return None;
                     }
-                    if let Some((s, peer)) = tls.accept(stream, addr, HANDSHAKE_WAIT).await {
-                        let _ = tx.send((s, AdminPeer(peer))).await;
-                    }
-                });
-            }
-        });
+                    let (s, peer) = tls.accept(stream, addr, HANDSHAKE_WAIT).await?;
+                    Some((s, AdminPeer(peer)))
+                }
+            });
         Ok(TlsAdminListener { rx, local })
     }
 }

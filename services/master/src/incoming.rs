@@ -21,7 +21,6 @@ use lunakv_tls::grpc::{HANDSHAKE_WAIT, ServerIo, opens_tls};
 use lunakv_tls::io::{Prefixed, read_head};
 use lunakv_tls::{Peer, ServerTls};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::quick::QuickServer;
@@ -41,36 +40,19 @@ pub(crate) fn grpc_connections(
     quick: Arc<QuickServer>,
     tls: Option<Arc<ServerTls>>,
 ) -> ReceiverStream<io::Result<ServerIo>> {
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(async move {
-        let last_log = std::sync::Arc::new(Mutex::new(None::<Instant>));
-        loop {
-            let (stream, peer) = tokio::select! {
-                r = listener.accept() => match r {
-                    Ok(c) => c,
-                    Err(e) => {
-                        // EMFILE and friends: back off instead of spinning.
-                        tracing::warn!(error = %e, "gRPC accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-                () = tx.closed() => return,
-            };
-            // Nagle off: a response written as two frames would stall on delayed ACKs.
-            let _ = stream.set_nodelay(true);
-            let tx = tx.clone();
-            let last_log = last_log.clone();
-            let quick = quick.clone();
-            let tls = tls.clone();
-            tokio::spawn(async move {
-                if let Some(io) = sort(stream, peer, &last_log, tls.as_deref(), &quick).await {
-                    let _ = tx.send(Ok(io)).await;
-                }
-            });
-        }
-    });
-    ReceiverStream::new(rx)
+    let last_log = Arc::new(Mutex::new(None::<Instant>));
+    ReceiverStream::new(lunakv_tls::accept::each_connection(
+        listener,
+        "gRPC",
+        move |stream, peer| {
+            let (last_log, quick, tls) = (last_log.clone(), quick.clone(), tls.clone());
+            async move {
+                sort(stream, peer, &last_log, tls.as_deref(), &quick)
+                    .await
+                    .map(Ok)
+            }
+        },
+    ))
 }
 
 /// Where a connection goes: tonic (returned), the quick server, or closed.

@@ -14,10 +14,7 @@ use rustls::{DigitallySignedStruct, SignatureScheme};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 
 pub use lunakv_tls::TlsError;
-
-fn provider() -> Arc<CryptoProvider> {
-    lunakv_tls::provider()
-}
+use lunakv_tls::provider;
 
 fn self_signed() -> Result<Arc<dyn ResolvesServerCert>, TlsError> {
     let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()])
