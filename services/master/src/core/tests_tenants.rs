@@ -109,8 +109,13 @@ async fn usage_follows_every_change_of_the_index() {
     );
     core.unmount("b:1").expect("unmount");
     assert_exact(&core, "unmount");
+    // Which tenants keep objects after the unmount depends on where placement put them, so
+    // only the invariant is asserted: every row left counts something.
     let left = core.tenant_usage();
-    assert!(left["t1"].objects > 0 && left["default"].objects > 0);
+    assert!(
+        left.values().all(|u| u.objects > 0),
+        "an emptied tenant keeps no row: {left:?}"
+    );
 }
 
 #[tokio::test]
