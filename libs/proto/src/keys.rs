@@ -80,7 +80,9 @@ pub fn split_scoped(key: &str) -> (&str, &str) {
 /// and a user key.
 pub fn validate_scoped_key(key: &str) -> Result<(), KeyError> {
     match key.split_once('\0') {
-        None => validate_key(key),
+        // Known to hold no NUL: only its length is left to check (the master checks every
+        // key of every call, so it is not scanned twice).
+        None => validate_length(key),
         Some((tenant, user)) => {
             validate_tenant(tenant)?;
             if tenant == DEFAULT_TENANT {
@@ -101,6 +103,14 @@ pub fn validate_scoped_key(key: &str) -> Result<(), KeyError> {
 
 /// Checks a key against the rules above.
 pub fn validate_key(key: &str) -> Result<(), KeyError> {
+    validate_length(key)?;
+    if let Some(at) = key.bytes().position(|b| b == 0) {
+        return Err(KeyError::Nul { at });
+    }
+    Ok(())
+}
+
+fn validate_length(key: &str) -> Result<(), KeyError> {
     if key.is_empty() {
         return Err(KeyError::Empty);
     }
@@ -109,9 +119,6 @@ pub fn validate_key(key: &str) -> Result<(), KeyError> {
             len: key.len(),
             max: MAX_KEY_LEN,
         });
-    }
-    if let Some(at) = key.bytes().position(|b| b == 0) {
-        return Err(KeyError::Nul { at });
     }
     Ok(())
 }

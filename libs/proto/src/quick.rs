@@ -168,6 +168,15 @@ pub fn encode_ok(body: &[u8]) -> Vec<u8> {
     out
 }
 
+/// [`encode_ok`] with a body that `write` appends in place (no copy of an encoded body).
+pub fn encode_ok_with(write: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    let mut out = vec![0u8; 5];
+    write(&mut out);
+    let len = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&len.to_be_bytes());
+    out
+}
+
 /// A whole response frame carrying a gRPC status.
 pub fn encode_status(code: i32, message: &str) -> Vec<u8> {
     // A status message never needs the whole frame; keep it well inside the limit.
@@ -230,6 +239,8 @@ mod tests {
     fn responses_carry_answers_and_statuses() {
         let ok = encode_ok(b"abc");
         assert_eq!(decode_response(&ok[4..]).unwrap(), Response::Ok(b"abc"));
+        assert_eq!(encode_ok_with(|out| out.extend_from_slice(b"abc")), ok);
+        assert_eq!(encode_ok_with(|_| {}), encode_ok(b""));
         let st = encode_status(14, "not the leader");
         assert_eq!(
             decode_response(&st[4..]).unwrap(),

@@ -16,6 +16,7 @@ use crate::core::{
     SegmentDesc,
 };
 use crate::ha::{CoreSlot, HaState};
+use crate::location_wire::Placed;
 use crate::metrics::Rpc;
 use crate::persist::{self, PersistError};
 use crate::recovery::{Access, RecoveryGate};
@@ -192,7 +193,7 @@ fn key_regex(pattern: &str) -> Result<regex::Regex, String> {
 
 fn replica(r: &ReplicaView) -> pb::Replica {
     pb::Replica {
-        segment: Some((&r.segment).into()),
+        segment: Some((&*r.segment).into()),
         offset: r.offset,
         size: r.size,
         kind: if r.disk {
@@ -207,7 +208,23 @@ fn replica(r: &ReplicaView) -> pb::Replica {
     }
 }
 
-fn location(r: Result<Location, OpError>) -> pb::ObjectLocation {
+pub(crate) fn put_start(r: Result<Placed, OpError>) -> pb::PutStartResponse {
+    match r {
+        Ok((generation, replicas)) => pb::PutStartResponse {
+            code: 0,
+            message: String::new(),
+            generation,
+            replicas: replicas.iter().map(replica).collect(),
+        },
+        Err(e) => pb::PutStartResponse {
+            code: e.code.as_i32(),
+            message: e.message,
+            ..Default::default()
+        },
+    }
+}
+
+pub(crate) fn location(r: Result<Location, OpError>) -> pb::ObjectLocation {
     match r {
         Ok(l) => pb::ObjectLocation {
             code: 0,
@@ -377,17 +394,14 @@ impl MasterService {
     /// A read answered from the warm copy during the rebuild: a miss may only mean that the
     /// copy lagged the dead leader by a few changes, so it is refused "rebuilding" (the client
     /// retries) instead of answered "not found"; hits are answered at once.
-    fn warm_checked(&self, a: &Admitted, results: &[pb::ObjectLocation]) -> Result<(), Status> {
+    fn warm_checked(&self, a: &Admitted, missed: bool) -> Result<(), Status> {
         let (Some(ha), Some(term)) = (&self.ha, a.term) else {
             return Ok(());
         };
         if !a.warm {
             return Ok(());
         }
-        if results
-            .iter()
-            .any(|r| r.code == ErrorCode::ObjectNotFound.as_i32())
-        {
+        if missed {
             return Err(ha.rebuilding(term));
         }
         ha.metrics.warm_reads_total.inc();
@@ -409,8 +423,8 @@ impl MasterService {
         client_id: &str,
         (key, size, group): (String, u64, String),
         opts: &PutOptions,
-    ) -> pb::PutStartResponse {
-        let r = match PutItem::try_from((key, size, group)) {
+    ) -> Result<Placed, OpError> {
+        match PutItem::try_from((key, size, group)) {
             Ok(item) if item.group.is_some() => {
                 let opts = PutOptions {
                     group: item.group,
@@ -424,25 +438,14 @@ impl MasterService {
                     .await
             }
             Err(e) => Err(e),
-        };
-        match r {
-            Ok((generation, replicas)) => pb::PutStartResponse {
-                code: 0,
-                message: String::new(),
-                generation,
-                replicas: replicas.iter().map(replica).collect(),
-            },
-            Err(e) => pb::PutStartResponse {
-                code: e.code.as_i32(),
-                message: e.message,
-                ..Default::default()
-            },
         }
     }
 
     fn put_end_one(&self, core: &MasterCore, caller: &Caller, key: &str) -> pb::KeyResult {
         let r = check_key(key).and_then(|()| core.put_end_by(caller, key));
-        if r.is_ok() {
+        // Waking the background task for every put costs a thread switch each; it is woken
+        // only when there is something to evict.
+        if r.is_ok() && core.eviction_due() {
             self.put_end.notify_one();
         }
         key_result(r)
@@ -464,6 +467,70 @@ impl MasterService {
 
     fn get_one(&self, core: &MasterCore, client_id: &str, key: &str) -> pb::ObjectLocation {
         location(check_key(key).and_then(|()| core.get_replica_list_for(client_id, key)))
+    }
+
+    /// `BatchExistKey` (`rpc` names it; a miss is an answer there, not a failure) or
+    /// `BatchGetReplicaList`, as the core's results: the gRPC handlers convert them into
+    /// prost's structs, quick calls write them straight onto the wire
+    /// ([`crate::location_wire`]).
+    pub(crate) async fn batch_locations(
+        &self,
+        rpc: Rpc,
+        client_id: &str,
+        keys: &[String],
+    ) -> Result<Vec<Result<Location, OpError>>, Status> {
+        let a = self.admit(Access::Read)?;
+        let missed = |e: &OpError| e.code == ErrorCode::ObjectNotFound;
+        let results = self
+            .batch(
+                &a,
+                rpc,
+                keys,
+                |k| {
+                    std::future::ready(
+                        check_key(k).and_then(|()| a.core.get_replica_list_for(client_id, k)),
+                    )
+                },
+                |r: &Result<Location, OpError>| match r {
+                    Ok(_) => false,
+                    Err(e) => rpc != Rpc::BatchExistKey || !missed(e),
+                },
+                |results| results,
+            )
+            .await?
+            .into_inner();
+        self.warm_checked(&a, results.iter().any(|r| r.as_ref().is_err_and(missed)))?;
+        Ok(results)
+    }
+
+    /// `BatchPutStart` as the core's results: the gRPC handler converts them into prost's
+    /// structs, quick calls write them straight onto the wire ([`crate::location_wire`]).
+    pub(crate) async fn batch_put_starts(
+        &self,
+        caller: &Caller,
+        req: pb::BatchPutStartRequest,
+    ) -> Result<Vec<Result<Placed, OpError>>, Status> {
+        let a = self.admit(Access::Write)?;
+        let opts = PutOptions::from(req.config);
+        let client_id = req.client_id;
+        self.batch(
+            &a,
+            Rpc::BatchPutStart,
+            req.items,
+            |item| {
+                self.put_start_one(
+                    &a.core,
+                    caller,
+                    &client_id,
+                    (item.key, item.size, item.group_id),
+                    &opts,
+                )
+            },
+            Result::is_err,
+            |results| results,
+        )
+        .await
+        .map(Response::into_inner)
     }
 
     async fn remove_one(&self, core: &MasterCore, key: &str, force: bool) -> pb::KeyResult {
@@ -679,34 +746,18 @@ impl pb::master_server::Master for MasterService {
                 &opts,
             )
             .await;
-        self.done(&a, Rpc::PutStart, r.code != 0, r)
+        self.done(&a, Rpc::PutStart, r.is_err(), put_start(r))
     }
 
     async fn batch_put_start(
         &self,
         request: Request<pb::BatchPutStartRequest>,
     ) -> Result<Response<pb::BatchPutStartResponse>, Status> {
-        let a = self.admit(Access::Write)?;
         let caller = caller_of(&request);
-        let req = request.into_inner();
-        let opts = PutOptions::from(req.config);
-        self.batch(
-            &a,
-            Rpc::BatchPutStart,
-            req.items,
-            |item| {
-                self.put_start_one(
-                    &a.core,
-                    &caller,
-                    &req.client_id,
-                    (item.key, item.size, item.group_id),
-                    &opts,
-                )
-            },
-            |r: &pb::PutStartResponse| r.code != 0,
-            |results| pb::BatchPutStartResponse { results },
-        )
-        .await
+        let results = self.batch_put_starts(&caller, request.into_inner()).await?;
+        Ok(Response::new(pb::BatchPutStartResponse {
+            results: results.into_iter().map(put_start).collect(),
+        }))
     }
 
     async fn put_end(
@@ -794,7 +845,7 @@ impl pb::master_server::Master for MasterService {
         let a = self.admit(Access::Read)?;
         let req = request.into_inner();
         let r = self.get_one(&a.core, &req.client_id, &req.key);
-        self.warm_checked(&a, std::slice::from_ref(&r))?;
+        self.warm_checked(&a, r.code == ErrorCode::ObjectNotFound.as_i32())?;
         self.done(&a, Rpc::GetReplicaList, r.code != 0, r)
     }
 
@@ -802,21 +853,13 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::BatchGetReplicaListRequest>,
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
-        let a = self.admit(Access::Read)?;
         let req = request.into_inner();
-        self.batch(
-            &a,
-            Rpc::BatchGetReplicaList,
-            &req.keys,
-            |k| std::future::ready(self.get_one(&a.core, &req.client_id, k)),
-            |r: &pb::ObjectLocation| r.code != 0,
-            |results| pb::BatchObjectLocations { results },
-        )
-        .await
-        .and_then(|resp| {
-            self.warm_checked(&a, &resp.get_ref().results)?;
-            Ok(resp)
-        })
+        let results = self
+            .batch_locations(Rpc::BatchGetReplicaList, &req.client_id, &req.keys)
+            .await?;
+        Ok(Response::new(pb::BatchObjectLocations {
+            results: results.into_iter().map(location).collect(),
+        }))
     }
 
     async fn exist_key(
@@ -828,8 +871,9 @@ impl pb::master_server::Master for MasterService {
         let req = request.into_inner();
         let r = self.get_one(&a.core, &req.client_id, &req.key);
         // A miss is an answer, not a failure.
-        let failed = r.code != 0 && r.code != ErrorCode::ObjectNotFound.as_i32();
-        self.warm_checked(&a, std::slice::from_ref(&r))?;
+        let missed = r.code == ErrorCode::ObjectNotFound.as_i32();
+        let failed = r.code != 0 && !missed;
+        self.warm_checked(&a, missed)?;
         self.done(&a, Rpc::ExistKey, failed, r)
     }
 
@@ -837,22 +881,13 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::BatchExistKeyRequest>,
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
-        let a = self.admit(Access::Read)?;
         let req = request.into_inner();
-        self.batch(
-            &a,
-            Rpc::BatchExistKey,
-            &req.keys,
-            |k| std::future::ready(self.get_one(&a.core, &req.client_id, k)),
-            // A miss is an answer, not a failure.
-            |r: &pb::ObjectLocation| r.code != 0 && r.code != ErrorCode::ObjectNotFound.as_i32(),
-            |results| pb::BatchObjectLocations { results },
-        )
-        .await
-        .and_then(|resp| {
-            self.warm_checked(&a, &resp.get_ref().results)?;
-            Ok(resp)
-        })
+        let results = self
+            .batch_locations(Rpc::BatchExistKey, &req.client_id, &req.keys)
+            .await?;
+        Ok(Response::new(pb::BatchObjectLocations {
+            results: results.into_iter().map(location).collect(),
+        }))
     }
 
     async fn remove(

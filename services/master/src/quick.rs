@@ -21,8 +21,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
 use crate::auth::AuthPolicy;
-use crate::core::Caller;
+use crate::core::{Caller, Location, OpError};
 use crate::grpc::MasterService;
+use crate::location_wire;
+use crate::metrics::Rpc;
 use lunakv_tls::Peer;
 
 /// Quick connections open at once; more are closed at once (their clients use gRPC).
@@ -147,16 +149,29 @@ impl QuickServer {
         self.svc.count_quick_call();
         let svc = &self.svc;
         match req.method {
+            // The answers that carry segment descriptors skip prost's structs on the way out
+            // (crate::location_wire).
             Method::BatchExistKey => match pb::BatchExistKeyRequest::decode(req.body) {
-                Ok(m) => reply(svc.batch_exist_key(request(m, &caller)).await),
+                Ok(m) => locations(
+                    svc.batch_locations(Rpc::BatchExistKey, &m.client_id, &m.keys)
+                        .await,
+                ),
                 Err(e) => undecodable(req.method, &e),
             },
             Method::BatchGetReplicaList => match pb::BatchGetReplicaListRequest::decode(req.body) {
-                Ok(m) => reply(svc.batch_get_replica_list(request(m, &caller)).await),
+                Ok(m) => locations(
+                    svc.batch_locations(Rpc::BatchGetReplicaList, &m.client_id, &m.keys)
+                        .await,
+                ),
                 Err(e) => undecodable(req.method, &e),
             },
             Method::BatchPutStart => match pb::BatchPutStartRequest::decode(req.body) {
-                Ok(m) => reply(svc.batch_put_start(request(m, &caller)).await),
+                Ok(m) => match svc.batch_put_starts(&caller, m).await {
+                    Ok(results) => quick::encode_ok_with(|out| {
+                        location_wire::encode_put_starts(&results, out);
+                    }),
+                    Err(s) => status(&s),
+                },
                 Err(e) => undecodable(req.method, &e),
             },
             Method::BatchPutEnd => match pb::BatchKeysRequest::decode(req.body) {
@@ -177,6 +192,13 @@ fn request<T>(m: T, caller: &Caller) -> tonic::Request<T> {
 fn reply<T: Message>(r: Result<tonic::Response<T>, tonic::Status>) -> Vec<u8> {
     match r {
         Ok(resp) => quick::encode_ok(&resp.into_inner().encode_to_vec()),
+        Err(s) => status(&s),
+    }
+}
+
+fn locations(r: Result<Vec<Result<Location, OpError>>, tonic::Status>) -> Vec<u8> {
+    match r {
+        Ok(results) => quick::encode_ok_with(|out| location_wire::encode_batch(&results, out)),
         Err(s) => status(&s),
     }
 }

@@ -9,6 +9,7 @@
 //! sum of its rows in the [`super::SHARDS`] shards.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
@@ -53,6 +54,33 @@ impl TenantUsage {
     }
 }
 
+/// Moves `key`'s tenant's row by `add` and `sub`; a row that counts no object is dropped.
+fn charge(
+    usage: &mut Keyed<TenantUsage>,
+    key: &str,
+    add: Option<TenantUsage>,
+    sub: Option<TenantUsage>,
+) {
+    if add == sub {
+        return;
+    }
+    let tenant = tenant_of(key);
+    // One lookup on the hot path (the tenant has a row); the insert only for its first.
+    let u = match usage.get_mut(tenant) {
+        Some(u) => u,
+        None => usage.entry(tenant.into()).or_default(),
+    };
+    if let Some(s) = sub {
+        u.sub(s);
+    }
+    if let Some(a) = add {
+        u.add(a);
+    }
+    if u.objects == 0 {
+        usage.remove(tenant);
+    }
+}
+
 /// The tenant of a key as the index holds it.
 pub(super) fn tenant_of(key: &str) -> &str {
     lunakv_proto::split_scoped(key).0
@@ -79,24 +107,7 @@ impl Index {
     }
 
     fn charge(&mut self, key: &str, add: Option<TenantUsage>, sub: Option<TenantUsage>) {
-        if add == sub {
-            return;
-        }
-        let tenant = tenant_of(key);
-        // One lookup on the hot path (the tenant has a row); the insert only for its first.
-        let u = match self.usage.get_mut(tenant) {
-            Some(u) => u,
-            None => self.usage.entry(tenant.into()).or_default(),
-        };
-        if let Some(s) = sub {
-            u.sub(s);
-        }
-        if let Some(a) = add {
-            u.add(a);
-        }
-        if u.objects == 0 {
-            self.usage.remove(tenant);
-        }
+        charge(&mut self.usage, key, add, sub);
     }
 
     pub(super) fn len(&self) -> usize {
@@ -127,19 +138,32 @@ impl Index {
     pub(super) fn insert(&mut self, key: Box<str>, o: Box<Object>) -> Option<Box<Object>> {
         let add = TenantUsage::of(&o);
         let group = o.group.clone();
-        let old = self.map.insert(key.clone(), o);
-        let sub = old.as_deref().map(TenantUsage::of);
-        self.charge(&key, Some(add), sub);
-        let old_group = old.as_ref().and_then(|o| o.group.clone());
-        if old_group != group {
-            if let (Some(g), Some(o)) = (&old_group, &old) {
-                self.groups.left(g, &key, o.state);
+        let (usage, groups) = (&mut self.usage, &self.groups);
+        // Accounted through the entry's own key: a put inserts with no copy of its key.
+        let mut note = |key: &str, old: Option<&Object>| {
+            charge(usage, key, Some(add), old.map(TenantUsage::of));
+            let old_group = old.and_then(|o| o.group.clone());
+            if old_group != group {
+                if let (Some(g), Some(o)) = (&old_group, old) {
+                    groups.left(g, key, o.state);
+                }
+                if let Some(g) = &group {
+                    groups.joined(g, key);
+                }
             }
-            if let Some(g) = &group {
-                self.groups.joined(g, &key);
+        };
+        match self.map.entry(key) {
+            Entry::Occupied(mut e) => {
+                let old = e.insert(o);
+                note(e.key(), Some(&old));
+                Some(old)
+            }
+            Entry::Vacant(e) => {
+                note(e.key(), None);
+                e.insert(o);
+                None
             }
         }
-        old
     }
 
     pub(super) fn remove(&mut self, key: &str) -> Option<Box<Object>> {

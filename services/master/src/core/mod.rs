@@ -64,7 +64,7 @@ pub struct MasterCore {
     quarantine: Mutex<Vec<Quarantined>>,
     /// Bytes each client holds reserved by puts it has not ended: recounted by every
     /// [`Self::sweep_puts`] and raised by each PutStart in between (a leaf lock).
-    reserved: Mutex<HashMap<String, u64>>,
+    reserved: Mutex<HashMap<String, u64, foldhash::quality::RandomState>>,
     /// Every put started and perhaps not yet ended, by key, with its generation (a leaf lock).
     /// It may hold puts that have since ended or gone: [`Self::sweep_puts`] checks each against
     /// the index and drops those. It lets the sweep visit the puts in flight instead of every
@@ -134,7 +134,7 @@ impl MasterCore {
             segments: Mutex::new(HashMap::new()),
             clients: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(Vec::new()),
-            reserved: Mutex::new(HashMap::new()),
+            reserved: Mutex::new(HashMap::default()),
             inflight: Mutex::new(HashMap::default()),
             put_owners: Mutex::new(HashMap::new()),
             names: intern::Interner::default(),

@@ -289,11 +289,15 @@ impl MasterCore {
         }
         drop(shard);
         self.inflight.lock().insert(key.to_string(), generation);
-        *self
-            .reserved
-            .lock()
-            .entry(client_id.to_string())
-            .or_default() += len.saturating_mul(placed);
+        let mut reserved = self.reserved.lock();
+        // The client's row is there but for its first put: no copy of its id per put.
+        match reserved.get_mut(client_id) {
+            Some(held) => *held += len.saturating_mul(placed),
+            None => {
+                reserved.insert(client_id.to_string(), len.saturating_mul(placed));
+            }
+        }
+        drop(reserved);
         self.approx_keys.fetch_add(1, Ordering::Relaxed);
         self.namespaces.record_put(client_id, key, false);
         Ok((generation, views))
@@ -370,6 +374,12 @@ impl MasterCore {
             self.unreserve(&o);
             if owner.is_some() {
                 self.put_owners.lock().remove(&o.generation);
+            }
+            // The sweep need not look this put up again (a lookup in a large index costs
+            // more than this one in a small map).
+            let mut inflight = self.inflight.lock();
+            if inflight.get(key) == Some(&o.generation) {
+                inflight.remove(key);
             }
         }
         o.state = ObjectState::Complete;

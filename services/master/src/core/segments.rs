@@ -1,6 +1,7 @@
 //! Segments and clients: mounts, inventories, unmounts, pings and client expiry.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -89,7 +90,7 @@ impl MasterCore {
                 name.clone(),
                 Segment {
                     alloc: OffsetAllocator::new(desc.size),
-                    desc: desc.clone(),
+                    desc: Arc::new(desc.clone()),
                     client_id: client_id.to_string(),
                     owner: caller.identity.clone(),
                     mount_id,

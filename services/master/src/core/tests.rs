@@ -478,6 +478,11 @@ async fn the_sweep_follows_only_puts_in_flight() {
         put(&core, &format!("done{i}"), 100, &opts(1)).await;
     }
     core.put_start("cl", "z", 100, &opts(1)).await.expect("put");
+    assert_eq!(
+        core.inflight.lock().keys().cloned().collect::<Vec<_>>(),
+        vec!["z".to_string()],
+        "a put end takes its put off the list at once, before any sweep"
+    );
     assert_eq!(core.sweep_puts().await, 0);
     assert_eq!(
         core.inflight.lock().keys().cloned().collect::<Vec<_>>(),

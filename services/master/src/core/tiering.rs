@@ -43,9 +43,14 @@ impl MasterCore {
         }
     }
 
+    /// Usage is at or above the high watermark.
+    pub fn eviction_due(&self) -> bool {
+        self.total_capacity() > 0 && self.usage_ratio() >= self.cfg.high_watermark
+    }
+
     /// Evicts if usage is at or above the high watermark. Returns keys evicted.
     pub async fn evict_if_needed(&self) -> u64 {
-        if self.total_capacity() > 0 && self.usage_ratio() >= self.cfg.high_watermark {
+        if self.eviction_due() {
             self.evict(0).await
         } else {
             0
@@ -568,7 +573,7 @@ impl MasterCore {
     pub async fn sweep_puts(&self) -> u64 {
         let now = Instant::now();
         let mut discarded = 0;
-        let mut reserved: HashMap<String, u64> = HashMap::new();
+        let mut reserved: HashMap<String, u64, foldhash::quality::RandomState> = HashMap::default();
         // Puts started while this runs land in the live map and are left for the next sweep.
         let candidates = std::mem::take(&mut *self.inflight.lock());
         let mut still = Vec::new();

@@ -205,7 +205,7 @@ impl OpError {
 /// A replica as clients see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaView {
-    pub segment: SegmentDesc,
+    pub segment: Arc<SegmentDesc>,
     pub offset: u64,
     pub size: u64,
     /// A LOCAL_DISK replica: read it with LOAD from the owner, not READ.
@@ -352,7 +352,9 @@ impl Object {
 }
 
 pub(super) struct Segment {
-    pub(super) desc: SegmentDesc,
+    /// Shared with every [`ReplicaView`] a read hands out: a location costs a reference count,
+    /// not the descriptor's strings.
+    pub(super) desc: Arc<SegmentDesc>,
     pub(super) client_id: String,
     /// The client identity that mounted it (mTLS; `None` without).
     pub(super) owner: Option<Arc<str>>,

@@ -130,7 +130,7 @@ impl MasterCore {
     }
 
     pub fn segment_desc(&self, name: &str) -> Option<SegmentDesc> {
-        self.segments.lock().get(name).map(|s| s.desc.clone())
+        self.segments.lock().get(name).map(|s| (*s.desc).clone())
     }
 
     /// An object's metadata, without granting a lease (admin view).

@@ -87,7 +87,7 @@ impl MasterCore {
             .segments
             .lock()
             .values()
-            .map(|s| (s.desc.clone(), s.client_id.clone()))
+            .map(|s| ((*s.desc).clone(), s.client_id.clone()))
             .collect();
         let mut entries = Vec::new();
         for shard in &self.shards {
@@ -133,7 +133,7 @@ impl MasterCore {
                     desc.name.clone(),
                     Segment {
                         alloc: OffsetAllocator::new(desc.size),
-                        desc,
+                        desc: Arc::new(desc),
                         client_id,
                         // The stream carries no identities: the owner's remount records its own.
                         owner: None,
