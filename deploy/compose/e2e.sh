@@ -230,10 +230,13 @@ step "the store image carries the rdma transport"
 # Built with the `rdma` feature and libibverbs in the image: asked for rdma on a host with no
 # RDMA device, the store says so and serves tcp. A build without the feature would say "this
 # lunakv build has no RDMA transport"; one that failed to load libibverbs would not start.
-if "${COMPOSE[@]}" logs store 2>&1 | grep -q 'requested but unavailable (no RDMA device found'; then
+# The log is read whole first: `logs | grep -q` under pipefail fails when grep exits at its
+# match before compose has written the rest (SIGPIPE), as has_metric explains.
+store_log=$("${COMPOSE[@]}" logs store 2>&1 || true)
+if grep -q 'requested but unavailable (no RDMA device found' <<<"$store_log"; then
     ok "store: protocol rdma requested, no RDMA device here: one WARN line, serving tcp"
 else
-    fail "store log lacks the rdma fallback line: $("${COMPOSE[@]}" logs store 2>&1 | grep -i rdma | head -n 3)"
+    fail "store log lacks the rdma fallback line: $(grep -i rdma <<<"$store_log" | head -n 3)"
 fi
 
 step "lunakv doctor inside the stack"
