@@ -54,30 +54,56 @@ impl TenantUsage {
     }
 }
 
-/// Moves `key`'s tenant's row by `add` and `sub`; a row that counts no object is dropped.
-fn charge(
-    usage: &mut Keyed<TenantUsage>,
-    key: &str,
-    add: Option<TenantUsage>,
-    sub: Option<TenantUsage>,
-) {
-    if add == sub {
-        return;
+/// Each tenant's usage in one shard. The default tenant (unscoped keys: every key of a pool
+/// without tenants) has a row of its own, so charging it hashes no name on every put.
+#[derive(Default)]
+pub(super) struct Usage {
+    default: TenantUsage,
+    others: Keyed<TenantUsage>,
+}
+
+impl Usage {
+    /// Moves `key`'s tenant's row by `add` and `sub`; a row that counts no object is dropped.
+    fn charge(&mut self, key: &str, add: Option<TenantUsage>, sub: Option<TenantUsage>) {
+        if add == sub {
+            return;
+        }
+        let tenant = tenant_of(key);
+        let u = if tenant == lunakv_proto::DEFAULT_TENANT {
+            &mut self.default
+        } else {
+            // One lookup on the hot path (the tenant has a row); the insert only for its first.
+            match self.others.get_mut(tenant) {
+                Some(u) => u,
+                None => self.others.entry(tenant.into()).or_default(),
+            }
+        };
+        if let Some(s) = sub {
+            u.sub(s);
+        }
+        if let Some(a) = add {
+            u.add(a);
+        }
+        if u.objects == 0 && tenant != lunakv_proto::DEFAULT_TENANT {
+            self.others.remove(tenant);
+        }
     }
-    let tenant = tenant_of(key);
-    // One lookup on the hot path (the tenant has a row); the insert only for its first.
-    let u = match usage.get_mut(tenant) {
-        Some(u) => u,
-        None => usage.entry(tenant.into()).or_default(),
-    };
-    if let Some(s) = sub {
-        u.sub(s);
+
+    /// The tenants that hold something, with their usage.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&str, &TenantUsage)> {
+        let default =
+            (self.default.objects > 0).then_some((lunakv_proto::DEFAULT_TENANT, &self.default));
+        default
+            .into_iter()
+            .chain(self.others.iter().map(|(t, u)| (&**t, u)))
     }
-    if let Some(a) = add {
-        u.add(a);
-    }
-    if u.objects == 0 {
-        usage.remove(tenant);
+
+    fn of(&self, tenant: &str) -> TenantUsage {
+        if tenant == lunakv_proto::DEFAULT_TENANT {
+            self.default
+        } else {
+            self.others.get(tenant).copied().unwrap_or_default()
+        }
     }
 }
 
@@ -93,7 +119,7 @@ pub(super) type Keyed<V> = HashMap<Box<str>, V, foldhash::quality::RandomState>;
 
 pub(super) struct Index {
     map: Keyed<Box<Object>>,
-    usage: Keyed<TenantUsage>,
+    usage: Usage,
     groups: Arc<Groups>,
 }
 
@@ -101,13 +127,13 @@ impl Index {
     pub(super) fn new(groups: Arc<Groups>) -> Index {
         Index {
             map: Keyed::default(),
-            usage: Keyed::default(),
+            usage: Usage::default(),
             groups,
         }
     }
 
     fn charge(&mut self, key: &str, add: Option<TenantUsage>, sub: Option<TenantUsage>) {
-        charge(&mut self.usage, key, add, sub);
+        self.usage.charge(key, add, sub);
     }
 
     pub(super) fn len(&self) -> usize {
@@ -141,7 +167,7 @@ impl Index {
         let (usage, groups) = (&mut self.usage, &self.groups);
         // Accounted through the entry's own key: a put inserts with no copy of its key.
         let mut note = |key: &str, old: Option<&Object>| {
-            charge(usage, key, Some(add), old.map(TenantUsage::of));
+            usage.charge(key, Some(add), old.map(TenantUsage::of));
             let old_group = old.and_then(|o| o.group.clone());
             if old_group != group {
                 if let (Some(g), Some(o)) = (&old_group, old) {
@@ -205,13 +231,13 @@ impl Index {
     }
 
     /// Each tenant's usage in this shard.
-    pub(super) fn usage(&self) -> &Keyed<TenantUsage> {
+    pub(super) fn usage(&self) -> &Usage {
         &self.usage
     }
 
     /// One tenant's usage in this shard.
     pub(super) fn usage_of(&self, tenant: &str) -> TenantUsage {
-        self.usage.get(tenant).copied().unwrap_or_default()
+        self.usage.of(tenant)
     }
 }
 
@@ -219,7 +245,7 @@ impl Index {
 /// group learns of a changed membership.
 pub(super) struct Charged<'a, 'k> {
     obj: &'a mut Box<Object>,
-    usage: &'a mut Keyed<TenantUsage>,
+    usage: &'a mut Usage,
     groups: &'a Groups,
     key: &'k str,
     before: TenantUsage,
@@ -254,10 +280,6 @@ impl Drop for Charged<'_, '_> {
         if after == self.before {
             return;
         }
-        let tenant = tenant_of(self.key);
-        if let Some(u) = self.usage.get_mut(tenant) {
-            u.sub(self.before);
-            u.add(after);
-        }
+        self.usage.charge(self.key, Some(after), Some(self.before));
     }
 }

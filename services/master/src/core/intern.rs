@@ -11,7 +11,8 @@ use parking_lot::Mutex;
 /// Names handed out as `Arc<str>`; a name no object holds any more is dropped by [`Self::trim`].
 #[derive(Default)]
 pub(super) struct Interner {
-    names: Mutex<HashSet<Arc<str>>>,
+    // Looked up twice per put (its client id and segment name): foldhash, as the index.
+    names: Mutex<HashSet<Arc<str>, foldhash::quality::RandomState>>,
 }
 
 impl Interner {

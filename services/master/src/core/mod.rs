@@ -57,7 +57,7 @@ pub struct MasterCore {
     /// Each group's members ([`groups`]), kept by the shards.
     groups: Arc<groups::Groups>,
     hasher: foldhash::quality::RandomState,
-    segments: Mutex<HashMap<String, Segment>>,
+    segments: Mutex<HashMap<String, Segment, foldhash::quality::RandomState>>,
     clients: Mutex<HashMap<String, ClientEntry>>,
     /// Ranges of discarded puts, freed once their release deadline passes (or at once when
     /// their writer revokes them or dies).
@@ -65,11 +65,13 @@ pub struct MasterCore {
     /// Bytes each client holds reserved by puts it has not ended: recounted by every
     /// [`Self::sweep_puts`] and raised by each PutStart in between (a leaf lock).
     reserved: Mutex<HashMap<String, u64, foldhash::quality::RandomState>>,
-    /// Every put started and perhaps not yet ended, by key, with its generation (a leaf lock).
-    /// It may hold puts that have since ended or gone: [`Self::sweep_puts`] checks each against
-    /// the index and drops those. It lets the sweep visit the puts in flight instead of every
-    /// object, which at a million keys cost a tenth of a core (docs/BENCH.md, "Metadata").
-    inflight: Mutex<HashMap<String, u64, foldhash::quality::RandomState>>,
+    /// Every put started and perhaps not yet ended, by generation, with its key (a leaf lock).
+    /// A put's end takes it off; it may still hold puts that have since gone (revoked,
+    /// removed): [`Self::sweep_puts`] checks each against the index and drops those. It lets
+    /// the sweep visit the puts in flight instead of every object, which at a million keys cost
+    /// a tenth of a core (docs/BENCH.md, "Metadata"). By generation, so that a put's end
+    /// hashes a number, not its key.
+    inflight: Mutex<HashMap<u64, String, foldhash::fast::RandomState>>,
     /// Under mTLS, the client identity that started each put in flight, by generation, with its
     /// key (a leaf lock). Kept beside the index rather than in each object, which would cost
     /// every key its bytes; empty without mTLS. Entries leave at PutEnd, PutRevoke and discard,
@@ -131,7 +133,7 @@ impl MasterCore {
                 .collect(),
             groups,
             hasher: foldhash::quality::RandomState::default(),
-            segments: Mutex::new(HashMap::new()),
+            segments: Mutex::new(HashMap::default()),
             clients: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(Vec::new()),
             reserved: Mutex::new(HashMap::default()),

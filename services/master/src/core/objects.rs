@@ -288,7 +288,7 @@ impl MasterCore {
                 .insert(generation, (key.into(), id.clone()));
         }
         drop(shard);
-        self.inflight.lock().insert(key.to_string(), generation);
+        self.inflight.lock().insert(generation, key.to_string());
         let mut reserved = self.reserved.lock();
         // The client's row is there but for its first put: no copy of its id per put.
         match reserved.get_mut(client_id) {
@@ -377,10 +377,7 @@ impl MasterCore {
             }
             // The sweep need not look this put up again (a lookup in a large index costs
             // more than this one in a small map).
-            let mut inflight = self.inflight.lock();
-            if inflight.get(key) == Some(&o.generation) {
-                inflight.remove(key);
-            }
+            self.inflight.lock().remove(&o.generation);
         }
         o.state = ObjectState::Complete;
         o.last_access = Instant::now();

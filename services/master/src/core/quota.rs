@@ -50,7 +50,7 @@ impl MasterCore {
             .map(|t| (t.clone(), TenantUsage::default()))
             .collect();
         for shard in &self.shards {
-            for (t, u) in shard.lock().usage() {
+            for (t, u) in shard.lock().usage().iter() {
                 out.entry(t.to_string()).or_default().add(*u);
             }
         }

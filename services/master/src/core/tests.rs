@@ -479,13 +479,13 @@ async fn the_sweep_follows_only_puts_in_flight() {
     }
     core.put_start("cl", "z", 100, &opts(1)).await.expect("put");
     assert_eq!(
-        core.inflight.lock().keys().cloned().collect::<Vec<_>>(),
+        core.inflight.lock().values().cloned().collect::<Vec<_>>(),
         vec!["z".to_string()],
         "a put end takes its put off the list at once, before any sweep"
     );
     assert_eq!(core.sweep_puts().await, 0);
     assert_eq!(
-        core.inflight.lock().keys().cloned().collect::<Vec<_>>(),
+        core.inflight.lock().values().cloned().collect::<Vec<_>>(),
         vec!["z".to_string()],
         "ended puts are not followed"
     );

@@ -577,7 +577,7 @@ impl MasterCore {
         // Puts started while this runs land in the live map and are left for the next sweep.
         let candidates = std::mem::take(&mut *self.inflight.lock());
         let mut still = Vec::new();
-        for (key, generation) in candidates {
+        for (generation, key) in candidates {
             let mut shard = self.shard(&key).lock();
             let Some(o) = shard.get(key.as_str()) else {
                 continue;
@@ -612,11 +612,11 @@ impl MasterCore {
             }
         }
         {
-            let mut live = self.inflight.lock();
-            for (key, generation) in still {
-                // A newer put of the same key, started meanwhile, is the one to follow.
-                live.entry(key).or_insert(generation);
-            }
+            // A put of the same key started meanwhile has a generation of its own: both are
+            // followed, and the older one is dropped once the index holds the newer.
+            self.inflight
+                .lock()
+                .extend(still.into_iter().map(|(k, g)| (g, k)));
         }
         self.forget_gone_put_owners();
         let keys = self.shards.iter().map(|s| s.lock().len() as u64).sum();
