@@ -278,6 +278,15 @@ impl ServerTls {
         self.ca.is_some() && !self.optional
     }
 
+    /// "mtls" or "tls", as the services' listening lines name this setup.
+    pub fn mode_name(&self) -> &'static str {
+        if self.requires_client_certificates() {
+            "mtls"
+        } else {
+            "tls"
+        }
+    }
+
     /// Whether client certificates are asked for (required or optional), so callers may have
     /// identities.
     pub fn asks_client_certificates(&self) -> bool {

@@ -261,15 +261,9 @@ pub async fn serve(
     {
         let mut fields: Vec<(&str, &dyn std::fmt::Display)> =
             vec![("http", &http_addr), ("grpc", &grpc_addr)];
-        if let Some(t) = &tls {
-            fields.push((
-                "tls",
-                if t.requires_client_certificates() {
-                    &"mtls"
-                } else {
-                    &"tls"
-                },
-            ));
+        let mode = tls.as_ref().map(|t| t.mode_name());
+        if let Some(mode) = &mode {
+            fields.push(("tls", mode));
         }
         lunakv_telemetry::announce("lunakv-bootstrap", &fields);
     }

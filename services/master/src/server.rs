@@ -526,15 +526,9 @@ impl Master {
             if admin_tls.is_some() {
                 fields.push(("admin_tls", &"https"));
             }
-            if let Some(t) = &tls {
-                fields.push((
-                    "tls",
-                    if t.requires_client_certificates() {
-                        &"mtls"
-                    } else {
-                        &"tls"
-                    },
-                ));
+            let mode = tls.as_ref().map(|t| t.mode_name());
+            if let Some(mode) = &mode {
+                fields.push(("tls", mode));
             }
             if let Some(e) = &events {
                 fields.push(("events", &e.endpoint));

@@ -45,7 +45,9 @@ impl MasterCore {
 
     /// Usage is at or above the high watermark.
     pub fn eviction_due(&self) -> bool {
-        self.total_capacity() > 0 && self.usage_ratio() >= self.cfg.high_watermark
+        // One pass over the segments: PutEnd asks this for every key.
+        let (used, cap) = self.usage();
+        cap > 0 && used as f64 / cap as f64 >= self.cfg.high_watermark
     }
 
     /// Evicts if usage is at or above the high watermark. Returns keys evicted.
