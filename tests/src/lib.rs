@@ -48,6 +48,22 @@ pub fn cli(master: &str, args: &[&str], env: &[(&str, &str)]) -> std::process::O
     cmd.output().expect("run lunakv")
 }
 
+/// The row `name` of `lunakv --json doctor` against `master`, `env` added to its environment.
+pub fn doctor_row(master: &str, env: &[(&str, &str)], name: &str) -> serde_json::Value {
+    let out = cli(master, &["--json", "doctor"], env);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "doctor printed no JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    v["checks"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|c| c["name"] == name))
+        .cloned()
+        .unwrap_or_else(|| panic!("doctor has no {name:?} row: {v}"))
+}
+
 thread_local! {
     /// Set by [`child_env`]: variables for every process this test thread spawns.
     static CHILD_ENV: RefCell<Vec<(String, String)>> = const { RefCell::new(Vec::new()) };

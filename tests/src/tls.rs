@@ -70,11 +70,17 @@ impl TestCa {
     /// A client certificate whose subject CN is `cn` (etcd's `--client-cert-auth` takes the CN
     /// as the user name).
     pub fn issue_client(&self, cn: &str) -> Issued {
+        self.client_leaf(cn, |_| {})
+    }
+
+    /// A client certificate for `cn`, its parameters changed by `adjust` before signing.
+    fn client_leaf(&self, cn: &str, adjust: impl FnOnce(&mut rcgen::CertificateParams)) -> Issued {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("leaf params");
         params
             .distinguished_name
             .push(rcgen::DnType::CommonName, cn);
         params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        adjust(&mut params);
         let key = rcgen::KeyPair::generate().expect("leaf key");
         let cert = params.signed_by(&key, &self.issuer).expect("leaf cert");
         Issued {
@@ -91,20 +97,10 @@ impl TestCa {
 
     /// A client certificate for `cn` that expired a year before now (rcgen's `not_after`).
     pub fn issue_client_expired(&self, cn: &str) -> Issued {
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("leaf params");
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, cn);
-        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
-        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
-        params.not_after = rcgen::date_time_ymd(2021, 1, 1);
-        let key = rcgen::KeyPair::generate().expect("leaf key");
-        let cert = params.signed_by(&key, &self.issuer).expect("leaf cert");
-        Issued {
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-            der: cert.der().clone(),
-        }
+        self.client_leaf(cn, |p| {
+            p.not_before = rcgen::date_time_ymd(2020, 1, 1);
+            p.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        })
     }
 
     /// Writes the CA certificate to `dir/name`; its path.

@@ -6,7 +6,7 @@
 
 use lunakv_proto::master::RemoveAllRequest;
 use lunakv_proto::master::master_client::MasterClient;
-use lunakv_tests::{Master, Store, child_env, cli, http_get, pattern};
+use lunakv_tests::{Master, Store, child_env, cli, doctor_row, http_get, pattern};
 
 const POOL: &str = "pool-0123456789abcdef0123456789";
 const ADMIN: &str = "admin-0123456789abcdef012345678";
@@ -118,18 +118,7 @@ fn a_master_with_tokens_admits_only_holders_and_remove_all_only_the_admin() {
 /// one started without answers it, which on loopback is fine and said as such.
 #[test]
 fn doctor_tells_a_master_that_requires_the_token_from_one_that_does_not() {
-    let row = |addr: &str, env: &[(&str, &str)]| -> serde_json::Value {
-        let out = cli(addr, &["--json", "doctor"], env);
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-            .unwrap_or_else(|e| panic!("no JSON ({e}): {}", String::from_utf8_lossy(&out.stderr)));
-        v["checks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["name"] == "security")
-            .cloned()
-            .expect("a security row")
-    };
+    let row = |addr: &str, env: &[(&str, &str)]| doctor_row(addr, env, "security");
     let dir = tempfile::tempdir().unwrap();
     let guarded = {
         let _env = child_env(&[("LUNAKV_AUTH_TOKEN", POOL)]);

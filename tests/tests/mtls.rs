@@ -21,7 +21,7 @@ use lunakv_proto::master as pb;
 use lunakv_proto::master::master_client::MasterClient;
 use lunakv_proto::quick;
 use lunakv_tests::tls::{TestCa, served_certificate};
-use lunakv_tests::{Master, Store, child_env, cli, pattern, wait_until};
+use lunakv_tests::{Master, Store, child_env, cli, doctor_row, pattern, wait_until};
 use lunakv_tls::ClientTls;
 use prost::Message;
 use tonic::transport::{Channel, Endpoint};
@@ -348,16 +348,7 @@ fn a_master_with_mtls_serves_certified_clients_and_refuses_strangers_naming_the_
 
 /// The `security` row of `lunakv --json doctor` against `addr` with `env`.
 fn doctor_security(addr: &str, env: &[(String, String)]) -> serde_json::Value {
-    let out = cli(addr, &["--json", "doctor"], &refs(env));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("no JSON ({e}): {}", stderr(&out)));
-    v["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "security")
-        .cloned()
-        .expect("a security row")
+    doctor_row(addr, &refs(env), "security")
 }
 
 #[test]
