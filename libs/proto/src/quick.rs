@@ -162,31 +162,37 @@ impl fmt::Display for Response<'_> {
 /// A whole response frame carrying `body`, length prefix included.
 pub fn encode_ok(body: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(5 + body.len());
-    out.extend_from_slice(&((1 + body.len()) as u32).to_be_bytes());
-    out.push(0);
-    out.extend_from_slice(body);
+    encode_ok_into(&mut out, |o| o.extend_from_slice(body));
     out
 }
 
-/// [`encode_ok`] with a body that `write` appends in place (no copy of an encoded body).
-pub fn encode_ok_with(write: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
-    let mut out = vec![0u8; 5];
-    write(&mut out);
-    let len = (out.len() - 4) as u32;
-    out[..4].copy_from_slice(&len.to_be_bytes());
-    out
+/// Appends a response frame to `out` whose body `write` appends in place (no copy of an
+/// encoded body). A server reuses one `out` for a connection's answers: a fresh buffer per
+/// answer grew by reallocation every time, onto pages the allocator had to fault in again.
+pub fn encode_ok_into(out: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>)) {
+    let at = out.len();
+    out.extend_from_slice(&[0u8; 5]);
+    write(out);
+    let len = (out.len() - at - 4) as u32;
+    out[at..at + 4].copy_from_slice(&len.to_be_bytes());
 }
 
 /// A whole response frame carrying a gRPC status.
 pub fn encode_status(code: i32, message: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    encode_status_into(&mut out, code, message);
+    out
+}
+
+/// Appends [`encode_status`]'s frame to `out`.
+pub fn encode_status_into(out: &mut Vec<u8>, code: i32, message: &str) {
     // A status message never needs the whole frame; keep it well inside the limit.
     let message = &message[..floor_char_boundary(message, 64 << 10)];
-    let mut out = Vec::with_capacity(9 + message.len());
+    out.reserve(9 + message.len());
     out.extend_from_slice(&((1 + 4 + message.len()) as u32).to_be_bytes());
     out.push(1);
     out.extend_from_slice(&code.to_be_bytes());
     out.extend_from_slice(message.as_bytes());
-    out
 }
 
 fn floor_char_boundary(s: &str, max: usize) -> usize {
@@ -239,8 +245,17 @@ mod tests {
     fn responses_carry_answers_and_statuses() {
         let ok = encode_ok(b"abc");
         assert_eq!(decode_response(&ok[4..]).unwrap(), Response::Ok(b"abc"));
-        assert_eq!(encode_ok_with(|out| out.extend_from_slice(b"abc")), ok);
-        assert_eq!(encode_ok_with(|_| {}), encode_ok(b""));
+        let mut out = b"kept".to_vec();
+        encode_ok_into(&mut out, |o| o.extend_from_slice(b"abc"));
+        assert_eq!(
+            &out[..4],
+            b"kept",
+            "a frame is appended after what the buffer holds"
+        );
+        assert_eq!(&out[4..], ok);
+        let mut empty = Vec::new();
+        encode_ok_into(&mut empty, |_| {});
+        assert_eq!(empty, encode_ok(b""));
         let st = encode_status(14, "not the leader");
         assert_eq!(
             decode_response(&st[4..]).unwrap(),

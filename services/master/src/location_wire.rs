@@ -19,13 +19,25 @@ use crate::core::{Location, OpError, ReplicaView, SegmentDesc};
 
 /// Appends `results` to `out` as the encoding of a `BatchObjectLocations` with one
 /// `ObjectLocation` per result, in order.
-pub(crate) fn encode_batch(results: &[Result<Location, OpError>], out: &mut Vec<u8>) {
-    encode_results(results.iter().map(|r| r.as_ref().map(Shape::location)), out);
+pub(crate) fn encode_batch(
+    results: &[Result<Location, OpError>],
+    segments: &mut Descriptors,
+    out: &mut Vec<u8>,
+) {
+    encode_results(
+        results.iter().map(|r| r.as_ref().map(Shape::location)),
+        segments,
+        out,
+    );
 }
 
 /// Appends `results` (each a put's generation and placements) to `out` as the encoding of a
 /// `BatchPutStartResponse` with one `PutStartResponse` per result, in order.
-pub(crate) fn encode_put_starts(results: &[Result<Placed, OpError>], out: &mut Vec<u8>) {
+pub(crate) fn encode_put_starts(
+    results: &[Result<Placed, OpError>],
+    segments: &mut Descriptors,
+    out: &mut Vec<u8>,
+) {
     encode_results(
         results.iter().map(|r| {
             r.as_ref().map(|(generation, replicas)| Shape {
@@ -35,6 +47,7 @@ pub(crate) fn encode_put_starts(results: &[Result<Placed, OpError>], out: &mut V
                 tail: (0, 0),
             })
         }),
+        segments,
         out,
     );
 }
@@ -65,29 +78,39 @@ impl<'a> Shape<'a> {
 
 fn encode_results<'a>(
     results: impl Iterator<Item = Result<Shape<'a>, &'a OpError>>,
+    segments: &mut Descriptors,
     out: &mut Vec<u8>,
 ) {
-    let mut segments = Segments::default();
     for r in results {
-        let len = answer_len(&r, &mut segments);
+        let len = answer_len(&r, segments);
         encode_key(1, WireType::LengthDelimited, out);
         encode_varint(len as u64, out);
         let start = out.len();
-        encode_answer(&r, &mut segments, out);
+        encode_answer(&r, segments, out);
         debug_assert_eq!(out.len() - start, len, "an answer's length was miscounted");
     }
 }
 
-/// The encoded descriptors of the segments a batch has met so far.
+/// The encoded descriptors of the segments a quick connection's answers have named, kept
+/// across its batches: a descriptor is encoded once per connection, not once per batch.
+///
+/// An entry is found by the identity of its `Arc`, which it holds, so the address cannot be
+/// reused for another descriptor; a segment mounted again gets a new `Arc`, hence a new entry.
+/// At most [`Descriptors::KEPT`] are kept (the set starts over when full).
 #[derive(Default)]
-struct Segments(Vec<(Arc<SegmentDesc>, Vec<u8>)>);
+pub(crate) struct Descriptors(Vec<(Arc<SegmentDesc>, Vec<u8>)>);
 
-impl Segments {
-    /// Few segments per batch (one per store holding its keys): a scan beats a map.
+impl Descriptors {
+    /// A pool has a few segments per store; a scan of this many beats a map.
+    const KEPT: usize = 64;
+
     fn encoded(&mut self, desc: &Arc<SegmentDesc>) -> &[u8] {
         let at = match self.0.iter().position(|(d, _)| Arc::ptr_eq(d, desc)) {
             Some(at) => at,
             None => {
+                if self.0.len() >= Self::KEPT {
+                    self.0.clear();
+                }
                 let bytes = pb::SegmentDescriptor::from(&**desc).encode_to_vec();
                 self.0.push((desc.clone(), bytes));
                 self.0.len() - 1
@@ -143,7 +166,7 @@ fn capability(r: &ReplicaView) -> &[u8] {
     r.capability.as_ref().map_or(&[], |c| c.as_bytes())
 }
 
-fn replica_len(r: &ReplicaView, segments: &mut Segments) -> usize {
+fn replica_len(r: &ReplicaView, segments: &mut Descriptors) -> usize {
     let desc = segments.encoded(&r.segment).len();
     // The segment is a present sub-message: written even if it encoded to nothing.
     1 + encoded_len_varint(desc as u64)
@@ -154,7 +177,7 @@ fn replica_len(r: &ReplicaView, segments: &mut Segments) -> usize {
         + bytes_len(5, capability(r))
 }
 
-fn answer_len(r: &Result<Shape<'_>, &OpError>, segments: &mut Segments) -> usize {
+fn answer_len(r: &Result<Shape<'_>, &OpError>, segments: &mut Descriptors) -> usize {
     match r {
         Ok(s) => {
             let replicas: usize = s
@@ -173,7 +196,7 @@ fn answer_len(r: &Result<Shape<'_>, &OpError>, segments: &mut Segments) -> usize
     }
 }
 
-fn encode_answer(r: &Result<Shape<'_>, &OpError>, segments: &mut Segments, out: &mut Vec<u8>) {
+fn encode_answer(r: &Result<Shape<'_>, &OpError>, segments: &mut Descriptors, out: &mut Vec<u8>) {
     match r {
         Ok(s) => {
             for &(t, v) in &s.head {
@@ -299,7 +322,7 @@ mod tests {
             Err(OpError::new(ErrorCode::InvalidKey, "")),
         ];
         let mut mine = Vec::new();
-        encode_batch(&results, &mut mine);
+        encode_batch(&results, &mut Descriptors::default(), &mut mine);
         assert_eq!(mine, by_prost(results.clone()));
         let back = pb::BatchObjectLocations::decode(&mine[..]).expect("decodes");
         assert_eq!(back.results.len(), results.len());
@@ -314,7 +337,7 @@ mod tests {
         assert_eq!(back.results[1].code, ErrorCode::ObjectNotFound.as_i32());
 
         let mut empty = Vec::new();
-        encode_batch(&[], &mut empty);
+        encode_batch(&[], &mut Descriptors::default(), &mut empty);
         assert_eq!(empty, by_prost(vec![]));
     }
 
@@ -334,7 +357,7 @@ mod tests {
             Ok((0, vec![replica(&b, 1 << 33, false, false)])),
         ];
         let mut mine = Vec::new();
-        encode_put_starts(&results, &mut mine);
+        encode_put_starts(&results, &mut Descriptors::default(), &mut mine);
         let theirs = pb::BatchPutStartResponse {
             results: results.into_iter().map(crate::grpc::put_start).collect(),
         }
@@ -343,26 +366,58 @@ mod tests {
     }
 
     #[test]
-    fn each_segment_is_encoded_once_per_batch() {
+    fn each_segment_is_encoded_once_per_connection() {
         let a = desc("a:1");
-        let results: Vec<_> = (0..32)
-            .map(|i| {
-                Ok(Location {
-                    generation: i,
-                    size: 64,
-                    replicas: vec![replica(&a, i * 64, false, false)],
-                    lease_ttl: Duration::from_secs(5),
+        let batch = |seg: &Arc<SegmentDesc>| -> Vec<Result<Location, OpError>> {
+            (0..32)
+                .map(|i| {
+                    Ok(Location {
+                        generation: i,
+                        size: 64,
+                        replicas: vec![replica(seg, i * 64, false, false)],
+                        lease_ttl: Duration::from_secs(5),
+                    })
                 })
-            })
-            .collect();
-        let mut segments = Segments::default();
-        for r in &results {
-            let r = r.as_ref().map(Shape::location);
-            answer_len(&r, &mut segments);
+                .collect()
+        };
+        let mut segments = Descriptors::default();
+        for _ in 0..3 {
+            let results = batch(&a);
+            let mut mine = Vec::new();
+            encode_batch(&results, &mut segments, &mut mine);
+            assert_eq!(mine, by_prost(results));
+            assert_eq!(
+                segments.0.len(),
+                1,
+                "one entry for a segment met in every batch"
+            );
         }
-        assert_eq!(segments.0.len(), 1);
+
+        // The same segment mounted again has a new descriptor: its answers carry the new one.
+        let mut remounted = (*a).clone();
+        remounted.transfer_endpoint = "a:1:17001".into();
+        let remounted = Arc::new(remounted);
+        let results = batch(&remounted);
         let mut mine = Vec::new();
-        encode_batch(&results, &mut mine);
+        encode_batch(&results, &mut segments, &mut mine);
         assert_eq!(mine, by_prost(results));
+        let back = pb::BatchObjectLocations::decode(&mine[..]).expect("decodes");
+        let endpoint = &back.results[0].replicas[0].segment.as_ref().expect("seg");
+        assert_eq!(endpoint.transfer_endpoint, "a:1:17001");
+
+        // Bounded: a connection that meets many segments keeps at most KEPT of them.
+        for i in 0..3 * Descriptors::KEPT {
+            let d = desc(&format!("s{i}:1"));
+            let results = vec![Ok(Location {
+                generation: 1,
+                size: 64,
+                replicas: vec![replica(&d, 0, false, false)],
+                lease_ttl: Duration::from_secs(5),
+            })];
+            let mut mine = Vec::new();
+            encode_batch(&results, &mut segments, &mut mine);
+            assert_eq!(mine, by_prost(results));
+            assert!(segments.0.len() <= Descriptors::KEPT);
+        }
     }
 }

@@ -33,6 +33,9 @@ const MAX_CONNECTIONS: usize = 1024;
 const IDLE: Duration = Duration::from_secs(300);
 /// Bytes a quick connection reads ahead: a batch of 32 vLLM keys is about 4 KiB.
 const READ_BUFFER: usize = 16 << 10;
+/// A connection keeps its request and answer buffers between frames up to this size; one
+/// that grew past it for a large frame is given back after that frame.
+const KEEP_BUFFER: usize = 256 << 10;
 /// A client that opened a connection must send its magic within this.
 const HELLO_WAIT: Duration = Duration::from_secs(5);
 /// A frame's body, once announced, must arrive within this.
@@ -91,7 +94,10 @@ impl QuickServer {
         if &magic != quick::MAGIC {
             return Ok(());
         }
-        let mut frame = Vec::new();
+        // Reused for every frame: a fresh answer buffer per frame grew by reallocation each
+        // time, onto pages the allocator faulted in again (docs/BENCH.md, "Metadata").
+        let (mut frame, mut out) = (Vec::new(), Vec::new());
+        let mut segments = location_wire::Descriptors::default();
         loop {
             let mut prefix = [0u8; 4];
             match tokio::time::timeout(IDLE, stream.read_exact(&mut prefix)).await {
@@ -124,17 +130,30 @@ impl QuickServer {
                     return Ok(());
                 }
             }
-            let out = self.answer(&frame, peer).await;
+            out.clear();
+            self.answer(&frame, peer, &mut segments, &mut out).await;
             stream.write_all(&out).await?;
+            for buf in [&mut frame, &mut out] {
+                if buf.capacity() > KEEP_BUFFER {
+                    *buf = Vec::new();
+                }
+            }
         }
     }
 
-    /// One response frame for one request frame.
-    async fn answer(&self, frame: &[u8], peer: &Peer) -> Vec<u8> {
+    /// Appends one response frame for one request frame to `out`.
+    async fn answer(
+        &self,
+        frame: &[u8],
+        peer: &Peer,
+        segments: &mut location_wire::Descriptors,
+        out: &mut Vec<u8>,
+    ) {
         let req = match quick::decode_request(frame) {
             Ok(r) => r,
             Err(e) => {
-                return quick::encode_status(tonic::Code::InvalidArgument as i32, &e.to_string());
+                let code = tonic::Code::InvalidArgument as i32;
+                return quick::encode_status_into(out, code, &e.to_string());
             }
         };
         let authorization = if req.authorization.is_empty() {
@@ -149,7 +168,7 @@ impl QuickServer {
             Some(peer),
         ) {
             Ok(c) => c,
-            Err(s) => return status(&s),
+            Err(s) => return status(&s, out),
         };
         self.svc.count_quick_call();
         let svc = &self.svc;
@@ -160,28 +179,32 @@ impl QuickServer {
                 Ok(m) => locations(
                     svc.batch_locations(Rpc::BatchExistKey, &m.client_id, &m.keys)
                         .await,
+                    segments,
+                    out,
                 ),
-                Err(e) => undecodable(req.method, &e),
+                Err(e) => undecodable(req.method, &e, out),
             },
             Method::BatchGetReplicaList => match pb::BatchGetReplicaListRequest::decode(req.body) {
                 Ok(m) => locations(
                     svc.batch_locations(Rpc::BatchGetReplicaList, &m.client_id, &m.keys)
                         .await,
+                    segments,
+                    out,
                 ),
-                Err(e) => undecodable(req.method, &e),
+                Err(e) => undecodable(req.method, &e, out),
             },
             Method::BatchPutStart => match pb::BatchPutStartRequest::decode(req.body) {
                 Ok(m) => match svc.batch_put_starts(&caller, m).await {
-                    Ok(results) => quick::encode_ok_with(|out| {
-                        location_wire::encode_put_starts(&results, out);
+                    Ok(results) => quick::encode_ok_into(out, |out| {
+                        location_wire::encode_put_starts(&results, segments, out);
                     }),
-                    Err(s) => status(&s),
+                    Err(s) => status(&s, out),
                 },
-                Err(e) => undecodable(req.method, &e),
+                Err(e) => undecodable(req.method, &e, out),
             },
             Method::BatchPutEnd => match pb::BatchKeysRequest::decode(req.body) {
-                Ok(m) => reply(svc.batch_put_end(request(m, &caller)).await),
-                Err(e) => undecodable(req.method, &e),
+                Ok(m) => reply(svc.batch_put_end(request(m, &caller)).await, out),
+                Err(e) => undecodable(req.method, &e, out),
             },
         }
     }
@@ -194,27 +217,34 @@ fn request<T>(m: T, caller: &Caller) -> tonic::Request<T> {
     r
 }
 
-fn reply<T: Message>(r: Result<tonic::Response<T>, tonic::Status>) -> Vec<u8> {
+fn reply<T: Message>(r: Result<tonic::Response<T>, tonic::Status>, out: &mut Vec<u8>) {
     match r {
-        Ok(resp) => quick::encode_ok(&resp.into_inner().encode_to_vec()),
-        Err(s) => status(&s),
+        Ok(resp) => quick::encode_ok_into(out, |out| resp.get_ref().encode_raw(out)),
+        Err(s) => status(&s, out),
     }
 }
 
-fn locations(r: Result<Vec<Result<Location, OpError>>, tonic::Status>) -> Vec<u8> {
+fn locations(
+    r: Result<Vec<Result<Location, OpError>>, tonic::Status>,
+    segments: &mut location_wire::Descriptors,
+    out: &mut Vec<u8>,
+) {
     match r {
-        Ok(results) => quick::encode_ok_with(|out| location_wire::encode_batch(&results, out)),
-        Err(s) => status(&s),
+        Ok(results) => quick::encode_ok_into(out, |out| {
+            location_wire::encode_batch(&results, segments, out);
+        }),
+        Err(s) => status(&s, out),
     }
 }
 
-fn status(s: &tonic::Status) -> Vec<u8> {
-    quick::encode_status(s.code() as i32, s.message())
+fn status(s: &tonic::Status, out: &mut Vec<u8>) {
+    quick::encode_status_into(out, s.code() as i32, s.message());
 }
 
-fn undecodable(method: Method, e: &prost::DecodeError) -> Vec<u8> {
-    quick::encode_status(
+fn undecodable(method: Method, e: &prost::DecodeError, out: &mut Vec<u8>) {
+    quick::encode_status_into(
+        out,
         tonic::Code::InvalidArgument as i32,
         &format!("the {method:?} request in a quick-call frame does not decode: {e}"),
-    )
+    );
 }
