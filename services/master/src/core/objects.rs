@@ -2,6 +2,7 @@
 
 use lunakv_transfer::cap::{READ_TTL, RIGHT_READ, RIGHT_WRITE, WRITE_TTL};
 use lunakv_transfer::{Capability, Grant, PlacementProof};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -16,7 +17,7 @@ use crate::notifier::FreeEntry;
 use super::index::tenant_of;
 use super::types::{
     Caller, CoreError, Location, Object, ObjectState, OpError, PendingFree, PendingPromotion,
-    PutOptions, ReplicaLoc, ReplicaView,
+    PutOptions, ReplicaLoc, ReplicaView, Replicas,
 };
 use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
 
@@ -171,7 +172,7 @@ impl MasterCore {
             ));
         }
         let len = align_up(size).unwrap_or(u64::MAX);
-        let mut room: Vec<(&String, &crate::alloc::OffsetAllocator)> = segs
+        let mut room: smallvec::SmallVec<[(&String, &crate::alloc::OffsetAllocator); 8]> = segs
             .iter()
             .filter(|(_, s)| s.complete && s.alloc.largest_free() >= len)
             .map(|(n, s)| (n, &s.alloc))
@@ -181,7 +182,8 @@ impl MasterCore {
             // Stable: equally empty segments keep the shuffled order, so ties spread.
             room.sort_by(|(_, a), (_, b)| a.emptier_first(b));
         }
-        let mut order: Vec<&String> = room.into_iter().map(|(n, _)| n).collect();
+        let mut order: smallvec::SmallVec<[&String; 8]> =
+            room.into_iter().map(|(n, _)| n).collect();
         // Preferred segments first, in the caller's order (those with room).
         let mut at = 0;
         for p in &opts.preferred_segments {
@@ -206,11 +208,16 @@ impl MasterCore {
                 ),
             ));
         }
-        let chosen: Vec<String> = order.into_iter().take(wanted).cloned().collect();
-        let mut replicas = Vec::with_capacity(wanted);
+        // The shared copies of the names, which the replicas keep (no copy of a name per put).
+        let chosen: smallvec::SmallVec<[Arc<str>; 2]> = order
+            .into_iter()
+            .take(wanted)
+            .map(|n| self.names.get(n))
+            .collect();
+        let mut replicas = Replicas::with_capacity(wanted);
         let mut views = Vec::with_capacity(wanted);
-        for name in &chosen {
-            let Some(seg) = segs.get_mut(name) else {
+        for name in chosen {
+            let Some(seg) = segs.get_mut(&*name) else {
                 continue;
             };
             // largest_free >= len was checked under this same lock, so best fit succeeds.
@@ -218,7 +225,7 @@ impl MasterCore {
                 continue;
             };
             replicas.push(ReplicaLoc {
-                segment: self.names.get(name),
+                segment: name,
                 mount_id: seg.mount_id,
                 offset,
                 disk: false,

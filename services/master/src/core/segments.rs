@@ -312,7 +312,7 @@ impl MasterCore {
                 Box::new(Object::complete(
                     item.generation,
                     item.size,
-                    vec![loc],
+                    smallvec::smallvec![loc],
                     self.names.get(client_id),
                     now,
                 )),
@@ -337,7 +337,7 @@ impl MasterCore {
             *existing = Object::complete(
                 item.generation,
                 item.size,
-                vec![loc],
+                smallvec::smallvec![loc],
                 self.names.get(client_id),
                 now,
             );

@@ -108,6 +108,33 @@ async fn replicas_land_on_distinct_segments_preferred_first() {
     }
 }
 
+/// One replica lives inside its object (no allocation of its own, no pointer to chase on a
+/// lookup), and the object stays within the 192-byte size class it was laid out for.
+#[tokio::test]
+async fn an_object_holds_one_replica_inside_itself() {
+    let (core, _) = new_core(cfg());
+    for s in ["a:1", "b:1"] {
+        mount(&core, "cl", s, 1 << 20);
+    }
+    core.put_start("cl", "one", 100, &opts(1))
+        .await
+        .expect("put");
+    core.put_start("cl", "two", 100, &opts(2))
+        .await
+        .expect("put");
+    let shard = |k: &str| core.shard(k).lock();
+    let one = shard("one").get("one").expect("indexed").replicas.clone();
+    assert_eq!(one.len(), 1);
+    assert!(!one.spilled(), "one replica is held inline");
+    let two = shard("two").get("two").expect("indexed").replicas.clone();
+    assert_eq!(two.len(), 2, "a second replica still fits (on the heap)");
+    assert!(
+        std::mem::size_of::<types::Object>() <= 192,
+        "Object grew to {} bytes: past the allocator's 192-byte class, every key costs more",
+        std::mem::size_of::<types::Object>()
+    );
+}
+
 #[tokio::test]
 async fn a_preferred_segment_without_room_is_passed_over_for_the_next() {
     let (core, _) = new_core(cfg());

@@ -294,11 +294,16 @@ pub(super) struct ReplicaLoc {
     pub(super) disk: bool,
 }
 
+/// An object's replicas, held inside it up to one: most pools keep one replica per object,
+/// and a separate allocation cost a cache miss on every lookup and 48 bytes per key
+/// (docs/BENCH.md, "Metadata").
+pub(super) type Replicas = smallvec::SmallVec<[ReplicaLoc; 1]>;
+
 #[derive(Debug, Clone)]
 pub(super) struct Object {
     pub(super) generation: u64,
     pub(super) size: u64,
-    pub(super) replicas: Vec<ReplicaLoc>,
+    pub(super) replicas: Replicas,
     pub(super) state: ObjectState,
     /// Shared with the client's other objects ([`super::intern`]).
     pub(super) client_id: Arc<str>,
@@ -321,7 +326,7 @@ impl Object {
     pub(super) fn complete(
         generation: u64,
         size: u64,
-        replicas: Vec<ReplicaLoc>,
+        replicas: Replicas,
         client_id: Arc<str>,
         now: Instant,
     ) -> Object {

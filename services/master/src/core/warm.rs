@@ -22,7 +22,9 @@ use std::time::Instant;
 use tokio::sync::broadcast;
 
 use super::MasterCore;
-use super::types::{InventoryItem, Object, ObjectState, ReplicaLoc, Segment, SegmentDesc};
+use super::types::{
+    InventoryItem, Object, ObjectState, ReplicaLoc, Replicas, Segment, SegmentDesc,
+};
 use crate::alloc::OffsetAllocator;
 
 /// Changes buffered per standby before a lagging one is sent a new snapshot instead.
@@ -147,7 +149,7 @@ impl MasterCore {
         let mut loaded = 0;
         let mut unconfirmed: HashMap<String, Vec<(String, bool)>> = HashMap::new();
         for e in snap.entries {
-            let replicas: Vec<ReplicaLoc> = e
+            let replicas: Replicas = e
                 .replicas
                 .iter()
                 .filter_map(|r| {
