@@ -101,7 +101,7 @@ async fn sort(
     match speaks {
         ClientSpeaks::Http2 => Some(ServerIo::plain(stream, peer)),
         ClientSpeaks::Quick => {
-            quick.accept(
+            quick.accept_tcp(
                 stream,
                 Peer {
                     addr: peer,

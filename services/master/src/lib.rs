@@ -45,6 +45,7 @@ pub mod events;
 pub mod grpc;
 pub mod ha;
 mod incoming;
+mod lanes;
 mod location_wire;
 pub mod metrics;
 pub mod namespaces;

@@ -23,6 +23,7 @@ use tokio::sync::Semaphore;
 use crate::auth::AuthPolicy;
 use crate::core::{Caller, Location, OpError};
 use crate::grpc::MasterService;
+use crate::lanes::Lanes;
 use crate::location_wire;
 use crate::metrics::Rpc;
 use lunakv_tls::Peer;
@@ -47,30 +48,59 @@ pub(crate) struct QuickServer {
     policy: Arc<AuthPolicy>,
     slots: Arc<Semaphore>,
     warned_full: AtomicBool,
+    /// Where plaintext connections are served ([`crate::lanes`]).
+    lanes: Lanes,
 }
 
 impl QuickServer {
-    pub(crate) fn new(svc: MasterService, policy: Arc<AuthPolicy>) -> Arc<QuickServer> {
+    pub(crate) fn new(
+        svc: MasterService,
+        policy: Arc<AuthPolicy>,
+        lanes: Lanes,
+    ) -> Arc<QuickServer> {
         Arc::new(QuickServer {
             svc,
             policy,
             slots: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
             warned_full: AtomicBool::new(false),
+            lanes,
         })
     }
 
-    /// Takes over `stream`, whose first bytes are the quick magic, arrived from `peer`.
+    /// Takes over the plaintext `stream`, whose first bytes are the quick magic, arrived from
+    /// `peer`, and serves it on one of the lanes.
+    pub(crate) fn accept_tcp(self: &Arc<Self>, stream: tokio::net::TcpStream, peer: Peer) {
+        let Some(permit) = self.slot() else {
+            return;
+        };
+        // Out of this runtime's epoll, into the lane's (in the lane's context).
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "quick-call connection could not move to its lane");
+                return;
+            }
+        };
+        let this = self.clone();
+        self.lanes.spawn(async move {
+            let _permit = permit;
+            let r = match tokio::net::TcpStream::from_std(stream) {
+                Ok(stream) => this.connection(stream, &peer).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "quick-call connection ended");
+            }
+        });
+    }
+
+    /// Takes over `stream` (a TLS session), whose first bytes are the quick magic, arrived
+    /// from `peer`. It stays on the runtime that accepted it, which drives its socket.
     pub(crate) fn accept<S>(self: &Arc<Self>, stream: S, peer: Peer)
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let Ok(permit) = self.slots.clone().try_acquire_owned() else {
-            if !self.warned_full.swap(true, Ordering::Relaxed) {
-                tracing::warn!(
-                    limit = MAX_CONNECTIONS,
-                    "quick-call connections are at their limit; new ones are closed and those clients use gRPC"
-                );
-            }
+        let Some(permit) = self.slot() else {
             return;
         };
         let this = self.clone();
@@ -80,6 +110,19 @@ impl QuickServer {
                 tracing::debug!(error = %e, "quick-call connection ended");
             }
         });
+    }
+
+    /// A connection's place among [`MAX_CONNECTIONS`], or `None` (warned once) when all are
+    /// taken: the connection is closed and its client uses gRPC.
+    fn slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let permit = self.slots.clone().try_acquire_owned().ok();
+        if permit.is_none() && !self.warned_full.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                limit = MAX_CONNECTIONS,
+                "quick-call connections are at their limit; new ones are closed and those clients use gRPC"
+            );
+        }
+        permit
     }
 
     async fn connection<S>(&self, stream: S, peer: &Peer) -> std::io::Result<()>

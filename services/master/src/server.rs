@@ -414,7 +414,15 @@ impl Master {
                 || true,
             ));
         }
-        let quick = crate::quick::QuickServer::new(svc.clone(), policy.clone());
+        // Held until this returns: dropping it stops the quick connections' threads.
+        let (lanes, _lanes) = crate::lanes::Lanes::start(
+            std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        )
+        .map_err(|e| ServeError::Server {
+            what: "quick-call",
+            message: format!("cannot start its threads: {e}"),
+        })?;
+        let quick = crate::quick::QuickServer::new(svc.clone(), policy.clone(), lanes);
         let (health_reporter, health) = tonic_health::server::health_reporter();
         tokio::spawn(report_health(
             health_reporter,
