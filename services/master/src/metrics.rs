@@ -144,6 +144,9 @@ pub struct Metrics {
     requests: Vec<(IntCounter, IntCounter)>,
     /// `master_rpc_duration_seconds{rpc}`: admission to answer, per RPC.
     durations: prometheus::HistogramVec,
+    /// Each RPC's series of `durations`, found on its first call (a series appears once its
+    /// RPC is called): `with_label_values` hashed the label under the vector's lock per call.
+    duration_of: Vec<std::sync::OnceLock<prometheus::Histogram>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -352,6 +355,10 @@ impl Metrics {
             ),
             requests,
             durations,
+            duration_of: Rpc::ALL
+                .iter()
+                .map(|_| std::sync::OnceLock::new())
+                .collect(),
             registry: r,
         }
     }
@@ -379,10 +386,11 @@ impl Metrics {
     }
 
     pub fn record(&self, rpc: Rpc, failed: bool, took: std::time::Duration) {
-        self.durations
-            .with_label_values(&[rpc.name()])
-            .observe(took.as_secs_f64());
         let idx = Rpc::ALL.iter().position(|r| *r == rpc).unwrap_or(0);
+        if let Some(h) = self.duration_of.get(idx) {
+            h.get_or_init(|| self.durations.with_label_values(&[rpc.name()]))
+                .observe(took.as_secs_f64());
+        }
         if let Some((req, fail)) = self.requests.get(idx) {
             req.inc();
             if failed {
@@ -395,5 +403,45 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each RPC's latency series is resolved once and kept: its count follows every call, and
+    /// an RPC never called shows no series.
+    #[test]
+    fn each_rpc_keeps_its_own_latency_series() {
+        let m = Metrics::new();
+        for _ in 0..3 {
+            m.record(
+                Rpc::BatchExistKey,
+                false,
+                std::time::Duration::from_micros(80),
+            );
+        }
+        m.record(Rpc::BatchPutEnd, true, std::time::Duration::from_millis(2));
+        let count = |rpc: Rpc| {
+            m.durations
+                .get_metric_with_label_values(&[rpc.name()])
+                .ok()
+                .map(|h| h.get_sample_count())
+        };
+        assert_eq!(count(Rpc::BatchExistKey), Some(3));
+        assert_eq!(count(Rpc::BatchPutEnd), Some(1));
+        let series: Vec<_> = m
+            .registry
+            .gather()
+            .into_iter()
+            .filter(|f| f.name() == "master_rpc_duration_seconds")
+            .flat_map(|f| f.get_metric().to_vec())
+            .collect();
+        assert_eq!(
+            series.len(),
+            2,
+            "only the RPCs that were called have a series"
+        );
     }
 }
