@@ -235,3 +235,40 @@ fn a_trickled_frame_is_closed_and_others_are_answered() {
         "closed after the body's 30 s"
     );
 }
+
+/// The master serves quick connections on its lanes: one thread per core named `quick-<i>`
+/// (services/master/src/lanes.rs), each connection answered there, several at once.
+#[test]
+fn quick_connections_are_served_on_the_lanes() {
+    let dir = tempfile::tempdir().unwrap();
+    let master = Master::start(dir.path(), &[]);
+    let addr = master.addr();
+    let _store = Store::start(&addr, "64MB", &[]);
+    put(&addr, dir.path(), "on-a-lane", &[]);
+
+    // More connections than lanes, each used in turn: every one is answered.
+    let mut conns: Vec<TcpStream> = (0..5).map(|_| connect(&addr)).collect();
+    for round in 0..3 {
+        for (i, s) in conns.iter_mut().enumerate() {
+            let answer = roundtrip(s, &exist_frame("", &["on-a-lane"]));
+            let quick::Response::Ok(body) = quick::decode_response(&answer).unwrap() else {
+                panic!("connection {i}, round {round}: an answer");
+            };
+            let r = pb::BatchObjectLocations::decode(body).unwrap();
+            assert_eq!(r.results[0].code, 0, "connection {i}: {:?}", r.results[0]);
+        }
+    }
+
+    let lanes: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", master.proc.pid()))
+        .expect("the master's threads")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .filter(|c| c.starts_with("quick-"))
+        .collect();
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    assert_eq!(
+        lanes.len(),
+        cores,
+        "one lane per core, the master's threads: {lanes:?}"
+    );
+}
