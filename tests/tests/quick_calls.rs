@@ -247,7 +247,8 @@ fn quick_connections_are_served_on_the_lanes() {
     put(&addr, dir.path(), "on-a-lane", &[]);
 
     // More connections than lanes, each used in turn: every one is answered.
-    let mut conns: Vec<TcpStream> = (0..5).map(|_| connect(&addr)).collect();
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let mut conns: Vec<TcpStream> = (0..cores + 3).map(|_| connect(&addr)).collect();
     for round in 0..3 {
         for (i, s) in conns.iter_mut().enumerate() {
             let answer = roundtrip(s, &exist_frame("", &["on-a-lane"]));
@@ -265,7 +266,6 @@ fn quick_connections_are_served_on_the_lanes() {
         .map(|c| c.trim().to_string())
         .filter(|c| c.starts_with("quick-"))
         .collect();
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     assert_eq!(
         lanes.len(),
         cores,

@@ -141,12 +141,19 @@ pub struct Metrics {
     pub promotions_total: IntCounter,
     /// Promotions the owner could not complete (the object stays served from disk).
     pub promotion_failures_total: IntCounter,
-    requests: Vec<(IntCounter, IntCounter)>,
+    /// One entry per [`Rpc::ALL`], in its order.
+    per_rpc: Vec<RpcSeries>,
     /// `master_rpc_duration_seconds{rpc}`: admission to answer, per RPC.
     durations: prometheus::HistogramVec,
-    /// Each RPC's series of `durations`, found on its first call (a series appears once its
-    /// RPC is called): `with_label_values` hashed the label under the vector's lock per call.
-    duration_of: Vec<std::sync::OnceLock<prometheus::Histogram>>,
+}
+
+/// One RPC's series.
+struct RpcSeries {
+    requests: IntCounter,
+    failures: IntCounter,
+    /// Its series of `durations`, found on its first call (a series appears once its RPC is
+    /// called): `with_label_values` hashed the label under the vector's lock per call.
+    duration: std::sync::OnceLock<prometheus::Histogram>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -172,22 +179,23 @@ fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
 impl Metrics {
     pub fn new() -> Metrics {
         let r = Registry::new();
-        let requests = Rpc::ALL
+        let per_rpc = Rpc::ALL
             .iter()
             .map(|rpc| {
                 let n = rpc.name();
-                (
-                    counter(
+                RpcSeries {
+                    requests: counter(
                         &r,
                         &format!("master_{n}_requests_total"),
                         &format!("{n} calls received"),
                     ),
-                    counter(
+                    failures: counter(
                         &r,
                         &format!("master_{n}_failures_total"),
                         &format!("{n} calls that failed (or had a failed item)"),
                     ),
-                )
+                    duration: std::sync::OnceLock::new(),
+                }
             })
             .collect();
         let durations = prometheus::HistogramVec::new(
@@ -353,12 +361,8 @@ impl Metrics {
                 "master_promotion_failures_total",
                 "Promotions on hit the owner could not complete",
             ),
-            requests,
+            per_rpc,
             durations,
-            duration_of: Rpc::ALL
-                .iter()
-                .map(|_| std::sync::OnceLock::new())
-                .collect(),
             registry: r,
         }
     }
@@ -387,14 +391,13 @@ impl Metrics {
 
     pub fn record(&self, rpc: Rpc, failed: bool, took: std::time::Duration) {
         let idx = Rpc::ALL.iter().position(|r| *r == rpc).unwrap_or(0);
-        if let Some(h) = self.duration_of.get(idx) {
-            h.get_or_init(|| self.durations.with_label_values(&[rpc.name()]))
+        if let Some(s) = self.per_rpc.get(idx) {
+            s.duration
+                .get_or_init(|| self.durations.with_label_values(&[rpc.name()]))
                 .observe(took.as_secs_f64());
-        }
-        if let Some((req, fail)) = self.requests.get(idx) {
-            req.inc();
+            s.requests.inc();
             if failed {
-                fail.inc();
+                s.failures.inc();
             }
         }
     }
