@@ -107,7 +107,8 @@ pub struct StoreConfig {
     pub transfer_max_conns_per_peer: u32,
     /// Most transfer connections in all; 0 = derived from the open-file limit.
     pub transfer_max_conns: u32,
-    /// Seconds a transfer connection may send nothing before it is closed; 0 = never.
+    /// Seconds a transfer connection may send nothing before it is closed; 0 = never. Also the
+    /// bound on one request's arrival when shorter than 30 s (plus 1 s per MiB received).
     pub transfer_idle_timeout_sec: u64,
     /// Seconds to keep retrying the transfer port's bind while it is in use; 0 = fail at once.
     pub bind_retry_sec: u64,
@@ -246,7 +247,9 @@ pub struct StoreArgs {
     )]
     pub transfer_max_conns: u32,
 
-    /// Seconds a transfer connection may send nothing before it is closed; 0 = never.
+    /// Seconds a transfer connection may send nothing before it is closed; 0 = never. One
+    /// request must also arrive whole within 30 s of its first bytes, or within this when
+    /// shorter, plus 1 s per MiB received (a peer trickling bytes is never idle).
     #[arg(long = "transfer_idle_timeout_sec", alias = "transfer-idle-timeout-sec", env = "LUNAKV_TRANSFER_IDLE_TIMEOUT_SEC", default_value_t = DEFAULT_TRANSFER_IDLE_TIMEOUT_SEC)]
     pub transfer_idle_timeout_sec: u64,
 

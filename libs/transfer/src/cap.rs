@@ -7,7 +7,9 @@
 //! before it touches memory; nobody without the secret can forge one, so knowing a generation
 //! and an offset (GetReplicaList, `/query_key`) no longer lets a stranger read or overwrite it.
 //! The master's own requests (FREE, OFFLOAD, PROMOTE) carry an owner tag (`owner_tag`) over the whole
-//! request under the same secret.
+//! request under the same secret, and a second one over the header alone (`owner_header_tag`),
+//! which the owner checks before it reads a single body byte: a stranger's FREE claiming a
+//! 16 MiB body then costs the owner nothing but the header.
 //!
 //! A write capability may carry a [`PlacementProof`] after it: the master's tag, under a key only
 //! masters hold ([`InventoryKey`]), over (key, generation, size) of the object being placed. The
@@ -48,6 +50,7 @@ pub const EXPIRY_MARGIN: Duration = Duration::from_secs(30);
 
 const DATA_DOMAIN: &[u8] = b"lunakv-cap-v1";
 const OWNER_DOMAIN: &[u8] = b"lunakv-owner-v1";
+const OWNER_HEADER_DOMAIN: &[u8] = b"lunakv-owner-header-v1";
 const PROOF_DOMAIN: &[u8] = b"lunakv-placement-v1";
 
 /// The per-mount secret an owner shares with the master. Its `Debug` never shows the bytes.
@@ -155,7 +158,8 @@ pub struct Grant<'a> {
 /// (unix ms), generation, offset and length, then the tag (16 bytes). The range travels along
 /// so an ATTACH, which names no range, can still be checked. A write capability may be
 /// followed by the placement's [`PlacementProof`] ([`CAP_MAX_LEN`] bytes in all), which the tag
-/// does not cover: only the master can check it, at a later mount.
+/// does not cover: only the master can check it, at a later mount. An owner tag
+/// ([`Capability::owner`]) has no range: its bytes 16..32 hold the header-only tag instead.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Capability {
     b: [u8; CAP_MAX_LEN],
@@ -305,29 +309,48 @@ impl Capability {
     }
 
     /// The master's tag over one FREE/OFFLOAD/PROMOTE: `header` with the flags byte zeroed
-    /// (so it covers op, generation, offset, len, count and timeout) and the whole `body`.
+    /// (so it covers op, generation, offset, len, count and timeout) and the whole `body`, in
+    /// bytes 40..56; and in bytes 16..32 (unused by an owner tag's range) a second tag over the
+    /// header and expiry alone, under its own domain, which the owner checks before it reads
+    /// the body ([`Capability::verify_owner_header`]).
     pub fn owner(secret: &MountSecret, header: &[u8; crate::wire::REQ_LEN], body: &[u8]) -> Self {
         let expiry = now_ms().saturating_add(OWNER_TTL.as_millis() as u64);
         let mut b = [0u8; CAP_MAX_LEN];
         b[0] = RIGHT_OWNER;
         b[8..16].copy_from_slice(&expiry.to_le_bytes());
+        b[OWNER_HEADER_TAG].copy_from_slice(&owner_header_tag(secret, header, expiry));
         b[40..CAP_LEN].copy_from_slice(&owner_tag(secret, header, body, expiry));
         Capability { b, proven: false }
     }
 
-    /// The owner's check of [`Capability::owner`].
+    /// The owner's first check of [`Capability::owner`], on the header alone: passes only for
+    /// a request whose header the master tagged (or a replay of one within [`OWNER_TTL`]), so
+    /// nobody else gets the owner to buffer a body. [`Capability::verify_owner`] must still
+    /// pass, over the body, before any of it is applied.
+    pub fn verify_owner_header(
+        &self,
+        secret: &MountSecret,
+        header: &[u8; crate::wire::REQ_LEN],
+    ) -> Result<(), CapError> {
+        self.owner_rights_and_expiry()?;
+        if ct_eq(
+            &owner_header_tag(secret, header, self.expiry_ms()),
+            &self.b[OWNER_HEADER_TAG],
+        ) {
+            Ok(())
+        } else {
+            Err(CapError::BadTag)
+        }
+    }
+
+    /// The owner's check of [`Capability::owner`] over the whole request.
     pub fn verify_owner(
         &self,
         secret: &MountSecret,
         header: &[u8; crate::wire::REQ_LEN],
         body: &[u8],
     ) -> Result<(), CapError> {
-        if self.rights() != RIGHT_OWNER {
-            return Err(CapError::Rights("owner"));
-        }
-        if self.expiry_ms() < now_ms() {
-            return Err(CapError::Expired);
-        }
+        self.owner_rights_and_expiry()?;
         if ct_eq(
             &owner_tag(secret, header, body, self.expiry_ms()),
             &self.b[40..CAP_LEN],
@@ -337,6 +360,33 @@ impl Capability {
             Err(CapError::BadTag)
         }
     }
+
+    fn owner_rights_and_expiry(&self) -> Result<(), CapError> {
+        if self.rights() != RIGHT_OWNER {
+            return Err(CapError::Rights("owner"));
+        }
+        if self.expiry_ms() < now_ms() {
+            return Err(CapError::Expired);
+        }
+        Ok(())
+    }
+}
+
+/// Where an owner tag keeps its header-only tag (the range words of a data capability).
+const OWNER_HEADER_TAG: std::ops::Range<usize> = 16..32;
+
+fn owner_header_tag(
+    secret: &MountSecret,
+    header: &[u8; crate::wire::REQ_LEN],
+    expiry_ms: u64,
+) -> [u8; 16] {
+    let mut hdr = *header;
+    hdr[crate::wire::FLAGS_AT] = 0;
+    let mut h = blake3::Hasher::new_keyed(&secret.0);
+    h.update(OWNER_HEADER_DOMAIN);
+    h.update(&hdr);
+    h.update(&expiry_ms.to_le_bytes());
+    cut(h.finalize())
 }
 
 fn data_tag(secret: &MountSecret, g: &Grant<'_>, rights: u8, expiry_ms: u64) -> [u8; 16] {
@@ -467,5 +517,39 @@ mod tests {
             Err(CapError::Rights("owner"))
         );
         assert!(t.verify(&k, &G, RIGHT_READ).is_err());
+    }
+
+    #[test]
+    fn an_owner_tags_header_half_is_checked_alone_and_cannot_be_moved_to_another_header() {
+        let k = MountSecret::generate();
+        let hdr = [3u8; crate::wire::REQ_LEN];
+        let t = Capability::owner(&k, &hdr, b"pairs");
+        assert_eq!(t.verify_owner_header(&k, &hdr), Ok(()));
+        // The flags byte is outside both tags (the sender sets FLAG_CAP after tagging).
+        let mut flagged = hdr;
+        flagged[crate::wire::FLAGS_AT] = 0xff;
+        assert_eq!(t.verify_owner_header(&k, &flagged), Ok(()));
+        let mut other = hdr;
+        other[32] ^= 1;
+        assert_eq!(t.verify_owner_header(&k, &other), Err(CapError::BadTag));
+        assert_eq!(
+            t.verify_owner_header(&MountSecret::generate(), &hdr),
+            Err(CapError::BadTag)
+        );
+        // The header tag is not the whole tag: a body-less forgery of it fails the full check.
+        let mut forged = t.as_bytes().to_vec();
+        forged[40..CAP_LEN].copy_from_slice(&t.as_bytes()[16..32]);
+        let forged = Capability::from_slice(&forged).unwrap();
+        assert_eq!(forged.verify_owner(&k, &hdr, b""), Err(CapError::BadTag));
+        // A data capability's range words never pass as a header tag.
+        let rw = Capability::issue(&k, &G, RIGHT_READ | RIGHT_WRITE, READ_TTL);
+        assert_eq!(
+            rw.verify_owner_header(&k, &hdr),
+            Err(CapError::Rights("owner"))
+        );
+        let mut late = t.as_bytes().to_vec();
+        late[8..16].copy_from_slice(&(now_ms() - 1).to_le_bytes());
+        let late = Capability::from_slice(&late).unwrap();
+        assert_eq!(late.verify_owner_header(&k, &hdr), Err(CapError::Expired));
     }
 }

@@ -1,10 +1,13 @@
 //! What keeps a segment server serving while peers misbehave: connection admission (a cap per
 //! source IP and a global cap sized from the fd limit, so the shm socket and the master link
-//! always find a descriptor), accept errors that back off instead of spinning, warnings that
-//! are rate-limited per peer, and a bind that waits out a port briefly held by someone else.
+//! always find a descriptor; when the table is full, the oldest connection that never completed
+//! a valid request makes room, so strangers cannot lock out known requesters), a deadline on
+//! each request's arrival (a peer trickling bytes is never idle), accept errors that back off
+//! instead of spinning, warnings that are rate-limited per peer, and a bind that waits out a
+//! port briefly held by someone else.
 
-use std::collections::HashMap;
-use std::io;
+use std::collections::{BTreeSet, HashMap};
+use std::io::{self, Read};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -92,8 +95,17 @@ impl Caps {
 pub(crate) enum Refusal {
     /// `open` connections from this peer already, the cap.
     Peer { open: u32, cap: u32 },
-    /// `open` connections in all already (tcp or shm), the cap.
+    /// `open` connections in all already (tcp or shm), the cap; on tcp, every one of them
+    /// completed a valid request, so none was closed to make room.
     Global { open: u32, cap: u32 },
+}
+
+/// A connection closed to make room for a new one ([`Admission::admit`]): the caller shuts its
+/// stream down, and its thread ends on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Evicted {
+    pub(crate) id: u64,
+    pub(crate) peer: IpAddr,
 }
 
 #[derive(Default)]
@@ -101,10 +113,34 @@ struct Open {
     tcp: u32,
     unix: u32,
     per_peer: HashMap<IpAddr, u32>,
+    /// Every tcp slot open now, by id, with its peer.
+    tcp_slots: HashMap<u64, IpAddr>,
+    /// The tcp slots that have not completed a valid request yet ([`Slot::mark_known`]),
+    /// oldest first (ids grow with admission). When the table is full the first one is closed
+    /// for a newcomer: a flood of strangers then only ever displaces itself, and a requester
+    /// that just connected is displaced last, after every stranger that came before it.
+    unknown: BTreeSet<u64>,
+    next_id: u64,
 }
 
-/// Counts open connections against the caps. Only accept threads and connection ends touch
-/// it, never a request.
+impl Open {
+    /// Forgets tcp slot `id` (closed, or evicted); its peer if it was open.
+    fn forget_tcp(&mut self, id: u64) -> Option<IpAddr> {
+        let ip = self.tcp_slots.remove(&id)?;
+        self.unknown.remove(&id);
+        self.tcp = self.tcp.saturating_sub(1);
+        if let Some(n) = self.per_peer.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_peer.remove(&ip);
+            }
+        }
+        Some(ip)
+    }
+}
+
+/// Counts open connections against the caps. Only accept threads, connection ends and a
+/// connection's first valid request touch it, never a later request.
 pub(crate) struct Admission {
     pub(crate) caps: Caps,
     open: Mutex<Open>,
@@ -115,6 +151,8 @@ pub(crate) struct Slot {
     adm: Arc<Admission>,
     /// `None` for the shm socket.
     peer: Option<IpAddr>,
+    /// Unique among this server's connections (the key of its registry of open streams).
+    id: u64,
 }
 
 impl Admission {
@@ -126,16 +164,17 @@ impl Admission {
     }
 
     /// A slot for a tcp connection from `peer`, or a unix one (`None`), unless a cap is reached.
-    pub(crate) fn admit(self: &Arc<Self>, peer: Option<IpAddr>) -> Result<Slot, Refusal> {
+    /// A tcp table at its cap makes room by evicting its oldest connection that never completed
+    /// a valid request (returned: the caller closes it); only a table of known connections
+    /// refuses. A peer at its own cap is refused first, so it cannot evict anyone.
+    pub(crate) fn admit(
+        self: &Arc<Self>,
+        peer: Option<IpAddr>,
+    ) -> Result<(Slot, Option<Evicted>), Refusal> {
         let mut o = self.open.lock();
+        let mut evicted = None;
         match peer {
             Some(ip) => {
-                if o.tcp >= self.caps.tcp {
-                    return Err(Refusal::Global {
-                        open: o.tcp,
-                        cap: self.caps.tcp,
-                    });
-                }
                 let n = o.per_peer.get(&ip).copied().unwrap_or(0);
                 if self.caps.per_peer != 0 && n >= self.caps.per_peer {
                     return Err(Refusal::Peer {
@@ -143,7 +182,19 @@ impl Admission {
                         cap: self.caps.per_peer,
                     });
                 }
-                o.per_peer.insert(ip, n + 1);
+                if o.tcp >= self.caps.tcp {
+                    let full = Refusal::Global {
+                        open: o.tcp,
+                        cap: self.caps.tcp,
+                    };
+                    let victim = o.unknown.first().copied().ok_or(full)?;
+                    let vpeer = o.forget_tcp(victim).ok_or(full)?;
+                    evicted = Some(Evicted {
+                        id: victim,
+                        peer: vpeer,
+                    });
+                }
+                *o.per_peer.entry(ip).or_insert(0) += 1;
                 o.tcp += 1;
             }
             None => {
@@ -156,10 +207,20 @@ impl Admission {
                 o.unix += 1;
             }
         }
-        Ok(Slot {
-            adm: self.clone(),
-            peer,
-        })
+        let id = o.next_id;
+        o.next_id += 1;
+        if let Some(ip) = peer {
+            o.tcp_slots.insert(id, ip);
+            o.unknown.insert(id);
+        }
+        Ok((
+            Slot {
+                adm: self.clone(),
+                peer,
+                id,
+            },
+            evicted,
+        ))
     }
 
     /// Open (tcp, unix) connections.
@@ -174,23 +235,118 @@ impl Slot {
     pub(crate) fn peer(&self) -> Option<IpAddr> {
         self.peer
     }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// This connection completed a valid request: it is never evicted for a newcomer. Called
+    /// once per connection (the caller remembers), so requests never take this lock.
+    pub(crate) fn mark_known(&self) {
+        if self.peer.is_some() {
+            self.adm.open.lock().unknown.remove(&self.id);
+        }
+    }
+
+    /// Whether this slot was evicted to make room for another connection.
+    pub(crate) fn evicted(&self) -> bool {
+        self.peer.is_some() && !self.adm.open.lock().tcp_slots.contains_key(&self.id)
+    }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut o = self.adm.open.lock();
         match self.peer {
-            Some(ip) => {
-                o.tcp = o.tcp.saturating_sub(1);
-                if let Some(n) = o.per_peer.get_mut(&ip) {
-                    *n -= 1;
-                    if *n == 0 {
-                        o.per_peer.remove(&ip);
-                    }
-                }
+            // An evicted slot was forgotten already.
+            Some(_) => {
+                o.forget_tcp(self.id);
             }
             None => o.unix = o.unix.saturating_sub(1),
         }
+    }
+}
+
+/// How long one request may take to arrive whole, from its first bytes to its last, on top of
+/// the allowance for its length ([`MIN_REQUEST_RATE`]); the idle timeout, when shorter, is the
+/// bound instead. A peer that trickles a byte at a time is never idle, so only this frees its
+/// connection.
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Slowest rate a request's bytes may arrive at once past [`REQUEST_TIMEOUT`]: every byte
+/// received extends the request's deadline by 1/this seconds, so a large WRITE on a slow link
+/// is served as long as it keeps moving.
+pub(crate) const MIN_REQUEST_RATE: u64 = 1 << 20;
+const NANOS_PER_BYTE: u64 = 1_000_000_000 / MIN_REQUEST_RATE;
+
+/// A connection's reading half under a per-request deadline. The server arms it when a
+/// request's first byte is in and disarms it between requests (where the idle timeout rules).
+/// The clock is read only after a read of the socket itself returned, and only while armed: a
+/// request parsed from bytes already buffered costs nothing, and no read costs a syscall more.
+pub(crate) struct Paced<S> {
+    inner: S,
+    /// The bound of one request, `None` for none.
+    timeout: Option<Duration>,
+    state: Pace,
+    /// A read came back past the deadline: the connection ends as too slow.
+    pub(crate) expired: bool,
+}
+
+#[derive(Clone, Copy)]
+enum Pace {
+    /// Between requests.
+    Off,
+    /// A request has begun; its deadline starts at the next socket read.
+    Armed,
+    Until(Instant),
+}
+
+impl<S> Paced<S> {
+    pub(crate) fn new(inner: S, timeout: Option<Duration>) -> Paced<S> {
+        Paced {
+            inner,
+            timeout,
+            state: Pace::Off,
+            expired: false,
+        }
+    }
+
+    /// A request's first byte is in.
+    pub(crate) fn arm(&mut self) {
+        if self.timeout.is_some() {
+            self.state = Pace::Armed;
+        }
+    }
+
+    /// The request is read whole; until the next one only the idle timeout applies.
+    pub(crate) fn disarm(&mut self) {
+        self.state = Pace::Off;
+    }
+}
+
+impl<S: Read> Read for Paced<S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let r = self.inner.read(buf);
+        let now = match self.state {
+            Pace::Off => return r,
+            _ => Instant::now(),
+        };
+        let got = r.as_ref().map_or(0, |n| *n as u64);
+        let allowance = Duration::from_nanos(got.saturating_mul(NANOS_PER_BYTE));
+        match self.state {
+            Pace::Until(at) if now > at => {
+                self.expired = true;
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "request not received within its deadline",
+                ));
+            }
+            Pace::Until(at) => self.state = Pace::Until(at + allowance),
+            _ => {
+                let t = self.timeout.unwrap_or(REQUEST_TIMEOUT);
+                self.state = Pace::Until(now + t + allowance);
+            }
+        }
+        r
     }
 }
 
@@ -372,13 +528,19 @@ mod tests {
         });
         let a: IpAddr = "10.0.0.1".parse().unwrap();
         let b: IpAddr = "10.0.0.2".parse().unwrap();
-        let s1 = adm.admit(Some(a)).unwrap();
-        let _s2 = adm.admit(Some(a)).unwrap();
+        let known = |r: Result<(Slot, Option<Evicted>), Refusal>| {
+            let (s, ev) = r.unwrap();
+            assert_eq!(ev, None);
+            s.mark_known();
+            s
+        };
+        let s1 = known(adm.admit(Some(a)));
+        let _s2 = known(adm.admit(Some(a)));
         assert_eq!(
             adm.admit(Some(a)).err(),
             Some(Refusal::Peer { open: 2, cap: 2 })
         );
-        let _s3 = adm.admit(Some(b)).unwrap();
+        let _s3 = known(adm.admit(Some(b)));
         assert_eq!(
             adm.admit(Some(b)).err(),
             Some(Refusal::Global { open: 3, cap: 3 })
@@ -386,8 +548,99 @@ mod tests {
         let _u = adm.admit(None).unwrap();
         assert!(adm.admit(None).is_err());
         drop(s1);
-        let _s4 = adm.admit(Some(b)).expect("a freed place is reused");
+        let _s4 = known(adm.admit(Some(b)));
         assert_eq!(adm.open(), (3, 1));
+    }
+
+    #[test]
+    fn a_full_table_evicts_its_oldest_stranger_and_never_a_known_connection() {
+        let adm = Admission::new(Caps {
+            per_peer: 2,
+            tcp: 3,
+            unix: 1,
+        });
+        let ip = |i: u8| -> IpAddr { format!("10.0.0.{i}").parse().unwrap() };
+        let master = adm.admit(Some(ip(1))).unwrap().0;
+        master.mark_known();
+        let (old, _) = adm.admit(Some(ip(2))).unwrap();
+        let (young, _) = adm.admit(Some(ip(3))).unwrap();
+        // Full: a newcomer displaces the oldest stranger, whatever its address.
+        let (new, ev) = adm.admit(Some(ip(4))).unwrap();
+        assert_eq!(
+            ev,
+            Some(Evicted {
+                id: old.id(),
+                peer: ip(2)
+            })
+        );
+        assert!(old.evicted() && !young.evicted() && !master.evicted());
+        assert_eq!(adm.open(), (3, 0));
+        // The evicted slot's end frees nothing twice.
+        drop(old);
+        assert_eq!(adm.open(), (3, 0));
+        let (y2, ev) = adm.admit(Some(ip(3))).unwrap();
+        assert_eq!(ev.map(|e| e.id), Some(young.id()));
+        let (y3, ev) = adm.admit(Some(ip(3))).unwrap();
+        assert_eq!(ev.map(|e| e.id), Some(new.id()));
+        // A peer at its own cap is refused before it may evict anyone, strangers or not.
+        assert_eq!(
+            adm.admit(Some(ip(3))).err(),
+            Some(Refusal::Peer { open: 2, cap: 2 })
+        );
+        // Only known connections left: refused.
+        y2.mark_known();
+        y3.mark_known();
+        assert_eq!(
+            adm.admit(Some(ip(5))).err(),
+            Some(Refusal::Global { open: 3, cap: 3 })
+        );
+        drop((young, new));
+        assert_eq!(adm.open(), (3, 0));
+        drop(y3);
+        assert_eq!(adm.open(), (2, 0));
+    }
+
+    #[test]
+    fn a_paced_reader_ends_a_request_that_outlives_its_deadline() {
+        // A reader that hands out one byte per read, as a trickling peer does.
+        struct Trickle;
+        impl Read for Trickle {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                std::thread::sleep(Duration::from_millis(5));
+                buf[0] = 1;
+                Ok(1)
+            }
+        }
+        let mut p = Paced::new(Trickle, Some(Duration::from_millis(30)));
+        let mut b = [0u8; 1];
+        // Disarmed (between requests): no deadline at all.
+        for _ in 0..20 {
+            p.read_exact(&mut b).unwrap();
+        }
+        p.arm();
+        let mut n = 0;
+        while p.read_exact(&mut b).is_ok() {
+            n += 1;
+            assert!(n < 10_000, "the deadline never fired");
+        }
+        assert!(p.expired);
+        p.disarm();
+        p.expired = false;
+        p.read_exact(&mut b).unwrap();
+        // A peer that keeps its rate gets its allowance: 1 MiB per read here.
+        struct Fast;
+        impl Read for Fast {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                Ok(buf.len())
+            }
+        }
+        let mut f = Paced::new(Fast, Some(Duration::from_millis(1)));
+        f.arm();
+        let mut big = vec![0u8; 1 << 20];
+        for _ in 0..50 {
+            f.read_exact(&mut big).unwrap();
+        }
+        assert!(!f.expired);
     }
 
     #[test]

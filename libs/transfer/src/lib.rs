@@ -221,7 +221,9 @@ pub struct ConnLimits {
     pub max_conns: u32,
     /// A tcp connection that sends no request for this long is closed; pooled requesters
     /// reconnect on their next request without an error. `None` keeps idle connections forever.
-    /// A connection that stalls inside a frame this long is cut off too.
+    /// Whatever it is, one request must arrive whole within 30 s of its first bytes, or within
+    /// this timeout when shorter, plus 1 s per MiB received: a peer sending a byte at a time is
+    /// never idle, and is cut off by that deadline instead.
     pub idle_timeout: Option<Duration>,
 }
 

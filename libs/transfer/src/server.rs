@@ -17,10 +17,13 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::cap::{CAP_LEN, CAP_MAX_LEN, Capability, Grant, MountSecret, RIGHT_READ, RIGHT_WRITE};
-use crate::guard::{AcceptBackoff, Admission, Caps, PeerLog, Refusal, Slot, peer_name};
+use crate::guard::{
+    AcceptBackoff, Admission, Caps, Evicted, Paced, PeerLog, REQUEST_TIMEOUT, Refusal, Slot,
+    peer_name,
+};
 use crate::mem::Mapping;
 use crate::optimes::TimedOp;
-use crate::table::{PinId, PinResult, Pinned, Table};
+use crate::table::{Freed, PinId, PinResult, Pinned, RevokedGeneration, Table};
 use crate::wire::{self, Op, Request, Response, Status};
 use crate::{
     ColdItem, ColdTier, Entry, SegmentIdentity, SegmentInfo, SegmentServerConfig, SegmentStats,
@@ -32,6 +35,10 @@ pub(crate) const OVERWRITE_PIN_WAIT: Duration = Duration::from_secs(5);
 /// A reader that stops draining its socket this long is cut off, so its pin (held during the
 /// send) cannot block FREE forever. Idle pooled connections have no read timeout.
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+/// The refusal of a WRITE or COMMIT of a generation the master freed here (an unfinished put it
+/// revoked, discarded or reclaimed, or an object it removed): the range may be someone else's.
+const REVOKED: &str = "put revoked by the master: its generation was freed here (revoked, \
+                       discarded or reclaimed under pressure); start a new put";
 /// Most pins one unix connection may hold (bounds memory a misbehaving peer can take).
 const MAX_PINS_PER_CONN: usize = 1 << 16;
 /// Buffer for request headers: pipelined small requests are parsed from one read.
@@ -45,6 +52,14 @@ const PAIRS_PER_CHUNK: usize = 4096;
 const LOAD_BUDGET: u64 = 1 << 30;
 /// A connection keeps its LOAD buffer between requests only up to this capacity.
 const LOAD_BUF_KEEP: usize = 1 << 20;
+/// Bytes all FREE/OFFLOAD bodies together may hold while their header passed the master's tag
+/// but the whole request's tag is not checked yet (it covers the body, so the body is held
+/// until it is all in): two bodies of the most pairs a FREE may carry. Only a replay of a
+/// header the master tagged gets this far, and it cannot take more than this from the owner.
+const UNVERIFIED_BODY_BUDGET: u64 = 2 * wire::MAX_FREE_ITEMS as u64 * 16;
+/// Such a body is buffered in steps of this many bytes, so the owner's memory grows only with
+/// bytes received.
+const BODY_STEP: usize = 64 * 1024;
 
 #[derive(Default)]
 pub(crate) struct Counters {
@@ -55,6 +70,8 @@ pub(crate) struct Counters {
     pub(crate) shm_attaches: AtomicU64,
     pub(crate) conns_refused: AtomicU64,
     pub(crate) bad_frames: AtomicU64,
+    pub(crate) evicted: AtomicU64,
+    pub(crate) too_slow: AtomicU64,
     pub(crate) op_times: crate::optimes::OpTimes,
 }
 
@@ -67,8 +84,15 @@ pub struct ConnStats {
     pub open_shm: u64,
     /// Connections closed at accept because a cap was reached (tcp and shm).
     pub refused_total: u64,
-    /// Connections closed because they sent a malformed or oversized frame.
+    /// Connections closed because they sent a malformed or oversized frame, or one that did not
+    /// arrive whole in time (counted in `too_slow_total` too).
     pub bad_frames_total: u64,
+    /// Of `refused_total`: connections that never completed a valid request, closed to make
+    /// room for a newcomer while the tcp table was full.
+    pub evicted_total: u64,
+    /// Connections closed because a request did not arrive whole within its deadline (a peer
+    /// trickling bytes).
+    pub too_slow_total: u64,
     /// The caps in force: tcp in all, tcp per source IP (0 = none), shm.
     pub max_tcp: u64,
     pub max_tcp_per_peer: u64,
@@ -80,6 +104,56 @@ pub struct ConnStats {
 struct LoadBudget {
     used: Mutex<u64>,
     freed: Condvar,
+}
+
+/// Bytes of FREE/OFFLOAD bodies held before their tag is checked, against
+/// [`UNVERIFIED_BODY_BUDGET`].
+#[derive(Default)]
+struct BodyBudget {
+    used: Mutex<u64>,
+    freed: Condvar,
+}
+
+/// One body's share of the [`BodyBudget`]; given back on drop.
+struct BodyLease<'a> {
+    budget: &'a BodyBudget,
+    held: u64,
+}
+
+impl BodyBudget {
+    fn lease(&self) -> BodyLease<'_> {
+        BodyLease {
+            budget: self,
+            held: 0,
+        }
+    }
+}
+
+impl BodyLease<'_> {
+    /// Grows this share to `to` bytes, waiting until `until` for other bodies to give theirs
+    /// back; false when it could not. A single body never exceeds the budget, so it always
+    /// fits once it is alone.
+    fn grow(&mut self, to: u64, until: Instant) -> bool {
+        let more = to.saturating_sub(self.held);
+        let mut used = self.budget.used.lock();
+        while *used + more > UNVERIFIED_BODY_BUDGET {
+            if self.budget.freed.wait_until(&mut used, until).timed_out() {
+                return false;
+            }
+        }
+        *used += more;
+        self.held += more;
+        true
+    }
+}
+
+impl Drop for BodyLease<'_> {
+    fn drop(&mut self) {
+        if self.held > 0 {
+            *self.budget.used.lock() -= self.held;
+            self.budget.freed.notify_all();
+        }
+    }
 }
 
 impl LoadBudget {
@@ -112,16 +186,24 @@ pub(crate) struct Shared {
     pub(crate) table: Table,
     pub(crate) counters: Counters,
     pub(crate) stopping: AtomicBool,
-    /// Clones of every open connection, so shutdown can unblock their threads.
+    /// Clones of every open connection by its admission slot's id, so shutdown can unblock
+    /// their threads and admission can close one it evicts.
     conns: Mutex<HashMap<u64, Live>>,
-    next_conn: AtomicU64,
     /// The owner's disk tier, if it offloads.
     pub(crate) cold: std::sync::OnceLock<Arc<dyn ColdTier>>,
     /// What ATTACH answers when asked ([`wire::FLAG_IDENTITY`]).
     identity: parking_lot::RwLock<SegmentIdentity>,
     admission: Arc<Admission>,
-    /// tcp connections idle this long are closed (SO_RCVTIMEO, set once per connection).
+    /// tcp connections idle this long are closed.
     idle_timeout: Option<Duration>,
+    /// How long one tcp request may take to arrive whole (plus its length's allowance): the
+    /// idle timeout when shorter, else [`REQUEST_TIMEOUT`]. Also the tcp connections'
+    /// SO_RCVTIMEO, set once per connection, so a read inside a request never blocks long past
+    /// its deadline; between requests the idle timeout is counted in such waits.
+    request_timeout: Duration,
+    slow_log: PeerLog,
+    evicted_log: PeerLog,
+    unverified: BodyBudget,
     bad_frame_log: PeerLog,
     refused_log: PeerLog,
     load_budget: LoadBudget,
@@ -204,13 +286,14 @@ impl SegmentServer {
             rdma: None,
             instance_id: new_instance_id(),
         };
+        let idle_timeout = cfg.limits.idle_timeout.filter(|t| !t.is_zero());
+        let request_timeout = idle_timeout.map_or(REQUEST_TIMEOUT, |i| i.min(REQUEST_TIMEOUT));
         let shared = Arc::new(Shared {
             mem,
             table: Table::default(),
             counters: Counters::default(),
             stopping: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
-            next_conn: AtomicU64::new(0),
             cold: std::sync::OnceLock::new(),
             rdma: crate::rdma::ServerRdma::default(),
             identity: parking_lot::RwLock::new(SegmentIdentity {
@@ -219,7 +302,11 @@ impl SegmentServer {
                 instance_id: info.instance_id.clone(),
             }),
             admission: Admission::new(Caps::resolve(&cfg.limits, crate::guard::fd_limit())),
-            idle_timeout: cfg.limits.idle_timeout.filter(|t| !t.is_zero()),
+            idle_timeout,
+            request_timeout,
+            slow_log: PeerLog::default(),
+            evicted_log: PeerLog::default(),
+            unverified: BodyBudget::default(),
             bad_frame_log: PeerLog::default(),
             refused_log: PeerLog::default(),
             load_budget: LoadBudget::default(),
@@ -246,7 +333,7 @@ impl SegmentServer {
             acceptors.push(spawn("lunakv-seg-shm", move || accept_unix(s, unix))?);
         }
         let caps = shared.admission.caps;
-        tracing::info!(addr = %local_addr, size = cfg.size, shm = ?cfg.shm_socket, max_conns = caps.tcp, max_conns_per_peer = caps.per_peer, max_shm_conns = caps.unix, idle_timeout = ?shared.idle_timeout, "segment server started");
+        tracing::info!(addr = %local_addr, size = cfg.size, shm = ?cfg.shm_socket, max_conns = caps.tcp, max_conns_per_peer = caps.per_peer, max_shm_conns = caps.unix, idle_timeout = ?shared.idle_timeout, request_timeout = ?shared.request_timeout, "segment server started");
         Ok(SegmentServer {
             shared,
             local_addr,
@@ -354,6 +441,8 @@ impl SegmentServer {
             open_shm: u64::from(unix),
             refused_total: c.conns_refused.load(Ordering::Relaxed),
             bad_frames_total: c.bad_frames.load(Ordering::Relaxed),
+            evicted_total: c.evicted.load(Ordering::Relaxed),
+            too_slow_total: c.too_slow.load(Ordering::Relaxed),
             max_tcp: u64::from(caps.tcp),
             max_tcp_per_peer: u64::from(caps.per_peer),
             max_shm: u64::from(caps.unix),
@@ -430,7 +519,7 @@ fn accept_tcp(shared: Arc<Shared>, listener: TcpListener) {
                 tune_socket(&stream);
                 let _ = stream.set_write_timeout(Some(SEND_TIMEOUT));
                 // Once per connection, so the request path pays nothing for it.
-                let _ = stream.set_read_timeout(shared.idle_timeout);
+                let _ = stream.set_read_timeout(Some(shared.request_timeout));
                 if let Ok(clone) = stream.try_clone() {
                     spawn_conn(&shared, stream, Live::Tcp(clone), false, slot);
                 }
@@ -467,7 +556,12 @@ fn accept_unix(shared: Arc<Shared>, listener: UnixListener) {
 /// and (rate-limited) logging the refusal; the caller then drops the stream, closing it.
 fn admit(shared: &Shared, peer: Option<IpAddr>) -> Option<Slot> {
     let refusal = match shared.admission.admit(peer) {
-        Ok(slot) => return Some(slot),
+        Ok((slot, evicted)) => {
+            if let Some(ev) = evicted {
+                evict(shared, ev, peer);
+            }
+            return Some(slot);
+        }
         Err(r) => r,
     };
     shared
@@ -484,7 +578,7 @@ fn admit(shared: &Shared, peer: Option<IpAddr>) -> Option<Slot> {
             ),
             Refusal::Global { open, cap } if peer_is_tcp => tracing::warn!(
                 %peer, open, cap, suppressed,
-                "refusing a transfer connection: the server holds the most connections it may (see lunakv-store --transfer_max_conns)"
+                "refusing a transfer connection: the server holds the most connections it may, every one from a requester that completed a valid request (see lunakv-store --transfer_max_conns)"
             ),
             Refusal::Global { open, cap } => tracing::warn!(
                 %peer, open, cap, suppressed,
@@ -493,6 +587,23 @@ fn admit(shared: &Shared, peer: Option<IpAddr>) -> Option<Slot> {
         }
     }
     None
+}
+
+/// Closes connection `ev`, which never completed a valid request, to admit one from
+/// `newcomer` into a full tcp table. Its thread sees the shutdown and ends quietly.
+fn evict(shared: &Shared, ev: Evicted, newcomer: Option<IpAddr>) {
+    if let Some(Live::Tcp(s)) = shared.conns.lock().get(&ev.id) {
+        let _ = s.shutdown(Shutdown::Both);
+    }
+    let c = &shared.counters;
+    c.evicted.fetch_add(1, Ordering::Relaxed);
+    c.conns_refused.fetch_add(1, Ordering::Relaxed);
+    if let Some(suppressed) = shared.evicted_log.check(Some(ev.peer)) {
+        tracing::warn!(
+            peer = %ev.peer, newcomer = %peer_name(newcomer), cap = shared.admission.caps.tcp, suppressed,
+            "closing a transfer connection that never completed a valid request, to admit a new one: the tcp table is full (strangers holding connections? lower lunakv-store --transfer_max_conns_per_peer, or keep the transfer port from untrusted networks)"
+        );
+    }
 }
 
 /// Registers the connection (so shutdown can close it) and serves it on its own thread, which
@@ -504,7 +615,7 @@ fn spawn_conn<S: Stream + Send + 'static>(
     unix: bool,
     slot: Slot,
 ) {
-    let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let id = slot.id();
     shared.conns.lock().insert(id, live);
     let s = shared.clone();
     let r = std::thread::Builder::new()
@@ -559,6 +670,10 @@ enum End {
     Closed,
     Io(io::Error),
     Garbage(String),
+    /// A request did not arrive whole within its deadline.
+    TooSlow,
+    /// Bodies not yet authenticated held their whole budget for as long as this one could wait.
+    Busy,
 }
 
 impl From<io::Error> for End {
@@ -572,10 +687,16 @@ fn run_conn<S: Stream>(shared: &Shared, stream: S, unix: bool, slot: Slot) {
     let end = match stream.clone_stream() {
         Ok(r) => serve(
             shared,
-            BufReader::with_capacity(READ_BUF, r),
+            // The shm socket's peers are the owner's group on this host, and its requests
+            // carry no bodies: only tcp requests have a deadline.
+            BufReader::with_capacity(
+                READ_BUF,
+                Paced::new(r, (!unix).then_some(shared.request_timeout)),
+            ),
             stream,
             unix,
             &mut pins,
+            &slot,
         )
         .err()
         .unwrap_or(End::Closed),
@@ -585,13 +706,35 @@ fn run_conn<S: Stream>(shared: &Shared, stream: S, unix: bool, slot: Slot) {
     for (_, _, _, pin) in pins {
         shared.table.unpin(pin);
     }
+    let peer = slot.peer();
     match end {
         End::Closed => {}
+        // Closed for a newcomer: admission counted and logged it.
+        _ if slot.evicted() => {}
         End::Io(e) => tracing::debug!(error = %e, "transfer connection closed"),
         End::Garbage(why) => {
             shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
-            if let Some(suppressed) = shared.bad_frame_log.check(slot.peer()) {
-                tracing::warn!(peer = %peer_name(slot.peer()), %why, suppressed, "closing a transfer connection that sent a bad frame");
+            if let Some(suppressed) = shared.bad_frame_log.check(peer) {
+                tracing::warn!(peer = %peer_name(peer), %why, suppressed, "closing a transfer connection that sent a bad frame");
+            }
+        }
+        End::TooSlow => {
+            shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+            shared.counters.too_slow.fetch_add(1, Ordering::Relaxed);
+            if let Some(suppressed) = shared.slow_log.check(peer) {
+                tracing::warn!(
+                    peer = %peer_name(peer), deadline_ms = shared.request_timeout.as_millis() as u64,
+                    min_rate_bytes_per_sec = crate::guard::MIN_REQUEST_RATE, suppressed,
+                    "closing a transfer connection whose request did not arrive whole in time (a peer trickling bytes holds a connection though never idle; the deadline is lunakv-store --transfer_idle_timeout_sec when shorter than 30 s)"
+                );
+            }
+        }
+        End::Busy => {
+            if let Some(suppressed) = shared.slow_log.check(peer) {
+                tracing::warn!(
+                    peer = %peer_name(peer), budget_bytes = UNVERIFIED_BODY_BUDGET, suppressed,
+                    "closing a transfer connection: FREE/OFFLOAD bodies not yet authenticated hold their whole budget (replayed master requests? keep the transfer port from untrusted networks)"
+                );
             }
         }
     }
@@ -628,7 +771,7 @@ fn reply_body<W: Write>(w: &mut W, value: u64, body: &[u8]) -> io::Result<()> {
 /// buffers, and the RDMA queue pairs it set up.
 struct Conn<'a, S: Stream> {
     shared: &'a Shared,
-    rd: BufReader<S>,
+    rd: BufReader<Paced<S>>,
     wr: S,
     unix: bool,
     pins: &'a mut Vec<(u64, u64, u64, PinId)>,
@@ -642,14 +785,21 @@ struct Conn<'a, S: Stream> {
     rdma_qps: Vec<Box<dyn std::any::Any + Send>>,
     /// The capability of the request being served, if it carried one.
     cap: Option<Capability>,
+    slot: &'a Slot,
+    /// Whether the slot was told this connection completed a valid request (once: later
+    /// requests skip admission's lock).
+    known: bool,
+    /// The request being served passed its capability (or owner tag) check.
+    passed: bool,
 }
 
 fn serve<S: Stream>(
     shared: &Shared,
-    rd: BufReader<S>,
+    rd: BufReader<Paced<S>>,
     wr: S,
     unix: bool,
     pins: &mut Vec<(u64, u64, u64, PinId)>,
+    slot: &Slot,
 ) -> Result<(), End> {
     let mut c = Conn {
         shared,
@@ -663,26 +813,57 @@ fn serve<S: Stream>(
         load_buf: Vec::new(),
         rdma_qps: Vec::new(),
         cap: None,
+        slot,
+        known: false,
+        passed: false,
+    };
+    let r = serve_requests(&mut c);
+    if c.rd.get_ref().expired {
+        return Err(End::TooSlow);
+    }
+    r
+}
+
+fn serve_requests<S: Stream>(c: &mut Conn<'_, S>) -> Result<(), End> {
+    let shared = c.shared;
+    // How many SO_RCVTIMEO waits (each the request timeout, at most the idle timeout) make
+    // the idle timeout. The shm socket has none.
+    let idle_waits = match shared.idle_timeout {
+        Some(idle) if !shared.request_timeout.is_zero() => idle
+            .as_nanos()
+            .div_ceil(shared.request_timeout.as_nanos())
+            .max(1),
+        _ => u128::MAX,
     };
     loop {
         let mut hdr = [0u8; wire::REQ_LEN];
+        c.rd.get_mut().disarm();
         // EOF before the first byte of a frame is a clean close; inside a frame it is truncation.
-        match c.rd.read(&mut hdr[..1]) {
-            Ok(0) => return Err(End::Closed),
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            // The idle timeout (SO_RCVTIMEO) between frames: a quiet close, the requester's
-            // pool reconnects on its next request.
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                return Err(End::Closed);
+        let mut waited = 0u128;
+        loop {
+            match c.rd.read(&mut hdr[..1]) {
+                Ok(0) => return Err(End::Closed),
+                Ok(_) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                // The idle timeout between frames: a quiet close, the requester's pool
+                // reconnects on its next request.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    waited += 1;
+                    if waited >= idle_waits {
+                        return Err(End::Closed);
+                    }
+                }
+                Err(e) => return Err(End::Io(e)),
             }
-            Err(e) => return Err(End::Io(e)),
         }
+        // From here the request must arrive whole within its deadline.
+        c.rd.get_mut().arm();
+        c.passed = false;
         if let Err(e) = c.rd.read_exact(&mut hdr[1..]) {
             return Err(End::Garbage(format!("truncated header: {e}")));
         }
@@ -740,6 +921,12 @@ fn serve<S: Stream>(
                 )));
             }
         }
+        // A completed request makes the connection known (never evicted for a newcomer): with
+        // capabilities required, only one that passed its check; without, any well-formed one.
+        if !c.known && (c.passed || shared.secret.get().is_none()) {
+            c.known = true;
+            c.slot.mark_known();
+        }
     }
 }
 
@@ -764,7 +951,10 @@ impl<S: Stream> Conn<'_, S> {
             Some(c) => c.verify(secret, &grant, need),
         };
         match r {
-            Ok(()) => Ok(true),
+            Ok(()) => {
+                self.passed = true;
+                Ok(true)
+            }
             Err(why) => {
                 self.refuse(req, &why.to_string())?;
                 Ok(false)
@@ -783,7 +973,10 @@ impl<S: Stream> Conn<'_, S> {
             Some(c) => c.verify_owner(secret, &hdr, body),
         };
         match r {
-            Ok(()) => Ok(true),
+            Ok(()) => {
+                self.passed = true;
+                Ok(true)
+            }
             Err(why) => {
                 self.refuse(
                     req,
@@ -796,8 +989,9 @@ impl<S: Stream> Conn<'_, S> {
 
     fn refuse(&mut self, req: &Request, why: &str) -> io::Result<()> {
         self.shared.refused.fetch_add(1, Ordering::Relaxed);
-        if let Some(suppressed) = self.shared.refusal_log.check(None) {
-            tracing::warn!(op = req.op.name(), generation = req.generation, offset = req.offset, len = req.len, %why, suppressed, "refusing a transfer request");
+        let peer = self.slot.peer();
+        if let Some(suppressed) = self.shared.refusal_log.check(peer) {
+            tracing::warn!(peer = %peer_name(peer), op = req.op.name(), generation = req.generation, offset = req.offset, len = req.len, %why, suppressed, "refusing a transfer request");
         }
         self.reply(Status::Refused, 0, why)
     }
@@ -880,6 +1074,17 @@ impl<S: Stream> Conn<'_, S> {
             )?;
             return Ok(());
         }
+        // In flight from here until the reply: a FREE that revokes this generation meanwhile
+        // waits for the guard, so the master reuses the range only after these bytes landed
+        // (and were refused), never while they still arrive.
+        let guard = match shared.table.begin_write(req.generation) {
+            Ok(g) => g,
+            Err(RevokedGeneration) => {
+                crate::vio::discard(&mut self.rd, payload)?;
+                self.refuse(req, REVOKED)?;
+                return Ok(());
+            }
+        };
         if req.op == Op::Write {
             shared
                 .table
@@ -898,9 +1103,21 @@ impl<S: Stream> Conn<'_, S> {
         // Only a capability that passed `allowed` gets here, so the proof is the master's
         // answer to this very placement (or, with capabilities off, none).
         let proof = self.cap.as_ref().and_then(Capability::proof);
-        shared
-            .table
-            .commit(req.generation, key.to_owned(), req.offset, req.len, proof);
+        let committed = shared.table.commit_write(
+            &guard,
+            req.generation,
+            key.to_owned(),
+            (req.offset, req.len),
+            proof,
+        );
+        if committed.is_err() {
+            // Revoked while the bytes arrived: they stay uncommitted in a range the master
+            // takes back once this guard drops.
+            drop(guard);
+            self.refuse(req, REVOKED)?;
+            return Ok(());
+        }
+        drop(guard);
         shared.counters.writes.fetch_add(1, Ordering::Relaxed);
         shared
             .counters
@@ -979,6 +1196,7 @@ impl<S: Stream> Conn<'_, S> {
         let count = Self::item_count(req, "FREE")?;
         let deadline = Instant::now() + Duration::from_millis(u64::from(req.aux));
         let mut pinned = Vec::new();
+        let mut writing = Vec::new();
         let Some(buffered) = self.owner_body(req, count)? else {
             return Ok(());
         };
@@ -994,32 +1212,73 @@ impl<S: Stream> Conn<'_, S> {
             {
                 cold.remove(&disk);
             }
-            pinned.extend(shared.table.retire_items(items));
+            let freed = shared.table.free_items(items);
+            pinned.extend(freed.pinned);
+            writing.extend(freed.writing);
         })?;
-        if shared.table.wait_unpinned(&pinned, deadline) {
+        // OK promises the master the ranges are unused: no reader holds a pin and no write of
+        // a freed generation is still copying (it could land in the range's next owner).
+        let freed = Freed { pinned, writing };
+        if shared.table.wait_freed(&freed, deadline) {
             self.reply(Status::Ok, 0, "")?;
         } else {
-            self.reply(
-                Status::Timeout,
-                0,
-                "entries dropped but readers still hold pins",
-            )?;
+            let why = if freed.writing.is_empty() {
+                "entries dropped but readers still hold pins"
+            } else {
+                "entries dropped but writes of them are still in flight"
+            };
+            self.reply(Status::Timeout, 0, why)?;
         }
         Ok(())
     }
 
     /// The body of a FREE or OFFLOAD of `count` pairs, to be read from: the socket itself when
     /// the owner requires no capabilities (pairs are applied as they arrive), else the whole
-    /// body read first (at most [`wire::MAX_FREE_ITEMS`] x 16 bytes) so that the master's tag
-    /// is checked before any pair is applied. `None` once a refusal is answered.
-    /// `Ok(None)`: refused; `Ok(Some(None))`: read the socket.
+    /// body read first so that the master's tag is checked before any pair is applied.
+    /// `Ok(None)`: refused (answered); `Ok(Some(None))`: read the socket.
+    ///
+    /// Before a single body byte is buffered the header must pass the master's header-only tag
+    /// ([`Capability::verify_owner_header`]): anyone else's body is discarded as it arrives, so
+    /// a stranger's FREE costs the owner its header, however large a body it claims. A tagged
+    /// header's body is then buffered as it arrives, [`BODY_STEP`] bytes at a time, against
+    /// [`UNVERIFIED_BODY_BUDGET`] shared by every such body until its whole tag is checked.
     #[allow(clippy::option_option)]
     fn owner_body(&mut self, req: &Request, count: usize) -> Result<Option<Option<Vec<u8>>>, End> {
-        if self.shared.secret.get().is_none() {
+        let Some((secret, _)) = self.shared.secret.get() else {
             return Ok(Some(None));
+        };
+        let total = count * 16;
+        let header = match &self.cap {
+            None => Err(crate::CapError::Missing),
+            Some(c) => c.verify_owner_header(secret, &req.encode()),
+        };
+        if let Err(why) = header {
+            self.refuse(
+                req,
+                &format!("{} not from the master: {why}", req.op.name()),
+            )?;
+            // Consumed without keeping a byte, so the stream stays in step (as after a refused
+            // WRITE); the request's deadline bounds how long a peer may take to send it.
+            crate::vio::discard(&mut self.rd, total as u64)?;
+            return Ok(None);
         }
-        let mut all = vec![0u8; count * 16];
-        self.rd.read_exact(&mut all)?;
+        let mut lease = self.shared.unverified.lease();
+        let until = Instant::now() + self.shared.request_timeout;
+        let mut all: Vec<u8> = Vec::new();
+        while all.len() < total {
+            let n = (total - all.len()).min(BODY_STEP);
+            if all.capacity() < all.len() + n {
+                // Doubling, so a big body costs few copies; the budget counts what is reserved.
+                let cap = (all.capacity() * 2).clamp(all.len() + n, total);
+                if !lease.grow(cap as u64, until) {
+                    return Err(End::Busy);
+                }
+                all.reserve_exact(cap - all.len());
+            }
+            let at = all.len();
+            all.resize(at + n, 0);
+            self.rd.read_exact(&mut all[at..])?;
+        }
         if !self.owner_allowed(req, &all)? {
             return Ok(None);
         }
@@ -1208,13 +1467,13 @@ impl<S: Stream> Conn<'_, S> {
 }
 
 /// Where a FREE/OFFLOAD body is read from (see [`Conn::owner_body`]).
-enum Body<'a, S: Stream> {
-    Stream(&'a mut BufReader<S>),
+enum Body<'a, R: Read> {
+    Stream(&'a mut R),
     Buffered(std::io::Cursor<Vec<u8>>),
 }
 
-impl<'a, S: Stream> Body<'a, S> {
-    fn of(rd: &'a mut BufReader<S>, buffered: Option<Vec<u8>>) -> Body<'a, S> {
+impl<'a, R: Read> Body<'a, R> {
+    fn of(rd: &'a mut R, buffered: Option<Vec<u8>>) -> Body<'a, R> {
         match buffered {
             Some(b) => Body::Buffered(std::io::Cursor::new(b)),
             None => Body::Stream(rd),
@@ -1222,7 +1481,7 @@ impl<'a, S: Stream> Body<'a, S> {
     }
 }
 
-impl<S: Stream> Read for Body<'_, S> {
+impl<R: Read> Read for Body<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
             Body::Stream(r) => r.read(buf),

@@ -5,7 +5,7 @@
 //! while pinned stays in `entries` (not live) until its last pin drops, so FREE and overwriting
 //! writes can wait for readers that are still copying its bytes.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -38,6 +38,102 @@ struct Inner {
     touched: HashSet<u64>,
     /// Set while a shutdown drain runs (see [`DrainWatch`]).
     drain: Option<DrainWatch>,
+    /// Generations the master freed here (see [`Revoked`]).
+    revoked: Revoked,
+    /// Generations with a WRITE or COMMIT in flight, and how many ([`Table::begin_write`]).
+    writing: HashMap<u64, u32>,
+}
+
+/// Most revoked generations remembered one by one ([`Revoked`]).
+pub(crate) const REVOKED_MAX: usize = 256 * 1024;
+
+/// Generations the master freed here: puts it gave up on (revoked, discarded, reclaimed under
+/// pressure) and objects it removed or evicted. Their writers may still hold a write capability
+/// (valid for `WRITE_TTL`), and once the master acknowledged the FREE it hands the range to
+/// another put: a late WRITE or COMMIT of such a generation would land in someone else's
+/// bytes, so it is refused.
+///
+/// Bounded: the newest [`REVOKED_MAX`] generations are kept (FIFO, 16 bytes each with the
+/// order: about 6 MiB at most). Forgetting one must not reopen it, so a generation pushed out
+/// raises its epoch's floor (generations carry the master's epoch in their high 32 bits and
+/// a counter in the low ones): an uncommitted generation at or below its epoch's floor is
+/// refused too. A live put is caught by the floor only if it started before an object that
+/// was then freed here, and 256k more FREEs reached this owner while it was still writing; it
+/// then fails with a clear refusal and is retried under a new generation. Never wrong bytes,
+/// at worst a retried put. (An epoch's generations are never reused, so nothing the master
+/// still wants written is ever at or below a floor but such a straggler.)
+#[derive(Default)]
+struct Revoked {
+    set: HashSet<u64>,
+    order: VecDeque<u64>,
+    /// Epoch -> highest counter forgotten (a few epochs: one per master restart or term).
+    floors: BTreeMap<u32, u32>,
+}
+
+/// Epochs whose floors are kept; the oldest (lowest) goes first, as epochs only grow.
+const FLOOR_EPOCHS: usize = 64;
+
+impl Revoked {
+    fn insert(&mut self, generation: u64) {
+        if !self.set.insert(generation) {
+            return;
+        }
+        self.order.push_back(generation);
+        while self.order.len() > REVOKED_MAX {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            self.set.remove(&old);
+            let (epoch, counter) = ((old >> 32) as u32, old as u32);
+            let floor = self.floors.entry(epoch).or_insert(0);
+            *floor = (*floor).max(counter);
+            while self.floors.len() > FLOOR_EPOCHS {
+                self.floors.pop_first();
+            }
+        }
+    }
+
+    fn contains(&self, generation: u64) -> bool {
+        self.set.contains(&generation)
+            || self
+                .floors
+                .get(&((generation >> 32) as u32))
+                .is_some_and(|&f| generation as u32 <= f)
+    }
+}
+
+/// Why a WRITE or COMMIT of a generation is refused before or after its bytes land.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RevokedGeneration;
+
+/// A WRITE or COMMIT in flight ([`Table::begin_write`]); dropping it unregisters the write and
+/// wakes a FREE waiting for it.
+pub(crate) struct WriteGuard<'a> {
+    table: &'a Table,
+    generation: u64,
+}
+
+impl Drop for WriteGuard<'_> {
+    fn drop(&mut self) {
+        let mut g = self.table.inner.lock();
+        if let Some(n) = g.writing.get_mut(&self.generation) {
+            *n -= 1;
+            if *n == 0 {
+                g.writing.remove(&self.generation);
+                drop(g);
+                self.table.unpinned.notify_all();
+            }
+        }
+    }
+}
+
+/// What a FREE must wait for before it is acknowledged ([`Table::free_items`]).
+#[derive(Default)]
+pub(crate) struct Freed {
+    /// Retired entries still pinned by readers.
+    pub(crate) pinned: Vec<u64>,
+    /// Just revoked generations with a write in flight.
+    pub(crate) writing: Vec<u64>,
 }
 
 /// What the master did, during a shutdown drain, to the generations the drain copied to disk.
@@ -204,7 +300,17 @@ impl Table {
         len: u64,
         proof: Option<PlacementProof>,
     ) {
-        let mut g = self.inner.lock();
+        Self::commit_locked(&mut self.inner.lock(), generation, key, offset, len, proof);
+    }
+
+    fn commit_locked(
+        g: &mut Inner,
+        generation: u64,
+        key: String,
+        offset: u64,
+        len: u64,
+        proof: Option<PlacementProof>,
+    ) {
         for id in g.overlapping(offset, offset + len) {
             g.retire(id);
         }
@@ -234,9 +340,34 @@ impl Table {
     /// returns those still pinned, for [`Table::wait_unpinned`]. Two halves so a FREE body is
     /// applied chunk by chunk as it arrives; the pinned list is bounded by the table.
     pub(crate) fn retire_items(&self, items: &[(u64, u64)]) -> Vec<u64> {
+        self.retire(items, false).pinned
+    }
+
+    /// FREE, first half: [`Self::retire_items`], and every DRAM generation named is revoked:
+    /// its WRITE and COMMIT are refused from now on, and the writes of it already in flight
+    /// are returned, for [`Self::wait_freed`]. Done under the table's lock, so a write either
+    /// registered before (and is waited for) or sees the revocation.
+    ///
+    /// Every generation, not only those with no committed entry here (the unfinished puts the
+    /// master reclaimed): a zombie that copied its bytes and never ended its put holds a
+    /// committed entry, which this FREE retires, and `holds` alone would then let its still
+    /// valid capability write the generation again into the range's next owner.
+    pub(crate) fn free_items(&self, items: &[(u64, u64)]) -> Freed {
+        self.retire(items, true)
+    }
+
+    fn retire(&self, items: &[(u64, u64)], revoke: bool) -> Freed {
         let mut g = self.inner.lock();
         let mut pinned = Vec::new();
+        let mut writing = Vec::new();
         for &(generation, offset) in items {
+            // A disk copy's FREE drops the disk entry only: no write lands there.
+            if revoke && offset != crate::wire::DISK_OFFSET {
+                g.revoked.insert(generation);
+                if g.writing.contains_key(&generation) {
+                    writing.push(generation);
+                }
+            }
             let Some(&id) = g.by_gen.get(&generation) else {
                 continue;
             };
@@ -254,7 +385,65 @@ impl Table {
                 }
             }
         }
-        pinned
+        Freed { pinned, writing }
+    }
+
+    /// Registers a WRITE or COMMIT of `generation` as in flight, then checks that the master
+    /// has not revoked it (in this order, under one lock: a FREE that revokes it afterwards
+    /// waits for the guard to drop). The bytes may be copied while the guard lives; commit
+    /// them with [`Self::commit_write`].
+    pub(crate) fn begin_write(&self, generation: u64) -> Result<WriteGuard<'_>, RevokedGeneration> {
+        let mut g = self.inner.lock();
+        *g.writing.entry(generation).or_insert(0) += 1;
+        let guard = WriteGuard {
+            table: self,
+            generation,
+        };
+        if g.revoked.contains(generation) {
+            drop(g);
+            // The guard's drop unregisters it again.
+            return Err(RevokedGeneration);
+        }
+        Ok(guard)
+    }
+
+    /// [`Self::commit`] for a write begun with [`Self::begin_write`], unless a FREE revoked
+    /// its generation while the bytes were copied (the FREE waits for the guard, so the range
+    /// is not reused before the refusal).
+    pub(crate) fn commit_write(
+        &self,
+        _guard: &WriteGuard<'_>,
+        generation: u64,
+        key: String,
+        (offset, len): (u64, u64),
+        proof: Option<PlacementProof>,
+    ) -> Result<(), RevokedGeneration> {
+        let mut g = self.inner.lock();
+        if g.revoked.contains(generation) {
+            return Err(RevokedGeneration);
+        }
+        Self::commit_locked(&mut g, generation, key, offset, len, proof);
+        Ok(())
+    }
+
+    /// Waits until the retired entries lost their last pin and no write of the revoked
+    /// generations is in flight; false if `deadline` passed first.
+    pub(crate) fn wait_freed(&self, freed: &Freed, deadline: Instant) -> bool {
+        if freed.pinned.is_empty() && freed.writing.is_empty() {
+            return true;
+        }
+        let mut g = self.inner.lock();
+        loop {
+            let done = freed.pinned.iter().all(|id| !g.entries.contains_key(id))
+                && freed.writing.iter().all(|w| !g.writing.contains_key(w));
+            if done {
+                return true;
+            }
+            if self.unpinned.wait_until(&mut g, deadline).timed_out() {
+                return freed.pinned.iter().all(|id| !g.entries.contains_key(id))
+                    && freed.writing.iter().all(|w| !g.writing.contains_key(w));
+            }
+        }
     }
 
     /// Waits until every retired entry in `pinned` lost its last pin; false if `deadline`
