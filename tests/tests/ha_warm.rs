@@ -395,7 +395,14 @@ fn with_the_pool_token_a_warm_leaders_capabilities_pass_at_the_owner() {
     const POOL: &str = "pool-0123456789abcdef0123456789";
     let _serial = lunakv_tests::serial();
     let _env = lunakv_tests::child_env(&[("LUNAKV_AUTH_TOKEN", POOL)]);
-    let Some(mut c) = Cluster::start(3, &["--ha_warm_standby=true"]) else {
+    // The masters only: ReplicateIndex carries the mount secrets, and the pool token never
+    // admits it (issue 33 item 5), so standbys follow with the admin token.
+    let cluster = {
+        let _admin =
+            lunakv_tests::child_env(&[("LUNAKV_ADMIN_TOKEN", "admin-0123456789abcdef012345678")]);
+        Cluster::start(3, &["--ha_warm_standby=true"])
+    };
+    let Some(mut c) = cluster else {
         return;
     };
     let url = c.url();

@@ -78,3 +78,67 @@ fn a_terminal_gets_colour_unless_no_color_is_set() {
     assert!(plain.contains("lunakv-master serving"), "{plain}");
     assert!(!plain.contains(ESC), "NO_COLOR=1 still coloured:\n{plain}");
 }
+
+/// Issue 33 item 7: a peer's strings reach the master's log (here an inventory key and a
+/// segment name, logged when the unproven entry is rejected). With CR, LF and ESC in them a
+/// caller used to write lines of its own into the log and drive the reader's terminal. Every
+/// field is now escaped: the forged text stays inside the WARN line that quotes it.
+#[test]
+fn a_peers_key_with_newlines_and_escapes_forges_no_log_line() {
+    use lunakv_proto::master as pb;
+
+    const FORGED: &str = "2030-01-01T00:00:00.000000Z ERROR forged-by-a-peer";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(dir.path(), &[]);
+    let evil = format!("k\n{FORGED} key\r\n\u{1b}[2J\u{1b}[31mred");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let r = rt.block_on(async {
+        let mut c = pb::master_client::MasterClient::connect(format!("http://{}", m.addr()))
+            .await
+            .unwrap();
+        let req = pb::MountSegmentRequest {
+            client_id: "00000000-0000-0000-0000-00000000e71c".into(),
+            cluster_id: "mooncake_cluster".into(),
+            segment: Some(pb::SegmentDescriptor {
+                name: format!("127.0.0.1:1\n{FORGED} segment"),
+                transfer_endpoint: "127.0.0.1:1".into(),
+                size: 1 << 20,
+                protocol: "tcp".into(),
+                ..Default::default()
+            }),
+            inventory: vec![pb::InventoryItem {
+                key: evil.clone(),
+                // Size 0: rejected, and the master logs the entry's key.
+                offset: 0,
+                size: 0,
+                generation: 7,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        c.mount_segment(tonic::Request::new(req)).await
+    });
+    let r = r.expect("the mount is answered").into_inner();
+    assert_eq!(r.rejected_generations, vec![7], "the size-0 entry");
+    let line = m
+        .proc
+        .wait_for_line("inventory entry rejected", Duration::from_secs(10));
+    let out = m.proc.output();
+    assert!(
+        line.contains("k\\n2030"),
+        "the key is logged, escaped: {line}"
+    );
+    assert!(
+        line.contains("127.0.0.1:1\\n2030"),
+        "the segment, escaped: {line}"
+    );
+    let forged: Vec<&str> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with(FORGED))
+        .collect();
+    assert!(forged.is_empty(), "forged lines {forged:?} in:\n{out}");
+    assert!(
+        !out.contains(ESC) && !out.contains('\r'),
+        "control characters in the log:\n{out}"
+    );
+}

@@ -141,3 +141,95 @@ fn doctor_tells_a_master_that_requires_the_token_from_one_that_does_not() {
         "{r}"
     );
 }
+
+/// Issue 33 item 5: `ReplicateIndex` streams every store's 32-byte mount secret (with it, a
+/// caller forges the master's FREE and any capability). With only the pool token set, an HA
+/// master used to answer a pool-token holder with those secrets. Now the pool token never
+/// admits that call (PERMISSION_DENIED, naming the admin token), a stranger gets
+/// UNAUTHENTICATED, and a warm-standby master without an admin credential refuses to start,
+/// naming `LUNAKV_ADMIN_TOKEN`, since its standbys could not follow.
+#[test]
+fn a_pool_token_holder_never_gets_the_mount_secrets_from_replicate_index() {
+    use lunakv_proto::master::ReplicateIndexRequest;
+
+    let Some(etcd) = lunakv_meta::testing::etcd_or_skip() else {
+        return;
+    };
+    let _serial = lunakv_tests::serial();
+    let _env = child_env(&[("LUNAKV_AUTH_TOKEN", POOL)]);
+    let dir = tempfile::tempdir().unwrap();
+    let master = Master::start_ha(&dir.path().join("m"), &etcd.endpoint(), &[]);
+    lunakv_tests::wait_until(std::time::Duration::from_secs(20), || {
+        (master.role().as_deref() == Some("leader")).then_some(())
+    })
+    .expect("the master leads");
+    // A store with the pool token mounts: it draws a mount secret and sends it to the master.
+    let _store = Store::start(&etcd.etcd_url(), "64MB", &["--enable_shm=false"]);
+
+    let replicate = |token: Option<&str>| -> Result<usize, tonic::Status> {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let mut c = MasterClient::connect(format!("http://{}", master.addr()))
+                .await
+                .unwrap();
+            let mut req = tonic::Request::new(ReplicateIndexRequest {
+                standby: "attacker".into(),
+            });
+            if let Some(t) = token {
+                req.metadata_mut()
+                    .insert("authorization", format!("Bearer {t}").parse().unwrap());
+            }
+            let mut stream = c.replicate_index(req).await?.into_inner();
+            // The snapshot: count the secrets it hands out.
+            let mut secrets = 0;
+            while let Ok(Ok(Some(u))) =
+                tokio::time::timeout(std::time::Duration::from_secs(5), stream.message()).await
+            {
+                secrets += u
+                    .mounted
+                    .iter()
+                    .filter(|m| !m.data_secret.is_empty())
+                    .count();
+                if u.snapshot_done {
+                    break;
+                }
+            }
+            Ok(secrets)
+        })
+    };
+    match replicate(Some(POOL)) {
+        Ok(n) => panic!("a pool-token holder was streamed the index ({n} mount secrets)"),
+        Err(e) => {
+            assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+            assert!(
+                e.message().contains("LUNAKV_ADMIN_TOKEN"),
+                "{}",
+                e.message()
+            );
+        }
+    }
+    let e = replicate(None).expect_err("a stranger");
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+
+    // A warm-standby master with only the pool token: its standbys could not follow.
+    let mut warm = lunakv_tests::Proc::spawn(
+        "lunakv-master",
+        &[
+            "--rpc_address=127.0.0.1".into(),
+            "--rpc_port=0".into(),
+            "--metrics_port=0".into(),
+            format!("--data_dir={}", dir.path().join("w").display()),
+            "--enable_ha=true".into(),
+            "--ha_warm_standby=true".into(),
+            format!("--etcd_endpoints={}", etcd.endpoint()),
+        ],
+        &[],
+    );
+    let code = warm.wait_exit(std::time::Duration::from_secs(30));
+    let out = warm.output();
+    assert!(code.is_some_and(|c| c != 0), "exit {code:?}: {out}");
+    assert!(
+        out.contains("LUNAKV_ADMIN_TOKEN") && out.contains("ha_warm_standby"),
+        "{out}"
+    );
+}

@@ -914,3 +914,31 @@ fn with_mount_identities_only_a_listed_identity_mounts() {
     // The store's segment is the only one, and a put lands there.
     pki.put(&addr, "k", &pattern(31, 4096), &engine);
 }
+
+/// Issue 33 item 6: under mTLS without a token, the plaintext admin port used to list where a
+/// key lives (`/query_key`, 200) to anyone, while the RPC port refused that stranger every
+/// call. The listings need a credential in every mode: here (no token, no LUNAKV_ADMIN_TLS)
+/// they answer 401 naming what to configure; metrics and health stay open.
+#[test]
+fn under_mtls_without_a_token_the_plaintext_admin_port_lists_nothing() {
+    let pki = Pki::new();
+    let master = pki.master(&[("LUNAKV_ADMIN_IDENTITIES", "ops")]);
+    let addr = master.addr();
+    let _store = pki.store(&addr, "store-a");
+    pki.put(
+        &addr,
+        "listed",
+        &pattern(3, 4096),
+        &pki.env(&pki.client("alice")),
+    );
+    for path in ["/query_key?key=listed", "/get_all_segments", "/namespaces"] {
+        let (code, body) = lunakv_tests::http_get(master.admin, path);
+        assert_eq!(code, 401, "{path}: {body}");
+        assert!(
+            body.contains("LUNAKV_ADMIN_TOKEN") && !body.contains("127.0.0.1:"),
+            "{path}: {body}"
+        );
+    }
+    assert_eq!(lunakv_tests::http_get(master.admin, "/metrics").0, 200);
+    assert_eq!(lunakv_tests::http_get(master.admin, "/health").0, 200);
+}

@@ -308,6 +308,22 @@ impl MooncakeDistributedStore {
             );
             return INVALID_PARAMS;
         }
+        // A batch with an invalid key is refused whole, before anything is stored, so -400
+        // means no key of it was put (issue 33 item 8). Failures met while putting (no space,
+        // a key that exists) leave the other keys stored and answer the first error, as
+        // upstream's put_batch does; batch_put_from answers per key.
+        if let Some((i, e)) = keys
+            .iter()
+            .enumerate()
+            .find_map(|(i, k)| lunakv_proto::validate_key(k).err().map(|e| (i, e)))
+        {
+            let e = ClientError::InvalidKey(e);
+            tracing::error!(
+                "lunakv: {call} refused: key #{i} of {}: {e}; nothing of the call was stored",
+                keys.len()
+            );
+            return code(&e);
+        }
         let Ok(owned) = objects
             .iter()
             .map(|parts| parts.iter().map(as_bytes).collect::<PyResult<Vec<_>>>())

@@ -397,6 +397,27 @@ def test_bad_pointers_and_sizes_are_rejected_cleanly(master, store_64mb):
 
 # === the rest of the surface ===
 
+INVALID_KEY = -400
+OBJECT_ALREADY_EXISTS = -705
+
+
+def test_put_batch_with_an_invalid_key_stores_none_of_it(master):
+    """Issue 33 item 8: put_batch answered -400 for a batch with one bad key yet stored the
+    good ones. A batch with an invalid key (empty, too long, a NUL) is now refused whole before
+    anything is stored. A failure met while putting (here a key that exists) leaves the other
+    keys stored and answers the first error, as upstream's put_batch does."""
+    s = connect(master, 32 * MB)
+    for bad in ["", "nul\0inside", "k" * 100_000]:
+        keys = ["pb-good-1", bad, "pb-good-2"]
+        assert s.put_batch(keys, [b"1", b"2", b"3"]) == INVALID_KEY, repr(bad[:16])
+        assert s.batch_is_exist(["pb-good-1", "pb-good-2"]) == [0, 0], repr(bad[:16])
+    # Not a validation failure: the fresh key is stored, the call answers the existing one.
+    assert s.put("pb-dup", b"old") == 0
+    assert s.put_batch(["pb-fresh", "pb-dup"], [b"new", b"x"]) == OBJECT_ALREADY_EXISTS
+    assert s.get("pb-fresh") == b"new" and s.get("pb-dup") == b"old"
+    s.close()
+
+
 def test_bytes_api(master):
     s = connect(master, 32 * MB)
     assert s.put("a", b"hello") == 0

@@ -29,7 +29,7 @@ use crate::link::MasterLink;
 const CLUSTER_MISMATCH_HINT: &str = "must match the masters' --cluster_id";
 
 /// Whether waiting may fix a failure of [`MasterLink::connect`].
-fn connect_retryable(e: &ClientError) -> bool {
+pub(crate) fn connect_retryable(e: &ClientError) -> bool {
     match e {
         ClientError::Rpc { message, .. } => {
             !message.contains(CLUSTER_MISMATCH_HINT)

@@ -360,10 +360,15 @@ impl EtcdClient {
             let ep = ep
                 .connect_timeout(timeout.min(Duration::from_secs(3)))
                 .tcp_nodelay(true)
-                // Keep-alive pings detect a dead etcd member on an idle watch stream.
-                .http2_keep_alive_interval(Duration::from_secs(2))
-                .keep_alive_timeout(Duration::from_secs(2))
-                .keep_alive_while_idle(true);
+                // Keep-alive pings detect a dead etcd member on an idle watch stream. etcd
+                // enforces a minimum ping interval (`--grpc-keepalive-min-time`, 5 s by
+                // default) and, with no stream open, no pings at all: a client that pings more
+                // often gets GOAWAY "too_many_pings" after two strikes, which broke every watch
+                // about every 8 s (issue 33 item 9). So ping at twice that minimum, and only
+                // while a stream is open; calls are bounded by `timeout` anyway.
+                .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+                .keep_alive_timeout(Duration::from_secs(5))
+                .keep_alive_while_idle(false);
             eps.push(ep);
         }
         let channel = if eps.len() == 1 {
@@ -685,6 +690,10 @@ impl EtcdClient {
         })
     }
 }
+
+/// How often an etcd channel pings while a stream (a watch) is open: above etcd's default
+/// `--grpc-keepalive-min-time` (5 s) with room for timer jitter, so etcd never counts a strike.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 
 fn cmp_version(key: &[u8], version: i64) -> pb::Compare {
     pb::Compare {

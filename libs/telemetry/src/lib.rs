@@ -6,7 +6,9 @@
 //! subscriber:
 //!
 //! - logs filtered by `RUST_LOG` (default `info`), written to stderr so that stdout stays free
-//!   for machine-readable lines such as the master's `listening` line; coloured only when
+//!   for machine-readable lines such as the master's `listening` line; one event per line, the
+//!   control characters of every field escaped ([`escape`]: a peer's key cannot forge lines);
+//!   coloured only when
 //!   stderr is a terminal and `NO_COLOR` is unset (<https://no-color.org>), one JSON object per
 //!   line with `LUNAKV_LOG_FORMAT=json` (for log collectors);
 //! - when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, every
@@ -31,6 +33,7 @@
 #![forbid(unsafe_code)]
 
 pub mod announce;
+pub mod escape;
 mod export;
 pub mod propagate;
 mod shutdown;
@@ -163,7 +166,12 @@ impl<'a> Init<'a> {
             .with_target(self.log_target);
         let fmt_layer = match format {
             LogFormat::Json => fmt.json().with_ansi(false).with_filter(log_filter).boxed(),
-            LogFormat::Text => fmt.with_ansi(ansi).with_filter(log_filter).boxed(),
+            // Peer-supplied values (keys, ids, names) cannot break a line: escape::EscapedFields.
+            LogFormat::Text => fmt
+                .fmt_fields(escape::EscapedFields)
+                .with_ansi(ansi)
+                .with_filter(log_filter)
+                .boxed(),
         };
         let installed = tracing_subscriber::registry()
             .with(fmt_layer)

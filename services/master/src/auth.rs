@@ -45,6 +45,13 @@ const ADMIN_RPCS: &[&str] = &[
     "/lunakv.master.v1.Master/OffloadKey",
 ];
 
+/// The call that streams the index to a standby: it carries every store's mount secret, which
+/// lets its holder forge the master's FREE and any capability. Unlike the other admin calls, the
+/// pool token never admits it, even when no admin token is set: only an admin (the admin token,
+/// or under mTLS an identity in `LUNAKV_ADMIN_IDENTITIES`) may call it, and masters call it as
+/// admins ([`standby_credential_missing`]).
+const REPLICATE_INDEX: &str = "/lunakv.master.v1.Master/ReplicateIndex";
+
 /// The calls that open a segment to placements: under mTLS with `LUNAKV_MOUNT_IDENTITIES`, only
 /// those identities may make them. Any other admitted caller could otherwise mount a segment of
 /// its own, and new objects would be placed there: it would serve their bytes.
@@ -135,6 +142,7 @@ pub fn check_grpc(
     let caller = Caller {
         admin: admin_token || policy.is_admin_identity(identity.as_deref()),
         identity,
+        peer: peer.map(|p| p.addr.ip()),
     };
     let rpc = path.rsplit('/').next().unwrap_or(path);
     if ADMIN_RPCS.contains(&path)
@@ -157,6 +165,29 @@ pub fn check_grpc(
             "{rpc} needs a mount identity: this client's certificate identity {id:?} is not one              of the master's LUNAKV_MOUNT_IDENTITIES ({}); mount from a store-client's (or an              embedded engine's) certificate, or add this CN to that list",
             policy.mount_identities.join(",")
         )));
+    }
+    // Secrets exist once owners talk to the master over a private channel (a token, or TLS):
+    // from then on, only an admin gets them.
+    if path == REPLICATE_INDEX
+        && !caller.admin
+        && (!tokens.is_empty() || policy.tls != TlsMode::Off)
+    {
+        let holds_pool = any_matches(&[tokens.pool.as_ref()], presented);
+        let msg = format!(
+            "{rpc} streams every store's mount secret, so only an admin may call it (standby \
+             masters call it as admins): present the pool's admin token (LUNAKV_ADMIN_TOKEN), or \
+             under mTLS a certificate whose CN is in the master's LUNAKV_ADMIN_IDENTITIES{}",
+            if holds_pool {
+                "; the pool token does not admit it"
+            } else {
+                ""
+            }
+        );
+        return Err(if holds_pool {
+            Status::permission_denied(msg)
+        } else {
+            Status::unauthenticated(msg)
+        });
     }
     if tokens.is_empty() {
         return Ok(caller);
@@ -190,6 +221,26 @@ pub fn check_grpc(
     }))
 }
 
+/// Why standby masters could not follow their leader's `ReplicateIndex` under `policy`, if
+/// they could not: with a pool token or TLS on, that call needs an admin credential, and a
+/// master presents the admin token, or under mTLS its own certificate (an admin identity).
+/// `None` where they can (or where nothing is checked).
+pub fn standby_credential_missing(policy: &AuthPolicy) -> Option<String> {
+    let secured = !policy.tokens.is_empty() || policy.tls != TlsMode::Off;
+    let admin_identity = policy.tls == TlsMode::Mutual && !policy.admin_identities.is_empty();
+    if !secured || policy.tokens.admin.is_some() || admin_identity {
+        return None;
+    }
+    Some(
+        "--ha_warm_standby: standby masters follow the leader's ReplicateIndex, which carries \
+         every store's mount secret and so needs an admin credential, and this master has none \
+         (the pool token never admits it): set LUNAKV_ADMIN_TOKEN (or LUNAKV_ADMIN_TOKEN_FILE) \
+         on every master, or under mTLS list the masters' certificate CNs in \
+         LUNAKV_ADMIN_IDENTITIES; or turn --ha_warm_standby off"
+            .into(),
+    )
+}
+
 /// What the admin HTTP port checks on its guarded routes.
 #[derive(Debug, Default)]
 pub struct AdminHttpPolicy {
@@ -200,6 +251,10 @@ pub struct AdminHttpPolicy {
     /// (`LUNAKV_ADMIN_TLS=1` with `LUNAKV_TLS_CACERT`): an admin identity admits, and with
     /// identities listed the guarded routes are closed to callers with neither.
     pub certificates: bool,
+    /// The RPC port serves TLS (`LUNAKV_TLS_*`): the pool is not open, so its listings are not
+    /// either, even without a token; a stranger who may not call GetReplicaList must not read
+    /// the same locations off this port.
+    pub secured: bool,
 }
 
 impl AdminHttpPolicy {
@@ -231,7 +286,7 @@ pub fn check_http(
     let tokens = &policy.tokens;
     let need = tokens.admin.as_ref().or(tokens.pool.as_ref());
     match need {
-        None if !certs => return Ok(()),
+        None if !certs && !policy.secured => return Ok(()),
         Some(t) if any_matches(&[Some(t)], bearer(authorization)) => return Ok(()),
         _ => {}
     }
@@ -260,6 +315,20 @@ pub fn check_http(
     } else {
         ""
     };
+    if cert.is_empty() && token.is_empty() {
+        // TLS on the RPC port, and neither a token nor admin certificates here: nobody may
+        // list until the operator configures one of them.
+        return Err((
+            http::StatusCode::UNAUTHORIZED,
+            format!(
+                "{WHY}, and this master's RPC port requires TLS while this port has no \
+                 credential to check: set LUNAKV_ADMIN_TOKEN on the master and send \
+                 `Authorization: Bearer <token>`, or serve this port as HTTPS \
+                 (LUNAKV_ADMIN_TLS=1) and call it with a certificate whose CN is in \
+                 LUNAKV_ADMIN_IDENTITIES\n"
+            ),
+        ));
+    }
     let or = if !cert.is_empty() && !token.is_empty() {
         ", or "
     } else {
@@ -427,6 +496,75 @@ mod tests {
         );
     }
 
+    /// Issue 33 item 5: the index stream carries every store's mount secret; a pool-token
+    /// holder gets it in no configuration, while the admin token and admin identities do.
+    #[test]
+    fn replicate_index_needs_an_admin_credential_in_every_secured_mode() {
+        const REPL: &str = "/lunakv.master.v1.Master/ReplicateIndex";
+        let pool = h(&format!("Bearer {POOL}"));
+        let admin = h(&format!("Bearer {ADMIN}"));
+        // Only a pool token: RemoveAll takes it, ReplicateIndex does not.
+        let p = tokens(Some(POOL), None);
+        let e = check_grpc(&p, REPL, Some(&pool), None).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(
+            e.message().contains("LUNAKV_ADMIN_TOKEN"),
+            "{}",
+            e.message()
+        );
+        assert_eq!(
+            check_grpc(&p, REPL, None, None).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
+        assert!(
+            standby_credential_missing(&p)
+                .unwrap()
+                .contains("LUNAKV_ADMIN_TOKEN")
+        );
+        // Both tokens: the admin token admits it.
+        let t = tokens(Some(POOL), Some(ADMIN));
+        assert!(check_grpc(&t, REPL, Some(&pool), None).is_err());
+        assert!(check_grpc(&t, REPL, Some(&admin), None).is_ok());
+        assert!(standby_credential_missing(&t).is_none());
+        // TLS without client certificates and no token: nobody is an admin.
+        let tls = AuthPolicy {
+            tls: TlsMode::On,
+            ..AuthPolicy::default()
+        };
+        let plain_tls = Peer {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            tls: true,
+            identity: None,
+        };
+        assert!(check_grpc(&tls, REPL, None, Some(&plain_tls)).is_err());
+        assert!(check_grpc(&tls, PUT, None, Some(&plain_tls)).is_ok());
+        assert!(standby_credential_missing(&tls).is_some());
+        // mTLS: an admin identity (a master's own certificate) admits it, another does not.
+        let mtls = AuthPolicy {
+            tls: TlsMode::Mutual,
+            admin_identities: vec!["lunakv-master".into()],
+            tokens: pool_tokens(Some(POOL), None),
+            ..AuthPolicy::default()
+        };
+        let conn = |id: &str| Peer {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            tls: true,
+            identity: Some(Arc::from(id)),
+        };
+        assert!(check_grpc(&mtls, REPL, Some(&pool), Some(&conn("lunakv-master"))).is_ok());
+        assert_eq!(
+            check_grpc(&mtls, REPL, Some(&pool), Some(&conn("lunakv-engine")))
+                .unwrap_err()
+                .code(),
+            tonic::Code::PermissionDenied
+        );
+        assert!(standby_credential_missing(&mtls).is_none());
+        // Nothing set: nothing is checked, and owners draw no secrets.
+        let open = tokens(None, None);
+        assert!(check_grpc(&open, REPL, None, None).is_ok());
+        assert!(standby_credential_missing(&open).is_none());
+    }
+
     #[test]
     fn under_mtls_identities_name_callers_and_admin_rpcs_need_an_admin_identity() {
         let mtls = AuthPolicy {
@@ -532,6 +670,40 @@ mod tests {
             ..AdminHttpPolicy::tokens(pool_tokens(None, Some(ADMIN)))
         };
         assert!(check_http(&plain, "/query_key", None, Some("ops")).is_err());
+    }
+
+    /// Issue 33 item 6: under (m)TLS without a token, the listings used to answer anyone on
+    /// the plaintext admin port; they need a credential in every secured mode.
+    #[test]
+    fn with_tls_on_the_rpc_port_the_listings_are_never_open() {
+        let mtls_plain = AdminHttpPolicy {
+            admin_identities: vec!["ops".into()],
+            secured: true,
+            ..AdminHttpPolicy::default()
+        };
+        let (code, body) = check_http(&mtls_plain, "/query_key", None, None).unwrap_err();
+        assert_eq!(code, http::StatusCode::UNAUTHORIZED);
+        assert!(
+            body.contains("LUNAKV_ADMIN_TOKEN") && body.contains("LUNAKV_ADMIN_TLS"),
+            "{body}"
+        );
+        assert!(check_http(&mtls_plain, "/get_all_segments", None, Some("ops")).is_err());
+        assert!(check_http(&mtls_plain, "/metrics", None, None).is_ok());
+        assert!(check_http(&mtls_plain, "/health", None, None).is_ok());
+        // HTTPS with optional client certificates but no admin identity listed: still closed.
+        let https_no_admins = AdminHttpPolicy {
+            certificates: true,
+            secured: true,
+            ..AdminHttpPolicy::default()
+        };
+        assert!(check_http(&https_no_admins, "/namespaces", None, Some("alice")).is_err());
+        // A token admits as before.
+        let with_token = AdminHttpPolicy {
+            tokens: pool_tokens(None, Some(ADMIN)),
+            ..mtls_plain
+        };
+        let admin = h(&format!("Bearer {ADMIN}"));
+        assert!(check_http(&with_token, "/query_key", Some(&admin), None).is_ok());
     }
 
     #[test]

@@ -551,8 +551,11 @@ impl Election {
                                 }
                             }
                             ev = w.next() => match ev {
+                                // A watch also ends while etcd is healthy (a member restarts,
+                                // a connection is recycled): the read of the key that follows
+                                // decides whether etcd is unreachable, not the stream.
                                 Err(e) => {
-                                    self.etcd_down("watching the leader key", &e, &mut logged);
+                                    tracing::info!(error = %e, "the leader key watch ended; reading the key again");
                                     break;
                                 }
                                 Ok(events) => {

@@ -368,7 +368,9 @@ impl Master {
         let rpc_addr = local_addr(&listeners.rpc, "rpc")?;
         let admin_addr = local_addr(&listeners.admin, "admin/metrics")?;
         let tokens = self.tokens.clone();
-        // A standby presents the strongest token it has to the leader's ReplicateIndex.
+        // A standby presents the strongest token it has to the leader's ReplicateIndex: the
+        // admin token; the pool token only beside an admin identity's certificate (mTLS), as
+        // the pool token alone never admits that call.
         let standby_token = tokens
             .admin
             .as_ref()
@@ -387,12 +389,20 @@ impl Master {
             leader_tls,
             admin_tls,
         } = rpc_security(&tokens)?;
+        // Standbys that cannot follow would keep retrying a refused stream; say so at start.
+        if self.ha.is_some()
+            && self.cfg.ha_warm_standby
+            && let Some(why) = crate::auth::standby_credential_missing(&policy)
+        {
+            return Err(ServeError::Config(why));
+        }
         let admin_policy = Arc::new(crate::auth::AdminHttpPolicy {
             tokens: (*tokens).clone(),
             admin_identities: policy.admin_identities.clone(),
             certificates: admin_tls
                 .as_ref()
                 .is_some_and(|t| t.asks_client_certificates()),
+            secured: policy.tls != TlsMode::Off,
         });
         let (stop_tx, stop_rx) = watch::channel(false);
         let put_end = Arc::new(Notify::new());
