@@ -69,6 +69,21 @@ pub struct MasterConfig {
     /// lunakv: share of the pool's capacity one client may hold reserved by puts it started and
     /// has not ended; a PutStart past it is refused, so one stuck writer cannot block every put.
     pub put_reservation_limit_ratio: f64,
+    /// lunakv: share of the pool's capacity all unfinished puts together may hold reserved; a
+    /// PutStart past it is refused, so callers at many addresses cannot pin the whole pool.
+    pub put_reservation_total_ratio: f64,
+    /// lunakv: how long (ms) another holder's unfinished put must have been started before a
+    /// PutStart that finds no room may reclaim it (free it through its owner, which then
+    /// refuses the zombie's late writes): attackers at many addresses cannot pin the pool
+    /// until the discard timeout, and a live writer gets this long to end its put.
+    pub put_reclaim_grace_ms: u64,
+    /// lunakv: share of the pool's capacity one PutStart may evict to make room for itself; a
+    /// put that needs more is refused, so one pool-sized put cannot empty the pool.
+    pub put_eviction_limit_ratio: f64,
+    /// lunakv: which objects eviction takes first: `cslru` (default; a chain-aware segmented
+    /// LRU with a ghost table, docs/BENCH.md "Hits on real traffic") or `lru` (upstream's: the
+    /// least recently used `eviction_ratio` of the pool at the high watermark).
+    pub eviction_policy: String,
     /// Upstream `--allocation_strategy`: how a new object's replicas pick their segments among
     /// those with room for it: `random` (upstream's default) or `free_ratio_first` (the
     /// emptiest first, so stores of different sizes fill evenly). See [`AllocationStrategy`].
@@ -164,6 +179,10 @@ impl Default for MasterConfig {
             namespace_min_keys: 64,
             max_keys: 50_000_000,
             put_reservation_limit_ratio: 0.5,
+            put_reservation_total_ratio: 0.75,
+            put_reclaim_grace_ms: 1000,
+            put_eviction_limit_ratio: 0.1,
+            eviction_policy: "cslru".to_string(),
             allocation_strategy: "random".to_string(),
             enable_multi_tenants: false,
             tenant_quota_connector_type: "file".to_string(),
@@ -262,6 +281,19 @@ pub struct MasterArgs {
     /// Share of the pool one client may hold reserved by unfinished puts [default: 0.5].
     #[arg(long = "put_reservation_limit_ratio")]
     pub put_reservation_limit_ratio: Option<f64>,
+    /// Share of the pool all unfinished puts together may hold reserved [default: 0.75].
+    #[arg(long = "put_reservation_total_ratio")]
+    pub put_reservation_total_ratio: Option<f64>,
+    /// Age (ms) of another caller's unfinished put before a PutStart that finds no room may
+    /// reclaim it [default: 1000].
+    #[arg(long = "put_reclaim_grace_ms")]
+    pub put_reclaim_grace_ms: Option<u64>,
+    /// Share of the pool one PutStart may evict to make room for itself [default: 0.1].
+    #[arg(long = "put_eviction_limit_ratio")]
+    pub put_eviction_limit_ratio: Option<f64>,
+    /// Eviction order: cslru (segmented LRU with ghosts, chain-aware) or lru (upstream's) [default: cslru].
+    #[arg(long = "eviction_policy")]
+    pub eviction_policy: Option<String>,
     /// Replica placement: random or free_ratio_first (emptiest segments first) [default: random].
     #[arg(long = "allocation_strategy")]
     pub allocation_strategy: Option<String>,
@@ -609,7 +641,33 @@ impl MasterConfig {
             self.put_reservation_limit_ratio,
             "0.5",
         )?;
+        check_ratio(
+            "put_reservation_total_ratio",
+            self.put_reservation_total_ratio,
+            "0.75",
+        )?;
+        check_ratio(
+            "put_eviction_limit_ratio",
+            self.put_eviction_limit_ratio,
+            "0.1",
+        )?;
+        // 0 would reclaim a put the moment it started, before its writer could copy a byte.
+        check_positive(
+            "put_reclaim_grace_ms",
+            self.put_reclaim_grace_ms,
+            "ms",
+            "1000",
+        )?;
         AllocationStrategy::parse(&self.allocation_strategy)?;
+        if !matches!(self.eviction_policy.as_str(), "cslru" | "lru") {
+            return Err(MasterConfigError::Invalid {
+                field: "eviction_policy",
+                value: self.eviction_policy.clone(),
+                fix: "use cslru (the default: segmented LRU with a ghost table, chain-aware) or \
+                      lru (upstream's order)"
+                    .to_string(),
+            });
+        }
         self.validate_tenants()?;
         check_positive(
             "put_start_discard_timeout_sec",

@@ -13,7 +13,7 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::core::{
     Caller, CoreError, InventoryItem, Location, MasterCore, OpError, PutOptions, ReplicaView,
-    SegmentDesc,
+    SegmentDesc, Touch, chain_stamp,
 };
 use crate::ha::{CoreSlot, HaState};
 use crate::location_wire::Placed;
@@ -441,8 +441,14 @@ impl MasterService {
         }
     }
 
-    fn put_end_one(&self, core: &MasterCore, caller: &Caller, key: &str) -> pb::KeyResult {
-        let r = check_key(key).and_then(|()| core.put_end_by(caller, key));
+    fn put_end_one(
+        &self,
+        core: &MasterCore,
+        caller: &Caller,
+        key: &str,
+        (stamp, chain_end): (std::time::Instant, bool),
+    ) -> pb::KeyResult {
+        let r = check_key(key).and_then(|()| core.put_end_at(caller, key, stamp, chain_end));
         // Waking the background task for every put costs a thread switch each; it is woken
         // only when there is something to evict.
         if r.is_ok() && core.eviction_due() {
@@ -481,15 +487,26 @@ impl MasterService {
     ) -> Result<Vec<Result<Location, OpError>>, Status> {
         let a = self.admit(Access::Read)?;
         let missed = |e: &OpError| e.code == ErrorCode::ObjectNotFound;
+        // A prefix reader (vLLM) reads an existence batch's leading run of hits and nothing
+        // after its first miss: only that run is a read for leases and eviction order.
+        let now = std::time::Instant::now();
+        let mut pos = 0usize;
+        let mut leading = true;
         let results = self
             .batch(
                 &a,
                 rpc,
                 keys,
                 |k| {
-                    std::future::ready(
-                        check_key(k).and_then(|()| a.core.get_replica_list_for(client_id, k)),
-                    )
+                    let touch = if leading || rpc != Rpc::BatchExistKey {
+                        Touch::Read(chain_stamp(now, pos))
+                    } else {
+                        Touch::Look
+                    };
+                    pos += 1;
+                    let r = check_key(k).and_then(|()| a.core.lookup(client_id, k, touch));
+                    leading &= r.is_ok();
+                    std::future::ready(r)
                 },
                 |r: &Result<Location, OpError>| match r {
                     Ok(_) => false,
@@ -770,7 +787,7 @@ impl pb::master_server::Master for MasterService {
         if let Err(e) = a.core.check_reservations(&caller, [key.as_str()]) {
             return self.fail(&a, Rpc::PutEnd, e.into());
         }
-        let r = self.put_end_one(&a.core, &caller, &key);
+        let r = self.put_end_one(&a.core, &caller, &key, (std::time::Instant::now(), false));
         self.done(&a, Rpc::PutEnd, r.code != 0, r)
     }
 
@@ -787,11 +804,18 @@ impl pb::master_server::Master for MasterService {
         {
             return self.fail(&a, Rpc::BatchPutEnd, e.into());
         }
+        // The batch is one chain's missing blocks in prefix order (vLLM's save): deeper keys
+        // are stamped older and the last is the chain's end (core::policy).
+        let now = std::time::Instant::now();
+        let n = keys.len();
         self.batch(
             &a,
             Rpc::BatchPutEnd,
-            keys,
-            |k| std::future::ready(self.put_end_one(&a.core, &caller, &k)),
+            keys.into_iter().enumerate(),
+            |(i, k)| {
+                let order = (chain_stamp(now, i), i + 1 == n);
+                std::future::ready(self.put_end_one(&a.core, &caller, &k, order))
+            },
             key_failed,
             |results| pb::BatchKeyResults { results },
         )

@@ -106,6 +106,8 @@ pub struct Metrics {
     /// PutStarts refused before any eviction: larger than every segment.
     pub put_start_oversized_total: IntCounter,
     /// PutStarts refused: the client holds too much in unfinished puts.
+    pub put_start_eviction_refused_total: IntCounter,
+    pub eviction_lease_skipped_total: IntCounter,
     pub put_start_reservation_refused_total: IntCounter,
     /// PutStarts refused: the index is at max_keys and nothing could be dropped.
     pub put_start_key_limit_refused_total: IntCounter,
@@ -277,7 +279,17 @@ impl Metrics {
             put_start_reservation_refused_total: counter(
                 &r,
                 "master_put_start_reservation_refused_total",
-                "PutStarts refused: the client holds put_reservation_limit_ratio of the pool in unfinished puts",
+                "PutStarts refused: the caller holds put_reservation_limit_ratio of the pool in unfinished puts, or all callers put_reservation_total_ratio",
+            ),
+            eviction_lease_skipped_total: counter(
+                &r,
+                "master_eviction_lease_skipped_total",
+                "Eviction candidates passed over because a reader holds a lease or a soft pin (cslru takes them only when nothing else is left)",
+            ),
+            put_start_eviction_refused_total: counter(
+                &r,
+                "master_put_start_eviction_refused_total",
+                "PutStarts refused: making room would evict more than put_eviction_limit_ratio of the pool",
             ),
             put_start_key_limit_refused_total: counter(
                 &r,

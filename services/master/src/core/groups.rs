@@ -64,6 +64,15 @@ impl Groups {
         }
     }
 
+    /// The current members of `group`.
+    pub(super) fn members(&self, group: &str) -> Vec<String> {
+        self.groups
+            .lock()
+            .get(group)
+            .map(|g| g.members.iter().map(|m| m.to_string()).collect())
+            .unwrap_or_default()
+    }
+
     pub(super) fn is_broken(&self, group: &str) -> bool {
         self.groups.lock().get(group).is_some_and(|g| g.broken)
     }

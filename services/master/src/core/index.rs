@@ -29,15 +29,21 @@ pub struct TenantUsage {
     pub dram_bytes: u64,
     /// Objects with a copy in an owner's disk tier.
     pub disk_objects: u64,
+    /// DRAM bytes of protected objects (`--eviction_policy=cslru`): kept exact by every change,
+    /// so eviction knows how far the protected segment is over its share.
+    #[serde(skip)]
+    pub protected_bytes: u64,
 }
 
 impl TenantUsage {
     fn of(o: &Object) -> TenantUsage {
         let dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
+        let dram_bytes = align_up(o.size).unwrap_or(o.size).saturating_mul(dram);
         TenantUsage {
             objects: 1,
-            dram_bytes: align_up(o.size).unwrap_or(o.size).saturating_mul(dram),
+            dram_bytes,
             disk_objects: u64::from(o.replicas.iter().any(|r| r.disk)),
+            protected_bytes: if o.tier.protected() { dram_bytes } else { 0 },
         }
     }
 
@@ -45,12 +51,14 @@ impl TenantUsage {
         self.objects = self.objects.saturating_add(o.objects);
         self.dram_bytes = self.dram_bytes.saturating_add(o.dram_bytes);
         self.disk_objects = self.disk_objects.saturating_add(o.disk_objects);
+        self.protected_bytes = self.protected_bytes.saturating_add(o.protected_bytes);
     }
 
     fn sub(&mut self, o: TenantUsage) {
         self.objects = self.objects.saturating_sub(o.objects);
         self.dram_bytes = self.dram_bytes.saturating_sub(o.dram_bytes);
         self.disk_objects = self.disk_objects.saturating_sub(o.disk_objects);
+        self.protected_bytes = self.protected_bytes.saturating_sub(o.protected_bytes);
     }
 }
 
@@ -96,6 +104,13 @@ impl Usage {
         default
             .into_iter()
             .chain(self.others.iter().map(|(t, u)| (&**t, u)))
+    }
+
+    /// Protected DRAM bytes of every tenant.
+    pub(super) fn protected_bytes(&self) -> u64 {
+        self.others
+            .values()
+            .fold(self.default.protected_bytes, |a, u| a + u.protected_bytes)
     }
 
     fn of(&self, tenant: &str) -> TenantUsage {

@@ -19,11 +19,15 @@ use crate::metrics::Metrics;
 use crate::namespaces::NamespaceTracker;
 use crate::notifier::OwnerClient;
 
+mod cslru;
 mod groups;
 mod index;
 mod intern;
 mod objects;
+mod policy;
 mod quota;
+mod reclaim;
+mod reservations;
 mod segments;
 mod tiering;
 mod types;
@@ -31,9 +35,9 @@ mod views;
 mod warm;
 
 pub use types::{
-    Caller, CoreConfig, CoreError, InventoryItem, Location, MountOutcome, ObjectInfo, ObjectState,
-    OpError, PendingFree, PendingOffload, PendingPromotion, PutOptions, ReplicaInfo, ReplicaView,
-    SegmentDesc, SegmentInfo, TenantQuotas,
+    Caller, CoreConfig, CoreError, Holder, InventoryItem, Location, MountOutcome, ObjectInfo,
+    ObjectState, OpError, PendingFree, PendingOffload, PendingPromotion, PutOptions, ReplicaInfo,
+    ReplicaView, SegmentDesc, SegmentInfo, TenantQuotas,
 };
 use types::{ClientEntry, Quarantined, ReplicaLoc, Segment};
 pub use warm::{IndexChange, IndexEntry, IndexSnapshot, WarmReplicaLoc};
@@ -43,6 +47,8 @@ pub use warm::{IndexChange, IndexEntry, IndexSnapshot, WarmReplicaLoc};
 // (half its slots empty) wastes little (docs/BENCH.md, "Metadata").
 use index::Index;
 pub use index::TenantUsage;
+pub use objects::{Touch, chain_stamp};
+pub use policy::EvictionPolicy;
 
 /// Number of object-index shards.
 pub const SHARDS: usize = 64;
@@ -62,16 +68,22 @@ pub struct MasterCore {
     /// Ranges of discarded puts, freed once their release deadline passes (or at once when
     /// their writer revokes them or dies).
     quarantine: Mutex<Vec<Quarantined>>,
-    /// Bytes each client holds reserved by puts it has not ended: recounted by every
+    /// Bytes each holder (and all) hold reserved by puts not yet ended: recounted by every
     /// [`Self::sweep_puts`] and raised by each PutStart in between (a leaf lock).
-    reserved: Mutex<HashMap<String, u64, foldhash::quality::RandomState>>,
+    reserved: Mutex<reservations::Reservations>,
     /// Every put started and perhaps not yet ended, by generation, with its key (a leaf lock).
     /// A put's end takes it off; it may still hold puts that have since gone (revoked,
     /// removed): [`Self::sweep_puts`] checks each against the index and drops those. It lets
     /// the sweep visit the puts in flight instead of every object, which at a million keys cost
     /// a tenth of a core (docs/BENCH.md, "Metadata"). By generation, so that a put's end
     /// hashes a number, not its key.
-    inflight: Mutex<HashMap<u64, String, foldhash::fast::RandomState>>,
+    /// With each, the [`Holder`] its reserved bytes count against.
+    inflight: Mutex<HashMap<u64, (String, Holder), foldhash::fast::RandomState>>,
+    /// Serializes reclaim rounds of PutStarts short of room ([`reclaim`]), so two do not pick
+    /// the same unfinished puts and each find less than it needs.
+    reclaim_lock: tokio::sync::Mutex<()>,
+    /// At most one reclaim WARN a second.
+    reclaim_log: reclaim::WarnLimit,
     /// Under mTLS, the client identity that started each put in flight, by generation, with its
     /// key (a leaf lock). Kept beside the index rather than in each object, which would cost
     /// every key its bytes; empty without mTLS. Entries leave at PutEnd, PutRevoke and discard,
@@ -84,6 +96,12 @@ pub struct MasterCore {
     /// Ranges of puts whose writer died, to free on the next [`Self::release_orphaned`].
     orphaned: Mutex<Vec<PendingFree>>,
     eviction_lock: tokio::sync::Mutex<()>,
+    /// cslru's candidate queues, taken only by eviction ([`policy`]).
+    queues: Mutex<policy::Queues>,
+    /// cslru's ghost table and the chain ends put since the last scan (a leaf lock).
+    recent: Mutex<policy::Recent>,
+    /// When this core started: the stamp of probation's cold end.
+    started: std::time::Instant,
     /// Promotions reserved by gets, waiting for [`MasterCore::run_promotions`] (a leaf lock).
     promotions: Mutex<Vec<PendingPromotion>>,
     promotion_wanted: tokio::sync::Notify,
@@ -136,13 +154,18 @@ impl MasterCore {
             segments: Mutex::new(HashMap::default()),
             clients: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(Vec::new()),
-            reserved: Mutex::new(HashMap::default()),
+            reserved: Mutex::new(reservations::Reservations::default()),
             inflight: Mutex::new(HashMap::default()),
+            reclaim_lock: tokio::sync::Mutex::new(()),
+            reclaim_log: reclaim::WarnLimit::default(),
             put_owners: Mutex::new(HashMap::new()),
             names: intern::Interner::default(),
             approx_keys: AtomicU64::new(0),
             orphaned: Mutex::new(Vec::new()),
             eviction_lock: tokio::sync::Mutex::new(()),
+            queues: Mutex::new(policy::Queues::new()),
+            recent: Mutex::new(policy::Recent::new()),
+            started: std::time::Instant::now(),
             promotions: Mutex::new(Vec::new()),
             promotion_wanted: tokio::sync::Notify::new(),
             notifier,
@@ -274,6 +297,8 @@ where
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_cslru;
 #[cfg(test)]
 mod tests_groups;
 #[cfg(test)]

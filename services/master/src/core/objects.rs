@@ -2,6 +2,7 @@
 
 use lunakv_transfer::cap::{READ_TTL, RIGHT_READ, RIGHT_WRITE, WRITE_TTL};
 use lunakv_transfer::{Capability, Grant, PlacementProof};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -15,9 +16,11 @@ use crate::events::PoolEvent;
 use crate::notifier::FreeEntry;
 
 use super::index::tenant_of;
+use super::policy::EvictionPolicy;
+use super::reservations::Refusal;
 use super::types::{
-    Caller, CoreError, Location, Object, ObjectState, OpError, PendingFree, PendingPromotion,
-    PutOptions, ReplicaLoc, ReplicaView, Replicas,
+    Caller, CoreConfig, CoreError, Holder, Location, Object, ObjectState, OpError, PendingFree,
+    PendingPromotion, PutOptions, ReplicaLoc, ReplicaView, Replicas,
 };
 use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
 
@@ -45,45 +48,89 @@ impl MasterCore {
         size: u64,
         opts: &PutOptions,
     ) -> Result<(u64, Vec<ReplicaView>), OpError> {
-        self.admit_put(client_id, size, opts).await?;
+        let holder = caller.holder(&std::sync::Arc::from(client_id));
+        if let Err(refused) = self.admit(&holder, size, opts).await {
+            if refused.short.is_none() {
+                return Err(refused.err);
+            }
+            // Unfinished puts of all holders fill put_reservation_total_ratio: take back
+            // zombies of others (reclaim.rs), then ask once more. One round at a time, and
+            // the shortfall is measured again inside it (another round may have made room).
+            let _round = self.reclaim_lock.lock().await;
+            if let Err(refused) = self.admit(&holder, size, opts).await {
+                let Some(short) = refused.short else {
+                    return Err(refused.err);
+                };
+                self.reclaim_reservations(&holder, short).await;
+                self.admit_put(&holder, size, opts).await?;
+            }
+        }
         // Held until the object is in the index, which then charges its tenant.
         let _quota = self.admit_tenant(key, size, opts).await?;
         let owner = caller.identity.as_ref();
-        match self.try_place(owner, client_id, key, size, opts) {
+        match self.try_place(owner, &holder, client_id, key, size, opts) {
             Err(e) if e.code == ErrorCode::NoAvailableHandle => {}
             other => return other,
         }
         if self.total_capacity() > 0 {
-            // Bounded: at most max(eviction_ratio x capacity, this put's bytes), and only for
-            // a put that fits one segment (admit_put refused the rest).
-            let need = align_up(size)
-                .unwrap_or(u64::MAX)
-                .saturating_mul(u64::from(opts.replica_num.max(1)));
-            self.evict(need).await;
+            // Bounded: admit_put refused a put that would need more than
+            // put_eviction_limit_ratio of the pool, or that fits no segment.
+            self.evict(self.eviction_need(size, opts)).await;
         }
-        let r = self.try_place(owner, client_id, key, size, opts);
+        let mut r = self.try_place(owner, &holder, client_id, key, size, opts);
+        if matches!(&r, Err(e) if e.code == ErrorCode::NoAvailableHandle)
+            && self.total_capacity() > 0
+        {
+            // Nothing left to evict: what remains is held by unfinished puts. Reclaim other
+            // holders' zombies and place once more.
+            let _round = self.reclaim_lock.lock().await;
+            let need = self.eviction_need(size, opts);
+            if self.reclaim_reservations(&holder, need).await > 0 {
+                r = self.try_place(owner, &holder, client_id, key, size, opts);
+            }
+        }
         if matches!(&r, Err(e) if e.code == ErrorCode::NoAvailableHandle) {
             self.metrics.put_start_alloc_failures_total.inc();
         }
         r
     }
 
+    /// The DRAM a put must find for all its replicas.
+    fn eviction_need(&self, size: u64, opts: &PutOptions) -> u64 {
+        align_up(size)
+            .unwrap_or(u64::MAX)
+            .saturating_mul(u64::from(opts.replica_num.max(1)))
+    }
+
     /// What no eviction can fix is refused before anything is evicted: an object larger than
-    /// every segment (it would wipe the pool and fail anyway), a client past its reservation
-    /// limit, and the index at `max_keys` with nothing evictable.
+    /// every segment (it would wipe the pool and fail anyway), a holder past its reservation
+    /// limit or all holders past theirs, a put that would evict more than its share of the pool,
+    /// and the index at `max_keys` with nothing evictable.
     pub(super) async fn admit_put(
         &self,
-        client_id: &str,
+        holder: &Holder,
         size: u64,
         opts: &PutOptions,
     ) -> Result<(), OpError> {
+        self.admit(holder, size, opts).await.map_err(|r| r.err)
+    }
+
+    /// [`Self::admit_put`], saying by how many bytes the total reservation bound refused it
+    /// (what reclaiming other holders' zombies must free).
+    async fn admit(&self, holder: &Holder, size: u64, opts: &PutOptions) -> Result<(), Refused> {
         let len = align_up(size).unwrap_or(u64::MAX);
-        let (largest, capacity, complete) = {
+        let (largest, capacity, complete, roomy, free) = {
             let segs = self.segments.lock();
             (
                 segs.values().map(|s| s.alloc.capacity()).max(),
                 segs.values().map(|s| s.alloc.capacity()).sum::<u64>(),
                 segs.values().filter(|s| s.complete).count(),
+                segs.values()
+                    .filter(|s| s.complete && s.alloc.largest_free() >= len)
+                    .count(),
+                segs.values()
+                    .map(|s| s.alloc.capacity().saturating_sub(s.alloc.used()))
+                    .sum::<u64>(),
             )
         };
         if largest.is_some() && complete == 0 {
@@ -92,7 +139,8 @@ impl MasterCore {
                 ErrorCode::NoAvailableHandle,
                 "every mounted segment is still receiving its owner's inventory: retry in a \
                  moment",
-            ));
+            )
+            .into());
         }
         if let Some(largest) = largest
             && len > largest
@@ -105,22 +153,48 @@ impl MasterCore {
                      {largest} bytes (the pool {capacity}); split the object or start \
                      store-clients with a larger --global_segment_size"
                 ),
-            ));
+            )
+            .into());
         }
         let wanted = len.saturating_mul(u64::from(opts.replica_num.max(1)));
-        let limit = (capacity as f64 * self.cfg.put_reservation_limit_ratio) as u64;
-        let held = self.reserved.lock().get(client_id).copied().unwrap_or(0);
-        if capacity > 0 && held > 0 && held.saturating_add(wanted) > limit {
-            self.metrics.put_start_reservation_refused_total.inc();
-            return Err(OpError::new(
-                ErrorCode::NoAvailableHandle,
-                format!(
-                    "client {client_id:?} already holds {held} bytes in puts it has not ended; \
-                     one client may hold at most {limit} (put_reservation_limit_ratio {} of \
-                     the pool): end or revoke those puts first",
-                    self.cfg.put_reservation_limit_ratio
-                ),
-            ));
+        if capacity > 0 {
+            let limit = (capacity as f64 * self.cfg.put_reservation_limit_ratio) as u64;
+            let total = (capacity as f64 * self.cfg.put_reservation_total_ratio) as u64;
+            // The first put of a holder counts too: one put of the whole pool is a zombie
+            // reservation of everything.
+            let checked = self.reserved.lock().check(holder, wanted, limit, total);
+            if let Err(why) = checked {
+                self.metrics.put_start_reservation_refused_total.inc();
+                let short = match why {
+                    Refusal::Total { total, limit } => {
+                        Some(total.saturating_add(wanted).saturating_sub(limit))
+                    }
+                    Refusal::Holder { .. } => None,
+                };
+                return Err(Refused {
+                    err: OpError::new(
+                        ErrorCode::NoAvailableHandle,
+                        reservation_refusal(holder, wanted, why, &self.cfg),
+                    ),
+                    short,
+                });
+            }
+            let evictable = (capacity as f64 * self.cfg.put_eviction_limit_ratio) as u64;
+            let fits = roomy >= (opts.replica_num.max(1) as usize).min(complete);
+            if wanted > evictable && !fits {
+                self.metrics.put_start_eviction_refused_total.inc();
+                return Err(OpError::new(
+                    ErrorCode::NoAvailableHandle,
+                    format!(
+                        "a put of {wanted} bytes (all replicas) into a pool with {} bytes free \
+                         would evict more than put_eviction_limit_ratio {} of the pool \
+                         ({evictable} bytes): split the object, or raise \
+                         put_eviction_limit_ratio if one object may push out that much",
+                        free, self.cfg.put_eviction_limit_ratio
+                    ),
+                )
+                .into());
+            }
         }
         let max = self.cfg.max_keys;
         if max > 0 && self.approx_keys.load(Ordering::Relaxed) >= max {
@@ -133,7 +207,8 @@ impl MasterCore {
                         "the master holds max_keys = {max} objects and none can be evicted \
                          (leased, pinned or being put); raise max_keys or remove objects"
                     ),
-                ));
+                )
+                .into());
             }
         }
         Ok(())
@@ -142,6 +217,7 @@ impl MasterCore {
     pub(super) fn try_place(
         &self,
         owner: Option<&std::sync::Arc<str>>,
+        holder: &Holder,
         client_id: &str,
         key: &str,
         size: u64,
@@ -282,6 +358,7 @@ impl MasterCore {
                 hard_pinned: opts.hard_pin,
                 last_access: now,
                 promoting: false,
+                tier: super::policy::Tier::PROBATION,
                 group: opts.group.as_deref().map(|g| {
                     self.groups
                         .name(&lunakv_proto::scope_key(tenant_of(key), g))
@@ -295,16 +372,10 @@ impl MasterCore {
                 .insert(generation, (key.into(), id.clone()));
         }
         drop(shard);
-        self.inflight.lock().insert(generation, key.to_string());
-        let mut reserved = self.reserved.lock();
-        // The client's row is there but for its first put: no copy of its id per put.
-        match reserved.get_mut(client_id) {
-            Some(held) => *held += len.saturating_mul(placed),
-            None => {
-                reserved.insert(client_id.to_string(), len.saturating_mul(placed));
-            }
-        }
-        drop(reserved);
+        self.inflight
+            .lock()
+            .insert(generation, (key.to_string(), holder.clone()));
+        self.reserved.lock().add(holder, len.saturating_mul(placed));
         self.approx_keys.fetch_add(1, Ordering::Relaxed);
         self.namespaces.record_put(client_id, key, false);
         Ok((generation, views))
@@ -365,6 +436,19 @@ impl MasterCore {
     /// [`Self::put_end`] for `caller`: under mTLS only the identity that started the put, or
     /// an admin identity, ends it.
     pub fn put_end_by(&self, caller: &Caller, key: &str) -> Result<(), OpError> {
+        self.put_end_at(caller, key, Instant::now(), false)
+    }
+
+    /// [`Self::put_end_by`] for one key of a batch: `stamp` orders it in eviction (see
+    /// [`chain_stamp`]), and `chain_end` marks the batch's last key, which with cslru enters
+    /// probation's cold end.
+    pub fn put_end_at(
+        &self,
+        caller: &Caller,
+        key: &str,
+        stamp: Instant,
+        chain_end: bool,
+    ) -> Result<(), OpError> {
         let mut shard = self.shard(key).lock();
         let mut o = shard
             .get_mut(key)
@@ -378,16 +462,28 @@ impl MasterCore {
         }
         let first = o.state == ObjectState::Processing;
         if first {
+            // The sweep need not look this put up again (a lookup in a large index costs
+            // more than this one in a small map).
             self.unreserve(&o);
             if owner.is_some() {
                 self.put_owners.lock().remove(&o.generation);
             }
-            // The sweep need not look this put up again (a lookup in a large index costs
-            // more than this one in a small map).
-            self.inflight.lock().remove(&o.generation);
         }
         o.state = ObjectState::Complete;
         o.last_access = Instant::now();
+        if first && self.cfg.eviction_policy == EvictionPolicy::Cslru {
+            let mut recent = self.recent.lock();
+            if recent.ghost.take(self.hasher.hash_one(key)) {
+                // Put again soon after its eviction: a proven re-user.
+                o.tier = super::policy::Tier::PROTECTED;
+                o.last_access = stamp;
+            } else if chain_end {
+                o.last_access = self.started;
+                recent.push_cold(key, o.generation);
+            } else {
+                o.last_access = stamp;
+            }
+        }
         if first {
             self.emit_stored(key, (o.generation, o.size), &o.replicas);
         }
@@ -471,7 +567,17 @@ impl MasterCore {
     /// [`Self::get_replica_list`] on behalf of `client_id` (exists and get lookups): finding a
     /// key another client put counts as a shared key of its namespace.
     pub fn get_replica_list_for(&self, client_id: &str, key: &str) -> Result<Location, OpError> {
+        self.lookup(client_id, key, Touch::Read(Instant::now()))
+    }
+
+    /// [`Self::get_replica_list_for`], doing `touch` to the object's lease and eviction order.
+    pub fn lookup(&self, client_id: &str, key: &str, touch: Touch) -> Result<Location, OpError> {
         let now = Instant::now();
+        let touch = match (touch, self.cfg.eviction_policy) {
+            // Upstream's order: every lookup leases and renews.
+            (Touch::Look, EvictionPolicy::Lru) => Touch::Read(now),
+            (t, _) => t,
+        };
         let mut shard = self.shard(key).lock();
         let mut o = shard
             .get_mut(key)
@@ -490,9 +596,21 @@ impl MasterCore {
         if !client_id.is_empty() && *o.client_id != *client_id {
             self.namespaces.record_found_from_other(client_id, key);
         }
-        let lease_until = now + self.cfg.lease_ttl;
-        o.lease_until = Some(o.lease_until.map_or(lease_until, |t| t.max(lease_until)));
-        o.last_access = now;
+        if let Touch::Read(stamp) = touch {
+            let lease_until = now + self.cfg.lease_ttl;
+            o.lease_until = Some(o.lease_until.map_or(lease_until, |t| t.max(lease_until)));
+            match self.cfg.eviction_policy {
+                EvictionPolicy::Lru => o.last_access = now,
+                // A protected object keeps its CLOCK place and banks a chance; a probation
+                // one joins the protected segment's tail.
+                EvictionPolicy::Cslru => {
+                    if !o.tier.protected() {
+                        o.last_access = stamp;
+                    }
+                    o.tier = o.tier.read();
+                }
+            }
+        }
         if o.soft_pin_until.is_some() {
             let ttl = match o.soft_pin_ms {
                 0 => self.cfg.soft_pin_ttl.min(self.cfg.max_soft_pin_ttl),
@@ -742,6 +860,56 @@ impl MasterCore {
                 seg.alloc.free(f.offset);
             }
         }
+    }
+}
+
+/// What a lookup does to the object's lease and its place in eviction order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Touch {
+    /// A read: a get, or a key of an existence batch's leading run, which the caller reads
+    /// next. Leased, and its recency (or protection) renewed; `stamp` orders it within its
+    /// batch (deeper keys older, see `core::policy`).
+    Read(Instant),
+    /// An existence check past the batch's first miss, which no prefix read can reach:
+    /// nothing changes (with `--eviction_policy=lru` it is a read, as upstream's).
+    Look,
+}
+
+/// The stamp of the `pos`-th key of a batch started at `now`: deeper keys are older, so a
+/// chain loses its tail before its head.
+pub fn chain_stamp(now: Instant, pos: usize) -> Instant {
+    now.checked_sub(Duration::from_nanos(pos as u64))
+        .unwrap_or(now)
+}
+
+/// A refused admission: the answer, and by how many bytes unfinished puts of all holders are
+/// over `put_reservation_total_ratio` when that bound refused it.
+struct Refused {
+    err: OpError,
+    short: Option<u64>,
+}
+
+impl From<OpError> for Refused {
+    fn from(err: OpError) -> Refused {
+        Refused { err, short: None }
+    }
+}
+
+/// Why a put's reservation was refused, with the limit's setting and the way out.
+fn reservation_refusal(holder: &Holder, wanted: u64, why: Refusal, cfg: &CoreConfig) -> String {
+    match why {
+        Refusal::Holder { held, limit } => format!(
+            "{holder} already holds {held} bytes in puts it has not ended and asks for \
+             {wanted} more; one caller may hold at most {limit} (put_reservation_limit_ratio {} \
+             of the pool): end or revoke those puts first, or split the object",
+            cfg.put_reservation_limit_ratio
+        ),
+        Refusal::Total { total, limit } => format!(
+            "unfinished puts of all callers hold {total} bytes and this one asks for {wanted} \
+             more; together they may hold at most {limit} (put_reservation_total_ratio {} of \
+             the pool): retry once puts in flight end",
+            cfg.put_reservation_total_ratio
+        ),
     }
 }
 

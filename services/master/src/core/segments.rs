@@ -518,12 +518,12 @@ impl MasterCore {
                 .collect();
             for k in keys {
                 if let Some(o) = shard.remove(k.as_str()) {
+                    self.unreserve(&o);
                     frees.extend(self.pending_frees(&o));
                     puts += 1;
                 }
             }
         }
-        self.reserved.lock().remove(client_id);
         if !frees.is_empty() {
             tracing::warn!(
                 client_id,

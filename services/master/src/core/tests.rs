@@ -11,10 +11,15 @@ use crate::notifier::RecordingNotifier;
 
 const BLOCK: u64 = 64;
 
+/// Pools here are a few blocks, so one put is a large share of one: the reservation and
+/// eviction shares are off unless a test is about them.
 fn cfg() -> CoreConfig {
     CoreConfig {
         cluster_id: "c".into(),
         lease_ttl: Duration::from_secs(60),
+        put_reservation_limit_ratio: 1.0,
+        put_reservation_total_ratio: 1.0,
+        put_eviction_limit_ratio: 1.0,
         ..CoreConfig::default()
     }
 }
@@ -373,6 +378,7 @@ fn present(core: &MasterCore) -> Vec<String> {
 async fn eviction_takes_lru_first_soft_pins_last_and_never_leased_or_hard_pinned() {
     let (core, notifier) = new_core(CoreConfig {
         eviction_ratio: 0.1,
+        eviction_policy: EvictionPolicy::Lru,
         ..cfg()
     });
     full_segment(&core).await;
@@ -445,6 +451,7 @@ async fn watermark_triggers_background_eviction() {
     let (core, _) = new_core(CoreConfig {
         high_watermark: 0.5,
         eviction_ratio: 0.2,
+        eviction_policy: EvictionPolicy::Lru,
         ..cfg()
     });
     mount(&core, "cl", "a:1", BLOCK * 100);
@@ -506,13 +513,21 @@ async fn the_sweep_follows_only_puts_in_flight() {
     }
     core.put_start("cl", "z", 100, &opts(1)).await.expect("put");
     assert_eq!(
-        core.inflight.lock().values().cloned().collect::<Vec<_>>(),
+        core.inflight
+            .lock()
+            .values()
+            .map(|(k, _)| k.clone())
+            .collect::<Vec<_>>(),
         vec!["z".to_string()],
         "a put end takes its put off the list at once, before any sweep"
     );
     assert_eq!(core.sweep_puts().await, 0);
     assert_eq!(
-        core.inflight.lock().values().cloned().collect::<Vec<_>>(),
+        core.inflight
+            .lock()
+            .values()
+            .map(|(k, _)| k.clone())
+            .collect::<Vec<_>>(),
         vec!["z".to_string()],
         "ended puts are not followed"
     );
@@ -1497,4 +1512,264 @@ async fn a_soft_pin_lasts_the_puts_ttl_capped_and_a_zero_ttl_pins_nothing() {
     let ms = |k: &str| core.shard(k).lock().get(k).map(|o| o.soft_pin_ms);
     assert_eq!(ms("huge"), Some(max), "capped at max_kv_soft_pin_ttl");
     assert_eq!(ms("long"), Some(3_600_000));
+}
+
+fn from_address(last: u8) -> Caller {
+    Caller {
+        peer: Some([127, 0, 0, last].into()),
+        ..Caller::default()
+    }
+}
+
+#[tokio::test]
+async fn fresh_client_ids_from_one_address_share_one_reservation_limit() {
+    let (core, _) = new_core(CoreConfig {
+        put_reservation_limit_ratio: 0.5,
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    let attacker = from_address(2);
+    for i in 0..5 {
+        core.put_start_by(
+            &attacker,
+            &format!("fresh-{i}"),
+            &format!("z{i}"),
+            BLOCK * 10,
+            &opts(1),
+        )
+        .await
+        .expect("within the limit");
+    }
+    let err = core
+        .put_start_by(&attacker, "fresh-5", "z5", BLOCK * 10, &opts(1))
+        .await
+        .expect_err("a new client id from the same address is the same holder");
+    assert!(err.message.contains("address 127.0.0.2"), "{}", err.message);
+    core.put_start_by(&from_address(3), "victim", "v", BLOCK * 10, &opts(1))
+        .await
+        .expect("another address still puts");
+}
+
+#[tokio::test]
+async fn a_holders_first_put_counts_against_its_limit() {
+    let (core, _) = new_core(CoreConfig {
+        put_reservation_limit_ratio: 0.5,
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    let err = core
+        .put_start_by(&from_address(2), "new", "big", BLOCK * 60, &opts(1))
+        .await
+        .expect_err("one put of 60% of the pool is past the 50% limit");
+    assert!(
+        err.message.contains("put_reservation_limit_ratio"),
+        "{}",
+        err.message
+    );
+}
+
+#[tokio::test]
+async fn unfinished_puts_of_all_holders_stop_at_the_total_limit() {
+    let (core, _) = new_core(CoreConfig {
+        put_reservation_limit_ratio: 0.5,
+        put_reservation_total_ratio: 0.75,
+        // Nothing here is old enough to reclaim: the bound alone answers.
+        put_reclaim_grace: Duration::from_secs(3600),
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    for (addr, n) in [(2, 5), (3, 2)] {
+        for i in 0..n {
+            core.put_start_by(
+                &from_address(addr),
+                "z",
+                &format!("z{addr}-{i}"),
+                BLOCK * 10,
+                &opts(1),
+            )
+            .await
+            .expect("within both limits");
+        }
+    }
+    let err = core
+        .put_start_by(&from_address(4), "z", "z4", BLOCK * 10, &opts(1))
+        .await
+        .expect_err("70% held, 10% more passes the 75% total");
+    assert!(
+        err.message.contains("put_reservation_total_ratio"),
+        "{}",
+        err.message
+    );
+    core.put_end("z2-0").expect("end");
+    core.put_start_by(&from_address(4), "z", "z4", BLOCK * 10, &opts(1))
+        .await
+        .expect("room in the total again once a put ends");
+}
+
+#[tokio::test]
+async fn a_pool_sized_put_evicts_nothing() {
+    let (core, _) = new_core(CoreConfig {
+        put_eviction_limit_ratio: 0.1,
+        put_reservation_limit_ratio: 1.0,
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    for i in 0..100 {
+        put(&core, &format!("k{i}"), BLOCK, &opts(1)).await;
+    }
+    for size in [BLOCK * 100, BLOCK * 80, BLOCK * 11] {
+        let err = core
+            .put_start("other", "huge", size, &opts(1))
+            .await
+            .expect_err("would evict more than 10% of the pool");
+        assert!(
+            err.message.contains("put_eviction_limit_ratio"),
+            "{}",
+            err.message
+        );
+    }
+    assert_eq!(core.key_count(), 100, "every key survives");
+    core.put_start("other", "small", BLOCK * 10, &opts(1))
+        .await
+        .expect("a put within the eviction share still evicts its room");
+    assert!(core.key_count() >= 90);
+}
+
+/// Zombie reservations at two addresses fill `put_reservation_total_ratio` (issue 33 item 3).
+fn zombie_pool(grace_ms: u64) -> (Arc<MasterCore>, Arc<RecordingNotifier>) {
+    let (core, n) = new_core(CoreConfig {
+        put_reservation_limit_ratio: 0.5,
+        put_reservation_total_ratio: 0.75,
+        put_reclaim_grace: Duration::from_millis(grace_ms),
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    (core, n)
+}
+
+/// Address 2 holds 50 blocks in 5 puts, address 3 25 in 3: 75 of 100, the total bound.
+async fn fill_with_zombies(core: &MasterCore) -> Vec<(String, u64, u64)> {
+    let mut held = Vec::new();
+    for (addr, sizes) in [(2u8, vec![10u64; 5]), (3, vec![10, 10, 5])] {
+        for (i, blocks) in sizes.into_iter().enumerate() {
+            let key = format!("zombie-{addr}-{i}");
+            let (g, reps) = core
+                .put_start_by(&from_address(addr), "z", &key, BLOCK * blocks, &opts(1))
+                .await
+                .expect("within both limits");
+            held.push((key, g, reps[0].offset));
+        }
+    }
+    held
+}
+
+#[tokio::test]
+async fn zombies_at_two_addresses_are_reclaimed_for_a_victim_after_the_grace() {
+    let (core, notifier) = zombie_pool(50);
+    let zombies = fill_with_zombies(&core).await;
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let started = std::time::Instant::now();
+    let (g, reps) = core
+        .put_start_by(&from_address(4), "victim", "v", BLOCK * 10, &opts(1))
+        .await
+        .expect("the victim's put is placed once the zombies are past the grace");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    core.put_end_by(&from_address(4), "v").expect("end");
+    assert!(g > 0 && reps.len() == 1);
+    // Only what the victim needed went, from the largest holder (address 2) first.
+    let freed = notifier.freed();
+    let gone: Vec<&(String, u64, u64)> = zombies
+        .iter()
+        .filter(|(k, _, _)| core.shard(k).lock().get(k).is_none())
+        .collect();
+    assert_eq!(gone.len(), 1, "{gone:?}");
+    let (key, generation, offset) = gone[0];
+    assert!(key.starts_with("zombie-2-"), "{key}");
+    assert!(
+        freed.contains(&(*generation, *offset)),
+        "the owner got the FREE of the reclaimed range before its reuse: {freed:?}"
+    );
+    assert_eq!(core.metrics.put_reservations_reclaimed_total.get(), 1);
+    // The zombie's writer learns its put is gone.
+    let err = core
+        .put_end_by(&from_address(2), key)
+        .expect_err("a reclaimed put cannot end");
+    assert_eq!(err.code, ErrorCode::ObjectNotFound, "{}", err.message);
+    // More victims holding their puts open: each takes back what it needs, from the largest
+    // holder (address 2 keeps 30 of its 50 blocks, still more than address 3's 25).
+    for i in 0..3 {
+        let k = format!("v{i}");
+        core.put_start_by(&from_address(4), "victim", &k, BLOCK * 10, &opts(1))
+            .await
+            .expect("every victim put is placed");
+    }
+    assert!(
+        zombies
+            .iter()
+            .filter(|(k, _, _)| k.starts_with("zombie-3-"))
+            .all(|(k, _, _)| core.shard(k).lock().get(k).is_some()),
+        "the largest holder's zombies go first"
+    );
+    for (k, g, off) in zombies
+        .iter()
+        .filter(|(k, _, _)| core.shard(k).lock().get(k).is_none())
+    {
+        assert!(notifier.freed().contains(&(*g, *off)), "FREE of {k}");
+    }
+}
+
+#[tokio::test]
+async fn a_victim_arriving_within_the_grace_waits_for_it_instead_of_failing() {
+    let (core, _) = zombie_pool(150);
+    fill_with_zombies(&core).await;
+    let started = std::time::Instant::now();
+    core.put_start_by(&from_address(4), "victim", "v", BLOCK * 10, &opts(1))
+        .await
+        .expect("placed once the zombies reach the grace");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(100) && took < Duration::from_secs(1),
+        "{took:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_reclaimed_range_whose_free_is_not_acknowledged_is_quarantined_not_reused() {
+    let (core, notifier) = zombie_pool(20);
+    fill_with_zombies(&core).await;
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    notifier.unreachable.lock().push("ep-a:1".into());
+    let before = core.allocated_bytes();
+    core.put_start_by(&from_address(4), "victim", "v", BLOCK * 10, &opts(1))
+        .await
+        .expect("the reservation went, and the pool has 25 free blocks");
+    assert_eq!(
+        core.allocated_bytes(),
+        before + BLOCK * 10,
+        "the unacknowledged range stays allocated"
+    );
+    assert_eq!(core.quarantine.lock().len(), 1, "it waits in quarantine");
+    assert_eq!(core.metrics.put_reservations_reclaimed_total.get(), 1);
+}
+
+#[tokio::test]
+async fn a_callers_own_puts_and_young_puts_are_never_reclaimed() {
+    let (core, _) = zombie_pool(60_000);
+    fill_with_zombies(&core).await;
+    let err = core
+        .put_start_by(&from_address(4), "victim", "v", BLOCK * 10, &opts(1))
+        .await
+        .expect_err("no zombie is past a one-minute grace");
+    assert!(
+        err.message.contains("put_reservation_total_ratio"),
+        "{}",
+        err.message
+    );
+    let (core, _) = zombie_pool(20);
+    fill_with_zombies(&core).await;
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    core.put_start_by(&from_address(2), "z", "more", BLOCK * 10, &opts(1))
+        .await
+        .expect_err("address 2 is at its own limit: nothing of others is taken for it");
+    assert_eq!(core.metrics.put_reservations_reclaimed_total.get(), 0);
 }

@@ -17,6 +17,8 @@ fn new_core() -> Arc<MasterCore> {
         cluster_id: "c".into(),
         lease_ttl: Duration::from_secs(60),
         eviction_ratio: 0.01,
+        // A few blocks per pool: one put is a large share of it.
+        put_eviction_limit_ratio: 1.0,
         ..CoreConfig::default()
     };
     Arc::new(MasterCore::new(

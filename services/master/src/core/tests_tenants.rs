@@ -49,12 +49,14 @@ fn recount(core: &MasterCore) -> BTreeMap<String, TenantUsage> {
     for shard in &core.shards {
         for (k, o) in shard.lock().iter() {
             let dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
+            let dram_bytes = crate::alloc::align_up(o.size).unwrap_or(o.size) * dram;
             out.entry(index::tenant_of(k).to_string())
                 .or_default()
                 .add(TenantUsage {
                     objects: 1,
-                    dram_bytes: crate::alloc::align_up(o.size).unwrap_or(o.size) * dram,
+                    dram_bytes,
                     disk_objects: u64::from(o.replicas.iter().any(|r| r.disk)),
+                    protected_bytes: if o.tier.protected() { dram_bytes } else { 0 },
                 });
         }
     }

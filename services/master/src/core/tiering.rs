@@ -10,8 +10,10 @@ use lunakv_proto::ErrorCode;
 use crate::alloc::align_up;
 use crate::notifier::{OffloadEntry, Promote};
 
+use super::policy::EvictionPolicy;
 use super::types::{
-    Caller, Object, ObjectState, OpError, PendingFree, PendingOffload, Quarantined, ReplicaLoc,
+    Caller, Holder, Object, ObjectState, OpError, PendingFree, PendingOffload, Quarantined,
+    ReplicaLoc,
 };
 use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
 
@@ -43,8 +45,12 @@ impl MasterCore {
         }
     }
 
-    /// Usage is at or above the high watermark.
+    /// Usage is at or above the high watermark (lru only: cslru evicts what puts need, when
+    /// they need it, so the pool's last 5% is not left empty).
     pub fn eviction_due(&self) -> bool {
+        if self.cfg.eviction_policy == EvictionPolicy::Cslru {
+            return false;
+        }
         // One pass over the segments: PutEnd asks this for every key.
         let (used, cap) = self.usage();
         cap > 0 && used as f64 / cap as f64 >= self.cfg.high_watermark
@@ -66,9 +72,17 @@ impl MasterCore {
     /// DRAM range is freed, and it stays indexed with a LOCAL_DISK replica. An object that already
     /// has a disk copy just loses its DRAM replicas. Returns keys evicted from DRAM.
     pub async fn evict(&self, min_bytes: u64) -> u64 {
-        let target =
-            ((self.total_capacity() as f64 * self.cfg.eviction_ratio) as u64).max(min_bytes);
-        self.evict_matching(target, |_| true).await
+        match self.cfg.eviction_policy {
+            EvictionPolicy::Lru => {
+                let target = ((self.total_capacity() as f64 * self.cfg.eviction_ratio) as u64)
+                    .max(min_bytes);
+                self.evict_matching(target, |_| true).await
+            }
+            EvictionPolicy::Cslru => {
+                let chunk = (self.total_capacity() as f64 * super::policy::CHUNK_SHARE) as u64;
+                self.evict_cslru(min_bytes.max(chunk)).await
+            }
+        }
     }
 
     /// Evicts at least `target` bytes of DRAM, as [`Self::evict`] does, from the objects whose
@@ -133,75 +147,18 @@ impl MasterCore {
             if freed >= target {
                 break;
             }
-            for (key, generation, bytes) in unit.members {
-                let mut shard = self.shard(&key).lock();
+            for (key, generation, _) in unit.members {
                 // Re-check: a reader may have leased it since the scan.
-                let Some(mut o) = shard.get_mut(key.as_str()).filter(|o| {
+                let now = Instant::now();
+                let evictable = |o: &Object| {
                     o.generation == generation
                         && o.state == ObjectState::Complete
-                        && !o.leased(Instant::now())
+                        && !o.leased(now)
                         && !o.hard_pinned
-                }) else {
-                    continue;
                 };
-                let has_disk = o.replicas.iter().any(|r| r.disk);
-                let before = tiers_of(&o.replicas);
-                let spill_to = if has_disk || !self.cfg.enable_offload {
-                    None
-                } else {
-                    let segs = self.segments.lock();
-                    o.replicas.iter().filter(|r| !r.disk).find_map(|r| {
-                        segs.get(&*r.segment)
-                            .filter(|s| {
-                                s.mount_id == r.mount_id
-                                    && s.desc.enable_offload
-                                    && s.desc.disk_capacity >= o.size
-                            })
-                            .map(|s| (r.clone(), s.desc.transfer_endpoint.clone()))
-                    })
-                };
-                if has_disk || spill_to.is_some() {
-                    // The object survives on disk; its DRAM replicas go (the one being offloaded
-                    // is freed by the OFFLOAD round trip, after the owner made it durable).
-                    let mem: Vec<ReplicaLoc> = o
-                        .replicas
-                        .iter()
-                        .filter(|r| !r.disk)
-                        .filter(|r| {
-                            spill_to.as_ref().is_none_or(|(t, _)| {
-                                !(t.segment == r.segment && t.offset == r.offset)
-                            })
-                        })
-                        .cloned()
-                        .collect();
-                    frees.extend(self.frees_of(o.generation, &mem));
-                    o.replicas.retain(|r| r.disk);
-                    if let Some((t, endpoint)) = spill_to {
-                        offloads.push(PendingOffload {
-                            key: key.clone(),
-                            endpoint,
-                            segment: t.segment.to_string(),
-                            mount_id: t.mount_id,
-                            generation: o.generation,
-                            offset: t.offset,
-                        });
-                        o.replicas.push(ReplicaLoc {
-                            offset: lunakv_transfer::DISK_OFFSET,
-                            disk: true,
-                            ..t
-                        });
-                    }
-                    self.emit_updated(&key, (o.generation, o.size), before, &o.replicas);
+                if let Some(bytes) = self.evict_one(&key, evictable, &mut frees, &mut offloads) {
                     freed += bytes;
                     evicted += 1;
-                } else {
-                    drop(o);
-                    if let Some(o) = shard.remove(key.as_str()) {
-                        self.emit_updated(&key, (o.generation, o.size), before, &[]);
-                        frees.extend(self.pending_frees(&o));
-                        freed += bytes;
-                        evicted += 1;
-                    }
                 }
             }
         }
@@ -221,6 +178,81 @@ impl MasterCore {
         // A member leased between the scan and its turn stayed: its group goes whole now.
         self.drop_broken_groups().await;
         evicted
+    }
+
+    /// Takes `key`'s DRAM copies if `evictable` still holds for it under its shard lock: with
+    /// offload on, an object whose owner has a disk tier moves there (its DRAM range is freed
+    /// once the OFFLOAD made it durable); an object with a disk copy just loses its DRAM
+    /// replicas; any other leaves the index. Returns the DRAM bytes freed.
+    pub(super) fn evict_one(
+        &self,
+        key: &str,
+        evictable: impl FnOnce(&Object) -> bool,
+        frees: &mut Vec<PendingFree>,
+        offloads: &mut Vec<PendingOffload>,
+    ) -> Option<u64> {
+        let mut shard = self.shard(key).lock();
+        let mut o = shard.get_mut(key).filter(|o| evictable(o))?;
+        let in_dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
+        let bytes = align_up(o.size).unwrap_or(o.size) * in_dram;
+        if in_dram == 0 {
+            return None;
+        }
+        let has_disk = o.replicas.iter().any(|r| r.disk);
+        let before = tiers_of(&o.replicas);
+        let spill_to = if has_disk || !self.cfg.enable_offload {
+            None
+        } else {
+            let segs = self.segments.lock();
+            o.replicas.iter().filter(|r| !r.disk).find_map(|r| {
+                segs.get(&*r.segment)
+                    .filter(|s| {
+                        s.mount_id == r.mount_id
+                            && s.desc.enable_offload
+                            && s.desc.disk_capacity >= o.size
+                    })
+                    .map(|s| (r.clone(), s.desc.transfer_endpoint.clone()))
+            })
+        };
+        if has_disk || spill_to.is_some() {
+            // The object survives on disk; its DRAM replicas go (the one being offloaded
+            // is freed by the OFFLOAD round trip, after the owner made it durable).
+            let mem: Vec<ReplicaLoc> = o
+                .replicas
+                .iter()
+                .filter(|r| !r.disk)
+                .filter(|r| {
+                    spill_to
+                        .as_ref()
+                        .is_none_or(|(t, _)| !(t.segment == r.segment && t.offset == r.offset))
+                })
+                .cloned()
+                .collect();
+            frees.extend(self.frees_of(o.generation, &mem));
+            o.replicas.retain(|r| r.disk);
+            if let Some((t, endpoint)) = spill_to {
+                offloads.push(PendingOffload {
+                    key: key.to_string(),
+                    endpoint,
+                    segment: t.segment.to_string(),
+                    mount_id: t.mount_id,
+                    generation: o.generation,
+                    offset: t.offset,
+                });
+                o.replicas.push(ReplicaLoc {
+                    offset: lunakv_transfer::DISK_OFFSET,
+                    disk: true,
+                    ..t
+                });
+            }
+            self.emit_updated(key, (o.generation, o.size), before, &o.replicas);
+        } else {
+            drop(o);
+            let o = shard.remove(key)?;
+            self.emit_updated(key, (o.generation, o.size), before, &[]);
+            frees.extend(self.pending_frees(&o));
+        }
+        Some(bytes)
     }
 
     /// Moves one object's DRAM copy to its owner's disk tier now, as eviction would (the
@@ -575,11 +607,11 @@ impl MasterCore {
     pub async fn sweep_puts(&self) -> u64 {
         let now = Instant::now();
         let mut discarded = 0;
-        let mut reserved: HashMap<String, u64, foldhash::quality::RandomState> = HashMap::default();
+        let mut reserved: Vec<(Holder, u64)> = Vec::new();
         // Puts started while this runs land in the live map and are left for the next sweep.
         let candidates = std::mem::take(&mut *self.inflight.lock());
         let mut still = Vec::new();
-        for (generation, key) in candidates {
+        for (generation, (key, holder)) in candidates {
             let mut shard = self.shard(&key).lock();
             let Some(o) = shard.get(key.as_str()) else {
                 continue;
@@ -589,8 +621,8 @@ impl MasterCore {
             }
             if now.duration_since(o.put_start) < self.cfg.put_discard_timeout {
                 let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
-                *reserved.entry(o.client_id.to_string()).or_default() += bytes;
-                still.push((key, generation));
+                reserved.push((holder.clone(), bytes));
+                still.push((key, generation, holder));
                 continue;
             }
             if let Some(o) = shard.remove(key.as_str()) {
@@ -618,13 +650,13 @@ impl MasterCore {
             // followed, and the older one is dropped once the index holds the newer.
             self.inflight
                 .lock()
-                .extend(still.into_iter().map(|(k, g)| (g, k)));
+                .extend(still.into_iter().map(|(k, g, h)| (g, (k, h))));
         }
         self.forget_gone_put_owners();
         let keys = self.shards.iter().map(|s| s.lock().len() as u64).sum();
         self.names.trim();
         // Discarded puts are no longer reservations (their ranges wait in quarantine).
-        *self.reserved.lock() = reserved;
+        self.reserved.lock().recount(reserved);
         self.approx_keys.store(keys, Ordering::Relaxed);
         let due = self.unquarantine(|q| q.until <= now);
         self.release(due).await;
@@ -651,12 +683,12 @@ impl MasterCore {
         }
     }
 
-    /// A put of `o` ended or was revoked: its bytes no longer count against its client
-    /// (other exits are corrected by the next sweep's recount).
+    /// A put of `o` ended or was revoked: it leaves the sweep's list and its bytes no longer
+    /// count against its holder (other exits are corrected by the next sweep's recount).
     pub(super) fn unreserve(&self, o: &Object) {
         let bytes = align_up(o.size).unwrap_or(o.size) * o.replicas.len() as u64;
-        if let Some(r) = self.reserved.lock().get_mut(&*o.client_id) {
-            *r = r.saturating_sub(bytes);
+        if let Some((_, holder)) = self.inflight.lock().remove(&o.generation) {
+            self.reserved.lock().sub(&holder, bytes);
         }
     }
 

@@ -34,8 +34,17 @@ pub struct CoreConfig {
     pub max_keys: u64,
     /// Share of total capacity one client may hold reserved by unfinished puts.
     pub put_reservation_limit_ratio: f64,
+    /// Share of total capacity all unfinished puts together may hold.
+    pub put_reservation_total_ratio: f64,
+    /// Age of another holder's unfinished put before a PutStart short of room may reclaim it
+    /// (`core::reclaim`).
+    pub put_reclaim_grace: Duration,
+    /// Share of total capacity one PutStart may evict for itself.
+    pub put_eviction_limit_ratio: f64,
     /// How a new object's replicas pick their segments.
     pub placement: AllocationStrategy,
+    /// Which objects eviction takes first.
+    pub eviction_policy: super::policy::EvictionPolicy,
     /// Upstream `--enable_multi_tenants`: a tenant without a quota may not put.
     pub multi_tenants: bool,
     /// Tenant -> DRAM quota in bytes (docs/TENANTS.md). Shared by every clone of the config,
@@ -70,7 +79,12 @@ impl CoreConfig {
             namespace_min_keys: c.namespace_min_keys,
             max_keys: c.max_keys,
             put_reservation_limit_ratio: c.put_reservation_limit_ratio,
+            put_reservation_total_ratio: c.put_reservation_total_ratio,
+            put_reclaim_grace: Duration::from_millis(c.put_reclaim_grace_ms),
+            put_eviction_limit_ratio: c.put_eviction_limit_ratio,
             placement: c.allocation_strategy(),
+            eviction_policy: super::policy::EvictionPolicy::parse(&c.eviction_policy)
+                .unwrap_or(super::policy::EvictionPolicy::Cslru),
             multi_tenants: c.enable_multi_tenants,
             quotas: TenantQuotas::default(),
             inventory_key: None,
@@ -152,6 +166,9 @@ pub struct PutOptions {
 pub struct Caller {
     pub identity: Option<Arc<str>>,
     pub admin: bool,
+    /// The address the call came from, when it came over the network; what a put's
+    /// reservation is charged to when the caller has no certificate identity ([`Holder`]).
+    pub peer: Option<std::net::IpAddr>,
 }
 
 impl Caller {
@@ -160,6 +177,18 @@ impl Caller {
         Caller {
             identity: Some(Arc::from(identity)),
             admin,
+            peer: None,
+        }
+    }
+
+    /// Who a put by this caller under `client_id` is charged to: its certificate identity
+    /// (mTLS), else the address it called from, else (in-process calls) the client id. Never
+    /// the client id alone when more is known: anyone can declare a fresh one per put.
+    pub fn holder(&self, client_id: &Arc<str>) -> Holder {
+        match (&self.identity, self.peer) {
+            (Some(id), _) => Holder::Identity(id.clone()),
+            (None, Some(ip)) => Holder::Address(ip),
+            (None, None) => Holder::Client(client_id.clone()),
         }
     }
 
@@ -183,6 +212,24 @@ impl Caller {
         self.identity
             .as_deref()
             .unwrap_or("(none: no client certificate)")
+    }
+}
+
+/// Who an unfinished put's reserved bytes count against (docs/SECURITY.md, "Reservations").
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Holder {
+    Identity(Arc<str>),
+    Address(std::net::IpAddr),
+    Client(Arc<str>),
+}
+
+impl std::fmt::Display for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Holder::Identity(id) => write!(f, "certificate identity {:?}", &**id),
+            Holder::Address(ip) => write!(f, "address {ip}"),
+            Holder::Client(c) => write!(f, "client {:?}", &**c),
+        }
     }
 }
 
@@ -318,6 +365,8 @@ pub(super) struct Object {
     pub(super) soft_pin_ms: u32,
     /// The group this object lives and dies with ([`super::groups`]), scoped by its tenant.
     pub(super) group: Option<Arc<str>>,
+    /// Its segment under `--eviction_policy=cslru` ([`super::policy`]).
+    pub(super) tier: super::policy::Tier,
 }
 
 impl Object {
@@ -343,6 +392,7 @@ impl Object {
             last_access: now,
             promoting: false,
             soft_pin_ms: 0,
+            tier: super::policy::Tier::PROBATION,
             group: None,
         }
     }

@@ -1,0 +1,296 @@
+//! Which objects eviction takes first (`--eviction_policy`, docs/ARCHITECTURE.md "Eviction").
+//!
+//! `lru` is upstream's: at the high watermark, the least recently used `eviction_ratio` of the
+//! pool goes at once. `cslru` (the default) is a chain-aware segmented LRU with a ghost table,
+//! chosen by replaying Mooncake's published traces (docs/BENCH.md "Hits on real traffic"):
+//! - new blocks enter *probation* (an LRU); a block read while on probation, or put again soon
+//!   after it was evicted (the ghost table remembers it), becomes *protected*;
+//! - protected blocks take at most [`PROTECTED_SHARE`] of the pool and age by CLOCK: each read
+//!   gives one more chance (up to [`MAX_CHANCES`]); one without chances left goes back to the
+//!   most recent end of probation;
+//! - eviction takes probation's least recent block first, protected ones only when probation is
+//!   empty, and frees what a put needs (in small chunks), not 5% of the pool at a watermark;
+//! - chains: a request's blocks arrive in prefix order in one batch. Within a batch the deeper
+//!   blocks are stamped older, so a chain loses its tail before its head (a block without its
+//!   predecessor can never be hit), and the last block of a put batch (the chain's end, which
+//!   the traces show is almost never reused) enters at probation's cold end.
+//!
+//! Recency is the object's `last_access` stamp and the segment its `tier` byte, both kept in
+//! the object under its shard's lock, so a lookup pays no extra lock. Eviction finds the oldest
+//! candidates with one bounded scan ([`MAX_QUEUED`] at a time) and consumes them across many
+//! evictions, re-checking each under its shard lock: amortized O(log k) per evicted key.
+
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::Instant;
+
+/// Share of the pool protected blocks may hold (the replays' best trade-off between small and
+/// large pools: 0.70-0.75; docs/BENCH.md).
+pub(super) const PROTECTED_SHARE: f64 = 0.75;
+/// Reads a protected block can bank as extra chances before it is demoted.
+pub(super) const MAX_CHANCES: u8 = 3;
+/// Ghost slots per key the pool holds: a block put again within about four pool turnovers of
+/// its eviction is a proven re-user.
+const GHOST_PER_KEY: usize = 4;
+/// Bounds of the ghost table, in slots.
+const GHOST_MIN: usize = 64;
+const GHOST_MAX: usize = 1 << 26;
+/// Most candidates one scan queues: the oldest this many per segment.
+pub(super) const MAX_QUEUED: usize = 1 << 14;
+/// With cslru a put that must evict frees at least this share of the pool at once, so a batch
+/// of puts pays one FREE round trip to the owners, not one per block.
+pub(super) const CHUNK_SHARE: f64 = 0.005;
+
+/// `--eviction_policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictionPolicy {
+    Lru,
+    Cslru,
+}
+
+impl EvictionPolicy {
+    pub fn parse(s: &str) -> Option<EvictionPolicy> {
+        match s {
+            "lru" => Some(EvictionPolicy::Lru),
+            "cslru" => Some(EvictionPolicy::Cslru),
+            _ => None,
+        }
+    }
+}
+
+/// An object's place in cslru: the protected bit and its banked chances.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Tier(u8);
+
+const PROTECTED: u8 = 0x80;
+
+impl Tier {
+    pub(super) const PROBATION: Tier = Tier(0);
+    pub(super) const PROTECTED: Tier = Tier(PROTECTED);
+
+    pub(super) fn protected(self) -> bool {
+        self.0 & PROTECTED != 0
+    }
+
+    pub(super) fn chances(self) -> u8 {
+        self.0 & 0x03
+    }
+
+    /// A read: probation becomes protected; protected banks a chance.
+    pub(super) fn read(self) -> Tier {
+        if self.protected() {
+            Tier(PROTECTED | (self.chances() + 1).min(MAX_CHANCES))
+        } else {
+            Tier::PROTECTED
+        }
+    }
+
+    /// The CLOCK hand passed it: one chance spent, or `None` when it goes back to probation.
+    pub(super) fn spend(self) -> Option<Tier> {
+        (self.chances() > 0).then(|| Tier(PROTECTED | (self.chances() - 1)))
+    }
+}
+
+/// Keys evicted recently: 32-bit fingerprints of their hashes in a FIFO of [`GHOST_PER_KEY`]
+/// times the keys the pool holds. O(1) per eviction and put, about 9 bytes a slot (37 bytes
+/// per resident key); a false "seen" (about 1 in 200,000 at 4 slots per key) only protects
+/// one block early. An exact FIFO matters: a direct-mapped table that forgets at random keeps
+/// some keys for many pool turnovers, and protecting those cost a quarter of the hits
+/// (docs/BENCH.md).
+pub(super) struct Ghost {
+    order: VecDeque<u32>,
+    set: std::collections::HashSet<u32, foldhash::fast::RandomState>,
+    cap: usize,
+}
+
+impl Ghost {
+    pub(super) fn new() -> Ghost {
+        Ghost {
+            order: VecDeque::new(),
+            set: Default::default(),
+            cap: GHOST_MIN,
+        }
+    }
+
+    fn fingerprint(hash: u64) -> u32 {
+        (hash >> 32) as u32
+    }
+
+    pub(super) fn remember(&mut self, hash: u64) {
+        let fp = Self::fingerprint(hash);
+        if self.set.insert(fp) {
+            self.order.push_back(fp);
+        }
+        while self.order.len() > self.cap {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+    }
+
+    /// Whether `hash` was evicted recently; a hit is consumed.
+    pub(super) fn take(&mut self, hash: u64) -> bool {
+        // Its place in the FIFO stays until it ages out (it only costs a slot).
+        self.set.remove(&Self::fingerprint(hash))
+    }
+
+    /// Sizes the table for `keys` resident keys.
+    pub(super) fn fit(&mut self, keys: usize) {
+        self.cap = keys
+            .saturating_mul(GHOST_PER_KEY)
+            .clamp(GHOST_MIN, GHOST_MAX);
+    }
+
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.cap
+    }
+}
+
+/// A candidate found by a scan: taken only if still the same object, in the same segment,
+/// with the same stamp (not touched since).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Candidate {
+    pub(super) stamp: Instant,
+    pub(super) key: Box<str>,
+    pub(super) generation: u64,
+}
+
+impl Ord for Candidate {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.stamp
+            .cmp(&other.stamp)
+            .then_with(|| self.generation.cmp(&other.generation))
+    }
+}
+
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// The oldest `cap` of what a scan offers, oldest first.
+pub(super) struct Oldest {
+    heap: BinaryHeap<Candidate>,
+    cap: usize,
+}
+
+impl Oldest {
+    pub(super) fn new(cap: usize) -> Oldest {
+        Oldest {
+            heap: BinaryHeap::with_capacity(cap.min(1024)),
+            cap,
+        }
+    }
+
+    /// Offers a candidate; `key` is only copied when it is among the oldest so far.
+    pub(super) fn offer(&mut self, stamp: Instant, key: &str, generation: u64) {
+        if self.heap.len() >= self.cap {
+            match self.heap.peek() {
+                Some(top) if stamp < top.stamp => {
+                    self.heap.pop();
+                }
+                _ => return,
+            }
+        }
+        self.heap.push(Candidate {
+            stamp,
+            key: key.into(),
+            generation,
+        });
+    }
+
+    pub(super) fn into_queue(self) -> VecDeque<Candidate> {
+        self.heap.into_sorted_vec().into()
+    }
+}
+
+/// What eviction consumes between scans (taken only by eviction, under its lock).
+pub(super) struct Queues {
+    pub(super) probation: VecDeque<Candidate>,
+    pub(super) protected: VecDeque<Candidate>,
+}
+
+impl Queues {
+    pub(super) fn new() -> Queues {
+        Queues {
+            probation: VecDeque::new(),
+            protected: VecDeque::new(),
+        }
+    }
+}
+
+/// Most chain ends remembered between scans; older ones are still found by the next scan
+/// (their stamp is probation's cold end).
+const MAX_COLD: usize = 1 << 16;
+
+/// What puts leave for eviction: the ghost table to consult, and the chain ends to take
+/// before anything a scan found (a leaf lock, taken by PutEnd under a shard lock).
+pub(super) struct Recent {
+    pub(super) ghost: Ghost,
+    pub(super) cold: VecDeque<(Box<str>, u64)>,
+}
+
+impl Recent {
+    pub(super) fn new() -> Recent {
+        Recent {
+            ghost: Ghost::new(),
+            cold: VecDeque::new(),
+        }
+    }
+
+    pub(super) fn push_cold(&mut self, key: &str, generation: u64) {
+        if self.cold.len() >= MAX_COLD {
+            self.cold.pop_front();
+        }
+        self.cold.push_back((key.into(), generation));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_read_protects_then_banks_chances_up_to_the_cap() {
+        let t = Tier::PROBATION.read();
+        assert!(t.protected());
+        assert_eq!(t.chances(), 0);
+        let t = t.read().read().read().read();
+        assert_eq!(t.chances(), MAX_CHANCES);
+        let t = t.spend().and_then(Tier::spend).and_then(Tier::spend);
+        assert_eq!(t, Some(Tier::PROTECTED));
+        assert_eq!(Tier::PROTECTED.spend(), None, "no chance left: demoted");
+    }
+
+    #[test]
+    fn the_ghost_remembers_an_eviction_once() {
+        let mut g = Ghost::new();
+        g.remember(0xdead_beef_1234_5678);
+        assert!(!g.take(0x1111_2222_3333_4444));
+        assert!(g.take(0xdead_beef_1234_5678));
+        assert!(!g.take(0xdead_beef_1234_5678), "a hit is consumed");
+        g.fit(10_000);
+        assert_eq!(g.len(), 40_000, "four slots per resident key");
+        let mut g = Ghost::new();
+        g.fit(16);
+        for h in 0..100u64 {
+            g.remember(h << 32);
+        }
+        assert!(!g.take(0), "the oldest aged out of the FIFO");
+        assert!(g.take(99 << 32));
+    }
+
+    #[test]
+    fn a_scan_keeps_the_oldest_in_order() {
+        let base = Instant::now();
+        let mut o = Oldest::new(3);
+        for (i, k) in ["e", "a", "d", "b", "c"].iter().enumerate() {
+            let age = [5, 1, 4, 2, 3][i];
+            o.offer(base + Duration::from_millis(age), k, i as u64);
+        }
+        let q: Vec<_> = o.into_queue().into_iter().map(|c| c.key).collect();
+        assert_eq!(q, vec!["a".into(), "b".into(), "c".into()] as Vec<Box<str>>);
+    }
+}

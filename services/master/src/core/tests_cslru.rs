@@ -1,0 +1,299 @@
+//! The cslru eviction order ([`super::policy`]): probation before protection, the ghost table,
+//! chains losing their tails first, lookups past a miss changing nothing, the protected share,
+//! and leases as a preference under pressure.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::notifier::RecordingNotifier;
+
+const BLOCK: u64 = 64;
+
+fn core() -> Arc<MasterCore> {
+    let cfg = CoreConfig {
+        cluster_id: "c".into(),
+        lease_ttl: Duration::from_millis(1),
+        eviction_policy: EvictionPolicy::Cslru,
+        put_reservation_limit_ratio: 1.0,
+        put_reservation_total_ratio: 1.0,
+        put_eviction_limit_ratio: 1.0,
+        ..CoreConfig::default()
+    };
+    let core = Arc::new(MasterCore::new(
+        cfg,
+        7,
+        Arc::new(RecordingNotifier::default()),
+    ));
+    core.mount("cl", "c", desc(BLOCK * 10), vec![])
+        .expect("mount");
+    core
+}
+
+fn desc(size: u64) -> SegmentDesc {
+    super::tests::desc("a:1", size)
+}
+
+fn opts() -> PutOptions {
+    PutOptions {
+        replica_num: 1,
+        ..Default::default()
+    }
+}
+
+/// Puts `keys` as one batch (one chain, prefix order), as vLLM saves a request's blocks.
+async fn put_chain(core: &MasterCore, keys: &[&str]) {
+    for k in keys {
+        core.put_start("cl", k, BLOCK, &opts())
+            .await
+            .expect("put_start");
+    }
+    let now = Instant::now();
+    for (i, k) in keys.iter().enumerate() {
+        core.put_end_at(
+            &Caller::default(),
+            k,
+            chain_stamp(now, i),
+            keys.len() > 1 && i + 1 == keys.len(),
+        )
+        .expect("put_end");
+    }
+}
+
+/// Puts one block per call, each newer than the last.
+async fn put_each(core: &MasterCore, keys: &[&str]) {
+    for k in keys {
+        put_chain(core, &[k]).await;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn present(core: &MasterCore, keys: &[&str]) -> Vec<bool> {
+    keys.iter().map(|k| core.query_key(k).is_some()).collect()
+}
+
+fn protected(core: &MasterCore, key: &str) -> bool {
+    core.shard(key)
+        .lock()
+        .get(key)
+        .is_some_and(|o| o.tier.protected())
+}
+
+#[tokio::test]
+async fn a_block_read_on_probation_outlives_newer_unread_ones() {
+    let core = core();
+    let keys = ["k0", "k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8", "k9"];
+    put_each(&core, &keys).await;
+    core.lookup("", "k0", Touch::Read(Instant::now()))
+        .expect("read k0");
+    assert!(protected(&core, "k0"));
+    std::thread::sleep(Duration::from_millis(2));
+    put_each(&core, &["n0", "n1"]).await;
+    assert_eq!(
+        present(&core, &["k0", "k1", "k2", "k3"]),
+        [true, false, false, true],
+        "probation's oldest go; the block that was read stays"
+    );
+}
+
+#[tokio::test]
+async fn a_block_put_again_soon_after_its_eviction_comes_back_protected() {
+    let core = core();
+    let keys = ["k0", "k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8", "k9"];
+    put_each(&core, &keys).await;
+    put_each(&core, &["n0"]).await;
+    assert_eq!(present(&core, &["k0"]), [false]);
+    put_each(&core, &["k0"]).await;
+    assert!(protected(&core, "k0"), "the ghost table remembered k0");
+    put_each(&core, &["n1", "n2", "n3"]).await;
+    assert!(
+        present(&core, &["k0"])[0],
+        "protected: newer unread blocks go first"
+    );
+}
+
+#[tokio::test]
+async fn a_chain_loses_its_tail_before_its_head() {
+    let core = core();
+    put_each(&core, &["a0", "a1", "a2", "a3", "a4"]).await;
+    put_chain(&core, &["c0", "c1", "c2", "c3", "c4"]).await;
+    // The chain's end first (cold), then the older single blocks, then the chain's deepest.
+    put_each(&core, &["n0"]).await;
+    assert_eq!(
+        present(&core, &["c4", "a0"]),
+        [false, true],
+        "the chain's end goes first"
+    );
+    put_each(&core, &["n1", "n2", "n3", "n4", "n5", "n6", "n7"]).await;
+    assert_eq!(
+        present(&core, &["c0", "c1", "c2", "c3"]),
+        [true, true, false, false],
+        "then the deepest of the chain, never a head before its tail"
+    );
+}
+
+#[tokio::test]
+async fn a_lookup_past_the_first_miss_changes_nothing() {
+    let core = core();
+    put_each(&core, &["k0"]).await;
+    let before = core.shard("k0").lock().get("k0").map(|o| o.last_access);
+    core.lookup("", "k0", Touch::Look).expect("found");
+    let o = core.query_key("k0").expect("k0");
+    assert_eq!(o.lease_remaining_ms, 0, "no lease");
+    assert!(!protected(&core, "k0"));
+    assert_eq!(
+        core.shard("k0").lock().get("k0").map(|o| o.last_access),
+        before
+    );
+}
+
+#[tokio::test]
+async fn the_protected_segment_is_trimmed_to_its_share() {
+    let core = core();
+    let keys = ["k0", "k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8", "k9"];
+    put_each(&core, &keys).await;
+    for k in keys {
+        core.lookup("", k, Touch::Read(Instant::now()))
+            .expect("read");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(keys.iter().all(|k| protected(&core, k)));
+    put_each(&core, &["n0"]).await;
+    let held = keys.iter().filter(|k| protected(&core, k)).count();
+    assert!(held <= 7, "at most 75% of the pool stays protected: {held}");
+    assert_eq!(
+        present(&core, &["k0", "k9"]),
+        [false, true],
+        "the oldest protected block was demoted and then evicted"
+    );
+}
+
+#[tokio::test]
+async fn a_leased_block_goes_only_when_nothing_else_is_left() {
+    let core = {
+        let cfg = CoreConfig {
+            cluster_id: "c".into(),
+            lease_ttl: Duration::from_secs(60),
+            eviction_policy: EvictionPolicy::Cslru,
+            put_eviction_limit_ratio: 1.0,
+            ..CoreConfig::default()
+        };
+        let core = Arc::new(MasterCore::new(
+            cfg,
+            7,
+            Arc::new(RecordingNotifier::default()),
+        ));
+        core.mount("cl", "c", desc(BLOCK * 4), vec![])
+            .expect("mount");
+        core
+    };
+    put_each(&core, &["k0", "k1", "k2", "k3"]).await;
+    core.lookup("", "k0", Touch::Read(Instant::now()))
+        .expect("lease k0");
+    put_each(&core, &["n0"]).await;
+    assert_eq!(
+        present(&core, &["k0", "k1"]),
+        [true, false],
+        "the unleased one went"
+    );
+    for k in ["k2", "k3", "n0"] {
+        core.lookup("", k, Touch::Read(Instant::now()))
+            .expect("lease");
+    }
+    put_each(&core, &["n1"]).await;
+    assert_eq!(
+        present(&core, &["n1"]),
+        [true],
+        "with every block leased, a put still lands (a lease does not freeze the pool)"
+    );
+    assert!(core.metrics.eviction_lease_skipped_total.get() > 0);
+}
+
+/// The conversation trace replayed straight into the core (no network, no store), as the
+/// replay tool's calls reach it: prints each policy's hit rate at 3M tokens (REPLAY_CAP
+/// blocks, REPLAY_N requests). `cargo test -p lunakv-master --release --lib core_replay --
+/// --ignored --nocapture`; `lunakv bench --trace` is the end-to-end figure.
+#[tokio::test]
+#[ignore = "a benchmark"]
+async fn core_replay() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../../shared/data/mooncake-traces/conversation_trace.jsonl"
+    );
+    let Ok(text) = std::fs::read_to_string(path) else {
+        eprintln!("no trace at {path}");
+        return;
+    };
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse().ok());
+    let n: usize = env("REPLAY_N").unwrap_or(usize::MAX);
+    let cap: u64 = env("REPLAY_CAP").map_or(5859, |c: usize| c as u64);
+    let trace: Vec<(u64, Vec<u64>)> = text
+        .lines()
+        .take(n)
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            let ids = v["hash_ids"]
+                .as_array()?
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .collect();
+            Some((v["input_length"].as_u64()?, ids))
+        })
+        .collect();
+    for policy in [EvictionPolicy::Cslru, EvictionPolicy::Lru] {
+        let cfg = CoreConfig {
+            cluster_id: "c".into(),
+            lease_ttl: Duration::from_millis(1),
+            eviction_policy: policy,
+            put_reservation_limit_ratio: 1.0,
+            put_reservation_total_ratio: 1.0,
+            put_eviction_limit_ratio: 1.0,
+            ..CoreConfig::default()
+        };
+        let core = MasterCore::new(cfg, 7, Arc::new(RecordingNotifier::default()));
+        core.mount("cl", "c", desc(BLOCK * cap), vec![])
+            .expect("mount");
+        let (mut hit, mut input) = (0u64, 0u64);
+        let started = Instant::now();
+        for (len, ids) in &trace {
+            input += len;
+            let keys: Vec<String> = ids.iter().map(|i| format!("b{i}")).collect();
+            let now = Instant::now();
+            let mut run = 0;
+            let mut present = Vec::new();
+            for (i, k) in keys.iter().enumerate() {
+                let touch = if run == i {
+                    Touch::Read(chain_stamp(now, i))
+                } else {
+                    Touch::Look
+                };
+                let ok = core.lookup("", k, touch).is_ok();
+                if ok && run == i {
+                    run += 1;
+                }
+                present.push(ok);
+            }
+            hit += (run as u64 * 512).min(*len);
+            let missing: Vec<&String> = keys
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i >= run && !present[*i])
+                .map(|(_, k)| k)
+                .collect();
+            for k in &missing {
+                let _ = core.put_start("cl", k, BLOCK, &opts()).await;
+            }
+            let now = Instant::now();
+            for (i, k) in missing.iter().enumerate() {
+                let end = i + 1 == missing.len();
+                let _ = core.put_end_at(&Caller::default(), k, chain_stamp(now, i), end);
+            }
+        }
+        println!(
+            "core replay {policy:?}: hit rate {:.4} ({} requests, {cap} blocks, {:?})",
+            hit as f64 / input as f64,
+            trace.len(),
+            started.elapsed()
+        );
+    }
+}
