@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster clean
+.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace test-abuse clean
 
 all: build
 
@@ -56,6 +56,22 @@ bench-caps: release
 ## against raw loopback TCP, in one run.
 bench-pd: release
 	$(CARGO) test --release -p lunakv-tests --test pd_bench -- --ignored --nocapture
+
+## Hits on real traffic: replays a Mooncake-format trace (TRACE=..., default the conversation
+## trace of Mooncake's FAST'25 release in ../shared) against a master and store of its own, beside
+## the offline maximum, LRU and Belady for the same capacity (docs/BENCH.md). ARGS go to
+## `lunakv bench --trace`, e.g. ARGS="--capacity-tokens 1000000 --master-arg=--eviction_policy=lru".
+TRACE ?= ../shared/data/mooncake-traces/conversation_trace.jsonl
+bench-trace: release
+	./target/release/lunakv bench --trace $(TRACE) $(ARGS)
+
+## Issue 33's abuse scenarios, bounded and on loopback only, each printing its figure on an
+## `abuse:` line: store memory under a forged-FREE flood, gets during a many-address flood and a
+## trickle, victim puts during zombie reservations, keys surviving a pool-sized put. They also
+## run in `make test`; this target prints the figures (docs/SECURITY.md).
+test-abuse: build
+	bash -o pipefail -c "$(CARGO) test -p lunakv-transfer --test abuse -- --nocapture --test-threads=1 2>&1 | grep -E '^abuse:|test result'"
+	bash -o pipefail -c "$(CARGO) test -p lunakv-tests --test abuse_pool -- --nocapture --test-threads=1 2>&1 | grep -E '^abuse:|test result'"
 
 ## HA failover: kill -9 of the leader under load in paired trials (standby revoke vs lease
 ## expiry), p50/p99 reattach, lost/wrong objects, false failovers under CPU starvation; then

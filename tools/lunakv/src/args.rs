@@ -195,6 +195,34 @@ pub struct BenchArgs {
     /// e.g. /data/mooncake-offload, to measure that device).
     #[arg(long, value_name = "DIR")]
     pub offload_dir: Option<PathBuf>,
+
+    /// Only the trace replay: hits on real traffic from a Mooncake-format trace (one JSON
+    /// object per line with input_length and hash_ids), against a stack of its own, beside the
+    /// offline maximum, LRU and Belady for the same capacity (docs/BENCH.md).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+
+    /// --trace: bytes that stand for one 512-token block.
+    #[arg(long, value_name = "BYTES", default_value_t = 16384)]
+    pub block_bytes: u64,
+
+    /// --trace: the pool's DRAM in tokens (512 per block).
+    #[arg(long, value_name = "TOKENS", default_value_t = 3_000_000)]
+    pub capacity_tokens: u64,
+
+    /// --trace: replay only the first N requests (0: all).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub first: usize,
+
+    /// --trace: 0 replays as fast as the client goes; X > 0 follows the trace's timestamps
+    /// compressed X times.
+    #[arg(long, value_name = "X", default_value_t = 0.0)]
+    pub time_scale: f64,
+
+    /// --trace: a flag for the replay's lunakv-master (repeatable), e.g.
+    /// --master-arg=--eviction_policy=lru --master-arg=--default_kv_lease_ttl=1
+    #[arg(long = "master-arg", value_name = "FLAG", allow_hyphen_values = true)]
+    pub master_args: Vec<String>,
 }
 
 #[cfg(test)]

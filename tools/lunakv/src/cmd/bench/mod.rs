@@ -12,6 +12,7 @@ mod offload;
 pub mod paired;
 mod rows;
 mod stats;
+pub mod trace;
 
 use std::fmt::Write as _;
 use std::io::{IsTerminal, Write};
@@ -126,6 +127,25 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
             ErrorCode::InvalidParams,
             "--pairs 0: the verdicts need paired trials; use at least 1 (5 or more for a verdict that holds)"
         ));
+    }
+    if let Some(path) = &a.trace {
+        let bins = bin_dir(a.bin_dir.as_deref())?;
+        let r = trace::run(
+            &bins,
+            &trace::TracePlan {
+                path: path.clone(),
+                block_bytes: a.block_bytes,
+                capacity_tokens: a.capacity_tokens,
+                first: a.first,
+                time_scale: a.time_scale,
+                master_args: a.master_args.clone(),
+            },
+        )?;
+        print!("{}", trace::render(&r));
+        if json {
+            print_json(&r)?;
+        }
+        return Ok(ExitCode::SUCCESS);
     }
     if a.events {
         let bins = bin_dir(a.bin_dir.as_deref())?;
@@ -570,6 +590,12 @@ mod tests {
             offload_dir: None,
             caps: false,
             events: false,
+            trace: None,
+            block_bytes: 16384,
+            capacity_tokens: 3_000_000,
+            first: 0,
+            time_scale: 0.0,
+            master_args: Vec::new(),
         };
         let rows = vec![
             row("tcp_get_4m_single", 1.8, 2000.0),
