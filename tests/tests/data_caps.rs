@@ -217,7 +217,8 @@ fn with_the_pool_token_no_read_write_or_free_without_the_masters_capability_has_
 }
 
 #[test]
-fn without_the_pool_token_a_stranger_who_knows_the_location_poisons_the_object() {
+fn without_the_pool_token_a_stranger_who_knows_the_location_drops_the_object_but_cannot_rewrite_it()
+{
     let dir = tempfile::tempdir().unwrap();
     let master = Master::start(dir.path(), &[]);
     let addr = master.addr();
@@ -232,12 +233,19 @@ fn without_the_pool_token_a_stranger_who_knows_the_location_poisons_the_object()
     let (st, _) = raw(&l.endpoint, write_req(&l, "victim"), None, &body);
     assert_eq!(st, Status::Refused);
     assert_eq!(get(&addr, "victim", None), value);
-    // ...but a stranger may FREE it and write it again: the default is open on loopback.
+    // ...a stranger may FREE it (the default is open on loopback), but the FREE revokes its
+    // generation: writing it again is refused, and the victim never reads the stranger's bytes
+    // (it used to: a FREE then a WRITE poisoned the object).
     let (st, msg) = raw(&l.endpoint, free_req(1), None, &pair(&l));
     assert_eq!(st, Status::Ok, "{msg}");
     let (st, msg) = raw(&l.endpoint, write_req(&l, "victim"), None, &body);
-    assert_eq!(st, Status::Ok, "{msg}");
-    assert_eq!(get(&addr, "victim", None), evil);
+    assert_eq!(st, Status::Refused, "{msg}");
+    assert!(msg.contains("revoked"), "{msg}");
+    let out = cli(&addr, &["get", "victim"], None);
+    assert!(
+        !out.status.success() || out.stdout != evil,
+        "the victim read the stranger's bytes"
+    );
 }
 
 #[test]

@@ -11,9 +11,14 @@ use crate::notifier::RecordingNotifier;
 const BLOCK: u64 = 64;
 
 fn core() -> Arc<MasterCore> {
+    core_with(Duration::from_millis(1), 10)
+}
+
+/// A cslru core whose leases last `lease_ttl`, over one segment of `blocks` blocks.
+fn core_with(lease_ttl: Duration, blocks: u64) -> Arc<MasterCore> {
     let cfg = CoreConfig {
         cluster_id: "c".into(),
-        lease_ttl: Duration::from_millis(1),
+        lease_ttl,
         eviction_policy: EvictionPolicy::Cslru,
         put_reservation_limit_ratio: 1.0,
         put_reservation_total_ratio: 1.0,
@@ -25,7 +30,7 @@ fn core() -> Arc<MasterCore> {
         7,
         Arc::new(RecordingNotifier::default()),
     ));
-    core.mount("cl", "c", desc(BLOCK * 10), vec![])
+    core.mount("cl", "c", desc(BLOCK * blocks), vec![])
         .expect("mount");
     core
 }
@@ -170,23 +175,7 @@ async fn the_protected_segment_is_trimmed_to_its_share() {
 
 #[tokio::test]
 async fn a_leased_block_goes_only_when_nothing_else_is_left() {
-    let core = {
-        let cfg = CoreConfig {
-            cluster_id: "c".into(),
-            lease_ttl: Duration::from_secs(60),
-            eviction_policy: EvictionPolicy::Cslru,
-            put_eviction_limit_ratio: 1.0,
-            ..CoreConfig::default()
-        };
-        let core = Arc::new(MasterCore::new(
-            cfg,
-            7,
-            Arc::new(RecordingNotifier::default()),
-        ));
-        core.mount("cl", "c", desc(BLOCK * 4), vec![])
-            .expect("mount");
-        core
-    };
+    let core = core_with(Duration::from_secs(60), 4);
     put_each(&core, &["k0", "k1", "k2", "k3"]).await;
     core.lookup("", "k0", Touch::Read(Instant::now()))
         .expect("lease k0");
@@ -207,6 +196,31 @@ async fn a_leased_block_goes_only_when_nothing_else_is_left() {
         "with every block leased, a put still lands (a lease does not freeze the pool)"
     );
     assert!(core.metrics.eviction_lease_skipped_total.get() > 0);
+}
+
+#[tokio::test]
+async fn a_lease_holds_eviction_off_only_while_its_reader_copies() {
+    let core = core_with(Duration::from_secs(30), 4);
+    put_each(&core, &["k0"]).await;
+    core.lookup("", "k0", Touch::Read(Instant::now()))
+        .expect("read k0");
+    let reading = || {
+        let shard = core.shard("k0").lock();
+        let o = shard.get("k0").expect("k0");
+        (core.reading(o, Instant::now()), o.leased(Instant::now()))
+    };
+    assert_eq!(
+        reading(),
+        (true, true),
+        "just read: eviction passes it over"
+    );
+    std::thread::sleep(Duration::from_millis(150));
+    assert_eq!(
+        reading(),
+        (false, true),
+        "past the read window eviction may take it; the lease still refuses a remove"
+    );
+    assert!(core.remove("k0", false).await.is_err());
 }
 
 /// The conversation trace replayed straight into the core (no network, no store), as the
