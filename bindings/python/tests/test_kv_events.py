@@ -329,8 +329,13 @@ def test_a_pod_name_stands_for_the_addresses_it_resolves_to(ctx):
         m.stop()
 
 
+# 1 MiB blocks in an 8 MiB pool: each put evicts 12.5% of it, past the default share one
+# put may evict (put_eviction_limit_ratio 0.1, which production pools of GiBs never approach).
+SMALL_POOL = ["--put_eviction_limit_ratio=0.25"]
+
+
 def test_eviction_removes_blocks(ctx):
-    m = EventsMaster()
+    m = EventsMaster(SMALL_POOL)
     store, seg = start_store(m.rpc, "8MB")
     try:
         moon = Sub(ctx, m.events, b"mooncake", "mooncake", m)
@@ -358,7 +363,7 @@ def test_eviction_removes_blocks(ctx):
 
 
 def test_offload_and_promotion_move_blocks_between_tiers(ctx, tmp_path, monkeypatch):
-    m = EventsMaster(["--enable_offload=true", "--promotion_on_hit=true"])
+    m = EventsMaster(["--enable_offload=true", "--promotion_on_hit=true", *SMALL_POOL])
     # The store's disk tier directory (its only source, as upstream's).
     monkeypatch.setenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", str(tmp_path))
     store = Proc(

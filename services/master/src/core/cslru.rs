@@ -113,16 +113,11 @@ impl MasterCore {
         n + rest
     }
 
-    /// The next candidate: a chain end put since the last scan (stamped probation's cold end,
-    /// which a read changes), else probation's oldest, else (with `protected_ok`: probation is
+    /// The next candidate: a chain end put since the last scan (taken only while its stamp is
+    /// unchanged: a read moves it), else probation's oldest, else (with `protected_ok`: probation is
     /// empty) the protected segment's oldest; `true` with a protected one.
     fn next_victim(&self, protected_ok: bool) -> Option<(Candidate, bool)> {
-        if let Some((key, generation)) = self.recent.lock().cold.pop_front() {
-            let c = Candidate {
-                stamp: self.started,
-                key,
-                generation,
-            };
+        if let Some(c) = self.recent.lock().cold.pop_front() {
             return Some((c, false));
         }
         let mut q = self.queues.lock();

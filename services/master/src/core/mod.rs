@@ -100,8 +100,6 @@ pub struct MasterCore {
     queues: Mutex<policy::Queues>,
     /// cslru's ghost table and the chain ends put since the last scan (a leaf lock).
     recent: Mutex<policy::Recent>,
-    /// When this core started: the stamp of probation's cold end.
-    started: std::time::Instant,
     /// Promotions reserved by gets, waiting for [`MasterCore::run_promotions`] (a leaf lock).
     promotions: Mutex<Vec<PendingPromotion>>,
     promotion_wanted: tokio::sync::Notify,
@@ -165,7 +163,6 @@ impl MasterCore {
             eviction_lock: tokio::sync::Mutex::new(()),
             queues: Mutex::new(policy::Queues::new()),
             recent: Mutex::new(policy::Recent::new()),
-            started: std::time::Instant::now(),
             promotions: Mutex::new(Vec::new()),
             promotion_wanted: tokio::sync::Notify::new(),
             notifier,

@@ -477,11 +477,13 @@ impl MasterCore {
                 // Put again soon after its eviction: a proven re-user.
                 o.tier = super::policy::Tier::PROTECTED;
                 o.last_access = stamp;
-            } else if chain_end {
-                o.last_access = self.started;
-                recent.push_cold(key, o.generation);
             } else {
+                // The stamp stays ordinary (the lru orders of tenant quotas and the key limit
+                // read it too); the cold list is what puts a chain's end first.
                 o.last_access = stamp;
+                if chain_end {
+                    recent.push_cold(key, o.generation, stamp);
+                }
             }
         }
         if first {

@@ -220,15 +220,15 @@ impl Queues {
     }
 }
 
-/// Most chain ends remembered between scans; older ones are still found by the next scan
-/// (their stamp is probation's cold end).
+/// Most chain ends remembered between scans; older ones are still found by the next scan, in
+/// their ordinary place.
 const MAX_COLD: usize = 1 << 16;
 
 /// What puts leave for eviction: the ghost table to consult, and the chain ends to take
 /// before anything a scan found (a leaf lock, taken by PutEnd under a shard lock).
 pub(super) struct Recent {
     pub(super) ghost: Ghost,
-    pub(super) cold: VecDeque<(Box<str>, u64)>,
+    pub(super) cold: VecDeque<Candidate>,
 }
 
 impl Recent {
@@ -239,11 +239,15 @@ impl Recent {
         }
     }
 
-    pub(super) fn push_cold(&mut self, key: &str, generation: u64) {
+    pub(super) fn push_cold(&mut self, key: &str, generation: u64, stamp: Instant) {
         if self.cold.len() >= MAX_COLD {
             self.cold.pop_front();
         }
-        self.cold.push_back((key.into(), generation));
+        self.cold.push_back(Candidate {
+            stamp,
+            key: key.into(),
+            generation,
+        });
     }
 }
 
