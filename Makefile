@@ -70,8 +70,8 @@ bench-trace: release
 ## trickle, victim puts during zombie reservations, keys surviving a pool-sized put. They also
 ## run in `make test`; this target prints the figures (docs/SECURITY.md).
 test-abuse: build
-	bash -o pipefail -c "$(CARGO) test -p lunakv-transfer --test abuse -- --nocapture --test-threads=1 2>&1 | grep -E '^abuse:|test result'"
-	bash -o pipefail -c "$(CARGO) test -p lunakv-tests --test abuse_pool -- --nocapture --test-threads=1 2>&1 | grep -E '^abuse:|test result'"
+	bash -o pipefail -c "$(CARGO) test -p lunakv-transfer --test abuse -- --nocapture --test-threads=1 2>&1 | grep -oE 'abuse: .*|test result: .*'"
+	bash -o pipefail -c "$(CARGO) test -p lunakv-tests --test abuse_pool -- --nocapture --test-threads=1 2>&1 | grep -oE 'abuse: .*|test result: .*'"
 
 ## HA failover: kill -9 of the leader under load in paired trials (standby revoke vs lease
 ## expiry), p50/p99 reattach, lost/wrong objects, false failovers under CPU starvation; then
