@@ -48,7 +48,7 @@ impl MasterCore {
         size: u64,
         opts: &PutOptions,
     ) -> Result<(u64, Vec<ReplicaView>), OpError> {
-        let holder = caller.holder(&std::sync::Arc::from(client_id));
+        let holder = caller.holder(client_id);
         if let Err(refused) = self.admit(&holder, size, opts).await {
             if refused.short.is_none() {
                 return Err(refused.err);

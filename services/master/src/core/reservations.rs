@@ -98,7 +98,6 @@ impl Reservations {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     fn ip(last: u8) -> Holder {
         Holder::Address(std::net::IpAddr::from([127, 0, 0, last]))
@@ -142,8 +141,8 @@ mod tests {
             peer: Some([127, 0, 0, 9].into()),
             ..Default::default()
         };
-        let a = caller.holder(&Arc::from("id-1"));
-        let b = caller.holder(&Arc::from("id-2"));
+        let a = caller.holder("id-1");
+        let b = caller.holder("id-2");
         assert_eq!(a, b);
         let mut r = Reservations::default();
         r.add(&a, 80);

@@ -1668,12 +1668,10 @@ async fn zombies_at_two_addresses_are_reclaimed_for_a_victim_after_the_grace() {
     let (core, notifier) = zombie_pool(50);
     let zombies = fill_with_zombies(&core).await;
     tokio::time::sleep(Duration::from_millis(80)).await;
-    let started = std::time::Instant::now();
     let (g, reps) = core
         .put_start_by(&from_address(4), "victim", "v", BLOCK * 10, &opts(1))
         .await
         .expect("the victim's put is placed once the zombies are past the grace");
-    assert!(started.elapsed() < Duration::from_secs(1));
     core.put_end_by(&from_address(4), "v").expect("end");
     assert!(g > 0 && reps.len() == 1);
     // Only what the victim needed went, from the largest holder (address 2) first.
@@ -1722,15 +1720,11 @@ async fn zombies_at_two_addresses_are_reclaimed_for_a_victim_after_the_grace() {
 async fn a_victim_arriving_within_the_grace_waits_for_it_instead_of_failing() {
     let (core, _) = zombie_pool(150);
     fill_with_zombies(&core).await;
-    let started = std::time::Instant::now();
+    // Without the wait this put is refused at once (the total bound is full and no zombie is
+    // past the grace yet); how long it waited is not asserted (a busy machine stretches it).
     core.put_start_by(&from_address(4), "victim", "v", BLOCK * 10, &opts(1))
         .await
         .expect("placed once the zombies reach the grace");
-    let took = started.elapsed();
-    assert!(
-        took >= Duration::from_millis(100) && took < Duration::from_secs(1),
-        "{took:?}"
-    );
 }
 
 #[tokio::test]

@@ -202,21 +202,22 @@ async fn a_leased_block_goes_only_when_nothing_else_is_left() {
 async fn a_lease_holds_eviction_off_only_while_its_reader_copies() {
     let core = core_with(Duration::from_secs(30), 4);
     put_each(&core, &["k0"]).await;
-    core.lookup("", "k0", Touch::Read(Instant::now()))
+    // Judged at chosen instants, not after sleeps: the lease runs from the lookup's clock.
+    let read_at = Instant::now();
+    core.lookup("", "k0", Touch::Read(read_at))
         .expect("read k0");
-    let reading = || {
+    let reading = |at: Instant| {
         let shard = core.shard("k0").lock();
         let o = shard.get("k0").expect("k0");
-        (core.reading(o, Instant::now()), o.leased(Instant::now()))
+        (core.reading(o, at), o.leased(at))
     };
     assert_eq!(
-        reading(),
+        reading(read_at),
         (true, true),
         "just read: eviction passes it over"
     );
-    std::thread::sleep(Duration::from_millis(150));
     assert_eq!(
-        reading(),
+        reading(read_at + Duration::from_secs(10)),
         (false, true),
         "past the read window eviction may take it; the lease still refuses a remove"
     );

@@ -184,11 +184,12 @@ impl Caller {
     /// Who a put by this caller under `client_id` is charged to: its certificate identity
     /// (mTLS), else the address it called from, else (in-process calls) the client id. Never
     /// the client id alone when more is known: anyone can declare a fresh one per put.
-    pub fn holder(&self, client_id: &Arc<str>) -> Holder {
+    pub fn holder(&self, client_id: &str) -> Holder {
         match (&self.identity, self.peer) {
             (Some(id), _) => Holder::Identity(id.clone()),
             (None, Some(ip)) => Holder::Address(ip),
-            (None, None) => Holder::Client(client_id.clone()),
+            // Only in-process callers: the one case that copies the id.
+            (None, None) => Holder::Client(Arc::from(client_id)),
         }
     }
 

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use lunakv_client::{ClientOptions, StoreClient};
 
-use super::offload::{Svc, spawn};
+use super::offload::{Svc, spawn, spawn_store};
 use super::paired::{Pair, PairedRatio, median};
-use crate::stack::{MASTER_BIN, STORE_BIN, service_bin};
+use crate::stack::{MASTER_BIN, service_bin};
 
 const VALUE: usize = 4096;
 
@@ -55,18 +55,7 @@ fn start(bins: &std::path::Path, dir: &std::path::Path, events: bool) -> anyhow:
     }
     let (master, f) = spawn(&service_bin(bins, MASTER_BIN)?, &args, &[], "rpc")?;
     let rpc = f.get("rpc").cloned().context("master rpc address")?;
-    let (store, _) = spawn(
-        &service_bin(bins, STORE_BIN)?,
-        &[
-            format!("--master_server_address={rpc}"),
-            "--host=127.0.0.1".into(),
-            "--port=0".into(),
-            "--metrics_port=0".into(),
-            "--global_segment_size=512MB".into(),
-        ],
-        &[],
-        "transfer",
-    )?;
+    let store = spawn_store(bins, &rpc, "512MB")?;
     let client = StoreClient::connect(ClientOptions {
         master_server_address: rpc,
         ..ClientOptions::default()

@@ -129,6 +129,20 @@ pub(super) fn spawn(
     Ok((Svc(p), fields))
 }
 
+/// A lunakv-store on loopback ephemeral ports with a DRAM segment of `size` ("512MB", bytes),
+/// mounted at the master `rpc`.
+pub(super) fn spawn_store(bins: &Path, rpc: &str, size: &str) -> anyhow::Result<Svc> {
+    let args = [
+        format!("--master_server_address={rpc}"),
+        "--host=127.0.0.1".into(),
+        "--port=0".into(),
+        "--metrics_port=0".into(),
+        format!("--global_segment_size={size}"),
+    ];
+    let bin = crate::stack::service_bin(bins, crate::stack::STORE_BIN)?;
+    Ok(spawn(&bin, &args, &[], "transfer")?.0)
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;

@@ -21,9 +21,9 @@ use lunakv_proto::ErrorCode;
 use serde::Serialize;
 
 use self::offline::{BLOCK_TOKENS, Request};
-use super::offload::spawn;
+use super::offload::{spawn, spawn_store};
 use crate::error::Coded;
-use crate::stack::{MASTER_BIN, STORE_BIN, service_bin};
+use crate::stack::{MASTER_BIN, service_bin};
 
 /// What `--trace` replays and how.
 #[derive(Debug, Clone)]
@@ -144,18 +144,7 @@ pub fn run(bins: &Path, plan: &TracePlan) -> anyhow::Result<TraceReport> {
     let (master, f) = spawn(&service_bin(bins, MASTER_BIN)?, &args, &[], "rpc")?;
     let rpc = f.get("rpc").cloned().context("master rpc address")?;
     let admin = f.get("admin").cloned().context("master admin address")?;
-    let (store, _) = spawn(
-        &service_bin(bins, STORE_BIN)?,
-        &[
-            format!("--master_server_address={rpc}"),
-            "--host=127.0.0.1".into(),
-            "--port=0".into(),
-            "--metrics_port=0".into(),
-            format!("--global_segment_size={}", blocks * plan.block_bytes),
-        ],
-        &[],
-        "transfer",
-    )?;
+    let store = spawn_store(bins, &rpc, &(blocks * plan.block_bytes).to_string())?;
     let client = StoreClient::connect(ClientOptions {
         master_server_address: rpc,
         ..ClientOptions::default()
