@@ -55,7 +55,7 @@ bench-caps: release
 ## 64, against a zero-work and a realistic-GPU-time engine simulator) and KV transfer GB/s
 ## against raw loopback TCP, in one run.
 bench-pd: release
-	$(CARGO) test --release -p lunakv-tests --test pd_bench -- --ignored --nocapture
+	$(CARGO) test --release -p lunakv-tests --test e2e -- --ignored --nocapture pd_bench::
 
 ## Hits on real traffic: replays a Mooncake-format trace (TRACE=..., default the conversation
 ## trace of Mooncake's FAST'25 release in ../shared) against a master and store of its own, beside
@@ -71,14 +71,14 @@ bench-trace: release
 ## run in `make test`; this target prints the figures (docs/SECURITY.md).
 test-abuse: build
 	bash -o pipefail -c "$(CARGO) test -p lunakv-transfer --test abuse -- --nocapture --test-threads=1 2>&1 | grep -oE 'abuse: .*|test result: .*'"
-	bash -o pipefail -c "$(CARGO) test -p lunakv-tests --test abuse_pool -- --nocapture --test-threads=1 2>&1 | grep -oE 'abuse: .*|test result: .*'"
+	bash -o pipefail -c "$(CARGO) test -p lunakv-tests --test e2e -- --nocapture --test-threads=1 abuse_pool:: 2>&1 | grep -oE 'abuse: .*|test result: .*'"
 
 ## HA failover: kill -9 of the leader under load in paired trials (standby revoke vs lease
 ## expiry), p50/p99 reattach, lost/wrong objects, false failovers under CPU starvation; then
 ## reattach with and without the standbys' warm copy at 50k and 200k keys. Needs etcd.
 bench-failover: release
-	$(CARGO) test --release -p lunakv-tests --test ha -- --ignored --nocapture ha_bench
-	$(CARGO) test --release -p lunakv-tests --test ha_warm -- --ignored --nocapture ha_warm_bench
+	$(CARGO) test --release -p lunakv-tests --test e2e -- --ignored --nocapture ha::ha_bench
+	$(CARGO) test --release -p lunakv-tests --test e2e -- --ignored --nocapture ha_warm::ha_warm_bench
 
 ## From Python: batch put/get GB/s for vLLM-shaped objects in both modes, side by side with
 ## upstream's PyPI package when it can be installed (BENCH_ARGS=--no-upstream to skip it).

@@ -3,7 +3,7 @@
 //! Workspace-level end-to-end tests. They start the real binaries (`lunakv-master`,
 //! `lunakv-store`, `lunakv`) on loopback with ephemeral ports, read the addresses each one
 //! prints once bound, and drive them through the client library and the CLI. This crate's
-//! library is the harness; the tests live in `tests/tests/`.
+//! library is the harness; the tests live in `tests/tests/e2e/`, one module per area in one binary.
 //!
 //! The binaries must be built first (`make test` does `cargo build --bins`).
 //! Processes start through `lunakv_launch`, as `lunakv up` and `lunakv bench` start them.

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Turns on etcd's users for lunakv, as the lunakv-etcd-auth Job runs it (tests/tests/
+# Turns on etcd's users for lunakv, as the lunakv-etcd-auth Job runs it (tests/tests/e2e/
 # etcd_security.rs runs this same file against a real etcd, twice). Safe to run again.
 #
 # No password exists anywhere: etcd runs with --client-cert-auth, and takes a client

@@ -3,7 +3,7 @@
 //! ```text
 //! make bench-pd
 //! # = cargo build --release --bins
-//! #   cargo test --release -p lunakv-tests --test pd_bench -- --ignored --nocapture
+//! #   cargo test --release -p lunakv-tests --test e2e -- --ignored --nocapture pd_bench::
 //! ```
 //!
 //! 1. Sidecar overhead: p50/p99 latency and throughput of `/v1/completions` (non-streaming)

@@ -121,7 +121,7 @@ fn two_replicas_share_registrations_leases_and_replacement() {
 #[test]
 fn unreachable_etcd_is_waited_for_and_named_malformed_endpoints_fail() {
     // Started before etcd (one rollout): the bootstrap waits, naming the endpoints, instead of
-    // exiting (tests/tests/startup_order.rs has it serve once etcd comes up).
+    // exiting (tests/tests/e2e/startup_order.rs has it serve once etcd comes up).
     let port = lunakv_tests::free_port();
     let mut b = lunakv_tests::Proc::spawn(
         "lunakv-bootstrap",
