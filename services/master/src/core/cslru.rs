@@ -6,7 +6,7 @@ use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
 
 use super::MasterCore;
-use super::policy::{Candidate, MAX_QUEUED, Oldest, PROTECTED_SHARE, Tier};
+use super::policy::{Candidate, MAX_QUEUED, Oldest, Tier};
 use super::types::{Object, ObjectState};
 
 /// A group whose newest member was put this recently may still be waiting for members (as in
@@ -60,7 +60,9 @@ impl MasterCore {
                     continue;
                 }
                 let mut leased = false;
+                let mut proven = false;
                 let ok = |o: &Object| {
+                    proven = o.tier.proven();
                     let same = o.generation == c.generation
                         && o.state == ObjectState::Complete
                         && !o.hard_pinned
@@ -78,7 +80,7 @@ impl MasterCore {
                 match self.evict_one(&c.key, ok, &mut frees, &mut offloads) {
                     Some(bytes) => {
                         freed += bytes;
-                        evicted.push(self.hasher.hash_one(&*c.key));
+                        evicted.push((self.hasher.hash_one(&*c.key), proven));
                     }
                     None if leased => skipped_leased += 1,
                     None => {}
@@ -94,8 +96,8 @@ impl MasterCore {
         let n = evicted.len() as u64;
         if n > 0 {
             let mut recent = self.recent.lock();
-            for h in evicted {
-                recent.ghost.remember(h);
+            for (h, proven) in evicted {
+                recent.ghost.remember(h, proven);
             }
             drop(recent);
             tracing::debug!(evicted = n, freed, target, "eviction pass (cslru)");
@@ -133,7 +135,12 @@ impl MasterCore {
     /// Demotes the protected segment's oldest blocks (CLOCK: one banked chance spent, or back to
     /// probation's recent end) until it holds at most its share of the pool.
     fn trim_protected(&self) {
-        let share = (self.total_capacity() as f64 * PROTECTED_SHARE) as u64;
+        let capacity = self.total_capacity();
+        let share = {
+            let mut recent = self.recent.lock();
+            recent.capacity = capacity;
+            (capacity as f64 * recent.share.get()) as u64
+        };
         let mut over = self.protected_bytes().saturating_sub(share);
         let mut rescanned = false;
         while over > 0 {
@@ -162,7 +169,7 @@ impl MasterCore {
                     let dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
                     over = over
                         .saturating_sub(crate::alloc::align_up(o.size).unwrap_or(o.size) * dram);
-                    o.tier = Tier::PROBATION;
+                    o.tier = Tier::DEMOTED;
                 }
             }
         }

@@ -5,9 +5,14 @@
 //! chosen by replaying Mooncake's published traces (docs/BENCH.md "Hits on real traffic"):
 //! - new blocks enter *probation* (an LRU); a block read while on probation, or put again soon
 //!   after it was evicted (the ghost table remembers it), becomes *protected*;
-//! - protected blocks take at most [`PROTECTED_SHARE`] of the pool and age by CLOCK: each read
-//!   gives one more chance (up to [`MAX_CHANCES`]); one without chances left goes back to the
-//!   most recent end of probation;
+//! - protected blocks take at most a *share* of the pool and age by CLOCK: each read gives one
+//!   more chance (up to [`MAX_CHANCES`]); one without chances left goes back to the most recent
+//!   end of probation;
+//! - the share adapts as ARC's target does ([`Share`]): a block put again soon after its
+//!   eviction says which segment was too small: probation when it had never been protected,
+//!   the protected segment when it had been. Small pools settle high (only proven re-users are
+//!   worth their room), large ones low (probation must outlive the gap between a conversation's
+//!   turns);
 //! - eviction takes probation's least recent block first, protected ones only when probation is
 //!   empty, and frees what a put needs (in small chunks), not 5% of the pool at a watermark;
 //! - chains: a request's blocks arrive in prefix order in one batch. Within a batch the deeper
@@ -20,12 +25,20 @@
 //! candidates with one bounded scan ([`MAX_QUEUED`] at a time) and consumes them across many
 //! evictions, re-checking each under its shard lock: amortized O(log k) per evicted key.
 
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Instant;
 
-/// Share of the pool protected blocks may hold (the replays' best trade-off between small and
-/// large pools: 0.70-0.75; docs/BENCH.md).
-pub(super) const PROTECTED_SHARE: f64 = 0.75;
+/// Where the protected share starts, and its bounds. It starts low: a large pool sees few
+/// evictions to adapt from, and there a small share is right (docs/BENCH.md).
+const SHARE_START: f64 = 0.3;
+const SHARE_MIN: f64 = 0.1;
+const SHARE_MAX: f64 = 0.95;
+/// How far one ghost hit moves the share, in blocks of its size (ARC moves its target by one
+/// page, scaled by the ratio of the ghost lists).
+const SHARE_STEP: f64 = 0.5;
+/// A proven re-user coming back weighs this many probation ones: losing it cost more than one
+/// block (it would have been read again), and the replays put the balance there.
+const PROTECTED_WEIGHT: f64 = 2.0;
 /// Reads a protected block can bank as extra chances before it is demoted.
 pub(super) const MAX_CHANCES: u8 = 3;
 /// Ghost slots per key the pool holds: a block put again within about four pool turnovers of
@@ -57,18 +70,27 @@ impl EvictionPolicy {
     }
 }
 
-/// An object's place in cslru: the protected bit and its banked chances.
+/// An object's place in cslru: the protected bit, whether it was protected before (demoted
+/// to probation), and its banked chances.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct Tier(u8);
 
 const PROTECTED: u8 = 0x80;
+const DEMOTED: u8 = 0x40;
 
 impl Tier {
     pub(super) const PROBATION: Tier = Tier(0);
     pub(super) const PROTECTED: Tier = Tier(PROTECTED);
+    /// Back on probation after the protected segment's CLOCK passed it without chances.
+    pub(super) const DEMOTED: Tier = Tier(DEMOTED);
 
     pub(super) fn protected(self) -> bool {
         self.0 & PROTECTED != 0
+    }
+
+    /// Protected now or before: what its eviction tells the [`Share`] if it comes back.
+    pub(super) fn proven(self) -> bool {
+        self.0 & (PROTECTED | DEMOTED) != 0
     }
 
     pub(super) fn chances(self) -> u8 {
@@ -91,14 +113,18 @@ impl Tier {
 }
 
 /// Keys evicted recently: 32-bit fingerprints of their hashes in a FIFO of [`GHOST_PER_KEY`]
-/// times the keys the pool holds. O(1) per eviction and put, about 9 bytes a slot (37 bytes
-/// per resident key); a false "seen" (about 1 in 200,000 at 4 slots per key) only protects
-/// one block early. An exact FIFO matters: a direct-mapped table that forgets at random keeps
-/// some keys for many pool turnovers, and protecting those cost a quarter of the hits
-/// (docs/BENCH.md).
+/// times the keys the pool holds, each with whether the key had been protected. O(1) per
+/// eviction and put, about 20 bytes a slot; a false "seen" (about 1 in 200,000 at 4 slots per
+/// key) only protects one block early. An exact FIFO matters: a direct-mapped table that
+/// forgets at random keeps some keys for many pool turnovers, and protecting those cost a
+/// quarter of the hits (docs/BENCH.md). Each slot carries its sequence number, so a key
+/// evicted again is forgotten only when its newest slot ages out.
 pub(super) struct Ghost {
-    order: VecDeque<u32>,
-    set: std::collections::HashSet<u32, foldhash::fast::RandomState>,
+    order: VecDeque<(u32, u32)>,
+    slots: HashMap<u32, (u32, bool), foldhash::fast::RandomState>,
+    seq: u32,
+    /// Live slots by origin: `[probation, proven]`.
+    live: [usize; 2],
     cap: usize,
 }
 
@@ -106,7 +132,9 @@ impl Ghost {
     pub(super) fn new() -> Ghost {
         Ghost {
             order: VecDeque::new(),
-            set: Default::default(),
+            slots: Default::default(),
+            seq: 0,
+            live: [0; 2],
             cap: GHOST_MIN,
         }
     }
@@ -115,22 +143,32 @@ impl Ghost {
         (hash >> 32) as u32
     }
 
-    pub(super) fn remember(&mut self, hash: u64) {
+    /// Remembers an eviction; `proven`: the key had been protected.
+    pub(super) fn remember(&mut self, hash: u64, proven: bool) {
         let fp = Self::fingerprint(hash);
-        if self.set.insert(fp) {
-            self.order.push_back(fp);
+        self.seq = self.seq.wrapping_add(1);
+        if let Some((_, was)) = self.slots.insert(fp, (self.seq, proven)) {
+            self.live[usize::from(was)] -= 1;
         }
+        self.live[usize::from(proven)] += 1;
+        self.order.push_back((fp, self.seq));
         while self.order.len() > self.cap {
-            if let Some(old) = self.order.pop_front() {
-                self.set.remove(&old);
+            let Some((old, seq)) = self.order.pop_front() else {
+                break;
+            };
+            if self.slots.get(&old).is_some_and(|&(s, _)| s == seq) {
+                let (_, was) = self.slots.remove(&old).unwrap_or_default();
+                self.live[usize::from(was)] -= 1;
             }
         }
     }
 
-    /// Whether `hash` was evicted recently; a hit is consumed.
-    pub(super) fn take(&mut self, hash: u64) -> bool {
-        // Its place in the FIFO stays until it ages out (it only costs a slot).
-        self.set.remove(&Self::fingerprint(hash))
+    /// Whether `hash` was evicted recently, and if so whether it had been protected; a hit
+    /// is consumed (its slot in the FIFO stays until it ages out: it only costs a slot).
+    pub(super) fn take(&mut self, hash: u64) -> Option<bool> {
+        let (_, proven) = self.slots.remove(&Self::fingerprint(hash))?;
+        self.live[usize::from(proven)] -= 1;
+        Some(proven)
     }
 
     /// Sizes the table for `keys` resident keys.
@@ -143,6 +181,35 @@ impl Ghost {
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.cap
+    }
+}
+
+/// The protected segment's share of the pool, adapted by ghost hits as ARC adapts its target:
+/// a step towards the segment that lost the block, scaled by how much rarer that segment's
+/// ghosts are than the other's, so the two kinds of hits balance rather than the more common
+/// one winning.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Share(f64);
+
+impl Share {
+    pub(super) fn new() -> Share {
+        Share(SHARE_START)
+    }
+
+    pub(super) fn get(self) -> f64 {
+        self.0
+    }
+
+    /// A ghost hit on a block that takes `fraction` of the pool; `proven`: it had been
+    /// protected; `live`: the ghost's live slots `[probation, proven]` after the hit.
+    pub(super) fn adapt(&mut self, proven: bool, fraction: f64, live: [usize; 2]) {
+        let [probation, protected] = live.map(|n| n.max(1) as f64);
+        self.0 = if proven {
+            self.0 + SHARE_STEP * PROTECTED_WEIGHT * fraction * (probation / protected).max(1.0)
+        } else {
+            self.0 - SHARE_STEP * fraction * (protected / probation).max(1.0)
+        }
+        .clamp(SHARE_MIN, SHARE_MAX);
     }
 }
 
@@ -229,6 +296,10 @@ const MAX_COLD: usize = 1 << 16;
 pub(super) struct Recent {
     pub(super) ghost: Ghost,
     pub(super) cold: VecDeque<Candidate>,
+    pub(super) share: Share,
+    /// The pool's DRAM bytes as eviction last saw them (a put must not take the segments'
+    /// lock under its shard's to size a step of the share).
+    pub(super) capacity: u64,
 }
 
 impl Recent {
@@ -236,7 +307,22 @@ impl Recent {
         Recent {
             ghost: Ghost::new(),
             cold: VecDeque::new(),
+            share: Share::new(),
+            capacity: 0,
         }
+    }
+
+    /// A put of `bytes` found its key in the ghost table: adapt the share. Returns whether it
+    /// was found.
+    pub(super) fn came_back(&mut self, hash: u64, bytes: u64) -> bool {
+        let Some(proven) = self.ghost.take(hash) else {
+            return false;
+        };
+        if self.capacity > 0 {
+            let fraction = bytes as f64 / self.capacity as f64;
+            self.share.adapt(proven, fraction, self.ghost.live);
+        }
+        true
     }
 
     pub(super) fn push_cold(&mut self, key: &str, generation: u64, stamp: Instant) {
@@ -271,19 +357,61 @@ mod tests {
     #[test]
     fn the_ghost_remembers_an_eviction_once() {
         let mut g = Ghost::new();
-        g.remember(0xdead_beef_1234_5678);
-        assert!(!g.take(0x1111_2222_3333_4444));
-        assert!(g.take(0xdead_beef_1234_5678));
-        assert!(!g.take(0xdead_beef_1234_5678), "a hit is consumed");
+        g.remember(0xdead_beef_1234_5678, true);
+        assert_eq!(g.take(0x1111_2222_3333_4444), None);
+        assert_eq!(g.take(0xdead_beef_1234_5678), Some(true), "with its origin");
+        assert_eq!(g.take(0xdead_beef_1234_5678), None, "a hit is consumed");
         g.fit(10_000);
         assert_eq!(g.len(), 40_000, "four slots per resident key");
         let mut g = Ghost::new();
         g.fit(16);
         for h in 0..100u64 {
-            g.remember(h << 32);
+            g.remember(h << 32, false);
         }
-        assert!(!g.take(0), "the oldest aged out of the FIFO");
-        assert!(g.take(99 << 32));
+        assert_eq!(g.take(0), None, "the oldest aged out of the FIFO");
+        assert_eq!(g.take(99 << 32), Some(false));
+        assert_eq!(g.live, [GHOST_MIN - 1, 0]);
+    }
+
+    #[test]
+    fn a_key_evicted_again_is_forgotten_only_with_its_newest_slot() {
+        let mut g = Ghost::new();
+        g.fit(16);
+        g.remember(7 << 32, false);
+        assert_eq!(g.take(7 << 32), Some(false));
+        for h in 100..100 + GHOST_MIN as u64 / 2 {
+            g.remember(h << 32, false);
+        }
+        g.remember(7 << 32, true);
+        // The first slot of key 7 ages out now; the second must keep it.
+        for h in 200..200 + GHOST_MIN as u64 / 2 + 1 {
+            g.remember(h << 32, false);
+        }
+        assert_eq!(g.take(7 << 32), Some(true));
+    }
+
+    #[test]
+    fn the_share_moves_towards_the_segment_that_lost_the_block() {
+        let mut s = Share::new();
+        s.adapt(false, 0.01, [100, 10]);
+        assert!(
+            s.get() < SHARE_START,
+            "a probation block came back: probation grows"
+        );
+        let low = s.get();
+        s.adapt(true, 0.01, [100, 10]);
+        assert!(
+            s.get() - low > 10.0 * 0.01 * SHARE_STEP,
+            "a proven one, rarer, moves it further"
+        );
+        for _ in 0..1000 {
+            s.adapt(true, 0.01, [1, 1]);
+        }
+        assert_eq!(s.get(), SHARE_MAX);
+        for _ in 0..1000 {
+            s.adapt(false, 0.01, [1, 1]);
+        }
+        assert_eq!(s.get(), SHARE_MIN);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The cslru eviction order ([`super::policy`]): probation before protection, the ghost table,
-//! chains losing their tails first, lookups past a miss changing nothing, the protected share,
-//! and leases as a preference under pressure.
+//! chains losing their tails first, lookups past a miss changing nothing, the protected share
+//! and how it adapts, and leases as a preference under pressure.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -164,12 +164,54 @@ async fn the_protected_segment_is_trimmed_to_its_share() {
     }
     assert!(keys.iter().all(|k| protected(&core, k)));
     put_each(&core, &["n0"]).await;
+    let share = core.recent.lock().share.get();
     let held = keys.iter().filter(|k| protected(&core, k)).count();
-    assert!(held <= 7, "at most 75% of the pool stays protected: {held}");
+    assert!(
+        held as f64 <= share * 10.0,
+        "at most the share ({share}) stays protected: {held}"
+    );
     assert_eq!(
         present(&core, &["k0", "k9"]),
         [false, true],
         "the oldest protected block was demoted and then evicted"
+    );
+}
+
+/// Puts `n` single blocks named `{prefix}{i}`, each newer than the last.
+async fn put_fresh(core: &MasterCore, prefix: &str, n: usize) {
+    for i in 0..n {
+        put_each(core, &[&format!("{prefix}{i}")]).await;
+    }
+}
+
+#[tokio::test]
+async fn blocks_that_come_back_move_the_share_towards_the_segment_that_lost_them() {
+    let core = core();
+    let share = || core.recent.lock().share.get();
+    // Once-used blocks evicted from probation and put again: probation was too small.
+    put_fresh(&core, "a", 12).await;
+    let start = share();
+    put_fresh(&core, "a", 2).await;
+    assert!(share() < start, "probation grows: {start} -> {}", share());
+    // A block that had been read (protected, then demoted and evicted) and comes back: the
+    // protected segment was too small.
+    let core = core_with(Duration::from_millis(1), 10);
+    let share = || core.recent.lock().share.get();
+    put_fresh(&core, "p", 10).await;
+    for i in 0..10 {
+        core.lookup("", &format!("p{i}"), Touch::Read(Instant::now()))
+            .expect("read");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    put_fresh(&core, "n", 10).await;
+    assert_eq!(present(&core, &["p0"]), [false], "p0 was evicted");
+    let before = share();
+    put_each(&core, &["p0"]).await;
+    assert!(protected(&core, "p0"));
+    assert!(
+        share() > before,
+        "the protected segment grows: {before} -> {}",
+        share()
     );
 }
 
