@@ -152,9 +152,45 @@ pub struct MasterConfig {
     /// `name:port` (a headless Service) stands for every address the name resolves to, resolved
     /// again every 10 s.
     pub kv_events_vllm_pods: String,
-    /// lunakv: the vLLM stream's `medium` of a block in the pool's DRAM / in its SSD tier.
+    /// lunakv: the vLLM stream's `medium` of a block in the pool's DRAM / in its SSD tier
+    /// (vLLM's own names: `CPU` for host memory, `STORAGE` for disk).
     pub kv_events_vllm_medium_dram: String,
     pub kv_events_vllm_medium_ssd: String,
+    /// lunakv: the vLLM stream's encoding: `tagged` (today's vLLM: each event a map tagged by
+    /// its class name) or `array` (older vLLM: each event a positional array).
+    pub kv_events_vllm_format: String,
+    /// lunakv: the vLLM stream's block hashes as vLLM's default
+    /// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1` sends them (the hash's last 8 bytes as an
+    /// unsigned int); false = the key's hash bytes as they are.
+    pub kv_events_vllm_int_hashes: bool,
+    /// lunakv: the vLLM stream's `ownership` of the pool's blocks (vLLM: the secondary
+    /// offloading tier that generated the event); empty = not sent. `tagged` format only.
+    pub kv_events_vllm_ownership: String,
+    /// lunakv: the model name the vLLM stream's topics carry (`kv@<pod>@<model>`), as the
+    /// engine serves it (`--served-model-name`). Empty: the key's model component (the last
+    /// path component of the model, `Qwen3-8B` for `Qwen/Qwen3-8B`). One name applies to every
+    /// key; `key_model=served` pairs, comma-separated, map each key model.
+    pub kv_events_vllm_served_model_name: String,
+    /// lunakv: the Mooncake stream's encoding: `rfc1527` (upstream main's master publisher:
+    /// one msgpack map per object and medium) or `array` (the older dev-branch form:
+    /// `BlockStoreEvent` / `BlockUpdateEvent` / `RemoveAllEvent` arrays).
+    pub kv_events_mooncake_format: String,
+    /// Upstream main's `--kv_events_bind_endpoint`: where the Mooncake stream binds; when set
+    /// it replaces `kv_event_publisher_endpoint`.
+    pub kv_events_bind_endpoint: String,
+    /// Upstream main's `--kv_events_backend_id`: the cache owner named by every `rfc1527`
+    /// event's `backend_id`. Empty: `cluster_id` (the pool is the owner).
+    pub kv_events_backend_id: String,
+    /// Upstream main's `--kv_events_emit_legacy_compat`: `rfc1527` events also carry vLLM's
+    /// field names (`type`, `block_hashes`, `parent_block_hash`).
+    pub kv_events_emit_legacy_compat: bool,
+    /// Upstream main's `--kv_events_emit_object_key`: `rfc1527` events carry `object_key`.
+    /// Off, an event whose key is not a decimal or `0x` hash names no block and is not sent.
+    pub kv_events_emit_object_key: bool,
+    /// Upstream main's `--kv_events_queue_capacity`: events waiting for the publisher, a
+    /// second bound next to `kv_event_publisher_max_queue_size` (the smaller applies; 0 = no
+    /// bound from this key, the master's memory stays bounded by the other).
+    pub kv_events_queue_capacity: u64,
 }
 
 impl Default for MasterConfig {
@@ -205,8 +241,18 @@ impl Default for MasterConfig {
             kv_event_block_size: 0,
             kv_events_vllm_endpoint: String::new(),
             kv_events_vllm_pods: String::new(),
-            kv_events_vllm_medium_dram: "lunakv_dram".to_string(),
-            kv_events_vllm_medium_ssd: "lunakv_ssd".to_string(),
+            kv_events_vllm_medium_dram: "CPU".to_string(),
+            kv_events_vllm_medium_ssd: "STORAGE".to_string(),
+            kv_events_vllm_format: "tagged".to_string(),
+            kv_events_vllm_int_hashes: true,
+            kv_events_vllm_ownership: "lunakv".to_string(),
+            kv_events_vllm_served_model_name: String::new(),
+            kv_events_mooncake_format: "rfc1527".to_string(),
+            kv_events_bind_endpoint: String::new(),
+            kv_events_backend_id: String::new(),
+            kv_events_emit_legacy_compat: true,
+            kv_events_emit_object_key: true,
+            kv_events_queue_capacity: 65536,
         }
     }
 }
@@ -365,12 +411,45 @@ pub struct MasterArgs {
     /// the vLLM stream speaks for.
     #[arg(long = "kv_events_vllm_pods")]
     pub kv_events_vllm_pods: Option<String>,
-    /// KV events: vLLM stream medium of the pool's DRAM [default: lunakv_dram].
+    /// KV events: vLLM stream medium of the pool's DRAM [default: CPU].
     #[arg(long = "kv_events_vllm_medium_dram")]
     pub kv_events_vllm_medium_dram: Option<String>,
-    /// KV events: vLLM stream medium of the SSD tier [default: lunakv_ssd].
+    /// KV events: vLLM stream medium of the SSD tier [default: STORAGE].
     #[arg(long = "kv_events_vllm_medium_ssd")]
     pub kv_events_vllm_medium_ssd: Option<String>,
+    /// KV events: vLLM stream encoding, tagged (today's vLLM) or array (older vLLM, positional) [default: tagged].
+    #[arg(long = "kv_events_vllm_format")]
+    pub kv_events_vllm_format: Option<String>,
+    /// KV events: vLLM stream hashes as ints (the last 8 bytes), as vLLM's default [default: true].
+    #[arg(long = "kv_events_vllm_int_hashes", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub kv_events_vllm_int_hashes: Option<bool>,
+    /// KV events: vLLM stream ownership of the pool's blocks; empty = not sent [default: lunakv].
+    #[arg(long = "kv_events_vllm_ownership")]
+    pub kv_events_vllm_ownership: Option<String>,
+    /// KV events: the served model name in the vLLM stream's topics, or key_model=served pairs
+    /// [default: the key's model component].
+    #[arg(long = "kv_events_vllm_served_model_name")]
+    pub kv_events_vllm_served_model_name: Option<String>,
+    /// KV events: Mooncake stream encoding, rfc1527 (upstream main) or array (older) [default: rfc1527].
+    #[arg(long = "kv_events_mooncake_format")]
+    pub kv_events_mooncake_format: Option<String>,
+    /// KV events (upstream main): PUB bind endpoint of the Mooncake stream; replaces
+    /// kv_event_publisher_endpoint when set.
+    #[arg(long = "kv_events_bind_endpoint")]
+    pub kv_events_bind_endpoint: Option<String>,
+    /// KV events (upstream main): backend_id of rfc1527 events [default: cluster_id].
+    #[arg(long = "kv_events_backend_id")]
+    pub kv_events_backend_id: Option<String>,
+    /// KV events (upstream main): add vLLM's type/block_hashes names to rfc1527 events [default: true].
+    #[arg(long = "kv_events_emit_legacy_compat", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub kv_events_emit_legacy_compat: Option<bool>,
+    /// KV events (upstream main): add object_key to rfc1527 events [default: true].
+    #[arg(long = "kv_events_emit_object_key", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub kv_events_emit_object_key: Option<bool>,
+    /// KV events (upstream main): most queued events; 0 = only kv_event_publisher_max_queue_size
+    /// bounds the queue [default: 65536].
+    #[arg(long = "kv_events_queue_capacity")]
+    pub kv_events_queue_capacity: Option<u64>,
 }
 
 impl MasterArgs {
@@ -492,31 +571,6 @@ pub const UPSTREAM_KEYS: &[UpstreamFlag] = &[
         false,
         "deprecated upstream (each event carries its object's tenant there); lunakv's streams carry the default tenant's keys only (docs/TENANTS.md)",
     ),
-    ignored(
-        "kv_events_backend_id",
-        false,
-        "lunakv's events name each replica's store endpoint, not a backend id (docs/EVENTS.md)",
-    ),
-    ignored(
-        "kv_events_emit_legacy_compat",
-        true,
-        "lunakv's events always have the vLLM/SGLang-compatible type and block_hashes fields (docs/EVENTS.md)",
-    ),
-    ignored(
-        "kv_events_emit_object_key",
-        true,
-        "lunakv's Mooncake-format events always carry the object key (docs/EVENTS.md)",
-    ),
-    refused(
-        "kv_events_bind_endpoint",
-        false,
-        "give the ZMQ endpoint as --kv_event_publisher_endpoint (tcp://*:5557 to bind every interface)",
-    ),
-    refused(
-        "kv_events_queue_capacity",
-        false,
-        "give the queue bound as --kv_event_publisher_max_queue_size (events past it are dropped and counted)",
-    ),
     ignored("nof_eviction_high_watermark_ratio", false, NO_NOF),
     ignored("nof_eviction_ratio", false, NO_NOF),
     ignored("nof_heartbeat_interval_sec", false, NO_NOF),
@@ -571,6 +625,10 @@ pub type LoadedMasterConfig = crate::layered::LoadedLayers<MasterConfig>;
 /// Where configuration comes from; each later layer overrides the earlier ones.
 pub type MasterConfigSources = crate::layered::Sources;
 
+/// `(alias, key)`: upstream main's names of lunakv keys, in master.yaml as on the command line
+/// (upstream main's `enable_kv_events` is the dev branch's `enable_kv_event_publish`).
+pub const ALIASES: &[(&str, &str)] = &[("enable_kv_events", "enable_kv_event_publish")];
+
 /// What the layered loader needs to know about the master.
 pub const SCHEMA: crate::layered::Schema = crate::layered::Schema {
     service: "master",
@@ -586,7 +644,21 @@ impl MasterConfig {
         sources: &MasterConfigSources,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<LoadedMasterConfig, MasterConfigError> {
-        let loaded = crate::layered::load::<MasterConfig>(&SCHEMA, sources, env)?;
+        let file = match &sources.file {
+            Some(path) => Some(crate::layered::read_file(&SCHEMA, path)?),
+            None => None,
+        };
+        let names = crate::layered::Names {
+            env: None,
+            aliases: ALIASES,
+        };
+        let loaded = crate::layered::load_named::<MasterConfig>(
+            &SCHEMA,
+            &names,
+            file.as_ref(),
+            &sources.flags,
+            env,
+        )?;
         let config = loaded.config;
         let mut warnings = loaded.warnings;
         config.validate()?;
@@ -873,16 +945,83 @@ impl MasterConfig {
                 });
             }
         }
-        if self.kv_events_vllm_medium_dram.is_empty() || self.kv_events_vllm_medium_ssd.is_empty() {
+        for (field, medium) in [
+            (
+                "kv_events_vllm_medium_dram",
+                &self.kv_events_vllm_medium_dram,
+            ),
+            ("kv_events_vllm_medium_ssd", &self.kv_events_vllm_medium_ssd),
+        ] {
+            if medium.is_empty() {
+                return Err(MasterConfigError::Invalid {
+                    field,
+                    value: "\"\"".to_string(),
+                    fix: "name both media (defaults CPU and STORAGE, vLLM's names); llm-d weighs \
+                          tiers by these names"
+                        .to_string(),
+                });
+            }
+        }
+        if !matches!(self.kv_events_vllm_format.as_str(), "tagged" | "array") {
             return Err(MasterConfigError::Invalid {
-                field: "kv_events_vllm_medium_dram",
-                value: "\"\"".to_string(),
-                fix: "name both media (defaults lunakv_dram and lunakv_ssd); llm-d weighs them by \
-                      these names"
+                field: "kv_events_vllm_format",
+                value: format!("{:?}", self.kv_events_vllm_format),
+                fix: "use tagged (the default: today's vLLM, events as maps tagged by class name) \
+                      or array (vLLM before 0.11, events as positional arrays)"
                     .to_string(),
             });
         }
+        if !matches!(self.kv_events_mooncake_format.as_str(), "rfc1527" | "array") {
+            return Err(MasterConfigError::Invalid {
+                field: "kv_events_mooncake_format",
+                value: format!("{:?}", self.kv_events_mooncake_format),
+                fix: "use rfc1527 (the default: upstream Mooncake main's master publisher) or \
+                      array (the older BlockStoreEvent / BlockUpdateEvent arrays)"
+                    .to_string(),
+            });
+        }
+        endpoint(
+            "kv_events_bind_endpoint",
+            &self.kv_events_bind_endpoint,
+            false,
+        )?;
+        if self.kv_events_queue_capacity > i32::MAX as u64 {
+            return Err(MasterConfigError::Invalid {
+                field: "kv_events_queue_capacity",
+                value: self.kv_events_queue_capacity.to_string(),
+                fix: format!(
+                    "give at most {} events (default 65536; 0 leaves the bound to \
+                     kv_event_publisher_max_queue_size)",
+                    i32::MAX
+                ),
+            });
+        }
+        self.kv_events_vllm_served_models()?;
         Ok(())
+    }
+
+    /// The parsed `kv_events_vllm_served_model_name`.
+    pub fn kv_events_vllm_served_models(&self) -> Result<ServedModelNames, MasterConfigError> {
+        ServedModelNames::parse(&self.kv_events_vllm_served_model_name).map_err(|fix| {
+            MasterConfigError::Invalid {
+                field: "kv_events_vllm_served_model_name",
+                value: format!("{:?}", self.kv_events_vllm_served_model_name),
+                fix: fix.to_string(),
+            }
+        })
+    }
+
+    /// The endpoint the Mooncake stream binds and the key that named it:
+    /// `kv_events_bind_endpoint` (upstream main's) when set, else `kv_event_publisher_endpoint`.
+    pub fn kv_events_mooncake_endpoint(&self) -> (&'static str, &str) {
+        if self.kv_events_bind_endpoint.is_empty() {
+            (
+                "kv_event_publisher_endpoint",
+                &self.kv_event_publisher_endpoint,
+            )
+        } else {
+            ("kv_events_bind_endpoint", &self.kv_events_bind_endpoint)
+        }
     }
 
     /// HA settings: only checked when `enable_ha` is on (llm-d's master.yaml carries
@@ -970,6 +1109,63 @@ impl MasterConfig {
     /// `put_start_discard_timeout_sec` as a duration.
     pub fn put_start_discard_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.put_start_discard_timeout_sec)
+    }
+}
+
+/// Which model name the vLLM stream's topics carry (`kv_events_vllm_served_model_name`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ServedModelNames {
+    /// The key's model component.
+    #[default]
+    FromKey,
+    /// One served name for every key.
+    All(String),
+    /// `(key model, served name)` pairs; a key model not listed keeps its own name.
+    Map(Vec<(String, String)>),
+}
+
+/// Why a `kv_events_vllm_served_model_name` value was refused: the fix.
+const SERVED_MODEL_FIX: &str = "give the served model name (Qwen/Qwen3-8B), or key_model=served \
+     pairs, comma-separated (Qwen3-8B=Qwen/Qwen3-8B,Llama-3.1-8B=meta-llama/Llama-3.1-8B); \
+     names cannot contain '@' (it separates a topic's parts)";
+
+impl ServedModelNames {
+    /// Parses the setting; the error is the fix.
+    pub fn parse(value: &str) -> Result<ServedModelNames, &'static str> {
+        let entries: Vec<&str> = value
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .collect();
+        if entries.iter().any(|e| e.contains('@')) {
+            return Err(SERVED_MODEL_FIX);
+        }
+        match entries.as_slice() {
+            [] => Ok(ServedModelNames::FromKey),
+            [one] if !one.contains('=') => Ok(ServedModelNames::All((*one).to_string())),
+            many => many
+                .iter()
+                .map(|e| match e.split_once('=') {
+                    Some((k, v)) if !k.trim().is_empty() && !v.trim().is_empty() => {
+                        Ok((k.trim().to_string(), v.trim().to_string()))
+                    }
+                    _ => Err(SERVED_MODEL_FIX),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(ServedModelNames::Map),
+        }
+    }
+
+    /// The served name of a key's model component.
+    pub fn served<'a>(&'a self, key_model: &'a str) -> &'a str {
+        match self {
+            ServedModelNames::FromKey => key_model,
+            ServedModelNames::All(name) => name,
+            ServedModelNames::Map(pairs) => pairs
+                .iter()
+                .find(|(k, _)| k == key_model)
+                .map_or(key_model, |(_, v)| v),
+        }
     }
 }
 
@@ -1417,6 +1613,111 @@ mod tests {
                 .warnings
                 .iter()
                 .any(|w| w.contains("kv_event_publisher_auto_port"))
+        );
+    }
+
+    #[test]
+    fn event_formats_default_to_todays_consumers_and_refuse_unknown_values() {
+        let c = MasterConfig::default();
+        assert_eq!(
+            (
+                c.kv_events_vllm_format.as_str(),
+                c.kv_events_vllm_int_hashes,
+                c.kv_events_vllm_medium_dram.as_str(),
+                c.kv_events_vllm_medium_ssd.as_str(),
+                c.kv_events_mooncake_format.as_str(),
+            ),
+            ("tagged", true, "CPU", "STORAGE", "rfc1527")
+        );
+        assert_eq!(
+            (
+                c.kv_events_emit_legacy_compat,
+                c.kv_events_emit_object_key,
+                c.kv_events_queue_capacity
+            ),
+            (true, true, 65536),
+            "upstream main's defaults"
+        );
+        for (key, value, fix) in [
+            ("kv_events_vllm_format", "map", "tagged"),
+            ("kv_events_mooncake_format", "rfc", "rfc1527"),
+            (
+                "kv_events_vllm_served_model_name",
+                "a=b,c",
+                "key_model=served",
+            ),
+            ("kv_events_vllm_served_model_name", "org@model", "'@'"),
+            ("kv_events_bind_endpoint", "0.0.0.0:5557", "tcp://"),
+        ] {
+            let err =
+                load_flags(&[("enable_kv_event_publish", "true"), (key, value)]).expect_err(value);
+            let msg = err.to_string();
+            assert!(
+                msg.contains(key) && msg.contains(value) && msg.contains(fix),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn served_model_names_apply_to_every_key_or_per_key_model() {
+        assert_eq!(ServedModelNames::parse(" "), Ok(ServedModelNames::FromKey));
+        let all = ServedModelNames::parse("Qwen/Qwen3-8B").expect("one name");
+        assert_eq!(all.served("Qwen3-8B"), "Qwen/Qwen3-8B");
+        let map = ServedModelNames::parse("Qwen3-8B=Qwen/Qwen3-8B, m = org/m").expect("pairs");
+        assert_eq!(map.served("Qwen3-8B"), "Qwen/Qwen3-8B");
+        assert_eq!(map.served("m"), "org/m");
+        assert_eq!(
+            map.served("other"),
+            "other",
+            "unlisted keys keep their model"
+        );
+        assert!(ServedModelNames::parse("=x").is_err());
+    }
+
+    #[test]
+    fn upstream_mains_enable_kv_events_key_works_in_master_yaml() {
+        let (_dir, path) = yaml("enable_kv_events: true\nkv_events_backend_id: pool-a\n");
+        let c = load_file(path).expect("loads").config;
+        assert!(c.enable_kv_event_publish);
+        assert_eq!(c.kv_events_backend_id, "pool-a");
+    }
+
+    /// Upstream main's event command line (mooncake-store-deployment-guide.md, "KV Cache
+    /// Event Publisher") starts lunakv-master with every flag taken, none ignored or refused.
+    #[test]
+    fn upstream_mains_event_flags_are_taken_with_their_values() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: MasterArgs,
+        }
+        let cli = Cli::parse_from([
+            "mooncake_master",
+            "--enable_kv_events",
+            "--kv_events_bind_endpoint=tcp://0.0.0.0:5557",
+            "--kv_events_backend_id=store-node-1",
+            "--kv_events_emit_legacy_compat=false",
+            "--kv_events_emit_object_key=true",
+            "--kv_events_queue_capacity=0",
+        ]);
+        let s = cli.args.sources();
+        let flags: Vec<(&str, &str)> = s.flags.iter().map(|(k, v)| (&**k, &**v)).collect();
+        let loaded = load_flags(&flags).expect("starts");
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        let c = loaded.config;
+        assert!(c.enable_kv_event_publish);
+        assert_eq!(
+            c.kv_events_mooncake_endpoint(),
+            ("kv_events_bind_endpoint", "tcp://0.0.0.0:5557")
+        );
+        assert_eq!(c.kv_events_backend_id, "store-node-1");
+        assert!(!c.kv_events_emit_legacy_compat && c.kv_events_emit_object_key);
+        assert_eq!(c.kv_events_queue_capacity, 0);
+        assert_eq!(
+            MasterConfig::default().kv_events_mooncake_endpoint(),
+            ("kv_event_publisher_endpoint", "tcp://127.0.0.1:19997")
         );
     }
 

@@ -176,8 +176,10 @@ fn start_events(cfg: &MasterConfig) -> Result<Option<Arc<Publisher>>, ServeError
     let Some(ec) = EventsConfig::from_master(cfg) else {
         return Ok(None);
     };
+    // Which forms go out: a subscriber that cannot decode them asks this line first.
+    let (mooncake_format, vllm_format) = (ec.mooncake_format, ec.vllm_wire.format);
     let p = Publisher::start(ec, Arc::new(EventStats::new()))?;
-    tracing::info!(endpoints = ?p.endpoints(), "publishing KV events");
+    tracing::info!(endpoints = ?p.endpoints(), ?mooncake_format, ?vllm_format, "publishing KV events");
     Ok(Some(Arc::new(p)))
 }
 

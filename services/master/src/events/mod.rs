@@ -68,11 +68,17 @@ pub enum PoolEvent {
     Reset,
 }
 
-/// The events' settings, from the master config (`kv_event_publisher_*`, `kv_events_vllm_*`).
+/// The events' settings, from the master config (`kv_event_publisher_*`, `kv_events_*`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct EventsConfig {
     /// Mooncake stream: PUB socket, bound.
     pub endpoint: String,
+    /// The key that named `endpoint`, for errors.
+    pub endpoint_key: &'static str,
+    /// Mooncake stream: upstream main's RFC #1527 maps or the older arrays.
+    pub mooncake_format: wire::MooncakeFormat,
+    /// Mooncake stream, `rfc1527`: upstream main's per-event settings.
+    pub rfc: wire::RfcWire,
     /// ROUTER socket answering replay requests; `None` = no replay.
     pub replay_endpoint: Option<String>,
     pub topic: String,
@@ -96,6 +102,10 @@ pub struct EventsConfig {
     /// `medium` of a DRAM copy / an SSD copy on the vLLM stream.
     pub vllm_medium_dram: String,
     pub vllm_medium_ssd: String,
+    /// vLLM stream: encoding, hash type, block size, ownership.
+    pub vllm_wire: wire::VllmWire,
+    /// vLLM stream: the model name of a key's topic.
+    pub vllm_served: lunakv_config::master::ServedModelNames,
 }
 
 impl EventsConfig {
@@ -105,15 +115,39 @@ impl EventsConfig {
             return None;
         }
         let opt = |s: &str| (!s.is_empty()).then(|| s.to_string());
+        let (endpoint_key, endpoint) = c.kv_events_mooncake_endpoint();
+        let block_size = u32::try_from(c.kv_event_block_size).unwrap_or(0);
+        // Both bounds apply; upstream's 0 ("unbounded") leaves lunakv's own, so the master's
+        // memory stays bounded whatever a subscriber does.
+        let max_queue_size = match c.kv_events_queue_capacity {
+            0 => c.kv_event_publisher_max_queue_size,
+            cap => cap.min(c.kv_event_publisher_max_queue_size),
+        };
         Some(EventsConfig {
-            endpoint: c.kv_event_publisher_endpoint.clone(),
+            endpoint: endpoint.to_string(),
+            endpoint_key,
+            mooncake_format: if c.kv_events_mooncake_format == "array" {
+                wire::MooncakeFormat::Array
+            } else {
+                wire::MooncakeFormat::Rfc1527
+            },
+            rfc: wire::RfcWire {
+                backend_id: if c.kv_events_backend_id.is_empty() {
+                    c.cluster_id.clone()
+                } else {
+                    c.kv_events_backend_id.clone()
+                },
+                emit_legacy_compat: c.kv_events_emit_legacy_compat,
+                emit_object_key: c.kv_events_emit_object_key,
+                block_size,
+            },
             replay_endpoint: opt(&c.kv_event_publisher_replay_endpoint),
             topic: c.kv_event_publisher_topic.clone(),
             hwm: i32::try_from(c.kv_event_publisher_hwm).unwrap_or(i32::MAX),
-            max_queue_size: c.kv_event_publisher_max_queue_size as usize,
+            max_queue_size: max_queue_size as usize,
             max_batch_size: c.kv_event_publisher_max_batch_size.max(1) as usize,
             buffer_steps: c.kv_event_publisher_buffer_steps as usize,
-            block_size: u32::try_from(c.kv_event_block_size).unwrap_or(0),
+            block_size,
             vllm_endpoint: opt(&c.kv_events_vllm_endpoint),
             vllm_pods: c
                 .kv_events_vllm_pods
@@ -124,6 +158,18 @@ impl EventsConfig {
                 .collect(),
             vllm_medium_dram: c.kv_events_vllm_medium_dram.clone(),
             vllm_medium_ssd: c.kv_events_vllm_medium_ssd.clone(),
+            vllm_wire: wire::VllmWire {
+                format: if c.kv_events_vllm_format == "array" {
+                    wire::VllmFormat::Array
+                } else {
+                    wire::VllmFormat::Tagged
+                },
+                int_hashes: c.kv_events_vllm_int_hashes,
+                block_size,
+                ownership: c.kv_events_vllm_ownership.clone(),
+            },
+            // validate() refused a value that does not parse.
+            vllm_served: c.kv_events_vllm_served_models().unwrap_or_default(),
         })
     }
 }
@@ -176,11 +222,17 @@ impl EventStats {
         );
         let dropped = counter_vec(
             "master_kv_events_dropped_total",
-            "KV events lost before publishing: the publisher queue was full, the send failed, or \
-             the vLLM stream already had MAX_VLLM_MODELS models",
+            "KV events lost before publishing: the publisher queue was full, the send failed, \
+             the vLLM stream already had MAX_VLLM_MODELS models, or (kv_events_emit_object_key \
+             off) the key names no block",
             "reason",
         );
-        for reason in ["queue_full", "send_failed", "too_many_models"] {
+        for reason in [
+            "queue_full",
+            "send_failed",
+            "too_many_models",
+            "unparsed_key",
+        ] {
             dropped.with_label_values(&[reason]);
         }
         let subscribers = IntGaugeVec::new(
@@ -288,6 +340,38 @@ mod tests {
             "two fit, three dropped"
         );
         assert_eq!(rx.try_iter().count(), 2);
+    }
+
+    /// Upstream main's queue bound and lunakv's both apply, the smaller winning; upstream's 0
+    /// ("unbounded") leaves lunakv's. The backend id falls back to the cluster's name.
+    #[test]
+    fn upstream_mains_settings_shape_the_publisher() {
+        use lunakv_config::master::MasterConfig;
+        let c = |cap: u64, max: u64, backend: &str| MasterConfig {
+            enable_kv_event_publish: true,
+            kv_events_queue_capacity: cap,
+            kv_event_publisher_max_queue_size: max,
+            kv_events_backend_id: backend.into(),
+            ..MasterConfig::default()
+        };
+        let ec = |c: MasterConfig| EventsConfig::from_master(&c).expect("enabled");
+        assert_eq!(ec(c(65536, 100_000, "")).max_queue_size, 65536);
+        assert_eq!(ec(c(65536, 10, "")).max_queue_size, 10);
+        assert_eq!(ec(c(0, 100_000, "")).max_queue_size, 100_000);
+        assert_eq!(ec(c(0, 1, "")).rfc.backend_id, "mooncake_cluster");
+        assert_eq!(ec(c(0, 1, "store-node-1")).rfc.backend_id, "store-node-1");
+        let d = ec(MasterConfig {
+            enable_kv_event_publish: true,
+            kv_events_bind_endpoint: "tcp://0.0.0.0:5557".into(),
+            ..MasterConfig::default()
+        });
+        assert_eq!(
+            (d.endpoint.as_str(), d.endpoint_key),
+            ("tcp://0.0.0.0:5557", "kv_events_bind_endpoint")
+        );
+        assert_eq!(d.mooncake_format, wire::MooncakeFormat::Rfc1527);
+        assert_eq!(d.vllm_wire.format, wire::VllmFormat::Tagged);
+        assert!(d.vllm_wire.int_hashes && d.rfc.emit_legacy_compat && d.rfc.emit_object_key);
     }
 
     #[test]

@@ -181,6 +181,8 @@ struct Worker {
     pods: Pods,
     monitors: Vec<Monitor>,
     seq: u64,
+    /// The next `event_id` of the `rfc1527` stream.
+    event_id: u64,
     ring: VecDeque<(u64, Vec<u8>)>,
     /// Next sequence number per (pod, model) topic; pods that left are forgotten when the pod
     /// list changes (one that comes back restarts at 0, which subscribers read as a reset).
@@ -201,7 +203,7 @@ impl Publisher {
         let pub_sock = socket(&ctx, zmq::PUB, cfg.hwm)?;
         pub_sock
             .bind(&cfg.endpoint)
-            .map_err(|e| endpoint_err("kv_event_publisher_endpoint", &cfg.endpoint, "bind", e))?;
+            .map_err(|e| endpoint_err(cfg.endpoint_key, &cfg.endpoint, "bind", e))?;
         let mut monitors = vec![Monitor::attach(&ctx, &pub_sock, "mooncake")?];
         let replay = match &cfg.replay_endpoint {
             Some(ep) => {
@@ -261,6 +263,7 @@ impl Publisher {
             vllm,
             monitors,
             seq: 0,
+            event_id: 0,
             ring: VecDeque::new(),
             vllm_seq: HashMap::new(),
             vllm_seq_pods: Arc::default(),
@@ -376,7 +379,33 @@ impl Worker {
 
     fn publish(&mut self, events: &[PoolEvent]) {
         let ts = now_ts();
-        let payload = wire::encode_mooncake_batch(ts, events, self.cfg.block_size);
+        self.publish_mooncake(ts, events);
+        if self.vllm.is_some() {
+            self.publish_vllm(ts, events);
+        }
+    }
+
+    fn publish_mooncake(&mut self, ts: f64, events: &[PoolEvent]) {
+        let (payload, sent) = match self.cfg.mooncake_format {
+            wire::MooncakeFormat::Array => (
+                wire::encode_mooncake_batch(ts, events, self.cfg.block_size),
+                events.len() as u64,
+            ),
+            wire::MooncakeFormat::Rfc1527 => {
+                let ts_ms = (ts * 1000.0) as i64;
+                let batch =
+                    wire::encode_rfc1527_batch(ts_ms, events, &mut self.event_id, &self.cfg.rfc);
+                if batch.skipped > 0 {
+                    let d = self.stats.dropped.with_label_values(&["unparsed_key"]);
+                    d.inc_by(batch.skipped);
+                }
+                // Nothing left to send: every event was skipped, or none changed a medium.
+                let Some(payload) = batch.payload else {
+                    return;
+                };
+                (payload, batch.events)
+            }
+        };
         let seq = self.seq;
         self.seq += 1;
         let frames: [&[u8]; 3] = [self.cfg.topic.as_bytes(), &seq.to_be_bytes(), &payload];
@@ -385,13 +414,13 @@ impl Worker {
         match self.pub_sock.send_multipart(frames, zmq::DONTWAIT) {
             Ok(()) => {
                 let m = self.stats.published.with_label_values(&["mooncake"]);
-                m.inc_by(events.len() as u64);
+                m.inc_by(sent);
                 self.stats.batches.with_label_values(&["mooncake"]).inc();
             }
             Err(e) => {
-                tracing::warn!(error = %e, events = events.len(), "KV event batch not sent");
+                tracing::warn!(error = %e, events = sent, "KV event batch not sent");
                 let d = self.stats.dropped.with_label_values(&["send_failed"]);
-                d.inc_by(events.len() as u64);
+                d.inc_by(sent);
             }
         }
         // Kept only where a replay socket can ask for them.
@@ -400,9 +429,6 @@ impl Worker {
                 self.ring.pop_front();
             }
             self.ring.push_back((seq, payload));
-        }
-        if self.vllm.is_some() {
-            self.publish_vllm(ts, events);
         }
     }
 
@@ -413,6 +439,10 @@ impl Worker {
             for (model, v) in wire::vllm_events(ev, dram, ssd) {
                 match model {
                     Some(m) => {
+                        let m = match self.cfg.vllm_served.served(&m) {
+                            served if served == m => m,
+                            served => served.to_string(),
+                        };
                         if !self.vllm_models.contains(&m) {
                             if self.vllm_models.len() >= MAX_VLLM_MODELS {
                                 let d = self.stats.dropped.with_label_values(&["too_many_models"]);
@@ -446,7 +476,7 @@ impl Worker {
             now.iter().map(String::as_str).collect()
         };
         for (model, evs) in by_model {
-            let payload = wire::encode_vllm_batch(ts, evs.iter(), self.cfg.block_size);
+            let payload = wire::encode_vllm_batch(ts, evs.iter(), &self.cfg.vllm_wire);
             for pod in &pods {
                 let topic = format!("kv@{pod}@{model}");
                 let seq = self
@@ -524,6 +554,14 @@ mod tests {
     fn config() -> EventsConfig {
         EventsConfig {
             endpoint: "tcp://127.0.0.1:*".into(),
+            endpoint_key: "kv_event_publisher_endpoint",
+            mooncake_format: wire::MooncakeFormat::Rfc1527,
+            rfc: wire::RfcWire {
+                backend_id: "pool".into(),
+                emit_legacy_compat: true,
+                emit_object_key: true,
+                block_size: 0,
+            },
             replay_endpoint: None,
             topic: "mooncake".into(),
             hwm: 100_000,
@@ -533,8 +571,15 @@ mod tests {
             block_size: 0,
             vllm_endpoint: None,
             vllm_pods: vec![],
-            vllm_medium_dram: "lunakv_dram".into(),
-            vllm_medium_ssd: "lunakv_ssd".into(),
+            vllm_medium_dram: "CPU".into(),
+            vllm_medium_ssd: "STORAGE".into(),
+            vllm_wire: wire::VllmWire {
+                format: wire::VllmFormat::Tagged,
+                int_hashes: true,
+                block_size: 0,
+                ownership: "lunakv".into(),
+            },
+            vllm_served: Default::default(),
         }
     }
 
@@ -579,7 +624,10 @@ mod tests {
         for i in 0..events {
             sink.emit(PoolEvent::Stored {
                 key: format!("k{i}"),
-                replicas: vec![],
+                replicas: vec![ReplicaRef {
+                    disk: false,
+                    endpoint: "127.0.0.1:1".into(),
+                }],
             });
             std::thread::sleep(Duration::from_micros(200));
         }

@@ -45,11 +45,16 @@ pub fn to_json(v: &rmpv::Value) -> serde_json::Value {
     }
 }
 
-/// One message, decoded: the batch's timestamp and its events (both formats put them second).
+/// One message, decoded: the batch's timestamp in seconds and its events (every format puts
+/// them second). An integer timestamp is RFC #1527's milliseconds.
 pub fn decode_batch(payload: &[u8]) -> anyhow::Result<(f64, Vec<serde_json::Value>)> {
     let v = rmpv::decode::read_value(&mut &payload[..]).context("payload is not msgpack")?;
     let arr = v.as_array().context("payload is not an EventBatch array")?;
-    let ts = arr.first().and_then(rmpv::Value::as_f64).unwrap_or(0.0);
+    let ts = match arr.first() {
+        Some(t) if t.is_i64() || t.is_u64() => t.as_i64().unwrap_or(0) as f64 / 1000.0,
+        Some(t) => t.as_f64().unwrap_or(0.0),
+        None => 0.0,
+    };
     let events = arr
         .get(1)
         .and_then(rmpv::Value::as_array)
@@ -151,13 +156,7 @@ pub fn run(
                 let v = serde_json::json!({"topic": topic_s, "seq": seq, "ts": ts, "event": ev});
                 writeln!(out, "{v}")?;
             } else {
-                let (kind, rest) = match &ev {
-                    serde_json::Value::Array(a) if !a.is_empty() => (
-                        a[0].as_str().unwrap_or("?").to_owned(),
-                        serde_json::Value::Array(a[1..].to_vec()).to_string(),
-                    ),
-                    other => ("?".to_owned(), other.to_string()),
-                };
+                let (kind, rest) = event_line(&ev);
                 writeln!(out, "{seq:>8} {topic_s} {kind:<16} {rest}")?;
             }
             seen += 1;
@@ -165,6 +164,31 @@ pub fn run(
                 return Ok(ExitCode::SUCCESS);
             }
         }
+    }
+}
+
+/// An event's kind and the rest of it, for a human: the positional forms name the kind
+/// first; the map forms in `type` (vLLM's tag) or `event_type` (RFC #1527).
+fn event_line(ev: &serde_json::Value) -> (String, String) {
+    match ev {
+        serde_json::Value::Array(a) if !a.is_empty() => (
+            a[0].as_str().unwrap_or("?").to_owned(),
+            serde_json::Value::Array(a[1..].to_vec()).to_string(),
+        ),
+        serde_json::Value::Object(m) => {
+            let tag = ["event_type", "type"]
+                .iter()
+                .find_map(|k| m.get(*k).and_then(|v| v.as_str()).map(|v| (*k, v)));
+            match tag {
+                Some((field, kind)) => {
+                    let mut rest = m.clone();
+                    rest.remove(field);
+                    (kind.to_owned(), serde_json::Value::Object(rest).to_string())
+                }
+                None => ("?".to_owned(), ev.to_string()),
+            }
+        }
+        other => ("?".to_owned(), other.to_string()),
     }
 }
 
@@ -187,6 +211,25 @@ mod tests {
             vec![serde_json::json!(["BlockRemoved", ["01ff"], "m"])]
         );
         assert!(decode_batch(&[0xc1]).is_err(), "not msgpack");
+    }
+
+    #[test]
+    fn decodes_an_rfc1527_batch_with_its_ms_timestamp_and_names_map_events() {
+        // [1500, [{"event_type": "stored", "object_key": "k"}], 0]
+        let mut b = vec![0x93, 0xcd, 0x05, 0xdc, 0x91, 0x82, 0xaa];
+        b.extend_from_slice(b"event_type");
+        b.extend_from_slice(&[0xa6]);
+        b.extend_from_slice(b"stored");
+        b.extend_from_slice(&[0xaa]);
+        b.extend_from_slice(b"object_key");
+        b.extend_from_slice(&[0xa1, b'k', 0x00]);
+        let (ts, events) = decode_batch(&b).expect("decodes");
+        assert_eq!(ts, 1.5, "milliseconds become seconds");
+        let (kind, rest) = event_line(&events[0]);
+        assert_eq!(kind, "stored");
+        assert_eq!(rest, r#"{"object_key":"k"}"#);
+        let (kind, _) = event_line(&serde_json::json!({"type": "BlockStored"}));
+        assert_eq!(kind, "BlockStored", "vLLM's tagged events");
     }
 
     #[test]

@@ -68,13 +68,19 @@ fn start(bins: &std::path::Path, dir: &std::path::Path, events: bool) -> anyhow:
     })
 }
 
-/// Events in a Mooncake EventBatch `[ts, [event, ...]]`, read from the headers alone: a real
-/// subscriber runs elsewhere, and decoding every event here (as `lunakv events` does) took the
+/// Events in a Mooncake batch, `[ts_ms, [event, ...], dp_rank]` (RFC #1527, the default) or
+/// `[ts, [event, ...]]` (the older array form), read from the headers alone: a real subscriber
+/// runs elsewhere, and decoding every event here (as `lunakv events` does) took the
 /// benchmark's own CPU from the puts it measures on a 2-core machine.
 fn batch_len(payload: &[u8]) -> Option<u64> {
     let mut r = payload;
-    (rmp::decode::read_array_len(&mut r).ok()? == 2).then_some(())?;
-    rmp::decode::read_f64(&mut r).ok()?;
+    matches!(rmp::decode::read_array_len(&mut r).ok()?, 2 | 3).then_some(())?;
+    let mut float = r;
+    if rmp::decode::read_f64(&mut float).is_ok() {
+        r = float;
+    } else {
+        rmp::decode::read_int::<i64, _>(&mut r).ok()?;
+    }
     rmp::decode::read_array_len(&mut r).ok().map(u64::from)
 }
 
@@ -248,6 +254,21 @@ mod tests {
         }
         assert_eq!(batch_len(&buf), Some(3));
         assert_eq!(batch_len(&buf[..5]), None, "cut short");
-        assert_eq!(batch_len(b"\x93"), None, "not a two-element batch");
+        assert_eq!(batch_len(b"\x93"), None, "no timestamp");
+        assert_eq!(batch_len(b"\x91\x00"), None, "not a batch");
+    }
+
+    #[test]
+    fn batch_len_counts_the_events_of_an_rfc1527_batch() {
+        // [1700000000123, [{}, {}], 0]: the timestamp in ms, an int.
+        let mut buf = Vec::new();
+        rmp::encode::write_array_len(&mut buf, 3).unwrap();
+        rmp::encode::write_sint(&mut buf, 1_700_000_000_123).unwrap();
+        rmp::encode::write_array_len(&mut buf, 2).unwrap();
+        for _ in 0..2 {
+            rmp::encode::write_map_len(&mut buf, 0).unwrap();
+        }
+        rmp::encode::write_uint(&mut buf, 0).unwrap();
+        assert_eq!(batch_len(&buf), Some(2));
     }
 }
