@@ -6,7 +6,7 @@ use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
 
 use super::MasterCore;
-use super::policy::{Candidate, MAX_QUEUED, Oldest, Tier};
+use super::policy::{Candidate, MAX_QUEUED, MIN_QUEUED, Oldest, QUEUED_SHARE, Tier};
 use super::types::{Object, ObjectState};
 
 /// A group whose newest member was put this recently may still be waiting for members (as in
@@ -212,11 +212,13 @@ impl MasterCore {
             .sum()
     }
 
-    /// Finds the oldest [`MAX_QUEUED`] complete DRAM objects of each segment: one pass over the
+    /// Finds the oldest complete DRAM objects of probation and of the protected segment (a
+    /// sixteenth of the keys each, within [`MIN_QUEUED`]..=[`MAX_QUEUED`]): one pass over the
     /// index whose cost the next evictions share.
     fn rescan(&self) {
-        let mut probation = Oldest::new(MAX_QUEUED);
-        let mut protected = Oldest::new(MAX_QUEUED);
+        let queued = (self.key_count() as usize / QUEUED_SHARE).clamp(MIN_QUEUED, MAX_QUEUED);
+        let mut probation = Oldest::new(queued);
+        let mut protected = Oldest::new(queued);
         let mut keys = 0usize;
         for shard in &self.shards {
             let shard = shard.lock();

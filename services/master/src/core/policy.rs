@@ -22,7 +22,7 @@
 //!
 //! Recency is the object's `last_access` stamp and the segment its `tier` byte, both kept in
 //! the object under its shard's lock, so a lookup pays no extra lock. Eviction finds the oldest
-//! candidates with one bounded scan ([`MAX_QUEUED`] at a time) and consumes them across many
+//! candidates with one bounded scan (a sixteenth of the keys at a time, [`MAX_QUEUED`] at most) and consumes them across many
 //! evictions, re-checking each under its shard lock: amortized O(log k) per evicted key.
 
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -47,8 +47,14 @@ const GHOST_PER_KEY: usize = 4;
 /// Bounds of the ghost table, in slots.
 const GHOST_MIN: usize = 64;
 const GHOST_MAX: usize = 1 << 26;
-/// Most candidates one scan queues: the oldest this many per segment.
-pub(super) const MAX_QUEUED: usize = 1 << 14;
+/// Candidates one scan queues per segment: the oldest [`QUEUED_SHARE`] of the keys, within
+/// these bounds, so a scan's pass over the index is shared by as many evictions as the index
+/// is large (at 1M keys a scan costs tens of ms; 16k candidates made that 8 us per evicted
+/// key, docs/BENCH.md).
+pub(super) const MIN_QUEUED: usize = 1 << 14;
+pub(super) const MAX_QUEUED: usize = 1 << 18;
+/// One candidate queued per this many keys.
+pub(super) const QUEUED_SHARE: usize = 16;
 /// With cslru a put that must evict frees at least this share of the pool at once, so a batch
 /// of puts pays one FREE round trip to the owners, not one per block.
 pub(super) const CHUNK_SHARE: f64 = 0.005;

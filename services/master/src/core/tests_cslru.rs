@@ -16,10 +16,15 @@ fn core() -> Arc<MasterCore> {
 
 /// A cslru core whose leases last `lease_ttl`, over one segment of `blocks` blocks.
 fn core_with(lease_ttl: Duration, blocks: u64) -> Arc<MasterCore> {
+    core_of(EvictionPolicy::Cslru, lease_ttl, blocks)
+}
+
+/// A core evicting in `policy`'s order, with no reservation or eviction bound in the way.
+fn core_of(policy: EvictionPolicy, lease_ttl: Duration, blocks: u64) -> Arc<MasterCore> {
     let cfg = CoreConfig {
         cluster_id: "c".into(),
         lease_ttl,
-        eviction_policy: EvictionPolicy::Cslru,
+        eviction_policy: policy,
         put_reservation_limit_ratio: 1.0,
         put_reservation_total_ratio: 1.0,
         put_eviction_limit_ratio: 1.0,
@@ -298,18 +303,7 @@ async fn core_replay() {
         })
         .collect();
     for policy in [EvictionPolicy::Cslru, EvictionPolicy::Lru] {
-        let cfg = CoreConfig {
-            cluster_id: "c".into(),
-            lease_ttl: Duration::from_millis(1),
-            eviction_policy: policy,
-            put_reservation_limit_ratio: 1.0,
-            put_reservation_total_ratio: 1.0,
-            put_eviction_limit_ratio: 1.0,
-            ..CoreConfig::default()
-        };
-        let core = MasterCore::new(cfg, 7, Arc::new(RecordingNotifier::default()));
-        core.mount("cl", "c", desc(BLOCK * cap), vec![])
-            .expect("mount");
+        let core = core_of(policy, Duration::from_millis(1), cap);
         let (mut hit, mut input) = (0u64, 0u64);
         let started = Instant::now();
         for (len, ids) in &trace {
@@ -352,5 +346,60 @@ async fn core_replay() {
             trace.len(),
             started.elapsed()
         );
+    }
+}
+
+/// Master CPU per evicted key with 1M keys resident: puts into a full pool (each evicting one
+/// key) against the same puts into a pool with room, interleaved in rounds, on one thread.
+/// Prints the difference per key. `cargo test -p lunakv-master --release --lib eviction_cost
+/// -- --ignored --nocapture` (EVICT_KEYS to change the resident count).
+#[tokio::test(flavor = "current_thread")]
+#[ignore = "a benchmark"]
+async fn eviction_cost() {
+    let keys: u64 = std::env::var("EVICT_KEYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
+    let batch = 20_000u64;
+    let rounds = 5;
+    for policy in [EvictionPolicy::Cslru, EvictionPolicy::Lru] {
+        let full = core_of(policy, Duration::from_millis(1), keys);
+        let roomy = core_of(policy, Duration::from_millis(1), keys + batch * rounds);
+        let fill = |core: Arc<MasterCore>| async move {
+            let now = Instant::now();
+            for i in 0..keys {
+                let k = format!("r{i}");
+                core.put_start("cl", &k, BLOCK, &opts())
+                    .await
+                    .expect("fill");
+                core.put_end_at(&Caller::default(), &k, now, false)
+                    .expect("fill end");
+            }
+        };
+        fill(full.clone()).await;
+        fill(roomy.clone()).await;
+        let mut t = [Duration::ZERO; 2];
+        for round in 0..rounds {
+            for (i, core) in [&full, &roomy].into_iter().enumerate() {
+                let started = Instant::now();
+                for j in 0..batch {
+                    let k = format!("n{round}-{j}");
+                    core.put_start("cl", &k, BLOCK, &opts()).await.expect("put");
+                    core.put_end_at(&Caller::default(), &k, Instant::now(), false)
+                        .expect("put end");
+                }
+                t[i] += started.elapsed();
+            }
+        }
+        let n = (batch * rounds) as f64;
+        let evicted = full.metrics.evicted_keys_total.get();
+        println!(
+            "eviction cost ({policy:?}) at {keys} keys: {:.2} us per put with eviction, {:.2} us \
+         without, {:.2} us per evicted key ({evicted} evicted)",
+            t[0].as_secs_f64() * 1e6 / n,
+            t[1].as_secs_f64() * 1e6 / n,
+            (t[0].saturating_sub(t[1])).as_secs_f64() * 1e6 / evicted.max(1) as f64,
+        );
+        assert!(evicted >= batch * rounds, "every put evicted: {evicted}");
     }
 }
