@@ -183,6 +183,16 @@ pub struct DiskObject {
     pub proof: Option<[u8; PROOF_LEN]>,
 }
 
+/// What [`DiskTier::store_batch_reporting`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stored {
+    /// The generations now on disk, in input order (already-held ones count).
+    pub stored: Vec<u64>,
+    /// Objects the size limit dropped to make room for the batch (not queued for
+    /// [`DiskTier::take_dropped`]).
+    pub dropped: Vec<DiskObject>,
+}
+
 /// What [`DiskTier::open`] found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecoveryReport {

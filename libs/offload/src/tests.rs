@@ -340,3 +340,59 @@ fn placement_proofs_survive_a_restart_and_rows_without_one_still_decode() {
     cut.extend_from_slice(&[PROOF_MARK, 1, 2]);
     assert!(Loc::decode(&cut).is_none());
 }
+
+/// The OFFLOAD path: what the limit drops for a batch comes back with the batch, never twice
+/// (not also on the Ping's queue); a drop the caller could not deliver goes back on the queue.
+#[test]
+fn a_reporting_store_returns_what_it_dropped_instead_of_queueing_it() {
+    let d = tempfile::tempdir().unwrap();
+    // 4 objects per bucket, 10 objects under the limit.
+    let (t, _) = DiskTier::open(cfg(d.path(), 100_000)).unwrap();
+    let bytes: Vec<Vec<u8>> = (0..=20).map(|i| obj(i, 10_000)).collect();
+    let keys: Vec<String> = (0..=20).map(|i| format!("k{i}")).collect();
+    let mut returned: Vec<DiskObject> = Vec::new();
+    for i in 1..=20usize {
+        let s = t
+            .store_batch_reporting(&[StoreItem {
+                key: &keys[i],
+                generation: i as u64,
+                bytes: &bytes[i],
+                proof: None,
+            }])
+            .unwrap();
+        assert_eq!(s.stored, vec![i as u64]);
+        returned.extend(s.dropped);
+    }
+    assert!(!returned.is_empty(), "the limit dropped nothing");
+    assert!(
+        t.take_dropped().is_empty(),
+        "reported drops must not reach the Ping too"
+    );
+    let mut buf = vec![0u8; 10_000];
+    for o in &returned {
+        assert_eq!(o.key, format!("k{}", o.generation));
+        assert_eq!(o.size, 10_000);
+        assert!(matches!(
+            t.load(o.generation, &mut buf),
+            Err(LoadError::NotFound(_))
+        ));
+    }
+    // Every object not returned is still served: nothing was dropped silently.
+    for i in 1..=20u64 {
+        if returned.iter().all(|o| o.generation != i) {
+            t.load(i, &mut buf).unwrap();
+        }
+    }
+    assert_eq!(
+        t.stats().evicted_objects_total,
+        returned.len() as u64,
+        "every drop is counted once"
+    );
+    t.requeue_dropped(returned.clone());
+    assert_eq!(t.take_dropped(), returned);
+    // The plain store still queues its drops for the Ping.
+    for i in 21..=30u64 {
+        put(&t, i, 10_000);
+    }
+    assert!(!t.take_dropped().is_empty());
+}

@@ -7,14 +7,52 @@ impl DiskTier {
     /// Writes the objects durably (see the crate docs for the order of writes and fsyncs).
     /// Returns the generations now on disk, in input order; objects already on disk count as
     /// stored. An error means none of the batch was indexed.
+    /// Objects the size limit drops to make room are queued for [`Self::take_dropped`].
     pub fn store_batch(&self, items: &[StoreItem<'_>]) -> Result<Vec<u64>, OffloadError> {
         self.store(items, false)
+    }
+
+    /// As [`Self::store_batch`], but the objects dropped to make room for this batch are
+    /// returned rather than queued for [`Self::take_dropped`]: the caller (the owner's OFFLOAD)
+    /// tells the master in its answer, so the master never calls them present meanwhile. On an
+    /// error they are queued as usual, since the caller then has no answer to carry them in.
+    pub fn store_batch_reporting(&self, items: &[StoreItem<'_>]) -> Result<Stored, OffloadError> {
+        let mut dropped = Vec::new();
+        match self.store_inner(items, false, &mut dropped) {
+            Ok(stored) => Ok(Stored { stored, dropped }),
+            Err(e) => {
+                self.requeue_dropped(dropped);
+                Err(e)
+            }
+        }
+    }
+
+    /// Queues drops a caller could not deliver (its answer was lost) for
+    /// [`Self::take_dropped`], so the master still learns of them on the next Ping.
+    pub fn requeue_dropped(&self, dropped: Vec<DiskObject>) {
+        if !dropped.is_empty() {
+            self.inner.lock().dropped.extend(dropped);
+        }
     }
 
     pub(crate) fn store(
         &self,
         items: &[StoreItem<'_>],
         relocate: bool,
+    ) -> Result<Vec<u64>, OffloadError> {
+        let mut dropped = Vec::new();
+        let r = self.store_inner(items, relocate, &mut dropped);
+        self.requeue_dropped(dropped);
+        r
+    }
+
+    /// Stores the batch; objects dropped to make room are appended to `dropped` (also when an
+    /// error follows: they are gone from the index either way).
+    fn store_inner(
+        &self,
+        items: &[StoreItem<'_>],
+        relocate: bool,
+        dropped: &mut Vec<DiskObject>,
     ) -> Result<Vec<u64>, OffloadError> {
         let _w = self.writer.lock();
         let mut done = Vec::new();
@@ -56,7 +94,7 @@ impl DiskTier {
         let mut new_bucket = false;
         {
             let mut g = self.inner.lock();
-            self.make_room(&mut g, need.min(self.cfg.limit_bytes))?;
+            dropped.extend(self.make_room(&mut g, need.min(self.cfg.limit_bytes))?);
             for it in &todo {
                 let len = it.bytes.len() as u64;
                 let fits = g
@@ -221,8 +259,13 @@ impl DiskTier {
         self.reclaim_empty(&mut g);
     }
 
-    /// Drops whole buckets, oldest first, until `need` more bytes fit under the limit.
-    pub(crate) fn make_room(&self, g: &mut Inner, need: u64) -> Result<(), OffloadError> {
+    /// Drops whole buckets, oldest first, until `need` more bytes fit under the limit. Returns
+    /// the live objects dropped with them; the caller decides how the master learns of them.
+    pub(crate) fn make_room(
+        &self,
+        g: &mut Inner,
+        need: u64,
+    ) -> Result<Vec<DiskObject>, OffloadError> {
         let mut victims = Vec::new();
         let mut used = g.used;
         for (&id, b) in &g.buckets {
@@ -233,7 +276,7 @@ impl DiskTier {
             victims.push(id);
         }
         if victims.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let gens: Vec<u64> = victims
             .iter()
@@ -250,10 +293,11 @@ impl DiskTier {
                 let _ = std::fs::remove_file(&b.path);
             }
         }
+        let mut dropped = Vec::with_capacity(gens.len());
         for gen_ in gens {
             if let Some(l) = g.objects.remove(&gen_) {
                 g.live_bytes -= l.len;
-                g.dropped.push(DiskObject {
+                dropped.push(DiskObject {
                     key: l.key,
                     generation: gen_,
                     size: l.len,
@@ -262,7 +306,7 @@ impl DiskTier {
                 self.counters.evicted.fetch_add(1, Ordering::Relaxed);
             }
         }
-        Ok(())
+        Ok(dropped)
     }
 
     /// Deletes sealed buckets that hold no live object any more.

@@ -632,6 +632,19 @@ impl TransferEngine {
         self.tcp.offload(endpoint, items, timeout)
     }
 
+    /// OFFLOAD, and the owner names in its answer the objects its disk tier dropped to make
+    /// room for these ([`crate::wire::FLAG_DROPS`]), so the caller can forget them before it
+    /// answers another lookup. An owner that predates the flag answers as for
+    /// [`Self::offload`] (`reported` false): its drops come on its next Ping.
+    pub fn offload_reporting(
+        &self,
+        endpoint: &str,
+        items: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<crate::OffloadAnswer, TransferError> {
+        self.tcp.offload_reporting(endpoint, items, timeout)
+    }
+
     /// LOAD: reads object `generation` (total length of `dst`) from the owner's DRAM or disk
     /// tier, over tcp (the disk read dominates; shm would not save anything).
     pub fn load(

@@ -74,7 +74,7 @@ pub use region::{
 };
 pub use server::{ConnStats, SegmentServer};
 pub use shm::ShmTransport;
-pub use tcp::TcpTransport;
+pub use tcp::{OffloadAnswer, TcpTransport};
 pub use wire::DISK_OFFSET;
 
 /// One object handed to a [`ColdTier`]: its bytes are borrowed from the segment, pinned.
@@ -86,6 +86,24 @@ pub struct ColdItem<'a> {
     /// The entry's placement proof: the tier keeps it, so the object stays provable on disk
     /// and after a promotion back to DRAM.
     pub proof: Option<PlacementProof>,
+}
+
+/// An object a [`ColdTier`] dropped to make room (its size limit), reported by
+/// [`ColdTier::store_reporting`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ColdDropped {
+    pub key: String,
+    pub generation: u64,
+    pub size: u64,
+}
+
+/// What [`ColdTier::store_reporting`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ColdStored {
+    /// The generations now held (already-held ones count).
+    pub stored: Vec<u64>,
+    /// Objects dropped to make room for these, which the tier will not report otherwise.
+    pub dropped: Vec<ColdDropped>,
 }
 
 /// Why a [`ColdTier`] could not store or load: the tier's own error, kept whole (not flattened
@@ -107,6 +125,22 @@ pub trait ColdTier: Send + Sync + 'static {
     /// Stores the objects durably; returns the generations now held (already-held ones count).
     /// An error means none of them is held; the caller logs it.
     fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, ColdTierError>;
+    /// As [`Self::store`], and hands back the objects dropped to make room for these, so an
+    /// OFFLOAD answer tells the master at once (it would otherwise call them present until the
+    /// owner's next Ping). A tier that returns drops here must not report them again, and takes
+    /// back those the caller could not deliver through [`Self::report_later`]. Default: drops
+    /// are left to the tier's own reporting (the Ping).
+    fn store_reporting(&self, items: &[ColdItem<'_>]) -> Result<ColdStored, ColdTierError> {
+        self.store(items).map(|stored| ColdStored {
+            stored,
+            dropped: Vec::new(),
+        })
+    }
+    /// Drops from [`Self::store_reporting`] the caller could not deliver (the answer was lost,
+    /// or there were more than one answer carries): report them the usual way.
+    fn report_later(&self, dropped: Vec<ColdDropped>) {
+        let _ = dropped;
+    }
     /// Size of the object if held.
     fn size_of(&self, generation: u64) -> Option<u64>;
     /// The placement proof stored with the object, if any (a promotion carries it back to DRAM).

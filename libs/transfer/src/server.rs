@@ -26,8 +26,8 @@ use crate::optimes::TimedOp;
 use crate::table::{Freed, PinId, PinResult, Pinned, RevokedGeneration, Table};
 use crate::wire::{self, Op, Request, Response, Status};
 use crate::{
-    ColdItem, ColdTier, Entry, SegmentIdentity, SegmentInfo, SegmentServerConfig, SegmentStats,
-    TransferError, host_id, tune_socket,
+    ColdDropped, ColdItem, ColdTier, Entry, SegmentIdentity, SegmentInfo, SegmentServerConfig,
+    SegmentStats, TransferError, host_id, tune_socket,
 };
 
 /// How long a WRITE waits for readers of the entries it overwrites before writing anyway.
@@ -903,7 +903,7 @@ fn serve_requests<S: Stream>(c: &mut Conn<'_, S>) -> Result<(), End> {
             Op::Read | Op::Pin => c.read(&req, started)?,
             Op::Unpin => c.unpin(&req),
             Op::Free => c.free(&req)?,
-            Op::Offload => c.offload(&req)?,
+            Op::Offload => c.offload(&req, wire::wants_drops(&hdr))?,
             Op::Load => c.load(&req)?,
             Op::Promote => c.promote(&req)?,
             Op::Attach => {
@@ -1285,27 +1285,76 @@ impl<S: Stream> Conn<'_, S> {
         Ok(Some(Some(all)))
     }
 
-    fn offload(&mut self, req: &Request) -> Result<(), End> {
+    /// `report`: the master asked for the disk tier's drops in the answer ([`wire::FLAG_DROPS`]).
+    fn offload(&mut self, req: &Request, report: bool) -> Result<(), End> {
         let shared = self.shared;
         let count = Self::item_count(req, "OFFLOAD")?;
         let deadline = Instant::now() + Duration::from_millis(u64::from(req.aux));
         let mut pinned = Vec::new();
         let mut stored = 0u64;
-        // Grows only with pairs actually received (8 of every 16 bytes at most).
-        let mut body: Vec<u8> = Vec::new();
+        // Grow only with pairs actually received (failed: at most one per pair).
+        let mut failed: Vec<u64> = Vec::new();
+        let mut dropped: Vec<ColdDropped> = Vec::new();
         let Some(buffered) = self.owner_body(req, count)? else {
             return Ok(());
         };
         let mut pairs = Body::of(&mut self.rd, buffered);
-        for_each_chunk(&mut pairs, &mut self.free_buf, count, |items| {
-            let (s, failed) = offload(shared, items);
+        let read = for_each_chunk(&mut pairs, &mut self.free_buf, count, |items| {
+            let (s, f, d) = offload(shared, items, report);
             stored += s;
-            body.extend(failed.iter().flat_map(|g| g.to_le_bytes()));
+            failed.extend(f);
+            dropped.extend(d);
             // Durable (or failed): now the DRAM entries go, exactly as FREE.
             pinned.extend(shared.table.retire_items(items));
-        })?;
+        });
+        let cold = shared.cold.get();
+        // Drops that no answer will carry go back to the tier's own reporting (the Ping), or
+        // the master would keep calling those objects present.
+        let report_later = |d: Vec<ColdDropped>| {
+            if let Some(cold) = cold
+                && !d.is_empty()
+            {
+                cold.report_later(d);
+            }
+        };
+        if let Err(e) = read {
+            report_later(dropped);
+            return Err(e.into());
+        }
         shared.table.wait_unpinned(&pinned, deadline);
-        reply_body(&mut self.wr, stored, &body)?;
+        if !report {
+            let body: Vec<u8> = failed.iter().flat_map(|g| g.to_le_bytes()).collect();
+            reply_body(&mut self.wr, stored, &body)?;
+            return Ok(());
+        }
+        // What one answer may carry (the requester's bounds); the rest goes on the Ping.
+        let (mut fit, mut rest) = (Vec::new(), Vec::new());
+        let mut bytes = 0usize;
+        for d in dropped {
+            let len = wire::offload_drop_len(d.key.len());
+            if d.key.len() <= wire::MAX_KEY_LEN
+                && fit.len() < wire::MAX_OFFLOAD_DROPS
+                && bytes + len <= wire::MAX_OFFLOAD_DROP_BYTES
+            {
+                bytes += len;
+                fit.push(d);
+            } else {
+                rest.push(d);
+            }
+        }
+        report_later(rest);
+        let listed: Vec<wire::DroppedObject> = fit
+            .iter()
+            .map(|d| wire::DroppedObject {
+                generation: d.generation,
+                key: d.key.clone(),
+            })
+            .collect();
+        let body = wire::encode_offload_answer(&failed, &listed);
+        if let Err(e) = reply_body(&mut self.wr, stored, &body) {
+            report_later(fit);
+            return Err(e.into());
+        }
         Ok(())
     }
 
@@ -1524,9 +1573,15 @@ fn parse_pairs(buf: &[u8]) -> Vec<(u64, u64)> {
 /// Writes the pinned entries to the disk tier. Returns (objects now on disk, generations that
 /// could not be stored). Entries the owner no longer has count as stored if the disk tier holds
 /// them (a retried OFFLOAD) and as failed otherwise.
-fn offload(shared: &Shared, items: &[(u64, u64)]) -> (u64, Vec<u64>) {
+/// With `report`, also the objects the tier dropped to make room for these (see
+/// [`ColdTier::store_reporting`]); without, the tier reports its drops itself.
+fn offload(
+    shared: &Shared,
+    items: &[(u64, u64)],
+    report: bool,
+) -> (u64, Vec<u64>, Vec<ColdDropped>) {
     let Some(cold) = shared.cold.get() else {
-        return (0, items.iter().map(|(g, _)| *g).collect());
+        return (0, items.iter().map(|(g, _)| *g).collect(), Vec::new());
     };
     let mut pinned = Vec::with_capacity(items.len());
     let mut failed = Vec::new();
@@ -1539,7 +1594,16 @@ fn offload(shared: &Shared, items: &[(u64, u64)]) -> (u64, Vec<u64>) {
         }
     }
     let batch = cold_items(shared, &pinned, |g| failed.push(g));
-    match cold.store(&batch) {
+    let mut dropped = Vec::new();
+    let r = if report {
+        cold.store_reporting(&batch).map(|s| {
+            dropped = s.dropped;
+            s.stored
+        })
+    } else {
+        cold.store(&batch)
+    };
+    match r {
         Ok(done) => {
             // A shutdown drain keeps these disk copies: they are the master's replicas now.
             shared.table.note_offloaded(&done);
@@ -1561,7 +1625,7 @@ fn offload(shared: &Shared, items: &[(u64, u64)]) -> (u64, Vec<u64>) {
     for p in pinned {
         shared.table.unpin(p.pin);
     }
-    (stored, failed)
+    (stored, failed, dropped)
 }
 
 /// The disk tier's items for pinned entries: their bytes in the mapping, with key and proof.

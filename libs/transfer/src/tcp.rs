@@ -55,12 +55,23 @@ pub(crate) fn recv_status<R: Read>(
     offset: u64,
     len: u64,
 ) -> Result<u64, TransferError> {
+    recv_status_features(r, endpoint, generation, offset, len).map(|(n, _)| n)
+}
+
+/// As [`recv_status`], with the answering peer's features byte.
+pub(crate) fn recv_status_features<R: Read>(
+    r: &mut R,
+    endpoint: &str,
+    generation: u64,
+    offset: u64,
+    len: u64,
+) -> Result<(u64, u8), TransferError> {
     let mut hdr = [0u8; wire::RESP_LEN];
     r.read_exact(&mut hdr).map_err(|e| io_err(endpoint, e))?;
     let resp = Response::decode(&hdr)
         .map_err(|why| TransferError::Protocol(format!("{endpoint}: {why}")))?;
     if resp.status == Status::Ok {
-        return Ok(resp.len);
+        return Ok((resp.len, wire::features(&hdr)));
     }
     if resp.len > wire::MAX_MSG_LEN {
         return Err(TransferError::Protocol(format!(
@@ -267,6 +278,17 @@ pub(crate) struct Pool {
     idle: Mutex<Vec<TcpConn>>,
 }
 
+/// An owner's answer to OFFLOAD (see [`TcpTransport::offload_reporting`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OffloadAnswer {
+    /// Generations it could not store (gone from DRAM too).
+    pub failed: Vec<u64>,
+    /// Objects its disk tier dropped to make room for these, named in the answer.
+    pub dropped: Vec<wire::DroppedObject>,
+    /// The owner understood [`wire::FLAG_DROPS`]; when false, its drops come on its next Ping.
+    pub reported: bool,
+}
+
 /// The tcp transport, with a connection pool per endpoint.
 pub struct TcpTransport {
     pools: RwLock<HashMap<String, Arc<Pool>>>,
@@ -434,7 +456,31 @@ impl TcpTransport {
         items: &[(u64, u64)],
         timeout: Duration,
     ) -> Result<Vec<u64>, TransferError> {
+        self.offload_with(endpoint, items, timeout, false)
+            .map(|a| a.failed)
+    }
+
+    /// OFFLOAD pairs asking for the disk tier's drops ([`wire::FLAG_DROPS`]); see
+    /// [`crate::TransferEngine::offload_reporting`].
+    pub fn offload_reporting(
+        &self,
+        endpoint: &str,
+        items: &[(u64, u64)],
+        timeout: Duration,
+    ) -> Result<OffloadAnswer, TransferError> {
+        self.offload_with(endpoint, items, timeout, true)
+    }
+
+    fn offload_with(
+        &self,
+        endpoint: &str,
+        items: &[(u64, u64)],
+        timeout: Duration,
+        report: bool,
+    ) -> Result<OffloadAnswer, TransferError> {
         let mut failed = Vec::new();
+        let mut dropped = Vec::new();
+        let mut reported = report;
         let key = self.owner_key(endpoint);
         for chunk in items.chunks(wire::MAX_FREE_ITEMS as usize) {
             let mut body = Vec::with_capacity(chunk.len() * 16);
@@ -453,6 +499,10 @@ impl TcpTransport {
             .encode();
             let tag = key.map(|k| crate::Capability::owner(&k, &hdr, &body));
             let tb = wire::attach_cap(&mut hdr, tag.as_ref());
+            if report {
+                // After the tag: owners check the header's tag without its flags.
+                hdr[wire::FLAGS_AT] |= wire::FLAG_DROPS;
+            }
             self.with_conn(endpoint, |c| {
                 // Disk writes of a whole eviction pass plus the pin wait: allow for both.
                 let wait = self.io_timeout * 6 + timeout;
@@ -461,7 +511,30 @@ impl TcpTransport {
                     .map_err(|e| io_err(endpoint, e))?;
                 write_all_gather(&mut c.stream, &[&hdr, tb, &body], &[])
                     .map_err(|e| io_err(endpoint, e))?;
-                let n = recv_status(&mut c.stream, endpoint, 0, 0, 0)?;
+                let (n, features) = recv_status_features(&mut c.stream, endpoint, 0, 0, 0)?;
+                if report && features & wire::FEATURE_DROPS != 0 {
+                    if n > wire::max_offload_answer_len(chunk.len()) {
+                        return Err(TransferError::Protocol(format!(
+                            "{endpoint}: OFFLOAD answered {n} bytes for {} pairs",
+                            chunk.len()
+                        )));
+                    }
+                    let mut buf = vec![0u8; n as usize];
+                    c.stream
+                        .read_exact(&mut buf)
+                        .map_err(|e| io_err(endpoint, e))?;
+                    let (f, d) = wire::decode_offload_answer(&buf, chunk.len())
+                        .map_err(|why| TransferError::Protocol(format!("{endpoint}: {why}")))?;
+                    failed.extend(f);
+                    dropped.extend(d);
+                    return c
+                        .stream
+                        .set_read_timeout(Some(self.io_timeout))
+                        .map_err(|e| io_err(endpoint, e));
+                }
+                // An owner that predates FLAG_DROPS ignored it: the old answer, and its drops
+                // reach the master on its next Ping.
+                reported = false;
                 if n % 8 != 0 || n > chunk.len() as u64 * 8 {
                     return Err(TransferError::Protocol(format!(
                         "{endpoint}: OFFLOAD answered {n} bytes of failed generations"
@@ -481,7 +554,11 @@ impl TcpTransport {
                     .map_err(|e| io_err(endpoint, e))
             })?;
         }
-        Ok(failed)
+        Ok(OffloadAnswer {
+            failed,
+            dropped,
+            reported,
+        })
     }
 
     /// PROMOTE (wire op 13): asks the owner at `endpoint` to copy object `generation` (of

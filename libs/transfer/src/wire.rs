@@ -51,8 +51,29 @@ pub const FLAG_CAP: u8 = 4;
 /// Request flag, only with [`FLAG_CAP`] on WRITE and COMMIT: the capability is followed by the
 /// placement's [`crate::cap::PROOF_LEN`]-byte proof, which the owner keeps with the entry.
 pub const FLAG_PROOF: u8 = 8;
+/// Request flag on OFFLOAD: "tell me what you dropped". The owner answers in the layout of
+/// [`encode_offload_answer`], which adds the objects its disk tier dropped to make room for this
+/// OFFLOAD, so the master forgets them before it answers another lookup. Like [`FLAG_CAP`] it is
+/// set after the master's tag is computed (owners tag-check the header without flags). An owner
+/// without [`FEATURE_DROPS`] ignores it and answers as before; its drops reach the master on its
+/// next Ping.
+pub const FLAG_DROPS: u8 = 16;
+/// Response feature: this peer answers [`FLAG_DROPS`].
+pub const FEATURE_DROPS: u8 = 4;
 /// What this crate's servers understand; every response they send carries it.
-pub const FEATURES: u8 = FEATURE_TRACE | FEATURE_IDENTITY;
+pub const FEATURES: u8 = FEATURE_TRACE | FEATURE_IDENTITY | FEATURE_DROPS;
+/// Most dropped objects one OFFLOAD answer carries; an owner reports the rest on its next Ping.
+pub const MAX_OFFLOAD_DROPS: usize = 1 << 20;
+/// Most bytes of dropped objects ([`offload_drop_len`] each) one OFFLOAD answer carries; an
+/// owner reports the rest on its next Ping. With keys of ~100 bytes, ~150,000 objects.
+pub const MAX_OFFLOAD_DROP_BYTES: usize = 16 << 20;
+/// Bytes of one dropped object in an OFFLOAD answer, besides its key.
+const DROP_FIXED_LEN: usize = 8 + 2;
+
+/// Bytes a dropped object with a key of `key_len` bytes takes in an OFFLOAD answer.
+pub fn offload_drop_len(key_len: usize) -> usize {
+    DROP_FIXED_LEN + key_len
+}
 /// Longest identity an ATTACH answer may carry (three short strings).
 pub const MAX_IDENTITY_LEN: u64 = 1024;
 
@@ -140,6 +161,14 @@ pub enum Op {
     /// `aux` ms for pins. The owner writes each entry durably to its disk tier, then drops the
     /// DRAM entries (as FREE does) and answers OK with `value` = objects now on disk and a body
     /// of the generations it could not store (8 bytes each).
+    ///
+    /// With [`FLAG_DROPS`] set, an owner whose answer carries [`FEATURE_DROPS`] answers with
+    /// this body instead (little-endian): `u32 F`, `F` u64 generations it could not store,
+    /// `u32 D`, then `D` objects its disk tier dropped to make room for this OFFLOAD, each `u64
+    /// generation`, `u16 key_len`, `key_len` UTF-8 key bytes. `F` is at most the request's
+    /// `count`, `D` at most [`MAX_OFFLOAD_DROPS`], the `D` objects at most
+    /// [`MAX_OFFLOAD_DROP_BYTES`], `key_len` at most [`MAX_KEY_LEN`]; a requester closes the
+    /// connection on anything else. Drops beyond these go on the owner's next Ping.
     Offload = 10,
     /// SSD tier: `LOAD(gen, len)`; answers OK + the object's bytes, from DRAM while its entry is
     /// still there (an offload in flight) else from disk after its checksum passed; STALE when
@@ -399,6 +428,102 @@ pub fn wants_identity(b: &[u8; REQ_LEN]) -> bool {
     b[FLAGS_AT] & FLAG_IDENTITY != 0
 }
 
+/// The request asks an OFFLOAD answer to list the disk tier's drops ([`FLAG_DROPS`]).
+pub fn wants_drops(b: &[u8; REQ_LEN]) -> bool {
+    b[FLAGS_AT] & FLAG_DROPS != 0
+}
+
+/// An object an owner's disk tier dropped to make room, as an OFFLOAD answer names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DroppedObject {
+    pub generation: u64,
+    pub key: String,
+}
+
+/// The body of an OFFLOAD answer to a [`FLAG_DROPS`] request (layout: [`Op::Offload`]). The
+/// caller keeps `dropped` within [`MAX_OFFLOAD_DROPS`] and [`MAX_OFFLOAD_DROP_BYTES`], and each
+/// key within [`MAX_KEY_LEN`].
+pub fn encode_offload_answer(failed: &[u64], dropped: &[DroppedObject]) -> Vec<u8> {
+    let keys: usize = dropped.iter().map(|d| d.key.len()).sum();
+    let mut b = Vec::with_capacity(8 + failed.len() * 8 + dropped.len() * DROP_FIXED_LEN + keys);
+    b.extend_from_slice(&(failed.len() as u32).to_le_bytes());
+    for g in failed {
+        b.extend_from_slice(&g.to_le_bytes());
+    }
+    b.extend_from_slice(&(dropped.len() as u32).to_le_bytes());
+    for d in dropped {
+        b.extend_from_slice(&d.generation.to_le_bytes());
+        b.extend_from_slice(&(d.key.len() as u16).to_le_bytes());
+        b.extend_from_slice(d.key.as_bytes());
+    }
+    b
+}
+
+/// Longest OFFLOAD answer body a requester accepts for a request of `count` pairs.
+pub fn max_offload_answer_len(count: usize) -> u64 {
+    (8 + count as u64 * 8).saturating_add(MAX_OFFLOAD_DROP_BYTES as u64)
+}
+
+/// Why an OFFLOAD answer body could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OffloadAnswerError {
+    #[error("OFFLOAD answer truncated")]
+    Truncated,
+    #[error("OFFLOAD answer lists {got} failed generations for {count} pairs")]
+    TooManyFailed { got: u64, count: usize },
+    #[error("OFFLOAD answer lists {0} dropped objects (at most {MAX_OFFLOAD_DROPS})")]
+    TooManyDropped(u64),
+    #[error("OFFLOAD answer has a key of {0} bytes (at most {MAX_KEY_LEN})")]
+    KeyTooLong(usize),
+    #[error("OFFLOAD answer has a key that is not UTF-8")]
+    KeyNotUtf8,
+    #[error("OFFLOAD answer has {0} bytes after its last object")]
+    Trailing(usize),
+}
+
+/// Decodes [`encode_offload_answer`]'s body for a request of `count` pairs: (generations not
+/// stored, objects dropped). Every count and length is checked before it is used.
+pub fn decode_offload_answer(
+    b: &[u8],
+    count: usize,
+) -> Result<(Vec<u64>, Vec<DroppedObject>), OffloadAnswerError> {
+    use OffloadAnswerError as E;
+    let mut at = 0usize;
+    let mut take = |n: usize| -> Result<&[u8], E> {
+        let s = b.get(at..at + n).ok_or(E::Truncated)?;
+        at += n;
+        Ok(s)
+    };
+    let f = u64::from(le_u32(take(4)?));
+    if f > count as u64 {
+        return Err(E::TooManyFailed { got: f, count });
+    }
+    let mut failed = Vec::with_capacity(f as usize);
+    for _ in 0..f {
+        failed.push(le_u64(take(8)?));
+    }
+    let d = u64::from(le_u32(take(4)?));
+    if d > MAX_OFFLOAD_DROPS as u64 {
+        return Err(E::TooManyDropped(d));
+    }
+    let mut dropped = Vec::new();
+    for _ in 0..d {
+        let generation = le_u64(take(8)?);
+        let n = usize::from(u16::from_le_bytes([take(1)?[0], take(1)?[0]]));
+        if n > MAX_KEY_LEN {
+            return Err(E::KeyTooLong(n));
+        }
+        let key = std::str::from_utf8(take(n)?)
+            .map_err(|_| E::KeyNotUtf8)?
+            .to_owned();
+        dropped.push(DroppedObject { generation, key });
+    }
+    if at != b.len() {
+        return Err(E::Trailing(b.len() - at));
+    }
+    Ok((failed, dropped))
+}
+
 /// The features byte of a response header (0 from peers that predate it).
 pub fn features(b: &[u8; RESP_LEN]) -> u8 {
     b[FLAGS_AT]
@@ -484,6 +609,90 @@ mod tests {
         }
         .encode();
         assert_eq!(features(&resp) & FEATURE_TRACE, FEATURE_TRACE);
+    }
+
+    #[test]
+    fn offload_answers_round_trip_and_bounds_are_checked() {
+        let dropped = vec![
+            DroppedObject {
+                generation: 7,
+                key: "a".into(),
+            },
+            DroppedObject {
+                generation: 1 << 40,
+                key: "k".repeat(MAX_KEY_LEN),
+            },
+        ];
+        let b = encode_offload_answer(&[3, 4], &dropped);
+        assert!(b.len() as u64 <= max_offload_answer_len(2));
+        assert_eq!(
+            decode_offload_answer(&b, 2),
+            Ok((vec![3, 4], dropped.clone()))
+        );
+        let empty = encode_offload_answer(&[], &[]);
+        assert_eq!(empty.len(), 8);
+        assert_eq!(decode_offload_answer(&empty, 0), Ok((vec![], vec![])));
+        // More failed generations than pairs asked.
+        assert_eq!(
+            decode_offload_answer(&b, 1),
+            Err(OffloadAnswerError::TooManyFailed { got: 2, count: 1 })
+        );
+        // Every cut is refused, never read past.
+        for cut in 0..b.len() {
+            assert!(decode_offload_answer(&b[..cut], 2).is_err(), "cut at {cut}");
+        }
+        let mut long = b.clone();
+        long.push(0);
+        assert_eq!(
+            decode_offload_answer(&long, 2),
+            Err(OffloadAnswerError::Trailing(1))
+        );
+        // A count or a key length beyond the bounds is refused before anything is allocated.
+        let mut many = encode_offload_answer(&[], &[]);
+        many[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(
+            decode_offload_answer(&many, 0),
+            Err(OffloadAnswerError::TooManyDropped(u64::from(u32::MAX)))
+        );
+        let mut key = encode_offload_answer(&[], &dropped[..1]);
+        key[16..18].copy_from_slice(&(MAX_KEY_LEN as u16 + 1).to_le_bytes());
+        assert_eq!(
+            decode_offload_answer(&key, 0),
+            Err(OffloadAnswerError::KeyTooLong(MAX_KEY_LEN + 1))
+        );
+        let mut utf = encode_offload_answer(&[], &dropped[..1]);
+        utf[18] = 0xFF;
+        assert_eq!(
+            decode_offload_answer(&utf, 0),
+            Err(OffloadAnswerError::KeyNotUtf8)
+        );
+    }
+
+    #[test]
+    fn the_drops_flag_is_invisible_to_an_owner_that_does_not_know_it() {
+        let r = Request {
+            op: Op::Offload,
+            generation: 0,
+            offset: 0,
+            len: 0,
+            key_len: 3,
+            aux: 100,
+        };
+        let mut b = r.encode();
+        b[FLAGS_AT] |= FLAG_DROPS;
+        assert!(wants_drops(&b) && !wants_drops(&r.encode()));
+        // The header decodes the same, carries no other flag's body, and the owner's tag
+        // check (over the flag-free encoding) is unchanged.
+        assert_eq!(Request::decode(&b), Ok(r));
+        assert!(!is_traced(&b) && !has_cap(&b) && !wants_identity(&b));
+        assert_eq!(Request::decode(&b).map(|r| r.encode()), Ok(r.encode()));
+        let resp = Response {
+            status: Status::Ok,
+            value: 0,
+            len: 0,
+        }
+        .encode();
+        assert_ne!(features(&resp) & FEATURE_DROPS, 0);
     }
 
     #[test]

@@ -397,7 +397,7 @@ impl OwnerClient for FencedOwnerClient {
         endpoint: &str,
         entries: &[OffloadEntry],
         timeout: Duration,
-    ) -> Result<Vec<u64>, OwnerError> {
+    ) -> Result<crate::notifier::OffloadOutcome, OwnerError> {
         self.check(OwnerOp::Offload, endpoint)?;
         self.inner.offload(endpoint, entries, timeout).await
     }

@@ -54,6 +54,27 @@ pub struct OffloadEntry {
     pub offset: u64,
 }
 
+/// What an owner answered to an OFFLOAD.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OffloadOutcome {
+    /// Generations it could not store: those objects lost their disk replica.
+    pub failed: Vec<u64>,
+    /// `(key, generation)` of objects its disk tier dropped to make room for these (older disk
+    /// objects, or some of these themselves). Empty from an owner that reports drops only on
+    /// its Ping.
+    pub dropped: Vec<(String, u64)>,
+}
+
+impl OffloadOutcome {
+    /// Every entry failed, nothing dropped: the answer of a client that cannot offload.
+    pub fn all_failed(entries: &[OffloadEntry]) -> OffloadOutcome {
+        OffloadOutcome {
+            failed: entries.iter().map(|e| e.generation).collect(),
+            dropped: Vec::new(),
+        }
+    }
+}
+
 /// A PROMOTE: copy disk object `generation` (`key`, `len` bytes) into the DRAM range at
 /// `offset` the master reserved for it, and commit the entry under the same generation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,16 +155,17 @@ pub trait OwnerClient: Send + Sync + 'static {
     ) -> Result<(), OwnerError>;
 
     /// Asks an owner to move entries to its disk tier and drop them from DRAM. `Ok` lists the
-    /// generations it could not store. The default (a client that cannot offload) reports
-    /// every entry failed, so the objects are simply evicted.
+    /// generations it could not store and the objects its disk tier dropped to make room. The
+    /// default (a client that cannot offload) reports every entry failed, so the objects are
+    /// simply evicted.
     async fn offload(
         &self,
         endpoint: &str,
         entries: &[OffloadEntry],
         timeout: Duration,
-    ) -> Result<Vec<u64>, OwnerError> {
+    ) -> Result<OffloadOutcome, OwnerError> {
         let _ = (endpoint, timeout);
-        Ok(entries.iter().map(|e| e.generation).collect())
+        Ok(OffloadOutcome::all_failed(entries))
     }
 
     /// The owner at `endpoint` mounted with this secret (`None`: it requires no capabilities):
@@ -229,14 +251,22 @@ impl OwnerClient for TransferOwnerClient {
         endpoint: &str,
         entries: &[OffloadEntry],
         timeout: Duration,
-    ) -> Result<Vec<u64>, OwnerError> {
+    ) -> Result<OffloadOutcome, OwnerError> {
         let engine = self.engine.clone();
         let endpoint = endpoint.to_string();
         let entries: Vec<(u64, u64)> = entries.iter().map(|e| (e.generation, e.offset)).collect();
-        blocking(OwnerOp::Offload, move || {
-            engine.offload(&endpoint, &entries, timeout)
+        let answer = blocking(OwnerOp::Offload, move || {
+            engine.offload_reporting(&endpoint, &entries, timeout)
         })
-        .await
+        .await?;
+        Ok(OffloadOutcome {
+            failed: answer.failed,
+            dropped: answer
+                .dropped
+                .into_iter()
+                .map(|d| (d.key, d.generation))
+                .collect(),
+        })
     }
 
     async fn promote(&self, endpoint: &str, req: &Promote) -> Result<(), OwnerError> {
@@ -267,6 +297,8 @@ pub struct RecordingNotifier {
     pub calls: Mutex<Vec<FreeCall>>,
     /// OFFLOAD calls (answered "all stored").
     pub offloads: Mutex<Vec<FreeCall>>,
+    /// What the next OFFLOAD answers as dropped by the owner's disk tier (taken by that call).
+    pub offload_drops: Mutex<Vec<(String, u64)>>,
     /// PROMOTE calls, answered OK.
     pub promotes: Mutex<Vec<PromoteCall>>,
     pub unreachable: Mutex<Vec<String>>,
@@ -312,12 +344,16 @@ impl OwnerClient for RecordingNotifier {
         endpoint: &str,
         entries: &[OffloadEntry],
         _timeout: Duration,
-    ) -> Result<Vec<u64>, OwnerError> {
+    ) -> Result<OffloadOutcome, OwnerError> {
         self.offloads.lock().push(FreeCall {
             endpoint: endpoint.to_string(),
             entries: entries.iter().map(|e| (e.generation, e.offset)).collect(),
         });
-        self.answer(endpoint).map(|()| Vec::new())
+        self.answer(endpoint)?;
+        Ok(OffloadOutcome {
+            failed: Vec::new(),
+            dropped: std::mem::take(&mut *self.offload_drops.lock()),
+        })
     }
 
     async fn promote(&self, endpoint: &str, req: &Promote) -> Result<(), OwnerError> {

@@ -28,6 +28,11 @@ mod offload;
 
 pub use offload::EVICTION_POLICY_ENV;
 
+/// Env var: the interval of the store's Ping to the master in ms (default 1000). For tests: a
+/// long one shows what the master learns without the Ping (e.g. the disk tier's drops, which
+/// an OFFLOAD answer carries). The master's `--client_ttl` must stay above it.
+pub const PING_INTERVAL_ENV: &str = "LUNAKV_STORE_PING_INTERVAL_MS";
+
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error(
@@ -48,6 +53,8 @@ pub enum StoreError {
     Config(#[from] lunakv_config::ConfigError),
     #[error("offload: {0}")]
     Offload(String),
+    #[error("{var}={value:?} is not a ping interval: give milliseconds above 0, e.g. {var}=1000")]
+    BadPingInterval { var: &'static str, value: String },
 }
 
 /// Serves until `shutdown` resolves, then unmounts and stops. Prints two lines on stdout: once
@@ -131,7 +138,7 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
             shm_socket,
             protocol,
             enable_offload: cfg.enable_offload,
-            ping_interval: Duration::from_secs(1),
+            ping_interval: ping_interval(env(PING_INTERVAL_ENV))?,
             rpc_timeout: Duration::from_secs(10),
             limits: lunakv_transfer::ConnLimits {
                 max_conns_per_peer: cfg.transfer_max_conns_per_peer,
@@ -448,4 +455,39 @@ fn uuid_like() -> String {
         .map(|d| d.as_nanos())
         .unwrap_or_default();
     format!("{:x}-{:x}", std::process::id(), now)
+}
+
+/// [`PING_INTERVAL_ENV`], 1 s when unset.
+fn ping_interval(value: Option<String>) -> Result<Duration, StoreError> {
+    let Some(value) = value else {
+        return Ok(Duration::from_secs(1));
+    };
+    match value.trim().parse::<u64>() {
+        Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
+        _ => Err(StoreError::BadPingInterval {
+            var: PING_INTERVAL_ENV,
+            value,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod ping_interval_tests {
+    use super::*;
+
+    #[test]
+    fn the_ping_interval_is_milliseconds_above_zero_and_a_bad_one_is_named() {
+        assert_eq!(ping_interval(None).unwrap(), Duration::from_secs(1));
+        assert_eq!(
+            ping_interval(Some(" 250 ".into())).unwrap(),
+            Duration::from_millis(250)
+        );
+        for bad in ["0", "1s", ""] {
+            let e = ping_interval(Some(bad.into())).unwrap_err().to_string();
+            assert!(
+                e.contains(PING_INTERVAL_ENV) && e.contains("milliseconds"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -4,8 +4,10 @@
 use std::sync::Arc;
 
 use lunakv_client::DiskInventory;
-use lunakv_offload::{DiskTier, LoadError, StoreItem};
-use lunakv_transfer::{ColdItem, ColdTier, ColdTierError, Entry, PlacementProof};
+use lunakv_offload::{DiskObject, DiskTier, LoadError, StoreItem};
+use lunakv_transfer::{
+    ColdDropped, ColdItem, ColdStored, ColdTier, ColdTierError, Entry, PlacementProof,
+};
 
 /// Env var choosing the disk eviction policy at the size limit: `fifo` (default) or `lru`.
 pub const EVICTION_POLICY_ENV: &str = "LUNAKV_OFFLOAD_EVICTION_POLICY";
@@ -13,18 +15,58 @@ pub const EVICTION_POLICY_ENV: &str = "LUNAKV_OFFLOAD_EVICTION_POLICY";
 /// Adapts a [`DiskTier`] to the transfer and host traits.
 pub(crate) struct Tier(pub(crate) Arc<DiskTier>);
 
+fn store_items<'a>(items: &[ColdItem<'a>]) -> Vec<StoreItem<'a>> {
+    items
+        .iter()
+        .map(|i| StoreItem {
+            key: i.key,
+            generation: i.generation,
+            bytes: i.bytes,
+            proof: i.proof.map(|p| *p.as_bytes()),
+        })
+        .collect()
+}
+
 impl ColdTier for Tier {
     fn store(&self, items: &[ColdItem<'_>]) -> Result<Vec<u64>, ColdTierError> {
-        let items: Vec<StoreItem<'_>> = items
-            .iter()
-            .map(|i| StoreItem {
-                key: i.key,
-                generation: i.generation,
-                bytes: i.bytes,
-                proof: i.proof.map(|p| *p.as_bytes()),
-            })
-            .collect();
-        self.0.store_batch(&items).map_err(ColdTierError::new)
+        self.0
+            .store_batch(&store_items(items))
+            .map_err(ColdTierError::new)
+    }
+
+    fn store_reporting(&self, items: &[ColdItem<'_>]) -> Result<ColdStored, ColdTierError> {
+        let s = self
+            .0
+            .store_batch_reporting(&store_items(items))
+            .map_err(ColdTierError::new)?;
+        Ok(ColdStored {
+            stored: s.stored,
+            dropped: s
+                .dropped
+                .into_iter()
+                .map(|o| ColdDropped {
+                    key: o.key,
+                    generation: o.generation,
+                    size: o.size,
+                })
+                .collect(),
+        })
+    }
+
+    fn report_later(&self, dropped: Vec<ColdDropped>) {
+        // The proof only matters for objects still held; a dropped one is reported by key,
+        // generation and size.
+        self.0.requeue_dropped(
+            dropped
+                .into_iter()
+                .map(|d| DiskObject {
+                    key: d.key,
+                    generation: d.generation,
+                    size: d.size,
+                    proof: None,
+                })
+                .collect(),
+        );
     }
 
     fn size_of(&self, generation: u64) -> Option<u64> {

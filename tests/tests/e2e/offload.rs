@@ -722,3 +722,73 @@ fn with_the_pool_token_every_dram_and_disk_entry_survives_restarts_with_its_proo
     let _s2 = start_store(&m.addr(), odir.path(), port, &[]);
     every_object_is_served(&m, "after a store restart");
 }
+
+/// Issue 31 item 5: never a false "present". When an OFFLOAD makes the disk tier drop older
+/// objects (its size limit), the owner names them in the OFFLOAD's answer and the master forgets
+/// them before the put that caused the eviction returns. The store pings once an hour here, so
+/// the Ping (the only way before) cannot explain a pass: right after every batch of puts, each
+/// key the master calls present must read back, and a dropped key takes a new put at once.
+#[test]
+fn keys_the_disk_tier_dropped_are_never_present_and_take_a_new_put_at_once() {
+    let mdir = tempfile::tempdir().expect("tempdir");
+    let odir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(mdir.path(), &["--enable_offload=true", "--client_ttl=7200"]);
+    let s = start_store(
+        &m.addr(),
+        odir.path(),
+        free_port(),
+        &[
+            ("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", "4194304"),
+            ("LUNAKV_STORE_PING_INTERVAL_MS", "3600000"),
+        ],
+    );
+    let c = tcp_requester(&m.addr());
+    // 48 MiB through 8 MiB of DRAM and 4 MiB of disk, 4 objects per batch.
+    let mut put: Vec<u64> = Vec::new();
+    let mut unreadable: Vec<String> = Vec::new();
+    let mut absent: Vec<u64> = Vec::new();
+    for batch in 0..24u64 {
+        for i in batch * 4..batch * 4 + 4 {
+            c.put(&format!("k-{i}"), &pattern(i, OBJ))
+                .unwrap_or_else(|e| panic!("put k-{i}: {e}"));
+            put.push(i);
+        }
+        let keys: Vec<String> = put.iter().map(|i| format!("k-{i}")).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        absent.clear();
+        for (i, exists) in put.iter().zip(c.batch_exists(&refs)) {
+            match exists.unwrap_or_else(|e| panic!("exists k-{i}: {e}")) {
+                true => match c.get(&format!("k-{i}")) {
+                    Ok(b) => assert!(b == pattern(*i, OBJ), "k-{i}: wrong bytes"),
+                    Err(e) => unreadable.push(format!("batch {batch}: k-{i}: {e}")),
+                },
+                false => absent.push(*i),
+            }
+        }
+    }
+    assert!(
+        metric(s.admin, "lunakv_store_disk_evicted_objects_total").unwrap_or(0.0) > 0.0,
+        "the disk tier never dropped anything: the test shows nothing"
+    );
+    assert!(
+        unreadable.is_empty(),
+        "{} keys the master called present could not be read: {unreadable:?}",
+        unreadable.len()
+    );
+    assert!(!absent.is_empty(), "no key was dropped");
+    assert!(
+        m.metric("master_disk_dropped_keys_total").unwrap_or(0.0) > 0.0,
+        "the master learned of no drop"
+    );
+    // A dropped key takes a new put at once (it was refused with -705 until the next Ping).
+    for i in absent.iter().take(4) {
+        let key = format!("k-{i}");
+        let fresh = pattern(i + 1000, OBJ);
+        c.put(&key, &fresh)
+            .unwrap_or_else(|e| panic!("re-put of dropped {key}: {e}"));
+        assert!(
+            c.get(&key).expect("re-put key reads") == fresh,
+            "{key}: wrong bytes"
+        );
+    }
+}

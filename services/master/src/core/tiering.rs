@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use lunakv_proto::ErrorCode;
 
 use crate::alloc::align_up;
-use crate::notifier::{OffloadEntry, Promote};
+use crate::notifier::{OffloadEntry, OffloadOutcome, Promote};
 
 use super::policy::EvictionPolicy;
 use super::types::{
@@ -340,6 +340,10 @@ impl MasterCore {
     /// Sends OFFLOAD to each owner (in parallel, one call per owner), then returns the DRAM
     /// ranges to their allocators. Objects an owner could not store (disk full, unwritable,
     /// unreachable) lose their LOCAL_DISK replica: a plain eviction, never a dangling replica.
+    /// Objects its disk tier dropped to make room, named in its answer, lose their disk replica
+    /// on that segment before this returns: an eviction runs inside the put that needed the
+    /// room, so no lookup after that put calls them present (they would read as -704 and
+    /// refuse a re-put with -705 until the owner's next Ping).
     pub async fn run_offloads(&self, items: Vec<PendingOffload>) {
         if items.is_empty() {
             return;
@@ -353,33 +357,36 @@ impl MasterCore {
             };
             (f.endpoint.clone(), entry)
         });
-        let failed: HashSet<u64> = fan_out_by_owner(owners, |endpoint, entries| async move {
-            // Writing a whole eviction pass to disk takes a while: allow for it.
-            let budget = timeout + Duration::from_secs(120);
-            let r = tokio::time::timeout(budget, notifier.offload(&endpoint, &entries, timeout))
-                .await;
-            let all = || entries.iter().map(|e| e.generation).collect::<Vec<u64>>();
-            match r {
-                Ok(Ok(bad)) => {
-                    if !bad.is_empty() {
-                        tracing::warn!(%endpoint, failed = bad.len(), of = entries.len(), "owner could not offload some objects (see its log); they are evicted");
+        let answers: Vec<(String, OffloadOutcome)> =
+            fan_out_by_owner(owners, |endpoint, entries| async move {
+                // Writing a whole eviction pass to disk takes a while: allow for it.
+                let budget = timeout + Duration::from_secs(120);
+                let r =
+                    tokio::time::timeout(budget, notifier.offload(&endpoint, &entries, timeout))
+                        .await;
+                let outcome = match r {
+                    Ok(Ok(outcome)) => {
+                        if !outcome.failed.is_empty() {
+                            tracing::warn!(%endpoint, failed = outcome.failed.len(), of = entries.len(), "owner could not offload some objects (see its log); they are evicted");
+                        }
+                        outcome
                     }
-                    bad
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(%endpoint, entries = entries.len(), error = %e, "OFFLOAD failed; the objects are evicted");
-                    all()
-                }
-                Err(_) => {
-                    tracing::warn!(%endpoint, entries = entries.len(), "OFFLOAD timed out; the objects are evicted");
-                    all()
-                }
-            }
-        })
-        .await
-        .into_iter()
-        .flatten()
-        .collect();
+                    Ok(Err(e)) => {
+                        tracing::warn!(%endpoint, entries = entries.len(), error = %e, "OFFLOAD failed; the objects are evicted");
+                        OffloadOutcome::all_failed(&entries)
+                    }
+                    Err(_) => {
+                        tracing::warn!(%endpoint, entries = entries.len(), "OFFLOAD timed out; the objects are evicted");
+                        OffloadOutcome::all_failed(&entries)
+                    }
+                };
+                (endpoint, outcome)
+            })
+            .await;
+        let failed: HashSet<u64> = answers
+            .iter()
+            .flat_map(|(_, a)| a.failed.iter().copied())
+            .collect();
         let mut dropped = 0u64;
         for f in &items {
             if !failed.contains(&f.generation) {
@@ -410,6 +417,20 @@ impl MasterCore {
             .inc_by(failed.len() as u64);
         if dropped > 0 {
             tracing::debug!(dropped, "objects lost on a failed offload");
+        }
+        for (endpoint, answer) in &answers {
+            if answer.dropped.is_empty() {
+                continue;
+            }
+            // The owner's disk tier serves the segments offloaded to through this endpoint,
+            // as mounted when the eviction picked them: a remount since is a new inventory.
+            let owned: HashSet<(String, u64)> = items
+                .iter()
+                .filter(|f| f.endpoint == *endpoint)
+                .map(|f| (f.segment.clone(), f.mount_id))
+                .collect();
+            let gone = self.forget_disk_copies(&answer.dropped, &owned);
+            tracing::debug!(%endpoint, dropped = answer.dropped.len(), gone, "owner's disk tier dropped objects to make room");
         }
         let mut segs = self.segments.lock();
         for f in items {
@@ -543,6 +564,13 @@ impl MasterCore {
             .filter(|(_, s)| s.client_id == client_id && caller.may_act_for(s.owner.as_ref()))
             .map(|(n, s)| (n.clone(), s.mount_id))
             .collect();
+        self.forget_disk_copies(items, &owned)
+    }
+
+    /// Forgets the LOCAL_DISK replicas on the `owned` (segment, mount id) pairs of these
+    /// objects, each only while the index still holds that generation; an object left without
+    /// replicas leaves the index. Returns objects that disappeared.
+    fn forget_disk_copies(&self, items: &[(String, u64)], owned: &HashSet<(String, u64)>) -> u64 {
         let mut gone = 0;
         for (key, generation) in items {
             let mut shard = self.shard(key).lock();
@@ -766,5 +794,93 @@ impl MasterCore {
             "object index at max_keys: dropped the least recently used objects"
         );
         dropped
+    }
+}
+
+#[cfg(test)]
+mod drop_tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::super::tests::desc;
+    use super::super::{CoreConfig, MasterCore, PutOptions, SegmentDesc};
+    use crate::notifier::RecordingNotifier;
+
+    const BLOCK: u64 = 64;
+
+    fn offload_desc(name: &str, size: u64) -> SegmentDesc {
+        SegmentDesc {
+            enable_offload: true,
+            disk_capacity: 1 << 30,
+            ..desc(name, size)
+        }
+    }
+
+    async fn put(core: &MasterCore, key: &str) -> u64 {
+        let o = PutOptions {
+            replica_num: 1,
+            ..PutOptions::default()
+        };
+        let (g, _) = core
+            .put_start("cl", key, BLOCK, &o)
+            .await
+            .expect("put_start");
+        core.put_end(key).expect("put_end");
+        g
+    }
+
+    /// Without a lookup's lease, which would keep the object from eviction.
+    fn on_disk(core: &MasterCore, key: &str) -> bool {
+        core.query_key(key).is_some_and(|o| {
+            !o.replicas.is_empty() && o.replicas.iter().all(|r| r.kind == "local_disk")
+        })
+    }
+
+    /// The owner's OFFLOAD answer names objects its disk tier dropped: the put whose eviction
+    /// sent it returns only after they left the index, and their keys take a new put at once.
+    #[tokio::test]
+    async fn drops_named_in_an_offload_answer_are_forgotten_before_the_put_returns() {
+        let n = Arc::new(RecordingNotifier::default());
+        let core = MasterCore::new(
+            CoreConfig {
+                cluster_id: "c".into(),
+                lease_ttl: Duration::from_secs(60),
+                put_reservation_limit_ratio: 1.0,
+                put_reservation_total_ratio: 1.0,
+                put_eviction_limit_ratio: 1.0,
+                enable_offload: true,
+                ..CoreConfig::default()
+            },
+            7,
+            n.clone(),
+        );
+        core.mount("cl", "c", offload_desc("s:1", 16 * BLOCK), vec![])
+            .expect("mount");
+        let g0 = put(&core, "k0").await;
+        let g1 = put(&core, "k1").await;
+        let mut i = 2;
+        while !(on_disk(&core, "k0") && on_disk(&core, "k1")) {
+            put(&core, &format!("k{i}")).await;
+            i += 1;
+            assert!(i < 100, "k0 and k1 never went to disk");
+        }
+        // The next OFFLOAD's answer: k0 dropped, and a k1 of another generation (a stale name:
+        // the object indexed under k1 is not that one and stays).
+        *n.offload_drops.lock() = vec![("k0".into(), g0), ("k1".into(), g1 + 1000)];
+        let offloads = n.offloads.lock().len();
+        while n.offloads.lock().len() == offloads {
+            put(&core, &format!("k{i}")).await;
+            i += 1;
+            assert!(i < 200, "no further OFFLOAD");
+        }
+        assert!(n.offload_drops.lock().is_empty(), "the answer was used");
+        assert!(
+            core.query_key("k0").is_none(),
+            "a dropped object must not be served as present"
+        );
+        assert!(on_disk(&core, "k1"), "only the named generation goes");
+        // The key takes a new put at once (before: -705 until the owner's Ping).
+        put(&core, "k0").await;
+        assert!(core.get_replica_list("k0").is_ok());
     }
 }
