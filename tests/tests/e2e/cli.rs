@@ -183,6 +183,76 @@ fn config_checks_and_their_messages() {
     assert!(stderr(&out).contains("missing.json"), "{}", stderr(&out));
 }
 
+/// An engine config that works but draws the connector's warnings (standalone-store without
+/// offload, an unknown key) is still a fine `--config` for the CLI: each call warns only about
+/// what bears on it, and `doctor` reports the engine's setup in its `engine_config` row.
+#[test]
+fn engine_setup_warnings_stay_out_of_every_cli_call() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(&dir.path().join("m"), &[]);
+    let _store = Store::start(&m.addr(), "16MB", &[]);
+    let write = |name: &str, extra: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(
+            &p,
+            format!(
+                r#"{{"master_server_address":"{}","mode":"standalone-store","global_segment_size":0,"local_buffer_size":"64MB","protocol":"tcp"{extra}}}"#,
+                m.addr()
+            ),
+        )
+        .expect("write config");
+        p.to_str().expect("utf8").to_string()
+    };
+    let standalone = write("standalone.json", "");
+    let c = standalone.as_str();
+    let calls: [(&[&str], Option<&[u8]>); 4] = [
+        (&["--config", c, "put", "k", "-"], Some(&b"v"[..])),
+        (&["--config", c, "get", "k"], None),
+        (&["--config", c, "exists", "k"], None),
+        (&["--config", c, "status"], None),
+    ];
+    for (args, stdin) in calls {
+        let out = lunakv(args, stdin);
+        let err = stderr(&out);
+        assert!(out.status.success(), "{args:?}: {err}");
+        assert!(
+            !err.contains("enable_offload") && !err.contains("warning"),
+            "{args:?} repeats the engine's warning: {err}"
+        );
+    }
+
+    // Doctor is where it shows, as a warning that does not fail the run.
+    let out = lunakv(&["--json", "--config", c, "doctor"], None);
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("doctor prints JSON");
+    let row = report["checks"]
+        .as_array()
+        .expect("checks")
+        .iter()
+        .find(|r| r["name"] == "engine_config")
+        .cloned()
+        .expect("engine_config row");
+    assert_eq!(row["status"], "warn", "{report:#}");
+    assert!(
+        row["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("standalone-store mode without enable_offload"),
+        "{report:#}"
+    );
+    assert_eq!(out.status.code(), Some(0), "{report:#}");
+
+    // A misspelt key still warns on every call: it may be why the CLI misbehaves.
+    let typo = write("typo.json", r#","enable_shm":true,"protcol":"tcp""#);
+    let out = lunakv(&["--config", &typo, "exists", "k"], None);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("unknown key \"protcol\"") && !err.contains("enable_offload"),
+        "{err}"
+    );
+}
+
 /// `make run` is `lunakv up`: a master and a store that form a pool, a mooncake_config.json an
 /// engine can use, and a SIGTERM that stops both children instead of orphaning them.
 #[test]

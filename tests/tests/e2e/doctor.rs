@@ -7,7 +7,8 @@
 //! keys. The broken ones: no store registered, a store killed, an offload mismatch, a test write
 //! that never reaches the disk (no store-client with a disk tier; the wrong offload dir), a bootstrap
 //! with no engines and one that is down, connector mismatches (top-level and nested), and two
-//! clients of one namespace that never share a key.
+//! clients of one namespace that never share a key. A P/D-only stack (MooncakeConnector, no
+//! store) passes with no master and with a master that has no store-client.
 
 use std::path::Path;
 use std::process::Command;
@@ -221,13 +222,7 @@ fn no_store_registered_fails_the_master_row() {
 #[test]
 fn unreachable_master_fails_the_master_row() {
     let _serial = lunakv_tests::serial();
-    // A port nothing listens on.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
-    let (code, report) = doctor(&format!("127.0.0.1:{port}"), &[]);
+    let (code, report) = doctor(&format!("127.0.0.1:{}", unused_port()), &[]);
     assert_only_failure(
         code,
         &report,
@@ -236,6 +231,102 @@ fn unreachable_master_fails_the_master_row() {
         "start lunakv-master",
     );
     assert_eq!(row(&report, "key_consistency")["status"], "skip");
+    // Loopback or not, a master that was not reached is not vouched for.
+    let security = row(&report, "security");
+    assert_eq!(security["status"], "skip", "{report:#}");
+    assert!(
+        !security["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("listens on loopback"),
+        "{report:#}"
+    );
+}
+
+/// A port nothing listens on.
+fn unused_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// P/D only: the engines move KV with MooncakeConnector through the bootstrap, no store.
+const PD_ONLY: &str = r#"{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}"#;
+
+#[test]
+fn a_pd_only_stack_passes_without_a_store_or_a_master() {
+    let _serial = lunakv_tests::serial();
+    let bootstrap = Bootstrap::start(fresh_host(), 0, &[]);
+    let _prefill = Sim::prefill(fresh_host(), &bootstrap, &[]);
+    let args = vec![
+        format!("--bootstrap={}", bootstrap.http),
+        "--sidecar-args=--port=8000 --vllm-port=8200 --kv-connector=mooncake".to_string(),
+        format!("--kv-transfer-config={PD_ONLY}"),
+        format!("--vllm-args=vllm serve Qwen/Qwen3-8B --port=8200 --kv-transfer-config={PD_ONLY}"),
+    ];
+    let text = |report: &Value, name: &str| {
+        row(report, name)["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+
+    // No master at all: the P/D rows pass, the master row says why it is not needed, and the
+    // security row claims nothing about a master it did not reach.
+    let (code, report) = doctor(&format!("127.0.0.1:{}", unused_port()), &args);
+    assert!(failed_rows(&report).is_empty(), "{report:#}");
+    assert_eq!((code, &report["ok"]), (0, &Value::Bool(true)), "{report:#}");
+    for name in ["bootstrap", "connectors", "vllm_stats"] {
+        assert_eq!(row(&report, name)["status"], "pass", "{report:#}");
+    }
+    assert_eq!(row(&report, "master")["status"], "skip", "{report:#}");
+    let d = text(&report, "master");
+    assert!(
+        d.contains("run only MooncakeConnector") && d.contains("no MooncakeStoreConnector"),
+        "{d}"
+    );
+    assert_eq!(row(&report, "security")["status"], "skip", "{report:#}");
+    let d = text(&report, "security");
+    assert!(
+        d.contains("could not be checked") && !d.contains("loopback"),
+        "{d}"
+    );
+
+    // A master with no store-client mounted: reported, not failed.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(&dir.path().join("m"), &[]);
+    let (code, report) = doctor(&m.addr(), &args);
+    assert!(failed_rows(&report).is_empty(), "{report:#}");
+    assert_eq!(code, 0, "{report:#}");
+    assert_eq!(row(&report, "master")["status"], "pass", "{report:#}");
+    assert!(
+        text(&report, "master").contains("no segment registered"),
+        "{report:#}"
+    );
+
+    // The same master where a store is expected still fails: told nothing about the engines
+    // (the fix says how to tell it), or told they run MooncakeStoreConnector.
+    let (code, report) = doctor(&m.addr(), &[]);
+    assert_only_failure(
+        code,
+        &report,
+        "master",
+        "no segment is registered",
+        "pass the engine's --kv-transfer-config",
+    );
+    let (code, report) = doctor(
+        &m.addr(),
+        &[format!("--kv-transfer-config={MULTI_MOONCAKE}")],
+    );
+    assert_only_failure(
+        code,
+        &report,
+        "master",
+        "no segment is registered",
+        "start a store-client",
+    );
 }
 
 #[test]

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use lunakv_config::client::CONFIG_PATH_ENV;
-use lunakv_config::{MasterAddress, MooncakeConfig};
+use lunakv_config::{ConfigWarning, MasterAddress, MooncakeConfig};
 use lunakv_proto::ErrorCode;
 
 use crate::error::Coded;
@@ -109,10 +109,26 @@ pub fn resolve(
 fn load_config(path: &Path) -> anyhow::Result<MooncakeConfig> {
     let loaded = MooncakeConfig::load(path, &|_: &str| None::<String>)
         .map_err(|e| Coded::new(ErrorCode::InvalidParams, format!("{}: {e}", path.display())))?;
-    for w in &loaded.warnings {
+    for w in loaded.warnings.iter().filter(|w| concerns_the_cli(w)) {
         eprintln!("lunakv: warning: {w}");
     }
     Ok(loaded.config)
+}
+
+/// Whether a config warning bears on what a CLI call does. Warnings about how the engine sets up
+/// its pool (offload, SSD keys, the metadata server) do not: the CLI only makes requests, so on
+/// every `put`/`get`/`status` they would repeat advice the call cannot act on. `lunakv doctor`
+/// reports them in its `engine_config` row. A typo'd key still warns here: it may be why the
+/// CLI reaches the wrong master.
+fn concerns_the_cli(w: &ConfigWarning) -> bool {
+    !matches!(
+        w,
+        ConfigWarning::StandaloneWithoutOffload
+            | ConfigWarning::EmbeddedOffloadWithoutPreferredSegment
+            | ConfigWarning::IgnoredSsdOffloadKey { .. }
+            | ConfigWarning::MetadataServerIgnored { .. }
+            | ConfigWarning::OffloadNotImplemented
+    )
 }
 
 #[cfg(test)]
@@ -218,6 +234,19 @@ mod tests {
             "{err}"
         );
         assert_eq!(crate::error::code_of(&err), ErrorCode::InvalidParams);
+    }
+
+    #[test]
+    fn only_warnings_about_the_cli_call_are_printed() {
+        assert!(!concerns_the_cli(&ConfigWarning::StandaloneWithoutOffload));
+        assert!(!concerns_the_cli(
+            &ConfigWarning::EmbeddedOffloadWithoutPreferredSegment
+        ));
+        assert!(concerns_the_cli(&ConfigWarning::UnknownKey {
+            origin: "c.json".into(),
+            key: "master_server_adress".into(),
+            did_you_mean: Some("master_server_address"),
+        }));
     }
 
     #[test]

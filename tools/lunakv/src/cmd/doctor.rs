@@ -117,10 +117,10 @@ pub fn run(
 ) -> anyhow::Result<ExitCode> {
     let mut checks = Vec::new();
     // The engine config is an input to check, not a reason to stop: a bad file is a failed row.
-    let engine = match config {
+    let loaded = match config {
         None => None,
         Some(p) => match MooncakeConfig::load(p, &|_: &str| None::<String>) {
-            Ok(l) => Some(l.config),
+            Ok(l) => Some(l),
             Err(e) => {
                 checks.push(Check::fail(
                     "engine_config",
@@ -132,22 +132,36 @@ pub fn run(
             }
         },
     };
-    match (&engine, config) {
-        (Some(e), Some(p)) => checks.push(Check::pass(
-            "engine_config",
-            format!(
+    match (&loaded, config) {
+        (Some(l), Some(p)) => {
+            let e = &l.config;
+            let seen = format!(
                 "{}: valid, mode {}, enable_offload={}",
                 p.display(),
                 e.mode.as_str(),
                 e.enable_offload
-            ),
-        )),
+            );
+            // The other commands keep quiet about how the engine's pool is set up (they only
+            // make requests); this is where its connector's warnings belong.
+            checks.push(if l.warnings.is_empty() {
+                Check::pass("engine_config", seen)
+            } else {
+                let ws: Vec<String> = l.warnings.iter().map(ToString::to_string).collect();
+                Check::warn(
+                    "engine_config",
+                    format!("{seen}; {}", ws.join("; ")),
+                    "change mooncake_config.json as each warning says (the engine's connector \
+                     logs the same at startup), or keep it if that is the setup you want",
+                )
+            })
+        }
         (None, None) => checks.push(Check::skip(
             "engine_config",
             "no --config (the engine's mooncake_config.json) given",
         )),
         _ => {}
     }
+    let engine = loaded.map(|l| l.config);
     let usable_config = if engine.is_some() {
         config.clone()
     } else {
@@ -163,7 +177,8 @@ pub fn run(
         Err(e) => (None, Err(MasterError::Connect(e))),
     };
 
-    checks.push(check_master(&target, &status));
+    let purpose = Purpose::of(a);
+    checks.push(check_master(&target, &status, &purpose));
     let (client, status) = match (client, status) {
         (Some(c), Ok(s)) => (Some(c), Some(s)),
         _ => (None, None),
@@ -261,8 +276,95 @@ enum MasterError {
     Status(lunakv_client::ClientError),
 }
 
-fn check_master(t: &Target, status: &Result<ClusterStatus, MasterError>) -> Check {
+/// What the engines use lunakv for, as their `--kv-transfer-config` says. The master and its
+/// pool serve MooncakeStoreConnector; the P/D connectors move KV straight between engines
+/// (MooncakeConnector through the bootstrap), so a P/D-only stack is healthy with no master and
+/// no store-client, and the master row must not fail it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Purpose {
+    /// A pool with memory is expected: the engines run MooncakeStoreConnector or another
+    /// connector that may use the store (LMCache, ...), or doctor was not told what they run.
+    Store,
+    /// The engines run only these P/D connectors (the ones a routing sidecar drives).
+    PdOnly(Vec<String>),
+}
+
+impl Purpose {
+    /// From the engine's command line (`--vllm-args`), else `--kv-transfer-config`. Input that
+    /// does not parse leaves the default, [`Purpose::Store`]: the `connectors` and `vllm_stats`
+    /// rows report it, and a store stack must keep failing when its store is missing.
+    fn of(a: &DoctorArgs) -> Purpose {
+        use lunakv_config::connectors::{engine_connectors, parse_vllm_args, sidecar_connector};
+        let kv = a
+            .vllm_args
+            .as_deref()
+            .and_then(|v| parse_vllm_args(v).ok())
+            .and_then(|v| v.kv_transfer_config)
+            .or_else(|| {
+                a.kv_transfer_config
+                    .as_deref()
+                    .and_then(|k| serde_json::from_str(k).ok())
+            });
+        let Some(kv) = kv else {
+            return Purpose::Store;
+        };
+        let pd: Vec<&str> = ["mooncake", "nixlv2", "shared-storage"]
+            .into_iter()
+            .filter_map(sidecar_connector)
+            .collect();
+        // MultiConnector only wraps the others; what it wraps decides.
+        let runs: Vec<String> = engine_connectors(&kv)
+            .into_iter()
+            .filter(|c| c != "MultiConnector")
+            .collect();
+        if !runs.is_empty() && runs.iter().all(|c| pd.contains(&c.as_str())) {
+            Purpose::PdOnly(runs)
+        } else {
+            Purpose::Store
+        }
+    }
+}
+
+/// Said when a store stack's master row fails, since a P/D-only stack that doctor was not told
+/// about fails the same way.
+const PD_ONLY_HINT: &str = "; on a P/D-only stack (MooncakeConnector, no MooncakeStoreConnector) \
+                            pass the engine's --kv-transfer-config or --vllm-args and the master \
+                            is not required";
+
+fn check_master(
+    t: &Target,
+    status: &Result<ClusterStatus, MasterError>,
+    purpose: &Purpose,
+) -> Check {
     const NAME: &str = "master";
+    if let Purpose::PdOnly(runs) = purpose {
+        let why = format!(
+            "the engines run only {} (P/D transfer, no MooncakeStoreConnector), which needs no \
+             master or store-client",
+            runs.join(", ")
+        );
+        match status {
+            Err(e) => {
+                return Check::skip(
+                    NAME,
+                    format!(
+                        "the master at {} ({}) was not reached ({e}); {why}",
+                        t.master, t.origin
+                    ),
+                );
+            }
+            Ok(s) if s.total_capacity_bytes == 0 => {
+                return Check::pass(
+                    NAME,
+                    format!(
+                        "master {} (version {}) answers with no segment registered; {why}",
+                        t.master, s.master_version
+                    ),
+                );
+            }
+            Ok(_) => {}
+        }
+    }
     match status {
         Err(e) => Check::fail(
             NAME,
@@ -270,8 +372,10 @@ fn check_master(t: &Target, status: &Result<ClusterStatus, MasterError>) -> Chec
                 "cannot reach the master at {} ({}): {e}",
                 t.master, t.origin
             ),
-            "start lunakv-master, or point --master / MOONCAKE_MASTER / master_server_address \
-             at its gRPC address (host:port, or etcd://... with HA)",
+            format!(
+                "start lunakv-master, or point --master / MOONCAKE_MASTER / master_server_address \
+                 at its gRPC address (host:port, or etcd://... with HA){PD_ONLY_HINT}"
+            ),
         ),
         Ok(s) if s.total_capacity_bytes == 0 => Check::fail(
             NAME,
@@ -282,7 +386,7 @@ fn check_master(t: &Target, status: &Result<ClusterStatus, MasterError>) -> Chec
             format!(
                 "start a store-client: lunakv-store --master_server_address={} \
                  --global_segment_size=40GB (or an embedded-mode engine with \
-                 global_segment_size > 0)",
+                 global_segment_size > 0){PD_ONLY_HINT}",
                 t.master
             ),
         ),
@@ -938,7 +1042,8 @@ fn check_key_consistency(client: Option<&StoreClient>) -> Check {
 ///   ([`lunakv_client::StoreClient::master_refuses_anonymous`]). A master that turns it away
 ///   requires the pool token of every caller, and its owners require its capabilities on their
 ///   transfer ports; one that answers is open to whoever reaches it, unless that is only
-///   loopback.
+///   loopback. A master doctor did not reach is vouched for by nothing (the row is `skip`, or
+///   `warn` for what else it found), whatever address it would listen on.
 /// - mTLS: `tls` is what the master's RPC port requires ([`lunakv_client::probe_master_tls`]).
 ///   With mTLS every caller shows a certificate from the pool's CA, whose identity owns its
 ///   mounts and puts; this doctor's own `LUNAKV_TLS_*` must agree with the master's, and its
@@ -1096,26 +1201,36 @@ fn check_security(
                     ""
                 }
             ),
-            token_fix.clone(),
+            token_fix,
         )),
         Some(Err(e)) => warns.push((
             format!("cannot tell whether the master requires a pool token: {e}"),
-            token_fix.clone(),
+            token_fix,
         )),
-        None if loopback => passes.push(format!("the master listens on loopback ({master})")),
-        None => warns.push((
-            format!(
-                "the master at {master} was not reached, so whether it requires a pool token \
-                 is unknown"
-            ),
-            token_fix.clone(),
-        )),
+        // Not reached: where it listens says nothing about what it asks, and a master that is
+        // not running guards nothing; the row must not pass on it.
+        None => {}
     }
-    if warns.is_empty() {
-        Check::pass(NAME, passes.join("; "))
-    } else {
-        let (details, fixes): (Vec<String>, Vec<String>) = warns.into_iter().unzip();
+    let unchecked = (refuses_anonymous.is_none() && !mtls).then(|| match tls {
+        // The plaintext probe got an answer, so what the port serves is known (said above).
+        Some(Ok(_)) => format!(
+            "this doctor could not open a session with the master at {master}, so whether it \
+             requires a pool token could not be checked"
+        ),
+        _ => format!(
+            "the master at {master} was not reached, so whether it requires a pool token or \
+             mTLS could not be checked"
+        ),
+    });
+    if !warns.is_empty() {
+        let (mut details, fixes): (Vec<String>, Vec<String>) = warns.into_iter().unzip();
+        details.extend(unchecked);
         Check::warn(NAME, details.join("; "), fixes.join("; "))
+    } else if let Some(u) = unchecked {
+        passes.push(u);
+        Check::skip(NAME, passes.join("; "))
+    } else {
+        Check::pass(NAME, passes.join("; "))
     }
 }
 
@@ -1277,8 +1392,23 @@ mod tests {
             "{}",
             mismatch.detail
         );
-        let unknown = check_security("10.0.0.7:50051", &none, None, None);
-        assert_eq!(unknown.status, Outcome::Warn);
+        // A master doctor did not reach is not checked, wherever it would listen.
+        for addr in ["10.0.0.7:50051", "127.0.0.1:50051", "localhost:50051"] {
+            let unknown = check_security(addr, &none, None, None);
+            assert_eq!(unknown.status, Outcome::Skip, "{addr}: {unknown:?}");
+            assert!(
+                unknown.detail.contains("could not be checked")
+                    && !unknown.detail.contains("loopback"),
+                "{addr}: {}",
+                unknown.detail
+            );
+        }
+        // ...and a refused plaintext probe (nothing listens) changes nothing.
+        let refused = Err("connection refused".to_string());
+        assert_eq!(
+            check_security("127.0.0.1:50051", &none, None, Some(&refused)).status,
+            Outcome::Skip
+        );
         let short = |k: &str| (k == "LUNAKV_AUTH_TOKEN").then(|| "short".to_string());
         assert_eq!(
             check_security("10.0.0.7:50051", &short, Some(&guarded), None).status,
@@ -1333,6 +1463,45 @@ mod tests {
             check_security("etcd://e1:2379", &broken, Some(&guarded), None).status,
             Outcome::Fail
         );
+    }
+
+    #[test]
+    fn the_engines_connectors_say_whether_a_store_is_expected() {
+        let pd = r#"{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}"#;
+        assert_eq!(
+            Purpose::of(&doctor_args(None, Some(pd), None)),
+            Purpose::PdOnly(vec!["MooncakeConnector".into()])
+        );
+        // From the command line too, which wins over --kv-transfer-config.
+        let serve = format!("vllm serve m --kv-transfer-config={pd}");
+        let store = r#"{"kv_connector":"MooncakeStoreConnector","kv_role":"kv_both"}"#;
+        assert!(matches!(
+            Purpose::of(&doctor_args(Some(&serve), Some(store), None)),
+            Purpose::PdOnly(_)
+        ));
+        // A MultiConnector is what it wraps.
+        let multi_pd = r#"{"kv_connector":"MultiConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"MooncakeConnector"},{"kv_connector":"NixlConnector"}]}}"#;
+        assert!(matches!(
+            Purpose::of(&doctor_args(None, Some(multi_pd), None)),
+            Purpose::PdOnly(_)
+        ));
+        // The store, a connector that may use it, nothing said, or unreadable: a store is
+        // expected, so a missing one still fails.
+        let multi_store = r#"{"kv_connector":"MultiConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"MooncakeConnector"},{"kv_connector":"MooncakeStoreConnector"}]}}"#;
+        let lmcache = r#"{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}"#;
+        for kv in [
+            Some(store),
+            Some(multi_store),
+            Some(lmcache),
+            None,
+            Some("{not json"),
+        ] {
+            assert_eq!(
+                Purpose::of(&doctor_args(None, kv, None)),
+                Purpose::Store,
+                "{kv:?}"
+            );
+        }
     }
 
     #[test]
