@@ -39,12 +39,28 @@ fn slice(dir: &std::path::Path, n: usize) -> PathBuf {
 
 #[test]
 fn a_replay_checks_every_byte_and_lands_between_nothing_and_the_maximum() {
+    let r = replay(&["--capacity-tokens", "1000000", "--block-bytes", "4096"]);
+    let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+    assert_eq!(f("requests"), 300.0);
+    assert_eq!(f("wrong_bytes"), 0.0, "{r}");
+    assert_eq!(f("false_present"), 0.0, "{r}");
+    assert!(f("blocks_read") > 0.0, "the slice reuses prefixes: {r}");
+    assert!(
+        f("hit_rate") > 0.0 && f("hit_rate") <= f("max_hit_rate") + 1e-9,
+        "{r}"
+    );
+    assert!(f("belady_hit_rate") >= f("lru_hit_rate") - 1e-9, "{r}");
+    assert!(r["errors"].as_object().is_some_and(|e| e.is_empty()), "{r}");
+}
+
+/// `lunakv bench --trace` with `extra` args over the 300-request slice: its JSON report.
+fn replay(extra: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().expect("tempdir");
     let trace = slice(dir.path(), 300);
     let out = Command::new(bin("lunakv"))
         .args(["--json", "bench", "--trace"])
         .arg(&trace)
-        .args(["--capacity-tokens", "1000000", "--block-bytes", "4096"])
+        .args(extra)
         .env("LUNAKV_BIN_DIR", bin_dir())
         .output()
         .expect("run lunakv bench --trace");
@@ -59,18 +75,34 @@ fn a_replay_checks_every_byte_and_lands_between_nothing_and_the_maximum() {
         .rev()
         .find(|l| l.starts_with('{'))
         .expect("one JSON line");
-    let r: serde_json::Value = serde_json::from_str(json).expect("json");
+    serde_json::from_str(json).expect("json")
+}
+
+/// DRAM for 16 blocks and an SSD tier for 48: blocks go to disk, and the disk tier drops its
+/// oldest buckets to make room. Every lookup answered "present" must read back (the store
+/// names what it dropped in the OFFLOAD answer, issue 31 item 5), and no put or read fails.
+#[test]
+fn a_replay_through_a_full_ssd_tier_never_answers_present_for_a_dropped_block() {
+    let r = replay(&[
+        "--capacity-tokens",
+        "8192",
+        "--ssd-tokens",
+        "24576",
+        "--block-bytes",
+        "4096",
+    ]);
     let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
-    assert_eq!(f("requests"), 300.0);
+    assert_eq!(f("ssd_tokens"), 24576.0);
+    assert!(
+        r["master"]["master_offloaded_keys_total"]
+            .as_f64()
+            .is_some_and(|n| n > 0.0),
+        "blocks went to disk: {r}"
+    );
     assert_eq!(f("wrong_bytes"), 0.0, "{r}");
     assert_eq!(f("false_present"), 0.0, "{r}");
-    assert!(f("blocks_read") > 0.0, "the slice reuses prefixes: {r}");
-    assert!(
-        f("hit_rate") > 0.0 && f("hit_rate") <= f("max_hit_rate") + 1e-9,
-        "{r}"
-    );
-    assert!(f("belady_hit_rate") >= f("lru_hit_rate") - 1e-9, "{r}");
     assert!(r["errors"].as_object().is_some_and(|e| e.is_empty()), "{r}");
+    assert!(f("blocks_read") > 0.0, "{r}");
 }
 
 #[test]

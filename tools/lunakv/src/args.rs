@@ -210,6 +210,11 @@ pub struct BenchArgs {
     #[arg(long, value_name = "TOKENS", default_value_t = 3_000_000)]
     pub capacity_tokens: u64,
 
+    /// --trace: the store's SSD tier in tokens (0: no SSD tier); the master and the store run
+    /// with --enable_offload and the tier's limit is these tokens' bytes.
+    #[arg(long, value_name = "TOKENS", default_value_t = 0)]
+    pub ssd_tokens: u64,
+
     /// --trace: replay only the first N requests (0: all).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub first: usize,

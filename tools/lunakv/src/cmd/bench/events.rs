@@ -55,7 +55,7 @@ fn start(bins: &std::path::Path, dir: &std::path::Path, events: bool) -> anyhow:
     }
     let (master, f) = spawn(&service_bin(bins, MASTER_BIN)?, &args, &[], "rpc")?;
     let rpc = f.get("rpc").cloned().context("master rpc address")?;
-    let store = spawn_store(bins, &rpc, "512MB")?;
+    let store = spawn_store(bins, &rpc, "512MB", None)?;
     let client = StoreClient::connect(ClientOptions {
         master_server_address: rpc,
         ..ClientOptions::default()

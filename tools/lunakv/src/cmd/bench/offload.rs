@@ -130,17 +130,31 @@ pub(super) fn spawn(
 }
 
 /// A lunakv-store on loopback ephemeral ports with a DRAM segment of `size` ("512MB", bytes),
-/// mounted at the master `rpc`.
-pub(super) fn spawn_store(bins: &Path, rpc: &str, size: &str) -> anyhow::Result<Svc> {
-    let args = [
+/// mounted at the master `rpc`; with `ssd`, an SSD tier in that directory of that many bytes.
+pub(super) fn spawn_store(
+    bins: &Path,
+    rpc: &str,
+    size: &str,
+    ssd: Option<(&Path, u64)>,
+) -> anyhow::Result<Svc> {
+    let mut args = vec![
         format!("--master_server_address={rpc}"),
         "--host=127.0.0.1".into(),
         "--port=0".into(),
         "--metrics_port=0".into(),
         format!("--global_segment_size={size}"),
     ];
+    let mut env = Vec::new();
+    if let Some((dir, limit)) = ssd {
+        args.push("--enable_offload=true".into());
+        env.push((
+            "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH",
+            dir.display().to_string(),
+        ));
+        env.push(("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", limit.to_string()));
+    }
     let bin = crate::stack::service_bin(bins, crate::stack::STORE_BIN)?;
-    Ok(spawn(&bin, &args, &[], "transfer")?.0)
+    Ok(spawn(&bin, &args, &env, "transfer")?.0)
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

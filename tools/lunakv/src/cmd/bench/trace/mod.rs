@@ -33,6 +33,8 @@ pub struct TracePlan {
     pub block_bytes: u64,
     /// The pool's DRAM, in tokens.
     pub capacity_tokens: u64,
+    /// The store's SSD tier, in tokens (0: none).
+    pub ssd_tokens: u64,
     /// Only the first N requests (0: all).
     pub first: usize,
     /// 0: as fast as the client goes; else the trace's own timestamps divided by this.
@@ -48,6 +50,7 @@ pub struct TraceReport {
     pub block_bytes: u64,
     pub capacity_tokens: u64,
     pub capacity_blocks: u64,
+    pub ssd_tokens: u64,
     pub master_args: Vec<String>,
     pub hit_rate: f64,
     pub max_hit_rate: f64,
@@ -140,11 +143,21 @@ pub fn run(bins: &Path, plan: &TracePlan) -> anyhow::Result<TraceReport> {
         "--metrics_port=0".into(),
         format!("--data_dir={}", dir.path().join("master").display()),
     ];
+    let ssd_dir = dir.path().join("ssd");
+    let ssd = (plan.ssd_tokens > 0).then(|| {
+        (
+            ssd_dir.as_path(),
+            plan.ssd_tokens / BLOCK_TOKENS * plan.block_bytes,
+        )
+    });
+    if ssd.is_some() {
+        args.push("--enable_offload=true".into());
+    }
     args.extend(plan.master_args.iter().cloned());
     let (master, f) = spawn(&service_bin(bins, MASTER_BIN)?, &args, &[], "rpc")?;
     let rpc = f.get("rpc").cloned().context("master rpc address")?;
     let admin = f.get("admin").cloned().context("master admin address")?;
-    let store = spawn_store(bins, &rpc, &(blocks * plan.block_bytes).to_string())?;
+    let store = spawn_store(bins, &rpc, &(blocks * plan.block_bytes).to_string(), ssd)?;
     let client = StoreClient::connect(ClientOptions {
         master_server_address: rpc,
         ..ClientOptions::default()
@@ -169,6 +182,7 @@ pub fn run(bins: &Path, plan: &TracePlan) -> anyhow::Result<TraceReport> {
         block_bytes: plan.block_bytes,
         capacity_tokens: plan.capacity_tokens,
         capacity_blocks: blocks,
+        ssd_tokens: plan.ssd_tokens,
         master_args: plan.master_args.clone(),
         hit_rate,
         max_hit_rate,
@@ -328,12 +342,17 @@ pub fn render(r: &TraceReport) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "trace {} ({} requests), capacity {} tokens ({} blocks of {} bytes){}",
+        "trace {} ({} requests), capacity {} tokens ({} blocks of {} bytes){}{}",
         r.trace,
         r.requests,
         r.capacity_tokens,
         r.capacity_blocks,
         r.block_bytes,
+        if r.ssd_tokens > 0 {
+            format!(" + SSD {} tokens", r.ssd_tokens)
+        } else {
+            String::new()
+        },
         if r.master_args.is_empty() {
             String::new()
         } else {
