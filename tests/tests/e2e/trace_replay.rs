@@ -78,26 +78,35 @@ fn replay(extra: &[&str]) -> serde_json::Value {
     serde_json::from_str(json).expect("json")
 }
 
-/// DRAM for 16 blocks and an SSD tier for 48: blocks go to disk, and the disk tier drops its
-/// oldest buckets to make room. Every lookup answered "present" must read back (the store
+/// DRAM for 512 blocks and an SSD tier for 1,024, against about 8,000 blocks put: blocks go to
+/// disk, and the disk tier drops its oldest buckets to make room (a put batch may reserve the
+/// whole pool: the slice's longest chains are long for so small a pool). Every lookup answered "present" must read back (the store
 /// names what it dropped in the OFFLOAD answer, issue 31 item 5), and no put or read fails.
 #[test]
 fn a_replay_through_a_full_ssd_tier_never_answers_present_for_a_dropped_block() {
     let r = replay(&[
         "--capacity-tokens",
-        "8192",
+        "262144",
         "--ssd-tokens",
-        "24576",
+        "524288",
         "--block-bytes",
         "4096",
+        "--master-arg=--put_reservation_limit_ratio=1",
+        "--master-arg=--put_reservation_total_ratio=1",
     ]);
     let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
-    assert_eq!(f("ssd_tokens"), 24576.0);
+    assert_eq!(f("ssd_tokens"), 524288.0);
     assert!(
         r["master"]["master_offloaded_keys_total"]
             .as_f64()
             .is_some_and(|n| n > 0.0),
         "blocks went to disk: {r}"
+    );
+    assert!(
+        r["master"]["master_disk_dropped_keys_total"]
+            .as_f64()
+            .is_some_and(|n| n > 0.0),
+        "the disk tier dropped blocks: {r}"
     );
     assert_eq!(f("wrong_bytes"), 0.0, "{r}");
     assert_eq!(f("false_present"), 0.0, "{r}");
