@@ -1,7 +1,10 @@
 //! The admin and Prometheus HTTP listener (upstream's port 9003): `/metrics`, `/metrics/summary`,
 //! `/health`, `/get_all_segments`, `/query_key?key=...`, and for HA `/role`, `/leader`,
 //! `/ha_status` (upstream's names); lunakv's `/namespaces` (cross-instance key consistency);
-//! upstream's tenant quota API, `/api/v1/tenant_quotas` (GET, PUT, DELETE; docs/TENANTS.md).
+//! upstream's tenant quota API, `/api/v1/tenant_quotas` (GET, PUT, DELETE; docs/TENANTS.md);
+//! and upstream's `/kv_events/status`, `/get_all_keys`, `/get_segments_detail`,
+//! `/query_segment`, `/batch_query_keys`, `/api/v1/segments/status` and
+//! `/api/v1/remove_all` (POST) (admin/upstream.rs; docs/SECURITY.md lists them).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,13 +13,19 @@ use axum::Router;
 use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use lunakv_proto::ErrorCode;
 
 use crate::core::MasterCore;
 use crate::events::publisher::Publisher;
 use crate::ha::{CoreSlot, HaState, Role};
 use crate::tenants::{AdminError, TenantAdmin};
+
+mod upstream;
+use upstream::{
+    batch_query_keys, get_all_keys, kv_events_status, query_segment, remove_all, segment_status,
+    segments_detail,
+};
 
 #[derive(Clone)]
 struct AdminState {
@@ -52,6 +61,13 @@ pub fn router_full(
         .route("/query_key", get(query_key))
         .route("/namespaces", get(namespaces))
         .route("/kv_events", get(kv_events))
+        .route("/kv_events/status", get(kv_events_status))
+        .route("/get_all_keys", get(get_all_keys))
+        .route("/get_segments_detail", get(segments_detail))
+        .route("/query_segment", get(query_segment))
+        .route("/batch_query_keys", get(batch_query_keys))
+        .route("/api/v1/segments/status", get(segment_status))
+        .route("/api/v1/remove_all", post(remove_all))
         .with_state(AdminState { slot, ha, events })
 }
 

@@ -4,8 +4,10 @@
 //!   token) admits any call but RemoveAll, which only the admin token admits when one is set.
 //!   `grpc.health.v1` stays open for the kubelet's probes.
 //! - Admin HTTP: the listings that reveal where objects live (`/query_key`,
-//!   `/get_all_segments`, `/namespaces`) need the admin token (or the pool token when no admin
-//!   token is set); `/metrics`, `/health`, `/role`, `/leader` stay open for Prometheus and probes.
+//!   `/get_all_segments`, `/namespaces`, upstream's `/get_all_keys` and the like), the tenant
+//!   API and `POST /api/v1/remove_all` need the admin token (or the pool token when no admin
+//!   token is set; `GUARDED_HTTP`); `/metrics`, `/health`, `/role`, `/leader` stay open for
+//!   Prometheus and probes.
 //!   With `LUNAKV_ADMIN_TLS=1` the port serves HTTPS ([`crate::admin_tls`]) and a client
 //!   certificate whose identity is in `LUNAKV_ADMIN_IDENTITIES` admits them too.
 //!
@@ -97,13 +99,20 @@ impl AuthPolicy {
     }
 }
 
-/// Admin-port paths that reveal object locations or segment endpoints, or change the pool's
-/// policy.
+/// Admin-port paths that reveal object locations, keys or segment endpoints, or change the
+/// pool's policy or contents (`/api/v1/remove_all`: the admin token when one is set, as the
+/// RemoveAll RPC).
 const GUARDED_HTTP: &[&str] = &[
     "/query_key",
     "/get_all_segments",
     "/namespaces",
     "/api/v1/tenant_quotas",
+    "/get_all_keys",
+    "/get_segments_detail",
+    "/query_segment",
+    "/batch_query_keys",
+    "/api/v1/segments/status",
+    "/api/v1/remove_all",
 ];
 
 fn bearer(header: Option<&http::HeaderValue>) -> Option<&[u8]> {
@@ -290,7 +299,8 @@ pub fn check_http(
         Some(t) if any_matches(&[Some(t)], bearer(authorization)) => return Ok(()),
         _ => {}
     }
-    const WHY: &str = "this route reveals where objects live or changes the pool's policy";
+    const WHY: &str =
+        "this route reveals where objects live or changes the pool's policy or contents";
     let token = match need {
         Some(_) => {
             "send `Authorization: Bearer <token>` with the pool's admin token \
@@ -660,6 +670,24 @@ mod tests {
         let admin = h(&format!("Bearer {ADMIN}"));
         assert!(check_http(&t, "/query_key", Some(&pool), None).is_err());
         assert!(check_http(&t, "/query_key", Some(&admin), None).is_ok());
+        // Upstream's listings and remove_all: the same guard; its counters stay open.
+        for path in [
+            "/get_all_keys",
+            "/get_segments_detail",
+            "/query_segment",
+            "/batch_query_keys",
+            "/api/v1/segments/status",
+            "/api/v1/remove_all",
+        ] {
+            assert_eq!(
+                check_http(&t, path, None, None).unwrap_err().0,
+                http::StatusCode::UNAUTHORIZED,
+                "{path}"
+            );
+            assert!(check_http(&t, path, Some(&pool), None).is_err(), "{path}");
+            assert!(check_http(&t, path, Some(&admin), None).is_ok(), "{path}");
+        }
+        assert!(check_http(&t, "/kv_events/status", None, None).is_ok());
         let p = AdminHttpPolicy::tokens(pool_tokens(Some(POOL), None));
         assert!(check_http(&p, "/get_all_segments", Some(&pool), None).is_ok());
         let open = AdminHttpPolicy::tokens(pool_tokens(None, None));

@@ -5,6 +5,7 @@
 //! <module>::`.
 
 mod abuse_pool;
+mod admin_routes;
 mod bootstrap_etcd;
 mod bootstrap_service;
 mod cli;

@@ -29,6 +29,20 @@ impl MasterCore {
         self.shards.iter().map(|s| s.lock().len() as u64).sum()
     }
 
+    /// The keys of the default tenant held in index shard `i` (`i < SHARDS`; past it, none),
+    /// as the admin port's `/get_all_keys` streams them one shard at a time.
+    pub fn default_tenant_keys_in_shard(&self, i: usize) -> Vec<String> {
+        let Some(shard) = self.shards.get(i) else {
+            return Vec::new();
+        };
+        shard
+            .lock()
+            .iter()
+            .filter(|(k, _)| !k.contains('\0'))
+            .map(|(k, _)| k.to_string())
+            .collect()
+    }
+
     pub fn active_clients(&self) -> u64 {
         self.clients.lock().len() as u64
     }
