@@ -28,14 +28,38 @@ pub fn bin_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// Path of one of the workspace's binaries; panics with the fix when it is not built.
+/// Path of one of the workspace's binaries; panics with the fix when it is not built, or when
+/// a source file it was built from changed since: `cargo test` does not rebuild the binaries
+/// these tests start, and a stale one would test old code.
 pub fn bin(name: &str) -> PathBuf {
-    lunakv_launch::find_bin(
-        &bin_dir(),
-        name,
-        "build the binaries first (`cargo build --bins`, or `make test`)",
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
+    const FIX: &str = "build the binaries first (`cargo build --bins`, or `make test`)";
+    let path = lunakv_launch::find_bin(&bin_dir(), name, FIX).unwrap_or_else(|e| panic!("{e}"));
+    static CHECKED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
+    if !checked.contains(&path) {
+        if let Some(source) = newer_source(&path) {
+            panic!(
+                "{} is older than {}, one of its sources: {FIX}",
+                path.display(),
+                source.display()
+            );
+        }
+        checked.push(path.clone());
+    }
+    path
+}
+
+/// A source file that cargo's dep-info for `bin` (`<bin>.d` beside it: `<bin>: <file> ...`)
+/// lists and that changed after `bin` was built; `None` when there is none or no dep-info.
+fn newer_source(bin: &Path) -> Option<PathBuf> {
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let built = modified(bin)?;
+    let deps = std::fs::read_to_string(bin.with_extension("d")).ok()?;
+    let (_, files) = deps.split_once(": ")?;
+    files
+        .split_whitespace()
+        .map(PathBuf::from)
+        .find(|f| modified(f).is_some_and(|t| t > built))
 }
 
 /// Runs the `lunakv` CLI against `master` with `args`, `env` added to its environment.
@@ -419,4 +443,49 @@ pub mod tls;
 pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod stale_binary_tests {
+    use super::*;
+    use std::time::SystemTime;
+
+    fn touch(path: &Path, at: SystemTime) {
+        std::fs::File::options()
+            .write(true)
+            .open(path)
+            .and_then(|f| f.set_modified(at))
+            .expect("set mtime");
+    }
+
+    #[test]
+    fn a_binary_older_than_one_of_its_sources_is_found() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (bin, src, other) = (
+            dir.path().join("svc"),
+            dir.path().join("lib.rs"),
+            dir.path().join("main.rs"),
+        );
+        for p in [&bin, &src, &other] {
+            std::fs::write(p, b"x").expect("write");
+        }
+        std::fs::write(
+            bin.with_extension("d"),
+            format!("{}: {} {}\n", bin.display(), other.display(), src.display()),
+        )
+        .expect("dep-info");
+        let t0 = SystemTime::now() - Duration::from_secs(60);
+        touch(&other, t0);
+        touch(&src, t0);
+        touch(&bin, t0 + Duration::from_secs(10));
+        assert_eq!(newer_source(&bin), None, "built after every source");
+        touch(&src, t0 + Duration::from_secs(20));
+        assert_eq!(
+            newer_source(&bin),
+            Some(src),
+            "a source changed after the build"
+        );
+        std::fs::remove_file(bin.with_extension("d")).expect("rm");
+        assert_eq!(newer_source(&bin), None, "no dep-info: nothing to judge");
+    }
 }
