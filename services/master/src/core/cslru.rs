@@ -166,9 +166,7 @@ impl MasterCore {
             match o.tier.spend() {
                 Some(t) => o.tier = t,
                 None => {
-                    let dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
-                    over = over
-                        .saturating_sub(crate::alloc::align_up(o.size).unwrap_or(o.size) * dram);
+                    over = over.saturating_sub(o.dram_bytes());
                     o.tier = Tier::DEMOTED;
                 }
             }

@@ -15,8 +15,6 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::alloc::align_up;
-
 use super::groups::Groups;
 use super::types::Object;
 
@@ -37,8 +35,7 @@ pub struct TenantUsage {
 
 impl TenantUsage {
     fn of(o: &Object) -> TenantUsage {
-        let dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
-        let dram_bytes = align_up(o.size).unwrap_or(o.size).saturating_mul(dram);
+        let dram_bytes = o.dram_bytes();
         TenantUsage {
             objects: 1,
             dram_bytes,

@@ -473,9 +473,7 @@ impl MasterCore {
         o.last_access = Instant::now();
         if first && self.cfg.eviction_policy == EvictionPolicy::Cslru {
             let mut recent = self.recent.lock();
-            let dram = o.replicas.iter().filter(|r| !r.disk).count() as u64;
-            let bytes = crate::alloc::align_up(o.size).unwrap_or(o.size) * dram;
-            if recent.came_back(self.hasher.hash_one(key), bytes) {
+            if recent.came_back(self.hasher.hash_one(key), || o.dram_bytes()) {
                 // Put again soon after its eviction: a proven re-user.
                 o.tier = super::policy::Tier::PROTECTED;
                 o.last_access = stamp;

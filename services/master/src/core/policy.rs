@@ -318,14 +318,14 @@ impl Recent {
         }
     }
 
-    /// A put of `bytes` found its key in the ghost table: adapt the share. Returns whether it
-    /// was found.
-    pub(super) fn came_back(&mut self, hash: u64, bytes: u64) -> bool {
+    /// Whether a put found its key in the ghost table; if so the share adapts by the object's
+    /// `bytes` (asked only then: most puts miss, and this runs on every PutEnd).
+    pub(super) fn came_back(&mut self, hash: u64, bytes: impl FnOnce() -> u64) -> bool {
         let Some(proven) = self.ghost.take(hash) else {
             return false;
         };
         if self.capacity > 0 {
-            let fraction = bytes as f64 / self.capacity as f64;
+            let fraction = bytes() as f64 / self.capacity as f64;
             self.share.adapt(proven, fraction, self.ghost.live);
         }
         true

@@ -371,6 +371,14 @@ pub(super) struct Object {
 }
 
 impl Object {
+    /// Bytes its DRAM replicas take in their segments (each rounded up as the allocator does).
+    pub(super) fn dram_bytes(&self) -> u64 {
+        let dram = self.replicas.iter().filter(|r| !r.disk).count() as u64;
+        crate::alloc::align_up(self.size)
+            .unwrap_or(self.size)
+            .saturating_mul(dram)
+    }
+
     /// A complete object the index learned from an owner's inventory or a warm copy, not from
     /// a put: no lease, no pins, accessed now.
     pub(super) fn complete(
