@@ -88,6 +88,11 @@ pub struct MasterConfig {
     /// those with room for it: `random` (upstream's default) or `free_ratio_first` (the
     /// emptiest first, so stores of different sizes fill evenly). See [`AllocationStrategy`].
     pub allocation_strategy: String,
+    /// lunakv: how long a segment that joins a pool of settled segments ramps up, in ms (0 =
+    /// off). While it ramps, it takes at most `max(1/segments, elapsed/ramp)` of new puts, the
+    /// others making room by eviction as a full pool does, so a restarted store does not attract
+    /// every put at once (upstream MC#3688: the emptiest segment takes them all).
+    pub placement_ramp_ms: u64,
     /// Upstream `--enable_multi_tenants`: admit every tenant's puts against its quota from the
     /// tenant policy, and refuse tenants the policy does not name (docs/TENANTS.md). Without
     /// it tenants still have their own key namespaces and usage, but no quota.
@@ -220,6 +225,7 @@ impl Default for MasterConfig {
             put_eviction_limit_ratio: 0.1,
             eviction_policy: "cslru".to_string(),
             allocation_strategy: "random".to_string(),
+            placement_ramp_ms: 30_000,
             enable_multi_tenants: false,
             tenant_quota_connector_type: "file".to_string(),
             tenant_quota_connector_uri: String::new(),
@@ -343,6 +349,9 @@ pub struct MasterArgs {
     /// Replica placement: random or free_ratio_first (emptiest segments first) [default: random].
     #[arg(long = "allocation_strategy")]
     pub allocation_strategy: Option<String>,
+    /// Share of new puts a segment that joins settled ones may take ramps up over this many ms; 0 = off [default: 30000].
+    #[arg(long = "placement_ramp_ms")]
+    pub placement_ramp_ms: Option<u64>,
     /// Tenants: admit puts against each tenant's quota; unknown tenants are refused [default: false].
     #[arg(long = "enable_multi_tenants", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     pub enable_multi_tenants: Option<bool>,

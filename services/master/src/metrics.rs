@@ -103,6 +103,8 @@ pub struct Metrics {
     pub group_members_dropped_total: IntCounter,
     /// PutStarts that found no room even after eviction.
     pub put_start_alloc_failures_total: IntCounter,
+    /// Placements that held back a segment still ramping up (core/ramp.rs).
+    pub placement_ramp_deferred_total: IntCounter,
     /// PutStarts refused before any eviction: larger than every segment.
     pub put_start_oversized_total: IntCounter,
     /// PutStarts refused: the client holds too much in unfinished puts.
@@ -270,6 +272,11 @@ impl Metrics {
                 &r,
                 "master_put_start_alloc_failures_total",
                 "PutStarts with no room even after eviction",
+            ),
+            placement_ramp_deferred_total: counter(
+                &r,
+                "master_placement_ramp_deferred_total",
+                "Placements that held back a segment still ramping up after it joined settled ones",
             ),
             put_start_oversized_total: counter(
                 &r,

@@ -26,6 +26,7 @@ mod intern;
 mod objects;
 mod policy;
 mod quota;
+mod ramp;
 mod reclaim;
 mod reservations;
 mod segments;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use lunakv_config::master::AllocationStrategy;
 use lunakv_proto::ErrorCode;
+use rand::Rng;
 use rand::seq::SliceRandom;
 
 use crate::alloc::align_up;
@@ -17,12 +18,21 @@ use crate::notifier::FreeEntry;
 
 use super::index::tenant_of;
 use super::policy::EvictionPolicy;
+use super::ramp::{self, Pass};
 use super::reservations::Refusal;
 use super::types::{
     Caller, CoreConfig, CoreError, Holder, Location, Object, ObjectState, OpError, PendingFree,
     PendingPromotion, PutOptions, ReplicaLoc, ReplicaView, Replicas,
 };
 use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
+
+/// Who a put is for: the caller's identity (mTLS), the holder its reservation is charged to,
+/// and its client id.
+pub(super) struct Putter<'a> {
+    owner: Option<&'a Arc<str>>,
+    holder: &'a Holder,
+    client_id: &'a str,
+}
 
 impl MasterCore {
     /// Starts a put: places `replica_num` replicas on distinct segments, evicting once if
@@ -67,8 +77,12 @@ impl MasterCore {
         }
         // Held until the object is in the index, which then charges its tenant.
         let _quota = self.admit_tenant(key, size, opts).await?;
-        let owner = caller.identity.as_ref();
-        match self.try_place(owner, &holder, client_id, key, size, opts) {
+        let who = Putter {
+            owner: caller.identity.as_ref(),
+            holder: &holder,
+            client_id,
+        };
+        match self.try_place(&who, key, size, opts, Pass::First) {
             Err(e) if e.code == ErrorCode::NoAvailableHandle => {}
             other => return other,
         }
@@ -77,7 +91,7 @@ impl MasterCore {
             // put_eviction_limit_ratio of the pool, or that fits no segment.
             self.evict(self.eviction_need(size, opts)).await;
         }
-        let mut r = self.try_place(owner, &holder, client_id, key, size, opts);
+        let mut r = self.try_place(&who, key, size, opts, Pass::Retry);
         if matches!(&r, Err(e) if e.code == ErrorCode::NoAvailableHandle)
             && self.total_capacity() > 0
         {
@@ -86,7 +100,7 @@ impl MasterCore {
             let _round = self.reclaim_lock.lock().await;
             let need = self.eviction_need(size, opts);
             if self.reclaim_reservations(&holder, need).await > 0 {
-                r = self.try_place(owner, &holder, client_id, key, size, opts);
+                r = self.try_place(&who, key, size, opts, Pass::Retry);
             }
         }
         if matches!(&r, Err(e) if e.code == ErrorCode::NoAvailableHandle) {
@@ -216,13 +230,17 @@ impl MasterCore {
 
     pub(super) fn try_place(
         &self,
-        owner: Option<&std::sync::Arc<str>>,
-        holder: &Holder,
-        client_id: &str,
+        who: &Putter<'_>,
         key: &str,
         size: u64,
         opts: &PutOptions,
+        pass: Pass,
     ) -> Result<(u64, Vec<ReplicaView>), OpError> {
+        let Putter {
+            owner,
+            holder,
+            client_id,
+        } = *who;
         let now = Instant::now();
         let mut shard = self.shard(key).lock();
         if let Some(o) = shard.get(key) {
@@ -248,18 +266,49 @@ impl MasterCore {
             ));
         }
         let len = align_up(size).unwrap_or(u64::MAX);
-        let mut room: smallvec::SmallVec<[(&String, &crate::alloc::OffsetAllocator); 8]> = segs
-            .iter()
-            .filter(|(_, s)| s.complete && s.alloc.largest_free() >= len)
-            .map(|(n, s)| (n, &s.alloc))
-            .collect();
-        room.shuffle(&mut rand::rng());
+        let complete = segs.values().filter(|s| s.complete).count();
+        let wanted = (opts.replica_num.max(1) as usize).min(complete);
+        let ramp = self.cfg.placement_ramp;
+        let ramping = |s: &super::types::Segment| ramp::share(s.opened_at, now, ramp, complete);
+        // A ramp needs settled segments to make room instead; alone, a newcomer takes it all.
+        let settled = segs
+            .values()
+            .filter(|s| s.complete && ramping(s).is_none())
+            .count();
+        let mut rng = rand::rng();
+        let mut held_back: smallvec::SmallVec<[&String; 2]> = smallvec::SmallVec::new();
+        let mut room: smallvec::SmallVec<[(&String, &crate::alloc::OffsetAllocator); 8]> =
+            smallvec::SmallVec::new();
+        for (n, s) in segs.iter() {
+            if !s.complete || s.alloc.largest_free() < len {
+                continue;
+            }
+            let preferred = opts.preferred_segments.iter().any(|p| p == n);
+            if settled >= wanted
+                && !preferred
+                && let Some(share) = ramping(s)
+                && !rng.random_bool(share.clamp(0.0, 1.0))
+            {
+                held_back.push(n);
+                continue;
+            }
+            room.push((n, &s.alloc));
+        }
+        room.shuffle(&mut rng);
         if self.cfg.placement == AllocationStrategy::FreeRatioFirst {
             // Stable: equally empty segments keep the shuffled order, so ties spread.
             room.sort_by(|(_, a), (_, b)| a.emptier_first(b));
         }
         let mut order: smallvec::SmallVec<[&String; 8]> =
             room.into_iter().map(|(n, _)| n).collect();
+        if !held_back.is_empty() {
+            self.metrics.placement_ramp_deferred_total.inc();
+        }
+        // A retry has evicted already: a ramping segment then beats failing the put.
+        match pass {
+            Pass::Retry => order.extend(held_back),
+            Pass::First => drop(held_back),
+        }
         // Preferred segments first, in the caller's order (those with room).
         let mut at = 0;
         for p in &opts.preferred_segments {
@@ -271,8 +320,6 @@ impl MasterCore {
                 at += 1;
             }
         }
-        let complete = segs.values().filter(|s| s.complete).count();
-        let wanted = (opts.replica_num.max(1) as usize).min(complete);
         if order.len() < wanted {
             let largest = segs.values().map(|s| s.alloc.largest_free()).max();
             return Err(OpError::new(

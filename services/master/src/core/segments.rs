@@ -95,6 +95,7 @@ impl MasterCore {
                     owner: caller.identity.clone(),
                     mount_id,
                     complete: false,
+                    opened_at: None,
                     warm: warm.map(|(_, w)| w),
                 },
             );
@@ -215,6 +216,9 @@ impl MasterCore {
             if let Some(seg) = self.segments.lock().get_mut(&desc.name)
                 && seg.mount_id == mount_id
             {
+                if !seg.complete {
+                    seg.opened_at = Some(Instant::now());
+                }
                 seg.complete = true;
             }
         }

@@ -196,6 +196,73 @@ async fn free_ratio_first_fills_segments_of_different_sizes_evenly() {
     assert!(objects_by_segment(&core)["small:1"] > 80);
 }
 
+/// A full pool of two settled segments, then an empty newcomer (a restarted store): how many
+/// of `puts` new objects land on it.
+async fn newcomer_puts(ramp: Duration, puts: usize, preferred: bool) -> u64 {
+    let (core, _) = new_core(CoreConfig {
+        placement: lunakv_config::master::AllocationStrategy::FreeRatioFirst,
+        placement_ramp: ramp,
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    mount(&core, "cl", "b:1", BLOCK * 100);
+    for i in 0..200 {
+        put(&core, &format!("old{i}"), BLOCK, &opts(1)).await;
+    }
+    // Settled: their ramps are long over (never-opened reads the same).
+    for s in core.segments.lock().values_mut() {
+        s.opened_at = None;
+    }
+    mount(&core, "cl", "new:1", BLOCK * 100);
+    let o = PutOptions {
+        replica_num: 1,
+        preferred_segments: if preferred {
+            vec!["new:1".into()]
+        } else {
+            vec![]
+        },
+        ..Default::default()
+    };
+    for i in 0..puts {
+        put(&core, &format!("k{i}"), BLOCK, &o).await;
+    }
+    objects_by_segment(&core)["new:1"]
+}
+
+#[tokio::test]
+async fn a_segment_that_joins_a_full_pool_takes_a_bounded_share_of_new_puts() {
+    // Without a ramp the newcomer is the only segment with room: it takes every put.
+    assert_eq!(newcomer_puts(Duration::ZERO, 90, false).await, 90);
+    // Ramping (an hour, so the share stays at its floor, 1 of 3 segments): about 30 of 90,
+    // the settled ones evicting to make room for the rest. 60 would need a run of luck
+    // below one in a million.
+    let took = newcomer_puts(Duration::from_secs(3600), 90, false).await;
+    assert!(
+        (8..60).contains(&took),
+        "the newcomer took {took} of 90 puts"
+    );
+    // A caller's own segment is never held back.
+    assert_eq!(newcomer_puts(Duration::from_secs(3600), 90, true).await, 90);
+}
+
+#[tokio::test]
+async fn segments_that_open_together_do_not_ramp() {
+    // No settled segment beside them: holding one back would only fail or evict.
+    let (core, _) = new_core(CoreConfig {
+        placement: lunakv_config::master::AllocationStrategy::FreeRatioFirst,
+        placement_ramp: Duration::from_secs(3600),
+        ..cfg()
+    });
+    mount(&core, "cl", "a:1", BLOCK * 100);
+    mount(&core, "cl", "b:1", BLOCK * 100);
+    for i in 0..150 {
+        put(&core, &format!("k{i}"), BLOCK, &opts(1)).await;
+    }
+    let by = objects_by_segment(&core);
+    assert!(by["a:1"].abs_diff(75) <= 1, "{by:?}");
+    assert_eq!(core.metrics.placement_ramp_deferred_total.get(), 0);
+}
+
 #[tokio::test]
 async fn free_ratio_first_puts_replicas_on_the_emptiest_segments_after_preferred_ones() {
     let (core, _) = new_core(CoreConfig {

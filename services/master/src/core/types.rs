@@ -43,6 +43,8 @@ pub struct CoreConfig {
     pub put_eviction_limit_ratio: f64,
     /// How a new object's replicas pick their segments.
     pub placement: AllocationStrategy,
+    /// How long a segment that joins settled ones ramps up its share of new puts (zero: off).
+    pub placement_ramp: Duration,
     /// Which objects eviction takes first.
     pub eviction_policy: super::policy::EvictionPolicy,
     /// Upstream `--enable_multi_tenants`: a tenant without a quota may not put.
@@ -83,6 +85,7 @@ impl CoreConfig {
             put_reclaim_grace: Duration::from_millis(c.put_reclaim_grace_ms),
             put_eviction_limit_ratio: c.put_eviction_limit_ratio,
             placement: c.allocation_strategy(),
+            placement_ramp: Duration::from_millis(c.placement_ramp_ms),
             eviction_policy: super::policy::EvictionPolicy::parse(&c.eviction_policy)
                 .unwrap_or(super::policy::EvictionPolicy::Cslru),
             multi_tenants: c.enable_multi_tenants,
@@ -428,6 +431,8 @@ pub(super) struct Segment {
     /// allocator does not yet know every range the owner holds, and a new object could land on
     /// one of them.
     pub(super) complete: bool,
+    /// When `complete` became true: the start of its placement ramp ([`super::objects`]).
+    pub(super) opened_at: Option<Instant>,
     /// HA: replicas of this segment that came from a standby's warm copy and that the owner's
     /// inventory has not confirmed yet ([`super::warm`]); None once reconciled.
     pub(super) warm: Option<super::warm::WarmSegment>,

@@ -141,6 +141,7 @@ impl MasterCore {
                         owner: None,
                         mount_id,
                         complete: false,
+                        opened_at: None,
                         warm: Some(WarmSegment::default()),
                     },
                 );
