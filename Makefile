@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace test-abuse clean
+.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace bench-trace-python test-abuse clean
 
 all: build
 
@@ -64,6 +64,12 @@ bench-pd: release
 TRACE ?= ../shared/data/mooncake-traces/conversation_trace.jsonl
 bench-trace: release
 	./target/release/lunakv bench --trace $(TRACE) $(ARGS)
+
+## The same replay from Python through `mooncake.store`, lunakv and upstream's PyPI wheel in the
+## same run, each with its own master at its defaults and an embedded segment of the pool's size
+## (BENCH_ARGS="--capacity-tokens 1000000 --pairs 2"; --no-upstream to skip upstream).
+bench-trace-python:
+	BENCH_ARGS="--trace $(TRACE) $(BENCH_ARGS)" bindings/python/build.sh bench-trace
 
 ## Issue 33's abuse scenarios, bounded and on loopback only, each printing its figure on an
 ## `abuse:` line: store memory under a forged-FREE flood, gets during a many-address flood and a

@@ -165,6 +165,9 @@ def requester(args) -> int:
     def ptrs(buf, rows: range) -> list[int]:
         return [buf.ctypes.data + i * size for i in rows]
 
+    def tagged(tag: str, i: int) -> str:
+        return f"cluster@{args.name}@{tag}@{i:064x}"
+
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -198,6 +201,41 @@ def requester(args) -> int:
                             ok += 1
             out = {"seconds": time.perf_counter() - t0, "ok": ok, "failed": failed,
                    "wrong": wrong, "bytes": ok * size}
+        elif op == "fill":
+            # `count` objects under `tag` (rows reused modulo n), replica_num 1, each batch timed.
+            cfg = ReplicateConfig()
+            cfg.replica_num = 1
+            lat, bad = [], 0
+            for first in range(0, cmd["count"], GET_BATCH):
+                ids = range(first, min(first + GET_BATCH, cmd["count"]))
+                t1 = time.perf_counter()
+                r = s.batch_put_from([tagged(cmd["tag"], i) for i in ids],
+                                     [src.ctypes.data + (i % n) * size for i in ids],
+                                     [size] * len(ids), cfg)
+                lat.append(time.perf_counter() - t1)
+                bad += sum(1 for x in r if x != 0)
+            out = {"seconds": time.perf_counter() - t0, "failed": bad, "latencies": lat}
+        elif op == "getlat":
+            # Every object of `tag` once per round, each batch timed; a miss (evicted, or on the
+            # restarted store) is counted, a wrong byte is an error.
+            lat, ok, missed, wrong = [], 0, 0, 0
+            for _ in range(cmd.get("rounds", 1)):
+                for first in range(0, cmd["count"], GET_BATCH):
+                    ids = list(range(first, min(first + GET_BATCH, cmd["count"])))
+                    dst[:len(ids)].fill(1)
+                    t1 = time.perf_counter()
+                    r = s.batch_get_into([tagged(cmd["tag"], i) for i in ids],
+                                         ptrs(dst, range(len(ids))), [size] * len(ids))
+                    lat.append(time.perf_counter() - t1)
+                    for j, (i, got) in enumerate(zip(ids, r)):
+                        if got != size:
+                            missed += 1
+                        elif not np.array_equal(src[i % n], dst[j]):
+                            wrong += 1
+                        else:
+                            ok += 1
+            out = {"seconds": time.perf_counter() - t0, "latencies": lat, "ok": ok,
+                   "missed": missed, "wrong": wrong}
         elif op == "limit":
             total = cmd["mib"] * MB
             chunk = bytes(4 * MB)
@@ -396,6 +434,108 @@ def run_k(net: Net, k: int, args, tmp: str) -> dict:
             net.remove_host(name)
 
 
+def pct(v: list[float], q: float) -> float:
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * len(v)))] if v else 0.0
+
+
+def run_restart(net: Net, k: int, args, tmp: str, ramp_ms: int) -> dict:
+    """A full pool of k stores, then one restarted empty on its own port (its segment mounts
+    again under the same name): the newcomer's share of the puts in its first seconds, the
+    puts' latency, and the latency of gets of what the pool held, served by the others."""
+    procs: list[Proc] = []
+    reqs: list[Requester] = []
+    names = [f"s{i}" for i in range(k)] + ["r0", "r1"]
+    try:
+        net.add_host("m", 1)
+        for i in range(k):
+            net.add_host(f"s{i}", 10 + i)
+        for j in range(2):
+            net.add_host(f"r{j}", 100 + j)
+        master = f"{net.hosts['m']}:{MASTER_PORT}"
+        m = net.spawn("m", [str(Path(args.bin_dir) / "lunakv-master"),
+                            f"--rpc_address={net.hosts['m']}", f"--rpc_port={MASTER_PORT}",
+                            "--metrics_port=9003", f"--data_dir={tmp}/restart{ramp_ms}",
+                            f"--allocation_strategy={args.strategy}",
+                            f"--placement_ramp_ms={ramp_ms}"])
+        procs.append(m)
+        m.wait_for("listening")
+
+        def store(i: int) -> Proc:
+            s = net.spawn(f"s{i}", [str(Path(args.bin_dir) / "lunakv-store"),
+                                    f"--master_server_address={master}",
+                                    f"--host={net.hosts[f's{i}']}", "--port=50052",
+                                    "--metrics_port=0",
+                                    f"--global_segment_size={args.restart_seg_mib}MB"])
+            procs.append(s)
+            return s
+
+        stores = [store(i) for i in range(k)]
+        for s in stores:
+            s.wait_for("listening")
+        pool = k * args.restart_seg_mib * MB // (args.object_kib * 1024)
+        for j in range(2):
+            reqs.append(Requester(net, f"r{j}", args, master, seed=j))
+        # 1.2 pools between the two: full, with evictions behind it.
+        fill = int(pool * 0.6)
+        for res in all_do(reqs, op="fill", tag="fill", count=fill):
+            if res["failed"]:
+                raise RuntimeError(f"{res['failed']} fill puts failed")
+        victim = stores[-1]
+        victim.p.send_signal(signal.SIGKILL)
+        victim.p.wait(timeout=10)
+        store(k - 1).wait_for("listening")
+        newcomer = None
+        deadline = time.monotonic() + 30
+        while newcomer is None:
+            segs = ns_get_json(net, "m", f"http://{net.hosts['m']}:9003/get_all_segments")
+            fresh = [x for x in segs if x["objects"] == 0]
+            if len(segs) == k and fresh:
+                newcomer = fresh[0]["name"]
+            elif time.monotonic() > deadline:
+                raise RuntimeError(f"the restarted store did not mount: {segs}")
+            else:
+                time.sleep(0.1)
+        # Half a pool of new puts while the other requester reads what it put.
+        new = pool // 2
+        reqs[0].send(op="fill", tag="new", count=new)
+        reqs[1].send(op="getlat", tag="fill", count=fill, rounds=args.rounds)
+        put, got = reqs[0].result(), reqs[1].result()
+        if put["failed"] or got["wrong"]:
+            raise RuntimeError(f"restart phase: {put['failed']} puts failed, {got['wrong']} wrong gets")
+        segs = ns_get_json(net, "m", f"http://{net.hosts['m']}:9003/get_all_segments")
+        took = next(x["objects"] for x in segs if x["name"] == newcomer)
+        ms = 1000.0
+        return {"stores": k, "ramp_ms": ramp_ms, "pool_objects": pool, "new_puts": new,
+                "newcomer_objects": took, "newcomer_share": took / max(1, new),
+                "fair_share": 1 / k, "put_seconds": put["seconds"],
+                "put_p50_ms": pct(put["latencies"], 0.5) * ms,
+                "put_p99_ms": pct(put["latencies"], 0.99) * ms,
+                "get_p50_ms": pct(got["latencies"], 0.5) * ms,
+                "get_p99_ms": pct(got["latencies"], 0.99) * ms,
+                "gets_ok": got["ok"], "gets_missed": got["missed"], "gets_wrong": got["wrong"],
+                "load": os.getloadavg()[0]}
+    finally:
+        for r in reqs:
+            r.stop()
+        for p in reversed(procs):
+            p.stop()
+        for name in ["m", *names]:
+            net.remove_host(name)
+
+
+def fmt_restart(rows: list[dict]) -> str:
+    out = ["ramp ms  stores  newcomer's share of new puts (fair)  put s  put p50/p99 ms"
+           "  get p50/p99 ms  gets ok/missed/wrong"]
+    for r in rows:
+        out.append(f"{r['ramp_ms']:>7}  {r['stores']:>6}  {r['newcomer_objects']:>4}/{r['new_puts']}"
+                   f" = {r['newcomer_share']:.2f} ({r['fair_share']:.2f}){'':12}"
+                   f"{r['put_seconds']:5.2f}  {r['put_p50_ms']:6.1f}/{r['put_p99_ms']:<6.1f}"
+                   f"  {r['get_p50_ms']:6.1f}/{r['get_p99_ms']:<6.1f}"
+                   f"  {r['gets_ok']}/{r['gets_missed']}/{r['gets_wrong']}")
+    return "\n".join(out)
+
+
 def progress(msg: str) -> None:
     print(f"bench-cluster: {msg}", file=sys.stderr, flush=True)
 
@@ -430,6 +570,12 @@ def main() -> int:
     ap.add_argument("--limit-mib", type=int, default=256, help="bytes each requester streams per limit trial")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--strategy", default="free_ratio_first", help="the master's --allocation_strategy")
+    ap.add_argument("--restart", action="store_true",
+                    help="instead: a full pool with one store restarted empty, the master's "
+                         "placement ramp off and on in alternating pairs")
+    ap.add_argument("--restart-stores", type=int, default=3)
+    ap.add_argument("--restart-seg-mib", type=int, default=64, help="each store's segment in --restart")
+    ap.add_argument("--ramp-ms", type=int, default=30000, help="--placement_ramp_ms of the ramp-on runs")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--bin-dir", default=str(REPO / "target" / "release"))
     ap.add_argument("--lunakv-python", default=str(REPO / ".venv" / "bin" / "python"))
@@ -456,11 +602,27 @@ def main() -> int:
     net = Net()
     rows = []
     try:
-        for k in ks:
-            rows.append(run_k(net, k, args, tmp))
+        if args.restart:
+            for p in range(args.pairs):
+                # Alternating which goes first, so drift on a shared machine cancels.
+                for ramp in ((0, args.ramp_ms) if p % 2 == 0 else (args.ramp_ms, 0)):
+                    rows.append(run_restart(net, args.restart_stores, args, tmp, ramp))
+                    progress(f"restart pair {p + 1}/{args.pairs}, ramp {ramp} ms: newcomer share "
+                             f"{rows[-1]['newcomer_share']:.2f}")
+        else:
+            for k in ks:
+                rows.append(run_k(net, k, args, tmp))
     finally:
         net.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    elif args.restart:
+        print(f"== one of {args.restart_stores} stores restarted empty in a full pool of "
+              f"{args.restart_seg_mib} MiB segments, {args.object_kib} KiB objects, allocation_strategy "
+              f"{args.strategy}, {os.cpu_count()} CPUs")
+        print(fmt_restart(sorted(rows, key=lambda r: r["ramp_ms"])))
+        return 0
     if args.json:
         print(json.dumps({"rows": rows}))
     else:

@@ -19,6 +19,7 @@ use lunakv_proto::ErrorCode;
 use crate::core::MasterCore;
 use crate::events::publisher::Publisher;
 use crate::ha::{CoreSlot, HaState, Role};
+use crate::recovery::RecoveryGate;
 use crate::tenants::{AdminError, TenantAdmin};
 
 mod upstream;
@@ -31,6 +32,8 @@ use upstream::{
 struct AdminState {
     slot: Arc<CoreSlot>,
     ha: Option<Arc<HaState>>,
+    /// A single master's rebuild after a restart: writes wait for it as RPCs do.
+    recovery: Arc<RecoveryGate>,
     events: Option<Arc<Publisher>>,
 }
 
@@ -41,13 +44,15 @@ pub fn router(core: Arc<MasterCore>) -> Router {
 
 /// The admin routes over the current core of `slot`, with HA routes when `ha` is set.
 pub fn router_ha(slot: Arc<CoreSlot>, ha: Option<Arc<HaState>>) -> Router {
-    router_full(slot, ha, None)
+    router_full(slot, ha, Arc::default(), None)
 }
 
-/// [`router_ha`] with the KV event publisher's metrics and `/kv_events`.
+/// [`router_ha`] with the gate of a single master's rebuild (the one the RPCs pass), the KV
+/// event publisher's metrics and `/kv_events`.
 pub fn router_full(
     slot: Arc<CoreSlot>,
     ha: Option<Arc<HaState>>,
+    recovery: Arc<RecoveryGate>,
     events: Option<Arc<Publisher>>,
 ) -> Router {
     Router::new()
@@ -68,7 +73,12 @@ pub fn router_full(
         .route("/batch_query_keys", get(batch_query_keys))
         .route("/api/v1/segments/status", get(segment_status))
         .route("/api/v1/remove_all", post(remove_all))
-        .with_state(AdminState { slot, ha, events })
+        .with_state(AdminState {
+            slot,
+            ha,
+            recovery,
+            events,
+        })
 }
 
 async fn metrics(State(s): State<AdminState>) -> Response {

@@ -330,15 +330,53 @@ pub struct MasterService {
     recovery: Arc<RecoveryGate>,
 }
 
+/// The gate every call passes before acting, whichever port it came on (gRPC, quick calls,
+/// the admin API's writes): a single master's rebuild after a restart, or HA's role, local
+/// lease deadline and recovery. Mounts are how a master rebuilds its index, so they pass during
+/// recovery; reads pass when a warm copy answers them.
+pub(crate) fn admit(
+    slot: &CoreSlot,
+    ha: Option<&HaState>,
+    recovery: &RecoveryGate,
+    access: Access,
+) -> Result<Admitted, Status> {
+    let started = std::time::Instant::now();
+    let core = slot.get();
+    let term = match ha {
+        None if access != Access::Mount && !recovery.done(&core) => {
+            return Err(RecoveryGate::refusal(
+                "this lunakv-master has just restarted",
+            ));
+        }
+        None => None,
+        Some(ha) => Some(ha.admit(&core, access)?),
+    };
+    Ok(Admitted {
+        core,
+        term: term.map(|(t, _)| t),
+        warm: term.is_some_and(|(_, w)| w),
+        started,
+    })
+}
+
+/// The gate before acknowledging a mutation [`admit`] let in: with HA, still leading in the
+/// same term with a valid lease.
+pub(crate) fn confirm(ha: Option<&HaState>, a: &Admitted) -> Result<(), Status> {
+    match (ha, a.term) {
+        (Some(ha), Some(term)) => ha.confirm(term),
+        _ => Ok(()),
+    }
+}
+
 /// A request admitted by the HA gate: the core of the current term, and the term to confirm
 /// before acknowledging a mutation.
-struct Admitted {
-    core: Arc<MasterCore>,
+pub(crate) struct Admitted {
+    pub(crate) core: Arc<MasterCore>,
     term: Option<u64>,
     /// A read admitted during the rebuild, answered from the warm copy.
     warm: bool,
     /// For `master_rpc_duration_seconds`.
-    started: std::time::Instant,
+    pub(crate) started: std::time::Instant,
 }
 
 impl MasterService {
@@ -363,32 +401,14 @@ impl MasterService {
         }
     }
 
-    /// The HA gate before acting (role, local lease deadline, recovery). Mounts are how a new
-    /// leader rebuilds its index, so they pass during recovery; reads pass when a warm copy
-    /// answers them.
     /// Counts a call that came as a quick frame (its handler counts it as any call too).
     pub(crate) fn count_quick_call(&self) {
         self.slot.get().metrics.quick_calls_total.inc();
     }
 
+    /// The gate before acting ([`admit`]).
     fn admit(&self, access: Access) -> Result<Admitted, Status> {
-        let started = std::time::Instant::now();
-        let core = self.slot.get();
-        let term = match &self.ha {
-            None if access != Access::Mount && !self.recovery.done(&core) => {
-                return Err(RecoveryGate::refusal(
-                    "this lunakv-master has just restarted",
-                ));
-            }
-            None => None,
-            Some(ha) => Some(ha.admit(&core, access)?),
-        };
-        Ok(Admitted {
-            core,
-            term: term.map(|(t, _)| t),
-            warm: term.is_some_and(|(_, w)| w),
-            started,
-        })
+        admit(&self.slot, self.ha.as_deref(), &self.recovery, access)
     }
 
     /// A read answered from the warm copy during the rebuild: a miss may only mean that the
@@ -410,10 +430,7 @@ impl MasterService {
 
     /// The HA gate before acknowledging a mutation: still leading, same term, lease valid.
     fn confirm(&self, a: &Admitted) -> Result<(), Status> {
-        match (&self.ha, a.term) {
-            (Some(ha), Some(term)) => ha.confirm(term),
-            _ => Ok(()),
-        }
+        confirm(self.ha.as_deref(), a)
     }
 
     async fn put_start_one(

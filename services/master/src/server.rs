@@ -463,16 +463,20 @@ impl Master {
                 ),
         );
         let mut rx = stop_rx.clone();
-        let router =
-            crate::admin::router_full(self.slot.clone(), ha_state.clone(), self.events.clone())
-                .merge(crate::admin::tenant_routes(
-                    self.slot.clone(),
-                    ha_state.clone(),
-                    self.tenants.clone(),
-                ))
-                .layer(axum::middleware::from_fn(move |req, next| {
-                    crate::auth::admin_http(admin_policy.clone(), req, next)
-                }));
+        let router = crate::admin::router_full(
+            self.slot.clone(),
+            ha_state.clone(),
+            self.recovery.clone(),
+            self.events.clone(),
+        )
+        .merge(crate::admin::tenant_routes(
+            self.slot.clone(),
+            ha_state.clone(),
+            self.tenants.clone(),
+        ))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            crate::auth::admin_http(admin_policy.clone(), req, next)
+        }));
         let admin_stop = async move {
             let _ = rx.changed().await;
         };

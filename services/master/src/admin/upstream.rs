@@ -23,6 +23,8 @@ use lunakv_proto::ErrorCode;
 
 use super::AdminState;
 use crate::core::{MasterCore, ObjectState, SHARDS};
+use crate::metrics::Rpc;
+use crate::recovery::Access;
 
 /// Most keys one `/batch_query_keys` call may name.
 pub const MAX_BATCH_QUERY_KEYS: usize = 1000;
@@ -35,6 +37,16 @@ fn text(status: StatusCode, body: String) -> Response {
 }
 
 /// Upstream's `{"success": false, "error_code", "error_message"}`.
+/// The gate's refusal ([`crate::grpc::admit`]) as upstream answers a master whose service plane
+/// is not active: 503, with the reason and what to do (the follower's names the leader).
+fn refused(st: &tonic::Status) -> Response {
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::UnavailableInCurrentStatus,
+        format!("service plane is not active: {}", st.message()),
+    )
+}
+
 fn error(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Response {
     (
         status,
@@ -328,15 +340,13 @@ pub(super) async fn remove_all(
             }
         },
     };
-    if s.ha.as_ref().is_some_and(|h| h.leading_term().is_none()) {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            ErrorCode::UnavailableInCurrentStatus,
-            "service plane is not active: this master is not the leader; send remove_all to \
-             the leader (/leader)",
-        );
-    }
-    let core = s.slot.get();
+    // The RemoveAll RPC's gate: an HA follower, or a master still rebuilding its index from the
+    // owners' inventories (which would put back what this removed), refuses.
+    let gate = match crate::grpc::admit(&s.slot, s.ha.as_deref(), &s.recovery, Access::Write) {
+        Ok(a) => a,
+        Err(st) => return refused(&st),
+    };
+    let core = gate.core.clone();
     let tenants: Vec<String> = match tenant {
         Some(t) => vec![t],
         None => {
@@ -350,6 +360,11 @@ pub(super) async fn remove_all(
     let mut removed = 0;
     for t in &tenants {
         removed += core.remove_all(t, force).await;
+    }
+    core.metrics
+        .record(Rpc::RemoveAll, false, gate.started.elapsed());
+    if let Err(st) = crate::grpc::confirm(s.ha.as_deref(), &gate) {
+        return refused(&st);
     }
     tracing::info!(
         removed,
@@ -371,6 +386,54 @@ mod tests {
         assert_eq!(gib(1 << 20), "0.000976562 GiB");
         assert_eq!(gib(0), "0 GiB");
         assert_eq!(gib(64 << 20), "0.0625 GiB");
+    }
+
+    #[tokio::test]
+    async fn remove_all_waits_for_the_rebuild_as_the_rpc_does() {
+        use std::sync::Arc;
+        use tower::ServiceExt;
+        let core = Arc::new(MasterCore::new(
+            crate::core::CoreConfig::default(),
+            1,
+            Arc::new(crate::notifier::RecordingNotifier::default()),
+        ));
+        // A restarted single master still waiting for a recorded segment's inventory: what it
+        // removed now, the owner's remount would put back.
+        let recovery = Arc::new(crate::recovery::RecoveryGate::default());
+        recovery.begin(
+            ["seg:1".to_string()].into(),
+            std::time::Duration::from_secs(3600),
+        );
+        let app = super::super::router_full(
+            crate::ha::CoreSlot::new(core.clone()),
+            None,
+            recovery.clone(),
+            None,
+        );
+        let call = || {
+            axum::http::Request::post("/api/v1/remove_all?force=true")
+                .body(Body::empty())
+                .expect("request")
+        };
+        let r = app.clone().oneshot(call()).await.expect("answer");
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body = axum::body::to_bytes(r.into_body(), 1 << 16)
+            .await
+            .expect("body");
+        let text = String::from_utf8_lossy(&body);
+        assert!(text.contains("rebuilding"), "{text}");
+        let calls = |core: &MasterCore| {
+            let name = format!("master_{}_requests_total ", Rpc::RemoveAll.name());
+            lunakv_telemetry::render(&core.metrics.registry)
+                .lines()
+                .find_map(|l| l.strip_prefix(name.as_str()).map(str::to_owned))
+        };
+        assert_eq!(calls(&core).as_deref(), Some("0"));
+
+        recovery.clear();
+        let r = app.oneshot(call()).await.expect("answer");
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(calls(&core).as_deref(), Some("1"), "counted as the RPC");
     }
 
     #[test]
