@@ -63,6 +63,13 @@ impl DiskTier {
         self.counters
             .bytes_loaded
             .fetch_add(loc.len, Ordering::Relaxed);
+        if self.cfg.policy == EvictionPolicy::Clock {
+            let mut g = self.inner.lock();
+            // Only while it is still this object: a drop meanwhile must not leave a mark.
+            if g.objects.contains_key(&generation) {
+                g.referenced.insert(generation);
+            }
+        }
         if self.cfg.policy == EvictionPolicy::Lru {
             // Move it to the young end. Best effort: a failure leaves the old copy in place.
             let item = StoreItem {
@@ -86,6 +93,7 @@ impl DiskTier {
         }
         let mut g = self.inner.lock();
         for gen_ in gens {
+            g.referenced.remove(gen_);
             if let Some(l) = g.objects.remove(gen_) {
                 g.live_bytes -= l.len;
                 if let Some(b) = g.buckets.get_mut(&l.bucket) {
@@ -143,6 +151,7 @@ impl DiskTier {
             write_errors_total: c.write_errors.load(Ordering::Relaxed),
             compactions_total: c.compactions.load(Ordering::Relaxed),
             compacted_bytes_total: c.compacted_reclaimed.load(Ordering::Relaxed),
+            second_chances_total: c.second_chances.load(Ordering::Relaxed),
         }
     }
 }

@@ -124,6 +124,75 @@ fn lru_keeps_what_is_read() {
     assert_eq!(buf, obj(1, 10_000));
 }
 
+/// Fills a 100 KB tier of 4-object buckets with objects 1..=8, reads object 1 once, then puts
+/// 9..=12, which drops the first bucket; returns the tier and the drops it reported.
+fn read_once_then_overflow(policy: EvictionPolicy) -> (DiskTier, Vec<u64>, tempfile::TempDir) {
+    let d = tempfile::tempdir().unwrap();
+    let mut c = cfg(d.path(), 100_000);
+    c.policy = policy;
+    let (t, _) = DiskTier::open(c).unwrap();
+    for i in 1..=8 {
+        put(&t, i, 10_000);
+    }
+    let mut buf = vec![0u8; 10_000];
+    t.load(1, &mut buf).unwrap();
+    for i in 9..=12 {
+        put(&t, i, 10_000);
+    }
+    let mut dropped: Vec<u64> = t.take_dropped().iter().map(|o| o.generation).collect();
+    dropped.sort_unstable();
+    (t, dropped, d)
+}
+
+#[test]
+fn clock_carries_what_was_read_out_of_a_dropped_bucket() {
+    // FIFO: the first bucket goes whole, the object read with it.
+    let (t, dropped, _d) = read_once_then_overflow(EvictionPolicy::Fifo);
+    assert_eq!(dropped, vec![1, 2, 3, 4]);
+    assert_eq!(t.size_of(1), None);
+
+    // Clock: object 1 was read, so it moves to the newest bucket with the batch; the others
+    // of its bucket go, reported, and the limit holds.
+    let (t, dropped, _d) = read_once_then_overflow(EvictionPolicy::Clock);
+    assert_eq!(dropped, vec![2, 3, 4]);
+    // (Presence only: a read would mark them again.)
+    for i in [1, 5, 6, 7, 8, 9, 10, 11, 12] {
+        assert_eq!(t.size_of(i), Some(10_000), "object {i}");
+    }
+    let s = t.stats();
+    assert_eq!(s.second_chances_total, 1);
+    assert!(s.used_bytes <= 100_000, "{s:?}");
+    // Its mark went with the move: unread since, it goes when its new bucket is the oldest.
+    for i in 13..=40 {
+        put(&t, i, 10_000);
+    }
+    assert_eq!(t.size_of(1), None);
+    assert_eq!(t.stats().second_chances_total, 1);
+}
+
+#[test]
+fn clock_second_chances_survive_a_restart() {
+    let d = tempfile::tempdir().unwrap();
+    let mut c = cfg(d.path(), 100_000);
+    c.policy = EvictionPolicy::Clock;
+    {
+        let (t, _) = DiskTier::open(c.clone()).unwrap();
+        for i in 1..=8 {
+            put(&t, i, 10_000);
+        }
+        let mut buf = vec![0u8; 10_000];
+        t.load(2, &mut buf).unwrap();
+        for i in 9..=12 {
+            put(&t, i, 10_000);
+        }
+    }
+    // The carried copy is the indexed one; the old bucket's file is gone.
+    let (t, r) = DiskTier::open(c).unwrap();
+    assert_eq!(r.objects, 9);
+    check(&t, 2, 10_000);
+    assert!(!bucket_path(d.path(), 1).exists());
+}
+
 #[test]
 fn corrupt_bytes_are_never_served() {
     let d = tempfile::tempdir().unwrap();

@@ -78,7 +78,7 @@ impl DiskTier {
                 });
             }
         }
-        let need: u64 = todo.iter().map(|t| t.bytes.len() as u64).sum();
+        let mut need: u64 = todo.iter().map(|t| t.bytes.len() as u64).sum();
         let over = {
             let g = self.inner.lock();
             (g.used + need.min(self.cfg.limit_bytes)).saturating_sub(self.cfg.limit_bytes)
@@ -89,12 +89,31 @@ impl DiskTier {
                 tracing::warn!(error = %e, "offload compaction failed; dropping whole buckets instead");
             }
         }
+        // Second chances: the marked objects of the buckets this batch would drop go with it.
+        let carried = if self.cfg.policy == EvictionPolicy::Clock && !relocate {
+            self.second_chances(need)
+        } else {
+            Vec::new()
+        };
+        let carried_items: Vec<StoreItem<'_>> = carried
+            .iter()
+            .map(|c| StoreItem {
+                key: &c.key,
+                generation: c.generation,
+                bytes: &c.bytes,
+                proof: c.proof,
+            })
+            .collect();
+        let keep: HashSet<u64> = carried.iter().map(|c| c.generation).collect();
+        need += carried.iter().map(|c| c.bytes.len() as u64).sum::<u64>();
+        let batch_len = todo.len();
+        let todo: Vec<&StoreItem<'_>> = todo.into_iter().chain(&carried_items).collect();
         // Reserve: room under the limit, then a (bucket, offset) per object.
         let mut placed: Vec<(u64, u64, Arc<File>, PathBuf)> = Vec::with_capacity(todo.len());
         let mut new_bucket = false;
         {
             let mut g = self.inner.lock();
-            dropped.extend(self.make_room(&mut g, need.min(self.cfg.limit_bytes))?);
+            dropped.extend(self.make_room(&mut g, need.min(self.cfg.limit_bytes), &keep)?);
             for it in &todo {
                 let len = it.bytes.len() as u64;
                 let fits = g
@@ -150,7 +169,7 @@ impl DiskTier {
         let mut g = self.inner.lock();
         match r {
             Ok(locs) => {
-                for (it, loc) in todo.iter().zip(locs) {
+                for (i, (it, loc)) in todo.iter().zip(locs).enumerate() {
                     let len = loc.len;
                     let bucket = loc.bucket;
                     if let Some(old) = g.objects.insert(it.generation, loc) {
@@ -163,7 +182,10 @@ impl DiskTier {
                     if let Some(b) = g.buckets.get_mut(&bucket) {
                         b.live.insert(it.generation);
                     }
-                    done.push(it.generation);
+                    // The carried ones (after the batch) were not the caller's.
+                    if i < batch_len {
+                        done.push(it.generation);
+                    }
                 }
                 self.counters
                     .bytes_written
@@ -171,6 +193,9 @@ impl DiskTier {
                 self.counters
                     .objects_written
                     .fetch_add(todo.len() as u64, Ordering::Relaxed);
+                self.counters
+                    .second_chances
+                    .fetch_add(carried.len() as u64, Ordering::Relaxed);
                 self.reclaim_empty(&mut g);
                 Ok(done)
             }
@@ -259,12 +284,70 @@ impl DiskTier {
         self.reclaim_empty(&mut g);
     }
 
+    /// [`EvictionPolicy::Clock`]: the marked live objects of the buckets that room for `need`
+    /// more bytes would drop, read back (CRC-checked) with their marks cleared. At most a
+    /// quarter of the limit per batch, so a round always frees room; past that, marked objects
+    /// go with their bucket. Runs under the writer lock: no bucket can go meanwhile.
+    fn second_chances(&self, need: u64) -> Vec<Carried> {
+        let budget = self.cfg.limit_bytes / 4;
+        let mut picked: Vec<(u64, Loc, Arc<File>)> = Vec::new();
+        {
+            let mut g = self.inner.lock();
+            let g = &mut *g;
+            let mut used = g.used;
+            let mut carried = 0u64;
+            for b in g.buckets.values() {
+                if used + need + carried <= self.cfg.limit_bytes {
+                    break;
+                }
+                used -= b.size;
+                for gen_ in &b.live {
+                    if !g.referenced.contains(gen_) {
+                        continue;
+                    }
+                    let Some(loc) = g.objects.get(gen_) else {
+                        continue;
+                    };
+                    if carried + loc.len > budget {
+                        continue;
+                    }
+                    carried += loc.len;
+                    picked.push((*gen_, loc.clone(), b.file.clone()));
+                }
+            }
+            for (gen_, _, _) in &picked {
+                g.referenced.remove(gen_);
+            }
+        }
+        let mut out = Vec::with_capacity(picked.len());
+        for (generation, loc, file) in picked {
+            let mut bytes = vec![0u8; loc.len as usize];
+            // A failed or corrupt read just loses the second chance; the object goes with its
+            // bucket and is reported as any drop.
+            if file.read_exact_at(&mut bytes, loc.offset).is_err()
+                || crc32fast::hash(&bytes) != loc.crc
+            {
+                continue;
+            }
+            out.push(Carried {
+                generation,
+                key: loc.key,
+                proof: loc.proof,
+                bytes,
+            });
+        }
+        out
+    }
+
     /// Drops whole buckets, oldest first, until `need` more bytes fit under the limit. Returns
     /// the live objects dropped with them; the caller decides how the master learns of them.
+    /// Objects in `keep` (second chances being rewritten) stay indexed and readable in their
+    /// old bucket, whose space already counts as free, until their new copy replaces them.
     pub(crate) fn make_room(
         &self,
         g: &mut Inner,
         need: u64,
+        keep: &HashSet<u64>,
     ) -> Result<Vec<DiskObject>, OffloadError> {
         let mut victims = Vec::new();
         let mut used = g.used;
@@ -282,19 +365,30 @@ impl DiskTier {
             .iter()
             .filter_map(|id| g.buckets.get(id))
             .flat_map(|b| b.live.iter().copied())
+            .filter(|gen_| !keep.contains(gen_))
             .collect();
         self.unindex(&gens)?;
         for id in victims {
             if g.current == Some(id) {
                 g.current = None;
             }
-            if let Some(b) = g.buckets.remove(&id) {
+            let Some(b) = g.buckets.get_mut(&id) else {
+                continue;
+            };
+            if b.live.iter().any(|gen_| keep.contains(gen_)) {
+                // Its bytes no longer count; it goes once the kept objects have moved out
+                // (reclaim_empty), so a read meanwhile still finds them.
+                g.used -= b.size;
+                b.size = 0;
+                b.live.retain(|gen_| keep.contains(gen_));
+            } else if let Some(b) = g.buckets.remove(&id) {
                 g.used -= b.size;
                 let _ = std::fs::remove_file(&b.path);
             }
         }
         let mut dropped = Vec::with_capacity(gens.len());
         for gen_ in gens {
+            g.referenced.remove(&gen_);
             if let Some(l) = g.objects.remove(&gen_) {
                 g.live_bytes -= l.len;
                 dropped.push(DiskObject {
@@ -355,4 +449,12 @@ impl DiskTier {
         self.drop_objects(&present, false);
         Ok(())
     }
+}
+
+/// An object given a second chance: its bytes, read back from the bucket about to go.
+struct Carried {
+    generation: u64,
+    key: String,
+    proof: Option<[u8; PROOF_LEN]>,
+    bytes: Vec<u8>,
 }

@@ -105,6 +105,7 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
         advance(&m.disk_write_errors, d.write_errors_total);
         advance(&m.disk_compactions, d.compactions_total);
         advance(&m.disk_compacted, d.compacted_bytes_total);
+        advance(&m.disk_second_chances, d.second_chances_total);
     }
     (
         [(header::CONTENT_TYPE, lunakv_telemetry::METRICS_CONTENT_TYPE)],

@@ -101,9 +101,9 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
             cfg.offload_total_size_limit_bytes,
         );
         if let Some(p) = env(EVICTION_POLICY_ENV) {
-            oc.policy = p
-                .parse()
-                .map_err(|e: String| StoreError::Offload(format!("{EVICTION_POLICY_ENV}: {e}")))?;
+            oc.policy = p.parse().map_err(|e: lunakv_offload::UnknownPolicy| {
+                StoreError::Offload(format!("{EVICTION_POLICY_ENV}: {e}"))
+            })?;
         }
         match lunakv_offload::DiskTier::open(oc) {
             Ok((t, report)) => {
@@ -290,6 +290,7 @@ pub(crate) struct Metrics {
     pub(crate) disk_write_errors: IntCounter,
     pub(crate) disk_compactions: IntCounter,
     pub(crate) disk_compacted: IntCounter,
+    pub(crate) disk_second_chances: IntCounter,
     pub(crate) tier: Option<Arc<lunakv_offload::DiskTier>>,
     pub(crate) drain_drained: IntGauge,
     pub(crate) drain_drained_bytes: IntGauge,
@@ -390,6 +391,10 @@ impl Metrics {
             disk_compacted: c(
                 "lunakv_store_disk_compacted_bytes_total",
                 "Dead bytes returned by compaction",
+            ),
+            disk_second_chances: c(
+                "lunakv_store_disk_second_chances_total",
+                "Objects read since written that the clock policy carried forward instead of dropping with their bucket",
             ),
             tier: None,
             drain_drained: g(
