@@ -27,6 +27,14 @@ benches do. Balance is the objects per store, max/min, from the master's /get_al
 Last, with K >= 2, one store is killed (SIGKILL) and every requester gets every object once:
 with replica_num 2 every get must still succeed; with replica_num 1 about 1/K of them cannot.
 
+--restart runs a different scenario instead (issue 32's placement ramp): 3 stores of
+--restart-seg-mib, filled past full by two requesters; once the stores have run longer than the
+ramp, one is killed and restarted empty on its own port (its segment mounts again under the
+same name); then one requester puts a pool's worth of new objects paced over --restart-seconds
+while the other reads what it put. Printed: the newcomer's objects against the puts made after
+1, 2 and 5 seconds and in all, put and get latency p50/p99 per batch of 8, gets ok/missed/wrong.
+The master's --placement_ramp_ms is 0 and --ramp-ms (30000, the default) in alternating pairs.
+
 On 2 cores the aggregate cannot grow with K: every host shares the same two cores. What the run
 shows is the per-store share, the balance and the survival of replicated objects; docs/BENCH.md
 says what it cannot show. Needs root (network namespaces) and iproute2.
@@ -206,8 +214,13 @@ def requester(args) -> int:
             cfg = ReplicateConfig()
             cfg.replica_num = 1
             lat, bad = [], 0
+            # Paced over `seconds` when given, as engines save blocks while they serve.
+            per_batch = cmd.get("seconds", 0) * GET_BATCH / max(1, cmd["count"])
             for first in range(0, cmd["count"], GET_BATCH):
                 ids = range(first, min(first + GET_BATCH, cmd["count"]))
+                due = t0 + per_batch * (first // GET_BATCH)
+                if due > time.perf_counter():
+                    time.sleep(due - time.perf_counter())
                 t1 = time.perf_counter()
                 r = s.batch_put_from([tagged(cmd["tag"], i) for i in ids],
                                      [src.ctypes.data + (i % n) * size for i in ids],
@@ -219,7 +232,11 @@ def requester(args) -> int:
             # Every object of `tag` once per round, each batch timed; a miss (evicted, or on the
             # restarted store) is counted, a wrong byte is an error.
             lat, ok, missed, wrong = [], 0, 0, 0
-            for _ in range(cmd.get("rounds", 1)):
+            rounds = cmd.get("rounds", 1)
+            until = t0 + cmd.get("seconds", 0)
+            r_done = 0
+            while r_done < rounds or time.perf_counter() < until:
+                r_done += 1
                 for first in range(0, cmd["count"], GET_BATCH):
                     ids = list(range(first, min(first + GET_BATCH, cmd["count"])))
                     dst[:len(ids)].fill(1)
@@ -446,6 +463,7 @@ def run_restart(net: Net, k: int, args, tmp: str, ramp_ms: int) -> dict:
     procs: list[Proc] = []
     reqs: list[Requester] = []
     names = [f"s{i}" for i in range(k)] + ["r0", "r1"]
+    opened = time.monotonic()
     try:
         net.add_host("m", 1)
         for i in range(k):
@@ -478,9 +496,13 @@ def run_restart(net: Net, k: int, args, tmp: str, ramp_ms: int) -> dict:
             reqs.append(Requester(net, f"r{j}", args, master, seed=j))
         # 1.2 pools between the two: full, with evictions behind it.
         fill = int(pool * 0.6)
-        for res in all_do(reqs, op="fill", tag="fill", count=fill):
-            if res["failed"]:
-                raise RuntimeError(f"{res['failed']} fill puts failed")
+        # A full pool may refuse a put now and then (every candidate for eviction in flight):
+        # counted, as an engine would skip saving that block.
+        fill_failed = sum(res["failed"] for res in all_do(reqs, op="fill", tag="fill", count=fill))
+        # The others settle (a pool that has run for a while): their own ramps end first.
+        settle = opened + args.ramp_ms / 1000 + 1 - time.monotonic()
+        if settle > 0:
+            time.sleep(settle)
         victim = stores[-1]
         victim.p.send_signal(signal.SIGKILL)
         victim.p.wait(timeout=10)
@@ -496,13 +518,30 @@ def run_restart(net: Net, k: int, args, tmp: str, ramp_ms: int) -> dict:
                 raise RuntimeError(f"the restarted store did not mount: {segs}")
             else:
                 time.sleep(0.1)
-        # Half a pool of new puts while the other requester reads what it put.
-        new = pool // 2
-        reqs[0].send(op="fill", tag="new", count=new)
-        reqs[1].send(op="getlat", tag="fill", count=fill, rounds=args.rounds)
+        # A pool's worth of new puts paced over --restart-seconds while the other requester
+        # reads what it put; the newcomer's objects sampled as they go.
+        new = pool
+        secs = args.restart_seconds
+        t_start = time.monotonic()
+        reqs[0].send(op="fill", tag="new", count=new, seconds=secs)
+        reqs[1].send(op="getlat", tag="fill", count=fill, rounds=1, seconds=secs)
+        samples = []
+        for at in (1, 2, 5):
+            wait = t_start + at - time.monotonic()
+            if at >= secs or wait < 0:
+                continue
+            time.sleep(wait)
+            segs = ns_get_json(net, "m", f"http://{net.hosts['m']}:9003/get_all_segments")
+            took_now = next((x["objects"] for x in segs if x["name"] == newcomer), 0)
+            # Batches go out at t = 0, per_batch, 2 per_batch, ... (the requester paces them);
+            # counted up to when the answer came back (starting the query takes a while).
+            per_batch = secs * GET_BATCH / new
+            answered = time.monotonic() - t_start
+            samples.append({"seconds": at, "newcomer_objects": took_now,
+                            "puts": min(new, (int(answered / per_batch) + 1) * GET_BATCH)})
         put, got = reqs[0].result(), reqs[1].result()
-        if put["failed"] or got["wrong"]:
-            raise RuntimeError(f"restart phase: {put['failed']} puts failed, {got['wrong']} wrong gets")
+        if got["wrong"]:
+            raise RuntimeError(f"restart phase: {got['wrong']} gets returned wrong bytes")
         segs = ns_get_json(net, "m", f"http://{net.hosts['m']}:9003/get_all_segments")
         took = next(x["objects"] for x in segs if x["name"] == newcomer)
         ms = 1000.0
@@ -514,6 +553,8 @@ def run_restart(net: Net, k: int, args, tmp: str, ramp_ms: int) -> dict:
                 "get_p50_ms": pct(got["latencies"], 0.5) * ms,
                 "get_p99_ms": pct(got["latencies"], 0.99) * ms,
                 "gets_ok": got["ok"], "gets_missed": got["missed"], "gets_wrong": got["wrong"],
+                "fill_puts_failed": fill_failed, "puts_failed": put["failed"],
+                "samples": samples,
                 "load": os.getloadavg()[0]}
     finally:
         for r in reqs:
@@ -525,14 +566,16 @@ def run_restart(net: Net, k: int, args, tmp: str, ramp_ms: int) -> dict:
 
 
 def fmt_restart(rows: list[dict]) -> str:
-    out = ["ramp ms  stores  newcomer's share of new puts (fair)  put s  put p50/p99 ms"
-           "  get p50/p99 ms  gets ok/missed/wrong"]
+    out = ["ramp ms  stores  newcomer's objects / new puts after 1 s, 2 s, 5 s, all (fair share)"
+           "  put s  put p50/p99 ms  get p50/p99 ms  gets ok/missed/wrong  puts failed (fill, measured)"]
     for r in rows:
-        out.append(f"{r['ramp_ms']:>7}  {r['stores']:>6}  {r['newcomer_objects']:>4}/{r['new_puts']}"
-                   f" = {r['newcomer_share']:.2f} ({r['fair_share']:.2f}){'':12}"
+        early = "  ".join(f"{s['newcomer_objects']}/{s['puts']}" for s in r["samples"])
+        out.append(f"{r['ramp_ms']:>7}  {r['stores']:>6}  {early}  {r['newcomer_objects']}/{r['new_puts']}"
+                   f" ({r['fair_share']:.2f})  "
                    f"{r['put_seconds']:5.2f}  {r['put_p50_ms']:6.1f}/{r['put_p99_ms']:<6.1f}"
                    f"  {r['get_p50_ms']:6.1f}/{r['get_p99_ms']:<6.1f}"
-                   f"  {r['gets_ok']}/{r['gets_missed']}/{r['gets_wrong']}")
+                   f"  {r['gets_ok']}/{r['gets_missed']}/{r['gets_wrong']}"
+                   f"  {r['fill_puts_failed']}, {r['puts_failed']}")
     return "\n".join(out)
 
 
@@ -576,6 +619,8 @@ def main() -> int:
     ap.add_argument("--restart-stores", type=int, default=3)
     ap.add_argument("--restart-seg-mib", type=int, default=64, help="each store's segment in --restart")
     ap.add_argument("--ramp-ms", type=int, default=30000, help="--placement_ramp_ms of the ramp-on runs")
+    ap.add_argument("--restart-seconds", type=float, default=10.0,
+                    help="how long the pool's worth of new puts after the restart takes")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--bin-dir", default=str(REPO / "target" / "release"))
     ap.add_argument("--lunakv-python", default=str(REPO / ".venv" / "bin" / "python"))

@@ -26,8 +26,10 @@
 //! (`MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`). When a batch does not fit, whole buckets go, oldest
 //! first: FIFO, upstream's default. [`EvictionPolicy::Lru`] re-appends an object to the newest
 //! bucket when it is read, so hot objects move away from the eviction end (their old copy becomes
-//! dead space). Recovery never appends to an old bucket: after a restart writes start in a new
-//! bucket, so a torn tail is never overwritten or extended.
+//! dead space). [`EvictionPolicy::Clock`] gives a second chance instead: a read marks the object,
+//! and when its bucket goes, marked objects are carried into the newest bucket with the batch
+//! that needed the room (no write per read). Recovery never appends to an old bucket: after a
+//! restart writes start in a new bucket, so a torn tail is never overwritten or extended.
 //!
 //! Compaction (upstream has none: its dead space leaves only with a whole bucket, so LRU
 //! re-appends and removals make it drop live objects while most of the limit is garbage): when a
