@@ -24,7 +24,8 @@
 //!
 //! Space: the total size of the bucket files stays under the configured limit
 //! (`MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`). When a batch does not fit, whole buckets go, oldest
-//! first: FIFO, upstream's default. [`EvictionPolicy::Lru`] re-appends an object to the newest
+//! first: FIFO, upstream's default and the order [`EvictionPolicy::Clock`] (lunakv's default)
+//! refines. [`EvictionPolicy::Lru`] re-appends an object to the newest
 //! bucket when it is read, so hot objects move away from the eviction end (their old copy becomes
 //! dead space). [`EvictionPolicy::Clock`] gives a second chance instead: a read marks the object,
 //! and when its bucket goes, marked objects are carried into the newest bucket with the batch
@@ -73,20 +74,22 @@ const OBJECTS: TableDefinition<'static, u64, &[u8]> = TableDefinition::new("obje
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum EvictionPolicy {
     /// Oldest written first (upstream's default).
-    #[default]
     Fifo,
     /// Least recently read first (a read re-appends the object to the newest bucket).
     Lru,
     /// FIFO with a second chance (CLOCK): a read only marks the object; when its bucket is the
     /// oldest and room is needed, marked objects are carried into the newest bucket with the
     /// batch being written (one fsync, one index commit), the rest go with the bucket. Close to
-    /// LRU's hits without a write per read.
+    /// LRU's hits without a write per read. The default: on Mooncake's conversation trace
+    /// (DRAM 3M + SSD 30M tokens) 98% of the maximum hit rate against FIFO's 95%, at the same
+    /// replay throughput (docs/BENCH.md).
+    #[default]
     Clock,
 }
 
 /// A policy name [`EvictionPolicy`] does not know.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown offload eviction policy {0:?}: use \"fifo\" (default), \"clock\" or \"lru\"")]
+#[error("unknown offload eviction policy {0:?}: use \"clock\" (default), \"fifo\" or \"lru\"")]
 pub struct UnknownPolicy(pub String);
 
 impl std::str::FromStr for EvictionPolicy {
@@ -118,7 +121,7 @@ impl OffloadConfig {
         OffloadConfig {
             dir: dir.into(),
             limit_bytes,
-            policy: EvictionPolicy::Fifo,
+            policy: EvictionPolicy::default(),
             bucket_max_bytes: BUCKET_MAX_BYTES,
             bucket_max_keys: BUCKET_MAX_KEYS,
         }

@@ -9,8 +9,8 @@ use lunakv_transfer::{
     ColdDropped, ColdItem, ColdStored, ColdTier, ColdTierError, Entry, PlacementProof,
 };
 
-/// Env var choosing the disk eviction policy at the size limit: `fifo` (default), `clock` or
-/// `lru` ([`lunakv_offload::EvictionPolicy`]).
+/// Env var choosing the disk eviction policy at the size limit: `clock` (default), `fifo`
+/// (upstream's) or `lru` ([`lunakv_offload::EvictionPolicy`]).
 pub const EVICTION_POLICY_ENV: &str = "LUNAKV_OFFLOAD_EVICTION_POLICY";
 
 /// Adapts a [`DiskTier`] to the transfer and host traits.
