@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace test-abuse clean
+.PHONY: all build release run test lint fmt bench bench-device bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace test-abuse clean
 
 all: build
 
@@ -40,6 +40,12 @@ fmt:
 ## p50/p99 next to this machine's memcpy and loopback-TCP limits. `make bench ARGS=--json`.
 bench: release
 	./target/release/lunakv bench $(ARGS)
+
+## GPU batches without the GPU: vLLM's batch shape through the device test double, embedded,
+## shm and tcp; per batch the call, the copies and the overhead (docs/GPU.md). Pair against the
+## build before with ARGS="--against OLD/lunakv".
+bench-device: release
+	./target/release/lunakv bench --device $(ARGS)
 
 ## KV events: put ops/s of small objects with events on and a subscriber attached, against
 ## events off, two stacks alternating in one run (docs/EVENTS.md). Target >= 0.95x.

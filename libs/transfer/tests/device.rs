@@ -317,3 +317,105 @@ fn a_vllm_shaped_batch_moves_in_one_2d_copy_per_layer_and_kv() {
         }
     }
 }
+
+/// The H200 refused the embedded owner's 2D copies of a vLLM batch whose objects cross from
+/// one 64 MiB pinned granule of the segment to the next. The double refuses that shape too:
+/// the run is split (counted in `split_stats`), and every byte still lands, in process and over
+/// shm.
+#[test]
+fn a_batch_across_two_pinned_granules_is_split_and_lands() {
+    double();
+    let dir = tempfile::tempdir().unwrap();
+    let s = SegmentServer::start(SegmentServerConfig {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        // Three granules: each path's batch crosses its own granule boundary.
+        size: 136 << 20,
+        shm_socket: Some(dir.path().join("seg.sock")),
+        advertise_host: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let t = Target::from(&s.info());
+    let (layers, blocks, bb, n) = (2usize, 16usize, 4096usize, 8usize);
+    let obj = 2 * layers * bb;
+    let src: Vec<Dev> = (0..layers).map(|_| Dev::new(2 * blocks * bb)).collect();
+    let dst: Vec<Dev> = (0..layers).map(|_| Dev::new(2 * blocks * bb)).collect();
+    for (l, d) in src.iter().enumerate() {
+        double()
+            .write(d.addr, &pattern(2 * blocks * bb, 90 + l as u8))
+            .unwrap();
+    }
+    let pieces = |ts: &[Dev], i: usize| -> Vec<usize> {
+        ts.iter()
+            .flat_map(|d| (0..2).map(move |k| (k * blocks + i) * bb + d.addr))
+            .collect()
+    };
+    let keys: Vec<String> = (0..n).map(|i| format!("granule{i}")).collect();
+    let local = TransferEngine::new(TransferOptions {
+        copy_threads: 1,
+        ..TransferOptions::default()
+    });
+    local.attach_local(&s);
+    let shm = TransferEngine::new(TransferOptions {
+        enable_shm: true,
+        copy_threads: 1,
+        ..TransferOptions::default()
+    });
+    for (round, e) in [&local, &shm].into_iter().enumerate() {
+        // Half the objects below a 64 MiB granule boundary, half above.
+        let base = ((round + 1) << 26) - (n / 2) * obj;
+        let before = (
+            double().stats().refused_2d,
+            device::split_stats().split_runs,
+        );
+        let mut reqs: Vec<TransferRequest<'_>> = (0..n)
+            .map(|i| TransferRequest::Write {
+                target: &t,
+                generation: 900 + (round * n + i) as u64,
+                key: &keys[i],
+                offset: (base + i * obj) as u64,
+                src: pieces(&src, i)
+                    .into_iter()
+                    // SAFETY: device addresses, handed only to the transfer library.
+                    .map(|a| unsafe { std::slice::from_raw_parts(a as *const u8, bb) })
+                    .collect(),
+            })
+            .collect();
+        assert!(e.batch(&mut reqs).iter().all(|r| r.is_ok()));
+        drop(reqs);
+        let mut reqs: Vec<TransferRequest<'_>> = (0..n)
+            .map(|i| TransferRequest::Read {
+                target: &t,
+                generation: 900 + (round * n + i) as u64,
+                offset: (base + i * obj) as u64,
+                dst: pieces(&dst, i)
+                    .into_iter()
+                    // SAFETY: as above; the pieces are disjoint.
+                    .map(|a| unsafe { std::slice::from_raw_parts_mut(a as *mut u8, bb) })
+                    .collect(),
+            })
+            .collect();
+        assert!(e.batch(&mut reqs).iter().all(|r| r.is_ok()));
+        drop(reqs);
+        let after = (
+            double().stats().refused_2d,
+            device::split_stats().split_runs,
+        );
+        assert!(after.0 > before.0, "path {round}: no 2D copy was refused");
+        assert!(after.1 > before.1, "path {round}: no run was split");
+        for (l, d) in dst.iter().enumerate() {
+            let want = pattern(2 * blocks * bb, 90 + l as u8);
+            for k in 0..2 {
+                let at = k * blocks * bb;
+                assert_eq!(
+                    d.bytes(at, n * bb),
+                    &want[at..at + n * bb],
+                    "path {round} layer {l} kv {k}"
+                );
+            }
+        }
+        for d in &dst {
+            double().write(d.addr, &vec![0u8; 2 * blocks * bb]).unwrap();
+        }
+    }
+}
