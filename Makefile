@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-device bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace test-abuse clean
+.PHONY: all build release run test lint fmt bench bench-device bench-busy bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace test-abuse clean
 
 all: build
 
@@ -90,6 +90,11 @@ bench-failover: release
 ## upstream's PyPI package when it can be installed (BENCH_ARGS=--no-upstream to skip it).
 bench-python:
 	bindings/python/build.sh bench
+
+## vLLM's save and load on a busy CPU: p50/p99, threads and context switches, quiet and beside
+## two busy loops, against upstream's wheel (docs/GPU.md). BENCH_ARGS="--device" on the double.
+bench-busy:
+	BENCH_ARGS="$(BENCH_ARGS)" bindings/python/build.sh bench-busy
 
 ## The masters' memory per key and batch ops per CPU-second, lunakv vs upstream (1M keys).
 bench-metadata:

@@ -11,6 +11,8 @@
 #                                     memory per key and ops per CPU-second, side by side)
 #   bindings/python/build.sh bench-cluster  the same build, then bench/bench_cluster.py (K stores
 #                                     and J requesters in network namespaces; needs root)
+#   bindings/python/build.sh bench-busy  the same build, then bench/bench_busy.py (vLLM's save and
+#                                     load beside two busy loops, against upstream's wheel)
 #
 # Environment: VENV (default <repo>/.venv), PYTHON (the interpreter that creates the venv,
 # default python3), PROFILE (cargo profile for the wheel: dev, the default, builds fast for
@@ -61,7 +63,8 @@ if [ "${what#bench}" != "$what" ]; then
         bench) script=bench_store.py ;;
         bench-meta) script=bench_meta.py ;;
         bench-cluster) script=bench_cluster.py ;;
-        *) echo "unknown benchmark $what (bench, bench-meta, bench-cluster)" >&2; exit 2 ;;
+        bench-busy) script=bench_busy.py ;;
+        *) echo "unknown benchmark $what (bench, bench-meta, bench-cluster, bench-busy)" >&2; exit 2 ;;
     esac
     # shellcheck disable=SC2086
     "$VENV/bin/python" "$here/bench/$script" --lunakv-python "$VENV/bin/python" \

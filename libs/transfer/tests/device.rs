@@ -419,3 +419,59 @@ fn a_batch_across_two_pinned_granules_is_split_and_lands() {
         }
     }
 }
+
+/// More objects than the shm path's pipeline window (32): PINs and COMMITs go out a window at
+/// a time, their answers read in order. Every object lands, and one read of a generation that
+/// is not there fails alone without breaking the answers of the others.
+#[test]
+fn an_shm_device_batch_larger_than_the_pipeline_window_lands_whole() {
+    double();
+    let fx = server();
+    let shm = TransferEngine::new(TransferOptions {
+        enable_shm: true,
+        ..TransferOptions::default()
+    });
+    let (n, bb) = (70usize, 4096usize);
+    let src = Dev::new(2 * n * bb);
+    let dst = Dev::new(2 * n * bb);
+    let want = pattern(2 * n * bb, 7);
+    double().write(src.addr, &want).unwrap();
+    let keys: Vec<String> = (0..n).map(|i| format!("win{i}")).collect();
+    let mut reqs: Vec<TransferRequest<'_>> = (0..n)
+        .map(|i| TransferRequest::Write {
+            target: &fx.t,
+            generation: 3000 + i as u64,
+            key: &keys[i],
+            offset: (i * 2 * bb) as u64,
+            src: vec![src.piece(i * bb, bb), src.piece((n + i) * bb, bb)],
+        })
+        .collect();
+    assert!(shm.batch(&mut reqs).iter().all(|r| r.is_ok()));
+    drop(reqs);
+    let bad = 41;
+    let mut reqs: Vec<TransferRequest<'_>> = (0..n)
+        .map(|i| TransferRequest::Read {
+            target: &fx.t,
+            // One generation that was never written: refused by the owner, alone.
+            generation: if i == bad { 9999 } else { 3000 + i as u64 },
+            offset: (i * 2 * bb) as u64,
+            dst: vec![dst.piece_mut(i * bb, bb), dst.piece_mut((n + i) * bb, bb)],
+        })
+        .collect();
+    let res = shm.batch(&mut reqs);
+    drop(reqs);
+    for (i, r) in res.iter().enumerate() {
+        assert_eq!(r.is_ok(), i != bad, "object {i}: {r:?}");
+    }
+    let got = dst.bytes(0, 2 * n * bb);
+    for i in (0..n).filter(|&i| i != bad) {
+        for k in 0..2 {
+            let at = (k * n + i) * bb;
+            assert_eq!(
+                &got[at..at + bb],
+                &want[at..at + bb],
+                "object {i} piece {k}"
+            );
+        }
+    }
+}
