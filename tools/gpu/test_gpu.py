@@ -765,8 +765,7 @@ def driver(a: argparse.Namespace) -> int:
         if sp:
             last[mode] = sp
     if last:
-        print("
-refused 2D copies / split runs (per worker, after its last operation):")
+        print("\nrefused 2D copies / split runs (per worker, after its last operation):")
         for mode, sp in last.items():
             print(f"  {mode:<22} refused {sp['refused_2d']:>6}  split runs {sp['split_runs']:>6}  ({sp['layer']})")
     took = time.monotonic() - t_start
