@@ -157,7 +157,7 @@ fn run_mode(
     dst: &mut FakeKvCache,
     plan: DevicePlan,
 ) -> anyhow::Result<Vec<DeviceRow>> {
-    for cache in [&*src, &*dst] {
+    for cache in [src, &*dst] {
         for &t in cache.tensors() {
             c.register_buffer(t, plan.cache_bytes())
                 .context("register_buffer on the fake KV cache")?;

@@ -643,6 +643,12 @@ mod tests {
             first: 0,
             time_scale: 0.0,
             master_args: Vec::new(),
+            device: false,
+            device_layers: 32,
+            device_objects: 128,
+            device_block_bytes: 32768,
+            device_batches: None,
+            against: None,
         };
         let rows = vec![
             row("tcp_get_4m_single", 1.8, 2000.0),
