@@ -8,6 +8,14 @@ use lunakv_transfer::{
     TransferEngine, TransferOptions, TransferRequest,
 };
 
+/// Held by every test of this binary: the double's counters are process-wide, and the tests
+/// that assert how many copies a batch made must not count another test's copies.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn double() -> &'static fake::Fake {
     fake::install(false).expect("the test double is this binary's only device layer")
 }
@@ -97,6 +105,7 @@ fn round_trip(e: &TransferEngine, t: &Target, g: u64, seed: u8) {
 
 #[test]
 fn device_pieces_on_the_in_process_shm_and_tcp_paths() {
+    let _serial = serial();
     double();
     let fx = server();
     let local = TransferEngine::new(TransferOptions::default());
@@ -127,6 +136,7 @@ fn device_pieces_on_the_in_process_shm_and_tcp_paths() {
 
 #[test]
 fn a_batch_of_host_and_device_objects_lands_where_each_belongs() {
+    let _serial = serial();
     double();
     let fx = server();
     let e = TransferEngine::new(TransferOptions {
@@ -189,6 +199,7 @@ fn a_batch_of_host_and_device_objects_lands_where_each_belongs() {
 
 #[test]
 fn raw_regions_on_a_device_are_written_and_read_by_dma() {
+    let _serial = serial();
     double();
     let registry = MemoryRegistry::new();
     let server = RegionServer::start(
@@ -232,6 +243,7 @@ fn raw_regions_on_a_device_are_written_and_read_by_dma() {
 /// piece, and every byte lands where its piece says.
 #[test]
 fn a_vllm_shaped_batch_moves_in_one_2d_copy_per_layer_and_kv() {
+    let _serial = serial();
     double();
     let fx = server();
     let (layers, blocks, bb, n) = (3usize, 16usize, 4096usize, 8usize);
@@ -324,6 +336,7 @@ fn a_vllm_shaped_batch_moves_in_one_2d_copy_per_layer_and_kv() {
 /// shm.
 #[test]
 fn a_batch_across_two_pinned_granules_is_split_and_lands() {
+    let _serial = serial();
     double();
     let dir = tempfile::tempdir().unwrap();
     let s = SegmentServer::start(SegmentServerConfig {
@@ -425,6 +438,7 @@ fn a_batch_across_two_pinned_granules_is_split_and_lands() {
 /// is not there fails alone without breaking the answers of the others.
 #[test]
 fn an_shm_device_batch_larger_than_the_pipeline_window_lands_whole() {
+    let _serial = serial();
     double();
     let fx = server();
     let shm = TransferEngine::new(TransferOptions {
