@@ -297,20 +297,24 @@ impl ShmTransport {
     }
 }
 
-/// Requests of a device batch sent before their answers are read (PIN before the copies,
-/// COMMIT after): one round trip per window instead of one per object. A request with its
+/// Requests of a batch sent before their answers are read (PIN before the copies, COMMIT
+/// after): one round trip per window instead of one per object, so a batch of vLLM blocks
+/// wakes the store's connection thread (and ours) a few times instead of once per block. A request with its
 /// key is under 400 bytes and an answer is small, so a window never fills either socket buffer
 /// while the other side waits.
 const PIPELINE: usize = 32;
 
 impl ShmTransport {
-    /// A batch with device pieces on one connection: every request's DMA is queued on one
-    /// stream and synchronized once, then the puts are committed (or the gets unpinned). Puts
-    /// and gets are not mixed here (clients batch one direction); a mixed batch runs one by one.
-    fn submit_device(
+    /// A batch in one direction on one connection, its PINs and COMMITs pipelined
+    /// ([`PIPELINE`]). With device pieces (`device`) every request's DMA is queued on one
+    /// stream and synchronized once, then the puts are committed (or the gets unpinned); host
+    /// pieces are copied by the CPU as each request goes. Puts and gets are not mixed here
+    /// (clients batch one direction); a mixed batch runs one by one.
+    fn submit_pipelined(
         &self,
         t: &Target,
         reqs: &mut [&mut TransferRequest<'_>],
+        device: bool,
     ) -> Vec<Result<(), TransferError>> {
         let n = reqs.len();
         let fail = |e: &TransferError| (0..n).map(|_| Err(e.duplicate())).collect();
@@ -332,8 +336,15 @@ impl ShmTransport {
             Ok(s) => s,
             Err(e) => return fail(&e),
         };
-        let Some(mut c) = Copier::new() else {
-            return fail(&TransferError::Device("no device layer".into()));
+        // Device pieces are queued on a copier and synchronized once; a host-only batch is
+        // copied by the CPU as each request goes.
+        let mut c = if device {
+            match Copier::new() {
+                Some(c) => Some(c),
+                None => return fail(&TransferError::Device("no device layer".into())),
+            }
+        } else {
+            None
         };
         let trace = a.trace();
         let mut out: Vec<Option<Result<(), TransferError>>> = (0..n).map(|_| None).collect();
@@ -364,7 +375,10 @@ impl ShmTransport {
                                         len,
                                         size: a.map.len(),
                                     })?;
-                            queue_in(&a.map, off, src, &mut c)
+                            match c.as_mut() {
+                                Some(c) => queue_in(&a.map, off, src, c),
+                                None => copy_in_any(&a.map, off, src),
+                            }
                         })
                         .map(|()| {
                             queued.push((
@@ -434,11 +448,14 @@ impl ShmTransport {
                                     ..req
                                 },
                             ));
-                            match &mut *reqs[j] {
-                                TransferRequest::Read { dst, .. } => {
-                                    queue_out(&a.map, off, dst, &mut c)
+                            match (&mut *reqs[j], c.as_mut()) {
+                                (TransferRequest::Read { dst, .. }, Some(c)) => {
+                                    queue_out(&a.map, off, dst, c)
                                 }
-                                TransferRequest::Write { .. } => Ok(()),
+                                (TransferRequest::Read { dst, .. }, None) => {
+                                    copy_out_any(&a.map, off, dst)
+                                }
+                                (TransferRequest::Write { .. }, _) => Ok(()),
                             }
                         });
                     if let Err(e) = r {
@@ -454,7 +471,10 @@ impl ShmTransport {
                 }
             }
         }
-        let synced = c.sync().map_err(TransferError::from);
+        let synced = c
+            .as_mut()
+            .map_or(Ok(()), |c| c.sync())
+            .map_err(TransferError::from);
         // COMMITs (with answers) and UNPINs (without), a window at a time: sent, then the
         // window's COMMIT answers read in order.
         for window in queued.chunks(PIPELINE) {
@@ -618,11 +638,18 @@ impl Transport for ShmTransport {
             .iter()
             .filter(|r| matches!(r, TransferRequest::Read { .. }))
             .count();
-        if reqs.len() > 1
-            && (reads == 0 || reads == reqs.len())
-            && reqs.iter().any(|r| r.has_device())
-        {
-            return self.submit_device(t, reqs);
+        if reqs.len() > 1 && (reads == 0 || reads == reqs.len()) {
+            let device = reqs.iter().any(|r| r.has_device());
+            let mut out = self.submit_pipelined(t, reqs, device);
+            // A broken connection or a replaced segment (the owner restarted): the requests it
+            // failed run again one by one, each retried once on a fresh attachment as alone.
+            for (r, o) in reqs.iter_mut().zip(out.iter_mut()) {
+                if matches!(o, Err(e) if breaks_conn(e) || matches!(e, TransferError::ShmUnavailable(_)))
+                {
+                    *o = self.execute(t, r);
+                }
+            }
+            return out;
         }
         reqs.iter_mut().map(|r| self.execute(t, r)).collect()
     }
