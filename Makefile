@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace bench-trace-python test-abuse clean
+.PHONY: all build release run test lint fmt bench bench-device bench-busy bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace bench-trace-python test-abuse clean
 
 all: build
 
@@ -40,6 +40,12 @@ fmt:
 ## p50/p99 next to this machine's memcpy and loopback-TCP limits. `make bench ARGS=--json`.
 bench: release
 	./target/release/lunakv bench $(ARGS)
+
+## GPU batches without the GPU: vLLM's batch shape through the device test double, embedded,
+## shm and tcp; per batch the call, the copies and the overhead (docs/GPU.md). Pair against the
+## build before with ARGS="--against OLD/lunakv".
+bench-device: release
+	./target/release/lunakv bench --device $(ARGS)
 
 ## KV events: put ops/s of small objects with events on and a subscriber attached, against
 ## events off, two stacks alternating in one run (docs/EVENTS.md). Target >= 0.95x.
@@ -90,6 +96,11 @@ bench-failover: release
 ## upstream's PyPI package when it can be installed (BENCH_ARGS=--no-upstream to skip it).
 bench-python:
 	bindings/python/build.sh bench
+
+## vLLM's save and load on a busy CPU: p50/p99, threads and context switches, quiet and beside
+## two busy loops, against upstream's wheel (docs/GPU.md). BENCH_ARGS="--device" on the double.
+bench-busy:
+	BENCH_ARGS="$(BENCH_ARGS)" bindings/python/build.sh bench-busy
 
 ## The masters' memory per key and batch ops per CPU-second, lunakv vs upstream (1M keys).
 bench-metadata:

@@ -13,6 +13,8 @@
 #                                     and J requesters in network namespaces; needs root)
 #   bindings/python/build.sh bench-trace  the same build, then bench/bench_trace.py (a trace
 #                                     replayed from Python, lunakv vs upstream's wheel)
+#   bindings/python/build.sh bench-busy  the same build, then bench/bench_busy.py (vLLM's save and
+#                                     load beside two busy loops, against upstream's wheel)
 #
 # Environment: VENV (default <repo>/.venv), PYTHON (the interpreter that creates the venv,
 # default python3), PROFILE (cargo profile for the wheel: dev, the default, builds fast for
@@ -64,7 +66,8 @@ if [ "${what#bench}" != "$what" ]; then
         bench-meta) script=bench_meta.py ;;
         bench-cluster) script=bench_cluster.py ;;
         bench-trace) script=bench_trace.py ;;
-        *) echo "unknown benchmark $what (bench, bench-meta, bench-cluster, bench-trace)" >&2; exit 2 ;;
+        bench-busy) script=bench_busy.py ;;
+        *) echo "unknown benchmark $what (bench, bench-meta, bench-cluster, bench-trace, bench-busy)" >&2; exit 2 ;;
     esac
     # shellcheck disable=SC2086
     "$VENV/bin/python" "$here/bench/$script" --lunakv-python "$VENV/bin/python" \

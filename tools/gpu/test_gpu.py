@@ -344,9 +344,19 @@ def store_worker(a, be: Backend, say) -> int:
             ours.append(gbps(total, dt))
         ok = not failures
         say({"op": op, "ok": ok, "gbps": statistics.median(ours), "pinned_gbps": statistics.median(pinned),
-             "bytes": total, "failures": failures, "protocol": store._protocol_info()})
+             "bytes": total, "failures": failures, "protocol": store._protocol_info(),
+             "split": split_stats()})
     store.close()
     return 0
+
+
+def split_stats() -> dict:
+    """This process's refused 2D copies and split runs so far (cumulative; {} on an older wheel)."""
+    try:
+        from mooncake import _lunakv
+        return dict(_lunakv._device_split_stats())
+    except (ImportError, AttributeError):
+        return {}
 
 
 def order_check(store, be: Backend, src: KvCache, dst: KvCache, a, n: int, prefix: str, seed: int) -> dict:
@@ -614,6 +624,7 @@ def driver(a: argparse.Namespace) -> int:
           f"{'MiB' if obj >= 1 << 20 else 'KiB'} per batch, {rounds} rounds", flush=True)
 
     rows: list[tuple[str, str, float, float, str]] = []
+    splits: list[tuple[str, str, dict]] = []
     failures: list[str] = []
     services: list[Service] = []
     workers: list[Worker] = []
@@ -639,8 +650,12 @@ def driver(a: argparse.Namespace) -> int:
         p = r.get("protocol")
         p = p[0] if isinstance(p, list) and p else p
         proto = f"  [{p.get('display', p) if isinstance(p, dict) else p}]" if p else ""
+        sp = r.get("split") or {}
+        split = (f"  [2D refused {sp['refused_2d']}, split runs {sp['split_runs']}, so far in this worker]"
+                 if sp else "")
+        splits.append((mode, op, sp))
         print(f"  {mode:<22} {op:<5} {'ok' if r.get('ok') else 'FAIL'}  {r['gbps']:7.2f} GB/s  "
-              f"(pinned copy {r['pinned_gbps']:.2f} GB/s){proto}", flush=True)
+              f"(pinned copy {r['pinned_gbps']:.2f} GB/s){proto}{split}", flush=True)
 
     def order(mode: str, w: Worker, prefix: str) -> None:
         r = w.ask({"op": "order", "n": min(n, 16), "rounds": 1, "prefix": prefix, "seed": 900})
@@ -743,6 +758,16 @@ def driver(a: argparse.Namespace) -> int:
         print(f"{mode:<22} {op:<5} {ours:>11.2f} {pinned:>11.2f} {ratio:>6}{extra}")
     for mode, ok in checks:
         print(f"{mode:<22} order {'ok' if ok else 'FAIL':>11}")
+    # Whether the split of refused 2D copies (docs/GPU.md) ran: the workers' counts after their
+    # last operation (cumulative per worker process).
+    last: dict[str, dict] = {}
+    for mode, _op, sp in splits:
+        if sp:
+            last[mode] = sp
+    if last:
+        print("\nrefused 2D copies / split runs (per worker, after its last operation):")
+        for mode, sp in last.items():
+            print(f"  {mode:<22} refused {sp['refused_2d']:>6}  split runs {sp['split_runs']:>6}  ({sp['layer']})")
     took = time.monotonic() - t_start
     if failures:
         print(f"\ntest-gpu FAILED ({took:.0f} s):")

@@ -76,6 +76,7 @@ fn _lunakv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::TransferEngine>()?;
     m.add_function(wrap_pyfunction!(store::close_all, m)?)?;
     m.add_function(wrap_pyfunction!(flush_traces, m)?)?;
+    m.add_function(wrap_pyfunction!(device_split_stats, m)?)?;
     // The device test double, re-exported by `mooncake._lunakv_testing` (tests only).
     m.add_function(wrap_pyfunction!(testing::device_layer, m)?)?;
     m.add_function(wrap_pyfunction!(testing::device_alloc, m)?)?;
@@ -113,4 +114,18 @@ fn flush_traces(py: Python<'_>) {
     if let Some(t) = TELEMETRY.lock().take() {
         py.detach(move || t.shutdown());
     }
+}
+
+/// The device layer's name and its split counts (docs/GPU.md, "Refused 2D copies"): 2D copies
+/// the backend refused and runs copied in parts. Works with any backend; `make test-gpu` prints
+/// it per mode so a GPU run shows whether the split happened.
+#[pyfunction]
+#[pyo3(name = "_device_split_stats")]
+fn device_split_stats() -> std::collections::HashMap<&'static str, String> {
+    let s = lunakv_transfer::device::split_stats();
+    std::collections::HashMap::from([
+        ("layer", lunakv_transfer::device::layer_name().to_string()),
+        ("refused_2d", s.refused_2d.to_string()),
+        ("split_runs", s.split_runs.to_string()),
+    ])
 }

@@ -297,14 +297,24 @@ impl ShmTransport {
     }
 }
 
+/// Requests of a batch sent before their answers are read (PIN before the copies, COMMIT
+/// after): one round trip per window instead of one per object, so a batch of vLLM blocks
+/// wakes the store's connection thread (and ours) a few times instead of once per block. A request with its
+/// key is under 400 bytes and an answer is small, so a window never fills either socket buffer
+/// while the other side waits.
+const PIPELINE: usize = 32;
+
 impl ShmTransport {
-    /// A batch with device pieces on one connection: every request's DMA is queued on one
-    /// stream and synchronized once, then the puts are committed (or the gets unpinned). Puts
-    /// and gets are not mixed here (clients batch one direction); a mixed batch runs one by one.
-    fn submit_device(
+    /// A batch in one direction on one connection, its PINs and COMMITs pipelined
+    /// ([`PIPELINE`]). With device pieces (`device`) every request's DMA is queued on one
+    /// stream and synchronized once, then the puts are committed (or the gets unpinned); host
+    /// pieces are copied by the CPU as each request goes. Puts and gets are not mixed here
+    /// (clients batch one direction); a mixed batch runs one by one.
+    fn submit_pipelined(
         &self,
         t: &Target,
         reqs: &mut [&mut TransferRequest<'_>],
+        device: bool,
     ) -> Vec<Result<(), TransferError>> {
         let n = reqs.len();
         let fail = |e: &TransferError| (0..n).map(|_| Err(e.duplicate())).collect();
@@ -326,16 +336,27 @@ impl ShmTransport {
             Ok(s) => s,
             Err(e) => return fail(&e),
         };
-        let Some(mut c) = Copier::new() else {
-            return fail(&TransferError::Device("no device layer".into()));
+        // Device pieces are queued on a copier and synchronized once; a host-only batch is
+        // copied by the CPU as each request goes.
+        let mut c = if device {
+            match Copier::new() {
+                Some(c) => Some(c),
+                None => return fail(&TransferError::Device("no device layer".into())),
+            }
+        } else {
+            None
         };
         let trace = a.trace();
         let mut out: Vec<Option<Result<(), TransferError>>> = (0..n).map(|_| None).collect();
         // Requests whose copies are queued: (index, request header to send after the sync).
         let mut queued: Vec<(usize, Request)> = Vec::with_capacity(n);
         let mut broken: Option<TransferError> = None;
-        for (i, r) in reqs.iter_mut().enumerate() {
-            let res = match &mut **r {
+        // Reads pinned in this window, waiting for their PIN answers: (index, request, offset
+        // in the mapping). Answers are read a window at a time, not one round trip per object.
+        let mut pinning: Vec<(usize, Request, usize)> = Vec::with_capacity(PIPELINE);
+        let n_reqs = reqs.len();
+        for i in 0..n_reqs {
+            let res = match &mut *reqs[i] {
                 TransferRequest::Write {
                     generation,
                     key,
@@ -354,7 +375,10 @@ impl ShmTransport {
                                         len,
                                         size: a.map.len(),
                                     })?;
-                            queue_in(&a.map, off, src, &mut c)
+                            match c.as_mut() {
+                                Some(c) => queue_in(&a.map, off, src, c),
+                                None => copy_in_any(&a.map, off, src),
+                            }
                         })
                         .map(|()| {
                             queued.push((
@@ -399,16 +423,8 @@ impl ShmTransport {
                             let cb = wire::attach_cap(&mut hdr, cap.as_ref());
                             write_all_gather(&mut s, &[&hdr, tc, cb], &[])
                                 .map_err(|e| io_err(path, e))?;
-                            recv_status(&mut s, path, *generation, *offset, len)?;
-                            // Pinned from here: unpinned after the sync below.
-                            queued.push((
-                                i,
-                                Request {
-                                    op: Op::Unpin,
-                                    ..req
-                                },
-                            ));
-                            queue_out(&a.map, off, dst, &mut c)
+                            pinning.push((i, req, off));
+                            Ok(())
                         })
                 }
             };
@@ -419,43 +435,102 @@ impl ShmTransport {
                 }
                 out[i] = Some(Err(e));
             }
-        }
-        let synced = c.sync().map_err(TransferError::from);
-        for (i, req) in queued {
-            if let Some(e) = &broken {
-                out[i].get_or_insert(Err(e.duplicate()));
-                continue;
-            }
-            let r = match req.op {
-                Op::Commit => match &synced {
-                    Err(e) => Err(e.duplicate()),
-                    Ok(()) => {
-                        let (key, cap) = match &*reqs[i] {
-                            TransferRequest::Write { key, target, .. } => (*key, target.capability),
-                            TransferRequest::Read { .. } => ("", None),
-                        };
-                        let (mut hdr, tc) = req.encode_with(trace.as_ref());
-                        let cb = wire::attach_cap(&mut hdr, cap.as_ref());
-                        write_all_gather(&mut s, &[&hdr, tc, cb, key.as_bytes()], &[])
-                            .map_err(|e| io_err(path, e))
-                            .and_then(|()| {
-                                recv_status(&mut s, path, req.generation, req.offset, req.len)
-                                    .map(|_| ())
-                            })
+            if pinning.len() == PIPELINE || (i + 1 == n_reqs && !pinning.is_empty()) {
+                // The PIN answers, in the order sent; each pinned read's copy is queued.
+                for (j, req, off) in pinning.drain(..) {
+                    let r = recv_status(&mut s, path, req.generation, req.offset, req.len)
+                        .and_then(|_| {
+                            // Pinned from here: unpinned after the sync below.
+                            queued.push((
+                                j,
+                                Request {
+                                    op: Op::Unpin,
+                                    ..req
+                                },
+                            ));
+                            match (&mut *reqs[j], c.as_mut()) {
+                                (TransferRequest::Read { dst, .. }, Some(c)) => {
+                                    queue_out(&a.map, off, dst, c)
+                                }
+                                (TransferRequest::Read { dst, .. }, None) => {
+                                    copy_out_any(&a.map, off, dst)
+                                }
+                                (TransferRequest::Write { .. }, _) => Ok(()),
+                            }
+                        });
+                    if let Err(e) = r {
+                        if breaks_conn(&e) {
+                            broken = Some(e);
+                            break;
+                        }
+                        out[j] = Some(Err(e));
                     }
-                },
-                // UNPIN has no answer (see `read`); the copy's own result is the request's.
-                _ => write_all_gather(&mut s, &[&req.encode()], &[])
-                    .map_err(|e| io_err(path, e))
-                    .and_then(|()| synced.as_ref().map(|_| ()).map_err(|e| e.duplicate())),
-            };
-            if let Err(e) = &r
-                && breaks_conn(e)
-            {
-                broken = Some(e.duplicate());
+                }
+                if broken.is_some() {
+                    break;
+                }
             }
-            // A request already answered (its copy failed to queue) keeps that answer.
-            out[i].get_or_insert(r);
+        }
+        let synced = c
+            .as_mut()
+            .map_or(Ok(()), |c| c.sync())
+            .map_err(TransferError::from);
+        // COMMITs (with answers) and UNPINs (without), a window at a time: sent, then the
+        // window's COMMIT answers read in order.
+        for window in queued.chunks(PIPELINE) {
+            let mut answers: Vec<(usize, Request)> = Vec::with_capacity(window.len());
+            for &(i, req) in window {
+                if let Some(e) = &broken {
+                    out[i].get_or_insert(Err(e.duplicate()));
+                    continue;
+                }
+                let r = match req.op {
+                    Op::Commit => match &synced {
+                        Err(e) => Err(e.duplicate()),
+                        Ok(()) => {
+                            let (key, cap) = match &*reqs[i] {
+                                TransferRequest::Write { key, target, .. } => {
+                                    (*key, target.capability)
+                                }
+                                TransferRequest::Read { .. } => ("", None),
+                            };
+                            let (mut hdr, tc) = req.encode_with(trace.as_ref());
+                            let cb = wire::attach_cap(&mut hdr, cap.as_ref());
+                            write_all_gather(&mut s, &[&hdr, tc, cb, key.as_bytes()], &[])
+                                .map_err(|e| io_err(path, e))
+                                .map(|()| answers.push((i, req)))
+                        }
+                    },
+                    // UNPIN has no answer (see `read`); the copy's own result is the request's.
+                    _ => write_all_gather(&mut s, &[&req.encode()], &[])
+                        .map_err(|e| io_err(path, e))
+                        .and_then(|()| synced.as_ref().map(|_| ()).map_err(|e| e.duplicate()))
+                        .map(|()| {
+                            out[i].get_or_insert(Ok(()));
+                        }),
+                };
+                if let Err(e) = r {
+                    if breaks_conn(&e) {
+                        broken = Some(e.duplicate());
+                    }
+                    // A request already answered (its copy failed to queue) keeps that answer.
+                    out[i].get_or_insert(Err(e));
+                }
+            }
+            for (i, req) in answers {
+                let r = match &broken {
+                    Some(e) => Err(e.duplicate()),
+                    None => {
+                        recv_status(&mut s, path, req.generation, req.offset, req.len).map(|_| ())
+                    }
+                };
+                if let Err(e) = &r
+                    && breaks_conn(e)
+                {
+                    broken = Some(e.duplicate());
+                }
+                out[i].get_or_insert(r);
+            }
         }
         if broken.is_none() {
             self.checkin(&a, s);
@@ -563,11 +638,18 @@ impl Transport for ShmTransport {
             .iter()
             .filter(|r| matches!(r, TransferRequest::Read { .. }))
             .count();
-        if reqs.len() > 1
-            && (reads == 0 || reads == reqs.len())
-            && reqs.iter().any(|r| r.has_device())
-        {
-            return self.submit_device(t, reqs);
+        if reqs.len() > 1 && (reads == 0 || reads == reqs.len()) {
+            let device = reqs.iter().any(|r| r.has_device());
+            let mut out = self.submit_pipelined(t, reqs, device);
+            // A broken connection or a replaced segment (the owner restarted): the requests it
+            // failed run again one by one, each retried once on a fresh attachment as alone.
+            for (r, o) in reqs.iter_mut().zip(out.iter_mut()) {
+                if matches!(o, Err(e) if breaks_conn(e) || matches!(e, TransferError::ShmUnavailable(_)))
+                {
+                    *o = self.execute(t, r);
+                }
+            }
+            return out;
         }
         reqs.iter_mut().map(|r| self.execute(t, r)).collect()
     }

@@ -8,6 +8,14 @@ use lunakv_transfer::{
     TransferEngine, TransferOptions, TransferRequest,
 };
 
+/// Held by every test of this binary: the double's counters are process-wide, and the tests
+/// that assert how many copies a batch made must not count another test's copies.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn double() -> &'static fake::Fake {
     fake::install(false).expect("the test double is this binary's only device layer")
 }
@@ -97,6 +105,7 @@ fn round_trip(e: &TransferEngine, t: &Target, g: u64, seed: u8) {
 
 #[test]
 fn device_pieces_on_the_in_process_shm_and_tcp_paths() {
+    let _serial = serial();
     double();
     let fx = server();
     let local = TransferEngine::new(TransferOptions::default());
@@ -127,6 +136,7 @@ fn device_pieces_on_the_in_process_shm_and_tcp_paths() {
 
 #[test]
 fn a_batch_of_host_and_device_objects_lands_where_each_belongs() {
+    let _serial = serial();
     double();
     let fx = server();
     let e = TransferEngine::new(TransferOptions {
@@ -189,6 +199,7 @@ fn a_batch_of_host_and_device_objects_lands_where_each_belongs() {
 
 #[test]
 fn raw_regions_on_a_device_are_written_and_read_by_dma() {
+    let _serial = serial();
     double();
     let registry = MemoryRegistry::new();
     let server = RegionServer::start(
@@ -232,6 +243,7 @@ fn raw_regions_on_a_device_are_written_and_read_by_dma() {
 /// piece, and every byte lands where its piece says.
 #[test]
 fn a_vllm_shaped_batch_moves_in_one_2d_copy_per_layer_and_kv() {
+    let _serial = serial();
     double();
     let fx = server();
     let (layers, blocks, bb, n) = (3usize, 16usize, 4096usize, 8usize);
@@ -314,6 +326,166 @@ fn a_vllm_shaped_batch_moves_in_one_2d_copy_per_layer_and_kv() {
                     "path {round} layer {l} kv {k}"
                 );
             }
+        }
+    }
+}
+
+/// The H200 refused the embedded owner's 2D copies of a vLLM batch whose objects cross from
+/// one 64 MiB pinned granule of the segment to the next. The double refuses that shape too:
+/// the run is split (counted in `split_stats`), and every byte still lands, in process and over
+/// shm.
+#[test]
+fn a_batch_across_two_pinned_granules_is_split_and_lands() {
+    let _serial = serial();
+    double();
+    let dir = tempfile::tempdir().unwrap();
+    let s = SegmentServer::start(SegmentServerConfig {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        // Three granules: each path's batch crosses its own granule boundary.
+        size: 136 << 20,
+        shm_socket: Some(dir.path().join("seg.sock")),
+        advertise_host: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let t = Target::from(&s.info());
+    let (layers, blocks, bb, n) = (2usize, 16usize, 4096usize, 8usize);
+    let obj = 2 * layers * bb;
+    let src: Vec<Dev> = (0..layers).map(|_| Dev::new(2 * blocks * bb)).collect();
+    let dst: Vec<Dev> = (0..layers).map(|_| Dev::new(2 * blocks * bb)).collect();
+    for (l, d) in src.iter().enumerate() {
+        double()
+            .write(d.addr, &pattern(2 * blocks * bb, 90 + l as u8))
+            .unwrap();
+    }
+    let pieces = |ts: &[Dev], i: usize| -> Vec<usize> {
+        ts.iter()
+            .flat_map(|d| (0..2).map(move |k| (k * blocks + i) * bb + d.addr))
+            .collect()
+    };
+    let keys: Vec<String> = (0..n).map(|i| format!("granule{i}")).collect();
+    let local = TransferEngine::new(TransferOptions {
+        copy_threads: 1,
+        ..TransferOptions::default()
+    });
+    local.attach_local(&s);
+    let shm = TransferEngine::new(TransferOptions {
+        enable_shm: true,
+        copy_threads: 1,
+        ..TransferOptions::default()
+    });
+    for (round, e) in [&local, &shm].into_iter().enumerate() {
+        // Half the objects below a 64 MiB granule boundary, half above.
+        let base = ((round + 1) << 26) - (n / 2) * obj;
+        let before = (
+            double().stats().refused_2d,
+            device::split_stats().split_runs,
+        );
+        let mut reqs: Vec<TransferRequest<'_>> = (0..n)
+            .map(|i| TransferRequest::Write {
+                target: &t,
+                generation: 900 + (round * n + i) as u64,
+                key: &keys[i],
+                offset: (base + i * obj) as u64,
+                src: pieces(&src, i)
+                    .into_iter()
+                    // SAFETY: device addresses, handed only to the transfer library.
+                    .map(|a| unsafe { std::slice::from_raw_parts(a as *const u8, bb) })
+                    .collect(),
+            })
+            .collect();
+        assert!(e.batch(&mut reqs).iter().all(|r| r.is_ok()));
+        drop(reqs);
+        let mut reqs: Vec<TransferRequest<'_>> = (0..n)
+            .map(|i| TransferRequest::Read {
+                target: &t,
+                generation: 900 + (round * n + i) as u64,
+                offset: (base + i * obj) as u64,
+                dst: pieces(&dst, i)
+                    .into_iter()
+                    // SAFETY: as above; the pieces are disjoint.
+                    .map(|a| unsafe { std::slice::from_raw_parts_mut(a as *mut u8, bb) })
+                    .collect(),
+            })
+            .collect();
+        assert!(e.batch(&mut reqs).iter().all(|r| r.is_ok()));
+        drop(reqs);
+        let after = (
+            double().stats().refused_2d,
+            device::split_stats().split_runs,
+        );
+        assert!(after.0 > before.0, "path {round}: no 2D copy was refused");
+        assert!(after.1 > before.1, "path {round}: no run was split");
+        for (l, d) in dst.iter().enumerate() {
+            let want = pattern(2 * blocks * bb, 90 + l as u8);
+            for k in 0..2 {
+                let at = k * blocks * bb;
+                assert_eq!(
+                    d.bytes(at, n * bb),
+                    &want[at..at + n * bb],
+                    "path {round} layer {l} kv {k}"
+                );
+            }
+        }
+        for d in &dst {
+            double().write(d.addr, &vec![0u8; 2 * blocks * bb]).unwrap();
+        }
+    }
+}
+
+/// More objects than the shm path's pipeline window (32): PINs and COMMITs go out a window at
+/// a time, their answers read in order. Every object lands, and one read of a generation that
+/// is not there fails alone without breaking the answers of the others.
+#[test]
+fn an_shm_device_batch_larger_than_the_pipeline_window_lands_whole() {
+    let _serial = serial();
+    double();
+    let fx = server();
+    let shm = TransferEngine::new(TransferOptions {
+        enable_shm: true,
+        ..TransferOptions::default()
+    });
+    let (n, bb) = (70usize, 4096usize);
+    let src = Dev::new(2 * n * bb);
+    let dst = Dev::new(2 * n * bb);
+    let want = pattern(2 * n * bb, 7);
+    double().write(src.addr, &want).unwrap();
+    let keys: Vec<String> = (0..n).map(|i| format!("win{i}")).collect();
+    let mut reqs: Vec<TransferRequest<'_>> = (0..n)
+        .map(|i| TransferRequest::Write {
+            target: &fx.t,
+            generation: 3000 + i as u64,
+            key: &keys[i],
+            offset: (i * 2 * bb) as u64,
+            src: vec![src.piece(i * bb, bb), src.piece((n + i) * bb, bb)],
+        })
+        .collect();
+    assert!(shm.batch(&mut reqs).iter().all(|r| r.is_ok()));
+    drop(reqs);
+    let bad = 41;
+    let mut reqs: Vec<TransferRequest<'_>> = (0..n)
+        .map(|i| TransferRequest::Read {
+            target: &fx.t,
+            // One generation that was never written: refused by the owner, alone.
+            generation: if i == bad { 9999 } else { 3000 + i as u64 },
+            offset: (i * 2 * bb) as u64,
+            dst: vec![dst.piece_mut(i * bb, bb), dst.piece_mut((n + i) * bb, bb)],
+        })
+        .collect();
+    let res = shm.batch(&mut reqs);
+    drop(reqs);
+    for (i, r) in res.iter().enumerate() {
+        assert_eq!(r.is_ok(), i != bad, "object {i}: {r:?}");
+    }
+    let got = dst.bytes(0, 2 * n * bb);
+    for i in (0..n).filter(|&i| i != bad) {
+        for k in 0..2 {
+            let at = (k * n + i) * bb;
+            assert_eq!(
+                &got[at..at + bb],
+                &want[at..at + bb],
+                "object {i} piece {k}"
+            );
         }
     }
 }

@@ -303,6 +303,56 @@ fn batch_over_shm_round_trips() {
     assert_eq!(bufs, objs);
 }
 
+/// A host batch over shm larger than the pipeline window (32): its PINs and COMMITs go out a
+/// window at a time with the answers read in order. Every object lands; a read of a generation
+/// that was never written fails alone; a read of a write that failed (out of bounds) too.
+#[test]
+fn shm_batch_larger_than_the_pipeline_window_answers_each_request() {
+    let f = server();
+    let Some(e) = shm_engine(&f.target) else {
+        return;
+    };
+    let n = 75usize;
+    let objs: Vec<Vec<u8>> = (0..n).map(|i| pattern(4000 + i, i as u8)).collect();
+    let at = |i: usize| i as u64 * 8192;
+    let mut w: Vec<TransferRequest<'_>> = objs
+        .iter()
+        .enumerate()
+        .map(|(i, o)| TransferRequest::Write {
+            target: &f.target,
+            generation: 100 + i as u64,
+            key: "k",
+            // One write past the segment's end, refused alone.
+            offset: if i == 40 { SEG } else { at(i) },
+            src: vec![&o[..100], &o[100..]],
+        })
+        .collect();
+    let res = e.batch(&mut w);
+    drop(w);
+    for (i, r) in res.iter().enumerate() {
+        assert_eq!(r.is_ok(), i != 40, "write {i}: {r:?}");
+    }
+    let mut bufs: Vec<Vec<u8>> = objs.iter().map(|o| vec![0u8; o.len()]).collect();
+    let mut r: Vec<TransferRequest<'_>> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| TransferRequest::Read {
+            target: &f.target,
+            generation: if i == 7 { 9_999 } else { 100 + i as u64 },
+            offset: at(i),
+            dst: vec![b],
+        })
+        .collect();
+    let res = e.batch(&mut r);
+    drop(r);
+    for (i, r) in res.iter().enumerate() {
+        assert_eq!(r.is_ok(), i != 7 && i != 40, "read {i}: {r:?}");
+    }
+    for i in (0..n).filter(|&i| i != 7 && i != 40) {
+        assert_eq!(bufs[i], objs[i], "object {i}");
+    }
+}
+
 #[test]
 fn stale_after_free() {
     let f = server();

@@ -91,6 +91,9 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     advance(&m.conns_refused, cs.refused_total);
     advance(&m.bad_frames, cs.bad_frames_total);
     advance(&m.caps_refused, s.server.refused_total());
+    let split = lunakv_transfer::device::split_stats();
+    advance(&m.device_refused_2d, split.refused_2d);
+    advance(&m.device_split_runs, split.split_runs);
     if let Some(t) = &m.tier {
         let d = t.stats();
         set(&m.disk_capacity, d.capacity_bytes);

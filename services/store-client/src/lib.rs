@@ -274,6 +274,9 @@ pub(crate) struct Metrics {
     pub(crate) conns_refused: IntCounter,
     pub(crate) bad_frames: IntCounter,
     pub(crate) caps_refused: IntCounter,
+    /// The device layer's refused 2D copies and split runs (lunakv_transfer::device::split_stats).
+    pub(crate) device_refused_2d: IntCounter,
+    pub(crate) device_split_runs: IntCounter,
     /// `{requested, effective, reason} 1`: what `--protocol` asked for and what is served.
     pub(crate) protocol_info: IntGaugeVec,
     pub(crate) offload_enabled: IntGauge,
@@ -434,6 +437,14 @@ impl Metrics {
             caps_refused: c(
                 "lunakv_store_transfer_refused_total",
                 "Transfer requests refused: capability missing, forged, expired or too weak (pool token set), or a rewrite of a committed generation",
+            ),
+            device_refused_2d: c(
+                "lunakv_device_copy_2d_refused_total",
+                "2D device copies the GPU driver refused (each part of a split run refused again included); see docs/GPU.md",
+            ),
+            device_split_runs: c(
+                "lunakv_device_copy_2d_split_runs_total",
+                "Runs of device copies copied in parts after their 2D copy was refused",
             ),
             protocol_info: {
                 let v = IntGaugeVec::new(

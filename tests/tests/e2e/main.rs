@@ -6,6 +6,7 @@
 
 mod abuse_pool;
 mod admin_routes;
+mod bench_device;
 mod bootstrap_etcd;
 mod bootstrap_service;
 mod cli;

@@ -599,3 +599,19 @@ fn store_restarted_while_its_port_is_held_binds_once_it_is_free() {
     c.put("after-bind-retry", b"ok").expect("put");
     assert_eq!(c.get("after-bind-retry").expect("get"), b"ok");
 }
+
+/// The store's /metrics carries the device layer's refused-2D-copy and split-run counters
+/// (docs/GPU.md), so a GPU run's scrape shows whether the split happened; a store that moved no
+/// device memory reports both at 0.
+#[test]
+fn store_metrics_count_refused_2d_copies_and_split_runs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = Master::start(dir.path(), &[]);
+    let store = store_with_fd_limit(&m.addr(), 1024, &[]);
+    for name in [
+        "lunakv_device_copy_2d_refused_total",
+        "lunakv_device_copy_2d_split_runs_total",
+    ] {
+        assert_eq!(store_metric(&store, name), Some(0.0), "{name}");
+    }
+}

@@ -202,6 +202,33 @@ pub struct BenchArgs {
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
 
+    /// Only the device section: vLLM's batch (objects x layers x K/V blocks) from and into
+    /// fake device memory (the test double), embedded, shm and tcp; per batch the call's time,
+    /// the time inside the device copies, and the difference (overhead). docs/GPU.md.
+    #[arg(long)]
+    pub device: bool,
+
+    /// --device: layers of the KV cache (make test-gpu's default).
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub device_layers: usize,
+
+    /// --device: objects (blocks) per batch.
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub device_objects: usize,
+
+    /// --device: bytes of one block of one layer's K or V.
+    #[arg(long, value_name = "BYTES", default_value_t = 32768)]
+    pub device_block_bytes: usize,
+
+    /// --device: timed batches per mode and direction (default 20, or 5 with --quick).
+    #[arg(long, value_name = "N")]
+    pub device_batches: Option<usize>,
+
+    /// --device: also run this other lunakv executable's `bench --device` (the build before),
+    /// alternately with this one, --pairs times, and print the overheads side by side.
+    #[arg(long, value_name = "LUNAKV")]
+    pub against: Option<PathBuf>,
+
     /// --trace: bytes that stand for one 512-token block.
     #[arg(long, value_name = "BYTES", default_value_t = 16384)]
     pub block_bytes: u64,

@@ -430,23 +430,12 @@ impl DeviceLayer for Cuda {
         if r == CUDA_ERROR_INVALID_VALUE && height > 1 {
             // Seen on an H200 (driver 580): runs whose device rows span two allocations were
             // refused, and some runs over an embedded owner's segment for a reason not
-            // established (docs/GPU.md). Halves are tried until each is accepted; a refusal is
-            // checked before anything is queued, so nothing is copied twice.
-            let h = height / 2;
-            // SAFETY: the same rows, in two parts.
-            unsafe {
-                self.copy_2d_async(stream, dir, dst, dst_pitch, src, src_pitch, width, h)?;
-                return self.copy_2d_async(
-                    stream,
-                    dir,
-                    dst + h * dst_pitch,
-                    dst_pitch,
-                    src + h * src_pitch,
-                    src_pitch,
-                    width,
-                    height - h,
-                );
-            }
+            // established (docs/GPU.md). Nothing was queued; the caller (`device::copy_2d`)
+            // splits the run, with the same code the test double exercises.
+            return Err(DeviceError::Refused2d {
+                height,
+                why: self.error_name(r),
+            });
         }
         if height == 1 {
             // SAFETY: one row, as the caller queued it.

@@ -10,6 +10,11 @@
 //!   ones and fails its test.
 //! - [`stats`] counts copies, synchronizations and pins, so tests can assert the shape of a
 //!   path (one DMA per piece, no bounce buffer, pinned segments).
+//! - It refuses, as [`DeviceError::Refused2d`], the 2D copies an H200 refused: rows spanning two
+//!   allocations, and rows whose host side spans two pinned ranges (an embedded owner's segment
+//!   is pinned in 64 MiB granules), so the split of `device::copy_2d` runs on CI.
+//! - It times its copies ([`FakeStats::copy_ns`]: wall time during which any stream was
+//!   copying), so a benchmark can tell the copies from everything else in a call.
 //! - `fake-blind` is the same double, but tells the data path that every address is host
 //!   memory: the copy then dereferences the `PROT_NONE` address and the process dies, which
 //!   is what a host-only data path does on a GPU.
@@ -46,8 +51,14 @@ pub struct FakeStats {
     pub d2h_bytes: u64,
     pub h2d_bytes: u64,
     pub syncs: u64,
-    /// 2D copy calls ([`DeviceLayer::copy_2d_async`]); each row also counts in the copies.
+    /// 2D copy calls ([`DeviceLayer::copy_2d_async`]) taken as one; each row also counts in
+    /// the copies.
     pub copies_2d: u64,
+    /// 2D copy calls refused ([`DeviceError::Refused2d`]): nothing queued, the caller splits.
+    pub refused_2d: u64,
+    /// Wall nanoseconds during which at least one stream was running its copies (at
+    /// synchronize): the double's stand-in for the time a GPU spends in DMA.
+    pub copy_ns: u64,
     pub pins: u64,
     pub unpins: u64,
     /// Host bytes pinned now.
@@ -63,6 +74,7 @@ struct Counters {
     h2d_bytes: AtomicU64,
     syncs: AtomicU64,
     copies_2d: AtomicU64,
+    refused_2d: AtomicU64,
     pins: AtomicU64,
     unpins: AtomicU64,
     streams: AtomicU64,
@@ -76,6 +88,16 @@ pub struct Fake {
     queues: Mutex<HashMap<StreamId, Vec<Op>>>,
     next_stream: AtomicU64,
     counters: Counters,
+    copying: Mutex<CopyClock>,
+}
+
+/// Wall time during which any stream copies: copies of parallel streams overlap, and a
+/// benchmark subtracts copy time from a call's wall time.
+#[derive(Default)]
+struct CopyClock {
+    active: usize,
+    since: Option<std::time::Instant>,
+    total_ns: u64,
 }
 
 impl Fake {
@@ -87,6 +109,7 @@ impl Fake {
             queues: Mutex::new(HashMap::new()),
             next_stream: AtomicU64::new(1),
             counters: Counters::default(),
+            copying: Mutex::new(CopyClock::default()),
         }
     }
 
@@ -181,6 +204,18 @@ impl Fake {
         Ok(())
     }
 
+    /// How many pinned ranges `[addr, addr+len)` overlaps.
+    fn pinned_ranges(&self, addr: usize, len: usize) -> usize {
+        let p = self.pinned.lock();
+        let end = addr.saturating_add(len);
+        let first = p
+            .range(..=addr)
+            .next_back()
+            .filter(|(s, l)| *s + *l > addr)
+            .map_or(addr, |(s, _)| *s);
+        p.range(first..end).filter(|(s, l)| *s + *l > addr).count()
+    }
+
     pub fn stats(&self) -> FakeStats {
         let c = &self.counters;
         FakeStats {
@@ -190,6 +225,11 @@ impl Fake {
             h2d_bytes: c.h2d_bytes.load(Ordering::Relaxed),
             syncs: c.syncs.load(Ordering::Relaxed),
             copies_2d: c.copies_2d.load(Ordering::Relaxed),
+            refused_2d: c.refused_2d.load(Ordering::Relaxed),
+            copy_ns: {
+                let k = self.copying.lock();
+                k.total_ns + k.since.map_or(0, |t| t.elapsed().as_nanos() as u64)
+            },
             pins: c.pins.load(Ordering::Relaxed),
             unpins: c.unpins.load(Ordering::Relaxed),
             pinned_bytes: self.pinned.lock().values().map(|&l| l as u64).sum(),
@@ -283,7 +323,8 @@ impl DeviceLayer for &'static Fake {
         Ok(())
     }
 
-    /// One call (counted in `copies_2d`) when the rows lie in one allocation, as CUDA's.
+    /// One call (counted in `copies_2d`), or refused as the H200 refused: device rows in two
+    /// allocations, or host rows over two pinned ranges.
     unsafe fn copy_2d_async(
         &self,
         stream: StreamId,
@@ -300,16 +341,26 @@ impl DeviceLayer for &'static Fake {
                 "fake 2D copy: {height} rows of {width} bytes with pitches {src_pitch}/{dst_pitch}"
             )));
         }
-        let (dev, pitch) = match dir {
-            CopyDir::DeviceToHost => (src, src_pitch),
-            CopyDir::HostToDevice => (dst, dst_pitch),
+        let ((dev, dev_pitch), (host, host_pitch)) = match dir {
+            CopyDir::DeviceToHost => ((src, src_pitch), (dst, dst_pitch)),
+            CopyDir::HostToDevice => ((dst, dst_pitch), (src, src_pitch)),
         };
-        let span = (height - 1) * pitch + width;
-        // CUDA refuses rows that span two allocations and the CUDA backend then splits the run;
-        // here each row is checked and queued on its own, which ends the same way.
-        if self.shadow(dev, span).is_some() {
-            self.counters.copies_2d.fetch_add(1, Ordering::Relaxed);
+        let span = |pitch: usize| (height - 1) * pitch + width;
+        let why = if self.shadow(dev, span(dev_pitch)).is_none() {
+            Some("device rows span two allocations")
+        } else if self.pinned_ranges(host, span(host_pitch)) > 1 {
+            Some("host rows span two pinned ranges")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            self.counters.refused_2d.fetch_add(1, Ordering::Relaxed);
+            return Err(DeviceError::Refused2d {
+                height,
+                why: why.into(),
+            });
         }
+        self.counters.copies_2d.fetch_add(1, Ordering::Relaxed);
         // SAFETY: forwarded from the caller; each row is checked as it is queued.
         unsafe {
             super::copy_rows(
@@ -328,10 +379,25 @@ impl DeviceLayer for &'static Fake {
             }
         };
         self.counters.syncs.fetch_add(1, Ordering::Relaxed);
+        if ops.is_empty() {
+            return Ok(());
+        }
+        {
+            let mut k = self.copying.lock();
+            k.active += 1;
+            k.since.get_or_insert_with(std::time::Instant::now);
+        }
         for op in ops {
             // SAFETY: the device side was checked inside a live allocation when queued; the
             // host side is valid until this synchronize (copy_async's contract).
             unsafe { std::ptr::copy(op.src as *const u8, op.dst as *mut u8, op.len) };
+        }
+        let mut k = self.copying.lock();
+        k.active -= 1;
+        if k.active == 0
+            && let Some(t) = k.since.take()
+        {
+            k.total_ns += t.elapsed().as_nanos() as u64;
         }
         Ok(())
     }
@@ -420,4 +486,107 @@ pub fn write(addr: usize, bytes: &[u8]) -> Result<(), DeviceError> {
 /// [`Fake::stats`] of the active double.
 pub fn stats() -> Result<FakeStats, DeviceError> {
     Ok(active()?.stats())
+}
+
+/// vLLM's KV cache on the active double: one allocation per layer shaped `(K/V, blocks,
+/// block_bytes)`, freed on drop. Its pieces are slices over device memory for the store and
+/// transfer APIs, which copy them through the device layer: a CPU read of one is SIGSEGV, which
+/// is the double's point (benchmarks and tools without `unsafe` of their own use this).
+pub struct FakeKvCache {
+    f: &'static Fake,
+    tensors: Vec<usize>,
+    blocks: usize,
+    block_bytes: usize,
+}
+
+impl FakeKvCache {
+    pub fn new(layers: usize, blocks: usize, block_bytes: usize) -> Result<Self, DeviceError> {
+        let f = active()?;
+        let mut c = FakeKvCache {
+            f,
+            tensors: Vec::with_capacity(layers),
+            blocks,
+            block_bytes,
+        };
+        for _ in 0..layers {
+            let t = f.alloc(2 * blocks * block_bytes)?;
+            c.tensors.push(t);
+        }
+        Ok(c)
+    }
+
+    /// Start addresses of the layers' tensors (what vLLM registers).
+    pub fn tensors(&self) -> &[usize] {
+        &self.tensors
+    }
+
+    /// Bytes of one layer's tensor.
+    pub fn tensor_bytes(&self) -> usize {
+        2 * self.blocks * self.block_bytes
+    }
+
+    /// Writes a layer's whole tensor (test data; through the double's second mapping).
+    pub fn write_layer(&self, layer: usize, bytes: &[u8]) -> Result<(), DeviceError> {
+        self.f.write(self.tensor(layer)?, bytes)
+    }
+
+    /// Reads a layer's whole tensor (through the double's second mapping).
+    pub fn read_layer(&self, layer: usize) -> Result<Vec<u8>, DeviceError> {
+        self.f.read(self.tensor(layer)?, self.tensor_bytes())
+    }
+
+    fn tensor(&self, layer: usize) -> Result<usize, DeviceError> {
+        self.tensors.get(layer).copied().ok_or_else(|| {
+            DeviceError::Invalid(format!(
+                "layer {layer} of a fake KV cache of {} layers",
+                self.tensors.len()
+            ))
+        })
+    }
+
+    fn piece_addrs(&self, block: usize) -> impl Iterator<Item = usize> + '_ {
+        assert!(block < self.blocks, "block {block} of {}", self.blocks);
+        let (n, bb) = (self.blocks, self.block_bytes);
+        self.tensors
+            .iter()
+            .flat_map(move |&t| (0..2).map(move |k| t + (k * n + block) * bb))
+    }
+
+    /// Per block of `blocks`, its pieces as vLLM hands them to `batch_put_from_multi_buffers`:
+    /// per layer, its K block then its V block.
+    pub fn pieces(&self, blocks: std::ops::Range<usize>) -> Vec<Vec<&[u8]>> {
+        let bb = self.block_bytes;
+        blocks
+            .map(|b| {
+                self.piece_addrs(b)
+                    // SAFETY: inside a live allocation of this cache (freed only on drop, after
+                    // the borrow); device memory, handed only to APIs that copy it by "DMA".
+                    .map(|a| unsafe { std::slice::from_raw_parts(a as *const u8, bb) })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// As [`FakeKvCache::pieces`], as load targets (`batch_get_into_multi_buffers`). Distinct
+    /// blocks never overlap, and `&mut self` keeps any other borrow out.
+    pub fn pieces_mut(&mut self, blocks: std::ops::Range<usize>) -> Vec<Vec<&mut [u8]>> {
+        let bb = self.block_bytes;
+        blocks
+            .map(|b| {
+                self.piece_addrs(b)
+                    // SAFETY: as in `pieces`; the ranges of distinct (block, layer, K/V) are
+                    // disjoint and the cache is borrowed mutably for their lifetime.
+                    .map(|a| unsafe { std::slice::from_raw_parts_mut(a as *mut u8, bb) })
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+impl Drop for FakeKvCache {
+    fn drop(&mut self) {
+        for &t in &self.tensors {
+            let _ = self.f.free(t);
+        }
+    }
 }

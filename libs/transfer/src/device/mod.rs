@@ -19,6 +19,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use lunakv_config::switched_on;
 use parking_lot::{Mutex, RwLock};
@@ -77,6 +78,10 @@ pub enum DeviceError {
     /// A request the layer refuses (test double misuse, bad range).
     #[error("{0}")]
     Invalid(String),
+    /// A 2D copy the backend would not take as one call, with nothing queued; [`copy_2d`]
+    /// splits such a run into parts it takes.
+    #[error("2D copy of {height} rows refused: {why}")]
+    Refused2d { height: usize, why: String },
 }
 
 /// What a device backend does. Small on purpose: a ROCm/HIP backend maps each call to one HIP
@@ -113,6 +118,9 @@ pub trait DeviceLayer: Send + Sync + 'static {
     /// `src + r * src_pitch` to `dst + r * dst_pitch` (CUDA: one `cuMemcpy2DAsync`). This is
     /// how a batch of vLLM blocks moves in a few calls instead of one per piece
     /// ([`Copier::flush`]). The default queues one [`DeviceLayer::copy_async`] per row.
+    ///
+    /// A backend answers [`DeviceError::Refused2d`], queuing nothing, for a shape it does not
+    /// take as one call; callers go through [`copy_2d`], which splits such runs.
     ///
     /// # Safety
     /// As [`DeviceLayer::copy_async`], for every row; both pitches are at least `width`.
@@ -173,6 +181,136 @@ pub(crate) unsafe fn copy_rows<L: DeviceLayer + ?Sized>(
     for r in 0..height {
         // SAFETY: forwarded from the caller, row by row.
         unsafe { l.copy_async(stream, dir, dst + r * dst_pitch, src + r * src_pitch, width) }?;
+    }
+    Ok(())
+}
+
+/// 2D copies a backend refused ([`DeviceError::Refused2d`]), parts of split runs included.
+static REFUSED_2D: AtomicU64 = AtomicU64::new(0);
+/// Runs that were copied in parts because their 2D copy was refused.
+static SPLIT_RUNS: AtomicU64 = AtomicU64::new(0);
+
+/// How often the process's backend refused a 2D copy and a run was split (see [`copy_2d`]).
+/// On an H200 runs over two allocations, and runs over an embedded owner's segment, were
+/// refused; these counts show at once whether a GPU run split anything.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SplitStats {
+    /// 2D copy calls refused, each part of a split run that was refused again included.
+    pub refused_2d: u64,
+    /// Runs copied in parts after their 2D copy was refused.
+    pub split_runs: u64,
+}
+
+/// The process's [`SplitStats`] so far.
+pub fn split_stats() -> SplitStats {
+    SplitStats {
+        refused_2d: REFUSED_2D.load(Ordering::Relaxed),
+        split_runs: SPLIT_RUNS.load(Ordering::Relaxed),
+    }
+}
+
+/// Queues a 2D copy ([`DeviceLayer::copy_2d_async`]); a run the backend refuses is split in
+/// halves until each part is taken, down to single rows ([`DeviceLayer::copy_async`]). A
+/// refusal queues nothing, so no row is copied twice. The CUDA backend and the test double go
+/// through this same code: the double refuses the shapes an H200 refused.
+///
+/// # Safety
+/// As [`DeviceLayer::copy_2d_async`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn copy_2d<L: DeviceLayer + ?Sized>(
+    l: &L,
+    stream: StreamId,
+    dir: CopyDir,
+    dst: usize,
+    dst_pitch: usize,
+    src: usize,
+    src_pitch: usize,
+    width: usize,
+    height: usize,
+) -> Result<(), DeviceError> {
+    let rect = Rect {
+        dst,
+        dst_pitch,
+        src,
+        src_pitch,
+        width,
+        height,
+    };
+    // SAFETY: forwarded from the caller.
+    match unsafe { l.copy_2d_async(stream, dir, dst, dst_pitch, src, src_pitch, width, height) } {
+        Err(DeviceError::Refused2d { why, .. }) => {
+            REFUSED_2D.fetch_add(1, Ordering::Relaxed);
+            let n = SPLIT_RUNS.fetch_add(1, Ordering::Relaxed);
+            if n == 0 {
+                tracing::warn!(
+                    "{}: 2D copy of {height} rows of {width} bytes (pitches {src_pitch}/{dst_pitch}) refused ({why}); splitting it and later refused runs (counted in lunakv_device_copy_2d_split_runs_total)",
+                    l.name()
+                );
+            } else {
+                tracing::debug!(
+                    "2D copy of {height} rows of {width} bytes refused ({why}); split run {}",
+                    n + 1
+                );
+            }
+            // SAFETY: the same rows, in parts.
+            unsafe { split_halves(l, stream, dir, rect) }
+        }
+        r => r,
+    }
+}
+
+/// The rows of one 2D copy.
+#[derive(Debug, Clone, Copy)]
+struct Rect {
+    dst: usize,
+    dst_pitch: usize,
+    src: usize,
+    src_pitch: usize,
+    width: usize,
+    height: usize,
+}
+
+/// Queues `r`'s rows as two halves, each as one 2D copy or, refused again, split further.
+///
+/// # Safety
+/// As [`DeviceLayer::copy_2d_async`].
+unsafe fn split_halves<L: DeviceLayer + ?Sized>(
+    l: &L,
+    stream: StreamId,
+    dir: CopyDir,
+    r: Rect,
+) -> Result<(), DeviceError> {
+    let h = r.height / 2;
+    for (first, rows) in [(0, h), (h, r.height - h)] {
+        let part = Rect {
+            dst: r.dst + first * r.dst_pitch,
+            src: r.src + first * r.src_pitch,
+            height: rows,
+            ..r
+        };
+        // SAFETY: rows of the caller's run.
+        unsafe {
+            if rows == 1 {
+                l.copy_async(stream, dir, part.dst, part.src, part.width)?;
+                continue;
+            }
+            match l.copy_2d_async(
+                stream,
+                dir,
+                part.dst,
+                part.dst_pitch,
+                part.src,
+                part.src_pitch,
+                part.width,
+                part.height,
+            ) {
+                Err(DeviceError::Refused2d { .. }) => {
+                    REFUSED_2D.fetch_add(1, Ordering::Relaxed);
+                    split_halves(l, stream, dir, part)?;
+                }
+                other => other?,
+            }
+        }
     }
     Ok(())
 }
@@ -588,8 +726,9 @@ impl Copier {
                 // Contiguous on both sides: one plain copy.
                 self.layer.copy_async(s, r.dir, dst, src, r.len * r.height)
             } else {
-                self.layer
-                    .copy_2d_async(s, r.dir, dst, dst_pitch, src, src_pitch, r.len, r.height)
+                copy_2d(
+                    self.layer, s, r.dir, dst, dst_pitch, src, src_pitch, r.len, r.height,
+                )
             }
         }
     }

@@ -242,3 +242,88 @@ fn coalescing_merges_contiguous_runs_and_keeps_what_does_not_line_up_apart() {
         ]
     );
 }
+
+/// The H200 refused 2D copies whose host rows cross from one pinned granule of an embedded
+/// owner's segment to the next; the double refuses the same shape, and `copy_2d` splits the
+/// run in halves until each part is taken. Every row must land once, where its run says.
+#[test]
+fn a_run_over_two_pinned_ranges_is_split_and_every_row_lands() {
+    let f = fake();
+    let l: &dyn DeviceLayer = &f;
+    let (width, pitch, rows) = (100usize, 256usize, 8usize);
+    let host: Vec<u8> = (0..rows * pitch).map(|i| (i * 7 % 251) as u8).collect();
+    let h = host.as_ptr() as usize;
+    // SAFETY: the double only records the ranges; `host` outlives them.
+    unsafe {
+        l.pin(h, 5 * pitch).unwrap();
+        l.pin(h + 5 * pitch, 3 * pitch).unwrap();
+    }
+    let d = f.alloc(rows * width).unwrap();
+    let s = l.stream_create(0).unwrap();
+    let before = super::split_stats();
+    // SAFETY: `host` stays unmodified until the synchronize; the device rows lie in `d`.
+    unsafe {
+        super::copy_2d(l, s, CopyDir::HostToDevice, d, width, h, pitch, width, rows).unwrap();
+    }
+    l.synchronize(s).unwrap();
+    let got = f.read(d, rows * width).unwrap();
+    for r in 0..rows {
+        assert_eq!(
+            &got[r * width..(r + 1) * width],
+            &host[r * pitch..r * pitch + width],
+            "row {r}"
+        );
+    }
+    let st = f.stats();
+    // Rows 0-7 refused; 0-3 taken; 4-7 refused; 4-5 refused, so rows 4 and 5 alone; 6-7 taken.
+    assert_eq!((st.refused_2d, st.copies_2d, st.h2d_copies), (3, 2, 8));
+    let after = super::split_stats();
+    assert!(after.split_runs > before.split_runs);
+    assert!(after.refused_2d >= before.refused_2d + 3);
+    // SAFETY: no copy in flight.
+    unsafe {
+        l.unpin(h).unwrap();
+        l.unpin(h + 5 * pitch).unwrap();
+    }
+    l.stream_destroy(s);
+    f.free(d).unwrap();
+}
+
+/// The other shape the H200 refused: one run whose device rows lie in two allocations (two
+/// tensors). Split, each row is copied from its own allocation.
+#[test]
+fn a_run_over_two_allocations_is_split_and_every_row_lands() {
+    let f = fake();
+    let l: &dyn DeviceLayer = &f;
+    let width = 4096usize;
+    let (a, b) = (f.alloc(width).unwrap(), f.alloc(width).unwrap());
+    f.write(a, &[0xa1; 4096]).unwrap();
+    f.write(b, &[0xb2; 4096]).unwrap();
+    let (lo, hi) = (a.min(b), a.max(b));
+    let mut out = vec![0u8; 2 * width];
+    let s = l.stream_create(0).unwrap();
+    // SAFETY: `out` is not read before the synchronize; each row lies in one allocation.
+    unsafe {
+        super::copy_2d(
+            l,
+            s,
+            CopyDir::DeviceToHost,
+            out.as_mut_ptr() as usize,
+            width,
+            lo,
+            hi - lo,
+            width,
+            2,
+        )
+        .unwrap();
+    }
+    l.synchronize(s).unwrap();
+    assert_eq!(out[..width], f.read(lo, width).unwrap()[..]);
+    assert_eq!(out[width..], f.read(hi, width).unwrap()[..]);
+    assert_ne!(out[..width], out[width..], "two allocations, two patterns");
+    let st = f.stats();
+    assert_eq!((st.refused_2d, st.copies_2d, st.d2h_copies), (1, 0, 2));
+    l.stream_destroy(s);
+    f.free(a).unwrap();
+    f.free(b).unwrap();
+}

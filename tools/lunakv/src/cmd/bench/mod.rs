@@ -6,6 +6,7 @@
 //! a 2-core box swing between runs. Compare the ratios measured side by side in one run.
 
 mod caps;
+mod device;
 mod events;
 pub mod limits;
 mod offload;
@@ -145,6 +146,50 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
         print!("{}", trace::render(&r));
         if json {
             print_json(&r)?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    if a.device {
+        let bins = bin_dir(a.bin_dir.as_deref())?;
+        let plan = device::DevicePlan {
+            layers: a.device_layers,
+            objects: a.device_objects,
+            block_bytes: a.device_block_bytes,
+            batches: a.device_batches.unwrap_or(if a.quick { 5 } else { 20 }),
+        };
+        let progress = Progress::new();
+        if let Some(other) = &a.against {
+            let paired = device::against(other, a.bin_dir.as_deref(), plan, a.pairs, &progress)?;
+            progress.clear();
+            println!(
+                "lunakv bench --device --against {}: overhead p50 per batch, {} pairs, interleaved \
+                 (other, this, other, ...); ratio other / this (> 1: this build is faster)",
+                other.display(),
+                a.pairs
+            );
+            for p in &paired {
+                println!(
+                    "{:<28} other {:>7.2} ms  this {:>7.2} ms  {:>5.2}x [{:.2}-{:.2}]",
+                    p.label,
+                    p.median_of(|x| x.row),
+                    p.median_of(|x| x.limit),
+                    p.median_ratio,
+                    p.min_ratio,
+                    p.max_ratio
+                );
+            }
+            if json {
+                print_json(&paired)?;
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
+        let r = device::run(&bins, plan, &progress)?;
+        progress.clear();
+        // With --json stdout is the report alone: --against parses it.
+        if json {
+            print_json(&r)?;
+        } else {
+            print!("{}", device::render(&r));
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -598,6 +643,12 @@ mod tests {
             first: 0,
             time_scale: 0.0,
             master_args: Vec::new(),
+            device: false,
+            device_layers: 32,
+            device_objects: 128,
+            device_block_bytes: 32768,
+            device_batches: None,
+            against: None,
         };
         let rows = vec![
             row("tcp_get_4m_single", 1.8, 2000.0),
