@@ -49,13 +49,19 @@ struct Seen {
 /// A segment server double answering READ(len 0) and WRITE. `announce` = a current peer
 /// (features byte set, reads trace contexts); otherwise one that predates the extension
 /// (features 0; a flagged frame would be misparsed, which the test catches by recording it).
-fn fake_peer(announce: bool) -> (SocketAddr, mpsc::Receiver<Seen>) {
+/// A WRITE of at least 1 MiB is answered only once `hold` connections are open (or after 10 s):
+/// a sender that spreads a batch over several connections then has to open them, however
+/// busy the machine, instead of one thread finishing on the first before the next starts.
+fn fake_peer(announce: bool, hold: usize) -> (SocketAddr, mpsc::Receiver<Seen>) {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr");
     let (tx, rx) = mpsc::channel();
+    let conns = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::spawn(move || {
         for conn in l.incoming() {
             let Ok(mut s) = conn else { return };
+            conns.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let conns = conns.clone();
             let tx = tx.clone();
             std::thread::spawn(move || {
                 let reply = |s: &mut std::net::TcpStream, status: Status, msg: &[u8]| {
@@ -100,6 +106,14 @@ fn fake_peer(announce: bool) -> (SocketAddr, mpsc::Receiver<Seen>) {
                             if s.read_exact(&mut body).is_err() {
                                 return;
                             }
+                            let until =
+                                std::time::Instant::now() + std::time::Duration::from_secs(10);
+                            while req.len >= 1 << 20
+                                && conns.load(std::sync::atomic::Ordering::SeqCst) < hold
+                                && std::time::Instant::now() < until
+                            {
+                                std::thread::sleep(std::time::Duration::from_millis(1));
+                            }
                             reply(&mut s, Status::Ok, b"")
                         }
                         _ => return,
@@ -140,9 +154,12 @@ fn probes(seen: &[Seen]) -> usize {
 }
 
 /// Traces on, a fake peer (see [`fake_peer`]) and a tcp engine aimed at it.
-fn against_fake_peer(announce: bool) -> (TransferEngine, Target, mpsc::Receiver<Seen>) {
+fn against_fake_peer(
+    announce: bool,
+    hold: usize,
+) -> (TransferEngine, Target, mpsc::Receiver<Seen>) {
     tracing_on();
-    let (addr, rx) = fake_peer(announce);
+    let (addr, rx) = fake_peer(announce, hold);
     (tcp_engine(), target(addr), rx)
 }
 
@@ -156,7 +173,7 @@ fn drain(rx: &mpsc::Receiver<Seen>) -> Vec<Seen> {
 
 #[test]
 fn a_peer_that_predates_the_extension_never_gets_a_flagged_frame() {
-    let (engine, t, rx) = against_fake_peer(false);
+    let (engine, t, rx) = against_fake_peer(false, 0);
     let _span = tracing::info_span!("caller").entered();
     assert!(TraceParent::current().is_some(), "the caller has a context");
     for g in 1..=3u64 {
@@ -173,7 +190,8 @@ fn a_peer_that_predates_the_extension_never_gets_a_flagged_frame() {
 
 #[test]
 fn a_peer_that_announces_it_gets_the_callers_context_on_every_request() {
-    let (engine, t, rx) = against_fake_peer(true);
+    // The batch's big writes wait for a second connection (see fake_peer).
+    let (engine, t, rx) = against_fake_peer(true, 2);
     let span = tracing::info_span!("caller");
     let me = TraceParent::of(&span).expect("the caller has a context");
     // 4 MiB in 4 objects: the batch spreads over several connections and threads, and each
