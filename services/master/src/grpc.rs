@@ -175,20 +175,35 @@ impl From<Option<pb::ReplicateConfig>> for PutOptions {
 /// Longest RemoveByRegex pattern taken.
 const MAX_REGEX_LEN: usize = 4096;
 
+/// Why a request's `tenant_id` or `regex` is refused; the message names the fix.
+#[derive(Debug, thiserror::Error)]
+enum ParamError {
+    #[error(transparent)]
+    Tenant(#[from] lunakv_proto::KeyError),
+    #[error("regex of {0} bytes: at most {MAX_REGEX_LEN}; match a shorter prefix")]
+    RegexTooLong(usize),
+    #[error("regex {pattern:?} is invalid: {source}; use Rust regex syntax (RE2-like)")]
+    Regex {
+        pattern: String,
+        #[source]
+        source: regex::Error,
+    },
+}
+
 /// A caller's key pattern, compiled with bounded program and cache sizes (the regex crate
 /// matches in linear time, so no pattern can stall the master); the refusal names the fix.
-fn key_regex(pattern: &str) -> Result<regex::Regex, String> {
+fn key_regex(pattern: &str) -> Result<regex::Regex, ParamError> {
     if pattern.len() > MAX_REGEX_LEN {
-        return Err(format!(
-            "regex of {} bytes: at most {MAX_REGEX_LEN}; match a shorter prefix",
-            pattern.len()
-        ));
+        return Err(ParamError::RegexTooLong(pattern.len()));
     }
     regex::RegexBuilder::new(pattern)
         .size_limit(1 << 20)
         .dfa_size_limit(1 << 20)
         .build()
-        .map_err(|e| format!("regex {pattern:?} is invalid: {e}; use Rust regex syntax (RE2-like)"))
+        .map_err(|source| ParamError::Regex {
+            pattern: pattern.to_owned(),
+            source,
+        })
 }
 
 fn replica(r: &ReplicaView) -> pb::Replica {
@@ -262,13 +277,12 @@ fn key_result(r: Result<(), OpError>) -> pb::KeyResult {
 }
 
 /// A request's `tenant_id` (empty: the default tenant), checked with upstream's rules.
-fn tenant_field(tenant: &str) -> Result<&str, String> {
+fn tenant_field(tenant: &str) -> Result<&str, ParamError> {
     if tenant.is_empty() {
         return Ok(lunakv_proto::DEFAULT_TENANT);
     }
-    lunakv_proto::validate_tenant(tenant)
-        .map(|()| tenant)
-        .map_err(|e| e.to_string())
+    lunakv_proto::validate_tenant(tenant)?;
+    Ok(tenant)
 }
 
 fn check_key(key: &str) -> Result<(), OpError> {
@@ -966,7 +980,7 @@ impl pb::master_server::Master for MasterService {
         let req = request.into_inner();
         let (code, message, removed) = match tenant_field(&req.tenant_id) {
             Ok(tenant) => (0, String::new(), a.core.remove_all(tenant, req.force).await),
-            Err(message) => (ErrorCode::InvalidParams as i32, message, 0),
+            Err(e) => (ErrorCode::InvalidParams as i32, e.to_string(), 0),
         };
         self.done(
             &a,
@@ -993,7 +1007,7 @@ impl pb::master_server::Master for MasterService {
                     String::new(),
                     a.core.remove_by_regex(tenant, &re, req.force).await,
                 ),
-                Err(message) => (ErrorCode::InvalidParams as i32, message, 0),
+                Err(e) => (ErrorCode::InvalidParams as i32, e.to_string(), 0),
             };
         self.done(
             &a,

@@ -61,14 +61,25 @@ enum QuotaDoc {
     Text(String),
 }
 
+/// A quota [`parse_quota`] refuses; the message names the fix.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum QuotaError {
+    #[error("quota {0:?} does not start with a whole number of bytes")]
+    NotANumber(String),
+    #[error("quota {text:?} has unit {unit:?}; use B, KB, MB, GB or TB")]
+    Unit { text: String, unit: String },
+    #[error("quota {0:?} must be from 1 byte to {MAX_QUOTA} bytes")]
+    Range(String),
+}
+
 /// `200GB`, `512MB`, `1024` (bytes): upstream's quota syntax, units in powers of 1024.
-pub fn parse_quota(text: &str) -> Result<u64, String> {
+pub fn parse_quota(text: &str) -> Result<u64, QuotaError> {
     let t = text.trim();
     let digits = t.bytes().take_while(u8::is_ascii_digit).count();
     let (num, unit) = t.split_at(digits);
     let n: u64 = num
         .parse()
-        .map_err(|_| format!("quota {text:?} does not start with a whole number of bytes"))?;
+        .map_err(|_| QuotaError::NotANumber(text.to_owned()))?;
     let mult: u64 = match unit.trim() {
         "" | "B" => 1,
         "KB" => 1 << 10,
@@ -76,16 +87,15 @@ pub fn parse_quota(text: &str) -> Result<u64, String> {
         "GB" => 1 << 30,
         "TB" => 1 << 40,
         u => {
-            return Err(format!(
-                "quota {text:?} has unit {u:?}; use B, KB, MB, GB or TB"
-            ));
+            return Err(QuotaError::Unit {
+                text: text.to_owned(),
+                unit: u.to_owned(),
+            });
         }
     };
-    let q = n
-        .checked_mul(mult)
+    n.checked_mul(mult)
         .filter(|q| (1..=MAX_QUOTA).contains(q))
-        .ok_or_else(|| format!("quota {text:?} must be from 1 byte to {MAX_QUOTA} bytes"))?;
-    Ok(q)
+        .ok_or_else(|| QuotaError::Range(text.to_owned()))
 }
 
 /// Parses a policy document into tenant -> quota bytes.
