@@ -110,7 +110,6 @@ fn code(e: &ClientError) -> i64 {
     i64::from(e.code().as_i32())
 }
 
-/// Runs `f` with the GIL released and any panic turned into `on_panic`.
 /// Puts `items`. With `upsert`, each key's current object is removed first
 /// ([`StoreClient::prepare_upsert`]) and a key whose removal failed is not put: its result is
 /// that failure.
@@ -139,6 +138,7 @@ fn put_items(
         .collect()
 }
 
+/// Runs `f` with the GIL released and any panic turned into `on_panic`.
 pub(crate) fn detached<T, F>(py: Python<'_>, on_panic: T, f: F) -> T
 where
     T: Send,

@@ -328,8 +328,6 @@ impl StoreClient {
         }
     }
 
-    /// One master call; with an etcd master address it retries across a leader failover
-    /// (`call` runs once per attempt, so it clones its request).
     /// One master call as a quick call where it can be ([`crate::quick`]), else over gRPC.
     fn quick_or_rpc<Req, T, F, Fut>(&self, method: Method, req: &Req, call: F) -> Result<T>
     where
@@ -352,6 +350,8 @@ impl StoreClient {
         }
     }
 
+    /// One master call; with an etcd master address it retries across a leader failover
+    /// (`call` runs once per attempt, so it clones its request).
     fn rpc<T, F, Fut>(&self, call: F) -> Result<T>
     where
         F: Fn(crate::host::Rpc) -> Fut,
