@@ -651,6 +651,9 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
     // Right after a leader change the new leader may not serve yet (its election is still
     // settling): retry quickly for a moment instead of waiting for the next tick.
     let mut changed_at: Option<tokio::time::Instant> = None;
+    // Drain jobs: what this owner copied for the master, reported in the next Ping.
+    let mut mover: Option<Arc<crate::drain::Mover>> = None;
+    let mut drain_results: Vec<pb::DrainMoveResult> = Vec::new();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -689,7 +692,11 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
                 .as_ref()
                 .map(|s| vec![s.info().name])
                 .unwrap_or_default(),
+            drain_results: std::mem::take(&mut drain_results),
         };
+        // Kept until a Ping carried them: a lost report would leave the master waiting for
+        // the move's timeout.
+        let sent_results = req.drain_results.clone();
         // One attempt per tick (the next tick retries); the ping of a paused leader is
         // abandoned as soon as the leader key names another master.
         let mut client = m.master.client();
@@ -698,6 +705,9 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
             r = ping => Some(r),
             _ = leader_changed.changed() => None,
         };
+        if !matches!(outcome, Some(Ok(Ok(_)))) {
+            drain_results = sent_results;
+        }
         let Some(outcome) = outcome else {
             // Ping the new leader right away.
             changed_at = Some(tokio::time::Instant::now());
@@ -715,7 +725,26 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
                     tracing::info!(master = %m.master.addr(), "master reachable again");
                     healthy = true;
                 }
-                if resp.into_inner().remount_required && m.server.is_some() {
+                let resp = resp.into_inner();
+                if !resp.drain_moves.is_empty() {
+                    let mv = mover
+                        .get_or_insert_with(|| {
+                            Arc::new(crate::drain::Mover::new(m.server.as_ref()))
+                        })
+                        .clone();
+                    let moves = resp.drain_moves;
+                    match tokio::task::spawn_blocking(move || mv.run(&moves)).await {
+                        Ok(r) => drain_results.extend(r),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "drain moves panicked; the master retries them after its timeout")
+                        }
+                    }
+                    // Report at once and take the next moves.
+                    tick.reset_immediately();
+                } else if resp.next_ping_ms > 0 {
+                    tick.reset_after(Duration::from_millis(u64::from(resp.next_ping_ms)));
+                }
+                if resp.remount_required && m.server.is_some() {
                     // Not ready until the new master knows the segment again.
                     m.status.set(false);
                     tracing::warn!(master = %m.master.addr(), "master does not know this client (restarted, or a new HA leader): mounting again with inventory");

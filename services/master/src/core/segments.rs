@@ -96,6 +96,7 @@ impl MasterCore {
                     mount_id,
                     complete: false,
                     warm: warm.map(|(_, w)| w),
+                    status: Default::default(),
                 },
             );
             (

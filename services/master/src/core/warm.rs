@@ -142,6 +142,7 @@ impl MasterCore {
                         mount_id,
                         complete: false,
                         warm: Some(WarmSegment::default()),
+                        status: Default::default(),
                     },
                 );
             }

@@ -1,0 +1,96 @@
+//! A segment owner's side of drain jobs (docs/ARCHITECTURE.md, "Drain jobs"): the master hands
+//! the owner of a draining segment moves in its Ping answers; the owner copies each object from
+//! its own DRAM (or its disk tier) into the range the master reserved on another segment, under
+//! the same generation, as a put's writer would, and reports the outcome in its next Ping. The
+//! master then swaps the replica in its index and frees the source.
+
+use std::sync::Arc;
+
+use lunakv_proto::master as pb;
+use lunakv_transfer::{SegmentServer, TransferEngine, TransferOptions};
+
+use crate::location::{LocationError, ReplicaLocation};
+
+/// Why one move failed; its text goes back to the master in the result.
+#[derive(Debug, thiserror::Error)]
+enum MoveError {
+    #[error("the move names no {0} replica")]
+    Missing(&'static str),
+    #[error("{which} replica: {source}")]
+    Location {
+        which: &'static str,
+        source: LocationError,
+    },
+    #[error("the target replica is on disk: a drain writes only into DRAM")]
+    DiskTarget,
+    #[error("object of {0} bytes does not fit this process's address space")]
+    TooLarge(u64),
+    #[error("reading the source: {0}")]
+    Read(lunakv_transfer::TransferError),
+    #[error("writing the target: {0}")]
+    Write(lunakv_transfer::TransferError),
+}
+
+/// Copies objects for drain jobs; one per owner, made at its first move.
+pub(crate) struct Mover {
+    engine: TransferEngine,
+}
+
+impl Mover {
+    /// A mover whose reads of `server` (this owner's own segment) are in-process copies.
+    pub(crate) fn new(server: Option<&Arc<SegmentServer>>) -> Mover {
+        let engine = TransferEngine::new(TransferOptions::default());
+        if let Some(s) = server {
+            engine.attach_local(s);
+        }
+        Mover { engine }
+    }
+
+    /// Runs `moves` one after another (blocking: call it off the runtime) and returns one
+    /// result per move, in order.
+    pub(crate) fn run(&self, moves: &[pb::DrainMove]) -> Vec<pb::DrainMoveResult> {
+        moves
+            .iter()
+            .map(|m| {
+                let r = self.one(m);
+                if let Err(e) = &r {
+                    tracing::warn!(key = %m.key, job_id = %m.job_id, error = %e, "drain move failed");
+                }
+                pb::DrainMoveResult {
+                    job_id: m.job_id.clone(),
+                    key: m.key.clone(),
+                    generation: m.generation,
+                    ok: r.is_ok(),
+                    error: r.err().map(|e| e.to_string()).unwrap_or_default(),
+                }
+            })
+            .collect()
+    }
+
+    fn one(&self, m: &pb::DrainMove) -> Result<(), MoveError> {
+        let loc = |r: &Option<pb::Replica>, which: &'static str| {
+            let r = r.as_ref().ok_or(MoveError::Missing(which))?;
+            ReplicaLocation::try_from((r, m.size))
+                .map_err(|source| MoveError::Location { which, source })
+        };
+        let src = loc(&m.source, "source")?;
+        let dst = loc(&m.target, "target")?;
+        if dst.disk {
+            return Err(MoveError::DiskTarget);
+        }
+        let len = usize::try_from(m.size).map_err(|_| MoveError::TooLarge(m.size))?;
+        let mut buf = vec![0u8; len];
+        if src.disk {
+            self.engine
+                .load(&src.target, m.generation, &mut [&mut buf[..]])
+                .map_err(MoveError::Read)?;
+        } else {
+            self.engine
+                .read(&src.target, m.generation, src.offset, &mut [&mut buf[..]])
+                .map_err(MoveError::Read)?;
+        }
+        self.engine
+            .write(&dst.target, m.generation, &m.key, dst.offset, &[&buf[..]])
+            .map_err(MoveError::Write)
+    }
+}
