@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use lunakv_tests::pd::{Resp, request};
-use lunakv_tests::{Master, Store, pattern, requester, wait_until};
+use lunakv_tests::{Master, Store, cli, pattern, requester, wait_until};
 
 fn json(r: &Resp) -> serde_json::Value {
     serde_json::from_slice(&r.body)
@@ -392,4 +392,66 @@ fn an_object_that_fits_nowhere_is_reported_blocked_and_stays_readable() {
         assert_eq!(client.get(&k).expect("get"), pattern(100 + i, OBJ));
     }
     assert_eq!(segment_status(&master, &seg), "OK");
+
+    // `lunakv drain --wait` says the same and exits 1: an object was left behind.
+    let admin = master.admin.to_string();
+    let out = cli(
+        &master.addr(),
+        &["drain", &seg, "--wait", "--admin", &admin],
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains("FAILED") && stdout.contains("  big"),
+        "{stdout}"
+    );
+    assert_eq!(client.get("big").expect("get big"), pattern(1, big));
+}
+
+#[test]
+fn lunakv_drain_waits_for_the_job_and_prints_its_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let master = Master::start(dir.path(), &[]);
+    let source = Store::start(&master.addr(), "32MB", &[]);
+    let seg = source.segment_name();
+    let client = requester(&master.addr());
+    for i in 0..30u64 {
+        client
+            .put(&format!("cli-{i}"), &pattern(i, OBJ))
+            .expect("put");
+    }
+    let target = Store::start(&master.addr(), "32MB", &[]);
+    let admin = master.admin.to_string();
+    let tseg = target.segment_name();
+    let out = cli(
+        &master.addr(),
+        &[
+            "--json", "drain", &seg, "--wait", "--admin", &admin, "--target", &tseg,
+        ],
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["status_name"], "SUCCEEDED", "{v}");
+    assert_eq!(v["succeeded_units"], 30, "{v}");
+    for i in 0..30u64 {
+        let k = format!("cli-{i}");
+        assert_eq!(holders(&master, &k), std::slice::from_ref(&tseg), "{k}");
+    }
+    // A second drain of a DRAINED segment is refused: exit 2 with the master's reason.
+    let out = cli(&master.addr(), &["drain", &seg, "--admin", &admin], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("DRAINED"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
