@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use lunakv_proto::master as pb;
-use lunakv_transfer::{SegmentServer, TransferEngine, TransferOptions};
+use lunakv_transfer::{SegmentServer, TransferEngine, TransferOptions, TransferRequest};
 
 use crate::location::{LocationError, ReplicaLocation};
 
@@ -29,7 +29,12 @@ enum MoveError {
     Read(lunakv_transfer::TransferError),
     #[error("writing the target: {0}")]
     Write(lunakv_transfer::TransferError),
+    #[error("the owner did not get to this move")]
+    NotRun,
 }
+
+/// Bytes of objects one write batch holds in buffers.
+const BATCH_BYTES: u64 = 64 << 20;
 
 /// Copies objects for drain jobs; one per owner, made at its first move.
 pub(crate) struct Mover {
@@ -46,13 +51,29 @@ impl Mover {
         Mover { engine }
     }
 
-    /// Runs `moves` one after another (blocking: call it off the runtime) and returns one
-    /// result per move, in order.
+    /// Runs `moves` (blocking: call it off the runtime) and returns one result per move, in
+    /// order. Sources are read one by one (in-process copies, or LOADs from the SSD tier), and
+    /// the writes go as one transfer batch per [`BATCH_BYTES`] of objects, pipelined per
+    /// target: the owner holds at most that much in buffers whatever the master hands it.
     pub(crate) fn run(&self, moves: &[pb::DrainMove]) -> Vec<pb::DrainMoveResult> {
+        let mut results: Vec<Option<Result<(), MoveError>>> =
+            (0..moves.len()).map(|_| None).collect();
+        let mut start = 0;
+        while start < moves.len() {
+            let mut end = start;
+            let mut bytes = 0u64;
+            while end < moves.len() && (end == start || bytes + moves[end].size <= BATCH_BYTES) {
+                bytes += moves[end].size;
+                end += 1;
+            }
+            self.chunk(&moves[start..end], &mut results[start..end]);
+            start = end;
+        }
         moves
             .iter()
-            .map(|m| {
-                let r = self.one(m);
+            .zip(results)
+            .map(|(m, r)| {
+                let r = r.unwrap_or(Err(MoveError::NotRun));
                 if let Err(e) = &r {
                     tracing::warn!(key = %m.key, job_id = %m.job_id, error = %e, "drain move failed");
                 }
@@ -67,7 +88,33 @@ impl Mover {
             .collect()
     }
 
-    fn one(&self, m: &pb::DrainMove) -> Result<(), MoveError> {
+    /// Reads each move's source, then writes every one read as one batch.
+    fn chunk(&self, moves: &[pb::DrainMove], results: &mut [Option<Result<(), MoveError>>]) {
+        let mut read: Vec<(usize, ReplicaLocation, Vec<u8>)> = Vec::with_capacity(moves.len());
+        for (i, m) in moves.iter().enumerate() {
+            match self.read(m) {
+                Ok((dst, buf)) => read.push((i, dst, buf)),
+                Err(e) => results[i] = Some(Err(e)),
+            }
+        }
+        let mut reqs: Vec<TransferRequest<'_>> = read
+            .iter()
+            .map(|(i, dst, buf)| TransferRequest::Write {
+                target: &dst.target,
+                generation: moves[*i].generation,
+                key: &moves[*i].key,
+                offset: dst.offset,
+                src: vec![&buf[..]],
+            })
+            .collect();
+        let written = self.engine.batch(&mut reqs);
+        for ((i, _, _), r) in read.iter().zip(written) {
+            results[*i] = Some(r.map_err(MoveError::Write));
+        }
+    }
+
+    /// The move's target, and its bytes read from the source.
+    fn read(&self, m: &pb::DrainMove) -> Result<(ReplicaLocation, Vec<u8>), MoveError> {
         let loc = |r: &Option<pb::Replica>, which: &'static str| {
             let r = r.as_ref().ok_or(MoveError::Missing(which))?;
             ReplicaLocation::try_from((r, m.size))
@@ -89,8 +136,6 @@ impl Mover {
                 .read(&src.target, m.generation, src.offset, &mut [&mut buf[..]])
                 .map_err(MoveError::Read)?;
         }
-        self.engine
-            .write(&dst.target, m.generation, &m.key, dst.offset, &[&buf[..]])
-            .map_err(MoveError::Write)
+        Ok((dst, buf))
     }
 }

@@ -232,6 +232,13 @@ pub struct BenchArgs {
     #[arg(long)]
     pub caps: bool,
 
+    /// Only the drain section: a store loaded with objects (a tenth on its SSD tier) drained
+    /// onto two others while a reader gets every key; objects and MiB moved per second, and the
+    /// gets served meanwhile (failed, wrong, p50/p99). Exit 1 when a get failed or the drain
+    /// did not succeed.
+    #[arg(long)]
+    pub drain: bool,
+
     /// Directory for the --offload section (default: a temp dir; point it at the NVMe volume,
     /// e.g. /data/mooncake-offload, to measure that device).
     #[arg(long, value_name = "DIR")]

@@ -55,7 +55,8 @@ fn bearer() -> Option<String> {
         .map(|t| format!("Bearer {t}"))
 }
 
-struct Admin {
+/// The master's admin port, as the drain calls use it (also `lunakv bench --drain`).
+pub(crate) struct Admin {
     base: String,
     rt: tokio::runtime::Runtime,
     http: lunakv_http::HttpClient,
@@ -63,8 +64,26 @@ struct Admin {
 }
 
 impl Admin {
+    /// Calls to `base` (`http://host:port`), with the admin token of this environment.
+    pub(crate) fn new(base: String) -> anyhow::Result<Admin> {
+        Ok(Admin {
+            base,
+            rt: tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting an I/O runtime")?,
+            http: lunakv_http::HttpClient::from_env(CALL_TIMEOUT)?,
+            auth: bearer(),
+        })
+    }
+
     /// One call; the answer's JSON, or the master's refusal as an error naming it.
-    fn call(&self, method: &str, path: &str, body: &str) -> anyhow::Result<serde_json::Value> {
+    pub(crate) fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: &str,
+    ) -> anyhow::Result<serde_json::Value> {
         let url = format!("{}{path}", self.base);
         let method: lunakv_http::Method = method.parse().context("method")?;
         let mut req = lunakv_http::request(method, &url, body.to_string().into())?;
@@ -108,15 +127,7 @@ impl Admin {
 }
 
 pub fn run(a: &DrainArgs, master: &str, json: bool) -> anyhow::Result<ExitCode> {
-    let admin = Admin {
-        base: admin_base(a, master)?,
-        rt: tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .context("starting an I/O runtime")?,
-        http: lunakv_http::HttpClient::from_env(CALL_TIMEOUT)?,
-        auth: bearer(),
-    };
+    let admin = Admin::new(admin_base(a, master)?)?;
     if let Some(id) = &a.cancel {
         let v = admin.call(
             "POST",

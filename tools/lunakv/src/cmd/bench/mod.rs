@@ -6,6 +6,7 @@
 //! a 2-core box swing between runs. Compare the ratios measured side by side in one run.
 
 mod caps;
+mod drain;
 mod events;
 pub mod limits;
 mod offload;
@@ -147,6 +148,20 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
             print_json(&r)?;
         }
         return Ok(ExitCode::SUCCESS);
+    }
+    if a.drain {
+        let bins = bin_dir(a.bin_dir.as_deref())?;
+        let r = drain::run(&bins, a.quick)?;
+        print!("{}", drain::render(&r));
+        if json {
+            print_json(&r)?;
+        }
+        let clean = r.status == "SUCCEEDED" && r.failed_gets == 0 && r.wrong_bytes == 0;
+        return Ok(if clean {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        });
     }
     if a.events {
         let bins = bin_dir(a.bin_dir.as_deref())?;
@@ -591,6 +606,7 @@ mod tests {
             offload_dir: None,
             caps: false,
             events: false,
+            drain: false,
             trace: None,
             block_bytes: 16384,
             capacity_tokens: 3_000_000,
