@@ -241,7 +241,13 @@ fn cancel_restores_the_segment_and_bad_requests_get_upstreams_answers() {
     let other = Store::start(&master.addr(), "32MB", &[]);
 
     // Invalid JSON, a missing or malformed job_id: 400 INVALID_PARAMS.
-    for body in ["{", r#"{"segments": "x"}"#, r#"{"segment": ["x"]}"#] {
+    for body in [
+        "{",
+        "{}",
+        "not json",
+        r#"{"segments": "x"}"#,
+        r#"{"segment": ["x"]}"#,
+    ] {
         let r = create(&master, body);
         assert_eq!(r.status, 400, "{body}: {}", r.text());
         let v = json(&r);

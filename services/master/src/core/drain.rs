@@ -303,6 +303,15 @@ impl Job {
         self.message = message.into();
     }
 
+    /// Progress of a job that still runs (a canceled one keeps its final message).
+    fn running(&mut self) {
+        if self.status.finished() {
+            self.updated = SystemTime::now();
+        } else {
+            self.touch("Drain job running");
+        }
+    }
+
     fn refill(&mut self, now: Instant) {
         if self.rate == 0 {
             return;
@@ -551,10 +560,12 @@ impl MasterCore {
             .map(|(n, _)| n.clone())
             .collect();
         for job in jobs.map.values_mut() {
+            // A canceled job's moves in flight still hold their targets until they land or
+            // time out.
+            self.expire_moves(job, now, &mut frees);
             if job.status.finished() {
                 continue;
             }
-            self.expire_moves(job, now, &mut frees);
             if !job.segments.iter().any(|s| owned.contains(s)) {
                 continue;
             }
@@ -592,7 +603,7 @@ impl MasterCore {
             tracing::warn!(job_id = %job.id, key, error = %r.error, "drain move failed; the object stays on its source");
             frees.push(a.target);
             job.move_failed(key, &a.source.segment);
-            job.touch("Drain job running");
+            job.running();
             return;
         }
         let target_mounted = self
@@ -636,7 +647,7 @@ impl MasterCore {
             // Removed, evicted or put again meanwhile: nothing of it is left to move.
             frees.push(a.target);
         }
-        job.touch("Drain job running");
+        job.running();
     }
 
     /// Moves handed out longer than [`MOVE_TIMEOUT`] ago are given up and tried again.

@@ -304,6 +304,9 @@ async fn cancel_restores_the_segment_and_refuses_an_ended_job() {
     assert!(ping(&core, "ca", &[ok(&tasks[0])]).await.is_empty());
     assert_eq!(on(&core, &tasks[0].key), ["b"]);
     assert_eq!(on(&core, &tasks[1].key), ["a"]);
+    let r = core.query_drain(&id).unwrap();
+    assert_eq!(r.status, JobStatus::Canceled);
+    assert_eq!(r.message, "Drain job canceled");
     // The segment drains again from OK.
     core.create_drain(&req(&["a"])).expect("a new job");
 }
@@ -327,4 +330,25 @@ async fn an_object_removed_during_its_move_frees_the_target() {
     let r = core.query_drain(&id).unwrap();
     assert_eq!(r.status, JobStatus::Succeeded, "{r:?}");
     assert_eq!(r.succeeded, 0);
+}
+
+#[tokio::test]
+async fn a_put_still_in_flight_on_the_source_is_moved_once_it_ends() {
+    let (core, _) = core();
+    mount(&core, "ca", "a", 1 << 20);
+    core.put_start("cl", "late", 1000, &PutOptions::default())
+        .await
+        .expect("put_start");
+    mount(&core, "cb", "b", 1 << 20);
+    let id = core.create_drain(&req(&["a"])).expect("created");
+    assert!(ping(&core, "ca", &[]).await.is_empty(), "not yet readable");
+    assert_eq!(core.query_drain(&id).unwrap().status, JobStatus::Running);
+    core.put_end("late").expect("put_end");
+    let tasks = ping(&core, "ca", &[]).await;
+    assert_eq!(tasks.len(), 1);
+    ping(&core, "ca", &[ok(&tasks[0])]).await;
+    ping(&core, "ca", &[]).await;
+    let r = core.query_drain(&id).unwrap();
+    assert_eq!((r.status, r.succeeded), (JobStatus::Succeeded, 1), "{r:?}");
+    assert_eq!(on(&core, "late"), ["b"]);
 }
