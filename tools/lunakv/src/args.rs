@@ -239,6 +239,10 @@ pub struct BenchArgs {
     #[arg(long)]
     pub drain: bool,
 
+    /// --drain: moves in flight (the job's max_concurrency; `lunakv drain` asks 16).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub drain_concurrency: u32,
+
     /// Directory for the --offload section (default: a temp dir; point it at the NVMe volume,
     /// e.g. /data/mooncake-offload, to measure that device).
     #[arg(long, value_name = "DIR")]

@@ -165,7 +165,7 @@ pub struct DrainReport {
     pub active: u64,
     pub migrated_bytes: u64,
     pub message: String,
-    /// Up to [`MAX_LISTED_BLOCKED`] of the keys that fit nowhere (or failed for good).
+    /// Up to 100 of the keys that fit nowhere (or failed for good).
     pub blocked_keys: Vec<String>,
 }
 

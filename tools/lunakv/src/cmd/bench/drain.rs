@@ -4,9 +4,10 @@
 //! A master with the SSD tier on, a source store loaded with objects (a tenth of them moved to
 //! its SSD tier first, so the drain reads both tiers), then two empty target stores. A reader
 //! gets every key over and over, checking each value, while `POST /api/v1/drain_jobs` drains
-//! the source with the CLI's defaults (16 moves in flight, the master's default byte rate). The
-//! figures: objects and bytes moved per second from the job's creation to its SUCCEEDED report,
-//! the gets served meanwhile, their p50/p99 latency and how many failed or read wrong bytes.
+//! the source (16 moves in flight as `lunakv drain` asks, or --drain-concurrency; the master's
+//! default byte rate). The figures: objects and bytes moved per second from the job's creation
+//! to its SUCCEEDED report, the gets served meanwhile, their p50/p99 latency and how many failed
+//! or read wrong bytes.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,9 +19,6 @@ use lunakv_client::{ClientOptions, StoreClient};
 use super::offload::{Svc, spawn};
 use crate::cmd::drain::Admin;
 use crate::stack::{MASTER_BIN, STORE_BIN, service_bin};
-
-/// Moves in flight: what `lunakv drain` asks by default.
-const CONCURRENCY: u32 = 16;
 
 #[derive(Debug, serde::Serialize)]
 pub struct DrainReport {
@@ -87,7 +85,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-pub fn run(bins: &std::path::Path, quick: bool) -> anyhow::Result<DrainReport> {
+pub fn run(bins: &std::path::Path, quick: bool, concurrency: u32) -> anyhow::Result<DrainReport> {
     let (n, len): (u64, usize) = if quick {
         (512, 64 << 10)
     } else {
@@ -165,7 +163,7 @@ pub fn run(bins: &std::path::Path, quick: bool) -> anyhow::Result<DrainReport> {
     std::thread::sleep(Duration::from_millis(500));
 
     let admin = Admin::new(format!("http://{admin}"))?;
-    let body = serde_json::json!({"segments": [source], "max_concurrency": CONCURRENCY});
+    let body = serde_json::json!({"segments": [source], "max_concurrency": concurrency});
     counting.store(true, Ordering::SeqCst);
     let t0 = Instant::now();
     let created = admin.call("POST", "/api/v1/drain_jobs", &body.to_string())?;
@@ -196,7 +194,7 @@ pub fn run(bins: &std::path::Path, quick: bool) -> anyhow::Result<DrainReport> {
         objects: n,
         object_bytes: len as u64,
         disk_objects: disk_n,
-        max_concurrency: CONCURRENCY,
+        max_concurrency: concurrency,
         status: report["status_name"].as_str().unwrap_or_default().into(),
         moved,
         blocked: report["blocked_units"].as_u64().unwrap_or(0),

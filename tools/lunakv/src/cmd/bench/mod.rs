@@ -151,7 +151,7 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
     }
     if a.drain {
         let bins = bin_dir(a.bin_dir.as_deref())?;
-        let r = drain::run(&bins, a.quick)?;
+        let r = drain::run(&bins, a.quick, a.drain_concurrency)?;
         print!("{}", drain::render(&r));
         if json {
             print_json(&r)?;
@@ -607,6 +607,7 @@ mod tests {
             caps: false,
             events: false,
             drain: false,
+            drain_concurrency: 16,
             trace: None,
             block_bytes: 16384,
             capacity_tokens: 3_000_000,
