@@ -461,3 +461,30 @@ fn lunakv_drain_waits_for_the_job_and_prints_its_report() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// An engine in embedded mode owns its segment as a store does: its drain moves the objects
+/// to a store while the engine itself keeps reading them.
+#[test]
+fn an_embedded_engines_segment_drains_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let master = Master::start(dir.path(), &[]);
+    let engine = lunakv_tests::embedded(&master.addr(), 16 << 20);
+    for i in 0..40u64 {
+        engine
+            .put(&format!("e-{i}"), &pattern(i, OBJ))
+            .expect("put");
+    }
+    let seg = holders(&master, "e-0").pop().expect("a holder");
+    let store = Store::start(&master.addr(), "32MB", &[]);
+    let r = create(&master, &format!(r#"{{"segments": ["{seg}"]}}"#));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let id = json(&r)["job_id"].as_str().unwrap().to_string();
+    let report = wait_finished(&master, &id);
+    assert_eq!(report["status_name"], "SUCCEEDED", "{report}");
+    assert_eq!(report["succeeded_units"], 40, "{report}");
+    for i in 0..40u64 {
+        let k = format!("e-{i}");
+        assert_eq!(holders(&master, &k), [store.segment_name()], "{k}");
+        assert_eq!(engine.get(&k).expect("get"), pattern(i, OBJ), "{k}");
+    }
+}
