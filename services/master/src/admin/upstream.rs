@@ -443,6 +443,10 @@ pub(super) async fn query_drain_job(
         Ok(id) => id,
         Err(r) => return *r,
     };
+    // Jobs live in the leader's core: a follower would answer "not found" for a running one.
+    if s.ha.as_ref().is_some_and(|h| h.leading_term().is_none()) {
+        return not_leader("drain job queries");
+    }
     match s.slot.get().query_drain(id) {
         Ok(r) => Json(serde_json::json!({
             "success": true,
