@@ -139,3 +139,63 @@ impl Mover {
         Ok((dst, buf))
     }
 }
+
+/// An owner's moves in progress: one batch at a time on a blocking thread, beside the
+/// heartbeat, so a slow or dead target delays the moves, never the Pings that keep the owner
+/// alive at the master (a stalled heartbeat past client_ttl would unmount the very segment
+/// being drained).
+pub(crate) struct DrainWork {
+    server: Option<Arc<SegmentServer>>,
+    mover: Option<Arc<Mover>>,
+    running: Option<tokio::task::JoinHandle<Vec<pb::DrainMoveResult>>>,
+    queued: Vec<pb::DrainMove>,
+    /// Finished moves not yet reported.
+    pub(crate) results: Vec<pb::DrainMoveResult>,
+}
+
+impl DrainWork {
+    pub(crate) fn new(server: Option<Arc<SegmentServer>>) -> DrainWork {
+        DrainWork {
+            server,
+            mover: None,
+            running: None,
+            queued: Vec::new(),
+            results: Vec::new(),
+        }
+    }
+
+    /// Starts `moves` now, or after the batch in progress.
+    pub(crate) fn start(&mut self, moves: Vec<pb::DrainMove>) {
+        if self.running.is_some() {
+            self.queued.extend(moves);
+            return;
+        }
+        let server = self.server.as_ref();
+        let mover = self
+            .mover
+            .get_or_insert_with(|| Arc::new(Mover::new(server)))
+            .clone();
+        self.running = Some(tokio::task::spawn_blocking(move || mover.run(&moves)));
+    }
+
+    /// Resolves once the batch in progress ended (never while none runs): its results join
+    /// [`Self::results`] and the queued moves start. Cancel-safe: dropped early, the batch
+    /// goes on and a later call picks it up.
+    pub(crate) async fn finished(&mut self) {
+        let Some(h) = self.running.as_mut() else {
+            return std::future::pending().await;
+        };
+        let r = h.await;
+        self.running = None;
+        match r {
+            Ok(r) => self.results.extend(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "drain moves panicked; the master retries them after its timeout")
+            }
+        }
+        if !self.queued.is_empty() {
+            let q = std::mem::take(&mut self.queued);
+            self.start(q);
+        }
+    }
+}

@@ -651,12 +651,14 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
     // Right after a leader change the new leader may not serve yet (its election is still
     // settling): retry quickly for a moment instead of waiting for the next tick.
     let mut changed_at: Option<tokio::time::Instant> = None;
-    // Drain jobs: what this owner copied for the master, reported in the next Ping.
-    let mut mover: Option<Arc<crate::drain::Mover>> = None;
-    let mut drain_results: Vec<pb::DrainMoveResult> = Vec::new();
+    // Drain jobs: the moves the master handed this owner, copied beside the heartbeat and
+    // reported in the Ping after they ended.
+    let mut drain = crate::drain::DrainWork::new(m.server.clone());
     loop {
         tokio::select! {
             _ = tick.tick() => {}
+            // Report at once and take the next moves.
+            _ = drain.finished() => {}
             _ = leader_changed.changed() => changed_at = Some(tokio::time::Instant::now()),
             _ = stop.changed() => return,
         }
@@ -692,7 +694,7 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
                 .as_ref()
                 .map(|s| vec![s.info().name])
                 .unwrap_or_default(),
-            drain_results: std::mem::take(&mut drain_results),
+            drain_results: std::mem::take(&mut drain.results),
         };
         // Kept until a Ping carried them: a lost report would leave the master waiting for
         // the move's timeout.
@@ -706,7 +708,7 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
             _ = leader_changed.changed() => None,
         };
         if !matches!(outcome, Some(Ok(Ok(_)))) {
-            drain_results = sent_results;
+            drain.results.splice(0..0, sent_results);
         }
         let Some(outcome) = outcome else {
             // Ping the new leader right away.
@@ -727,21 +729,9 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
                 }
                 let resp = resp.into_inner();
                 if !resp.drain_moves.is_empty() {
-                    let mv = mover
-                        .get_or_insert_with(|| {
-                            Arc::new(crate::drain::Mover::new(m.server.as_ref()))
-                        })
-                        .clone();
-                    let moves = resp.drain_moves;
-                    match tokio::task::spawn_blocking(move || mv.run(&moves)).await {
-                        Ok(r) => drain_results.extend(r),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "drain moves panicked; the master retries them after its timeout")
-                        }
-                    }
-                    // Report at once and take the next moves.
-                    tick.reset_immediately();
-                } else if resp.next_ping_ms > 0 {
+                    drain.start(resp.drain_moves);
+                }
+                if resp.next_ping_ms > 0 {
                     tick.reset_after(Duration::from_millis(u64::from(resp.next_ping_ms)));
                 }
                 if resp.remount_required && m.server.is_some() {

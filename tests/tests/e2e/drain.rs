@@ -488,3 +488,47 @@ fn an_embedded_engines_segment_drains_too() {
         assert_eq!(engine.get(&k).expect("get"), pattern(i, OBJ), "{k}");
     }
 }
+
+/// A target that stops answering (SIGSTOP) holds the source owner's writes until their I/O
+/// timeout, longer than the master's client_ttl: the owner's Pings must go on meanwhile, or the
+/// master would declare the source dead and drop the very objects being drained. The target
+/// expires instead, the job ends FAILED with every object still on its source and readable.
+#[test]
+fn a_hung_target_does_not_stall_the_sources_heartbeat() {
+    let dir = tempfile::tempdir().unwrap();
+    let master = Master::start(dir.path(), &["--client_ttl=2"]);
+    let source = Store::start(&master.addr(), "32MB", &[]);
+    let seg = source.segment_name();
+    let client = requester(&master.addr());
+    for i in 0..40u64 {
+        client
+            .put(&format!("h-{i}"), &pattern(i, OBJ))
+            .expect("put");
+    }
+    let mut target = Store::start(&master.addr(), "32MB", &[]);
+    let tseg = target.segment_name();
+    target.proc.signal(libc::SIGSTOP);
+    let r = create(
+        &master,
+        &format!(
+            r#"{{"segments": ["{seg}"], "target_segments": ["{tseg}"], "max_concurrency": 8}}"#
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let id = json(&r)["job_id"].as_str().unwrap().to_string();
+    let report = wait_finished(&master, &id);
+    target.proc.signal(libc::SIGCONT);
+    assert_eq!(report["status_name"], "FAILED", "{report}");
+    assert_eq!(report["blocked_units"], 40, "{report}");
+    assert_eq!(
+        segment_status(&master, &seg),
+        "OK",
+        "the source is still mounted"
+    );
+    for i in 0..40u64 {
+        let k = format!("h-{i}");
+        assert_eq!(holders(&master, &k), std::slice::from_ref(&seg), "{k}");
+        assert_eq!(client.get(&k).expect("get"), pattern(i, OBJ), "{k}");
+    }
+    target.proc.kill9();
+}
