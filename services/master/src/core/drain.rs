@@ -349,8 +349,8 @@ enum Plan {
     Blocked,
     /// Its put has not ended: try it in a later pass.
     Deferred,
-    /// Gone, or no longer on the source, or its other copy suffices (`bool`: a source replica
-    /// was dropped because another copy exists).
+    /// Nothing to move: gone, or no longer on the source (`None`), or no room elsewhere but a
+    /// copy off the draining segments keeps it, so its source replica was dropped (its FREE).
     Done(Option<PendingFree>),
 }
 

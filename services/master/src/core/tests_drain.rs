@@ -352,3 +352,36 @@ async fn a_put_still_in_flight_on_the_source_is_moved_once_it_ends() {
     assert_eq!((r.status, r.succeeded), (JobStatus::Succeeded, 1), "{r:?}");
     assert_eq!(on(&core, "late"), ["b"]);
 }
+
+#[tokio::test]
+async fn a_replica_with_a_copy_elsewhere_and_no_room_for_another_is_dropped_not_moved() {
+    let (core, notifier) = core();
+    mount(&core, "ca", "a", 1 << 20);
+    mount(&core, "cb", "b", 1 << 20);
+    let (g, views) = core
+        .put_start(
+            "cl",
+            "two",
+            1000,
+            &PutOptions {
+                replica_num: 2,
+                ..PutOptions::default()
+            },
+        )
+        .await
+        .expect("put_start");
+    core.put_end("two").expect("put_end");
+    let on_a = views.iter().find(|v| v.segment.name == "a").unwrap().offset;
+    let id = core.create_drain(&req(&["a"])).expect("created");
+    // b already holds a copy, and no third segment exists: nothing to move.
+    assert!(ping(&core, "ca", &[]).await.is_empty());
+    ping(&core, "ca", &[]).await;
+    let r = core.query_drain(&id).unwrap();
+    assert_eq!(
+        (r.status, r.succeeded, r.blocked),
+        (JobStatus::Succeeded, 1, 0),
+        "{r:?}"
+    );
+    assert_eq!(on(&core, "two"), ["b"]);
+    assert!(notifier.freed().contains(&(g, on_a)));
+}
