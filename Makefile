@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-device bench-busy bench-events bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace bench-trace-python test-abuse clean
+.PHONY: all build release run test lint fmt bench bench-device bench-busy bench-events bench-drain bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace bench-trace-python test-abuse clean
 
 all: build
 
@@ -51,6 +51,11 @@ bench-device: release
 ## events off, two stacks alternating in one run (docs/EVENTS.md). Target >= 0.95x.
 bench-events: release
 	./target/release/lunakv bench --events $(ARGS)
+
+## Drain jobs: a loaded store (DRAM and SSD tier) drained onto two others while a reader gets
+## every key: objects and MiB moved per second, gets served meanwhile (docs/BENCH.md).
+bench-drain: release
+	./target/release/lunakv bench --drain $(ARGS)
 
 ## Capabilities on the data path: single gets from a segment that requires them against one
 ## that does not, paired passes in one run (docs/SECURITY.md). Target >= 0.95x.

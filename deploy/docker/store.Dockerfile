@@ -19,6 +19,8 @@ RUN if ls /tmp/debs/*.deb >/dev/null 2>&1; then \
 
 COPY lunakv-probe lunakv-entrypoint /usr/local/bin/
 COPY bin/lunakv-store /usr/local/bin/lunakv-store
+# The CLI, for the store-drain component's preStop hook (`lunakv drain` of its own segment).
+COPY bin/lunakv /usr/local/bin/lunakv
 # The SSD tier's directory (upstream's MOONCAKE_OFFLOAD_FILE_STORAGE_PATH), and the directory of
 # the shm socket that same-node engines share (--shm_socket); mount a volume or a hostPath on each.
 RUN mkdir -p /data/mooncake-offload /run/lunakv \

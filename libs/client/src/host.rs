@@ -651,9 +651,14 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
     // Right after a leader change the new leader may not serve yet (its election is still
     // settling): retry quickly for a moment instead of waiting for the next tick.
     let mut changed_at: Option<tokio::time::Instant> = None;
+    // Drain jobs: the moves the master handed this owner, copied beside the heartbeat and
+    // reported in the Ping after they ended.
+    let mut drain = crate::drain::DrainWork::new(m.server.clone());
     loop {
         tokio::select! {
             _ = tick.tick() => {}
+            // Report at once and take the next moves.
+            _ = drain.finished() => {}
             _ = leader_changed.changed() => changed_at = Some(tokio::time::Instant::now()),
             _ = stop.changed() => return,
         }
@@ -689,7 +694,11 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
                 .as_ref()
                 .map(|s| vec![s.info().name])
                 .unwrap_or_default(),
+            drain_results: std::mem::take(&mut drain.results),
         };
+        // Kept until a Ping carried them: a lost report would leave the master waiting for
+        // the move's timeout.
+        let sent_results = req.drain_results.clone();
         // One attempt per tick (the next tick retries); the ping of a paused leader is
         // abandoned as soon as the leader key names another master.
         let mut client = m.master.client();
@@ -698,6 +707,9 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
             r = ping => Some(r),
             _ = leader_changed.changed() => None,
         };
+        if !matches!(outcome, Some(Ok(Ok(_)))) {
+            drain.results.splice(0..0, sent_results);
+        }
         let Some(outcome) = outcome else {
             // Ping the new leader right away.
             changed_at = Some(tokio::time::Instant::now());
@@ -715,7 +727,14 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
                     tracing::info!(master = %m.master.addr(), "master reachable again");
                     healthy = true;
                 }
-                if resp.into_inner().remount_required && m.server.is_some() {
+                let resp = resp.into_inner();
+                if !resp.drain_moves.is_empty() {
+                    drain.start(resp.drain_moves);
+                }
+                if resp.next_ping_ms > 0 {
+                    tick.reset_after(Duration::from_millis(u64::from(resp.next_ping_ms)));
+                }
+                if resp.remount_required && m.server.is_some() {
                     // Not ready until the new master knows the segment again.
                     m.status.set(false);
                     tracing::warn!(master = %m.master.addr(), "master does not know this client (restarted, or a new HA leader): mounting again with inventory");

@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 mod cache;
+mod drain;
 mod error;
 mod host;
 mod link;

@@ -80,6 +80,9 @@ pub struct MasterConfig {
     /// lunakv: share of the pool's capacity one PutStart may evict to make room for itself; a
     /// put that needs more is refused, so one pool-sized put cannot empty the pool.
     pub put_eviction_limit_ratio: f64,
+    /// lunakv: a drain job's default rate, in bytes its moves may copy per second (a request's
+    /// `max_bytes_per_sec` overrides it; 0: unbounded), so a drain does not starve gets.
+    pub drain_max_bytes_per_sec: u64,
     /// lunakv: which objects eviction takes first: `cslru` (default; a chain-aware segmented
     /// LRU with a ghost table, docs/BENCH.md "Hits on real traffic") or `lru` (upstream's: the
     /// least recently used `eviction_ratio` of the pool at the high watermark).
@@ -223,6 +226,7 @@ impl Default for MasterConfig {
             put_reservation_total_ratio: 0.75,
             put_reclaim_grace_ms: 1000,
             put_eviction_limit_ratio: 0.1,
+            drain_max_bytes_per_sec: 1 << 30,
             eviction_policy: "cslru".to_string(),
             allocation_strategy: "random".to_string(),
             placement_ramp_ms: 30_000,
@@ -343,6 +347,10 @@ pub struct MasterArgs {
     /// Share of the pool one PutStart may evict to make room for itself [default: 0.1].
     #[arg(long = "put_eviction_limit_ratio")]
     pub put_eviction_limit_ratio: Option<f64>,
+    /// Bytes per second a drain job's moves may copy, unless its request says (0: unbounded)
+    /// [default: 1073741824].
+    #[arg(long = "drain_max_bytes_per_sec")]
+    pub drain_max_bytes_per_sec: Option<u64>,
     /// Eviction order: cslru (segmented LRU with ghosts, chain-aware) or lru (upstream's) [default: cslru].
     #[arg(long = "eviction_policy")]
     pub eviction_policy: Option<String>,

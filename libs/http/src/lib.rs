@@ -22,12 +22,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::{HeaderMap, Method, Request, StatusCode, Uri};
+use hyper::{HeaderMap, Request, StatusCode, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use lunakv_tls::ClientTls;
 use lunakv_tls::client::TlsIo;
+
+/// What a caller of [`request`] names its method and headers with.
+pub use hyper::Method;
+pub use hyper::header::HeaderValue;
 
 /// What a request can fail with; each names the URL.
 #[derive(Debug, thiserror::Error)]

@@ -24,6 +24,8 @@ pub enum ErrorCode {
     TransferFail = -800,
     RpcFail = -900,
     UnavailableInCurrentStatus = -1010,
+    /// No drain job of that id (upstream's JOB_NOT_FOUND).
+    JobNotFound = -1402,
     /// The tenant's puts would pass its quota and none of its own objects can be evicted.
     TenantQuotaExceeded = -1700,
     /// Multi-tenant mode and the tenant policy does not name the tenant.
@@ -33,7 +35,7 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
-    const ALL: [ErrorCode; 21] = [
+    const ALL: [ErrorCode; 22] = [
         ErrorCode::Ok,
         ErrorCode::InternalError,
         ErrorCode::BufferOverflow,
@@ -52,6 +54,7 @@ impl ErrorCode {
         ErrorCode::TransferFail,
         ErrorCode::RpcFail,
         ErrorCode::UnavailableInCurrentStatus,
+        ErrorCode::JobNotFound,
         ErrorCode::TenantQuotaExceeded,
         ErrorCode::TenantNotRegistered,
         ErrorCode::TenantNotEmpty,
@@ -91,6 +94,7 @@ impl ErrorCode {
             ErrorCode::TransferFail => "TRANSFER_FAIL",
             ErrorCode::RpcFail => "RPC_FAIL",
             ErrorCode::UnavailableInCurrentStatus => "UNAVAILABLE_IN_CURRENT_STATUS",
+            ErrorCode::JobNotFound => "JOB_NOT_FOUND",
             ErrorCode::TenantQuotaExceeded => "TENANT_QUOTA_EXCEEDED",
             ErrorCode::TenantNotRegistered => "TENANT_NOT_REGISTERED",
             ErrorCode::TenantNotEmpty => "TENANT_NOT_EMPTY",

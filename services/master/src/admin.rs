@@ -3,8 +3,9 @@
 //! `/ha_status` (upstream's names); lunakv's `/namespaces` (cross-instance key consistency);
 //! upstream's tenant quota API, `/api/v1/tenant_quotas` (GET, PUT, DELETE; docs/TENANTS.md);
 //! and upstream's `/kv_events/status`, `/get_all_keys`, `/get_segments_detail`,
-//! `/query_segment`, `/batch_query_keys`, `/api/v1/segments/status` and
-//! `/api/v1/remove_all` (POST) (admin/upstream.rs; docs/SECURITY.md lists them).
+//! `/query_segment`, `/batch_query_keys`, `/api/v1/segments/status`,
+//! `/api/v1/remove_all` (POST) and the drain jobs (`/api/v1/drain_jobs`, `.../query`,
+//! `.../cancel`) (admin/upstream.rs; docs/SECURITY.md lists them).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,8 +25,8 @@ use crate::tenants::{AdminError, TenantAdmin};
 
 mod upstream;
 use upstream::{
-    batch_query_keys, get_all_keys, kv_events_status, query_segment, remove_all, segment_status,
-    segments_detail,
+    batch_query_keys, cancel_drain_job, create_drain_job, get_all_keys, kv_events_status,
+    query_drain_job, query_segment, remove_all, segment_status, segments_detail,
 };
 
 #[derive(Clone)]
@@ -73,6 +74,9 @@ pub fn router_full(
         .route("/batch_query_keys", get(batch_query_keys))
         .route("/api/v1/segments/status", get(segment_status))
         .route("/api/v1/remove_all", post(remove_all))
+        .route("/api/v1/drain_jobs", post(create_drain_job))
+        .route("/api/v1/drain_jobs/query", get(query_drain_job))
+        .route("/api/v1/drain_jobs/cancel", post(cancel_drain_job))
         .with_state(AdminState {
             slot,
             ha,

@@ -113,6 +113,9 @@ const GUARDED_HTTP: &[&str] = &[
     "/batch_query_keys",
     "/api/v1/segments/status",
     "/api/v1/remove_all",
+    "/api/v1/drain_jobs",
+    "/api/v1/drain_jobs/query",
+    "/api/v1/drain_jobs/cancel",
 ];
 
 fn bearer(header: Option<&http::HeaderValue>) -> Option<&[u8]> {
@@ -670,7 +673,7 @@ mod tests {
         let admin = h(&format!("Bearer {ADMIN}"));
         assert!(check_http(&t, "/query_key", Some(&pool), None).is_err());
         assert!(check_http(&t, "/query_key", Some(&admin), None).is_ok());
-        // Upstream's listings and remove_all: the same guard; its counters stay open.
+        // Upstream's listings, remove_all and drain jobs: the same guard; its counters stay open.
         for path in [
             "/get_all_keys",
             "/get_segments_detail",
@@ -678,6 +681,9 @@ mod tests {
             "/batch_query_keys",
             "/api/v1/segments/status",
             "/api/v1/remove_all",
+            "/api/v1/drain_jobs",
+            "/api/v1/drain_jobs/query",
+            "/api/v1/drain_jobs/cancel",
         ] {
             assert_eq!(
                 check_http(&t, path, None, None).unwrap_err().0,

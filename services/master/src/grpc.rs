@@ -12,8 +12,8 @@ use tokio::sync::Notify;
 use tonic::{Code, Request, Response, Status};
 
 use crate::core::{
-    Caller, CoreError, InventoryItem, Location, MasterCore, OpError, PutOptions, ReplicaView,
-    SegmentDesc, Touch, chain_stamp,
+    Caller, CoreError, InventoryItem, Location, MasterCore, MoveResult, OpError, PutOptions,
+    ReplicaView, SegmentDesc, Touch, chain_stamp,
 };
 use crate::ha::{CoreSlot, HaState};
 use crate::location_wire::Placed;
@@ -205,6 +205,9 @@ fn key_regex(pattern: &str) -> Result<regex::Regex, ParamError> {
             source,
         })
 }
+
+/// Most move results one Ping may report: an owner reports at most the moves it was handed.
+const MAX_DRAIN_RESULTS: usize = 4 * crate::core::DRAIN_MAX_CONCURRENCY as usize;
 
 fn replica(r: &ReplicaView) -> pb::Replica {
     pb::Replica {
@@ -766,6 +769,30 @@ impl pb::master_server::Master for MasterService {
                 .collect();
             a.core.disk_dropped(&caller, &req.client_id, &dropped);
         }
+        // Drain jobs: land the owner's finished moves, hand it the next ones. The FREEs of the
+        // moved objects' sources go in the background: the owner's next Ping must not wait.
+        let results: Vec<MoveResult> = req
+            .drain_results
+            .into_iter()
+            .take(MAX_DRAIN_RESULTS)
+            .map(|r| MoveResult {
+                job_id: r.job_id,
+                key: r.key,
+                generation: r.generation,
+                ok: r.ok,
+                error: r.error,
+            })
+            .collect();
+        let (moves, frees) = a.core.drain_ping(&caller, &req.client_id, &results);
+        if !frees.is_empty() {
+            let core = a.core.clone();
+            tokio::spawn(async move { core.release(frees).await });
+        }
+        let next_ping_ms = if moves.is_empty() && !a.core.drain_running_for(&req.client_id) {
+            0
+        } else {
+            crate::core::DRAIN_PING_MS
+        };
         self.done(
             &a,
             Rpc::Ping,
@@ -773,6 +800,18 @@ impl pb::master_server::Master for MasterService {
             pb::PingResponse {
                 remount_required,
                 view_version: u64::from(a.core.epoch()),
+                drain_moves: moves
+                    .iter()
+                    .map(|m| pb::DrainMove {
+                        job_id: m.job_id.clone(),
+                        key: m.key.clone(),
+                        generation: m.generation,
+                        size: m.size,
+                        source: Some(replica(&m.source)),
+                        target: Some(replica(&m.target)),
+                    })
+                    .collect(),
+                next_ping_ms,
             },
         )
     }

@@ -145,6 +145,10 @@ pub struct Metrics {
     pub promotions_total: IntCounter,
     /// Promotions the owner could not complete (the object stays served from disk).
     pub promotion_failures_total: IntCounter,
+    /// Objects drain jobs moved off their segments (swapped into the index).
+    pub drain_moved_objects_total: IntCounter,
+    /// Bytes of those objects.
+    pub drain_moved_bytes_total: IntCounter,
     /// One entry per [`Rpc::ALL`], in its order.
     per_rpc: Vec<RpcSeries>,
     /// `master_rpc_duration_seconds{rpc}`: admission to answer, per RPC.
@@ -379,6 +383,16 @@ impl Metrics {
                 &r,
                 "master_promotion_failures_total",
                 "Promotions on hit the owner could not complete",
+            ),
+            drain_moved_objects_total: counter(
+                &r,
+                "master_drain_moved_objects_total",
+                "Objects drain jobs moved to another segment",
+            ),
+            drain_moved_bytes_total: counter(
+                &r,
+                "master_drain_moved_bytes_total",
+                "Bytes of the objects drain jobs moved to another segment",
             ),
             per_rpc,
             durations,

@@ -227,4 +227,31 @@ fn guarded_upstream_routes_refuse_a_caller_without_the_token() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(json(&r)["removed_count"], 0);
+    // Drain jobs: the same guard as remove_all (the pool token is refused).
+    let job = "123e4567-e89b-42d3-a456-426614174000";
+    for (method, path) in [
+        ("POST", "/api/v1/drain_jobs".to_string()),
+        ("GET", format!("/api/v1/drain_jobs/query?job_id={job}")),
+        ("POST", format!("/api/v1/drain_jobs/cancel?job_id={job}")),
+    ] {
+        let body = br#"{"segments": ["s"]}"#;
+        let r = request(master.admin, method, &path, &[], body);
+        assert_eq!(r.status, 401, "{path} without a token: {}", r.text());
+        let r = request(
+            master.admin,
+            method,
+            &path,
+            &[("Authorization", &pool)],
+            body,
+        );
+        assert_eq!(r.status, 401, "{path} with the pool token: {}", r.text());
+        let r = request(
+            master.admin,
+            method,
+            &path,
+            &[("Authorization", &admin)],
+            body,
+        );
+        assert_eq!(r.status, 404, "{path} with the admin token: {}", r.text());
+    }
 }

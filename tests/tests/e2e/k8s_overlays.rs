@@ -2878,3 +2878,110 @@ fn mtls_component_gives_every_caller_a_certificate_and_the_master_its_admins() {
         failures.join("\n  - ")
     );
 }
+
+/// components/store-drain on every overlay (last: it patches the store-client's DaemonSet):
+/// the overlay's own checks still hold, and every lunakv-store runs `lunakv drain` of its own
+/// segment (`$POD_IP` and its --port) with --wait in a preStop hook, against the master's admin
+/// port as cluster DNS resolves it, with the admin token from Secret lunakv-auth, inside a
+/// grace period that covers the drain's --timeout plus the SIGTERM path; the store image ships
+/// the `lunakv` binary the hook runs.
+#[test]
+fn store_drain_component_drains_a_store_before_it_stops() {
+    let Some(kubectl) = kubectl() else {
+        return no_kubectl();
+    };
+    let dockerfile = std::fs::read_to_string(repo().join("deploy/docker/store.Dockerfile"))
+        .expect("store.Dockerfile");
+    assert!(
+        dockerfile.contains("COPY bin/lunakv /usr/local/bin/lunakv"),
+        "the store image lacks the lunakv CLI its preStop hook runs"
+    );
+    let mut failures: Vec<String> = Vec::new();
+    let mut stores = 0;
+    for dir in overlays() {
+        let overlay = dir
+            .file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned();
+        let objs = render_with_component_at(&kubectl, &overlay, "store-drain", true);
+        let fail = |f: String| format!("{overlay} + store-drain: {f}");
+        failures.extend(
+            check_overlay(&overlay, &objs)
+                .failures
+                .into_iter()
+                .map(fail),
+        );
+        for p in pods(&objs)
+            .iter()
+            .filter(|p| p.workload == "DaemonSet/lunakv-store")
+        {
+            stores += 1;
+            let c = p
+                .containers()
+                .find(|c| is_image(c, "lunakv/store"))
+                .expect("store container");
+            let hook: Vec<String> = arr(c, "/lifecycle/preStop/exec/command")
+                .iter()
+                .filter_map(|a| a.as_str().map(str::to_string))
+                .collect();
+            let script = hook.last().cloned().unwrap_or_default();
+            let port = flag(c, "--port").unwrap_or_default();
+            if !script.contains(&format!("lunakv drain \"$POD_IP:{port}\" --wait")) {
+                failures.push(fail(format!(
+                    "the preStop hook {hook:?} does not drain this store's segment $POD_IP:{port}"
+                )));
+            }
+            if env_field(c, "POD_IP").as_deref() != Some("status.podIP") {
+                failures.push(fail("POD_IP is not the pod's IP".into()));
+            }
+            let words: Vec<&str> = script.split_whitespace().collect();
+            let after = |f: &str| {
+                words
+                    .iter()
+                    .position(|w| *w == f)
+                    .and_then(|i| words.get(i + 1))
+            };
+            match after("--admin").and_then(|a| a.rsplit_once(':')) {
+                Some((host, port)) => {
+                    let port: u16 = port.parse().unwrap_or(0);
+                    if let Err(e) = resolve_host(&objs, host, port, &p.namespace) {
+                        failures.push(fail(format!("--admin {host}:{port} {e}")));
+                    }
+                    if port != 9003 {
+                        failures.push(fail(format!(
+                            "--admin names port {port}, not the master's admin port 9003"
+                        )));
+                    }
+                }
+                None => failures.push(fail(format!("no --admin HOST:PORT in {script:?}"))),
+            }
+            let timeout: u64 = after("--timeout")
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(u64::MAX);
+            let grace = p
+                .spec
+                .pointer("/terminationGracePeriodSeconds")
+                .and_then(Value::as_u64)
+                .unwrap_or(30);
+            let sigterm = flag(c, "--offload_drain_timeout_sec")
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(20u64);
+            if grace < timeout.saturating_add(sigterm) {
+                failures.push(fail(format!(
+                    "terminationGracePeriodSeconds {grace} does not cover the drain's --timeout \
+                     {timeout} plus the SIGTERM path's {sigterm} s"
+                )));
+            }
+            if !from_auth_secret(c, "LUNAKV_ADMIN_TOKEN", "admin-token") {
+                failures.push(fail(
+                    "the store lacks LUNAKV_ADMIN_TOKEN from Secret lunakv-auth: the drain \
+                     routes need it once the Secret exists"
+                        .into(),
+                ));
+            }
+        }
+    }
+    assert!(stores > 0, "no overlay has a store-client to drain");
+    assert!(failures.is_empty(), "\n  - {}", failures.join("\n  - "));
+}

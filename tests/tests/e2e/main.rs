@@ -13,6 +13,7 @@ mod cli;
 mod dashboards;
 mod data_caps;
 mod doctor;
+mod drain;
 mod etcd_security;
 mod ha;
 mod ha_warm;

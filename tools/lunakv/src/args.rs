@@ -66,6 +66,10 @@ pub enum Command {
     Up(UpArgs),
     /// Self-contained benchmark: starts its own master and store, measures, stops them.
     Bench(BenchArgs),
+    /// Move a segment's objects (DRAM and SSD tier) to the other segments before its store
+    /// leaves (upstream's drain jobs, on the master's admin port). Exit 1 when the drain ends
+    /// FAILED or CANCELED or leaves objects that fit nowhere (they stay, listed).
+    Drain(DrainArgs),
     /// Subscribe to the master's KV events and print them decoded, one line each (--json: one
     /// JSON object per line) until Ctrl-C or --count (docs/EVENTS.md).
     Events(EventsArgs),
@@ -76,6 +80,43 @@ pub enum Command {
         #[arg(default_value_t = 0)]
         port: u16,
     },
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DrainArgs {
+    /// The segment to drain: its HOST:PORT, as `lunakv status` lists it.
+    #[arg(value_name = "SEGMENT")]
+    pub segment: Option<String>,
+
+    /// Move objects only to this segment; repeatable (default: any other segment with room,
+    /// the emptiest first).
+    #[arg(long, value_name = "SEGMENT")]
+    pub target: Vec<String>,
+
+    /// Objects moved at once.
+    #[arg(long, default_value_t = 16)]
+    pub max_concurrency: u32,
+
+    /// Bytes moved per second (default: the master's drain_max_bytes_per_sec; 0: unbounded).
+    #[arg(long, value_name = "BYTES")]
+    pub max_bytes_per_sec: Option<u64>,
+
+    /// Wait for the job to end and print its report.
+    #[arg(long)]
+    pub wait: bool,
+
+    /// With --wait: give up waiting after this many seconds (the job goes on; exit 2).
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<u64>,
+
+    /// The master's admin port, HOST:PORT or a URL (default: the master's host, port 9003).
+    /// LUNAKV_ADMIN_TOKEN (else LUNAKV_AUTH_TOKEN) is sent when set.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub admin: Option<String>,
+
+    /// Cancel this drain job instead (its segments take placements again).
+    #[arg(long, value_name = "JOB_ID", conflicts_with = "segment")]
+    pub cancel: Option<String>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -190,6 +231,17 @@ pub struct BenchArgs {
     /// (docs/SECURITY.md). Target >= 0.95x.
     #[arg(long)]
     pub caps: bool,
+
+    /// Only the drain section: a store loaded with objects (a tenth on its SSD tier) drained
+    /// onto two others while a reader gets every key; objects and MiB moved per second, and the
+    /// gets served meanwhile (failed, wrong, p50/p99). Exit 1 when a get failed or the drain
+    /// did not succeed.
+    #[arg(long)]
+    pub drain: bool,
+
+    /// --drain: moves in flight (the job's max_concurrency; `lunakv drain` asks 16).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub drain_concurrency: u32,
 
     /// Directory for the --offload section (default: a temp dir; point it at the NVMe volume,
     /// e.g. /data/mooncake-offload, to measure that device).

@@ -6,6 +6,7 @@
 //! - `lunakv status`: what the master knows (segments, capacity, used, keys, clients);
 //! - `lunakv put|get|exists|rm`: single objects through the same client library engines use;
 //! - `lunakv doctor`: a pass/fail table over the whole stack, each failure with its fix;
+//! - `lunakv drain`: moves a segment's objects to the others before its store leaves;
 //! - `lunakv up`: master + store-client on loopback for development (`make run`);
 //! - `lunakv bench`: a self-contained benchmark next to this machine's memcpy and TCP limits.
 //!
@@ -13,7 +14,8 @@
 //! `master_server_address` of `--config` / `MOONCAKE_CONFIG_PATH`, else `127.0.0.1:50051`.
 //! Every command takes `--json` and then prints exactly one JSON object on stdout.
 //!
-//! Exit status: 0 success; 1 for `exists` answering "no" and for a failed `doctor` check; 2 for
+//! Exit status: 0 success; 1 for `exists` answering "no", a failed `doctor` check and a drain
+//! that ended FAILED or CANCELED or left objects behind; 2 for
 //! every error.
 //!
 //! `main` stays synchronous on purpose: the client library is blocking and owns its own tokio
@@ -56,6 +58,8 @@ fn main() -> ExitCode {
         Command::Doctor(a) => cmd::doctor::run(&a, &cli.master, &cli.config, json),
         Command::Up(a) => cmd::up::run(&a, json),
         Command::Bench(a) => cmd::bench::run(&a, json),
+        Command::Drain(a) => target::resolve_cli(&cli.master, &cli.config)
+            .and_then(|t| cmd::drain::run(&a, &t.master, json)),
         Command::Events(a) => cmd::events::run(&a, &cli.master, &cli.config, json),
         Command::TcpSink { port } => cmd::bench::limits::tcp_sink(port),
     };

@@ -8,6 +8,8 @@
 //! - `GET /batch_query_keys?keys=a,b`: each key's replicas, read-only (no lease).
 //! - `GET /api/v1/segments/status?segment=`: one segment's lifecycle status.
 //! - `POST /api/v1/remove_all?force=&tenant_id=`: removes every object (of one tenant).
+//! - `POST /api/v1/drain_jobs` (JSON body), `GET /api/v1/drain_jobs/query?job_id=`,
+//!   `POST /api/v1/drain_jobs/cancel?job_id=`: drain jobs ([`crate::core`]'s drain module).
 //!
 //! All but `/kv_events/status` are guarded as the listings are ([`crate::auth`]); the
 //! deviations from upstream are listed in docs/SECURITY.md ("Upstream's admin routes").
@@ -22,7 +24,9 @@ use futures::StreamExt;
 use lunakv_proto::ErrorCode;
 
 use super::AdminState;
-use crate::core::{MasterCore, ObjectState, SHARDS};
+use crate::core::{
+    DrainError, DrainRequest, JobStatus, MasterCore, ObjectState, SHARDS, is_job_id,
+};
 use crate::metrics::Rpc;
 use crate::recovery::Access;
 
@@ -145,7 +149,7 @@ pub(super) async fn segments_detail(State(s): State<AdminState>) -> Response {
                 "size_human": gib(seg.size),
                 "te_endpoint": seg.transfer_endpoint,
                 "protocol": protocol,
-                "status": "OK",
+                "status": seg.status,
                 "allocator_used_bytes": seg.used,
                 "allocator_capacity_bytes": seg.size,
                 "allocator_usage_percent": pct,
@@ -193,8 +197,8 @@ pub(super) async fn query_segment(
     }
 }
 
-/// `GET /api/v1/segments/status?segment=NAME`: a mounted segment is `OK` (1); lunakv has no
-/// draining or graceful unmount, so no other status occurs.
+/// `GET /api/v1/segments/status?segment=NAME`: a mounted segment is `OK` (1), or `DRAINING`
+/// (2) / `DRAINED` (3) by a drain job; lunakv has no graceful unmount status.
 pub(super) async fn segment_status(
     State(s): State<AdminState>,
     Query(q): Query<HashMap<String, String>>,
@@ -206,18 +210,18 @@ pub(super) async fn segment_status(
             "Missing segment query parameter: give /api/v1/segments/status?segment=NAME",
         );
     };
-    if s.slot.get().segment_desc(name).is_none() {
+    let Some(status) = s.slot.get().segment_status(name) else {
         return error(
             StatusCode::NOT_FOUND,
             ErrorCode::SegmentNotFound,
             ErrorCode::SegmentNotFound.name(),
         );
-    }
+    };
     Json(serde_json::json!({
         "success": true,
         "segment": name,
-        "status": 1,
-        "status_name": "OK",
+        "status": status.code(),
+        "status_name": status.name(),
         "error_code": 0,
         "error_message": "",
     }))
@@ -340,11 +344,9 @@ pub(super) async fn remove_all(
             }
         },
     };
-    // The RemoveAll RPC's gate: an HA follower, or a master still rebuilding its index from the
-    // owners' inventories (which would put back what this removed), refuses.
-    let gate = match crate::grpc::admit(&s.slot, s.ha.as_deref(), &s.recovery, Access::Write) {
+    let gate = match admit_write(&s) {
         Ok(a) => a,
-        Err(st) => return refused(&st),
+        Err(r) => return *r,
     };
     let core = gate.core.clone();
     let tenants: Vec<String> = match tenant {
@@ -373,6 +375,161 @@ pub(super) async fn remove_all(
         "remove_all on the admin port"
     );
     Json(serde_json::json!({"success": true, "removed_count": removed})).into_response()
+}
+
+/// The gate of the admin API's writes, the RPCs' own ([`crate::grpc::admit`]): an HA follower,
+/// or a master still rebuilding its index from the owners' inventories (which would put back
+/// what a removal took, or hide objects from a drain), refuses with upstream's 503.
+fn admit_write(s: &AdminState) -> Result<crate::grpc::Admitted, Box<Response>> {
+    crate::grpc::admit(&s.slot, s.ha.as_deref(), &s.recovery, Access::Write)
+        .map_err(|st| Box::new(refused(&st)))
+}
+
+/// The refusal of a route on an HA follower (upstream's WithActiveService).
+fn not_leader(route: &str) -> Response {
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::UnavailableInCurrentStatus,
+        format!(
+            "service plane is not active: this master is not the leader; send {route} to the \
+             leader (/leader)"
+        ),
+    )
+}
+
+/// Upstream's ErrorCodeToHttpStatus for the drain calls' errors.
+fn drain_error(e: &DrainError) -> Response {
+    let status = match e.code() {
+        ErrorCode::InvalidParams => StatusCode::BAD_REQUEST,
+        ErrorCode::JobNotFound | ErrorCode::SegmentNotFound => StatusCode::NOT_FOUND,
+        ErrorCode::UnavailableInCurrentStatus => StatusCode::CONFLICT,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    error(status, e.code(), e.to_string())
+}
+
+/// The `job_id` parameter (a UUID's text form), or upstream's 400.
+fn job_id_param(q: &HashMap<String, String>) -> Result<&str, Box<Response>> {
+    match q.get("job_id").map(String::as_str) {
+        Some(id) if is_job_id(id) => Ok(id),
+        _ => Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidParams,
+            "Missing or invalid job_id: give ?job_id=<the id POST /api/v1/drain_jobs answered> \
+             (a UUID)",
+        ))),
+    }
+}
+
+/// `POST /api/v1/drain_jobs` with `{"segments": [...], "target_segments": [...],
+/// "max_concurrency": N}` (and lunakv's `max_bytes_per_sec`): `{"success": true, "job_id",
+/// "status": "CREATED"}`. Only the leader acts.
+pub(super) async fn create_drain_job(State(s): State<AdminState>, body: Bytes) -> Response {
+    let req: DrainRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidParams,
+                format!(
+                    "Invalid JSON body: {e}; send {{\"segments\": [\"host:port\"], \
+                     \"target_segments\": [], \"max_concurrency\": 4}}"
+                ),
+            );
+        }
+    };
+    let gate = match admit_write(&s) {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
+    let created = gate.core.create_drain(&req);
+    // Acknowledged only while still leading in the same term, as an RPC's mutation.
+    if let Err(st) = crate::grpc::confirm(s.ha.as_deref(), &gate) {
+        return refused(&st);
+    }
+    match created {
+        Ok(id) => Json(serde_json::json!({
+            "success": true,
+            "job_id": id,
+            "status": JobStatus::Created.name(),
+            "error_code": 0,
+            "error_message": "",
+        }))
+        .into_response(),
+        Err(e) => drain_error(&e),
+    }
+}
+
+/// `GET /api/v1/drain_jobs/query?job_id=`: upstream's HttpQueryDrainJobResponse, plus lunakv's
+/// `blocked_keys` (the keys that fit nowhere, at most 100; also in `message` once it failed).
+pub(super) async fn query_drain_job(
+    State(s): State<AdminState>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let id = match job_id_param(&q) {
+        Ok(id) => id,
+        Err(r) => return *r,
+    };
+    // Jobs live in the leader's core: a follower would answer "not found" for a running one.
+    if s.ha.as_ref().is_some_and(|h| h.leading_term().is_none()) {
+        return not_leader("drain job queries");
+    }
+    match s.slot.get().query_drain(id) {
+        Ok(r) => Json(serde_json::json!({
+            "success": true,
+            "job_id": r.job_id,
+            // JobType::DRAIN, the only type.
+            "type": 0,
+            "type_name": "DRAIN",
+            "status": r.status as i32,
+            "status_name": r.status.name(),
+            "created_at_ms_epoch": r.created_at_ms,
+            "last_updated_at_ms_epoch": r.updated_at_ms,
+            "segments": r.segments,
+            "succeeded_units": r.succeeded,
+            "failed_units": r.failed,
+            "blocked_units": r.blocked,
+            "active_units": r.active,
+            "migrated_bytes": r.migrated_bytes,
+            "message": r.message,
+            "blocked_keys": r.blocked_keys,
+            "error_code": 0,
+            "error_message": "",
+        }))
+        .into_response(),
+        Err(e) => drain_error(&e),
+    }
+}
+
+/// `POST /api/v1/drain_jobs/cancel?job_id=`: `{"success": true, "job_id", "status":
+/// "CANCELED"}`; its segments are OK again. Only the leader acts.
+pub(super) async fn cancel_drain_job(
+    State(s): State<AdminState>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let id = match job_id_param(&q) {
+        Ok(id) => id,
+        Err(r) => return *r,
+    };
+    let gate = match admit_write(&s) {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
+    let canceled = gate.core.cancel_drain(id);
+    if let Err(st) = crate::grpc::confirm(s.ha.as_deref(), &gate) {
+        return refused(&st);
+    }
+    match canceled {
+        Ok(()) => Json(serde_json::json!({
+            "success": true,
+            "job_id": id,
+            "status": JobStatus::Canceled.name(),
+            "error_code": 0,
+            "error_message": "",
+        }))
+        .into_response(),
+        Err(e) => drain_error(&e),
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! eviction, zombie puts and client liveness. The gRPC and HTTP edges call into [`MasterCore`].
 //!
 //! Locks: the object index is split into [`SHARDS`] shards, each a `parking_lot::Mutex`; segments
-//! and clients have one mutex each. Order: a shard, then segments, then clients; no lock is held
+//! and clients have one mutex each. Order: the drain jobs, a shard, then segments, then clients; no lock is held
 //! across an `.await`. A removed object leaves the index at once, but its ranges go back to the
 //! allocator only after the owner acknowledged the FREE ([`MasterCore::release`]).
 
@@ -20,6 +20,7 @@ use crate::namespaces::NamespaceTracker;
 use crate::notifier::OwnerClient;
 
 mod cslru;
+mod drain;
 mod groups;
 mod index;
 mod intern;
@@ -35,6 +36,10 @@ mod types;
 mod views;
 mod warm;
 
+pub use drain::{
+    DRAIN_PING_MS, DrainError, DrainReport, DrainRequest, JobStatus,
+    MAX_CONCURRENCY as DRAIN_MAX_CONCURRENCY, MoveResult, MoveTask, SegmentStatus, is_job_id,
+};
 pub use types::{
     Caller, CoreConfig, CoreError, Holder, InventoryItem, Location, MountOutcome, ObjectInfo,
     ObjectState, OpError, PendingFree, PendingOffload, PendingPromotion, PutOptions, ReplicaInfo,
@@ -122,6 +127,8 @@ pub struct MasterCore {
     /// HA: this core started from a standby's warm copy and that copy still answers reads
     /// until the owners' remounts confirmed it.
     warm_start: std::sync::atomic::AtomicBool,
+    /// Drain jobs ([`drain`]; a lock taken before a shard).
+    drains: Mutex<drain::Jobs>,
 }
 
 /// The key of a put in flight and the client identity that started it ([`MasterCore`]'s
@@ -174,6 +181,7 @@ impl MasterCore {
             events: None,
             feed: tokio::sync::broadcast::channel(warm::FEED_CAPACITY).0,
             warm_start: std::sync::atomic::AtomicBool::new(false),
+            drains: Mutex::new(drain::Jobs::default()),
         }
     }
 
@@ -297,6 +305,8 @@ where
 mod tests;
 #[cfg(test)]
 mod tests_cslru;
+#[cfg(test)]
+mod tests_drain;
 #[cfg(test)]
 mod tests_groups;
 #[cfg(test)]

@@ -133,14 +133,15 @@ impl MasterCore {
     /// (what reclaiming other holders' zombies must free).
     async fn admit(&self, holder: &Holder, size: u64, opts: &PutOptions) -> Result<(), Refused> {
         let len = align_up(size).unwrap_or(u64::MAX);
-        let (largest, capacity, complete, roomy, free) = {
+        let (largest, capacity, complete, placeable, roomy, free) = {
             let segs = self.segments.lock();
             (
                 segs.values().map(|s| s.alloc.capacity()).max(),
                 segs.values().map(|s| s.alloc.capacity()).sum::<u64>(),
                 segs.values().filter(|s| s.complete).count(),
+                segs.values().filter(|s| s.placeable()).count(),
                 segs.values()
-                    .filter(|s| s.complete && s.alloc.largest_free() >= len)
+                    .filter(|s| s.placeable() && s.alloc.largest_free() >= len)
                     .count(),
                 segs.values()
                     .map(|s| s.alloc.capacity().saturating_sub(s.alloc.used()))
@@ -153,6 +154,14 @@ impl MasterCore {
                 ErrorCode::NoAvailableHandle,
                 "every mounted segment is still receiving its owner's inventory: retry in a \
                  moment",
+            )
+            .into());
+        }
+        if complete > 0 && placeable == 0 {
+            return Err(OpError::new(
+                ErrorCode::NoAvailableHandle,
+                "every mounted segment is draining or drained (a drain job moves its objects \
+                 away): mount another segment, or cancel the drain",
             )
             .into());
         }
@@ -194,7 +203,7 @@ impl MasterCore {
                 });
             }
             let evictable = (capacity as f64 * self.cfg.put_eviction_limit_ratio) as u64;
-            let fits = roomy >= (opts.replica_num.max(1) as usize).min(complete);
+            let fits = roomy >= (opts.replica_num.max(1) as usize).min(placeable);
             if wanted > evictable && !fits {
                 self.metrics.put_start_eviction_refused_total.inc();
                 return Err(OpError::new(
@@ -266,21 +275,22 @@ impl MasterCore {
             ));
         }
         let len = align_up(size).unwrap_or(u64::MAX);
-        let complete = segs.values().filter(|s| s.complete).count();
-        let wanted = (opts.replica_num.max(1) as usize).min(complete);
+        // Complete segments that are not draining.
+        let placeable = segs.values().filter(|s| s.placeable()).count();
+        let wanted = (opts.replica_num.max(1) as usize).min(placeable);
         let ramp = self.cfg.placement_ramp;
-        let ramping = |s: &super::types::Segment| ramp::share(s.opened_at, now, ramp, complete);
+        let ramping = |s: &super::types::Segment| ramp::share(s.opened_at, now, ramp, placeable);
         // A ramp needs settled segments to make room instead; alone, a newcomer takes it all.
         let settled = segs
             .values()
-            .filter(|s| s.complete && ramping(s).is_none())
+            .filter(|s| s.placeable() && ramping(s).is_none())
             .count();
         let mut rng = rand::rng();
         let mut held_back: smallvec::SmallVec<[&String; 2]> = smallvec::SmallVec::new();
         let mut room: smallvec::SmallVec<[(&String, &crate::alloc::OffsetAllocator); 8]> =
             smallvec::SmallVec::new();
         for (n, s) in segs.iter() {
-            if !s.complete || s.alloc.largest_free() < len {
+            if !s.placeable() || s.alloc.largest_free() < len {
                 continue;
             }
             let preferred = opts.preferred_segments.iter().any(|p| p == n);
@@ -320,7 +330,7 @@ impl MasterCore {
                 at += 1;
             }
         }
-        if order.len() < wanted {
+        if order.len() < wanted || wanted == 0 {
             let largest = segs.values().map(|s| s.alloc.largest_free()).max();
             return Err(OpError::new(
                 ErrorCode::NoAvailableHandle,
@@ -694,7 +704,7 @@ impl MasterCore {
             o.replicas.iter().filter(|r| r.disk).find_map(|r| {
                 let seg = segs
                     .get_mut(&*r.segment)
-                    .filter(|s| s.mount_id == r.mount_id && s.complete)?;
+                    .filter(|s| s.mount_id == r.mount_id && s.placeable())?;
                 let offset = seg.alloc.allocate(o.size)?;
                 Some(PendingPromotion {
                     key: key.to_string(),
@@ -963,7 +973,7 @@ fn reservation_refusal(holder: &Holder, wanted: u64, why: Refusal, cfg: &CoreCon
 }
 
 /// The capability for `v` when its owner requires them (it mounted with a secret).
-fn capability(
+pub(super) fn capability(
     v: &ReplicaView,
     generation: u64,
     rights: u8,

@@ -97,6 +97,7 @@ impl MasterCore {
                     complete: false,
                     opened_at: None,
                     warm: warm.map(|(_, w)| w),
+                    status: Default::default(),
                 },
             );
             (

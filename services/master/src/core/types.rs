@@ -58,6 +58,8 @@ pub struct CoreConfig {
     /// Index only inventory items whose proof checks under `inventory_key` (the master has a
     /// pool token: an owner could otherwise claim any key it never got).
     pub verify_inventories: bool,
+    /// A drain job's default rate: bytes handed out per second (0: unbounded).
+    pub drain_max_bytes_per_sec: u64,
 }
 
 /// The quota policy in force, tenant -> bytes.
@@ -92,6 +94,7 @@ impl CoreConfig {
             quotas: TenantQuotas::default(),
             inventory_key: None,
             verify_inventories: false,
+            drain_max_bytes_per_sec: c.drain_max_bytes_per_sec,
         }
     }
 }
@@ -436,6 +439,15 @@ pub(super) struct Segment {
     /// HA: replicas of this segment that came from a standby's warm copy and that the owner's
     /// inventory has not confirmed yet ([`super::warm`]); None once reconciled.
     pub(super) warm: Option<super::warm::WarmSegment>,
+    /// OK, or DRAINING/DRAINED by a drain job ([`super::drain`]): then it takes no placements.
+    pub(super) status: super::drain::SegmentStatus,
+}
+
+impl Segment {
+    /// New objects (puts, promotions, drain moves) may be placed here.
+    pub(super) fn placeable(&self) -> bool {
+        self.complete && self.status == super::drain::SegmentStatus::Ok
+    }
 }
 
 pub(super) struct ClientEntry {
@@ -493,6 +505,8 @@ pub struct SegmentInfo {
     pub disk_capacity: u64,
     pub disk_used: u64,
     pub disk_objects: u64,
+    /// OK, DRAINING or DRAINED (upstream's segment status names).
+    pub status: &'static str,
 }
 
 /// One object as the admin view shows it.

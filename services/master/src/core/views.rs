@@ -137,6 +137,7 @@ impl MasterCore {
                     .get(&s.client_id)
                     .map_or(0, |t| now.duration_since(*t).as_millis() as u64),
                 host_id: s.desc.host_id.clone(),
+                status: s.status.name(),
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));

@@ -143,6 +143,7 @@ impl MasterCore {
                         complete: false,
                         opened_at: None,
                         warm: Some(WarmSegment::default()),
+                        status: Default::default(),
                     },
                 );
             }

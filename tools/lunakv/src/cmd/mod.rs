@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod doctor;
+pub mod drain;
 pub mod events;
 pub mod kv;
 pub mod status;

@@ -7,6 +7,7 @@
 
 mod caps;
 mod device;
+mod drain;
 mod events;
 pub mod limits;
 mod offload;
@@ -192,6 +193,20 @@ pub fn run(a: &BenchArgs, json: bool) -> anyhow::Result<ExitCode> {
             print!("{}", device::render(&r));
         }
         return Ok(ExitCode::SUCCESS);
+    }
+    if a.drain {
+        let bins = bin_dir(a.bin_dir.as_deref())?;
+        let r = drain::run(&bins, a.quick, a.drain_concurrency)?;
+        print!("{}", drain::render(&r));
+        if json {
+            print_json(&r)?;
+        }
+        let clean = r.status == "SUCCEEDED" && r.failed_gets == 0 && r.wrong_bytes == 0;
+        return Ok(if clean {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        });
     }
     if a.events {
         let bins = bin_dir(a.bin_dir.as_deref())?;
@@ -636,6 +651,8 @@ mod tests {
             offload_dir: None,
             caps: false,
             events: false,
+            drain: false,
+            drain_concurrency: 16,
             trace: None,
             block_bytes: 16384,
             capacity_tokens: 3_000_000,
