@@ -255,3 +255,40 @@ fn guarded_upstream_routes_refuse_a_caller_without_the_token() {
         assert_eq!(r.status, 404, "{path} with the admin token: {}", r.text());
     }
 }
+
+#[test]
+fn lunakv_keys_lists_the_pools_keys_by_prefix_and_bounds_what_it_prints() {
+    let dir = tempfile::tempdir().unwrap();
+    let master = Master::start(dir.path(), &[]);
+    let _store = Store::start(&master.addr(), "64MB", &[]);
+    let client = requester(&master.addr());
+    for k in ["layer-a-1", "layer-a-2", "layer-a-3", "other"] {
+        client.put(k, k.as_bytes()).expect("put");
+    }
+    let admin = master.admin.to_string();
+    let out = lunakv_tests::cli(
+        &master.addr(),
+        &["keys", "--prefix", "layer-a-", "--admin", &admin],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let mut listed: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    listed.sort();
+    assert_eq!(listed, ["layer-a-1", "layer-a-2", "layer-a-3"]);
+
+    // --limit bounds the keys printed, never the count.
+    let out = lunakv_tests::cli(
+        &master.addr(),
+        &["--json", "keys", "--limit", "1", "--admin", &admin],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
+    assert_eq!(v["count"], 4, "{v}");
+    assert_eq!(v["keys"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v["truncated"], true, "{v}");
+}

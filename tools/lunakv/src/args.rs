@@ -70,6 +70,9 @@ pub enum Command {
     /// leaves (upstream's drain jobs, on the master's admin port). Exit 1 when the drain ends
     /// FAILED or CANCELED or leaves objects that fit nowhere (they stay, listed).
     Drain(DrainArgs),
+    /// List the pool's keys (the default tenant's), from the master's admin port (upstream's
+    /// /get_all_keys): --prefix narrows them, --limit bounds what is printed.
+    Keys(KeysArgs),
     /// Subscribe to the master's KV events and print them decoded, one line each (--json: one
     /// JSON object per line) until Ctrl-C or --count (docs/EVENTS.md).
     Events(EventsArgs),
@@ -80,6 +83,22 @@ pub enum Command {
         #[arg(default_value_t = 0)]
         port: u16,
     },
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct KeysArgs {
+    /// Only keys that start with this.
+    #[arg(long)]
+    pub prefix: Option<String>,
+
+    /// Print at most this many keys (0: all); the count is of every match.
+    #[arg(long, default_value_t = 1000)]
+    pub limit: usize,
+
+    /// The master's admin port, HOST:PORT or a URL (default: the master's host, port 9003).
+    /// LUNAKV_ADMIN_TOKEN (else LUNAKV_AUTH_TOKEN) is sent when set.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub admin: Option<String>,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -60,6 +60,8 @@ fn main() -> ExitCode {
         Command::Bench(a) => cmd::bench::run(&a, json),
         Command::Drain(a) => target::resolve_cli(&cli.master, &cli.config)
             .and_then(|t| cmd::drain::run(&a, &t.master, json)),
+        Command::Keys(a) => target::resolve_cli(&cli.master, &cli.config)
+            .and_then(|t| cmd::keys::run(&a, &t.master, json)),
         Command::Events(a) => cmd::events::run(&a, &cli.master, &cli.config, json),
         Command::TcpSink { port } => cmd::bench::limits::tcp_sink(port),
     };

@@ -40,7 +40,6 @@ fn text(status: StatusCode, body: String) -> Response {
     (status, [(header::CONTENT_TYPE, TEXT)], body).into_response()
 }
 
-/// Upstream's `{"success": false, "error_code", "error_message"}`.
 /// The gate's refusal ([`crate::grpc::admit`]) as upstream answers a master whose service plane
 /// is not active: 503, with the reason and what to do (the follower's names the leader).
 fn refused(st: &tonic::Status) -> Response {
@@ -51,6 +50,7 @@ fn refused(st: &tonic::Status) -> Response {
     )
 }
 
+/// Upstream's `{"success": false, "error_code", "error_message"}`.
 fn error(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Response {
     (
         status,

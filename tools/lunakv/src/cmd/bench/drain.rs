@@ -17,7 +17,7 @@ use anyhow::{Context, bail};
 use lunakv_client::{ClientOptions, StoreClient};
 
 use super::offload::{Svc, spawn};
-use crate::cmd::drain::Admin;
+use crate::cmd::admin::Admin;
 use crate::stack::{MASTER_BIN, STORE_BIN, service_bin};
 
 #[derive(Debug, serde::Serialize)]
