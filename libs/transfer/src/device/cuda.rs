@@ -374,13 +374,16 @@ impl DeviceLayer for Cuda {
         &self,
         stream: StreamId,
         dir: CopyDir,
-        dst: usize,
-        dst_pitch: usize,
-        src: usize,
-        src_pitch: usize,
-        width: usize,
-        height: usize,
+        rect: super::Rect,
     ) -> Result<(), DeviceError> {
+        let super::Rect {
+            dst,
+            dst_pitch,
+            src,
+            src_pitch,
+            width,
+            height,
+        } = rect;
         let (src_type, dst_type) = match dir {
             CopyDir::DeviceToHost => (CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_HOST),
             CopyDir::HostToDevice => (CU_MEMORYTYPE_HOST, CU_MEMORYTYPE_DEVICE),
@@ -450,11 +453,7 @@ impl DeviceLayer for Cuda {
             )
         });
         // SAFETY: as above, one row at a time.
-        unsafe {
-            super::copy_rows(
-                self, stream, dir, dst, dst_pitch, src, src_pitch, width, height,
-            )
-        }
+        unsafe { super::copy_rows(self, stream, dir, rect) }
     }
 
     fn synchronize(&self, stream: StreamId) -> Result<(), DeviceError> {

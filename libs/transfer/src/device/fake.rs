@@ -329,13 +329,16 @@ impl DeviceLayer for &'static Fake {
         &self,
         stream: StreamId,
         dir: CopyDir,
-        dst: usize,
-        dst_pitch: usize,
-        src: usize,
-        src_pitch: usize,
-        width: usize,
-        height: usize,
+        rect: super::Rect,
     ) -> Result<(), DeviceError> {
+        let super::Rect {
+            dst,
+            dst_pitch,
+            src,
+            src_pitch,
+            width,
+            height,
+        } = rect;
         if height == 0 || dst_pitch < width || src_pitch < width {
             return Err(DeviceError::Invalid(format!(
                 "fake 2D copy: {height} rows of {width} bytes with pitches {src_pitch}/{dst_pitch}"
@@ -362,11 +365,7 @@ impl DeviceLayer for &'static Fake {
         }
         self.counters.copies_2d.fetch_add(1, Ordering::Relaxed);
         // SAFETY: forwarded from the caller; each row is checked as it is queued.
-        unsafe {
-            super::copy_rows(
-                self, stream, dir, dst, dst_pitch, src, src_pitch, width, height,
-            )
-        }
+        unsafe { super::copy_rows(self, stream, dir, rect) }
     }
 
     fn synchronize(&self, stream: StreamId) -> Result<(), DeviceError> {

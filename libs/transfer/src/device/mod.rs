@@ -114,8 +114,8 @@ pub trait DeviceLayer: Send + Sync + 'static {
         src: usize,
         len: usize,
     ) -> Result<(), DeviceError>;
-    /// Queues `height` copies of `width` bytes on `stream`: row `r` goes from
-    /// `src + r * src_pitch` to `dst + r * dst_pitch` (CUDA: one `cuMemcpy2DAsync`). This is
+    /// Queues `r.height` copies of `r.width` bytes on `stream`: row `i` goes from
+    /// `r.src + i * r.src_pitch` to `r.dst + i * r.dst_pitch` (CUDA: one `cuMemcpy2DAsync`). This is
     /// how a batch of vLLM blocks moves in a few calls instead of one per piece
     /// ([`Copier::flush`]). The default queues one [`DeviceLayer::copy_async`] per row.
     ///
@@ -124,24 +124,14 @@ pub trait DeviceLayer: Send + Sync + 'static {
     ///
     /// # Safety
     /// As [`DeviceLayer::copy_async`], for every row; both pitches are at least `width`.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn copy_2d_async(
         &self,
         stream: StreamId,
         dir: CopyDir,
-        dst: usize,
-        dst_pitch: usize,
-        src: usize,
-        src_pitch: usize,
-        width: usize,
-        height: usize,
+        r: Rect,
     ) -> Result<(), DeviceError> {
         // SAFETY: forwarded from the caller.
-        unsafe {
-            copy_rows(
-                self, stream, dir, dst, dst_pitch, src, src_pitch, width, height,
-            )
-        }
+        unsafe { copy_rows(self, stream, dir, r) }
     }
     /// Waits for everything queued on `stream`.
     fn synchronize(&self, stream: StreamId) -> Result<(), DeviceError>;
@@ -166,21 +156,16 @@ pub trait DeviceLayer: Send + Sync + 'static {
 ///
 /// # Safety
 /// As [`DeviceLayer::copy_2d_async`].
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn copy_rows<L: DeviceLayer + ?Sized>(
     l: &L,
     stream: StreamId,
     dir: CopyDir,
-    dst: usize,
-    dst_pitch: usize,
-    src: usize,
-    src_pitch: usize,
-    width: usize,
-    height: usize,
+    r: Rect,
 ) -> Result<(), DeviceError> {
-    for r in 0..height {
+    for i in 0..r.height {
+        let (dst, src) = (r.dst + i * r.dst_pitch, r.src + i * r.src_pitch);
         // SAFETY: forwarded from the caller, row by row.
-        unsafe { l.copy_async(stream, dir, dst + r * dst_pitch, src + r * src_pitch, width) }?;
+        unsafe { l.copy_async(stream, dir, dst, src, r.width) }?;
     }
     Ok(())
 }
@@ -216,28 +201,21 @@ pub fn split_stats() -> SplitStats {
 ///
 /// # Safety
 /// As [`DeviceLayer::copy_2d_async`].
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn copy_2d<L: DeviceLayer + ?Sized>(
     l: &L,
     stream: StreamId,
     dir: CopyDir,
-    dst: usize,
-    dst_pitch: usize,
-    src: usize,
-    src_pitch: usize,
-    width: usize,
-    height: usize,
+    rect: Rect,
 ) -> Result<(), DeviceError> {
-    let rect = Rect {
-        dst,
+    let Rect {
         dst_pitch,
-        src,
         src_pitch,
         width,
         height,
-    };
+        ..
+    } = rect;
     // SAFETY: forwarded from the caller.
-    match unsafe { l.copy_2d_async(stream, dir, dst, dst_pitch, src, src_pitch, width, height) } {
+    match unsafe { l.copy_2d_async(stream, dir, rect) } {
         Err(DeviceError::Refused2d { why, .. }) => {
             REFUSED_2D.fetch_add(1, Ordering::Relaxed);
             let n = SPLIT_RUNS.fetch_add(1, Ordering::Relaxed);
@@ -261,13 +239,13 @@ pub(crate) unsafe fn copy_2d<L: DeviceLayer + ?Sized>(
 
 /// The rows of one 2D copy.
 #[derive(Debug, Clone, Copy)]
-struct Rect {
-    dst: usize,
-    dst_pitch: usize,
-    src: usize,
-    src_pitch: usize,
-    width: usize,
-    height: usize,
+pub struct Rect {
+    pub dst: usize,
+    pub dst_pitch: usize,
+    pub src: usize,
+    pub src_pitch: usize,
+    pub width: usize,
+    pub height: usize,
 }
 
 /// Queues `r`'s rows as two halves, each as one 2D copy or, refused again, split further.
@@ -294,16 +272,7 @@ unsafe fn split_halves<L: DeviceLayer + ?Sized>(
                 l.copy_async(stream, dir, part.dst, part.src, part.width)?;
                 continue;
             }
-            match l.copy_2d_async(
-                stream,
-                dir,
-                part.dst,
-                part.dst_pitch,
-                part.src,
-                part.src_pitch,
-                part.width,
-                part.height,
-            ) {
+            match l.copy_2d_async(stream, dir, part) {
                 Err(DeviceError::Refused2d { .. }) => {
                     REFUSED_2D.fetch_add(1, Ordering::Relaxed);
                     split_halves(l, stream, dir, part)?;
@@ -727,7 +696,17 @@ impl Copier {
                 self.layer.copy_async(s, r.dir, dst, src, r.len * r.height)
             } else {
                 copy_2d(
-                    self.layer, s, r.dir, dst, dst_pitch, src, src_pitch, r.len, r.height,
+                    self.layer,
+                    s,
+                    r.dir,
+                    Rect {
+                        dst,
+                        dst_pitch,
+                        src,
+                        src_pitch,
+                        width: r.len,
+                        height: r.height,
+                    },
                 )
             }
         }

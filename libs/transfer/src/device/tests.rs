@@ -263,7 +263,15 @@ fn a_run_over_two_pinned_ranges_is_split_and_every_row_lands() {
     let before = super::split_stats();
     // SAFETY: `host` stays unmodified until the synchronize; the device rows lie in `d`.
     unsafe {
-        super::copy_2d(l, s, CopyDir::HostToDevice, d, width, h, pitch, width, rows).unwrap();
+        let rect = super::Rect {
+            dst: d,
+            dst_pitch: width,
+            src: h,
+            src_pitch: pitch,
+            width,
+            height: rows,
+        };
+        super::copy_2d(l, s, CopyDir::HostToDevice, rect).unwrap();
     }
     l.synchronize(s).unwrap();
     let got = f.read(d, rows * width).unwrap();
@@ -304,18 +312,15 @@ fn a_run_over_two_allocations_is_split_and_every_row_lands() {
     let s = l.stream_create(0).unwrap();
     // SAFETY: `out` is not read before the synchronize; each row lies in one allocation.
     unsafe {
-        super::copy_2d(
-            l,
-            s,
-            CopyDir::DeviceToHost,
-            out.as_mut_ptr() as usize,
+        let rect = super::Rect {
+            dst: out.as_mut_ptr() as usize,
+            dst_pitch: width,
+            src: lo,
+            src_pitch: hi - lo,
             width,
-            lo,
-            hi - lo,
-            width,
-            2,
-        )
-        .unwrap();
+            height: 2,
+        };
+        super::copy_2d(l, s, CopyDir::DeviceToHost, rect).unwrap();
     }
     l.synchronize(s).unwrap();
     assert_eq!(out[..width], f.read(lo, width).unwrap()[..]);

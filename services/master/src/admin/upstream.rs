@@ -385,6 +385,15 @@ fn admit_write(s: &AdminState) -> Result<crate::grpc::Admitted, Box<Response>> {
         .map_err(|st| Box::new(refused(&st)))
 }
 
+/// A write of the admin API under the RPCs' gate: admitted, done, and acknowledged only while
+/// still leading in the same term, as an RPC's mutation.
+fn gated<T>(s: &AdminState, write: impl FnOnce(&MasterCore) -> T) -> Result<T, Box<Response>> {
+    let gate = admit_write(s)?;
+    let out = write(&gate.core);
+    crate::grpc::confirm(s.ha.as_deref(), &gate).map_err(|st| Box::new(refused(&st)))?;
+    Ok(out)
+}
+
 /// The refusal of a route on an HA follower (upstream's WithActiveService).
 fn not_leader(route: &str) -> Response {
     error(
@@ -438,15 +447,10 @@ pub(super) async fn create_drain_job(State(s): State<AdminState>, body: Bytes) -
             );
         }
     };
-    let gate = match admit_write(&s) {
-        Ok(a) => a,
+    let created = match gated(&s, |core| core.create_drain(&req)) {
+        Ok(c) => c,
         Err(r) => return *r,
     };
-    let created = gate.core.create_drain(&req);
-    // Acknowledged only while still leading in the same term, as an RPC's mutation.
-    if let Err(st) = crate::grpc::confirm(s.ha.as_deref(), &gate) {
-        return refused(&st);
-    }
     match created {
         Ok(id) => Json(serde_json::json!({
             "success": true,
@@ -511,14 +515,10 @@ pub(super) async fn cancel_drain_job(
         Ok(id) => id,
         Err(r) => return *r,
     };
-    let gate = match admit_write(&s) {
-        Ok(a) => a,
+    let canceled = match gated(&s, |core| core.cancel_drain(id)) {
+        Ok(c) => c,
         Err(r) => return *r,
     };
-    let canceled = gate.core.cancel_drain(id);
-    if let Err(st) = crate::grpc::confirm(s.ha.as_deref(), &gate) {
-        return refused(&st);
-    }
     match canceled {
         Ok(()) => Json(serde_json::json!({
             "success": true,
