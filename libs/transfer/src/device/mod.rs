@@ -78,7 +78,7 @@ pub enum DeviceError {
     /// A request the layer refuses (test double misuse, bad range).
     #[error("{0}")]
     Invalid(String),
-    /// A 2D copy the backend would not take as one call, with nothing queued; [`copy_2d`]
+    /// A 2D copy the backend would not take as one call, with nothing queued; `copy_2d`
     /// splits such a run into parts it takes.
     #[error("2D copy of {height} rows refused: {why}")]
     Refused2d { height: usize, why: String },
@@ -120,7 +120,7 @@ pub trait DeviceLayer: Send + Sync + 'static {
     /// ([`Copier::flush`]). The default queues one [`DeviceLayer::copy_async`] per row.
     ///
     /// A backend answers [`DeviceError::Refused2d`], queuing nothing, for a shape it does not
-    /// take as one call; callers go through [`copy_2d`], which splits such runs.
+    /// take as one call; callers go through `copy_2d`, which splits such runs.
     ///
     /// # Safety
     /// As [`DeviceLayer::copy_async`], for every row; both pitches are at least `width`.
@@ -175,7 +175,7 @@ static REFUSED_2D: AtomicU64 = AtomicU64::new(0);
 /// Runs that were copied in parts because their 2D copy was refused.
 static SPLIT_RUNS: AtomicU64 = AtomicU64::new(0);
 
-/// How often the process's backend refused a 2D copy and a run was split (see [`copy_2d`]).
+/// How often the process's backend refused a 2D copy and a run was split (see `copy_2d`).
 /// On an H200 runs over two allocations, and runs over an embedded owner's segment, were
 /// refused; these counts show at once whether a GPU run split anything.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
