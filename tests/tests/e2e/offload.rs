@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lunakv_client::{ClientError, ClientOptions, StoreClient};
-use lunakv_tests::{Master, Proc, fields, http_get, pattern, tcp_requester, wait_until};
+use lunakv_tests::{Master, Proc, fields, free_port, http_get, pattern, tcp_requester, wait_until};
 
 const OBJ: usize = 512 << 10;
 
@@ -16,11 +16,6 @@ const OBJ: usize = 512 << 10;
 struct OffloadStore {
     proc: Proc,
     admin: SocketAddr,
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
 }
 
 fn start_store(master: &str, dir: &Path, port: u16, env: &[(&str, &str)]) -> OffloadStore {
