@@ -911,3 +911,77 @@ fn followers_next_to_a_healthy_etcd_log_no_false_unreachable() {
         assert_eq!(m.metric("master_etcd_up"), Some(1.0), "master {i}");
     }
 }
+
+/// The admin API's writes pass the RPCs' gate: an HA follower refuses remove_all and the drain
+/// jobs with upstream's 503 (jobs live in the leader's core), while the leader takes them.
+#[test]
+fn admin_writes_on_a_follower_get_upstreams_503_and_the_leader_takes_them() {
+    let _serial = lunakv_tests::serial();
+    let Some(c) = Cluster::start(2, 1) else {
+        return;
+    };
+    let leader = c.leader(None).expect("leader");
+    let follower = 1 - leader;
+    let seg = c.stores[0].segment_name();
+    let body = format!(r#"{{"segments": ["{seg}"]}}"#);
+    let at = |i: usize, method: &str, path: &str, body: &[u8]| {
+        lunakv_tests::pd::request(c.masters[i].admin, method, path, &[], body)
+    };
+    let refused = |r: lunakv_tests::pd::Resp, what: &str| {
+        assert_eq!(
+            r.status,
+            503,
+            "{what}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&r.body).expect("JSON");
+        assert_eq!(v["success"], false, "{what}: {v}");
+        assert_eq!(v["error_code"], -1010, "{what}: {v}");
+    };
+    refused(
+        at(follower, "POST", "/api/v1/remove_all?force=true", b""),
+        "remove_all",
+    );
+    refused(
+        at(follower, "POST", "/api/v1/drain_jobs", body.as_bytes()),
+        "create",
+    );
+    let some_job = "0f0e0d0c-0b0a-4908-8706-050403020100";
+    refused(
+        at(
+            follower,
+            "GET",
+            &format!("/api/v1/drain_jobs/query?job_id={some_job}"),
+            b"",
+        ),
+        "query",
+    );
+    refused(
+        at(
+            follower,
+            "POST",
+            &format!("/api/v1/drain_jobs/cancel?job_id={some_job}"),
+            b"",
+        ),
+        "cancel",
+    );
+
+    // The leader takes the same calls.
+    let r = at(leader, "POST", "/api/v1/drain_jobs", body.as_bytes());
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v: serde_json::Value = serde_json::from_slice(&r.body).expect("JSON");
+    let job = v["job_id"].as_str().expect("job_id").to_owned();
+    let r = at(
+        leader,
+        "POST",
+        &format!("/api/v1/drain_jobs/cancel?job_id={job}"),
+        b"",
+    );
+    assert!(
+        r.status == 200 || r.status == 409,
+        "cancel at the leader (409 once the job has ended): {}",
+        String::from_utf8_lossy(&r.body)
+    );
+    let r = at(leader, "POST", "/api/v1/remove_all?force=true", b"");
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
