@@ -9,7 +9,7 @@ use std::sync::Arc;
 use lunakv_proto::master as pb;
 use lunakv_transfer::{SegmentServer, TransferEngine, TransferOptions, TransferRequest};
 
-use crate::location::{LocationError, ReplicaLocation};
+use lunakv_master_client::{LocationError, ReplicaLocation};
 
 /// Why one move failed; its text goes back to the master in the result.
 #[derive(Debug, thiserror::Error)]

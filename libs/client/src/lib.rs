@@ -21,28 +21,19 @@
 
 mod cache;
 mod drain;
-mod error;
 mod host;
-mod link;
-mod location;
 mod options;
-mod quick;
-mod startup;
 mod store;
 
-pub use error::ClientError;
-pub use host::{
-    BoundSegment, DiskInventory, HostDisk, HostOptions, MasterTls, MountStatus, SegmentHost,
-    probe_master_tls,
-};
-pub use location::{Location, LocationError, ReplicaLocation};
+pub use host::{BoundSegment, DiskInventory, HostDisk, HostOptions, MountStatus, SegmentHost};
+pub use lunakv_master_client::{ClientError, Location, LocationError, MasterWait, ReplicaLocation};
 pub use lunakv_proto::ErrorCode;
 /// What the master reports, as domain types (the prost types stay behind the gRPC edge).
 pub use lunakv_proto::views::{
     ClusterStatus, NamespaceReport, NamespaceStats, ReplicaDesc, ReplicaKind, Segment,
     SegmentStatus,
 };
-pub use options::{ClientOptions, MasterWait, Mode, ReplicateConfig, tenant_or_default};
+pub use options::{ClientOptions, Mode, ReplicateConfig, tenant_or_default};
 pub use store::{GetRanges, PutRanges, StoreClient};
 
 /// Result alias for the client API.

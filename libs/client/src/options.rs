@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use lunakv_transfer::WireProtocol;
 
-use crate::ClientError;
+use crate::{ClientError, MasterWait};
 
 /// The two topologies of the seed document.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,32 +14,6 @@ pub enum Mode {
     Embedded,
     /// A pure requester against a `lunakv-store`'s pool (`global_segment_size == 0`).
     StandaloneStore,
-}
-
-/// What connecting does while the master cannot be reached yet (not yet listening, etcd down,
-/// no leader elected): that is a startup-order problem that waiting fixes. A refusal (a
-/// cluster_id or enable_offload mismatch) and a malformed address fail at once whatever this says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum MasterWait {
-    /// Fail on the first attempt (the CLI, tests).
-    #[default]
-    NoWait,
-    /// Retry for at most this long, then fail with the last error (the Python `setup`).
-    AtMost(Duration),
-    /// Retry until the master answers; the caller stops it by dropping the future
-    /// (`lunakv-store` on SIGTERM).
-    Forever,
-}
-
-impl MasterWait {
-    /// The limit as [`lunakv_telemetry::wait::PeerWait::limit`] takes it.
-    pub(crate) fn limit(self) -> Option<Duration> {
-        match self {
-            MasterWait::NoWait => Some(Duration::ZERO),
-            MasterWait::AtMost(d) => Some(d),
-            MasterWait::Forever => None,
-        }
-    }
 }
 
 /// Everything a [`crate::StoreClient`] needs. Field names follow mooncake_config.json.

@@ -191,10 +191,11 @@ impl StoreClient {
     pub fn master_refuses_anonymous(&self) -> Result<bool> {
         self.check_open()?;
         let addr = self.master.current_addr();
-        self.rt.block_on(crate::host::refuses_anonymous(
-            &addr,
-            Duration::from_secs(5),
-        ))
+        self.rt
+            .block_on(lunakv_master_client::probe::refuses_anonymous(
+                &addr,
+                Duration::from_secs(5),
+            ))
     }
 
     /// Asks the master to move `key`'s DRAM copy to its owner's disk tier now (the SSD tier

@@ -18,9 +18,10 @@ use tokio::runtime::Runtime;
 use tokio::sync::watch;
 
 use crate::cache::LocationCache;
+use lunakv_master_client::quick::{Quick, QuickLink};
+use lunakv_master_client::{MasterLink, Rpc, startup};
+
 use crate::host::{HostOptions, Mounter, SegmentHost};
-use crate::link::MasterLink;
-use crate::quick::Quick;
 use crate::{ClientError, ClientOptions, Location, Mode, ReplicateConfig, Result};
 
 mod admin;
@@ -47,8 +48,8 @@ pub struct StoreClient {
     master: MasterLink,
     engine: Arc<TransferEngine>,
     cache: LocationCache,
-    /// The exists and location reads, on the caller's thread ([`crate::quick`]).
-    quick: crate::quick::QuickLink,
+    /// The exists and location reads, on the caller's thread ([`lunakv_master_client::quick`]).
+    quick: QuickLink,
     host: Mutex<Option<SegmentHost>>,
     heartbeat_stop: watch::Sender<bool>,
     buffers: Mutex<BTreeMap<usize, usize>>,
@@ -122,12 +123,12 @@ impl StoreClient {
         // that is not reachable yet is waited for as `opts.master_wait` says (the Python
         // setup waits a little, the CLI not at all).
         let master = rt.block_on(async {
-            let mut waiting = crate::startup::master_wait(
+            let mut waiting = startup::master_wait(
                 &opts.master_server_address,
                 "to connect this client".to_owned(),
                 opts.master_wait,
             );
-            let link = crate::startup::connect_link(
+            let link = startup::connect_link(
                 &opts.master_server_address,
                 &opts.cluster_id,
                 opts.rpc_timeout,
@@ -221,7 +222,7 @@ impl StoreClient {
         Ok(StoreClient {
             cache: LocationCache::new(opts.location_cache_capacity),
             sessions: session::Sessions::new(&opts),
-            quick: crate::quick::QuickLink::new(opts.rpc_timeout, master.tls().cloned()),
+            quick: QuickLink::new(opts.rpc_timeout, master.tls().cloned()),
             opts,
             client_id,
             rt,
@@ -328,12 +329,13 @@ impl StoreClient {
         }
     }
 
-    /// One master call as a quick call where it can be ([`crate::quick`]), else over gRPC.
+    /// One master call as a quick call where it can be ([`lunakv_master_client::quick`]), else
+    /// over gRPC.
     fn quick_or_rpc<Req, T, F, Fut>(&self, method: Method, req: &Req, call: F) -> Result<T>
     where
         Req: prost::Message,
         T: prost::Message + Default,
-        F: Fn(crate::host::Rpc) -> Fut,
+        F: Fn(Rpc) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
     {
         match self.quick.call(&self.master.current_addr(), method, req) {
@@ -354,7 +356,7 @@ impl StoreClient {
     /// (`call` runs once per attempt, so it clones its request).
     fn rpc<T, F, Fut>(&self, call: F) -> Result<T>
     where
-        F: Fn(crate::host::Rpc) -> Fut,
+        F: Fn(Rpc) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
     {
         self.rt.block_on(self.master.call(call))

@@ -205,7 +205,7 @@ pub fn run(
         .map(|c| c.master_addr())
         .or_else(|| (!target.master.trim().starts_with("etcd://")).then(|| target.master.clone()));
     let tls = rpc_addr.map(|a| {
-        lunakv_client::probe_master_tls(&a, std::time::Duration::from_secs(5))
+        lunakv_master_client::probe_master_tls(&a, std::time::Duration::from_secs(5))
             .map_err(|e| e.to_string())
     });
     checks.push(check_security(
@@ -1044,7 +1044,7 @@ fn check_key_consistency(client: Option<&StoreClient>) -> Check {
 ///   transfer ports; one that answers is open to whoever reaches it, unless that is only
 ///   loopback. A master doctor did not reach is vouched for by nothing (the row is `skip`, or
 ///   `warn` for what else it found), whatever address it would listen on.
-/// - mTLS: `tls` is what the master's RPC port requires ([`lunakv_client::probe_master_tls`]).
+/// - mTLS: `tls` is what the master's RPC port requires ([`lunakv_master_client::probe_master_tls`]).
 ///   With mTLS every caller shows a certificate from the pool's CA, whose identity owns its
 ///   mounts and puts; this doctor's own `LUNAKV_TLS_*` must agree with the master's, and its
 ///   certificate must be valid.
@@ -1052,9 +1052,9 @@ fn check_security(
     master: &str,
     env: &dyn Fn(&str) -> Option<String>,
     refuses_anonymous: Option<&Result<bool, String>>,
-    tls: Option<&Result<lunakv_client::MasterTls, String>>,
+    tls: Option<&Result<lunakv_master_client::MasterTls, String>>,
 ) -> Check {
-    use lunakv_client::MasterTls;
+    use lunakv_master_client::MasterTls;
     const NAME: &str = "security";
     const DOC: &str = "docs/SECURITY.md";
     let tokens = match lunakv_config::auth::PoolTokens::from_env(env) {

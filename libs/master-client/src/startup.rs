@@ -24,12 +24,38 @@ use lunakv_telemetry::wait::PeerWait;
 use crate::ClientError;
 use crate::link::MasterLink;
 
+/// What connecting does while the master cannot be reached yet (not yet listening, etcd down,
+/// no leader elected): that is a startup-order problem that waiting fixes. A refusal (a
+/// cluster_id or enable_offload mismatch) and a malformed address fail at once whatever this says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MasterWait {
+    /// Fail on the first attempt (the CLI, tests).
+    #[default]
+    NoWait,
+    /// Retry for at most this long, then fail with the last error (the Python `setup`).
+    AtMost(Duration),
+    /// Retry until the master answers; the caller stops it by dropping the future
+    /// (`lunakv-store` on SIGTERM).
+    Forever,
+}
+
+impl MasterWait {
+    /// The limit as [`lunakv_telemetry::wait::PeerWait::limit`] takes it.
+    fn limit(self) -> Option<Duration> {
+        match self {
+            MasterWait::NoWait => Some(Duration::ZERO),
+            MasterWait::AtMost(d) => Some(d),
+            MasterWait::Forever => None,
+        }
+    }
+}
+
 /// The hint `link::no_leader` gives when etcd has leaders of other clusters only: the one
 /// connect error about an existing etcd that retrying cannot fix.
 const CLUSTER_MISMATCH_HINT: &str = "must match the masters' --cluster_id";
 
 /// Whether waiting may fix a failure of [`MasterLink::connect`].
-pub(crate) fn connect_retryable(e: &ClientError) -> bool {
+pub fn connect_retryable(e: &ClientError) -> bool {
     match e {
         ClientError::Rpc { message, .. } => {
             !message.contains(CLUSTER_MISMATCH_HINT)
@@ -40,7 +66,7 @@ pub(crate) fn connect_retryable(e: &ClientError) -> bool {
 }
 
 /// Whether waiting may fix a master's answer to a mount (see the module docs).
-pub(crate) fn retryable(status: &tonic::Status) -> bool {
+pub fn retryable(status: &tonic::Status) -> bool {
     use tonic::Code;
     matches!(
         status.code(),
@@ -54,7 +80,7 @@ pub(crate) fn retryable(status: &tonic::Status) -> bool {
 }
 
 /// [`MasterLink::connect`], retried per `wait` while the failure is one waiting can fix.
-pub(crate) async fn connect_link(
+pub async fn connect_link(
     spec: &str,
     cluster_id: &str,
     timeout: Duration,
@@ -74,7 +100,7 @@ pub(crate) async fn connect_link(
 }
 
 /// The wait for the master at `spec`, `purpose` saying what for.
-pub(crate) fn master_wait(spec: &str, purpose: String, wait: crate::MasterWait) -> PeerWait {
+pub fn master_wait(spec: &str, purpose: String, wait: MasterWait) -> PeerWait {
     PeerWait::new(format!("lunakv-master at {}", spec.trim()), purpose).limit(wait.limit())
 }
 

@@ -1,5 +1,9 @@
 //! Typed client errors. Callers branch on them in Rust; the Python surface maps them to
 //! Mooncake's negative codes with [`ClientError::code`].
+//!
+//! Defined beside the master's client, not in `lunakv-client`, because the segment owner
+//! (`lunakv-segment`) and the requester report the master's failures with the same type;
+//! `lunakv-client` re-exports it.
 
 use lunakv_proto::ErrorCode;
 
@@ -59,7 +63,7 @@ pub enum ClientError {
         size: u64,
     },
     /// Opening one more session would pass a bound of the client's session table
-    /// ([`crate::ClientOptions::session_max_keys`] / `session_max_bytes`).
+    /// (`lunakv_client::ClientOptions::session_max_keys` / `session_max_bytes`).
     #[error("cannot open a session for '{key}': {limit} (end or revoke open sessions first)")]
     SessionLimit { key: String, limit: String },
     /// Any other code the master returned for one item.
@@ -98,7 +102,7 @@ impl ClientError {
     }
 
     /// Builds the error for a per-item code from the master.
-    pub(crate) fn from_item(key: &str, size: u64, code: i32, message: &str) -> ClientError {
+    pub fn from_item(key: &str, size: u64, code: i32, message: &str) -> ClientError {
         match ErrorCode::from_i32(code) {
             ErrorCode::NoAvailableHandle => ClientError::NoAvailableHandle {
                 key: key.to_owned(),

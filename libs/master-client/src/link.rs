@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use tonic::transport::Channel;
 
 use crate::ClientError;
-use crate::host::{Rpc, connect_master, lazy_channel, master_client, master_tls, rpc_error};
+use crate::connect::{Rpc, connect_master, lazy_channel, master_client, master_tls, rpc_error};
 
 /// How long an HA call keeps retrying across a failover: the 5 s lease, the election, and the
 /// new leader's index rebuild (at most 3 s), with room to spare.
@@ -56,7 +56,7 @@ struct Inner {
 
 /// A cheap-to-clone handle on the current master.
 #[derive(Clone)]
-pub(crate) struct MasterLink(Arc<Inner>);
+pub struct MasterLink(Arc<Inner>);
 
 fn lazy_client(
     addr: &str,
@@ -81,7 +81,7 @@ impl MasterLink {
     /// now) or `etcd://h1:2379;h2:2379` (the leader is looked up in etcd under `cluster_id`;
     /// unreachable etcd, a malformed list or no leader for that cluster id are errors that say
     /// what to fix). Must run inside the tokio runtime that will drive the link.
-    pub(crate) async fn connect(
+    pub async fn connect(
         spec: &str,
         cluster_id: &str,
         timeout: Duration,
@@ -174,22 +174,22 @@ impl MasterLink {
     }
 
     /// TLS towards the master, when this client has it (quick calls use it too).
-    pub(crate) fn tls(&self) -> Option<&lunakv_tls::ClientTls> {
+    pub fn tls(&self) -> Option<&lunakv_tls::ClientTls> {
         self.0.tls.as_ref()
     }
 
     /// Whether the master is found through etcd.
-    pub(crate) fn is_ha(&self) -> bool {
+    pub fn is_ha(&self) -> bool {
         self.0.ha
     }
 
     /// The current master's client (a channel clone).
-    pub(crate) fn client(&self) -> Rpc {
+    pub fn client(&self) -> Rpc {
         self.0.current.read().client.clone()
     }
 
     /// The current master's address, for messages.
-    pub(crate) fn addr(&self) -> String {
+    pub fn addr(&self) -> String {
         if self.0.ha {
             format!(
                 "{} (leader via {})",
@@ -202,12 +202,12 @@ impl MasterLink {
     }
 
     /// The address calls go to now (the leader's, for an `etcd://` spec).
-    pub(crate) fn current_addr(&self) -> String {
+    pub fn current_addr(&self) -> String {
         self.0.current.read().addr.clone()
     }
 
     /// Notified on every leader switch.
-    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.0.changed.subscribe()
     }
 
@@ -217,7 +217,7 @@ impl MasterLink {
     }
 
     /// One call with HA retries (see the module docs). `f` is called once per attempt.
-    pub(crate) async fn call<T, F, Fut>(&self, f: F) -> Result<T, ClientError>
+    pub async fn call<T, F, Fut>(&self, f: F) -> Result<T, ClientError>
     where
         F: Fn(Rpc) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -269,7 +269,7 @@ impl MasterLink {
     }
 
     /// Switches to the leader a follower's redirect names (HA only).
-    pub(crate) fn follow_redirect(&self, status: &tonic::Status) {
+    pub fn follow_redirect(&self, status: &tonic::Status) {
         if !self.0.ha {
             return;
         }

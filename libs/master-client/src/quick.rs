@@ -82,7 +82,7 @@ struct Conn {
 }
 
 /// What became of a quick call.
-pub(crate) enum Quick<T> {
+pub enum Quick<T> {
     Answered(T),
     /// Not sent, or refused with a status: make the call over gRPC.
     StepAside,
@@ -90,7 +90,9 @@ pub(crate) enum Quick<T> {
     Lost(String),
 }
 
-pub(crate) struct QuickLink {
+/// Quick calls to the current master: a few idle connections, reused, and a rest after a master
+/// closed them.
+pub struct QuickLink {
     enabled: bool,
     timeout: Duration,
     tls: Option<lunakv_tls::ClientTls>,
@@ -99,7 +101,7 @@ pub(crate) struct QuickLink {
 }
 
 impl QuickLink {
-    pub(crate) fn new(timeout: Duration, tls: Option<lunakv_tls::ClientTls>) -> QuickLink {
+    pub fn new(timeout: Duration, tls: Option<lunakv_tls::ClientTls>) -> QuickLink {
         QuickLink {
             enabled: lunakv_config::switched_on(QUICK_CALLS_ENV),
             timeout,
@@ -110,7 +112,7 @@ impl QuickLink {
     }
 
     /// The master's answer to `req` at `addr` (a `host:port`); see the module docs.
-    pub(crate) fn call<Req: Message, Resp: Message + Default>(
+    pub fn call<Req: Message, Resp: Message + Default>(
         &self,
         addr: &str,
         method: Method,
@@ -198,7 +200,7 @@ impl QuickLink {
     }
 
     fn connect(&self, addr: &str) -> Option<Conn> {
-        let authorization = match crate::host::presented_authorization() {
+        let authorization = match crate::connect::presented_authorization() {
             Ok(a) => a.unwrap_or_default().into_bytes(),
             // A bad token file: gRPC reports it.
             Err(_) => return None,
