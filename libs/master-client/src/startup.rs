@@ -107,6 +107,7 @@ pub fn master_wait(spec: &str, purpose: String, wait: MasterWait) -> PeerWait {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::preface::speaks_grpc;
 
     #[test]
     fn what_waiting_can_fix() {
@@ -144,5 +145,57 @@ mod tests {
         assert!(!retryable(&tonic::Status::permission_denied("not owner")));
         assert!(!retryable(&tonic::Status::resource_exhausted("too large")));
         assert!(!retryable(&tonic::Status::unimplemented("not a master")));
+    }
+
+    // The look before connecting (`preface`), as the waits above take its answers.
+
+    /// A peer on loopback that takes `n` connections, reads part of the preface and drops each
+    /// (the unread rest makes the kernel reset it), then closes its port.
+    fn dropping_peer(n: usize) -> String {
+        use std::io::Read;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            for _ in 0..n {
+                let Ok((mut c, _)) = l.accept() else { return };
+                let mut h = [0u8; 20];
+                let _ = c.read_exact(&mut h);
+            }
+            // `l` drops here: the port refuses from now on.
+        });
+        addr
+    }
+
+    /// Issue 33 item 10: a master killed while a client connects resets the connection it had
+    /// accepted, then its port refuses. That is a master unreachable or restarting (retried),
+    /// not a foreign server (final).
+    #[tokio::test]
+    async fn a_reset_then_a_refusal_is_a_restarting_master_not_a_foreign_one() {
+        let addr = dropping_peer(1);
+        let e = speaks_grpc(&addr, Duration::from_secs(5), None)
+            .await
+            .expect_err("the master went away");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("unreachable or restarting")
+                && !msg.contains(lunakv_proto::foreign::NOT_A_LUNAKV_MASTER),
+            "{msg}"
+        );
+        assert!(connect_retryable(&e), "{msg}");
+    }
+
+    /// A foreign server (upstream's coro_rpc master) drops the preface every time: still named
+    /// as such.
+    #[tokio::test]
+    async fn a_peer_that_drops_the_preface_twice_is_not_a_lunakv_master() {
+        let addr = dropping_peer(2);
+        let e = speaks_grpc(&addr, Duration::from_secs(5), None)
+            .await
+            .expect_err("a foreign server");
+        let msg = e.to_string();
+        assert!(
+            msg.contains(lunakv_proto::foreign::NOT_A_LUNAKV_MASTER) && msg.contains("on it again"),
+            "{msg}"
+        );
     }
 }
