@@ -9,8 +9,9 @@
 //! - The two modes of the seed: **embedded** (`global_segment_size > 0`: the client hosts a
 //!   segment of its own DRAM, served in-process) and **standalone-store** (`== 0`: a pure
 //!   requester against a `lunakv-store`'s pool).
-//! - [`SegmentHost`] mounts a segment with the master, pings, re-mounts with its inventory when
-//!   the master restarted, and unmounts on close. `lunakv-store` is a `SegmentHost` plus flags.
+//! - Embedded mode hosts its segment with `lunakv-segment` (as `lunakv-store` does); every call
+//!   to the master goes through `lunakv-master-client`, whose [`ClientError`] and [`Location`]
+//!   this crate re-exports.
 //! - HA: `master_server_address = "etcd://h1:2379;h2:2379"` finds the master leader in etcd and
 //!   follows it (a watch on the leader key); calls retry across a failover, segments re-mount
 //!   with their inventory on the new leader. Cached gets never need the master.
@@ -20,12 +21,9 @@
 #![forbid(unsafe_code)]
 
 mod cache;
-mod drain;
-mod host;
 mod options;
 mod store;
 
-pub use host::{BoundSegment, DiskInventory, HostDisk, HostOptions, MountStatus, SegmentHost};
 pub use lunakv_master_client::{ClientError, Location, LocationError, MasterWait, ReplicaLocation};
 pub use lunakv_proto::ErrorCode;
 /// What the master reports, as domain types (the prost types stay behind the gRPC edge).

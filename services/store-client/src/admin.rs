@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use lunakv_client::MountStatus;
+use lunakv_segment::MountStatus;
 use lunakv_transfer::SegmentServer;
 
 use crate::Metrics;

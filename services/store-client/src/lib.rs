@@ -7,7 +7,7 @@
 //! update keeps them. Engines in standalone-store mode are pure requesters against it, so the
 //! pool survives engine restarts.
 //!
-//! The segment logic itself is [`lunakv_client::SegmentHost`], shared with embedded-mode
+//! The segment logic itself is [`lunakv_segment::SegmentHost`], shared with embedded-mode
 //! engines; this crate adds the flags, the admin HTTP endpoint (/metrics, /health for liveness,
 //! /ready for readiness: 503 until the segment is mounted) and the lifecycle. A store started
 //! before its master waits for it (one WARN line, then one every 30 s) instead of exiting.
@@ -18,8 +18,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lunakv_client::{ClientError, HostDisk, HostOptions, MasterWait, SegmentHost};
 use lunakv_config::StoreConfig;
+use lunakv_master_client::{ClientError, MasterWait};
+use lunakv_segment::{HostDisk, HostOptions, SegmentHost};
 use lunakv_transfer::{ProtocolChoice, WireProtocol};
 use prometheus::{IntCounter, IntGauge, IntGaugeVec, Registry};
 
@@ -201,7 +202,7 @@ pub async fn serve(cfg: StoreConfig, shutdown: impl Future<Output = ()>) -> Resu
 
     // Until the master answers: a store started before its master (a DaemonSet rolling out
     // with the master) waits instead of exiting, and SIGTERM still stops it at once. Only a
-    // configuration error ends the wait (lunakv_client's startup rules).
+    // configuration error ends the wait (lunakv_master_client's startup rules).
     tokio::pin!(shutdown);
     let mounted = tokio::select! {
         r = bound.mount(MasterWait::Forever) => r,

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use lunakv_client::DiskInventory;
 use lunakv_offload::{DiskObject, DiskTier, LoadError, StoreItem};
+use lunakv_segment::DiskInventory;
 use lunakv_transfer::{
     ColdDropped, ColdItem, ColdStored, ColdTier, ColdTierError, Entry, PlacementProof,
 };

@@ -21,8 +21,8 @@ use crate::cache::LocationCache;
 use lunakv_master_client::quick::{Quick, QuickLink};
 use lunakv_master_client::{MasterLink, Rpc, startup};
 
-use crate::host::{HostOptions, Mounter, SegmentHost};
 use crate::{ClientError, ClientOptions, Location, Mode, ReplicateConfig, Result};
+use lunakv_segment::{HostOptions, SegmentHost};
 
 mod admin;
 mod get;
@@ -206,17 +206,14 @@ impl StoreClient {
         // host has its own heartbeat.
         let (heartbeat_stop, stop_rx) = watch::channel(false);
         if host.is_none() {
-            let m = Mounter {
-                master: master.clone(),
-                client_id: client_id.clone(),
-                cluster_id: opts.cluster_id.clone(),
-                protocol: protocol.clone(),
-                enable_offload: false,
-                server: None,
-                disk: None,
-                status: Default::default(),
-            };
-            rt.spawn(crate::host::heartbeat(m, Duration::from_secs(1), stop_rx));
+            rt.spawn(lunakv_segment::requester_heartbeat(
+                master.clone(),
+                client_id.clone(),
+                opts.cluster_id.clone(),
+                protocol.clone(),
+                Duration::from_secs(1),
+                stop_rx,
+            ));
         }
 
         Ok(StoreClient {
