@@ -334,21 +334,16 @@ impl WarmCopy {
         let ep = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
             .map_err(|e| Status::invalid_argument(e.to_string()))?
             .connect_timeout(Duration::from_secs(2));
-        let ch = match tls {
-            Some(t) => {
-                ep.connect_with_connector(t.connector(Duration::from_secs(2)))
-                    .await
-            }
-            None => ep.connect().await,
-        }
-        .map_err(|e| Status::unavailable(e.to_string()))?;
+        let ch = lunakv_master_client::connect_endpoint(ep, tls, Duration::from_secs(2))
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
         let mut client =
             pb::master_client::MasterClient::new(ch).max_decoding_message_size(MAX_MESSAGE);
         let mut req = tonic::Request::new(pb::ReplicateIndexRequest {
             standby: me.to_string(),
         });
         if let Some(t) = token {
-            let v = format!("Bearer {t}")
+            let v = lunakv_master_client::bearer(t)
                 .parse()
                 .map_err(|_| Status::invalid_argument("the pool token is not a valid header"))?;
             req.metadata_mut().insert("authorization", v);
