@@ -6,7 +6,7 @@
 //!   `libs/client` (engine setup), `tools/lunakv` (`--config`) and `make run`.
 //! - [`store`]: `StoreConfig`, the configuration of the standalone store-client `lunakv-store`,
 //!   named and defaulted like Mooncake's `mooncake_client`; its clap struct is
-//!   [`store::StoreArgs`]. Used by `services/store-client`.
+//!   [`store::StoreArgs`]. Used by `services/store`.
 //! - [`layered`]: the one layered loader (serde defaults < file < env < flags) the master's,
 //!   the store's and the sidecar's keys go through; a service gives it a [`layered::Schema`]
 //!   and its clap struct.
