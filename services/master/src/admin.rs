@@ -19,8 +19,9 @@ use lunakv_proto::ErrorCode;
 
 use crate::core::MasterCore;
 use crate::events::publisher::Publisher;
-use crate::ha::{CoreSlot, HaState, Role};
+use crate::ha::{HaState, Role};
 use crate::recovery::RecoveryGate;
+use crate::slot::CoreSlot;
 use crate::tenants::{AdminError, TenantAdmin};
 
 mod upstream;

@@ -15,11 +15,12 @@ use crate::core::{
     Caller, CoreError, InventoryItem, Location, MasterCore, MoveResult, OpError, PutOptions,
     ReplicaView, SegmentDesc, Touch, chain_stamp,
 };
-use crate::ha::{CoreSlot, HaState};
+use crate::ha::HaState;
 use crate::location_wire::Placed;
 use crate::metrics::Rpc;
 use crate::persist::{self, PersistError};
 use crate::recovery::{Access, RecoveryGate};
+use crate::slot::CoreSlot;
 
 /// Whole-call failures of the gRPC edge.
 #[derive(Debug, thiserror::Error)]

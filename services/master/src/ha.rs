@@ -47,6 +47,7 @@ use tonic::Status;
 use crate::core::{CoreConfig, MasterCore};
 use crate::notifier::{FreeEntry, OffloadEntry, OwnerClient, OwnerError, OwnerOp, Promote};
 use crate::persist;
+use crate::slot::CoreSlot;
 
 /// The most subtracted from the granted TTL for the local lease deadline: covers the renewal's
 /// transit, scheduling delays and clock-rate differences between this host and etcd's. A short
@@ -405,24 +406,6 @@ impl OwnerClient for FencedOwnerClient {
     async fn promote(&self, endpoint: &str, req: &Promote) -> Result<(), OwnerError> {
         self.check(OwnerOp::Promote, endpoint)?;
         self.inner.promote(endpoint, req).await
-    }
-}
-
-/// The current core. A new leader term gets a fresh core (empty index, its own epoch); the
-/// edges look it up per request.
-pub struct CoreSlot(RwLock<Arc<MasterCore>>);
-
-impl CoreSlot {
-    pub fn new(core: Arc<MasterCore>) -> Arc<CoreSlot> {
-        Arc::new(CoreSlot(RwLock::new(core)))
-    }
-
-    pub fn get(&self) -> Arc<MasterCore> {
-        self.0.read().clone()
-    }
-
-    pub fn replace(&self, core: Arc<MasterCore>) {
-        *self.0.write() = core;
     }
 }
 

@@ -54,6 +54,7 @@ pub mod persist;
 mod quick;
 pub mod recovery;
 pub mod server;
+pub mod slot;
 pub mod standby;
 pub mod tenants;
 

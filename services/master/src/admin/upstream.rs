@@ -562,7 +562,7 @@ mod tests {
             std::time::Duration::from_secs(3600),
         );
         let app = super::super::router_full(
-            crate::ha::CoreSlot::new(core.clone()),
+            crate::slot::CoreSlot::new(core.clone()),
             None,
             recovery.clone(),
             None,
