@@ -10,7 +10,7 @@
 //!   Pure logic, unit-tested without gRPC.
 //! - [`alloc`]: the best-fit offset allocator, one per segment.
 //! - [`notifier`]: how frees reach a segment's owner before a range is reused.
-//! - [`grpc`]: the tonic service, prost -> domain conversions, the error -> `Status` mapping.
+//! - [`rpc`]: the tonic service, prost -> domain conversions, the error -> `Status` mapping.
 //! - [`admin`]: `/metrics`, `/health`, `/get_all_segments`, `/query_key`, `/namespaces`.
 //! - [`admin_tls`]: HTTPS on the admin port (`LUNAKV_ADMIN_TLS=1`), client certificates optional.
 //! - [`namespaces`]: cross-instance key consistency per vLLM key namespace (`lunakv doctor`).
@@ -42,17 +42,13 @@ pub mod alloc;
 pub mod auth;
 pub mod core;
 pub mod events;
-pub mod grpc;
 pub mod ha;
-mod incoming;
-mod lanes;
-mod location_wire;
 pub mod metrics;
 pub mod namespaces;
 pub mod notifier;
 pub mod persist;
-mod quick;
 pub mod recovery;
+pub mod rpc;
 pub mod server;
 pub mod slot;
 pub mod standby;

@@ -21,11 +21,11 @@ use crate::auth::{AuthPolicy, TlsMode};
 use crate::core::{CoreConfig, MasterCore};
 use crate::events::publisher::{EventsError, Publisher};
 use crate::events::{EventSink, EventStats, EventsConfig};
-use crate::grpc::MasterService;
 use crate::ha::{Election, HaState};
 use crate::notifier::{OwnerClient, TransferOwnerClient};
 use crate::persist::{self, PersistError};
 use crate::recovery::{RECOVERY_GRACE, RecoveryGate};
+use crate::rpc::service::MasterService;
 use crate::slot::CoreSlot;
 use crate::tenants::{PolicyFile, TenantAdmin};
 use lunakv_config::auth::PoolTokens;
@@ -428,14 +428,14 @@ impl Master {
             ));
         }
         // Held until this returns: dropping it stops the quick connections' threads.
-        let (lanes, _lanes) = crate::lanes::Lanes::start(
+        let (lanes, _lanes) = crate::rpc::lanes::Lanes::start(
             std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         )
         .map_err(|e| ServeError::Server {
             what: "quick-call",
             message: format!("cannot start its threads: {e}"),
         })?;
-        let quick = crate::quick::QuickServer::new(svc.clone(), policy.clone(), lanes);
+        let quick = crate::rpc::quick::QuickServer::new(svc.clone(), policy.clone(), lanes);
         let (health_reporter, health) = tonic_health::server::health_reporter();
         tokio::spawn(report_health(
             health_reporter,
@@ -457,7 +457,7 @@ impl Master {
                 .add_service(reflection_v1)
                 .add_service(reflection_v1alpha)
                 .serve_with_incoming_shutdown(
-                    crate::incoming::grpc_connections(listeners.rpc, quick, tls.clone()),
+                    crate::rpc::incoming::grpc_connections(listeners.rpc, quick, tls.clone()),
                     async move {
                         let _ = rx.changed().await;
                     },

@@ -40,7 +40,7 @@ fn text(status: StatusCode, body: String) -> Response {
     (status, [(header::CONTENT_TYPE, TEXT)], body).into_response()
 }
 
-/// The gate's refusal ([`crate::grpc::admit`]) as upstream answers a master whose service plane
+/// The gate's refusal ([`crate::rpc::service::admit`]) as upstream answers a master whose service plane
 /// is not active: 503, with the reason and what to do (the follower's names the leader).
 fn refused(st: &tonic::Status) -> Response {
     error(
@@ -365,7 +365,7 @@ pub(super) async fn remove_all(
     }
     core.metrics
         .record(Rpc::RemoveAll, false, gate.started.elapsed());
-    if let Err(st) = crate::grpc::confirm(s.ha.as_deref(), &gate) {
+    if let Err(st) = crate::rpc::service::confirm(s.ha.as_deref(), &gate) {
         return refused(&st);
     }
     tracing::info!(
@@ -377,11 +377,11 @@ pub(super) async fn remove_all(
     Json(serde_json::json!({"success": true, "removed_count": removed})).into_response()
 }
 
-/// The gate of the admin API's writes, the RPCs' own ([`crate::grpc::admit`]): an HA follower,
+/// The gate of the admin API's writes, the RPCs' own ([`crate::rpc::service::admit`]): an HA follower,
 /// or a master still rebuilding its index from the owners' inventories (which would put back
 /// what a removal took, or hide objects from a drain), refuses with upstream's 503.
-fn admit_write(s: &AdminState) -> Result<crate::grpc::Admitted, Box<Response>> {
-    crate::grpc::admit(&s.slot, s.ha.as_deref(), &s.recovery, Access::Write)
+fn admit_write(s: &AdminState) -> Result<crate::rpc::service::Admitted, Box<Response>> {
+    crate::rpc::service::admit(&s.slot, s.ha.as_deref(), &s.recovery, Access::Write)
         .map_err(|st| Box::new(refused(&st)))
 }
 
@@ -390,7 +390,7 @@ fn admit_write(s: &AdminState) -> Result<crate::grpc::Admitted, Box<Response>> {
 fn gated<T>(s: &AdminState, write: impl FnOnce(&MasterCore) -> T) -> Result<T, Box<Response>> {
     let gate = admit_write(s)?;
     let out = write(&gate.core);
-    crate::grpc::confirm(s.ha.as_deref(), &gate).map_err(|st| Box::new(refused(&st)))?;
+    crate::rpc::service::confirm(s.ha.as_deref(), &gate).map_err(|st| Box::new(refused(&st)))?;
     Ok(out)
 }
 
