@@ -19,8 +19,8 @@ use lunakv_proto::ErrorCode;
 
 use crate::core::MasterCore;
 use crate::events::publisher::Publisher;
-use crate::ha::{HaState, Role};
-use crate::recovery::RecoveryGate;
+use crate::ha::election::{HaState, Role};
+use crate::ha::recovery::RecoveryGate;
 use crate::slot::CoreSlot;
 use crate::tenants::{AdminError, TenantAdmin};
 

@@ -47,11 +47,9 @@ pub mod metrics;
 pub mod namespaces;
 pub mod notifier;
 pub mod persist;
-pub mod recovery;
 pub mod rpc;
 pub mod server;
 pub mod slot;
-pub mod standby;
 pub mod tenants;
 
 pub use lunakv_config::master::{MasterConfig, MasterConfigSources};

@@ -21,10 +21,10 @@ use crate::auth::{AuthPolicy, TlsMode};
 use crate::core::{CoreConfig, MasterCore};
 use crate::events::publisher::{EventsError, Publisher};
 use crate::events::{EventSink, EventStats, EventsConfig};
-use crate::ha::{Election, HaState};
+use crate::ha::election::{Election, HaState};
+use crate::ha::recovery::{RECOVERY_GRACE, RecoveryGate};
 use crate::notifier::{OwnerClient, TransferOwnerClient};
 use crate::persist::{self, PersistError};
-use crate::recovery::{RECOVERY_GRACE, RecoveryGate};
 use crate::rpc::service::MasterService;
 use crate::slot::CoreSlot;
 use crate::tenants::{PolicyFile, TenantAdmin};
@@ -284,7 +284,7 @@ impl Master {
             .map_err(|e| ServeError::Config(e.to_string()))?;
         let etcd = EtcdClient::connect_with(
             &endpoints.to_strings(),
-            crate::ha::ETCD_CALL_TIMEOUT,
+            crate::ha::election::ETCD_CALL_TIMEOUT,
             &security,
         )
         .map_err(|e| ServeError::Etcd {
@@ -419,7 +419,7 @@ impl Master {
             self.recovery.clone(),
         );
         if self.ha.is_none() && !self.known.is_empty() {
-            tokio::spawn(crate::recovery::forget_unmounted(
+            tokio::spawn(crate::ha::recovery::forget_unmounted(
                 self.known.clone(),
                 self.slot.clone(),
                 self.meta.clone(),
@@ -518,7 +518,7 @@ impl Master {
             let warm = self
                 .cfg
                 .ha_warm_standby
-                .then(|| crate::standby::WarmCopy::new(&h.state.metrics));
+                .then(|| crate::ha::standby::WarmCopy::new(&h.state.metrics));
             let election = Election {
                 ha: h.state,
                 etcd: h.etcd,
@@ -866,7 +866,7 @@ async fn report_health(
     };
     let mut leading = None;
     loop {
-        let now = ha.role() == crate::ha::Role::Leader;
+        let now = ha.role() == crate::ha::election::Role::Leader;
         if leading != Some(now) {
             if now {
                 reporter.set_serving::<MasterServer<MasterService>>().await;

@@ -27,8 +27,8 @@ use super::AdminState;
 use crate::core::{
     DrainError, DrainRequest, JobStatus, MasterCore, ObjectState, SHARDS, is_job_id,
 };
+use crate::ha::recovery::Access;
 use crate::metrics::Rpc;
-use crate::recovery::Access;
 
 /// Most keys one `/batch_query_keys` call may name.
 pub const MAX_BATCH_QUERY_KEYS: usize = 1000;
@@ -556,7 +556,7 @@ mod tests {
         ));
         // A restarted single master still waiting for a recorded segment's inventory: what it
         // removed now, the owner's remount would put back.
-        let recovery = Arc::new(crate::recovery::RecoveryGate::default());
+        let recovery = Arc::new(crate::ha::recovery::RecoveryGate::default());
         recovery.begin(
             ["seg:1".to_string()].into(),
             std::time::Duration::from_secs(3600),

@@ -14,10 +14,10 @@ use crate::core::{
     Caller, InventoryItem, Location, MasterCore, MoveResult, OpError, PutOptions, SegmentDesc,
     Touch, chain_stamp,
 };
-use crate::ha::HaState;
+use crate::ha::election::HaState;
+use crate::ha::recovery::{Access, RecoveryGate};
 use crate::metrics::Rpc;
 use crate::persist;
-use crate::recovery::{Access, RecoveryGate};
 use crate::rpc::convert::{
     Placed, PutItem, ServiceError, check_key, data_secret, key_regex, key_result, location,
     namespace_report, put_start, replica, tenant_field, tenant_statuses, to_status,
@@ -847,7 +847,7 @@ impl pb::master_server::Master for MasterService {
         let a = self.admit(Access::Mount)?;
         let term = a.term.unwrap_or_default();
         let standby = request.into_inner().standby;
-        let stream = crate::standby::serve(a.core.clone(), term, standby, move || {
+        let stream = crate::ha::standby::serve(a.core.clone(), term, standby, move || {
             ha.leading_term() == Some(term)
         })?;
         Ok(Response::new(stream))
