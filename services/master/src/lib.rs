@@ -12,13 +12,11 @@
 //! - [`notifier`]: how frees reach a segment's owner before a range is reused.
 //! - [`rpc`]: the tonic service, prost -> domain conversions, the error -> `Status` mapping.
 //! - [`admin`]: `/metrics`, `/health`, `/get_all_segments`, `/query_key`, `/namespaces`.
-//! - [`admin_tls`]: HTTPS on the admin port (`LUNAKV_ADMIN_TLS=1`), client certificates optional.
 //! - [`namespaces`]: cross-instance key consistency per vLLM key namespace (`lunakv doctor`).
 //! - [`persist`]: what survives a restart (epoch, cluster id, segment endpoints) in a
 //!   [`lunakv_meta::MetaStore`]; the object index is rebuilt from owners' inventories.
 //! - [`server`]: wiring, listeners, background tasks, graceful drain.
 //! - [`ha`]: `--enable_ha`: leader election on etcd, the lease-based write fence, redirects.
-//! - [`tenants`]: the tenant quota policy file (`--enable_multi_tenants`) and its admin API.
 //!
 //! # Starting one in a test
 //! ```no_run
@@ -37,7 +35,6 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
-pub mod admin_tls;
 pub mod alloc;
 pub mod auth;
 pub mod core;
@@ -50,7 +47,6 @@ pub mod persist;
 pub mod rpc;
 pub mod server;
 pub mod slot;
-pub mod tenants;
 
 pub use lunakv_config::master::{MasterConfig, MasterConfigSources};
 pub use server::{Listeners, Master, RunningMaster, ServeError, serve, start, start_master};

@@ -17,6 +17,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
+use crate::admin::tenants::{PolicyFile, TenantAdmin};
 use crate::auth::{AuthPolicy, TlsMode};
 use crate::core::{CoreConfig, MasterCore};
 use crate::events::publisher::{EventsError, Publisher};
@@ -27,7 +28,6 @@ use crate::notifier::{OwnerClient, TransferOwnerClient};
 use crate::persist::{self, PersistError};
 use crate::rpc::service::MasterService;
 use crate::slot::CoreSlot;
-use crate::tenants::{PolicyFile, TenantAdmin};
 use lunakv_config::auth::PoolTokens;
 use std::collections::BTreeSet;
 
@@ -60,7 +60,7 @@ pub enum ServeError {
     #[error(transparent)]
     Events(#[from] EventsError),
     #[error(transparent)]
-    Tenants(#[from] crate::tenants::PolicyError),
+    Tenants(#[from] crate::admin::tenants::PolicyError),
     #[error(
         "cannot reach etcd at {endpoints}: {message}; check --etcd_endpoints (\";\"-separated \
          host:port of etcd's client URLs) and that etcd is running"
@@ -464,13 +464,13 @@ impl Master {
                 ),
         );
         let mut rx = stop_rx.clone();
-        let router = crate::admin::router_full(
+        let router = crate::admin::routes::router_full(
             self.slot.clone(),
             ha_state.clone(),
             self.recovery.clone(),
             self.events.clone(),
         )
-        .merge(crate::admin::tenant_routes(
+        .merge(crate::admin::routes::tenant_routes(
             self.slot.clone(),
             ha_state.clone(),
             self.tenants.clone(),
@@ -484,7 +484,7 @@ impl Master {
         let admin = match &admin_tls {
             // HTTPS: each request carries its caller's certificate identity, if any.
             Some(t) => {
-                let listener = crate::admin_tls::TlsAdminListener::new(listeners.admin, t.clone())
+                let listener = crate::admin::tls::TlsAdminListener::new(listeners.admin, t.clone())
                     .map_err(|source| ServeError::Bind {
                         what: "admin/metrics",
                         addr: admin_addr.to_string(),
@@ -493,7 +493,8 @@ impl Master {
                 tokio::spawn(
                     axum::serve(
                         listener,
-                        router.into_make_service_with_connect_info::<crate::admin_tls::AdminPeer>(),
+                        router
+                            .into_make_service_with_connect_info::<crate::admin::tls::AdminPeer>(),
                     )
                     .with_graceful_shutdown(admin_stop)
                     .into_future(),

@@ -23,7 +23,7 @@ use axum::response::{IntoResponse, Json, Response};
 use futures::StreamExt;
 use lunakv_proto::ErrorCode;
 
-use super::AdminState;
+use super::state::AdminState;
 use crate::core::{
     DrainError, DrainRequest, JobStatus, MasterCore, ObjectState, SHARDS, is_job_id,
 };
@@ -109,7 +109,7 @@ pub(super) async fn get_all_keys(State(s): State<AdminState>) -> Response {
 
 /// Upstream prints a size in GiB with C++'s default stream format: 6 significant digits,
 /// trailing zeros dropped ("16 GiB", "0.5 GiB", "0.000976562 GiB").
-fn gib(bytes: u64) -> String {
+pub(super) fn gib(bytes: u64) -> String {
     let v = bytes as f64 / (1u64 << 30) as f64;
     if v == 0.0 {
         return "0 GiB".into();
@@ -310,7 +310,7 @@ pub(super) async fn batch_query_keys(
 
 /// `force`: upstream takes `true` or `1`; lunakv also takes `false`, `0` or nothing, and
 /// refuses anything else rather than guess.
-fn force_param(q: &HashMap<String, String>) -> Result<bool, String> {
+pub(super) fn force_param(q: &HashMap<String, String>) -> Result<bool, String> {
     match q.get("force").map(String::as_str) {
         None | Some("" | "false" | "0") => Ok(false),
         Some("true" | "1") => Ok(true),
@@ -529,77 +529,5 @@ pub(super) async fn cancel_drain_job(
         }))
         .into_response(),
         Err(e) => drain_error(&e),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_print_as_upstream_prints_them() {
-        assert_eq!(gib(16 << 30), "16 GiB");
-        assert_eq!(gib(1 << 29), "0.5 GiB");
-        assert_eq!(gib(1 << 20), "0.000976562 GiB");
-        assert_eq!(gib(0), "0 GiB");
-        assert_eq!(gib(64 << 20), "0.0625 GiB");
-    }
-
-    #[tokio::test]
-    async fn remove_all_waits_for_the_rebuild_as_the_rpc_does() {
-        use std::sync::Arc;
-        use tower::ServiceExt;
-        let core = Arc::new(MasterCore::new(
-            crate::core::CoreConfig::default(),
-            1,
-            Arc::new(crate::notifier::RecordingNotifier::default()),
-        ));
-        // A restarted single master still waiting for a recorded segment's inventory: what it
-        // removed now, the owner's remount would put back.
-        let recovery = Arc::new(crate::ha::recovery::RecoveryGate::default());
-        recovery.begin(
-            ["seg:1".to_string()].into(),
-            std::time::Duration::from_secs(3600),
-        );
-        let app = super::super::router_full(
-            crate::slot::CoreSlot::new(core.clone()),
-            None,
-            recovery.clone(),
-            None,
-        );
-        let call = || {
-            axum::http::Request::post("/api/v1/remove_all?force=true")
-                .body(Body::empty())
-                .expect("request")
-        };
-        let r = app.clone().oneshot(call()).await.expect("answer");
-        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
-        let body = axum::body::to_bytes(r.into_body(), 1 << 16)
-            .await
-            .expect("body");
-        let text = String::from_utf8_lossy(&body);
-        assert!(text.contains("rebuilding"), "{text}");
-        let calls = |core: &MasterCore| {
-            let name = format!("master_{}_requests_total ", Rpc::RemoveAll.name());
-            lunakv_telemetry::render(&core.metrics.registry)
-                .lines()
-                .find_map(|l| l.strip_prefix(name.as_str()).map(str::to_owned))
-        };
-        assert_eq!(calls(&core).as_deref(), Some("0"));
-
-        recovery.clear();
-        let r = app.oneshot(call()).await.expect("answer");
-        assert_eq!(r.status(), StatusCode::OK);
-        assert_eq!(calls(&core).as_deref(), Some("1"), "counted as the RPC");
-    }
-
-    #[test]
-    fn force_is_a_boolean_or_refused_by_name() {
-        let q = |v: &str| HashMap::from([("force".to_string(), v.to_string())]);
-        assert_eq!(force_param(&HashMap::new()), Ok(false));
-        assert_eq!(force_param(&q("1")), Ok(true));
-        assert_eq!(force_param(&q("true")), Ok(true));
-        assert_eq!(force_param(&q("0")), Ok(false));
-        assert!(force_param(&q("yes")).unwrap_err().contains("force="));
     }
 }
