@@ -59,6 +59,13 @@ pub struct MasterConfig {
     /// Upstream `--promotion_on_hit`: a get of a disk-only object also brings it back into the
     /// owner's DRAM.
     pub promotion_on_hit: bool,
+    /// Upstream `--promotion_admission_threshold`: reads a disk-only object takes before it is
+    /// promoted, 1..=255 (upstream counts in a count-min sketch; lunakv counts each object
+    /// exactly, so a cold key never rides on a hot one's count).
+    pub promotion_admission_threshold: u32,
+    /// Upstream `--promotion_queue_limit`: promotions reserved and not yet confirmed; past it a
+    /// hit does not promote (the next one tries again).
+    pub promotion_queue_limit: u64,
     /// lunakv: keys a client must put in one vLLM key namespace before the cross-instance rule
     /// counts it; two such clients that never share a key flag the namespace (`lunakv doctor`).
     pub namespace_min_keys: u64,
@@ -220,6 +227,8 @@ impl Default for MasterConfig {
             data_dir: PathBuf::from("./lunakv-master-data"),
             enable_offload: false,
             promotion_on_hit: false,
+            promotion_admission_threshold: 2,
+            promotion_queue_limit: 50_000,
             namespace_min_keys: 64,
             max_keys: 50_000_000,
             put_reservation_limit_ratio: 0.5,
@@ -326,6 +335,12 @@ pub struct MasterArgs {
     /// SSD tier: a get of a disk-only object also promotes it back to the owner's DRAM.
     #[arg(long = "promotion_on_hit", num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     pub promotion_on_hit: Option<bool>,
+    /// SSD tier: reads of a disk-only object before it is promoted, 1-255 [default: 2].
+    #[arg(long = "promotion_admission_threshold")]
+    pub promotion_admission_threshold: Option<u32>,
+    /// SSD tier: promotions in flight at most; past it a hit does not promote [default: 50000].
+    #[arg(long = "promotion_queue_limit")]
+    pub promotion_queue_limit: Option<u64>,
     /// Keys a client must put in a vLLM key namespace before the cross-instance sharing rule
     /// counts it [default: 64].
     #[arg(long = "namespace_min_keys")]
@@ -596,9 +611,7 @@ pub const UPSTREAM_KEYS: &[UpstreamFlag] = &[
     ignored("offload_force_evict", true, NO_OFFLOAD_QUEUE),
     ignored("pod_name", false, NO_POD_ROUTING),
     ignored("pod_namespace", false, NO_POD_ROUTING),
-    ignored("promotion_admission_threshold", false, NO_PROMOTION_QUEUE),
     ignored("promotion_max_per_heartbeat", false, NO_PROMOTION_QUEUE),
-    ignored("promotion_queue_limit", false, NO_PROMOTION_QUEUE),
 ];
 
 const THREADS: &str = "the tokio runtime sizes its worker threads to the CPUs it may use";
@@ -615,7 +628,7 @@ const NO_NOF: &str =
 const NO_OFFLOAD_QUEUE: &str = "eviction with --enable_offload offloads every evicted object through its owner; there is no offload queue to cap";
 const NO_POD_ROUTING: &str =
     "clients reach segments by their advertised address; there is no label-based routing";
-const NO_PROMOTION_QUEUE: &str = "--promotion_on_hit promotes a disk-only object on its first hit, one promotion per object at a time; there is no admission sketch or queue limit";
+const NO_PROMOTION_QUEUE: &str = "the master hands each promotion to the object's owner when a read admits it (--promotion_admission_threshold, --promotion_queue_limit), not through the owners' heartbeats";
 
 const fn ignored(name: &'static str, boolean: bool, why: &'static str) -> UpstreamFlag {
     UpstreamFlag {
@@ -725,6 +738,21 @@ impl MasterConfig {
         }
         check_positive("client_ttl", self.client_ttl, "s", "10")?;
         check_positive("namespace_min_keys", self.namespace_min_keys, "keys", "64")?;
+        // Upstream clamps the threshold into 1..=255 at flag-parse time; a value it would
+        // silently change is refused here instead.
+        if !(1..=255).contains(&self.promotion_admission_threshold) {
+            return Err(MasterConfigError::Invalid {
+                field: "promotion_admission_threshold",
+                value: self.promotion_admission_threshold.to_string(),
+                fix: "use 1 (promote on the first read) to 255; the default is 2".to_string(),
+            });
+        }
+        check_positive(
+            "promotion_queue_limit",
+            self.promotion_queue_limit,
+            "promotions",
+            "50000",
+        )?;
         check_ratio(
             "put_reservation_limit_ratio",
             self.put_reservation_limit_ratio,
@@ -1590,6 +1618,36 @@ mod tests {
         assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
         let loaded = load_flags(&[("promotion_on_hit", "true")]).expect("load");
         assert!(loaded.warnings.iter().any(|w| w.contains("enable_offload")));
+    }
+
+    #[test]
+    fn promotion_admission_takes_upstreams_range_and_is_no_longer_ignored() {
+        let c = load_flags(&[]).expect("defaults").config;
+        assert_eq!(
+            (c.promotion_admission_threshold, c.promotion_queue_limit),
+            (2, 50_000)
+        );
+        let loaded = load_flags(&[
+            ("promotion_admission_threshold", "1"),
+            ("promotion_queue_limit", "8"),
+        ])
+        .expect("load");
+        assert_eq!(loaded.config.promotion_admission_threshold, 1);
+        assert_eq!(loaded.config.promotion_queue_limit, 8);
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        for bad in ["0", "256"] {
+            let msg = load_flags(&[("promotion_admission_threshold", bad)])
+                .expect_err(bad)
+                .to_string();
+            assert!(
+                msg.contains("promotion_admission_threshold") && msg.contains("255"),
+                "{msg}"
+            );
+        }
+        assert_eq!(
+            invalid_field(load_flags(&[("promotion_queue_limit", "0")])),
+            "promotion_queue_limit"
+        );
     }
 
     #[test]

@@ -133,6 +133,8 @@ pub struct Metrics {
     pub offloaded_keys_total: IntCounter,
     /// Offloads the owner could not complete (the objects were evicted instead).
     pub offload_failures_total: IntCounter,
+    /// DRAM evictions the policy kept off the SSD tier (cslru: a chain's end never read).
+    pub offload_declined_total: IntCounter,
     /// Disk objects the owners dropped (size limit, failed checksum) and reported.
     pub disk_dropped_keys_total: IntCounter,
     /// Gets answered with a disk-only location.
@@ -353,6 +355,11 @@ impl Metrics {
                 &r,
                 "master_offload_failures_total",
                 "Offloads that failed (the object was evicted instead)",
+            ),
+            offload_declined_total: counter(
+                &r,
+                "master_offload_declined_total",
+                "DRAM evictions not written to disk: the policy expects no read (a chain's end never read)",
             ),
             disk_dropped_keys_total: counter(
                 &r,

@@ -436,8 +436,12 @@ fn promotion_on_hit_brings_a_disk_object_back_to_dram() {
     let c = tcp_requester(&m.addr());
     let i = spill_for_promotion(&m, &c);
     let key = format!("k-{i}");
-    // The hit is served from disk at once; the promotion runs behind it.
+    // Each hit is served from disk at once; the second read admits it
+    // (--promotion_admission_threshold, upstream's default 2) and the promotion runs behind it.
+    // The second reader has no cached location, so its read reaches the master.
     assert!(c.get(&key).expect("get from disk") == pattern(i, OBJ));
+    let second = tcp_requester(&m.addr());
+    assert!(second.get(&key).expect("get again") == pattern(i, OBJ));
     let body = wait_until(Duration::from_secs(10), || {
         let (_, body) = m.http_get(&format!("/query_key?key={key}"));
         body.contains("\"memory\"").then_some(body)

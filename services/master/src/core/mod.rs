@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use lunakv_proto::ErrorCode;
 use parking_lot::Mutex;
@@ -53,7 +53,7 @@ pub use warm::{IndexChange, IndexEntry, IndexSnapshot, WarmReplicaLoc};
 // (half its slots empty) wastes little (docs/BENCH.md, "Metadata").
 use index::Index;
 pub use index::TenantUsage;
-pub use objects::{Touch, chain_stamp};
+pub use objects::{ChainEnd, Touch, chain_stamp};
 pub use policy::EvictionPolicy;
 
 /// Number of object-index shards.
@@ -108,6 +108,8 @@ pub struct MasterCore {
     recent: Mutex<policy::Recent>,
     /// Promotions reserved by gets, waiting for [`MasterCore::run_promotions`] (a leaf lock).
     promotions: Mutex<Vec<PendingPromotion>>,
+    /// Promotions reserved and not yet confirmed or failed (`--promotion_queue_limit`).
+    promotions_in_flight: AtomicUsize,
     promotion_wanted: tokio::sync::Notify,
     notifier: Arc<dyn OwnerClient>,
     pub metrics: Metrics,
@@ -172,6 +174,7 @@ impl MasterCore {
             queues: Mutex::new(policy::Queues::new()),
             recent: Mutex::new(policy::Recent::new()),
             promotions: Mutex::new(Vec::new()),
+            promotions_in_flight: AtomicUsize::new(0),
             promotion_wanted: tokio::sync::Notify::new(),
             notifier,
             metrics: Metrics::new(),
@@ -303,6 +306,8 @@ where
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_admission;
 #[cfg(test)]
 mod tests_cslru;
 #[cfg(test)]

@@ -415,6 +415,7 @@ impl MasterCore {
                 hard_pinned: opts.hard_pin,
                 last_access: now,
                 promoting: false,
+                disk_reads: 0,
                 tier: super::policy::Tier::PROBATION,
                 group: opts.group.as_deref().map(|g| {
                     self.groups
@@ -493,18 +494,18 @@ impl MasterCore {
     /// [`Self::put_end`] for `caller`: under mTLS only the identity that started the put, or
     /// an admin identity, ends it.
     pub fn put_end_by(&self, caller: &Caller, key: &str) -> Result<(), OpError> {
-        self.put_end_at(caller, key, Instant::now(), false)
+        self.put_end_at(caller, key, Instant::now(), ChainEnd::No)
     }
 
     /// [`Self::put_end_by`] for one key of a batch: `stamp` orders it in eviction (see
-    /// [`chain_stamp`]), and `chain_end` marks the batch's last key, which with cslru enters
-    /// probation's cold end.
+    /// [`chain_stamp`]); with cslru the batch's last key enters probation's cold end, and the
+    /// last of several is not written to the SSD tier unless it is read first.
     pub fn put_end_at(
         &self,
         caller: &Caller,
         key: &str,
         stamp: Instant,
-        chain_end: bool,
+        end: ChainEnd,
     ) -> Result<(), OpError> {
         let mut shard = self.shard(key).lock();
         let mut o = shard
@@ -538,7 +539,10 @@ impl MasterCore {
                 // The stamp stays ordinary (the lru orders of tenant quotas and the key limit
                 // read it too); the cold list is what puts a chain's end first.
                 o.last_access = stamp;
-                if chain_end {
+                if end == ChainEnd::Last {
+                    o.tier = super::policy::Tier::TAIL;
+                }
+                if end != ChainEnd::No {
                     recent.push_cold(key, o.generation, stamp);
                 }
             }
@@ -634,7 +638,7 @@ impl MasterCore {
         let now = Instant::now();
         let touch = match (touch, self.cfg.eviction_policy) {
             // Upstream's order: every lookup leases and renews.
-            (Touch::Look, EvictionPolicy::Lru) => Touch::Read(now),
+            (Touch::Look, EvictionPolicy::Lru) => Touch::Check(now),
             (t, _) => t,
         };
         let mut shard = self.shard(key).lock();
@@ -655,7 +659,7 @@ impl MasterCore {
         if !client_id.is_empty() && *o.client_id != *client_id {
             self.namespaces.record_found_from_other(client_id, key);
         }
-        if let Touch::Read(stamp) = touch {
+        if let Touch::Read(stamp) | Touch::Check(stamp) = touch {
             let lease_until = now + self.cfg.lease_ttl;
             o.lease_until = Some(o.lease_until.map_or(lease_until, |t| t.max(lease_until)));
             match self.cfg.eviction_policy {
@@ -698,14 +702,30 @@ impl MasterCore {
             })
             .collect();
         let disk_only = o.replicas.iter().all(|r| r.disk);
-        let promotion = if disk_only && self.cfg.promotion_on_hit && !o.promoting {
-            // Reserve a DRAM range on a disk replica's owner; no room means no promotion (it
-            // is not worth an eviction), and the next hit tries again.
+        let read = matches!(touch, Touch::Read(_));
+        if disk_only && read {
+            o.disk_reads = o.disk_reads.saturating_add(1);
+        }
+        let admitted = disk_only
+            && read
+            && self.cfg.promotion_on_hit
+            && !o.promoting
+            && o.disk_reads >= self.cfg.promotion_admission_threshold
+            && self.promotions_in_flight.load(Ordering::Relaxed) < self.cfg.promotion_queue_limit;
+        let promotion = if admitted {
+            // Reserve a DRAM range on a disk replica's owner. Under lru no room means no
+            // promotion (upstream promotes only below the high watermark) and the next hit
+            // tries again; under cslru an admitted object is worth an eviction, which the
+            // background task makes before it reserves the range (`offset: None`).
+            let evict_for_it = self.cfg.eviction_policy == EvictionPolicy::Cslru;
             o.replicas.iter().filter(|r| r.disk).find_map(|r| {
                 let seg = segs
                     .get_mut(&*r.segment)
                     .filter(|s| s.mount_id == r.mount_id && s.placeable())?;
-                let offset = seg.alloc.allocate(o.size)?;
+                let offset = seg.alloc.allocate(o.size);
+                if offset.is_none() && !evict_for_it {
+                    return None;
+                }
                 Some(PendingPromotion {
                     key: key.to_string(),
                     endpoint: seg.desc.transfer_endpoint.clone(),
@@ -725,6 +745,7 @@ impl MasterCore {
         }
         if let Some(p) = promotion {
             o.promoting = true;
+            self.promotions_in_flight.fetch_add(1, Ordering::Relaxed);
             self.promotions.lock().push(p);
             self.promotion_wanted.notify_one();
         }
@@ -925,13 +946,41 @@ impl MasterCore {
 /// What a lookup does to the object's lease and its place in eviction order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Touch {
-    /// A read: a get, or a key of an existence batch's leading run, which the caller reads
-    /// next. Leased, and its recency (or protection) renewed; `stamp` orders it within its
-    /// batch (deeper keys older, see `core::policy`).
+    /// A get. Leased, and its recency (or protection) renewed; `stamp` orders it within its
+    /// batch (deeper keys older, see `core::policy`). A disk-only object counts it towards
+    /// its promotion (`--promotion_admission_threshold`).
     Read(Instant),
+    /// A key of an existence batch's leading run, which the caller reads next: as a
+    /// [`Touch::Read`] for leases and eviction order, but not counted for promotion (the get
+    /// that follows is; upstream counts gets only, too).
+    Check(Instant),
     /// An existence check past the batch's first miss, which no prefix read can reach:
-    /// nothing changes (with `--eviction_policy=lru` it is a read, as upstream's).
+    /// nothing changes (with `--eviction_policy=lru` it is a check, as upstream's).
     Look,
+}
+
+/// Where a put's key sits in its BatchPutEnd: vLLM saves a request's missing blocks as one
+/// batch in prefix order, so the last key is the chain's end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainEnd {
+    /// Not the batch's last key (or a plain PutEnd).
+    No,
+    /// The only key of its batch: its chain's end too, but it may as well be an object put on
+    /// its own, so the SSD tier still takes it.
+    Alone,
+    /// The last of several keys.
+    Last,
+}
+
+impl ChainEnd {
+    /// The place of the `pos`-th of `len` keys.
+    pub fn of(pos: usize, len: usize) -> ChainEnd {
+        match (pos + 1 == len, len) {
+            (false, _) => ChainEnd::No,
+            (true, 1) => ChainEnd::Alone,
+            (true, _) => ChainEnd::Last,
+        }
+    }
 }
 
 /// The stamp of the `pos`-th key of a batch started at `now`: deeper keys are older, so a

@@ -18,7 +18,10 @@
 //! - chains: a request's blocks arrive in prefix order in one batch. Within a batch the deeper
 //!   blocks are stamped older, so a chain loses its tail before its head (a block without its
 //!   predecessor can never be hit), and the last block of a put batch (the chain's end, which
-//!   the traces show is almost never reused) enters at probation's cold end.
+//!   the traces show is almost never reused) enters at probation's cold end;
+//! - the SSD tier is the second level: the end of a multi-block batch that was never read is
+//!   not written to disk when DRAM evicts it ([`Tier::unread_tail`]), and a promoted disk
+//!   block (admitted by its gets) comes back protected.
 //!
 //! Recency is the object's `last_access` stamp and the segment its `tier` byte, both kept in
 //! the object under its shard's lock, so a lookup pays no extra lock. Eviction finds the oldest
@@ -83,12 +86,16 @@ pub(super) struct Tier(u8);
 
 const PROTECTED: u8 = 0x80;
 const DEMOTED: u8 = 0x40;
+/// A chain's end that no read has touched yet: probation's coldest, and not worth the SSD tier.
+const TAIL: u8 = 0x20;
 
 impl Tier {
     pub(super) const PROBATION: Tier = Tier(0);
     pub(super) const PROTECTED: Tier = Tier(PROTECTED);
     /// Back on probation after the protected segment's CLOCK passed it without chances.
     pub(super) const DEMOTED: Tier = Tier(DEMOTED);
+    /// The last block of a put batch, entered at probation's cold end; a read clears it.
+    pub(super) const TAIL: Tier = Tier(TAIL);
 
     pub(super) fn protected(self) -> bool {
         self.0 & PROTECTED != 0
@@ -97,6 +104,13 @@ impl Tier {
     /// Protected now or before: what its eviction tells the [`Share`] if it comes back.
     pub(super) fn proven(self) -> bool {
         self.0 & (PROTECTED | DEMOTED) != 0
+    }
+
+    /// A chain's end never read: when DRAM evicts it, it is not written to disk. The replays
+    /// show such blocks are almost never read later (docs/BENCH.md), and skipping them leaves
+    /// the SSD tier's room and write bandwidth to blocks that are.
+    pub(super) fn unread_tail(self) -> bool {
+        self.0 == TAIL
     }
 
     pub(super) fn chances(self) -> u8 {

@@ -671,7 +671,7 @@ async fn unmount_drops_replicas() {
     assert_eq!(core.total_capacity(), 0);
 }
 
-fn item(key: &str, offset: u64, size: u64, generation: u64) -> InventoryItem {
+pub(super) fn item(key: &str, offset: u64, size: u64, generation: u64) -> InventoryItem {
     InventoryItem {
         key: key.into(),
         offset,
@@ -916,7 +916,7 @@ async fn gauges_reflect_state() {
 
 // === SSD tier ===
 
-fn offload_desc(name: &str, size: u64) -> SegmentDesc {
+pub(super) fn offload_desc(name: &str, size: u64) -> SegmentDesc {
     SegmentDesc {
         enable_offload: true,
         disk_capacity: 1 << 30,
@@ -1027,6 +1027,7 @@ async fn promotion_on_hit_adds_a_memory_replica_once_the_owner_confirms() {
     let (core, n) = new_core(CoreConfig {
         enable_offload: true,
         promotion_on_hit: true,
+        promotion_admission_threshold: 1,
         lease_ttl: Duration::from_millis(1),
         ..cfg()
     });
@@ -1075,6 +1076,7 @@ async fn failed_promotion_frees_the_reservation_through_the_owner() {
     let (core, n) = new_core(CoreConfig {
         enable_offload: true,
         promotion_on_hit: true,
+        promotion_admission_threshold: 1,
         ..cfg()
     });
     n.unreachable.lock().push("ep-s:1".into());

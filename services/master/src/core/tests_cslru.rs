@@ -64,7 +64,11 @@ async fn put_chain(core: &MasterCore, keys: &[&str]) {
             &Caller::default(),
             k,
             chain_stamp(now, i),
-            keys.len() > 1 && i + 1 == keys.len(),
+            if keys.len() > 1 {
+                ChainEnd::of(i, keys.len())
+            } else {
+                ChainEnd::No
+            },
         )
         .expect("put_end");
     }
@@ -336,7 +340,7 @@ async fn core_replay() {
             }
             let now = Instant::now();
             for (i, k) in missing.iter().enumerate() {
-                let end = i + 1 == missing.len();
+                let end = ChainEnd::of(i, missing.len());
                 let _ = core.put_end_at(&Caller::default(), k, chain_stamp(now, i), end);
             }
         }
@@ -372,7 +376,7 @@ async fn eviction_cost() {
                 core.put_start("cl", &k, BLOCK, &opts())
                     .await
                     .expect("fill");
-                core.put_end_at(&Caller::default(), &k, now, false)
+                core.put_end_at(&Caller::default(), &k, now, ChainEnd::No)
                     .expect("fill end");
             }
         };
@@ -385,7 +389,7 @@ async fn eviction_cost() {
                 for j in 0..batch {
                     let k = format!("n{round}-{j}");
                     core.put_start("cl", &k, BLOCK, &opts()).await.expect("put");
-                    core.put_end_at(&Caller::default(), &k, Instant::now(), false)
+                    core.put_end_at(&Caller::default(), &k, Instant::now(), ChainEnd::No)
                         .expect("put end");
                 }
                 t[i] += started.elapsed();

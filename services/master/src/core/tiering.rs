@@ -10,10 +10,10 @@ use lunakv_proto::ErrorCode;
 use crate::alloc::align_up;
 use crate::notifier::{OffloadEntry, OffloadOutcome, Promote};
 
-use super::policy::EvictionPolicy;
+use super::policy::{EvictionPolicy, Tier};
 use super::types::{
-    Caller, Holder, Object, ObjectState, OpError, PendingFree, PendingOffload, Quarantined,
-    ReplicaLoc,
+    Caller, Holder, Object, ObjectState, OpError, PendingFree, PendingOffload, PendingPromotion,
+    Quarantined, ReplicaLoc,
 };
 use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
 
@@ -200,6 +200,8 @@ impl MasterCore {
         }
         let has_disk = o.replicas.iter().any(|r| r.disk);
         let before = tiers_of(&o.replicas);
+        // The SSD tier is the policy's second level: what it expects no read for is dropped.
+        let declined = self.cfg.eviction_policy == EvictionPolicy::Cslru && o.tier.unread_tail();
         let spill_to = if has_disk || !self.cfg.enable_offload {
             None
         } else {
@@ -213,6 +215,13 @@ impl MasterCore {
                     })
                     .map(|s| (r.clone(), s.desc.transfer_endpoint.clone()))
             })
+        };
+        let spill_to = match spill_to {
+            Some(_) if declined => {
+                self.metrics.offload_declined_total.inc();
+                None
+            }
+            s => s,
         };
         if has_disk || spill_to.is_some() {
             // The object survives on disk; its DRAM replicas go (the one being offloaded
@@ -230,6 +239,8 @@ impl MasterCore {
                 .collect();
             frees.extend(self.frees_of(o.generation, &mem));
             o.replicas.retain(|r| r.disk);
+            // Promotion's admission counts the reads it takes from disk from here.
+            o.disk_reads = 0;
             if let Some((t, endpoint)) = spill_to {
                 offloads.push(PendingOffload {
                     key: key.to_string(),
@@ -464,14 +475,17 @@ impl MasterCore {
         if items.is_empty() {
             return 0;
         }
+        let (mut ready, short): (Vec<_>, Vec<_>) =
+            items.into_iter().partition(|p| p.offset.is_some());
+        ready.extend(self.reserve_promotions(short).await);
         let budget = self.cfg.free_timeout + Duration::from_secs(60);
         let notifier = &self.notifier;
         // One call per promotion, not per owner: each copies its own object from disk.
-        let results = futures::future::join_all(items.into_iter().map(|p| async move {
+        let results = futures::future::join_all(ready.into_iter().map(|p| async move {
             let req = Promote {
                 generation: p.generation,
                 key: p.key.clone(),
-                offset: p.offset,
+                offset: p.offset.unwrap_or_default(),
                 len: p.size,
             };
             let r = tokio::time::timeout(budget, notifier.promote(&p.endpoint, &req)).await;
@@ -489,6 +503,8 @@ impl MasterCore {
             (p, ok)
         }))
         .await;
+        self.promotions_in_flight
+            .fetch_sub(results.len(), Ordering::Relaxed);
         let mut frees = Vec::new();
         let mut done = 0u64;
         let mut failed = 0u64;
@@ -516,10 +532,17 @@ impl MasterCore {
                             ReplicaLoc {
                                 segment: self.names.get(&p.segment),
                                 mount_id: p.mount_id,
-                                offset: p.offset,
+                                offset: p.offset.unwrap_or_default(),
                                 disk: false,
                             },
                         );
+                        // Admitted by its reads: under cslru it comes back proven, at the
+                        // protected segment's recent end.
+                        o.disk_reads = 0;
+                        o.last_access = Instant::now();
+                        if self.cfg.eviction_policy == EvictionPolicy::Cslru {
+                            o.tier = Tier::PROTECTED;
+                        }
                         self.emit_updated(&p.key, (o.generation, o.size), before, &o.replicas);
                         true
                     } else {
@@ -537,7 +560,7 @@ impl MasterCore {
                     segment: p.segment,
                     mount_id: p.mount_id,
                     generation: p.generation,
-                    offset: p.offset,
+                    offset: p.offset.unwrap_or_default(),
                 });
             }
         }
@@ -548,6 +571,43 @@ impl MasterCore {
         }
         self.release(frees).await;
         done
+    }
+
+    /// Makes room for admitted promotions that found none (cslru: one eviction round for all
+    /// of them), then reserves each one's range on its segment. One still without room stays
+    /// on disk: its flag is cleared, so a later read may try again.
+    async fn reserve_promotions(&self, short: Vec<PendingPromotion>) -> Vec<PendingPromotion> {
+        if short.is_empty() {
+            return short;
+        }
+        let bytes = short
+            .iter()
+            .map(|p| align_up(p.size).unwrap_or(p.size))
+            .sum();
+        self.evict(bytes).await;
+        let mut ready = Vec::with_capacity(short.len());
+        for mut p in short {
+            p.offset = self
+                .segments
+                .lock()
+                .get_mut(&p.segment)
+                .filter(|s| s.mount_id == p.mount_id && s.placeable())
+                .and_then(|s| s.alloc.allocate(p.size));
+            if p.offset.is_some() {
+                ready.push(p);
+                continue;
+            }
+            self.promotions_in_flight.fetch_sub(1, Ordering::Relaxed);
+            if let Some(mut o) = self
+                .shard(&p.key)
+                .lock()
+                .get_mut(p.key.as_str())
+                .filter(|o| o.generation == p.generation)
+            {
+                o.promoting = false;
+            }
+        }
+        ready
     }
 
     /// The owner's disk tier dropped these objects (its size limit, a failed checksum): forget

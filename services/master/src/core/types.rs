@@ -27,6 +27,10 @@ pub struct CoreConfig {
     pub enable_offload: bool,
     /// SSD tier: a get of a disk-only object asks its owner to bring it back to DRAM.
     pub promotion_on_hit: bool,
+    /// Reads a disk-only object takes before it is promoted (1..=255).
+    pub promotion_admission_threshold: u8,
+    /// Promotions reserved and not yet confirmed, at most.
+    pub promotion_queue_limit: usize,
     /// Keys a client must put in a namespace before the unshared-instances rule counts it
     /// (`namespace_min_keys`; see [`crate::namespaces`]).
     pub namespace_min_keys: u64,
@@ -80,6 +84,10 @@ impl CoreConfig {
             free_timeout: Duration::from_secs(2),
             enable_offload: c.enable_offload,
             promotion_on_hit: c.promotion_on_hit,
+            promotion_admission_threshold: u8::try_from(c.promotion_admission_threshold)
+                .unwrap_or(u8::MAX)
+                .max(1),
+            promotion_queue_limit: usize::try_from(c.promotion_queue_limit).unwrap_or(usize::MAX),
             namespace_min_keys: c.namespace_min_keys,
             max_keys: c.max_keys,
             put_reservation_limit_ratio: c.put_reservation_limit_ratio,
@@ -368,6 +376,10 @@ pub(super) struct Object {
     pub(super) last_access: Instant,
     /// A promotion on hit is in flight (at most one per object).
     pub(super) promoting: bool,
+    /// Reads since it became disk-only, saturating: promotion's admission count
+    /// (`--promotion_admission_threshold`). Kept beside the other small fields, so an object
+    /// is no larger for it.
+    pub(super) disk_reads: u8,
     /// How long each read extends its soft pin, in ms (the put's ttl, capped; 0: not pinned).
     pub(super) soft_pin_ms: u32,
     /// The group this object lives and dies with ([`super::groups`]), scoped by its tenant.
@@ -406,6 +418,7 @@ impl Object {
             hard_pinned: false,
             last_access: now,
             promoting: false,
+            disk_reads: 0,
             soft_pin_ms: 0,
             tier: super::policy::Tier::PROBATION,
             group: None,
@@ -478,7 +491,8 @@ pub struct PendingOffload {
 }
 
 /// A disk-only object its owner is asked to copy back into DRAM (promotion on hit): the DRAM
-/// range at `offset` is reserved in the allocator, not yet a replica.
+/// range at `offset` is reserved in the allocator (or, with `None`, is to be once eviction
+/// made room), not yet a replica.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingPromotion {
     pub key: String,
@@ -486,7 +500,8 @@ pub struct PendingPromotion {
     pub segment: String,
     pub mount_id: u64,
     pub generation: u64,
-    pub offset: u64,
+    /// The DRAM range reserved for it; `None` until an eviction made room (cslru).
+    pub offset: Option<u64>,
     pub size: u64,
 }
 

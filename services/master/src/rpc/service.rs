@@ -11,8 +11,8 @@ use tokio::sync::Notify;
 use tonic::{Request, Response, Status};
 
 use crate::core::{
-    Caller, InventoryItem, Location, MasterCore, MoveResult, OpError, PutOptions, SegmentDesc,
-    Touch, chain_stamp,
+    Caller, ChainEnd, InventoryItem, Location, MasterCore, MoveResult, OpError, PutOptions,
+    SegmentDesc, Touch, chain_stamp,
 };
 use crate::ha::election::HaState;
 use crate::ha::recovery::{Access, RecoveryGate};
@@ -184,9 +184,9 @@ impl MasterService {
         core: &MasterCore,
         caller: &Caller,
         key: &str,
-        (stamp, chain_end): (std::time::Instant, bool),
+        (stamp, end): (std::time::Instant, ChainEnd),
     ) -> pb::KeyResult {
-        let r = check_key(key).and_then(|()| core.put_end_at(caller, key, stamp, chain_end));
+        let r = check_key(key).and_then(|()| core.put_end_at(caller, key, stamp, end));
         // Waking the background task for every put costs a thread switch each; it is woken
         // only when there is something to evict.
         if r.is_ok() && core.eviction_due() {
@@ -236,10 +236,10 @@ impl MasterService {
                 rpc,
                 keys,
                 |k| {
-                    let touch = if leading || rpc != Rpc::BatchExistKey {
-                        Touch::Read(chain_stamp(now, pos))
-                    } else {
-                        Touch::Look
+                    let touch = match (rpc, leading) {
+                        (Rpc::BatchExistKey, true) => Touch::Check(chain_stamp(now, pos)),
+                        (Rpc::BatchExistKey, false) => Touch::Look,
+                        _ => Touch::Read(chain_stamp(now, pos)),
                     };
                     pos += 1;
                     let r = check_key(k).and_then(|()| a.core.lookup(client_id, k, touch));
@@ -561,7 +561,12 @@ impl pb::master_server::Master for MasterService {
         if let Err(e) = a.core.check_reservations(&caller, [key.as_str()]) {
             return self.fail(&a, Rpc::PutEnd, e.into());
         }
-        let r = self.put_end_one(&a.core, &caller, &key, (std::time::Instant::now(), false));
+        let r = self.put_end_one(
+            &a.core,
+            &caller,
+            &key,
+            (std::time::Instant::now(), ChainEnd::No),
+        );
         self.done(&a, Rpc::PutEnd, r.code != 0, r)
     }
 
@@ -587,7 +592,7 @@ impl pb::master_server::Master for MasterService {
             Rpc::BatchPutEnd,
             keys.into_iter().enumerate(),
             |(i, k)| {
-                let order = (chain_stamp(now, i), i + 1 == n);
+                let order = (chain_stamp(now, i), ChainEnd::of(i, n));
                 std::future::ready(self.put_end_one(&a.core, &caller, &k, order))
             },
             key_failed,
@@ -665,9 +670,13 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::ExistKeyRequest>,
     ) -> Result<Response<pb::ObjectLocation>, Status> {
         let a = self.admit(Access::Read)?;
-        // Like upstream, existence grants a lease too (the caller is about to read).
+        // Like upstream, existence grants a lease too (the caller is about to read), but only
+        // the get that follows counts towards a promotion.
         let req = request.into_inner();
-        let r = self.get_one(&a.core, &req.client_id, &req.key);
+        let touch = Touch::Check(std::time::Instant::now());
+        let r = location(
+            check_key(&req.key).and_then(|()| a.core.lookup(&req.client_id, &req.key, touch)),
+        );
         // A miss is an answer, not a failure.
         let missed = r.code == ErrorCode::ObjectNotFound.as_i32();
         let failed = r.code != 0 && !missed;
