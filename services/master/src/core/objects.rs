@@ -20,11 +20,12 @@ use super::index::tenant_of;
 use super::policy::EvictionPolicy;
 use super::ramp::{self, Pass};
 use super::reservations::Refusal;
+use super::state::MasterCore;
 use super::types::{
     Caller, CoreConfig, CoreError, Holder, Location, Object, ObjectState, OpError, PendingFree,
     PendingPromotion, PutOptions, ReplicaLoc, ReplicaView, Replicas,
 };
-use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
+use super::types::{fan_out_by_owner, not_found, tiers_of};
 
 /// Who a put is for: the caller's identity (mTLS), the holder its reservation is charged to,
 /// and its client id.
@@ -940,6 +941,41 @@ impl MasterCore {
                 seg.alloc.free(f.offset);
             }
         }
+    }
+
+    /// Removes what is left of every broken group (run after each removal and eviction, and
+    /// on every background tick). Returns how many objects went.
+    pub async fn drop_broken_groups(&self) -> u64 {
+        let broken = self.groups.broken();
+        if broken.is_empty() {
+            return 0;
+        }
+        let mut frees: Vec<PendingFree> = Vec::new();
+        let mut removed = 0;
+        for (group, members) in broken {
+            for key in members {
+                let mut shard = self.shard(&key).lock();
+                let ours = shard
+                    .get(&key)
+                    .is_some_and(|o| o.group.as_deref() == Some(&*group));
+                if !ours {
+                    continue;
+                }
+                if let Some(o) = shard.remove(&key) {
+                    if o.state == ObjectState::Complete {
+                        self.emit_updated(&key, (o.generation, o.size), tiers_of(&o.replicas), &[]);
+                    }
+                    frees.extend(self.pending_frees(&o));
+                    removed += 1;
+                }
+            }
+        }
+        if removed > 0 {
+            self.metrics.group_members_dropped_total.inc_by(removed);
+            tracing::debug!(removed, "dropped the rest of broken groups");
+        }
+        self.release(frees).await;
+        removed
     }
 }
 

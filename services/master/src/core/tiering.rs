@@ -11,11 +11,12 @@ use crate::alloc::align_up;
 use crate::notifier::{OffloadEntry, OffloadOutcome, Promote};
 
 use super::policy::{EvictionPolicy, Tier};
+use super::state::MasterCore;
 use super::types::{
     Caller, Holder, Object, ObjectState, OpError, PendingFree, PendingOffload, PendingPromotion,
     Quarantined, ReplicaLoc,
 };
-use super::{MasterCore, fan_out_by_owner, not_found, tiers_of};
+use super::types::{fan_out_by_owner, not_found, tiers_of};
 
 /// A group whose newest member was put this recently may still be waiting for members (the
 /// other TP ranks' shards of a chunk arrive within a step of each other): eviction takes it
