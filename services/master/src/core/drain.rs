@@ -28,7 +28,7 @@ use super::jobs::{
     MAX_LISTED_BLOCKED, MAX_MOVE_TRIES, MAX_SEGMENTS, MOVE_TIMEOUT, MoveResult, MoveTask,
     new_job_id,
 };
-use super::objects::capability;
+use super::puts::capability;
 use super::state::MasterCore;
 use super::types::{
     Caller, ObjectState, PendingFree, ReplicaLoc, ReplicaView, SegmentStatus, tiers_of,

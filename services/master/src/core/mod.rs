@@ -13,14 +13,17 @@ mod groups;
 mod index;
 mod intern;
 mod jobs;
-mod objects;
 mod policy;
+mod puts;
 mod quota;
 mod ramp;
+mod reads;
 mod reclaim;
+mod removal;
 mod reservations;
 mod segments;
 mod state;
+mod sweeps;
 mod tiering;
 mod types;
 mod views;
@@ -32,8 +35,9 @@ pub use jobs::{
     DRAIN_PING_MS, DrainError, DrainReport, DrainRequest, JobStatus,
     MAX_CONCURRENCY as DRAIN_MAX_CONCURRENCY, MoveResult, MoveTask, is_job_id,
 };
-pub use objects::{ChainEnd, Touch, chain_stamp};
 pub use policy::EvictionPolicy;
+pub use puts::{ChainEnd, chain_stamp};
+pub use reads::Touch;
 pub use state::{MasterCore, SHARDS};
 pub use types::{
     Caller, CoreConfig, CoreError, Holder, InventoryItem, Location, MountOutcome, ObjectInfo,

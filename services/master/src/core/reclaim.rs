@@ -20,8 +20,7 @@ use crate::alloc::align_up;
 use crate::notifier::FreeEntry;
 
 use super::state::MasterCore;
-use super::types::fan_out_by_owner;
-use super::types::{Holder, ObjectState, PendingFree, Quarantined};
+use super::types::{Holder, ObjectState, PendingFree, Quarantined, fan_out_by_owner};
 
 /// Longest a PutStart waits for other holders' puts to reach the grace: past it, it is refused
 /// as before and retries (a grace set longer than this reclaims only puts already that old).

@@ -8,10 +8,9 @@ use std::time::Instant;
 use crate::alloc::OffsetAllocator;
 
 use super::state::MasterCore;
-use super::types::tiers_of;
 use super::types::{
     Caller, ClientEntry, CoreError, InventoryItem, InventoryReject, MountOutcome, Object,
-    ObjectState, PendingFree, ReplicaLoc, Segment, SegmentDesc,
+    ObjectState, PendingFree, ReplicaLoc, Segment, SegmentDesc, tiers_of,
 };
 
 impl MasterCore {
