@@ -23,7 +23,7 @@
 
 use rmp::encode;
 
-use super::{PoolEvent, ReplicaRef, Tiers};
+use super::event::{PoolEvent, ReplicaRef, Tiers};
 
 /// What a vLLM-format store key says about its block.
 #[derive(Debug, Clone, PartialEq, Eq)]
