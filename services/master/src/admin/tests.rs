@@ -74,5 +74,10 @@ fn force_is_a_boolean_or_refused_by_name() {
     assert_eq!(force_param(&q("1")), Ok(true));
     assert_eq!(force_param(&q("true")), Ok(true));
     assert_eq!(force_param(&q("0")), Ok(false));
-    assert!(force_param(&q("yes")).unwrap_err().contains("force="));
+    assert!(
+        force_param(&q("yes"))
+            .unwrap_err()
+            .to_string()
+            .contains("force=")
+    );
 }

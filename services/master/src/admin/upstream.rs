@@ -308,16 +308,21 @@ pub(super) async fn batch_query_keys(
     Json(serde_json::json!({"success": true, "data": data})).into_response()
 }
 
+/// A `force` that is not a boolean.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "force={0:?} is not a boolean: give force=true (or 1) to also remove objects that are leased \
+     or still being written, or leave it out"
+)]
+pub(super) struct BadForce(String);
+
 /// `force`: upstream takes `true` or `1`; lunakv also takes `false`, `0` or nothing, and
 /// refuses anything else rather than guess.
-pub(super) fn force_param(q: &HashMap<String, String>) -> Result<bool, String> {
+pub(super) fn force_param(q: &HashMap<String, String>) -> Result<bool, BadForce> {
     match q.get("force").map(String::as_str) {
         None | Some("" | "false" | "0") => Ok(false),
         Some("true" | "1") => Ok(true),
-        Some(v) => Err(format!(
-            "force={v:?} is not a boolean: give force=true (or 1) to also remove objects that \
-             are leased or still being written, or leave it out"
-        )),
+        Some(v) => Err(BadForce(v.to_string())),
     }
 }
 
@@ -329,7 +334,13 @@ pub(super) async fn remove_all(
 ) -> Response {
     let force = match force_param(&q) {
         Ok(f) => f,
-        Err(why) => return error(StatusCode::BAD_REQUEST, ErrorCode::InvalidParams, why),
+        Err(why) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidParams,
+                why.to_string(),
+            );
+        }
     };
     let tenant = match q.get("tenant_id") {
         None => None,
