@@ -103,7 +103,7 @@ pub struct TransferEngine {
 impl TransferEngine {
     pub fn new(opts: TransferOptions) -> TransferEngine {
         TransferEngine {
-            enable_shm: opts.enable_shm && !shm_disabled_by_env(),
+            enable_shm: opts.enable_shm && !shm_disabled_by_env(&lunakv_config::process_env),
             tcp: TcpTransport::new(opts.conns_per_peer, opts.io_timeout),
             shm: ShmTransport::new(opts.conns_per_peer, opts.io_timeout),
             shm_failed: Mutex::new(std::collections::HashMap::new()),
