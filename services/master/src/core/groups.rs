@@ -1,13 +1,13 @@
 //! Object groups (upstream's `ReplicateConfig.group_ids`; docs/GROUPS.md): the objects one
 //! logical KV block is split into (vLLM's TP shards of a chunk) live and die together.
 //!
-//! The registry knows each group's current members. [`super::index::Index`] keeps it in step
-//! with every insert and removal, so no path can add or drop a member unseen. When a complete
-//! member leaves the index while others remain (an owner died, a member was removed or lost on
-//! disk), the group is *broken*: from that moment a get or exists of any remaining member
-//! answers "not found", and [`MasterCore::drop_broken_groups`] removes the rest. Eviction takes
-//! a group whole or not at all ([`super::tiering`]), and removing one member removes the group.
-//! So a reader sees all of a group or none of it.
+//! The registry knows each group's current members. [`super::index::Index`] keeps it in step with
+//! every insert and removal, so no path can add or drop a member unseen. When a complete member
+//! leaves the index while others remain (an owner died, a member was removed or lost on disk), the
+//! group is *broken*: from that moment a get or exists of any remaining member answers "not found",
+//! and [`MasterCore::drop_broken_groups`](super::MasterCore::drop_broken_groups) removes the rest.
+//! Eviction takes a group whole or not at all ([`super::tiering`]), and removing one member removes
+//! the group. So a reader sees all of a group or none of it.
 //!
 //! Lock order: the registry is a leaf, taken under a shard lock and never held while taking
 //! one.

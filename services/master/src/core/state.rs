@@ -59,8 +59,8 @@ pub struct MasterCore {
     /// hashes a number, not its key.
     /// With each, the [`Holder`] its reserved bytes count against.
     pub(super) inflight: Mutex<HashMap<u64, (String, Holder), foldhash::fast::RandomState>>,
-    /// Serializes reclaim rounds of PutStarts short of room ([`reclaim`](super::reclaim)), so two do not pick
-    /// the same unfinished puts and each find less than it needs.
+    /// Serializes reclaim rounds of PutStarts short of room ([`reclaim`](super::reclaim)), so two
+    /// do not pick the same unfinished puts and each find less than it needs.
     pub(super) reclaim_lock: tokio::sync::Mutex<()>,
     /// At most one reclaim WARN a second.
     pub(super) reclaim_log: WarnLimit,
@@ -76,7 +76,7 @@ pub struct MasterCore {
     /// Ranges of puts whose writer died, to free on the next [`Self::release_orphaned`].
     pub(super) orphaned: Mutex<Vec<PendingFree>>,
     pub(super) eviction_lock: tokio::sync::Mutex<()>,
-    /// cslru's candidate queues, taken only by eviction ([`policy`](super::policy)).
+    /// cslru's candidate queues, taken only by eviction ([`policy`]).
     pub(super) queues: Mutex<policy::Queues>,
     /// cslru's ghost table and the chain ends put since the last scan (a leaf lock).
     pub(super) recent: Mutex<policy::Recent>,
@@ -90,15 +90,15 @@ pub struct MasterCore {
     /// Per key namespace: keys put per client and how many another client held (a leaf lock).
     pub namespaces: NamespaceTracker,
     /// Bytes of puts admitted against their tenant's quota and not yet in the index (a lock
-    /// taken before the shards, see [`quota`]).
+    /// taken before the shards, see [`quota`](super::quota)).
     pub(super) quota_pending: Mutex<HashMap<String, u64>>,
     /// Puts refused for their tenant's quota, by tenant (a leaf lock; only tenants with a
     /// quota appear, so the policy bounds it).
     pub(super) quota_rejected: Mutex<HashMap<String, u64>>,
     /// KV events (docs/EVENTS.md): where the index's changes go, when publishing is on.
     pub(super) events: Option<EventSink>,
-    /// HA: every change of the index, for the standbys' warm copies ([`warm`](super::warm)); nothing is
-    /// cloned into it while no standby listens.
+    /// HA: every change of the index, for the standbys' warm copies ([`warm`](super::warm));
+    /// nothing is cloned into it while no standby listens.
     pub(super) feed: tokio::sync::broadcast::Sender<std::sync::Arc<IndexChange>>,
     /// HA: this core started from a standby's warm copy and that copy still answers reads
     /// until the owners' remounts confirmed it.

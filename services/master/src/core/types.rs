@@ -448,7 +448,7 @@ pub(super) struct Segment {
     /// allocator does not yet know every range the owner holds, and a new object could land on
     /// one of them.
     pub(super) complete: bool,
-    /// When `complete` became true: the start of its placement ramp ([`super::objects`]).
+    /// When `complete` became true: the start of its placement ramp ([`super::puts`]).
     pub(super) opened_at: Option<Instant>,
     /// HA: replicas of this segment that came from a standby's warm copy and that the owner's
     /// inventory has not confirmed yet ([`super::warm`]); None once reconciled.
