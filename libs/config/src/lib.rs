@@ -40,6 +40,7 @@ pub mod gflags;
 pub mod layered;
 pub mod master;
 pub mod messages;
+pub mod security_help;
 pub mod size;
 pub mod store;
 pub mod tls;

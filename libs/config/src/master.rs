@@ -282,6 +282,7 @@ impl Default for MasterConfig {
 // The field docs are clap's --help text, shown verbatim: `<KEY>` there is a placeholder.
 #[allow(rustdoc::invalid_html_tags)]
 #[derive(Debug, Default, clap::Args, Serialize)]
+#[command(after_help = crate::security_help::master_help())]
 pub struct MasterArgs {
     /// master.yaml (llm-d's keys); flags override it, environment LUNAKV_MASTER_<KEY> sits between.
     #[arg(long, alias = "config_path")]

@@ -157,6 +157,7 @@ pub const SCHEMA: Schema = Schema {
 /// loader reads the environment, so a file value is overridden only by a variable or a flag
 /// actually set. clap still checks an environment value's type (its message names the flag).
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args, Serialize)]
+#[command(after_help = crate::security_help::store_help())]
 pub struct StoreArgs {
     /// YAML or JSON file of these settings, keys = the flag names (`port: 50052`); the
     /// environment overrides it and flags override both.

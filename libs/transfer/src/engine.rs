@@ -56,6 +56,15 @@ const SHM_RETRY_AFTER: Duration = Duration::from_secs(10);
 /// How long a peer that refused `RDMA_CONNECT` is served over tcp before asking again.
 const RDMA_RETRY_AFTER: Duration = Duration::from_secs(60);
 
+/// How a shm route finds out that shm is unusable: a batch unit probes the segment first (its
+/// submit answers per request, so one failure cannot be told from its answer); a single
+/// request learns it from its own [`TransferError::ShmUnavailable`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ShmCheck {
+    Probe,
+    Answer,
+}
+
 /// A request to an in-process segment inside [`TransferEngine::batch`]: its index in the batch,
 /// the server, the request.
 type LocalReq<'r, 'a> = (
@@ -94,7 +103,7 @@ pub struct TransferEngine {
 impl TransferEngine {
     pub fn new(opts: TransferOptions) -> TransferEngine {
         TransferEngine {
-            enable_shm: opts.enable_shm && !shm_disabled_by_env(),
+            enable_shm: opts.enable_shm && !shm_disabled_by_env(&lunakv_config::process_env),
             tcp: TcpTransport::new(opts.conns_per_peer, opts.io_timeout),
             shm: ShmTransport::new(opts.conns_per_peer, opts.io_timeout),
             shm_failed: Mutex::new(std::collections::HashMap::new()),
@@ -222,26 +231,6 @@ impl TransferEngine {
         }
     }
 
-    /// The transport for a batch unit: shm only if the segment attaches (cached after the
-    /// first time), so a batch never fails just because shm is unusable.
-    fn pick(&self, t: &Target) -> &dyn Transport {
-        match self.route_for(t) {
-            Route::Tcp => return &self.tcp,
-            Route::Rdma => return self.rdma_or_tcp(t),
-            Route::Shm => {}
-        }
-        match self.shm.probe(t) {
-            Ok(()) => &self.shm,
-            Err(e) => {
-                tracing::warn!(endpoint = %t.endpoint, error = %e, "shm unavailable, falling back to tcp");
-                if let Some(p) = &t.shm_socket {
-                    self.shm_failed.lock().insert(p.clone(), Instant::now());
-                }
-                self.rdma_or_tcp(t)
-            }
-        }
-    }
-
     /// True when requests to `t` would take rdma but carry device pieces and GPUDirect was
     /// refused: the rdma transport registers caller memory with the NIC, which device memory
     /// needs GPUDirect for, so they go over tcp, staged (docs/GPU.md). `has_device` is only
@@ -278,26 +267,59 @@ impl TransferEngine {
         }
     }
 
-    /// Runs `op` on the chosen transport; if shm turns out unusable, remembers that and uses tcp.
-    fn route<R>(
+    /// Runs `op` on the transport requests to `t` take: the one place the route and its
+    /// fallbacks are decided. Device pieces bound for rdma without GPUDirect go over tcp,
+    /// staged ([`Self::rdma_skips_device`]; `has_device` is asked of `io` only then). Else
+    /// [`Self::route_for`]'s route: shm, falling back to rdma-or-tcp when shm turns out
+    /// unusable (remembered for a while); rdma when the peer offers it, else tcp. An answer of
+    /// [`TransferError::GpuDirectRefused`] is served again over tcp, staged.
+    fn on_route<S: ?Sized, R>(
         &self,
         t: &Target,
-        mut op: impl FnMut(&dyn Transport) -> Result<R, TransferError>,
+        io: &mut S,
+        has_device: impl FnOnce(&S) -> bool,
+        check: ShmCheck,
+        mut op: impl FnMut(&dyn Transport, &mut S) -> Result<R, TransferError>,
     ) -> Result<R, TransferError> {
-        match self.route_for(t) {
-            Route::Tcp => return op(&self.tcp),
-            Route::Rdma => return op(self.rdma_or_tcp(t)),
-            Route::Shm => {}
+        if self.rdma_skips_device(t, || has_device(io)) {
+            return op(&self.tcp, io);
         }
-        match op(&self.shm) {
-            Err(TransferError::ShmUnavailable(why)) => {
-                tracing::warn!(endpoint = %t.endpoint, %why, "shm unavailable, falling back to tcp");
-                if let Some(p) = &t.shm_socket {
-                    self.shm_failed.lock().insert(p.clone(), Instant::now());
+        let r = match self.route_for(t) {
+            Route::Tcp => op(&self.tcp, io),
+            Route::Rdma => op(self.rdma_or_tcp(t), io),
+            Route::Shm => {
+                if check == ShmCheck::Probe
+                    && let Err(e) = self.shm.probe(t)
+                {
+                    tracing::warn!(endpoint = %t.endpoint, error = %e, "shm unavailable, falling back to tcp");
+                    self.shm_failed(t);
+                    op(self.rdma_or_tcp(t), io)
+                } else {
+                    match op(&self.shm, io) {
+                        Err(TransferError::ShmUnavailable(why)) => {
+                            tracing::warn!(endpoint = %t.endpoint, %why, "shm unavailable, falling back to tcp");
+                            self.shm_failed(t);
+                            op(self.rdma_or_tcp(t), io)
+                        }
+                        r => r,
+                    }
                 }
-                op(self.rdma_or_tcp(t))
+            }
+        };
+        match r {
+            Err(TransferError::GpuDirectRefused(why)) => {
+                gpudirect().refuse(&why);
+                op(&self.tcp, io)
             }
             r => r,
+        }
+    }
+
+    /// Remembers that `t`'s shm socket would not attach: requests to it go another way for a
+    /// while ([`Self::uses_shm`]).
+    fn shm_failed(&self, t: &Target) {
+        if let Some(p) = &t.shm_socket {
+            self.shm_failed.lock().insert(p.clone(), Instant::now());
         }
     }
 
@@ -323,16 +345,13 @@ impl TransferEngine {
         if let Some(s) = self.local.find(t) {
             return local::write(&s, t, generation, key, offset, src);
         }
-        if self.rdma_skips_device(t, || device::any_device(src)) {
-            return self.tcp.write(t, generation, key, offset, src);
-        }
-        match self.route(t, |tr| tr.write(t, generation, key, offset, src)) {
-            Err(TransferError::GpuDirectRefused(why)) => {
-                gpudirect().refuse(&why);
-                self.tcp.write(t, generation, key, offset, src)
-            }
-            r => r,
-        }
+        self.on_route(
+            t,
+            &mut (),
+            |_| device::any_device(src),
+            ShmCheck::Answer,
+            |tr, _| tr.write(t, generation, key, offset, src),
+        )
     }
 
     /// Reads entry `(generation, offset, total len of dst)` into the `dst` pieces, in order.
@@ -346,16 +365,13 @@ impl TransferEngine {
         if let Some(s) = self.local.find(t) {
             return local::read(&s, t, generation, offset, dst);
         }
-        if self.rdma_skips_device(t, || device::any_device_mut(dst)) {
-            return self.tcp.read(t, generation, offset, dst);
-        }
-        match self.route(t, |tr| tr.read(t, generation, offset, dst)) {
-            Err(TransferError::GpuDirectRefused(why)) => {
-                gpudirect().refuse(&why);
-                self.tcp.read(t, generation, offset, dst)
-            }
-            r => r,
-        }
+        self.on_route(
+            t,
+            dst,
+            device::any_device_mut,
+            ShmCheck::Answer,
+            |tr, dst| tr.read(t, generation, offset, dst),
+        )
     }
 
     /// Runs many requests; results in request order. Requests are grouped per target, each
@@ -417,13 +433,16 @@ impl TransferEngine {
             let idx: Vec<usize> = v.iter().map(|(i, _)| *i).collect();
             let mut rs: Vec<&mut TransferRequest<'_>> =
                 v.iter_mut().map(|(_, r)| &mut **r).collect();
-            let tr: &dyn Transport =
-                if self.rdma_skips_device(t, || rs.iter().any(|r| r.has_device())) {
-                    &self.tcp
-                } else {
-                    self.pick(t)
-                };
-            let mut out = tr.submit(t, &mut rs);
+            // submit answers per request, never with one error, so the batch probes shm first.
+            let Ok(mut out) = self.on_route(
+                t,
+                &mut rs,
+                |rs| rs.iter().any(|r| r.has_device()),
+                ShmCheck::Probe,
+                |tr, rs| Ok::<_, TransferError>(tr.submit(t, rs)),
+            ) else {
+                unreachable!("a batch unit's submit answers per request")
+            };
             self.redo_refused_device(t, &mut rs, &mut out);
             idx.into_iter().zip(out).collect()
         };

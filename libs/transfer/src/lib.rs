@@ -178,12 +178,16 @@ pub fn host_id() -> String {
         let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
             .map(|s| s.trim().to_string())
             .unwrap_or_default();
-        host_id_from(&boot, std::env::var(NODE_NAME_ENV).ok().as_deref(), || {
-            rustix::system::uname()
-                .nodename()
-                .to_string_lossy()
-                .into_owned()
-        })
+        host_id_from(
+            &boot,
+            lunakv_config::process_env(NODE_NAME_ENV).as_deref(),
+            || {
+                rustix::system::uname()
+                    .nodename()
+                    .to_string_lossy()
+                    .into_owned()
+            },
+        )
     })
     .clone()
 }
@@ -349,17 +353,17 @@ pub struct TransferOptions {
     pub copy_threads: usize,
 }
 
-/// True when `LUNAKV_DISABLE_SHM` is set to 1/true/yes.
-fn shm_disabled_by_env() -> bool {
-    std::env::var("LUNAKV_DISABLE_SHM")
-        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
-        .unwrap_or(false)
+/// True when `LUNAKV_DISABLE_SHM` is set to 1/true/yes in `env`
+/// ([`lunakv_config::process_env`] outside tests).
+fn shm_disabled_by_env(env: &dyn Fn(&str) -> Option<String>) -> bool {
+    env("LUNAKV_DISABLE_SHM")
+        .is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
 }
 
 impl Default for TransferOptions {
     fn default() -> Self {
         TransferOptions {
-            enable_shm: !shm_disabled_by_env(),
+            enable_shm: !shm_disabled_by_env(&lunakv_config::process_env),
             conns_per_peer: 4,
             io_timeout: Duration::from_secs(10),
             copy_threads: std::thread::available_parallelism()
@@ -496,7 +500,7 @@ mod tests {
         SegmentServer, SegmentServerConfig, Target, TransferEngine, TransferError, TransferOptions,
         TransferRequest, gpudirect,
     };
-    use super::{copy_helpers, host_id_from};
+    use super::{copy_helpers, host_id_from, shm_disabled_by_env};
 
     /// What the rdma transport answers for a device piece the NIC refuses (no GPUDirect): the
     /// engine serves exactly those requests again over tcp and remembers the refusal.
@@ -597,5 +601,17 @@ mod tests {
         assert_eq!(copy_helpers(&[10 * mib], 4), 0);
         assert_eq!(copy_helpers(&[10 * mib, 10 * mib], 4), 1);
         assert_eq!(copy_helpers(&[], 2), 0);
+    }
+
+    #[test]
+    fn only_a_yes_in_the_env_map_disables_shm() {
+        let env = |v: &'static str| move |k: &str| (k == "LUNAKV_DISABLE_SHM").then(|| v.into());
+        for v in ["1", " TRUE ", "yes"] {
+            assert!(shm_disabled_by_env(&env(v)), "{v:?}");
+        }
+        for v in ["0", "no", ""] {
+            assert!(!shm_disabled_by_env(&env(v)), "{v:?}");
+        }
+        assert!(!shm_disabled_by_env(&|_: &str| None));
     }
 }

@@ -8,7 +8,7 @@
 //!   API and `POST /api/v1/remove_all` need the admin token (or the pool token when no admin
 //!   token is set; `GUARDED_HTTP`); `/metrics`, `/health`, `/role`, `/leader` stay open for
 //!   Prometheus and probes.
-//!   With `LUNAKV_ADMIN_TLS=1` the port serves HTTPS ([`crate::admin_tls`]) and a client
+//!   With `LUNAKV_ADMIN_TLS=1` the port serves HTTPS ([`crate::admin::tls`]) and a client
 //!   certificate whose identity is in `LUNAKV_ADMIN_IDENTITIES` admits them too.
 //!
 //! - mTLS (`LUNAKV_TLS_CERT`, `LUNAKV_TLS_KEY`, `LUNAKV_TLS_CACERT`): the connection's client
@@ -415,7 +415,7 @@ where
 }
 
 /// axum middleware for the admin port; under HTTPS the caller's certificate identity comes
-/// from the connection ([`crate::admin_tls::AdminPeer`]).
+/// from the connection ([`crate::admin::tls::AdminPeer`]).
 pub async fn admin_http(
     policy: Arc<AdminHttpPolicy>,
     req: axum::extract::Request,
@@ -424,7 +424,7 @@ pub async fn admin_http(
     use axum::response::IntoResponse;
     let identity = req
         .extensions()
-        .get::<axum::extract::ConnectInfo<crate::admin_tls::AdminPeer>>()
+        .get::<axum::extract::ConnectInfo<crate::admin::tls::AdminPeer>>()
         .and_then(|c| c.0.0.identity.clone());
     match check_http(
         &policy,

@@ -17,16 +17,17 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
+use crate::admin::tenants::{PolicyFile, TenantAdmin};
 use crate::auth::{AuthPolicy, TlsMode};
 use crate::core::{CoreConfig, MasterCore};
 use crate::events::publisher::{EventsError, Publisher};
 use crate::events::{EventSink, EventStats, EventsConfig};
-use crate::grpc::MasterService;
-use crate::ha::{CoreSlot, Election, HaState};
+use crate::ha::election::{Election, HaState};
+use crate::ha::recovery::{RECOVERY_GRACE, RecoveryGate};
 use crate::notifier::{OwnerClient, TransferOwnerClient};
 use crate::persist::{self, PersistError};
-use crate::recovery::{RECOVERY_GRACE, RecoveryGate};
-use crate::tenants::{PolicyFile, TenantAdmin};
+use crate::rpc::service::MasterService;
+use crate::slot::CoreSlot;
 use lunakv_config::auth::PoolTokens;
 use std::collections::BTreeSet;
 
@@ -59,7 +60,7 @@ pub enum ServeError {
     #[error(transparent)]
     Events(#[from] EventsError),
     #[error(transparent)]
-    Tenants(#[from] crate::tenants::PolicyError),
+    Tenants(#[from] crate::admin::tenants::PolicyError),
     #[error(
         "cannot reach etcd at {endpoints}: {message}; check --etcd_endpoints (\";\"-separated \
          host:port of etcd's client URLs) and that etcd is running"
@@ -283,7 +284,7 @@ impl Master {
             .map_err(|e| ServeError::Config(e.to_string()))?;
         let etcd = EtcdClient::connect_with(
             &endpoints.to_strings(),
-            crate::ha::ETCD_CALL_TIMEOUT,
+            crate::ha::election::ETCD_CALL_TIMEOUT,
             &security,
         )
         .map_err(|e| ServeError::Etcd {
@@ -418,7 +419,7 @@ impl Master {
             self.recovery.clone(),
         );
         if self.ha.is_none() && !self.known.is_empty() {
-            tokio::spawn(crate::recovery::forget_unmounted(
+            tokio::spawn(crate::ha::recovery::forget_unmounted(
                 self.known.clone(),
                 self.slot.clone(),
                 self.meta.clone(),
@@ -427,14 +428,14 @@ impl Master {
             ));
         }
         // Held until this returns: dropping it stops the quick connections' threads.
-        let (lanes, _lanes) = crate::lanes::Lanes::start(
+        let (lanes, _lanes) = crate::rpc::lanes::Lanes::start(
             std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         )
         .map_err(|e| ServeError::Server {
             what: "quick-call",
             message: format!("cannot start its threads: {e}"),
         })?;
-        let quick = crate::quick::QuickServer::new(svc.clone(), policy.clone(), lanes);
+        let quick = crate::rpc::quick::QuickServer::new(svc.clone(), policy.clone(), lanes);
         let (health_reporter, health) = tonic_health::server::health_reporter();
         tokio::spawn(report_health(
             health_reporter,
@@ -456,20 +457,20 @@ impl Master {
                 .add_service(reflection_v1)
                 .add_service(reflection_v1alpha)
                 .serve_with_incoming_shutdown(
-                    crate::incoming::grpc_connections(listeners.rpc, quick, tls.clone()),
+                    crate::rpc::incoming::grpc_connections(listeners.rpc, quick, tls.clone()),
                     async move {
                         let _ = rx.changed().await;
                     },
                 ),
         );
         let mut rx = stop_rx.clone();
-        let router = crate::admin::router_full(
+        let router = crate::admin::routes::router_full(
             self.slot.clone(),
             ha_state.clone(),
             self.recovery.clone(),
             self.events.clone(),
         )
-        .merge(crate::admin::tenant_routes(
+        .merge(crate::admin::routes::tenant_routes(
             self.slot.clone(),
             ha_state.clone(),
             self.tenants.clone(),
@@ -483,7 +484,7 @@ impl Master {
         let admin = match &admin_tls {
             // HTTPS: each request carries its caller's certificate identity, if any.
             Some(t) => {
-                let listener = crate::admin_tls::TlsAdminListener::new(listeners.admin, t.clone())
+                let listener = crate::admin::tls::TlsAdminListener::new(listeners.admin, t.clone())
                     .map_err(|source| ServeError::Bind {
                         what: "admin/metrics",
                         addr: admin_addr.to_string(),
@@ -492,7 +493,8 @@ impl Master {
                 tokio::spawn(
                     axum::serve(
                         listener,
-                        router.into_make_service_with_connect_info::<crate::admin_tls::AdminPeer>(),
+                        router
+                            .into_make_service_with_connect_info::<crate::admin::tls::AdminPeer>(),
                     )
                     .with_graceful_shutdown(admin_stop)
                     .into_future(),
@@ -517,7 +519,7 @@ impl Master {
             let warm = self
                 .cfg
                 .ha_warm_standby
-                .then(|| crate::standby::WarmCopy::new(&h.state.metrics));
+                .then(|| crate::ha::standby::WarmCopy::new(&h.state.metrics));
             let election = Election {
                 ha: h.state,
                 etcd: h.etcd,
@@ -865,7 +867,7 @@ async fn report_health(
     };
     let mut leading = None;
     loop {
-        let now = ha.role() == crate::ha::Role::Leader;
+        let now = ha.role() == crate::ha::election::Role::Leader;
         if leading != Some(now) {
             if now {
                 reporter.set_serving::<MasterServer<MasterService>>().await;

@@ -237,7 +237,7 @@ fn a_trickled_frame_is_closed_and_others_are_answered() {
 }
 
 /// The master serves quick connections on its lanes: one thread per core named `quick-<i>`
-/// (services/master/src/lanes.rs), each connection answered there, several at once.
+/// (services/master/src/rpc/lanes.rs), each connection answered there, several at once.
 #[test]
 fn quick_connections_are_served_on_the_lanes() {
     let dir = tempfile::tempdir().unwrap();

@@ -232,3 +232,52 @@ fn a_lunakv_client_pointed_at_an_upstream_master_says_so() {
         "{msg}"
     );
 }
+
+/// The security variables are read from the environment only (no flag carries a secret), so
+/// each server's `--help` closes with the ones it reads (docs/SECURITY.md).
+#[test]
+fn help_names_the_security_variables_each_server_reads() {
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "lunakv-master",
+            &[
+                "LUNAKV_AUTH_TOKEN",
+                "LUNAKV_AUTH_TOKEN_FILE",
+                "LUNAKV_ADMIN_TOKEN",
+                "LUNAKV_ADMIN_TOKEN_FILE",
+                "LUNAKV_TLS_CERT",
+                "LUNAKV_TLS_KEY",
+                "LUNAKV_TLS_CACERT",
+                "LUNAKV_ADMIN_IDENTITIES",
+                "LUNAKV_MOUNT_IDENTITIES",
+                "LUNAKV_ADMIN_TLS",
+                "LUNAKV_ETCD_CACERT",
+                "LUNAKV_ETCD_PASSWORD",
+            ],
+        ),
+        (
+            "lunakv-store",
+            &[
+                "LUNAKV_AUTH_TOKEN",
+                "LUNAKV_AUTH_TOKEN_FILE",
+                "LUNAKV_TLS_CERT",
+                "LUNAKV_TLS_KEY",
+                "LUNAKV_TLS_CACERT",
+                "LUNAKV_TLS_SERVER_NAME",
+                "LUNAKV_ETCD_CACERT",
+                "LUNAKV_ETCD_PASSWORD",
+            ],
+        ),
+    ];
+    for (bin, wants) in cases {
+        let out = std::process::Command::new(lunakv_tests::bin(bin))
+            .arg("--help")
+            .output()
+            .unwrap_or_else(|e| panic!("{bin} --help: {e}"));
+        assert!(out.status.success(), "{bin} --help: {out:?}");
+        let help = String::from_utf8_lossy(&out.stdout);
+        for w in *wants {
+            assert!(help.contains(w), "{bin} --help must name {w}:\n{help}");
+        }
+    }
+}

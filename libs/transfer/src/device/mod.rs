@@ -306,7 +306,7 @@ pub fn install(l: Box<dyn DeviceLayer>) -> Result<(), DeviceError> {
 }
 
 fn load() -> Option<Box<dyn DeviceLayer>> {
-    let want = std::env::var(DEVICE_ENV)
+    let want = lunakv_config::process_env(DEVICE_ENV)
         .unwrap_or_default()
         .trim()
         .to_ascii_lowercase();

@@ -21,7 +21,7 @@ pub const GPUDIRECT_ENV: &str = "LUNAKV_GPUDIRECT";
 /// machine (driver, kernel module), the same for every engine of the process.
 pub fn gpudirect() -> &'static GpuDirect {
     static G: OnceLock<GpuDirect> = OnceLock::new();
-    G.get_or_init(GpuDirect::from_env)
+    G.get_or_init(|| GpuDirect::from_env(&lunakv_config::process_env))
 }
 
 /// A GPUDirect state: untried, works, or refused with a reason.
@@ -32,13 +32,14 @@ pub struct GpuDirect {
 }
 
 impl GpuDirect {
-    /// Untried, unless `LUNAKV_GPUDIRECT` turns it off.
-    pub fn from_env() -> GpuDirect {
+    /// Untried, unless `LUNAKV_GPUDIRECT` in `env` ([`lunakv_config::process_env`] outside
+    /// tests) turns it off.
+    pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> GpuDirect {
         let g = GpuDirect {
             state: AtomicU8::new(UNTRIED),
             why: Mutex::new(String::new()),
         };
-        if let Ok(v) = std::env::var(GPUDIRECT_ENV)
+        if let Some(v) = env(GPUDIRECT_ENV)
             && matches!(
                 v.trim().to_ascii_lowercase().as_str(),
                 "0" | "off" | "false" | "no"

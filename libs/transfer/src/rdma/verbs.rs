@@ -60,8 +60,8 @@ pub(crate) struct Device {
     rd_atom: u8,
 }
 
-fn env_num<T: std::str::FromStr>(var: &str) -> Option<T> {
-    std::env::var(var).ok().and_then(|v| v.trim().parse().ok())
+fn env_num<T: std::str::FromStr>(env: &dyn Fn(&str) -> Option<String>, var: &str) -> Option<T> {
+    env(var).and_then(|v| v.trim().parse().ok())
 }
 
 /// A verbs call that failed, said in one line naming the call and the device's answer (libibverbs
@@ -116,9 +116,8 @@ fn open_device() -> Result<Device, VerbsError> {
     if list.is_empty() {
         return Err(VerbsError(msg_no_device()));
     }
-    let want = std::env::var("LUNAKV_RDMA_DEVICE")
-        .ok()
-        .filter(|s| !s.trim().is_empty());
+    let env = &lunakv_config::process_env;
+    let want = env("LUNAKV_RDMA_DEVICE").filter(|s| !s.trim().is_empty());
     let dev = match &want {
         Some(w) => list.iter().find(|d| d.name() == w.trim()).ok_or_else(|| {
             VerbsError(msg_named_missing(
@@ -139,11 +138,11 @@ fn open_device() -> Result<Device, VerbsError> {
         ))
     };
     let ctx = dev.open().map_err(|e| fail("open", &e))?;
-    let port: u8 = env_num("LUNAKV_RDMA_PORT").unwrap_or(1);
+    let port: u8 = env_num(env, "LUNAKV_RDMA_PORT").unwrap_or(1);
     let pattr = ctx
         .query_port(port)
         .map_err(|e| fail(&format!("query port {port}"), &e))?;
-    let gid_index: u8 = match env_num("LUNAKV_RDMA_GID_INDEX") {
+    let gid_index: u8 = match env_num(env, "LUNAKV_RDMA_GID_INDEX") {
         Some(i) => i,
         None if pattr.link_layer() == LinkLayer::Ethernet => {
             pick_roce_gid(&ctx, port, pattr.gid_tbl_len())

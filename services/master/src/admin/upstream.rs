@@ -23,12 +23,12 @@ use axum::response::{IntoResponse, Json, Response};
 use futures::StreamExt;
 use lunakv_proto::ErrorCode;
 
-use super::AdminState;
+use super::state::AdminState;
 use crate::core::{
     DrainError, DrainRequest, JobStatus, MasterCore, ObjectState, SHARDS, is_job_id,
 };
+use crate::ha::recovery::Access;
 use crate::metrics::Rpc;
-use crate::recovery::Access;
 
 /// Most keys one `/batch_query_keys` call may name.
 pub const MAX_BATCH_QUERY_KEYS: usize = 1000;
@@ -40,7 +40,7 @@ fn text(status: StatusCode, body: String) -> Response {
     (status, [(header::CONTENT_TYPE, TEXT)], body).into_response()
 }
 
-/// The gate's refusal ([`crate::grpc::admit`]) as upstream answers a master whose service plane
+/// The gate's refusal ([`crate::rpc::service::admit`]) as upstream answers a master whose service plane
 /// is not active: 503, with the reason and what to do (the follower's names the leader).
 fn refused(st: &tonic::Status) -> Response {
     error(
@@ -109,7 +109,7 @@ pub(super) async fn get_all_keys(State(s): State<AdminState>) -> Response {
 
 /// Upstream prints a size in GiB with C++'s default stream format: 6 significant digits,
 /// trailing zeros dropped ("16 GiB", "0.5 GiB", "0.000976562 GiB").
-fn gib(bytes: u64) -> String {
+pub(super) fn gib(bytes: u64) -> String {
     let v = bytes as f64 / (1u64 << 30) as f64;
     if v == 0.0 {
         return "0 GiB".into();
@@ -308,16 +308,21 @@ pub(super) async fn batch_query_keys(
     Json(serde_json::json!({"success": true, "data": data})).into_response()
 }
 
+/// A `force` that is not a boolean.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "force={0:?} is not a boolean: give force=true (or 1) to also remove objects that are leased \
+     or still being written, or leave it out"
+)]
+pub(super) struct BadForce(String);
+
 /// `force`: upstream takes `true` or `1`; lunakv also takes `false`, `0` or nothing, and
 /// refuses anything else rather than guess.
-fn force_param(q: &HashMap<String, String>) -> Result<bool, String> {
+pub(super) fn force_param(q: &HashMap<String, String>) -> Result<bool, BadForce> {
     match q.get("force").map(String::as_str) {
         None | Some("" | "false" | "0") => Ok(false),
         Some("true" | "1") => Ok(true),
-        Some(v) => Err(format!(
-            "force={v:?} is not a boolean: give force=true (or 1) to also remove objects that \
-             are leased or still being written, or leave it out"
-        )),
+        Some(v) => Err(BadForce(v.to_string())),
     }
 }
 
@@ -329,7 +334,13 @@ pub(super) async fn remove_all(
 ) -> Response {
     let force = match force_param(&q) {
         Ok(f) => f,
-        Err(why) => return error(StatusCode::BAD_REQUEST, ErrorCode::InvalidParams, why),
+        Err(why) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidParams,
+                why.to_string(),
+            );
+        }
     };
     let tenant = match q.get("tenant_id") {
         None => None,
@@ -365,7 +376,7 @@ pub(super) async fn remove_all(
     }
     core.metrics
         .record(Rpc::RemoveAll, false, gate.started.elapsed());
-    if let Err(st) = crate::grpc::confirm(s.ha.as_deref(), &gate) {
+    if let Err(st) = crate::rpc::service::confirm(s.ha.as_deref(), &gate) {
         return refused(&st);
     }
     tracing::info!(
@@ -377,11 +388,11 @@ pub(super) async fn remove_all(
     Json(serde_json::json!({"success": true, "removed_count": removed})).into_response()
 }
 
-/// The gate of the admin API's writes, the RPCs' own ([`crate::grpc::admit`]): an HA follower,
+/// The gate of the admin API's writes, the RPCs' own ([`crate::rpc::service::admit`]): an HA follower,
 /// or a master still rebuilding its index from the owners' inventories (which would put back
 /// what a removal took, or hide objects from a drain), refuses with upstream's 503.
-fn admit_write(s: &AdminState) -> Result<crate::grpc::Admitted, Box<Response>> {
-    crate::grpc::admit(&s.slot, s.ha.as_deref(), &s.recovery, Access::Write)
+fn admit_write(s: &AdminState) -> Result<crate::rpc::service::Admitted, Box<Response>> {
+    crate::rpc::service::admit(&s.slot, s.ha.as_deref(), &s.recovery, Access::Write)
         .map_err(|st| Box::new(refused(&st)))
 }
 
@@ -390,7 +401,7 @@ fn admit_write(s: &AdminState) -> Result<crate::grpc::Admitted, Box<Response>> {
 fn gated<T>(s: &AdminState, write: impl FnOnce(&MasterCore) -> T) -> Result<T, Box<Response>> {
     let gate = admit_write(s)?;
     let out = write(&gate.core);
-    crate::grpc::confirm(s.ha.as_deref(), &gate).map_err(|st| Box::new(refused(&st)))?;
+    crate::rpc::service::confirm(s.ha.as_deref(), &gate).map_err(|st| Box::new(refused(&st)))?;
     Ok(out)
 }
 
@@ -529,77 +540,5 @@ pub(super) async fn cancel_drain_job(
         }))
         .into_response(),
         Err(e) => drain_error(&e),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_print_as_upstream_prints_them() {
-        assert_eq!(gib(16 << 30), "16 GiB");
-        assert_eq!(gib(1 << 29), "0.5 GiB");
-        assert_eq!(gib(1 << 20), "0.000976562 GiB");
-        assert_eq!(gib(0), "0 GiB");
-        assert_eq!(gib(64 << 20), "0.0625 GiB");
-    }
-
-    #[tokio::test]
-    async fn remove_all_waits_for_the_rebuild_as_the_rpc_does() {
-        use std::sync::Arc;
-        use tower::ServiceExt;
-        let core = Arc::new(MasterCore::new(
-            crate::core::CoreConfig::default(),
-            1,
-            Arc::new(crate::notifier::RecordingNotifier::default()),
-        ));
-        // A restarted single master still waiting for a recorded segment's inventory: what it
-        // removed now, the owner's remount would put back.
-        let recovery = Arc::new(crate::recovery::RecoveryGate::default());
-        recovery.begin(
-            ["seg:1".to_string()].into(),
-            std::time::Duration::from_secs(3600),
-        );
-        let app = super::super::router_full(
-            crate::ha::CoreSlot::new(core.clone()),
-            None,
-            recovery.clone(),
-            None,
-        );
-        let call = || {
-            axum::http::Request::post("/api/v1/remove_all?force=true")
-                .body(Body::empty())
-                .expect("request")
-        };
-        let r = app.clone().oneshot(call()).await.expect("answer");
-        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
-        let body = axum::body::to_bytes(r.into_body(), 1 << 16)
-            .await
-            .expect("body");
-        let text = String::from_utf8_lossy(&body);
-        assert!(text.contains("rebuilding"), "{text}");
-        let calls = |core: &MasterCore| {
-            let name = format!("master_{}_requests_total ", Rpc::RemoveAll.name());
-            lunakv_telemetry::render(&core.metrics.registry)
-                .lines()
-                .find_map(|l| l.strip_prefix(name.as_str()).map(str::to_owned))
-        };
-        assert_eq!(calls(&core).as_deref(), Some("0"));
-
-        recovery.clear();
-        let r = app.oneshot(call()).await.expect("answer");
-        assert_eq!(r.status(), StatusCode::OK);
-        assert_eq!(calls(&core).as_deref(), Some("1"), "counted as the RPC");
-    }
-
-    #[test]
-    fn force_is_a_boolean_or_refused_by_name() {
-        let q = |v: &str| HashMap::from([("force".to_string(), v.to_string())]);
-        assert_eq!(force_param(&HashMap::new()), Ok(false));
-        assert_eq!(force_param(&q("1")), Ok(true));
-        assert_eq!(force_param(&q("true")), Ok(true));
-        assert_eq!(force_param(&q("0")), Ok(false));
-        assert!(force_param(&q("yes")).unwrap_err().contains("force="));
     }
 }

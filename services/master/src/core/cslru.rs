@@ -5,8 +5,8 @@
 use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
 
-use super::MasterCore;
 use super::policy::{Candidate, MAX_QUEUED, MIN_QUEUED, Oldest, QUEUED_SHARE, Tier};
+use super::state::MasterCore;
 use super::types::{Object, ObjectState};
 
 /// A group whose newest member was put this recently may still be waiting for members (as in

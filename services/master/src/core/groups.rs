@@ -1,13 +1,13 @@
 //! Object groups (upstream's `ReplicateConfig.group_ids`; docs/GROUPS.md): the objects one
 //! logical KV block is split into (vLLM's TP shards of a chunk) live and die together.
 //!
-//! The registry knows each group's current members. [`super::index::Index`] keeps it in step
-//! with every insert and removal, so no path can add or drop a member unseen. When a complete
-//! member leaves the index while others remain (an owner died, a member was removed or lost on
-//! disk), the group is *broken*: from that moment a get or exists of any remaining member
-//! answers "not found", and [`MasterCore::drop_broken_groups`] removes the rest. Eviction takes
-//! a group whole or not at all ([`super::tiering`]), and removing one member removes the group.
-//! So a reader sees all of a group or none of it.
+//! The registry knows each group's current members. [`super::index::Index`] keeps it in step with
+//! every insert and removal, so no path can add or drop a member unseen. When a complete member
+//! leaves the index while others remain (an owner died, a member was removed or lost on disk), the
+//! group is *broken*: from that moment a get or exists of any remaining member answers "not found",
+//! and [`MasterCore::drop_broken_groups`](super::MasterCore::drop_broken_groups) removes the rest.
+//! Eviction takes a group whole or not at all ([`super::tiering`]), and removing one member removes
+//! the group. So a reader sees all of a group or none of it.
 //!
 //! Lock order: the registry is a leaf, taken under a shard lock and never held while taking
 //! one.
@@ -17,8 +17,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::MasterCore;
-use super::types::{ObjectState, PendingFree};
+use super::types::ObjectState;
 
 #[derive(Default)]
 struct Group {
@@ -78,7 +77,7 @@ impl Groups {
     }
 
     /// Each broken group and its remaining members.
-    fn broken(&self) -> Vec<(Arc<str>, Vec<String>)> {
+    pub(super) fn broken(&self) -> Vec<(Arc<str>, Vec<String>)> {
         self.groups
             .lock()
             .iter()
@@ -89,52 +88,5 @@ impl Groups {
 
     pub(super) fn count(&self) -> usize {
         self.groups.lock().len()
-    }
-}
-
-impl MasterCore {
-    /// Removes what is left of every broken group (run after each removal and eviction, and
-    /// on every background tick). Returns how many objects went.
-    pub async fn drop_broken_groups(&self) -> u64 {
-        let broken = self.groups.broken();
-        if broken.is_empty() {
-            return 0;
-        }
-        let mut frees: Vec<PendingFree> = Vec::new();
-        let mut removed = 0;
-        for (group, members) in broken {
-            for key in members {
-                let mut shard = self.shard(&key).lock();
-                let ours = shard
-                    .get(&key)
-                    .is_some_and(|o| o.group.as_deref() == Some(&*group));
-                if !ours {
-                    continue;
-                }
-                if let Some(o) = shard.remove(&key) {
-                    if o.state == ObjectState::Complete {
-                        self.emit_updated(
-                            &key,
-                            (o.generation, o.size),
-                            super::tiers_of(&o.replicas),
-                            &[],
-                        );
-                    }
-                    frees.extend(self.pending_frees(&o));
-                    removed += 1;
-                }
-            }
-        }
-        if removed > 0 {
-            self.metrics.group_members_dropped_total.inc_by(removed);
-            tracing::debug!(removed, "dropped the rest of broken groups");
-        }
-        self.release(frees).await;
-        removed
-    }
-
-    /// Groups with members now (`/metrics`).
-    pub fn group_count(&self) -> usize {
-        self.groups.count()
     }
 }

@@ -6,303 +6,44 @@
 //! across an `.await`. A removed object leaves the index at once, but its ranges go back to the
 //! allocator only after the owner acknowledged the FREE ([`MasterCore::release`]).
 
-use std::collections::HashMap;
-use std::hash::BuildHasher;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-
-use lunakv_proto::ErrorCode;
-use parking_lot::Mutex;
-
-use crate::events::{EventSink, PoolEvent, ReplicaRef, Tiers};
-use crate::metrics::Metrics;
-use crate::namespaces::NamespaceTracker;
-use crate::notifier::OwnerClient;
-
 mod cslru;
 mod drain;
+mod feed;
 mod groups;
 mod index;
 mod intern;
-mod objects;
+mod jobs;
 mod policy;
+mod puts;
 mod quota;
 mod ramp;
+mod reads;
 mod reclaim;
+mod removal;
 mod reservations;
 mod segments;
+mod state;
+mod sweeps;
 mod tiering;
 mod types;
 mod views;
 mod warm;
 
-pub use drain::{
+pub use feed::{IndexChange, IndexEntry, IndexSnapshot, WarmReplicaLoc};
+pub use index::TenantUsage;
+pub use jobs::{
     DRAIN_PING_MS, DrainError, DrainReport, DrainRequest, JobStatus,
-    MAX_CONCURRENCY as DRAIN_MAX_CONCURRENCY, MoveResult, MoveTask, SegmentStatus, is_job_id,
+    MAX_CONCURRENCY as DRAIN_MAX_CONCURRENCY, MoveResult, MoveTask, is_job_id,
 };
+pub use policy::EvictionPolicy;
+pub use puts::{ChainEnd, chain_stamp};
+pub use reads::Touch;
+pub use state::{MasterCore, SHARDS};
 pub use types::{
     Caller, CoreConfig, CoreError, Holder, InventoryItem, Location, MountOutcome, ObjectInfo,
     ObjectState, OpError, PendingFree, PendingOffload, PendingPromotion, PutOptions, ReplicaInfo,
-    ReplicaView, SegmentDesc, SegmentInfo, TenantQuotas,
+    ReplicaView, SegmentDesc, SegmentInfo, SegmentStatus, TenantQuotas,
 };
-use types::{ClientEntry, Quarantined, ReplicaLoc, Segment};
-pub use warm::{IndexChange, IndexEntry, IndexSnapshot, WarmReplicaLoc};
-
-// One shard of the object index ([`index::Index`]). Keys and objects are boxed: the table then
-// holds 24 bytes per slot instead of a whole [`Object`], and a table that has just doubled
-// (half its slots empty) wastes little (docs/BENCH.md, "Metadata").
-use index::Index;
-pub use index::TenantUsage;
-pub use objects::{ChainEnd, Touch, chain_stamp};
-pub use policy::EvictionPolicy;
-
-/// Number of object-index shards.
-pub const SHARDS: usize = 64;
-
-/// The master's state. Shared as `Arc<MasterCore>` by the edges and the background tasks.
-pub struct MasterCore {
-    cfg: CoreConfig,
-    epoch: u32,
-    counter: AtomicU64,
-    next_mount_id: AtomicU64,
-    shards: Vec<Mutex<Index>>,
-    /// Each group's members ([`groups`]), kept by the shards.
-    groups: Arc<groups::Groups>,
-    hasher: foldhash::quality::RandomState,
-    segments: Mutex<HashMap<String, Segment, foldhash::quality::RandomState>>,
-    clients: Mutex<HashMap<String, ClientEntry>>,
-    /// Ranges of discarded puts, freed once their release deadline passes (or at once when
-    /// their writer revokes them or dies).
-    quarantine: Mutex<Vec<Quarantined>>,
-    /// Bytes each holder (and all) hold reserved by puts not yet ended: recounted by every
-    /// [`Self::sweep_puts`] and raised by each PutStart in between (a leaf lock).
-    reserved: Mutex<reservations::Reservations>,
-    /// Every put started and perhaps not yet ended, by generation, with its key (a leaf lock).
-    /// A put's end takes it off; it may still hold puts that have since gone (revoked,
-    /// removed): [`Self::sweep_puts`] checks each against the index and drops those. It lets
-    /// the sweep visit the puts in flight instead of every object, which at a million keys cost
-    /// a tenth of a core (docs/BENCH.md, "Metadata"). By generation, so that a put's end
-    /// hashes a number, not its key.
-    /// With each, the [`Holder`] its reserved bytes count against.
-    inflight: Mutex<HashMap<u64, (String, Holder), foldhash::fast::RandomState>>,
-    /// Serializes reclaim rounds of PutStarts short of room ([`reclaim`]), so two do not pick
-    /// the same unfinished puts and each find less than it needs.
-    reclaim_lock: tokio::sync::Mutex<()>,
-    /// At most one reclaim WARN a second.
-    reclaim_log: reclaim::WarnLimit,
-    /// Under mTLS, the client identity that started each put in flight, by generation, with its
-    /// key (a leaf lock). Kept beside the index rather than in each object, which would cost
-    /// every key its bytes; empty without mTLS. Entries leave at PutEnd, PutRevoke and discard,
-    /// and [`Self::sweep_puts`] drops those whose put went another way.
-    put_owners: Mutex<HashMap<u64, PutOwner>>,
-    /// The one copy of each client id and segment name the objects refer to.
-    names: intern::Interner,
-    /// Objects in the index as of the last sweep (the key limit's cheap check).
-    approx_keys: AtomicU64,
-    /// Ranges of puts whose writer died, to free on the next [`Self::release_orphaned`].
-    orphaned: Mutex<Vec<PendingFree>>,
-    eviction_lock: tokio::sync::Mutex<()>,
-    /// cslru's candidate queues, taken only by eviction ([`policy`]).
-    queues: Mutex<policy::Queues>,
-    /// cslru's ghost table and the chain ends put since the last scan (a leaf lock).
-    recent: Mutex<policy::Recent>,
-    /// Promotions reserved by gets, waiting for [`MasterCore::run_promotions`] (a leaf lock).
-    promotions: Mutex<Vec<PendingPromotion>>,
-    /// Promotions reserved and not yet confirmed or failed (`--promotion_queue_limit`).
-    promotions_in_flight: AtomicUsize,
-    promotion_wanted: tokio::sync::Notify,
-    notifier: Arc<dyn OwnerClient>,
-    pub metrics: Metrics,
-    /// Per key namespace: keys put per client and how many another client held (a leaf lock).
-    pub namespaces: NamespaceTracker,
-    /// Bytes of puts admitted against their tenant's quota and not yet in the index (a lock
-    /// taken before the shards, see [`quota`]).
-    quota_pending: Mutex<HashMap<String, u64>>,
-    /// Puts refused for their tenant's quota, by tenant (a leaf lock; only tenants with a
-    /// quota appear, so the policy bounds it).
-    quota_rejected: Mutex<HashMap<String, u64>>,
-    /// KV events (docs/EVENTS.md): where the index's changes go, when publishing is on.
-    events: Option<EventSink>,
-    /// HA: every change of the index, for the standbys' warm copies ([`warm`]); nothing is
-    /// cloned into it while no standby listens.
-    feed: tokio::sync::broadcast::Sender<std::sync::Arc<IndexChange>>,
-    /// HA: this core started from a standby's warm copy and that copy still answers reads
-    /// until the owners' remounts confirmed it.
-    warm_start: std::sync::atomic::AtomicBool,
-    /// Drain jobs ([`drain`]; a lock taken before a shard).
-    drains: Mutex<drain::Jobs>,
-}
-
-/// The key of a put in flight and the client identity that started it ([`MasterCore`]'s
-/// `put_owners`).
-type PutOwner = (Box<str>, Arc<str>);
-
-fn tiers_of(replicas: &[ReplicaLoc]) -> Tiers {
-    Tiers {
-        dram: replicas.iter().any(|r| !r.disk),
-        ssd: replicas.iter().any(|r| r.disk),
-    }
-}
-
-impl MasterCore {
-    /// A core for `epoch` (the high 32 bits of every generation it hands out).
-    pub fn new(cfg: CoreConfig, epoch: u32, notifier: Arc<dyn OwnerClient>) -> MasterCore {
-        let cfg_min_keys = cfg.namespace_min_keys;
-        let groups = Arc::new(groups::Groups::default());
-        MasterCore {
-            cfg,
-            epoch,
-            counter: AtomicU64::new(1),
-            next_mount_id: AtomicU64::new(1),
-            shards: (0..SHARDS)
-                .map(|_| Mutex::new(Index::new(groups.clone())))
-                .collect(),
-            groups,
-            hasher: foldhash::quality::RandomState::default(),
-            segments: Mutex::new(HashMap::default()),
-            clients: Mutex::new(HashMap::new()),
-            quarantine: Mutex::new(Vec::new()),
-            reserved: Mutex::new(reservations::Reservations::default()),
-            inflight: Mutex::new(HashMap::default()),
-            reclaim_lock: tokio::sync::Mutex::new(()),
-            reclaim_log: reclaim::WarnLimit::default(),
-            put_owners: Mutex::new(HashMap::new()),
-            names: intern::Interner::default(),
-            approx_keys: AtomicU64::new(0),
-            orphaned: Mutex::new(Vec::new()),
-            eviction_lock: tokio::sync::Mutex::new(()),
-            queues: Mutex::new(policy::Queues::new()),
-            recent: Mutex::new(policy::Recent::new()),
-            promotions: Mutex::new(Vec::new()),
-            promotions_in_flight: AtomicUsize::new(0),
-            promotion_wanted: tokio::sync::Notify::new(),
-            notifier,
-            metrics: Metrics::new(),
-            namespaces: NamespaceTracker::new(cfg_min_keys),
-            quota_pending: Mutex::new(HashMap::new()),
-            quota_rejected: Mutex::new(HashMap::new()),
-            events: None,
-            feed: tokio::sync::broadcast::channel(warm::FEED_CAPACITY).0,
-            warm_start: std::sync::atomic::AtomicBool::new(false),
-            drains: Mutex::new(drain::Jobs::default()),
-        }
-    }
-
-    /// This core publishes its index's changes into `sink`, starting with a
-    /// [`PoolEvent::Reset`]: a new core (a restart, a new HA term) starts from an empty index,
-    /// which the owners' inventories then refill (each key re-announced as stored).
-    pub fn with_events(mut self, sink: Option<EventSink>) -> MasterCore {
-        if let Some(s) = &sink {
-            s.emit(PoolEvent::Reset);
-        }
-        self.events = sink;
-        self
-    }
-
-    /// Where this core's KV events go, when it publishes them.
-    pub fn events(&self) -> Option<&crate::events::publisher::EventEndpoints> {
-        self.events.as_ref().map(EventSink::endpoints)
-    }
-
-    /// The events' names for `replicas` (a segments lock: call with at most a shard held).
-    fn replica_refs(&self, replicas: &[ReplicaLoc]) -> Vec<ReplicaRef> {
-        let segs = self.segments.lock();
-        replicas
-            .iter()
-            .map(|r| ReplicaRef {
-                disk: r.disk,
-                endpoint: segs
-                    .get(&*r.segment)
-                    .filter(|s| s.mount_id == r.mount_id)
-                    .map_or_else(
-                        || r.segment.to_string(),
-                        |s| s.desc.transfer_endpoint.clone(),
-                    ),
-            })
-            .collect()
-    }
-
-    /// Where `key`'s events go: the streams speak for the default tenant's keys only (an
-    /// engine subscribing to them knows its keys unscoped; docs/TENANTS.md).
-    fn events_for(&self, key: &str) -> Option<&EventSink> {
-        self.events
-            .as_ref()
-            .filter(|_| index::tenant_of(key) == lunakv_proto::DEFAULT_TENANT)
-    }
-
-    fn emit_stored(&self, key: &str, (generation, size): (u64, u64), replicas: &[ReplicaLoc]) {
-        self.replicate(key, generation, size, replicas);
-        if let Some(sink) = self.events_for(key) {
-            sink.emit(PoolEvent::Stored {
-                key: key.to_string(),
-                replicas: self.replica_refs(replicas),
-            });
-        }
-    }
-
-    /// A complete object's replicas changed from the tiers in `before` to `replicas` (empty:
-    /// the object is gone).
-    fn emit_updated(
-        &self,
-        key: &str,
-        (generation, size): (u64, u64),
-        before: Tiers,
-        replicas: &[ReplicaLoc],
-    ) {
-        self.replicate(key, generation, size, replicas);
-        if let Some(sink) = self.events_for(key) {
-            sink.emit(PoolEvent::Updated {
-                key: key.to_string(),
-                before,
-                replicas: self.replica_refs(replicas),
-            });
-        }
-    }
-
-    pub fn config(&self) -> &CoreConfig {
-        &self.cfg
-    }
-
-    pub fn epoch(&self) -> u32 {
-        self.epoch
-    }
-
-    fn shard(&self, key: &str) -> &Mutex<Index> {
-        &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
-    }
-
-    fn next_generation(&self) -> Result<u64, OpError> {
-        let c = self.counter.fetch_add(1, Ordering::Relaxed);
-        if c > u64::from(u32::MAX) {
-            return Err(OpError::new(
-                ErrorCode::InternalError,
-                "generation counter exhausted for this epoch: restart the master",
-            ));
-        }
-        Ok((u64::from(self.epoch) << 32) | c)
-    }
-}
-
-fn not_found(key: &str, why: &str) -> OpError {
-    OpError::new(ErrorCode::ObjectNotFound, format!("key {key:?}: {why}"))
-}
-
-/// Groups `items` by owner endpoint and makes one `call` per owner, all owners at once; returns
-/// once every owner answered (or its call timed out), so a dead owner delays a batch by at most
-/// its own timeout, never one per owner.
-async fn fan_out_by_owner<T, R, Fut>(
-    items: impl IntoIterator<Item = (String, T)>,
-    call: impl Fn(String, Vec<T>) -> Fut,
-) -> Vec<R>
-where
-    Fut: std::future::Future<Output = R>,
-{
-    let mut by_owner: HashMap<String, Vec<T>> = HashMap::new();
-    for (endpoint, item) in items {
-        by_owner.entry(endpoint).or_default().push(item);
-    }
-    futures::future::join_all(by_owner.into_iter().map(|(e, v)| call(e, v))).await
-}
 
 #[cfg(test)]
 mod tests;

@@ -13,8 +13,8 @@ use lunakv_proto::ErrorCode;
 
 use crate::alloc::align_up;
 
-use super::MasterCore;
 use super::index::{TenantUsage, tenant_of};
+use super::state::MasterCore;
 use super::types::{OpError, PutOptions};
 
 /// Eviction passes a put makes in its own tenant before it is refused (upstream makes two).

@@ -19,39 +19,12 @@ use std::time::{Duration, Instant};
 use crate::alloc::align_up;
 use crate::notifier::FreeEntry;
 
-use super::types::{Holder, ObjectState, PendingFree, Quarantined};
-use super::{MasterCore, fan_out_by_owner};
+use super::state::MasterCore;
+use super::types::{Holder, ObjectState, PendingFree, Quarantined, fan_out_by_owner};
 
 /// Longest a PutStart waits for other holders' puts to reach the grace: past it, it is refused
 /// as before and retries (a grace set longer than this reclaims only puts already that old).
 const MAX_WAIT: Duration = Duration::from_secs(1);
-
-/// At most one reclaim WARN per this long; the rounds in between are counted in the next.
-const WARN_EVERY: Duration = Duration::from_secs(1);
-
-/// The reclaim WARN's rate limit: when the last one went out, and the rounds since.
-#[derive(Default)]
-pub(super) struct WarnLimit {
-    state: parking_lot::Mutex<(Option<Instant>, u64)>,
-}
-
-impl WarnLimit {
-    /// `Some(suppressed)` when a WARN may go out now (with the rounds not logged since).
-    fn check(&self, now: Instant) -> Option<u64> {
-        let mut s = self.state.lock();
-        match s.0 {
-            Some(last) if now.duration_since(last) < WARN_EVERY => {
-                s.1 += 1;
-                None
-            }
-            _ => {
-                let suppressed = s.1;
-                *s = (Some(now), 0);
-                Some(suppressed)
-            }
-        }
-    }
-}
 
 /// An unfinished put another holder may lose.
 struct Candidate {

@@ -137,7 +137,7 @@ mod tests {
 
     #[test]
     fn a_fresh_client_id_from_the_same_address_is_the_same_holder() {
-        let caller = crate::core::Caller {
+        let caller = crate::core::types::Caller {
             peer: Some([127, 0, 0, 9].into()),
             ..Default::default()
         };

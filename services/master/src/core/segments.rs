@@ -7,11 +7,11 @@ use std::time::Instant;
 
 use crate::alloc::OffsetAllocator;
 
+use super::state::MasterCore;
 use super::types::{
     Caller, ClientEntry, CoreError, InventoryItem, InventoryReject, MountOutcome, Object,
-    ObjectState, PendingFree, ReplicaLoc, Segment, SegmentDesc,
+    ObjectState, PendingFree, ReplicaLoc, Segment, SegmentDesc, tiers_of,
 };
-use super::{MasterCore, tiers_of};
 
 impl MasterCore {
     /// Mounts a segment for `client_id`, indexing the objects its inventory reports. A segment
@@ -109,7 +109,7 @@ impl MasterCore {
         // that requires capabilities refuses the master's requests without its tag.
         self.notifier
             .set_owner_key(&desc.transfer_endpoint, desc.data_secret);
-        self.replicate_change(super::IndexChange::Mounted {
+        self.replicate_change(super::feed::IndexChange::Mounted {
             desc: Box::new(desc.clone()),
             client_id: client_id.to_string(),
         });
@@ -405,7 +405,7 @@ impl MasterCore {
         if let Some(c) = self.clients.lock().get_mut(&seg.client_id) {
             c.segments.remove(segment_name);
         }
-        self.replicate_change(super::IndexChange::Unmounted {
+        self.replicate_change(super::feed::IndexChange::Unmounted {
             segment: segment_name.to_string(),
         });
         let dropped = self.drop_replicas(segment_name, seg.mount_id);

@@ -756,7 +756,7 @@ async fn an_inventory_in_parts_opens_the_segment_only_after_the_last() {
         .expect_err("unknown segment");
     assert!(matches!(e, CoreError::InventoryNotAwaited { .. }), "{e}");
     assert_eq!(
-        crate::grpc::to_status(e.into()).code(),
+        crate::rpc::convert::to_status(e.into()).code(),
         tonic::Code::Aborted
     );
     core.mount_inventory(

@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lunakv_proto::ErrorCode;
+
 use super::tests::desc;
 use super::*;
 use crate::notifier::RecordingNotifier;

@@ -1,6 +1,6 @@
 //! The core's types: its config, the domain types the edges see, and the index's entries.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -8,6 +8,7 @@ use lunakv_config::master::AllocationStrategy;
 use lunakv_proto::ErrorCode;
 
 use crate::alloc::OffsetAllocator;
+use crate::events::Tiers;
 
 /// Timing and policy knobs, as durations (tests use milliseconds).
 #[derive(Debug, Clone)]
@@ -447,19 +448,19 @@ pub(super) struct Segment {
     /// allocator does not yet know every range the owner holds, and a new object could land on
     /// one of them.
     pub(super) complete: bool,
-    /// When `complete` became true: the start of its placement ramp ([`super::objects`]).
+    /// When `complete` became true: the start of its placement ramp ([`super::puts`]).
     pub(super) opened_at: Option<Instant>,
     /// HA: replicas of this segment that came from a standby's warm copy and that the owner's
     /// inventory has not confirmed yet ([`super::warm`]); None once reconciled.
-    pub(super) warm: Option<super::warm::WarmSegment>,
+    pub(super) warm: Option<WarmSegment>,
     /// OK, or DRAINING/DRAINED by a drain job ([`super::drain`]): then it takes no placements.
-    pub(super) status: super::drain::SegmentStatus,
+    pub(super) status: SegmentStatus,
 }
 
 impl Segment {
     /// New objects (puts, promotions, drain moves) may be placed here.
     pub(super) fn placeable(&self) -> bool {
-        self.complete && self.status == super::drain::SegmentStatus::Ok
+        self.complete && self.status == SegmentStatus::Ok
     }
 }
 
@@ -587,4 +588,100 @@ pub(super) enum InventoryReject {
     Reserve(#[from] crate::alloc::ReserveError),
     #[error("no valid placement proof: this master did not place that object there")]
     Unproven,
+}
+
+/// A provisional segment's unconfirmed entries, by (key, disk).
+#[derive(Debug, Default)]
+pub(crate) struct WarmSegment {
+    pub(super) unconfirmed: HashSet<(String, bool)>,
+    /// The owner mounted again (its inventory is arriving).
+    pub(super) remounted: bool,
+}
+
+/// At most one reclaim WARN per this long; the rounds in between are counted in the next.
+const WARN_EVERY: Duration = Duration::from_secs(1);
+
+/// The reclaim WARN's rate limit: when the last one went out, and the rounds since.
+#[derive(Default)]
+pub(super) struct WarnLimit {
+    state: parking_lot::Mutex<(Option<Instant>, u64)>,
+}
+
+impl WarnLimit {
+    /// `Some(suppressed)` when a WARN may go out now (with the rounds not logged since).
+    pub(super) fn check(&self, now: Instant) -> Option<u64> {
+        let mut s = self.state.lock();
+        match s.0 {
+            Some(last) if now.duration_since(last) < WARN_EVERY => {
+                s.1 += 1;
+                None
+            }
+            _ => {
+                let suppressed = s.1;
+                *s = (Some(now), 0);
+                Some(suppressed)
+            }
+        }
+    }
+}
+
+/// A segment's lifecycle as upstream's `/api/v1/segments/status` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum SegmentStatus {
+    /// Mounted; takes placements once its inventory is complete.
+    #[default]
+    Ok,
+    /// A drain job moves its objects away: readable, no new placements.
+    Draining,
+    /// A drain job emptied it: no new placements until it is mounted again.
+    Drained,
+}
+
+impl SegmentStatus {
+    /// Upstream's number (UNDEFINED is 0).
+    pub fn code(self) -> i32 {
+        match self {
+            SegmentStatus::Ok => 1,
+            SegmentStatus::Draining => 2,
+            SegmentStatus::Drained => 3,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SegmentStatus::Ok => "OK",
+            SegmentStatus::Draining => "DRAINING",
+            SegmentStatus::Drained => "DRAINED",
+        }
+    }
+}
+
+/// The tiers an object's `replicas` sit on (its events' `before`).
+pub(super) fn tiers_of(replicas: &[ReplicaLoc]) -> Tiers {
+    Tiers {
+        dram: replicas.iter().any(|r| !r.disk),
+        ssd: replicas.iter().any(|r| r.disk),
+    }
+}
+
+/// An [`ErrorCode::ObjectNotFound`] for `key`, saying why.
+pub(super) fn not_found(key: &str, why: &str) -> OpError {
+    OpError::new(ErrorCode::ObjectNotFound, format!("key {key:?}: {why}"))
+}
+
+/// Groups `items` by owner endpoint and makes one `call` per owner, all owners at once; returns
+/// once every owner answered (or its call timed out), so a dead owner delays a batch by at most
+/// its own timeout, never one per owner.
+pub(super) async fn fan_out_by_owner<T, R, Fut>(
+    items: impl IntoIterator<Item = (String, T)>,
+    call: impl Fn(String, Vec<T>) -> Fut,
+) -> Vec<R>
+where
+    Fut: std::future::Future<Output = R>,
+{
+    let mut by_owner: HashMap<String, Vec<T>> = HashMap::new();
+    for (endpoint, item) in items {
+        by_owner.entry(endpoint).or_default().push(item);
+    }
+    futures::future::join_all(by_owner.into_iter().map(|(e, v)| call(e, v))).await
 }

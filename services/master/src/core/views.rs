@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use crate::metrics::MAX_TENANT_SERIES;
 
-use super::MasterCore;
 use super::index::TenantUsage;
+use super::state::MasterCore;
 use super::types::{ObjectInfo, ReplicaInfo, SegmentDesc, SegmentInfo};
 
 impl MasterCore {
@@ -179,5 +179,10 @@ impl MasterCore {
             soft_pinned: o.soft_pinned(now),
             hard_pinned: o.hard_pinned,
         })
+    }
+
+    /// Groups with members now (`/metrics`).
+    pub fn group_count(&self) -> usize {
+        self.groups.count()
     }
 }

@@ -14,67 +14,19 @@
 //! entry can only cost a miss: a read names (generation, offset, size) and the owner serves only
 //! that exact entry, answering STALE otherwise.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use tokio::sync::broadcast;
 
-use super::MasterCore;
+use super::feed::{IndexChange, IndexEntry, IndexSnapshot, WarmReplicaLoc};
+use super::state::MasterCore;
 use super::types::{
-    InventoryItem, Object, ObjectState, ReplicaLoc, Replicas, Segment, SegmentDesc,
+    InventoryItem, Object, ObjectState, ReplicaLoc, Replicas, Segment, WarmSegment,
 };
 use crate::alloc::OffsetAllocator;
-
-/// Changes buffered per standby before a lagging one is sent a new snapshot instead.
-pub const FEED_CAPACITY: usize = 1 << 16;
-
-/// A replica location as the index holds it (the segment by name).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WarmReplicaLoc {
-    pub segment: String,
-    pub offset: u64,
-    pub disk: bool,
-}
-
-/// One key's state; no replicas = the key is gone.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IndexEntry {
-    pub key: String,
-    pub generation: u64,
-    pub size: u64,
-    pub replicas: Vec<WarmReplicaLoc>,
-}
-
-/// One change of the index, as standbys replicate it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum IndexChange {
-    Mounted {
-        // Boxed: mounts are rare and a descriptor is large, entries are the stream's bulk.
-        desc: Box<SegmentDesc>,
-        client_id: String,
-    },
-    Unmounted {
-        segment: String,
-    },
-    Entry(IndexEntry),
-}
-
-/// The whole index: segments (with their owners' client ids) and complete objects.
-#[derive(Debug, Default, Clone)]
-pub struct IndexSnapshot {
-    pub segments: Vec<(SegmentDesc, String)>,
-    pub entries: Vec<IndexEntry>,
-}
-
-/// A provisional segment's unconfirmed entries, by (key, disk).
-#[derive(Debug, Default)]
-pub(crate) struct WarmSegment {
-    unconfirmed: HashSet<(String, bool)>,
-    /// The owner mounted again (its inventory is arriving).
-    remounted: bool,
-}
 
 impl MasterCore {
     /// Every change of the index from now on. A receiver that falls `FEED_CAPACITY`
@@ -229,7 +181,7 @@ impl MasterCore {
     /// key's shard locked.
     pub(super) fn confirm_warm_in_place(
         &self,
-        shard: &mut super::Index,
+        shard: &mut super::index::Index,
         client_id: &str,
         segment: &str,
         mount_id: u64,
@@ -290,7 +242,7 @@ impl MasterCore {
     /// key's shard locked (passed in), before the item is indexed.
     pub(super) fn confirm_warm(
         &self,
-        shard: &mut super::Index,
+        shard: &mut super::index::Index,
         segment: &str,
         mount_id: u64,
         key: &str,

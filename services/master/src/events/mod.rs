@@ -11,62 +11,17 @@
 //!   them ([`wire`]) in Mooncake's format (and, when configured, vLLM's), sends them with a
 //!   high-water mark, keeps the last batches for replay and answers replay requests.
 
+mod event;
 pub mod pods;
 pub mod publisher;
 pub mod wire;
+
+pub use event::{PoolEvent, ReplicaRef, Tiers};
 
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
-
-/// Where a replica lives, as the events name it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReplicaRef {
-    /// In the owner's SSD tier (`local_disk`), else its DRAM segment (`memory`).
-    pub disk: bool,
-    /// The owner's transfer endpoint (`host:port`).
-    pub endpoint: String,
-}
-
-/// Which tiers hold an object: the vLLM stream turns a change into BlockStored / BlockRemoved
-/// per medium.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Tiers {
-    pub dram: bool,
-    pub ssd: bool,
-}
-
-impl Tiers {
-    pub fn of(replicas: &[ReplicaRef]) -> Tiers {
-        Tiers {
-            dram: replicas.iter().any(|r| !r.disk),
-            ssd: replicas.iter().any(|r| r.disk),
-        }
-    }
-}
-
-/// A change of the master's index.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PoolEvent {
-    /// A key became readable: its put ended, or an owner's inventory brought it back.
-    Stored {
-        key: String,
-        replicas: Vec<ReplicaRef>,
-    },
-    /// A key's replicas changed; `replicas` empty = the key is gone. `before` says which tiers
-    /// held it before the change.
-    Updated {
-        key: String,
-        before: Tiers,
-        replicas: Vec<ReplicaRef>,
-    },
-    /// `remove_all`: every key is gone.
-    RemovedAll,
-    /// A core started (master start, new HA leader term): whatever subscribers knew from
-    /// earlier publishers is void, and the index is re-announced as owners remount.
-    Reset,
-}
 
 /// The events' settings, from the master config (`kv_event_publisher_*`, `kv_events_*`).
 #[derive(Debug, Clone, PartialEq)]

@@ -1,5 +1,8 @@
 //! The wire formats, msgpack by hand (a few arrays and maps; a serde layer would add nothing).
 //!
+//! Over 900 lines with its tests: the encoder is about 620 lines, and the tests below it decode
+//! both formats' events and check their fields in upstream's order, beside the bytes they check.
+//!
 //! - **Mooncake, `rfc1527`** (upstream Mooncake main's master publisher, RFC #1527;
 //!   `mooncake-store/src/kv_event/kv_event_publisher.cpp`): batch `[ts_ms, [event...], 0]`,
 //!   each event a map of RFC #1527 names, one per object key and medium (`cpu` / `disk`):
@@ -20,7 +23,7 @@
 
 use rmp::encode;
 
-use super::{PoolEvent, ReplicaRef, Tiers};
+use super::event::{PoolEvent, ReplicaRef, Tiers};
 
 /// What a vLLM-format store key says about its block.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -195,9 +195,10 @@ pub fn run(
     checks.push(check_connectors(a));
     checks.push(check_vllm_stats(a));
     checks.push(check_key_consistency(client.as_ref()));
-    let anonymous = client
-        .as_ref()
-        .map(|c| c.master_refuses_anonymous().map_err(|e| e.to_string()));
+    let anonymous = client.as_ref().map(|c| {
+        c.master_refuses_anonymous()
+            .map_err(|e| Unanswered(e.to_string()))
+    });
     // What the master's RPC port requires, asked in plaintext: also when this doctor could not
     // connect (a master with mTLS refuses a doctor without a certificate).
     let rpc_addr = client
@@ -206,7 +207,7 @@ pub fn run(
         .or_else(|| (!target.master.trim().starts_with("etcd://")).then(|| target.master.clone()));
     let tls = rpc_addr.map(|a| {
         lunakv_master_client::probe_master_tls(&a, std::time::Duration::from_secs(5))
-            .map_err(|e| e.to_string())
+            .map_err(|e| Unanswered(e.to_string()))
     });
     checks.push(check_security(
         &target.master,
@@ -1035,6 +1036,12 @@ fn check_key_consistency(client: Option<&StoreClient>) -> Check {
 
 // === the admin endpoints, through lunakv's HTTP client ===
 
+/// A probe of the master that got no answer, with what stopped it (the probe's own error,
+/// whichever call it came from, as the security row quotes it).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Unanswered(String);
+
 /// What protects the pool (docs/SECURITY.md), as far as this client can tell:
 /// - an `etcd://` master: etcd must be reached over TLS and know who lunakv is (a client
 ///   certificate or a user), or anyone who reaches etcd can redirect every client;
@@ -1051,8 +1058,8 @@ fn check_key_consistency(client: Option<&StoreClient>) -> Check {
 fn check_security(
     master: &str,
     env: &dyn Fn(&str) -> Option<String>,
-    refuses_anonymous: Option<&Result<bool, String>>,
-    tls: Option<&Result<lunakv_master_client::MasterTls, String>>,
+    refuses_anonymous: Option<&Result<bool, Unanswered>>,
+    tls: Option<&Result<lunakv_master_client::MasterTls, Unanswered>>,
 ) -> Check {
     use lunakv_master_client::MasterTls;
     const NAME: &str = "security";
@@ -1404,7 +1411,7 @@ mod tests {
             );
         }
         // ...and a refused plaintext probe (nothing listens) changes nothing.
-        let refused = Err("connection refused".to_string());
+        let refused = Err(Unanswered("connection refused".to_string()));
         assert_eq!(
             check_security("127.0.0.1:50051", &none, None, Some(&refused)).status,
             Outcome::Skip

@@ -1,11 +1,5 @@
-//! The admin and Prometheus HTTP listener (upstream's port 9003): `/metrics`, `/metrics/summary`,
-//! `/health`, `/get_all_segments`, `/query_key?key=...`, and for HA `/role`, `/leader`,
-//! `/ha_status` (upstream's names); lunakv's `/namespaces` (cross-instance key consistency);
-//! upstream's tenant quota API, `/api/v1/tenant_quotas` (GET, PUT, DELETE; docs/TENANTS.md);
-//! and upstream's `/kv_events/status`, `/get_all_keys`, `/get_segments_detail`,
-//! `/query_segment`, `/batch_query_keys`, `/api/v1/segments/status`,
-//! `/api/v1/remove_all` (POST) and the drain jobs (`/api/v1/drain_jobs`, `.../query`,
-//! `.../cancel`) (admin/upstream.rs; docs/SECURITY.md lists them).
+//! The admin router: upstream's routes and lunakv's, each handler here or in
+//! `admin/upstream.rs`, and the tenant quota API over [`super::tenants`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,26 +11,18 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use lunakv_proto::ErrorCode;
 
+use crate::admin::tenants::{AdminError, TenantAdmin};
 use crate::core::MasterCore;
 use crate::events::publisher::Publisher;
-use crate::ha::{CoreSlot, HaState, Role};
-use crate::recovery::RecoveryGate;
-use crate::tenants::{AdminError, TenantAdmin};
+use crate::ha::election::{HaState, Role};
+use crate::ha::recovery::RecoveryGate;
+use crate::slot::CoreSlot;
 
-mod upstream;
-use upstream::{
+use super::state::AdminState;
+use super::upstream::{
     batch_query_keys, cancel_drain_job, create_drain_job, get_all_keys, kv_events_status,
     query_drain_job, query_segment, remove_all, segment_status, segments_detail,
 };
-
-#[derive(Clone)]
-struct AdminState {
-    slot: Arc<CoreSlot>,
-    ha: Option<Arc<HaState>>,
-    /// A single master's rebuild after a restart: writes wait for it as RPCs do.
-    recovery: Arc<RecoveryGate>,
-    events: Option<Arc<Publisher>>,
-}
 
 /// The admin routes over `core` (a single master).
 pub fn router(core: Arc<MasterCore>) -> Router {

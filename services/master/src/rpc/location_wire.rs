@@ -16,6 +16,7 @@ use prost::Message;
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
 
 use crate::core::{Location, OpError, ReplicaView, SegmentDesc};
+use crate::rpc::convert::Placed;
 
 /// Appends `results` to `out` as the encoding of a `BatchObjectLocations` with one
 /// `ObjectLocation` per result, in order.
@@ -51,9 +52,6 @@ pub(crate) fn encode_put_starts(
         out,
     );
 }
-
-/// A put's generation and its placements, as the core answers a put start.
-pub(crate) type Placed = (u64, Vec<ReplicaView>);
 
 /// An answer message that succeeded: varint fields `head` (tag 0: absent), the repeated
 /// `Replica` field, then the varint field `tail`. Its failure shares the field numbers of
@@ -274,7 +272,10 @@ mod tests {
     /// What the gRPC handlers send for the same results.
     fn by_prost(results: Vec<Result<Location, OpError>>) -> Vec<u8> {
         pb::BatchObjectLocations {
-            results: results.into_iter().map(crate::grpc::location).collect(),
+            results: results
+                .into_iter()
+                .map(crate::rpc::convert::location)
+                .collect(),
         }
         .encode_to_vec()
     }
@@ -359,7 +360,10 @@ mod tests {
         let mut mine = Vec::new();
         encode_put_starts(&results, &mut Descriptors::default(), &mut mine);
         let theirs = pb::BatchPutStartResponse {
-            results: results.into_iter().map(crate::grpc::put_start).collect(),
+            results: results
+                .into_iter()
+                .map(crate::rpc::convert::put_start)
+                .collect(),
         }
         .encode_to_vec();
         assert_eq!(mine, theirs);

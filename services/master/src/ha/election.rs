@@ -39,14 +39,15 @@ use lunakv_meta::{EtcdClient, MetaStore, WriteFence};
 use lunakv_proto::headers::LeaderRedirect;
 use parking_lot::RwLock;
 
-use crate::recovery::{Access, RecoveryGate};
-use prometheus::{IntCounter, IntGauge, Opts, Registry};
 use tokio::sync::watch;
 use tonic::Status;
 
 use crate::core::{CoreConfig, MasterCore};
+use crate::ha::metrics::HaMetrics;
+use crate::ha::recovery::{Access, RECOVERY_GRACE, RecoveryGate};
 use crate::notifier::{FreeEntry, OffloadEntry, OwnerClient, OwnerError, OwnerOp, Promote};
 use crate::persist;
+use crate::slot::CoreSlot;
 
 /// The most subtracted from the granted TTL for the local lease deadline: covers the renewal's
 /// transit, scheduling delays and clock-rate differences between this host and etcd's. A short
@@ -57,7 +58,6 @@ pub const PROBE_EVERY: Duration = Duration::from_millis(100);
 /// Consecutive refused dials before a standby revokes the leader's lease: one refusal could be
 /// a listener being replaced; two, [`PROBE_EVERY`] apart, mean nothing is listening.
 pub const PROBE_REFUSALS: u32 = 2;
-pub use crate::recovery::RECOVERY_GRACE;
 /// Timeout of each etcd call made by the election loop.
 pub const ETCD_CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -86,79 +86,6 @@ impl LeaseTiming {
     /// Slack a renewal has before the local deadline passes.
     pub fn slack(&self) -> Duration {
         self.ttl.saturating_sub(self.margin + self.renew_every)
-    }
-}
-
-/// The HA metrics, in their own registry (they outlive the per-term core).
-pub struct HaMetrics {
-    pub registry: Registry,
-    /// 1 while etcd answers this master.
-    pub etcd_up: IntGauge,
-    /// 1 while this master leads.
-    pub is_leader: IntGauge,
-    /// Times this master became leader.
-    pub leader_changes_total: IntCounter,
-    /// The current leader term seen by this master (0 = none known).
-    pub leader_term: IntGauge,
-    /// Writes refused because the local lease deadline had passed.
-    pub fenced_writes_total: IntCounter,
-    /// Leases of dead leaders this standby revoked (`ha_fast_takeover`).
-    pub fast_takeovers_total: IntCounter,
-    /// Reads a new leader answered from its warm copy while the owners remounted.
-    pub warm_reads_total: IntCounter,
-    /// Objects in this standby's warm copy of the leader's index.
-    pub warm_copy_keys: IntGauge,
-    /// 1 while this standby's warm copy holds a whole snapshot of the current leader's index.
-    pub warm_copy_synced: IntGauge,
-}
-
-impl HaMetrics {
-    fn new() -> HaMetrics {
-        let registry = Registry::new();
-        let g = |n: &str, h: &str| {
-            let g = IntGauge::with_opts(Opts::new(n, h)).expect("static metric definition");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric name");
-            g
-        };
-        let c = |n: &str, h: &str| {
-            let c = IntCounter::with_opts(Opts::new(n, h)).expect("static metric definition");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric name");
-            c
-        };
-        HaMetrics {
-            etcd_up: g("master_etcd_up", "1 while etcd answers this master"),
-            is_leader: g("master_is_leader", "1 while this master is the HA leader"),
-            leader_changes_total: c(
-                "master_leader_changes_total",
-                "Times this master became the leader",
-            ),
-            leader_term: g("master_leader_term", "Term of the leader this master knows"),
-            fenced_writes_total: c(
-                "master_fenced_writes_total",
-                "Requests refused because this master's leader lease might have expired",
-            ),
-            fast_takeovers_total: c(
-                "master_fast_takeovers_total",
-                "Leases of leaders whose RPC port refused connections that this standby revoked",
-            ),
-            warm_reads_total: c(
-                "master_warm_reads_total",
-                "Reads a new leader answered from its warm copy of the index while the owners remounted",
-            ),
-            warm_copy_keys: g(
-                "master_warm_copy_keys",
-                "Objects in this standby's warm copy of the leader's index",
-            ),
-            warm_copy_synced: g(
-                "master_warm_copy_synced",
-                "1 while this standby's warm copy holds a whole snapshot of the current leader's index",
-            ),
-            registry,
-        }
     }
 }
 
@@ -408,24 +335,6 @@ impl OwnerClient for FencedOwnerClient {
     }
 }
 
-/// The current core. A new leader term gets a fresh core (empty index, its own epoch); the
-/// edges look it up per request.
-pub struct CoreSlot(RwLock<Arc<MasterCore>>);
-
-impl CoreSlot {
-    pub fn new(core: Arc<MasterCore>) -> Arc<CoreSlot> {
-        Arc::new(CoreSlot(RwLock::new(core)))
-    }
-
-    pub fn get(&self) -> Arc<MasterCore> {
-        self.0.read().clone()
-    }
-
-    pub fn replace(&self, core: Arc<MasterCore>) {
-        *self.0.write() = core;
-    }
-}
-
 /// What the election loop needs.
 pub struct Election {
     pub ha: Arc<HaState>,
@@ -448,7 +357,7 @@ pub struct Election {
     /// `ha_fast_takeover`: revoke the lease of a leader whose port refuses connections.
     pub fast_takeover: bool,
     /// `ha_warm_standby`: the copy of the leader's index this standby keeps (None: off).
-    pub warm: Option<Arc<crate::standby::WarmCopy>>,
+    pub warm: Option<Arc<crate::ha::standby::WarmCopy>>,
     /// The token a standby presents to the leader's `ReplicateIndex` (admin, else pool).
     pub token: Option<String>,
     /// TLS towards the leader when the RPC ports serve it (the master's own `LUNAKV_TLS_*`).
@@ -743,7 +652,7 @@ impl Election {
         let n_known = known.len();
         {
             let ha = ha.clone();
-            tokio::spawn(crate::recovery::forget_unmounted(
+            tokio::spawn(crate::ha::recovery::forget_unmounted(
                 known.clone(),
                 self.slot.clone(),
                 self.service_meta.clone(),

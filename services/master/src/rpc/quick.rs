@@ -22,10 +22,10 @@ use tokio::sync::Semaphore;
 
 use crate::auth::AuthPolicy;
 use crate::core::{Caller, Location, OpError};
-use crate::grpc::MasterService;
-use crate::lanes::Lanes;
-use crate::location_wire;
 use crate::metrics::Rpc;
+use crate::rpc::lanes::Lanes;
+use crate::rpc::location_wire;
+use crate::rpc::service::MasterService;
 use lunakv_tls::Peer;
 
 /// Quick connections open at once; more are closed at once (their clients use gRPC).
@@ -48,7 +48,7 @@ pub(crate) struct QuickServer {
     policy: Arc<AuthPolicy>,
     slots: Arc<Semaphore>,
     warned_full: AtomicBool,
-    /// Where plaintext connections are served ([`crate::lanes`]).
+    /// Where plaintext connections are served ([`crate::rpc::lanes`]).
     lanes: Lanes,
 }
 
@@ -217,7 +217,7 @@ impl QuickServer {
         let svc = &self.svc;
         match req.method {
             // The answers that carry segment descriptors skip prost's structs on the way out
-            // (crate::location_wire).
+            // (crate::rpc::location_wire).
             Method::BatchExistKey => match pb::BatchExistKeyRequest::decode(req.body) {
                 Ok(m) => locations(
                     svc.batch_locations(Rpc::BatchExistKey, &m.client_id, &m.keys)

@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 use crate::core::{IndexChange, IndexEntry, IndexSnapshot, MasterCore, WarmReplicaLoc};
-use crate::ha::HaMetrics;
+use crate::ha::metrics::HaMetrics;
 
 /// Entries per snapshot message are cut at about this many bytes (gRPC's default limit is
 /// 4 MiB; the standby accepts up to [`MAX_MESSAGE`]).

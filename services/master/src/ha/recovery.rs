@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use tonic::Status;
 
 use crate::core::MasterCore;
-use crate::ha::CoreSlot;
+use crate::slot::CoreSlot;
 
 /// The longest a master waits for recorded segments to remount before serving without them.
 pub const RECOVERY_GRACE: Duration = Duration::from_secs(3);

@@ -1,5 +1,5 @@
 //! Threads that each run a current-thread runtime, for the quick connections
-//! ([`crate::quick`]): a connection lives on one thread, whose own epoll wakes it.
+//! ([`crate::rpc::quick`]): a connection lives on one thread, whose own epoll wakes it.
 //!
 //! On the shared multi-thread runtime one worker waits in epoll for every socket and hands a
 //! ready connection to a parked sibling through a futex: a thread switch per frame that a

@@ -1,7 +1,7 @@
 //! The gRPC listener's connections, each checked once before tonic sees it: a client that does
 //! not speak HTTP/2 (upstream Mooncake's coro_rpc client, or curl against the RPC port) is told
 //! nothing on the wire (it would not understand) but named in the master's log, instead of
-//! leaving both sides with "end of file". Quick calls ([`crate::quick`]) share the port and
+//! leaving both sides with "end of file". Quick calls ([`crate::rpc::quick`]) share the port and
 //! are told apart here by their magic.
 //!
 //! With TLS on (`LUNAKV_TLS_CERT`), a connection that opens with a TLS handshake is decrypted
@@ -23,7 +23,7 @@ use lunakv_tls::{Peer, ServerTls};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::quick::QuickServer;
+use crate::rpc::quick::QuickServer;
 
 /// How long a new connection may stay silent before it is handed to tonic unchecked (an HTTP/2
 /// client sends its preface at once).
