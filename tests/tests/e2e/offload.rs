@@ -436,17 +436,25 @@ fn promotion_on_hit_brings_a_disk_object_back_to_dram() {
     let c = tcp_requester(&m.addr());
     let i = spill_for_promotion(&m, &c);
     let key = format!("k-{i}");
-    // Each hit is served from disk at once; the second read admits it
-    // (--promotion_admission_threshold, upstream's default 2) and the promotion runs behind it.
-    // The second reader has no cached location, so its read reaches the master.
+    // Each hit is served from disk at once. The master counts requests (reads more than its
+    // 100 ms read window apart): the second admits the object (--promotion_admission_threshold,
+    // upstream's default 2) and the promotion runs behind it. Each reader is a fresh client
+    // (no cached location), so its read reaches the master.
     assert!(c.get(&key).expect("get from disk") == pattern(i, OBJ));
-    let second = tcp_requester(&m.addr());
-    assert!(second.get(&key).expect("get again") == pattern(i, OBJ));
+    let mut requests = 1;
     let body = wait_until(Duration::from_secs(10), || {
         let (_, body) = m.http_get(&format!("/query_key?key={key}"));
-        body.contains("\"memory\"").then_some(body)
+        if body.contains("\"memory\"") {
+            return Some(body);
+        }
+        std::thread::sleep(Duration::from_millis(150));
+        let reader = tcp_requester(&m.addr());
+        assert!(reader.get(&key).expect("get again") == pattern(i, OBJ));
+        requests += 1;
+        None
     })
     .expect("the object gains a memory replica");
+    assert!(requests >= 2, "promoted on the first request");
     assert!(body.contains("local_disk"), "the disk copy stays: {body}");
     assert!(m.metric("master_promotions_total").unwrap_or(0.0) >= 1.0);
     // A fresh client (no cached location) reads it from DRAM: no disk load on the owner.

@@ -27,7 +27,7 @@ impl MasterCore {
         let now = Instant::now();
         let touch = match (touch, self.cfg.eviction_policy) {
             // Upstream's order: every lookup leases and renews.
-            (Touch::Look, EvictionPolicy::Lru) => Touch::Check(now),
+            (Touch::Look, EvictionPolicy::Lru) => Touch::Read(now),
             (t, _) => t,
         };
         let mut shard = self.shard(key).lock();
@@ -48,7 +48,14 @@ impl MasterCore {
         if !client_id.is_empty() && *o.client_id != *client_id {
             self.namespaces.record_found_from_other(client_id, key);
         }
-        if let Touch::Read(stamp) | Touch::Check(stamp) = touch {
+        let disk_only = o.replicas.iter().all(|r| r.disk);
+        // Promotion's admission counts requests, not calls: vLLM checks a request's keys and
+        // then gets them (a client with the locations cached never asks again), so a read
+        // within the read window of the last one is the same request.
+        if disk_only && matches!(touch, Touch::Read(_)) && !self.reading(&o, now) {
+            o.disk_reads = o.disk_reads.saturating_add(1);
+        }
+        if let Touch::Read(stamp) = touch {
             let lease_until = now + self.cfg.lease_ttl;
             o.lease_until = Some(o.lease_until.map_or(lease_until, |t| t.max(lease_until)));
             match self.cfg.eviction_policy {
@@ -90,13 +97,8 @@ impl MasterCore {
                     })
             })
             .collect();
-        let disk_only = o.replicas.iter().all(|r| r.disk);
-        let read = matches!(touch, Touch::Read(_));
-        if disk_only && read {
-            o.disk_reads = o.disk_reads.saturating_add(1);
-        }
         let admitted = disk_only
-            && read
+            && matches!(touch, Touch::Read(_))
             && self.cfg.promotion_on_hit
             && !o.promoting
             && o.disk_reads >= self.cfg.promotion_admission_threshold
@@ -150,15 +152,11 @@ impl MasterCore {
 /// What a lookup does to the object's lease and its place in eviction order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Touch {
-    /// A get. Leased, and its recency (or protection) renewed; `stamp` orders it within its
-    /// batch (deeper keys older, see `core::policy`). A disk-only object counts it towards
-    /// its promotion (`--promotion_admission_threshold`).
+    /// A read: a get, or a key of an existence batch's leading run, which the caller reads
+    /// next. Leased, and its recency (or protection) renewed; `stamp` orders it within its
+    /// batch (deeper keys older, see `core::policy`).
     Read(Instant),
-    /// A key of an existence batch's leading run, which the caller reads next: as a
-    /// [`Touch::Read`] for leases and eviction order, but not counted for promotion (the get
-    /// that follows is; upstream counts gets only, too).
-    Check(Instant),
     /// An existence check past the batch's first miss, which no prefix read can reach:
-    /// nothing changes (with `--eviction_policy=lru` it is a check, as upstream's).
+    /// nothing changes (with `--eviction_policy=lru` it is a read, as upstream's).
     Look,
 }

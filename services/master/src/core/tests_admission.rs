@@ -120,32 +120,35 @@ async fn a_chain_end_never_read_is_dropped_instead_of_written_to_disk() {
 }
 
 #[tokio::test]
-async fn a_disk_object_is_promoted_on_the_read_that_reaches_the_threshold() {
+async fn a_disk_object_is_promoted_on_the_request_that_reaches_the_threshold() {
     let (core, n) = core_of(
         EvictionPolicy::Cslru,
         8,
-        |c| c.promotion_on_hit = true,
+        |c| {
+            c.promotion_on_hit = true;
+            // A lease as long as upstream's, so the read window decides what one request is.
+            c.lease_ttl = Duration::from_secs(5);
+        },
         vec![disk_item("d", 1)],
     );
     assert_eq!(
         core.cfg.promotion_admission_threshold, 2,
         "upstream's default"
     );
-    // vLLM checks a request's keys (the leading run leases, as a get would) before it gets
-    // them: only the gets count.
-    for _ in 0..3 {
-        core.lookup("", "d", Touch::Check(Instant::now()))
-            .expect("exists");
-        core.lookup("", "d", Touch::Look).expect("exists");
-    }
+    // One request as vLLM makes it: an existence check of its keys, then the get (a cached
+    // client skips the get's lookup). Calls past a miss change nothing.
+    core.lookup("", "d", Touch::Look).expect("exists");
     read(&core, "d");
+    assert!(read(&core, "d").replicas[0].disk, "served from disk");
     assert_eq!(
         core.pending_promotions(),
         0,
-        "existence checks and one read do not admit it"
+        "the calls of one request count once"
     );
-    assert!(read(&core, "d").replicas[0].disk, "served from disk");
-    assert_eq!(core.pending_promotions(), 1, "the second read does");
+    // The next request, after the read window: admitted.
+    std::thread::sleep(Duration::from_millis(150));
+    read(&core, "d");
+    assert_eq!(core.pending_promotions(), 1, "the second request does");
     assert_eq!(core.run_promotions().await, 1);
     assert_eq!(n.promotes.lock().len(), 1);
     let loc = read(&core, "d");

@@ -377,7 +377,8 @@ pub(super) struct Object {
     pub(super) last_access: Instant,
     /// A promotion on hit is in flight (at most one per object).
     pub(super) promoting: bool,
-    /// Reads since it became disk-only, saturating: promotion's admission count
+    /// Requests that read it since it became disk-only (reads within the read window of the
+    /// last count as one), saturating: promotion's admission count
     /// (`--promotion_admission_threshold`). Kept beside the other small fields, so an object
     /// is no larger for it.
     pub(super) disk_reads: u8,

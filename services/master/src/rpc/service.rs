@@ -236,10 +236,10 @@ impl MasterService {
                 rpc,
                 keys,
                 |k| {
-                    let touch = match (rpc, leading) {
-                        (Rpc::BatchExistKey, true) => Touch::Check(chain_stamp(now, pos)),
-                        (Rpc::BatchExistKey, false) => Touch::Look,
-                        _ => Touch::Read(chain_stamp(now, pos)),
+                    let touch = if leading || rpc != Rpc::BatchExistKey {
+                        Touch::Read(chain_stamp(now, pos))
+                    } else {
+                        Touch::Look
                     };
                     pos += 1;
                     let r = check_key(k).and_then(|()| a.core.lookup(client_id, k, touch));
@@ -670,13 +670,9 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::ExistKeyRequest>,
     ) -> Result<Response<pb::ObjectLocation>, Status> {
         let a = self.admit(Access::Read)?;
-        // Like upstream, existence grants a lease too (the caller is about to read), but only
-        // the get that follows counts towards a promotion.
+        // Like upstream, existence grants a lease too (the caller is about to read).
         let req = request.into_inner();
-        let touch = Touch::Check(std::time::Instant::now());
-        let r = location(
-            check_key(&req.key).and_then(|()| a.core.lookup(&req.client_id, &req.key, touch)),
-        );
+        let r = self.get_one(&a.core, &req.client_id, &req.key);
         // A miss is an answer, not a failure.
         let missed = r.code == ErrorCode::ObjectNotFound.as_i32();
         let failed = r.code != 0 && !missed;
