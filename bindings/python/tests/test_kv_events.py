@@ -563,7 +563,10 @@ def test_eviction_removes_blocks(ctx):
 
 
 def test_offload_and_promotion_move_blocks_between_tiers(ctx, tmp_path, monkeypatch):
-    m = EventsMaster(["--enable_offload=true", "--promotion_on_hit=true", *SMALL_POOL])
+    # Promoted on its first get (upstream's default admission waits for a second request).
+    m = EventsMaster(
+        ["--enable_offload=true", "--promotion_on_hit=true", "--promotion_admission_threshold=1", *SMALL_POOL]
+    )
     # The store's disk tier directory (its only source, as upstream's).
     monkeypatch.setenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", str(tmp_path))
     store = Proc(
