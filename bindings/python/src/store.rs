@@ -1,22 +1,18 @@
 //! `MooncakeDistributedStore`: upstream's Python class over [`StoreClient`].
 
-use std::net::{IpAddr, ToSocketAddrs};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lunakv_client::{
-    ClientError, ClientOptions, ErrorCode, MasterWait, StoreClient, tenant_or_default,
-};
+use lunakv_client::{ClientError, ClientOptions, MasterWait, StoreClient, tenant_or_default};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::call::{INTERNAL_ERROR, code, count_code, detached, unit_code};
+use crate::host::{ResolveError, env, resolve_ip, strip_port};
 use crate::mem::{INVALID_PARAMS, PyInt, Range, RangeError, disjoint};
 use crate::types::{ReplicaDescriptor, ReplicateConfig};
 
-/// Answer of a call whose Rust side panicked (the panic is logged, never propagated).
-const INTERNAL_ERROR: i64 = ErrorCode::InternalError as i64;
 /// Upstream's setup defaults (16 MiB each).
 const DEFAULT_SETUP_SIZE: i128 = 16 << 20;
 /// How long `setup` waits for a master that is not reachable yet, unless
@@ -106,10 +102,6 @@ pub fn close_all(py: Python<'_>) {
     });
 }
 
-fn code(e: &ClientError) -> i64 {
-    i64::from(e.code().as_i32())
-}
-
 /// Puts `items`. With `upsert`, each key's current object is removed first
 /// ([`StoreClient::prepare_upsert`]) and a key whose removal failed is not put: its result is
 /// that failure.
@@ -136,23 +128,6 @@ fn put_items(
         .into_iter()
         .map(|p| p.and_then(|()| put.next().unwrap_or(Err(ClientError::Closed))))
         .collect()
-}
-
-/// Runs `f` with the GIL released and any panic turned into `on_panic`.
-pub(crate) fn detached<T, F>(py: Python<'_>, on_panic: T, f: F) -> T
-where
-    T: Send,
-    F: FnOnce() -> T + Send,
-{
-    py.detach(move || match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(v) => v,
-        Err(_) => {
-            tracing::error!(
-                "lunakv: internal error (a panic, reported above); the call returns INTERNAL_ERROR"
-            );
-            on_panic
-        }
-    })
 }
 
 /// What `setup` needs, from its positional form or from its config-dict form.
@@ -558,7 +533,7 @@ impl MooncakeDistributedStore {
     /// `display` is `tcp (rdma unavailable: <reason>)` as `lunakv status` shows it.
     fn _protocol_info(&self) -> Option<std::collections::HashMap<&'static str, String>> {
         self.client()
-            .map(|c| crate::engine::protocol_info(c.protocol()))
+            .map(|c| crate::host::protocol_info(c.protocol()))
     }
 
     /// This client's address: its segment ("host:port") in embedded mode, else the hostname
@@ -1397,28 +1372,6 @@ fn warn_session_limit<T>(call: &str, results: &[Result<T, ClientError>]) {
     }
 }
 
-/// 0, or the error's code (logged at debug: per-key failures are the caller's to handle).
-fn unit_code(what: &str, r: Result<(), ClientError>) -> i64 {
-    match r {
-        Ok(()) => 0,
-        Err(e) => {
-            tracing::debug!("lunakv: {what} failed: {e}");
-            code(&e)
-        }
-    }
-}
-
-/// The byte count, or the error's code.
-fn count_code(what: &str, r: Result<u64, ClientError>) -> i64 {
-    match r {
-        Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
-        Err(e) => {
-            tracing::debug!("lunakv: {what} failed: {e}");
-            code(&e)
-        }
-    }
-}
-
 /// Why setup refused its arguments (logged; setup returns -600).
 #[derive(Debug, thiserror::Error)]
 enum SetupError {
@@ -1437,18 +1390,6 @@ enum SetupError {
     NoHostname,
     #[error(transparent)]
     Resolve(#[from] ResolveError),
-}
-
-/// Why `local_hostname` gives no IP to bind to.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum ResolveError {
-    #[error("local_hostname '{host}' does not resolve ({source}): pass this host's IP")]
-    Unresolvable {
-        host: String,
-        source: std::io::Error,
-    },
-    #[error("local_hostname '{host}' resolves to no address: pass this host's IP")]
-    NoAddress { host: String },
 }
 
 fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, SetupError> {
@@ -1505,10 +1446,6 @@ fn warn_ignored_offload(key: &str) {
     );
 }
 
-pub(crate) fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
-}
-
 /// `ClientOptions` from setup's arguments plus the environment lunakv honours.
 fn options(a: &SetupArgs) -> Result<ClientOptions, SetupError> {
     let global_segment_size =
@@ -1554,40 +1491,4 @@ fn options(a: &SetupArgs) -> Result<ClientOptions, SetupError> {
         tenant_id: a.tenant_id.clone(),
         ..defaults
     })
-}
-
-/// "host", "host:port", "[v6]:port" -> the host part.
-pub(crate) fn strip_port(host: &str) -> &str {
-    if let Some(rest) = host.strip_prefix('[') {
-        return rest.split(']').next().unwrap_or(rest);
-    }
-    match host.rsplit_once(':') {
-        Some((h, p)) if !h.contains(':') && p.parse::<u16>().is_ok() => h,
-        _ => host,
-    }
-}
-
-/// The IP embedded mode binds its segment to: the address itself, or the name resolved
-/// (IPv4 preferred).
-pub(crate) fn resolve_ip(host: &str) -> Result<IpAddr, ResolveError> {
-    let h = strip_port(host);
-    if let Ok(ip) = h.parse::<IpAddr>() {
-        return Ok(ip);
-    }
-    let addrs: Vec<IpAddr> = (h, 0)
-        .to_socket_addrs()
-        .map_err(|source| ResolveError::Unresolvable {
-            host: host.to_string(),
-            source,
-        })?
-        .map(|s| s.ip())
-        .collect();
-    addrs
-        .iter()
-        .find(|ip| ip.is_ipv4())
-        .or(addrs.first())
-        .copied()
-        .ok_or_else(|| ResolveError::NoAddress {
-            host: host.to_string(),
-        })
 }
