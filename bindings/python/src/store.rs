@@ -8,7 +8,7 @@ use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::call::{INTERNAL_ERROR, code, count_code, detached, unit_code};
+use crate::call::{INTERNAL_ERROR, code, count_code, detached, scatter, unit_code};
 use crate::host::{ResolveError, env, resolve_ip, strip_port};
 use crate::mem::{INVALID_PARAMS, PyInt, Range, RangeError, disjoint};
 use crate::types::{ReplicaDescriptor, ReplicateConfig};
@@ -116,18 +116,13 @@ fn put_items(
     }
     let keys: Vec<&str> = items.iter().map(|(k, _)| *k).collect();
     let prepared = c.prepare_upsert(&keys);
-    let idx: Vec<usize> = (0..items.len()).filter(|&i| prepared[i].is_ok()).collect();
-    let ready: Vec<(&str, Vec<&[u8]>)> = idx
-        .iter()
-        .map(|&i| (items[i].0, items[i].1.clone()))
-        .collect();
-    let mut put = c
-        .batch_put(&ready, &cfg.select(items.len(), &idx))
-        .into_iter();
-    prepared
-        .into_iter()
-        .map(|p| p.and_then(|()| put.next().unwrap_or(Err(ClientError::Closed))))
-        .collect()
+    scatter(
+        items.iter().zip(prepared),
+        |((k, parts), p)| p.map(|()| (*k, parts.clone())).map_err(Err),
+        |ready, idx| c.batch_put(&ready, &cfg.select(items.len(), idx)),
+        |r| r,
+        || Err(ClientError::Closed),
+    )
 }
 
 /// What `setup` needs, from its positional form or from its config-dict form.
@@ -233,34 +228,27 @@ impl MooncakeDistributedStore {
         };
         let cfg = config.map(|c| c.to_client()).unwrap_or_default();
         detached(py, vec![INTERNAL_ERROR; n], move || {
-            let mut out = vec![INVALID_PARAMS; n];
-            let mut items = Vec::with_capacity(n);
-            let mut idx = Vec::with_capacity(n);
-            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
-                match r {
+            scatter(
+                keys.iter().zip(ranges),
+                |(key, r)| match r {
                     // SAFETY: the caller promised these ranges are valid readable memory for
                     // the duration of this call (module docs); they were checked by Range::new.
-                    Ok(parts) => {
-                        items.push((
-                            key.as_str(),
-                            parts.iter().map(|p| unsafe { p.slice() }).collect(),
-                        ));
-                        idx.push(i);
+                    Ok(parts) => Ok((
+                        key.as_str(),
+                        parts
+                            .iter()
+                            .map(|p| unsafe { p.slice() })
+                            .collect::<Vec<_>>(),
+                    )),
+                    Err(msg) => {
+                        tracing::error!("lunakv: put of '{key}' refused: {msg}");
+                        Err(INVALID_PARAMS)
                     }
-                    Err(msg) => tracing::error!("lunakv: put of '{key}' refused: {msg}"),
-                }
-            }
-            let cfg = cfg.select(n, &idx);
-            for (i, r) in idx.into_iter().zip(put_items(&c, &items, &cfg, upsert)) {
-                out[i] = match r {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        tracing::debug!("lunakv: put failed: {e}");
-                        code(&e)
-                    }
-                };
-            }
-            out
+                },
+                |items, idx| put_items(&c, &items, &cfg.select(n, idx), upsert),
+                |r| unit_code("put", r),
+                || INVALID_PARAMS,
+            )
         })
     }
 
@@ -344,37 +332,35 @@ impl MooncakeDistributedStore {
             return vec![INVALID_PARAMS; n];
         }
         detached(py, vec![INTERNAL_ERROR; n], move || {
-            let mut out = vec![INVALID_PARAMS; n];
-            let mut ks = Vec::with_capacity(n);
-            let mut dsts: Vec<Vec<&mut [u8]>> = Vec::with_capacity(n);
-            let mut idx = Vec::with_capacity(n);
-            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
-                match r {
+            scatter(
+                keys.iter().zip(ranges),
+                |(key, r)| match r {
                     // SAFETY: the caller promised these ranges are valid writable memory for the
                     // duration of this call; `disjoint` above proved no two of them overlap.
-                    Ok(parts) => {
-                        ks.push(key.as_str());
-                        dsts.push(parts.iter().map(|p| unsafe { p.slice_mut() }).collect());
-                        idx.push(i);
+                    Ok(parts) => Ok((
+                        key.as_str(),
+                        parts
+                            .iter()
+                            .map(|p| unsafe { p.slice_mut() })
+                            .collect::<Vec<_>>(),
+                    )),
+                    Err(msg) => {
+                        tracing::error!("lunakv: get of '{key}' refused: {msg}");
+                        Err(INVALID_PARAMS)
                     }
-                    Err(msg) => tracing::error!("lunakv: get of '{key}' refused: {msg}"),
-                }
-            }
-            let results = if ks.len() == 1 {
-                vec![c.get_into_parts(ks[0], &mut dsts[0])]
-            } else {
-                c.batch_get_into(&ks, &mut dsts)
-            };
-            for (i, r) in idx.into_iter().zip(results) {
-                out[i] = match r {
-                    Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
-                    Err(e) => {
-                        tracing::debug!("lunakv: get failed: {e}");
-                        code(&e)
+                },
+                |items, _| {
+                    let (ks, mut dsts): (Vec<&str>, Vec<Vec<&mut [u8]>>) =
+                        items.into_iter().unzip();
+                    if ks.len() == 1 {
+                        vec![c.get_into_parts(ks[0], &mut dsts[0])]
+                    } else {
+                        c.batch_get_into(&ks, &mut dsts)
                     }
-                };
-            }
-            out
+                },
+                |r| count_code("get", r),
+                || INVALID_PARAMS,
+            )
         })
     }
 
@@ -961,27 +947,27 @@ impl MooncakeDistributedStore {
         }
         let cfg = config.map(|c| c.to_client()).unwrap_or_default();
         detached(py, vec![INTERNAL_ERROR; n], move || {
-            let mut out = vec![INVALID_PARAMS; n];
-            let mut items = Vec::with_capacity(n);
-            let mut idx = Vec::with_capacity(n);
-            for (i, (key, size)) in keys.iter().zip(&sizes).enumerate() {
-                match u64::try_from(size.0) {
-                    Ok(s) => {
-                        items.push((key.as_str(), s));
-                        idx.push(i);
+            scatter(
+                keys.iter().zip(&sizes),
+                |(key, size)| match u64::try_from(size.0) {
+                    Ok(s) => Ok((key.as_str(), s)),
+                    Err(_) => {
+                        tracing::error!(
+                            "lunakv: put session of '{key}' refused: size {} is negative or too \
+                             large",
+                            size.0
+                        );
+                        Err(INVALID_PARAMS)
                     }
-                    Err(_) => tracing::error!(
-                        "lunakv: put session of '{key}' refused: size {} is negative or too large",
-                        size.0
-                    ),
-                }
-            }
-            let got = c.batch_put_session_start(&items, &cfg);
-            warn_session_limit("batch_put_session_start", &got);
-            for (i, r) in idx.into_iter().zip(got) {
-                out[i] = unit_code("put session start", r);
-            }
-            out
+                },
+                |items, _| {
+                    let got = c.batch_put_session_start(&items, &cfg);
+                    warn_session_limit("batch_put_session_start", &got);
+                    got
+                },
+                |r| unit_code("put session start", r),
+                || INVALID_PARAMS,
+            )
         })
     }
 
@@ -1006,30 +992,27 @@ impl MooncakeDistributedStore {
             return vec![INVALID_PARAMS; n];
         };
         detached(py, vec![INTERNAL_ERROR; n], move || {
-            let mut out = vec![INVALID_PARAMS; n];
-            let mut items = Vec::with_capacity(n);
-            let mut idx = Vec::with_capacity(n);
-            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
-                match r {
+            scatter(
+                keys.iter().zip(ranges),
+                |(key, r)| match r {
                     // SAFETY: the caller promised these ranges are valid readable memory for
                     // the duration of this call (module docs); they were checked by Range::new.
-                    Ok(parts) => {
-                        items.push((
-                            key.as_str(),
-                            parts
-                                .iter()
-                                .map(|(o, p)| (*o, unsafe { p.slice() }))
-                                .collect(),
-                        ));
-                        idx.push(i);
+                    Ok(parts) => Ok((
+                        key.as_str(),
+                        parts
+                            .iter()
+                            .map(|(o, p)| (*o, unsafe { p.slice() }))
+                            .collect::<Vec<_>>(),
+                    )),
+                    Err(msg) => {
+                        tracing::error!("lunakv: range put of '{key}' refused: {msg}");
+                        Err(INVALID_PARAMS)
                     }
-                    Err(msg) => tracing::error!("lunakv: range put of '{key}' refused: {msg}"),
-                }
-            }
-            for (i, r) in idx.into_iter().zip(c.batch_put_ranges(&items)) {
-                out[i] = count_code("range put", r);
-            }
-            out
+                },
+                |items, _| c.batch_put_ranges(&items),
+                |r| count_code("range put", r),
+                || INVALID_PARAMS,
+            )
         })
     }
 
@@ -1086,30 +1069,27 @@ impl MooncakeDistributedStore {
             return vec![INVALID_PARAMS; n];
         }
         detached(py, vec![INTERNAL_ERROR; n], move || {
-            let mut out = vec![INVALID_PARAMS; n];
-            let mut items = Vec::with_capacity(n);
-            let mut idx = Vec::with_capacity(n);
-            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
-                match r {
+            scatter(
+                keys.iter().zip(ranges),
+                |(key, r)| match r {
                     // SAFETY: the caller promised these ranges are valid writable memory for
                     // the duration of this call; `disjoint` above proved no two of them overlap.
-                    Ok(parts) => {
-                        items.push((
-                            key.as_str(),
-                            parts
-                                .iter()
-                                .map(|(o, p)| (*o, unsafe { p.slice_mut() }))
-                                .collect(),
-                        ));
-                        idx.push(i);
+                    Ok(parts) => Ok((
+                        key.as_str(),
+                        parts
+                            .iter()
+                            .map(|(o, p)| (*o, unsafe { p.slice_mut() }))
+                            .collect::<Vec<_>>(),
+                    )),
+                    Err(msg) => {
+                        tracing::error!("lunakv: range get of '{key}' refused: {msg}");
+                        Err(INVALID_PARAMS)
                     }
-                    Err(msg) => tracing::error!("lunakv: range get of '{key}' refused: {msg}"),
-                }
-            }
-            for (i, r) in idx.into_iter().zip(c.batch_get_ranges(&mut items)) {
-                out[i] = count_code("range get", r);
-            }
-            out
+                },
+                |mut items, _| c.batch_get_ranges(&mut items),
+                |r| count_code("range get", r),
+                || INVALID_PARAMS,
+            )
         })
     }
 
