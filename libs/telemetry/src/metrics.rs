@@ -1,7 +1,7 @@
 //! Registering a service's metrics: one call per metric, with its name, HELP text and (for
 //! histograms) bucket bounds, into a registry the service owns. Every service renders its
-//! registry with [`crate::render`], so the `# HELP` / `# TYPE` lines and the histogram series
-//! are written by one encoder, never by hand.
+//! registry with [`crate::render`], so its `# HELP` / `# TYPE` lines and histogram series are
+//! written by the prometheus encoder rather than by hand.
 //!
 //! Definitions are static, so a bad name or a name registered twice is a programming error:
 //! these functions panic on it (at startup, where a test meets it first).
