@@ -30,8 +30,9 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::call::detached;
+use crate::host::{env, protocol_info, resolve_ip, strip_port};
 use crate::mem::{Range, RangeError, disjoint};
-use crate::store::{detached, env, resolve_ip, strip_port};
 
 /// Upstream's transfer-engine error codes (mooncake-transfer-engine error.h).
 const ERR_INVALID_ARGUMENT: i64 = -1;
@@ -1023,16 +1024,6 @@ impl TransferEngine {
             ("out_of_bounds", s.out_of_bounds),
         ])
     }
-}
-
-/// The protocol choice as Python sees it: `{"requested", "effective", "reason", "display"}`.
-pub(crate) fn protocol_info(p: &ProtocolChoice) -> HashMap<&'static str, String> {
-    HashMap::from([
-        ("requested", p.requested.as_str().to_owned()),
-        ("effective", p.effective.as_str().to_owned()),
-        ("reason", p.reason_str().to_owned()),
-        ("display", p.to_string()),
-    ])
 }
 
 /// Upstream delivers a `TransferNotify` to the peer after the transfer; lunakv has no

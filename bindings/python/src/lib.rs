@@ -46,12 +46,17 @@
 //!
 //! Both share one process-wide `lunakv_transfer::TransferEngine` ([`shared`]): vLLM's
 //! MultiConnector[MooncakeConnector + MooncakeStoreConnector] runs them in one worker process,
-//! and its connections to a peer are pooled once.
+//! and its connections to a peer are pooled once. They also share how a call runs ([`call`]:
+//! without the GIL, panics caught, Mooncake's codes) and where this process is reached
+//! ([`host`]: `local_hostname`, the environment, the transport chosen); neither module imports
+//! the other.
 // The crate's API is the Python module; its Rust items are private on purpose, and the map above
 // links them for readers of `cargo doc --document-private-items`.
 #![allow(rustdoc::private_intra_doc_links)]
 
+mod call;
 mod engine;
+mod host;
 mod mem;
 mod shared;
 mod store;

@@ -1,22 +1,18 @@
 //! `MooncakeDistributedStore`: upstream's Python class over [`StoreClient`].
 
-use std::net::{IpAddr, ToSocketAddrs};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lunakv_client::{
-    ClientError, ClientOptions, ErrorCode, MasterWait, StoreClient, tenant_or_default,
-};
+use lunakv_client::{ClientError, ClientOptions, MasterWait, StoreClient, tenant_or_default};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::call::{INTERNAL_ERROR, code, count_code, detached, scatter, unit_code};
+use crate::host::{ResolveError, env, resolve_ip, strip_port};
 use crate::mem::{INVALID_PARAMS, PyInt, Range, RangeError, disjoint};
 use crate::types::{ReplicaDescriptor, ReplicateConfig};
 
-/// Answer of a call whose Rust side panicked (the panic is logged, never propagated).
-const INTERNAL_ERROR: i64 = ErrorCode::InternalError as i64;
 /// Upstream's setup defaults (16 MiB each).
 const DEFAULT_SETUP_SIZE: i128 = 16 << 20;
 /// How long `setup` waits for a master that is not reachable yet, unless
@@ -106,10 +102,6 @@ pub fn close_all(py: Python<'_>) {
     });
 }
 
-fn code(e: &ClientError) -> i64 {
-    i64::from(e.code().as_i32())
-}
-
 /// Puts `items`. With `upsert`, each key's current object is removed first
 /// ([`StoreClient::prepare_upsert`]) and a key whose removal failed is not put: its result is
 /// that failure.
@@ -124,35 +116,13 @@ fn put_items(
     }
     let keys: Vec<&str> = items.iter().map(|(k, _)| *k).collect();
     let prepared = c.prepare_upsert(&keys);
-    let idx: Vec<usize> = (0..items.len()).filter(|&i| prepared[i].is_ok()).collect();
-    let ready: Vec<(&str, Vec<&[u8]>)> = idx
-        .iter()
-        .map(|&i| (items[i].0, items[i].1.clone()))
-        .collect();
-    let mut put = c
-        .batch_put(&ready, &cfg.select(items.len(), &idx))
-        .into_iter();
-    prepared
-        .into_iter()
-        .map(|p| p.and_then(|()| put.next().unwrap_or(Err(ClientError::Closed))))
-        .collect()
-}
-
-/// Runs `f` with the GIL released and any panic turned into `on_panic`.
-pub(crate) fn detached<T, F>(py: Python<'_>, on_panic: T, f: F) -> T
-where
-    T: Send,
-    F: FnOnce() -> T + Send,
-{
-    py.detach(move || match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(v) => v,
-        Err(_) => {
-            tracing::error!(
-                "lunakv: internal error (a panic, reported above); the call returns INTERNAL_ERROR"
-            );
-            on_panic
-        }
-    })
+    scatter(
+        items.iter().zip(prepared),
+        |((k, parts), p)| p.map(|()| (*k, parts.clone())).map_err(Err),
+        |ready, idx| c.batch_put(&ready, &cfg.select(items.len(), idx)),
+        |r| r,
+        || Err(ClientError::Closed),
+    )
 }
 
 /// What `setup` needs, from its positional form or from its config-dict form.
@@ -258,34 +228,27 @@ impl MooncakeDistributedStore {
         };
         let cfg = config.map(|c| c.to_client()).unwrap_or_default();
         detached(py, vec![INTERNAL_ERROR; n], move || {
-            let mut out = vec![INVALID_PARAMS; n];
-            let mut items = Vec::with_capacity(n);
-            let mut idx = Vec::with_capacity(n);
-            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
-                match r {
+            scatter(
+                keys.iter().zip(ranges),
+                |(key, r)| match r {
                     // SAFETY: the caller promised these ranges are valid readable memory for
                     // the duration of this call (module docs); they were checked by Range::new.
-                    Ok(parts) => {
-                        items.push((
-                            key.as_str(),
-                            parts.iter().map(|p| unsafe { p.slice() }).collect(),
-                        ));
-                        idx.push(i);
+                    Ok(parts) => Ok((
+                        key.as_str(),
+                        parts
+                            .iter()
+                            .map(|p| unsafe { p.slice() })
+                            .collect::<Vec<_>>(),
+                    )),
+                    Err(msg) => {
+                        tracing::error!("lunakv: put of '{key}' refused: {msg}");
+                        Err(INVALID_PARAMS)
                     }
-                    Err(msg) => tracing::error!("lunakv: put of '{key}' refused: {msg}"),
-                }
-            }
-            let cfg = cfg.select(n, &idx);
-            for (i, r) in idx.into_iter().zip(put_items(&c, &items, &cfg, upsert)) {
-                out[i] = match r {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        tracing::debug!("lunakv: put failed: {e}");
-                        code(&e)
-                    }
-                };
-            }
-            out
+                },
+                |items, idx| put_items(&c, &items, &cfg.select(n, idx), upsert),
+                |r| unit_code("put", r),
+                || INVALID_PARAMS,
+            )
         })
     }
 
@@ -369,37 +332,35 @@ impl MooncakeDistributedStore {
             return vec![INVALID_PARAMS; n];
         }
         detached(py, vec![INTERNAL_ERROR; n], move || {
-            let mut out = vec![INVALID_PARAMS; n];
-            let mut ks = Vec::with_capacity(n);
-            let mut dsts: Vec<Vec<&mut [u8]>> = Vec::with_capacity(n);
-            let mut idx = Vec::with_capacity(n);
-            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
-                match r {
+            scatter(
+                keys.iter().zip(ranges),
+                |(key, r)| match r {
                     // SAFETY: the caller promised these ranges are valid writable memory for the
                     // duration of this call; `disjoint` above proved no two of them overlap.
-                    Ok(parts) => {
-                        ks.push(key.as_str());
-                        dsts.push(parts.iter().map(|p| unsafe { p.slice_mut() }).collect());
-                        idx.push(i);
+                    Ok(parts) => Ok((
+                        key.as_str(),
+                        parts
+                            .iter()
+                            .map(|p| unsafe { p.slice_mut() })
+                            .collect::<Vec<_>>(),
+                    )),
+                    Err(msg) => {
+                        tracing::error!("lunakv: get of '{key}' refused: {msg}");
+                        Err(INVALID_PARAMS)
                     }
-                    Err(msg) => tracing::error!("lunakv: get of '{key}' refused: {msg}"),
-                }
-            }
-            let results = if ks.len() == 1 {
-                vec![c.get_into_parts(ks[0], &mut dsts[0])]
-            } else {
-                c.batch_get_into(&ks, &mut dsts)
-            };
-            for (i, r) in idx.into_iter().zip(results) {
-                out[i] = match r {
-                    Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
-                    Err(e) => {
-                        tracing::debug!("lunakv: get failed: {e}");
-                        code(&e)
+                },
+                |items, _| {
+                    let (ks, mut dsts): (Vec<&str>, Vec<Vec<&mut [u8]>>) =
+                        items.into_iter().unzip();
+                    if ks.len() == 1 {
+                        vec![c.get_into_parts(ks[0], &mut dsts[0])]
+                    } else {
+                        c.batch_get_into(&ks, &mut dsts)
                     }
-                };
-            }
-            out
+                },
+                |r| count_code("get", r),
+                || INVALID_PARAMS,
+            )
         })
     }
 
@@ -558,7 +519,7 @@ impl MooncakeDistributedStore {
     /// `display` is `tcp (rdma unavailable: <reason>)` as `lunakv status` shows it.
     fn _protocol_info(&self) -> Option<std::collections::HashMap<&'static str, String>> {
         self.client()
-            .map(|c| crate::engine::protocol_info(c.protocol()))
+            .map(|c| crate::host::protocol_info(c.protocol()))
     }
 
     /// This client's address: its segment ("host:port") in embedded mode, else the hostname
@@ -986,27 +947,27 @@ impl MooncakeDistributedStore {
         }
         let cfg = config.map(|c| c.to_client()).unwrap_or_default();
         detached(py, vec![INTERNAL_ERROR; n], move || {
-            let mut out = vec![INVALID_PARAMS; n];
-            let mut items = Vec::with_capacity(n);
-            let mut idx = Vec::with_capacity(n);
-            for (i, (key, size)) in keys.iter().zip(&sizes).enumerate() {
-                match u64::try_from(size.0) {
-                    Ok(s) => {
-                        items.push((key.as_str(), s));
-                        idx.push(i);
+            scatter(
+                keys.iter().zip(&sizes),
+                |(key, size)| match u64::try_from(size.0) {
+                    Ok(s) => Ok((key.as_str(), s)),
+                    Err(_) => {
+                        tracing::error!(
+                            "lunakv: put session of '{key}' refused: size {} is negative or too \
+                             large",
+                            size.0
+                        );
+                        Err(INVALID_PARAMS)
                     }
-                    Err(_) => tracing::error!(
-                        "lunakv: put session of '{key}' refused: size {} is negative or too large",
-                        size.0
-                    ),
-                }
-            }
-            let got = c.batch_put_session_start(&items, &cfg);
-            warn_session_limit("batch_put_session_start", &got);
-            for (i, r) in idx.into_iter().zip(got) {
-                out[i] = unit_code("put session start", r);
-            }
-            out
+                },
+                |items, _| {
+                    let got = c.batch_put_session_start(&items, &cfg);
+                    warn_session_limit("batch_put_session_start", &got);
+                    got
+                },
+                |r| unit_code("put session start", r),
+                || INVALID_PARAMS,
+            )
         })
     }
 
@@ -1031,30 +992,27 @@ impl MooncakeDistributedStore {
             return vec![INVALID_PARAMS; n];
         };
         detached(py, vec![INTERNAL_ERROR; n], move || {
-            let mut out = vec![INVALID_PARAMS; n];
-            let mut items = Vec::with_capacity(n);
-            let mut idx = Vec::with_capacity(n);
-            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
-                match r {
+            scatter(
+                keys.iter().zip(ranges),
+                |(key, r)| match r {
                     // SAFETY: the caller promised these ranges are valid readable memory for
                     // the duration of this call (module docs); they were checked by Range::new.
-                    Ok(parts) => {
-                        items.push((
-                            key.as_str(),
-                            parts
-                                .iter()
-                                .map(|(o, p)| (*o, unsafe { p.slice() }))
-                                .collect(),
-                        ));
-                        idx.push(i);
+                    Ok(parts) => Ok((
+                        key.as_str(),
+                        parts
+                            .iter()
+                            .map(|(o, p)| (*o, unsafe { p.slice() }))
+                            .collect::<Vec<_>>(),
+                    )),
+                    Err(msg) => {
+                        tracing::error!("lunakv: range put of '{key}' refused: {msg}");
+                        Err(INVALID_PARAMS)
                     }
-                    Err(msg) => tracing::error!("lunakv: range put of '{key}' refused: {msg}"),
-                }
-            }
-            for (i, r) in idx.into_iter().zip(c.batch_put_ranges(&items)) {
-                out[i] = count_code("range put", r);
-            }
-            out
+                },
+                |items, _| c.batch_put_ranges(&items),
+                |r| count_code("range put", r),
+                || INVALID_PARAMS,
+            )
         })
     }
 
@@ -1111,30 +1069,27 @@ impl MooncakeDistributedStore {
             return vec![INVALID_PARAMS; n];
         }
         detached(py, vec![INTERNAL_ERROR; n], move || {
-            let mut out = vec![INVALID_PARAMS; n];
-            let mut items = Vec::with_capacity(n);
-            let mut idx = Vec::with_capacity(n);
-            for (i, (key, r)) in keys.iter().zip(ranges).enumerate() {
-                match r {
+            scatter(
+                keys.iter().zip(ranges),
+                |(key, r)| match r {
                     // SAFETY: the caller promised these ranges are valid writable memory for
                     // the duration of this call; `disjoint` above proved no two of them overlap.
-                    Ok(parts) => {
-                        items.push((
-                            key.as_str(),
-                            parts
-                                .iter()
-                                .map(|(o, p)| (*o, unsafe { p.slice_mut() }))
-                                .collect(),
-                        ));
-                        idx.push(i);
+                    Ok(parts) => Ok((
+                        key.as_str(),
+                        parts
+                            .iter()
+                            .map(|(o, p)| (*o, unsafe { p.slice_mut() }))
+                            .collect::<Vec<_>>(),
+                    )),
+                    Err(msg) => {
+                        tracing::error!("lunakv: range get of '{key}' refused: {msg}");
+                        Err(INVALID_PARAMS)
                     }
-                    Err(msg) => tracing::error!("lunakv: range get of '{key}' refused: {msg}"),
-                }
-            }
-            for (i, r) in idx.into_iter().zip(c.batch_get_ranges(&mut items)) {
-                out[i] = count_code("range get", r);
-            }
-            out
+                },
+                |mut items, _| c.batch_get_ranges(&mut items),
+                |r| count_code("range get", r),
+                || INVALID_PARAMS,
+            )
         })
     }
 
@@ -1397,28 +1352,6 @@ fn warn_session_limit<T>(call: &str, results: &[Result<T, ClientError>]) {
     }
 }
 
-/// 0, or the error's code (logged at debug: per-key failures are the caller's to handle).
-fn unit_code(what: &str, r: Result<(), ClientError>) -> i64 {
-    match r {
-        Ok(()) => 0,
-        Err(e) => {
-            tracing::debug!("lunakv: {what} failed: {e}");
-            code(&e)
-        }
-    }
-}
-
-/// The byte count, or the error's code.
-fn count_code(what: &str, r: Result<u64, ClientError>) -> i64 {
-    match r {
-        Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
-        Err(e) => {
-            tracing::debug!("lunakv: {what} failed: {e}");
-            code(&e)
-        }
-    }
-}
-
 /// Why setup refused its arguments (logged; setup returns -600).
 #[derive(Debug, thiserror::Error)]
 enum SetupError {
@@ -1437,18 +1370,6 @@ enum SetupError {
     NoHostname,
     #[error(transparent)]
     Resolve(#[from] ResolveError),
-}
-
-/// Why `local_hostname` gives no IP to bind to.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum ResolveError {
-    #[error("local_hostname '{host}' does not resolve ({source}): pass this host's IP")]
-    Unresolvable {
-        host: String,
-        source: std::io::Error,
-    },
-    #[error("local_hostname '{host}' resolves to no address: pass this host's IP")]
-    NoAddress { host: String },
 }
 
 fn setup_args_from_dict(d: &Bound<'_, PyDict>) -> Result<SetupArgs, SetupError> {
@@ -1505,10 +1426,6 @@ fn warn_ignored_offload(key: &str) {
     );
 }
 
-pub(crate) fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
-}
-
 /// `ClientOptions` from setup's arguments plus the environment lunakv honours.
 fn options(a: &SetupArgs) -> Result<ClientOptions, SetupError> {
     let global_segment_size =
@@ -1554,40 +1471,4 @@ fn options(a: &SetupArgs) -> Result<ClientOptions, SetupError> {
         tenant_id: a.tenant_id.clone(),
         ..defaults
     })
-}
-
-/// "host", "host:port", "[v6]:port" -> the host part.
-pub(crate) fn strip_port(host: &str) -> &str {
-    if let Some(rest) = host.strip_prefix('[') {
-        return rest.split(']').next().unwrap_or(rest);
-    }
-    match host.rsplit_once(':') {
-        Some((h, p)) if !h.contains(':') && p.parse::<u16>().is_ok() => h,
-        _ => host,
-    }
-}
-
-/// The IP embedded mode binds its segment to: the address itself, or the name resolved
-/// (IPv4 preferred).
-pub(crate) fn resolve_ip(host: &str) -> Result<IpAddr, ResolveError> {
-    let h = strip_port(host);
-    if let Ok(ip) = h.parse::<IpAddr>() {
-        return Ok(ip);
-    }
-    let addrs: Vec<IpAddr> = (h, 0)
-        .to_socket_addrs()
-        .map_err(|source| ResolveError::Unresolvable {
-            host: host.to_string(),
-            source,
-        })?
-        .map(|s| s.ip())
-        .collect();
-    addrs
-        .iter()
-        .find(|ip| ip.is_ipv4())
-        .or(addrs.first())
-        .copied()
-        .ok_or_else(|| ResolveError::NoAddress {
-            host: host.to_string(),
-        })
 }

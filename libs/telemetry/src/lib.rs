@@ -23,8 +23,9 @@
 //! metadata, and a binary form for lunakv's own transfer wire.
 //!
 //! [`render`] turns a Prometheus [`Registry`] into the text exposition format for a `/metrics`
-//! route. Registries are owned by each service instance, not global, so tests can run several
-//! services in one process.
+//! route; [`metrics`] registers a service's counters, gauges and histograms into one. Registries
+//! are owned by each service instance, not global, so tests can run several services in one
+//! process.
 //!
 //! [`shutdown_signal`] is the SIGTERM/SIGINT wait each binary hands its server to start the drain.
 //!
@@ -35,6 +36,7 @@
 pub mod announce;
 pub mod escape;
 mod export;
+pub mod metrics;
 pub mod propagate;
 mod shutdown;
 pub use announce::announce;

@@ -1,7 +1,10 @@
 //! Latency of the segment server's ops, in fixed buckets of atomics: one relaxed add per op on
 //! the serving threads, and a snapshot the store renders as a Prometheus histogram
-//! (`lunakv_store_transfer_op_duration_seconds{op}`). Kept here rather than as a prometheus
-//! histogram so that the transfer library does not depend on a metrics crate.
+//! (`lunakv_store_transfer_op_duration_seconds{op}`). Not a prometheus histogram (as the other
+//! services' are, through `lunakv_telemetry::metrics`): its observe adds a compare-and-swap
+//! loop for the sum to every op of the data path, and the library has no registry of its own
+//! (embedded segments have none at all), while a prometheus histogram cannot be filled from a
+//! snapshot at scrape time.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

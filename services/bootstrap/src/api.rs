@@ -1,32 +1,105 @@
 //! What the HTTP and gRPC APIs share: the registration path (lease validation, the registering
-//! peer, counting) and the counters `/metrics` serves.
+//! peer, counting) and the metrics `/metrics` serves.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use lunakv_telemetry::metrics::{counter, gauge};
+use prometheus::{IntCounter, IntGauge, Registry};
+
 use crate::state::{BootstrapState, Origin, RegisterError, Registered, Worker, on_peer_host};
 use crate::{BootstrapConfig, MAX_LEASE};
 
-/// Registration counters, served at `/metrics`.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub registrations: AtomicU64,
-    pub rejected: AtomicU64,
-    pub over_limit: AtomicU64,
-    pub unprobed: AtomicU64,
-    pub queries: AtomicU64,
+/// What `/metrics` serves: the registration counters, and gauges set from the table and the
+/// limits at each scrape. Each bootstrap owns its registry, so tests can run several in one
+/// process.
+pub(crate) struct Metrics {
+    registry: Registry,
+    pub registrations: IntCounter,
+    pub rejected: IntCounter,
+    pub over_limit: IntCounter,
+    pub unprobed: IntCounter,
+    pub queries: IntCounter,
+    pub engines: IntGauge,
+    pub workers: IntGauge,
+    pub registrations_limit: IntGauge,
+    pub per_peer_limit: IntGauge,
     /// When the last over-limit warning was logged (ms since the epoch): at most one a minute,
     /// however hard a peer pushes.
     last_limit_warn_ms: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let r = Registry::new();
+        Metrics {
+            engines: gauge(
+                &r,
+                "lunakv_bootstrap_engines",
+                "Data-parallel ranks with a live engine.",
+            ),
+            workers: gauge(
+                &r,
+                "lunakv_bootstrap_workers",
+                "Live worker registrations (leases not lapsed).",
+            ),
+            registrations: counter(
+                &r,
+                "lunakv_bootstrap_registrations_total",
+                "Accepted registrations, HTTP and gRPC (first registrations and renewals).",
+            ),
+            rejected: counter(
+                &r,
+                "lunakv_bootstrap_registrations_rejected_total",
+                "Refused registrations (engine id mismatch, duplicate, invalid, lease out of range).",
+            ),
+            over_limit: counter(
+                &r,
+                "lunakv_bootstrap_registrations_over_limit_total",
+                "New workers refused over --max-registrations or --max-registrations-per-peer.",
+            ),
+            unprobed: counter(
+                &r,
+                "lunakv_bootstrap_registrations_unprobed_total",
+                "New workers whose addr is not on the registering peer's host: never probed.",
+            ),
+            registrations_limit: gauge(
+                &r,
+                "lunakv_bootstrap_registrations_limit",
+                "Live workers the table holds at most (--max-registrations).",
+            ),
+            per_peer_limit: gauge(
+                &r,
+                "lunakv_bootstrap_registrations_per_peer_limit",
+                "Live workers one source IP may register (--max-registrations-per-peer).",
+            ),
+            queries: counter(&r, "lunakv_bootstrap_queries_total", "GET /query calls."),
+            last_limit_warn_ms: AtomicU64::new(0),
+            registry: r,
+        }
+    }
+}
+
+impl Metrics {
+    /// The families in the Prometheus text format.
+    pub fn render(&self) -> String {
+        lunakv_telemetry::render(&self.registry)
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
 }
 
 /// The table plus what every API needs around it.
 pub(crate) struct Api {
     pub state: Arc<dyn BootstrapState>,
     pub cfg: BootstrapConfig,
-    pub counters: Counters,
+    pub metrics: Metrics,
 }
 
 /// The lease a registration asked for: `None` or 0 is the default, else 1..=[`MAX_LEASE`] ms.
@@ -47,7 +120,7 @@ impl Api {
         lease_ttl_ms: Option<u64>,
         peer: IpAddr,
     ) -> Result<Registered, RegisterError> {
-        let c = &self.counters;
+        let c = &self.metrics;
         let origin = Origin {
             peer,
             probe: on_peer_host(&w.addr, peer, interface_addrs),
@@ -58,13 +131,13 @@ impl Api {
         };
         match &r {
             Ok(reg) => {
-                c.registrations.fetch_add(1, Ordering::Relaxed);
+                c.registrations.inc();
                 if !reg.renewed
                     && self.cfg.probe_workers
                     && !self.cfg.probe_any_host
                     && origin.probe.is_none()
                 {
-                    c.unprobed.fetch_add(1, Ordering::Relaxed);
+                    c.unprobed.inc();
                     tracing::warn!(
                         %peer, addr = %w.addr, engine_id = %w.engine_id, lease = ?reg.lease,
                         "registered, but its addr is not on the registering peer's host, so it is never probed: its lease lapses unless it registers again (--probe-any-host=true probes it anyway, e.g. behind NAT)"
@@ -72,7 +145,7 @@ impl Api {
                 }
             }
             Err(e @ (RegisterError::TableFull { .. } | RegisterError::PeerFull { .. })) => {
-                c.over_limit.fetch_add(1, Ordering::Relaxed);
+                c.over_limit.inc();
                 let now = crate::state::now_ms();
                 let last = c.last_limit_warn_ms.load(Ordering::Relaxed);
                 if now.saturating_sub(last) >= 60_000
@@ -85,7 +158,7 @@ impl Api {
             }
             Err(RegisterError::Unavailable(_)) => {}
             Err(_) => {
-                c.rejected.fetch_add(1, Ordering::Relaxed);
+                c.rejected.inc();
             }
         }
         r
@@ -133,6 +206,36 @@ fn interface_addrs() -> Vec<IpAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Users' dashboards (deploy/) read these names, types and HELP texts: they stay as they
+    /// were.
+    #[test]
+    fn metrics_keep_their_names_types_and_help() {
+        let m = Metrics::default();
+        m.queries.inc();
+        let text = m.render();
+        for line in [
+            "# HELP lunakv_bootstrap_engines Data-parallel ranks with a live engine.",
+            "# TYPE lunakv_bootstrap_engines gauge",
+            "# TYPE lunakv_bootstrap_workers gauge",
+            "# HELP lunakv_bootstrap_registrations_total Accepted registrations, HTTP and gRPC \
+             (first registrations and renewals).",
+            "# TYPE lunakv_bootstrap_registrations_total counter",
+            "# TYPE lunakv_bootstrap_registrations_rejected_total counter",
+            "# TYPE lunakv_bootstrap_registrations_over_limit_total counter",
+            "# TYPE lunakv_bootstrap_registrations_unprobed_total counter",
+            "# TYPE lunakv_bootstrap_registrations_limit gauge",
+            "# TYPE lunakv_bootstrap_registrations_per_peer_limit gauge",
+            "# HELP lunakv_bootstrap_queries_total GET /query calls.",
+            "# TYPE lunakv_bootstrap_queries_total counter",
+            "lunakv_bootstrap_queries_total 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing in\n{text}"
+            );
+        }
+    }
 
     #[test]
     fn interface_addresses_are_assigned_ones_only() {

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use axum::Json;
 use axum::Router;
@@ -66,7 +65,7 @@ async fn register(
     let Json(b) = match body {
         Ok(b) => b,
         Err(e) => {
-            app.counters.rejected.fetch_add(1, Ordering::Relaxed);
+            app.metrics.rejected.inc();
             return detail(StatusCode::BAD_REQUEST, e.body_text());
         }
     };
@@ -118,7 +117,7 @@ pub fn query_json(t: &Table) -> serde_json::Value {
 }
 
 async fn query(State(app): State<App>) -> Response {
-    app.counters.queries.fetch_add(1, Ordering::Relaxed);
+    app.metrics.queries.inc();
     match app.state.query().await {
         Ok(t) => Json(query_json(&t)).into_response(),
         Err(e) => detail(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
@@ -126,75 +125,18 @@ async fn query(State(app): State<App>) -> Response {
 }
 
 async fn metrics(State(app): State<App>) -> Response {
-    use std::fmt::Write;
     let (table, workers) = match (app.state.query().await, app.state.workers().await) {
         (Ok(t), Ok(w)) => (t, w.len()),
         (Err(e), _) | (_, Err(e)) => return detail(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     };
-    let c = &app.counters;
+    let m = &app.metrics;
     let limits = app.cfg.limits;
-    let rows: [(&str, &str, &str, u64); 9] = [
-        (
-            "engines",
-            "gauge",
-            "Data-parallel ranks with a live engine.",
-            table.entries.len() as u64,
-        ),
-        (
-            "workers",
-            "gauge",
-            "Live worker registrations (leases not lapsed).",
-            workers as u64,
-        ),
-        (
-            "registrations_total",
-            "counter",
-            "Accepted registrations, HTTP and gRPC (first registrations and renewals).",
-            c.registrations.load(Ordering::Relaxed),
-        ),
-        (
-            "registrations_rejected_total",
-            "counter",
-            "Refused registrations (engine id mismatch, duplicate, invalid, lease out of range).",
-            c.rejected.load(Ordering::Relaxed),
-        ),
-        (
-            "registrations_over_limit_total",
-            "counter",
-            "New workers refused over --max-registrations or --max-registrations-per-peer.",
-            c.over_limit.load(Ordering::Relaxed),
-        ),
-        (
-            "registrations_unprobed_total",
-            "counter",
-            "New workers whose addr is not on the registering peer's host: never probed.",
-            c.unprobed.load(Ordering::Relaxed),
-        ),
-        (
-            "registrations_limit",
-            "gauge",
-            "Live workers the table holds at most (--max-registrations).",
-            limits.max_registrations as u64,
-        ),
-        (
-            "registrations_per_peer_limit",
-            "gauge",
-            "Live workers one source IP may register (--max-registrations-per-peer).",
-            limits.max_per_peer as u64,
-        ),
-        (
-            "queries_total",
-            "counter",
-            "GET /query calls.",
-            c.queries.load(Ordering::Relaxed),
-        ),
-    ];
-    let mut out = String::new();
-    for (name, kind, help, v) in rows {
-        let _ = writeln!(out, "# HELP lunakv_bootstrap_{name} {help}");
-        let _ = writeln!(out, "# TYPE lunakv_bootstrap_{name} {kind}");
-        let _ = writeln!(out, "lunakv_bootstrap_{name} {v}");
-    }
+    let gauge = |g: &prometheus::IntGauge, v: usize| g.set(i64::try_from(v).unwrap_or(i64::MAX));
+    gauge(&m.engines, table.entries.len());
+    gauge(&m.workers, workers);
+    gauge(&m.registrations_limit, limits.max_registrations);
+    gauge(&m.per_peer_limit, limits.max_per_peer);
+    let mut out = m.render();
     out.push_str(&lunakv_telemetry::render_process("lunakv-bootstrap"));
     (
         [(

@@ -213,7 +213,7 @@ pub async fn serve(
     let api = Arc::new(api::Api {
         state: state.clone(),
         cfg: cfg.clone(),
-        counters: api::Counters::default(),
+        metrics: api::Metrics::default(),
     });
 
     let mut rx = stop_rx.clone();

@@ -4,7 +4,6 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
@@ -119,16 +118,12 @@ impl BodyBudget {
     pub fn reserve(&self, bytes: usize) -> Result<BodyPermit, OverBudget> {
         let n = kib(bytes);
         let permit = self.sem.clone().try_acquire_many_owned(n).map_err(|_| {
-            self.metrics
-                .body_budget_refused
-                .fetch_add(1, Ordering::Relaxed);
+            self.metrics.body_budget_refused.inc();
             OverBudget {
                 limit_bytes: self.limit_bytes,
             }
         })?;
-        self.metrics
-            .buffered_body_bytes
-            .fetch_add(i64::from(n) * 1024, Ordering::Relaxed);
+        self.metrics.buffered_body_bytes.add(i64::from(n) * 1024);
         Ok(BodyPermit {
             permit,
             metrics: self.metrics.clone(),
@@ -155,31 +150,26 @@ impl BodyBudget {
 impl Drop for BodyPermit {
     fn drop(&mut self) {
         let n = self.permit.num_permits() as i64;
-        self.metrics
-            .buffered_body_bytes
-            .fetch_sub(n * 1024, Ordering::Relaxed);
+        self.metrics.buffered_body_bytes.sub(n * 1024);
     }
 }
 
 /// Decrements a gauge once, when dropped.
 pub struct GaugeGuard {
     metrics: Arc<Metrics>,
-    which: fn(&Metrics) -> &std::sync::atomic::AtomicI64,
+    which: fn(&Metrics) -> &prometheus::IntGauge,
 }
 
 impl GaugeGuard {
-    pub fn new(
-        metrics: Arc<Metrics>,
-        which: fn(&Metrics) -> &std::sync::atomic::AtomicI64,
-    ) -> Self {
-        which(&metrics).fetch_add(1, Ordering::Relaxed);
+    pub fn new(metrics: Arc<Metrics>, which: fn(&Metrics) -> &prometheus::IntGauge) -> Self {
+        which(&metrics).inc();
         GaugeGuard { metrics, which }
     }
 }
 
 impl Drop for GaugeGuard {
     fn drop(&mut self) {
-        (self.which)(&self.metrics).fetch_sub(1, Ordering::Relaxed);
+        (self.which)(&self.metrics).dec();
     }
 }
 

@@ -8,7 +8,6 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -220,7 +219,7 @@ enum Attempt {
 impl Proxy {
     async fn handle(self, req: Request<Incoming>) -> Response<Body> {
         let m = &self.shared.metrics;
-        m.requests.fetch_add(1, Ordering::Relaxed);
+        m.requests.inc();
         let path = req.uri().path();
         if path == "/health" && req.method() == Method::GET {
             return Response::new(body::empty());
@@ -290,10 +289,7 @@ impl Proxy {
     }
 
     fn decode_error(&self, e: UpstreamError) -> Response<Body> {
-        self.shared
-            .metrics
-            .decode_errors
-            .fetch_add(1, Ordering::Relaxed);
+        self.shared.metrics.decode_errors.inc();
         // A decode engine still loading its model refuses every request: one line, not one
         // per request (counted in decode_errors either way).
         match &e {
@@ -437,7 +433,7 @@ impl Proxy {
 
     async fn disaggregate(&self, req: Request<Incoming>, target: String) -> Response<Body> {
         let shared = &self.shared;
-        shared.metrics.disaggregated.fetch_add(1, Ordering::Relaxed);
+        shared.metrics.disaggregated.inc();
         let (mut parts, body) = req.into_parts();
         parts.headers.remove(PREFILLER_HEADER);
         strip_hop(&mut parts.headers);
@@ -454,7 +450,7 @@ impl Proxy {
         if let Some(allow) = &shared.allow
             && !allow.allows(&host, port)
         {
-            shared.metrics.ssrf_denied.fetch_add(1, Ordering::Relaxed);
+            shared.metrics.ssrf_denied.inc();
             tracing::warn!(%target, "prefill target refused by SSRF protection");
             return error_response(
                 StatusCode::FORBIDDEN,
@@ -635,10 +631,7 @@ impl Proxy {
             return false;
         }
         *n += 1;
-        self.shared
-            .metrics
-            .prefill_retries
-            .fetch_add(1, Ordering::Relaxed);
+        self.shared.metrics.prefill_retries.inc();
         tokio::time::sleep(cfg.prefill_retry_backoff).await;
         true
     }
@@ -672,10 +665,7 @@ impl Proxy {
                 }
                 Ok(a) => {
                     self.shared.peers.reachable(PREFILL_ENGINE, &ctx.host_port);
-                    self.shared
-                        .metrics
-                        .prefill_failures
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.shared.metrics.prefill_failures.inc();
                     tracing::warn!(status = %a.status, "prefill answered an error");
                     if !a.retryable() {
                         return a.into_response();
@@ -683,10 +673,7 @@ impl Proxy {
                     a.into_response()
                 }
                 Err(e) => {
-                    self.shared
-                        .metrics
-                        .prefill_failures
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.shared.metrics.prefill_failures.inc();
                     self.log_prefill_failure(ctx, &e, "prefill failed");
                     self.prefill_error(&e)
                 }
@@ -735,10 +722,7 @@ impl Proxy {
         if let Some(e) = self.shared.cache.get(&key) {
             return Ok((e, true));
         }
-        self.shared
-            .metrics
-            .bootstrap_queries
-            .fetch_add(1, Ordering::Relaxed);
+        self.shared.metrics.bootstrap_queries.inc();
         let authority = self.bootstrap_authority(ctx);
         let url = format!("http://{authority}/query");
         let answer = |msg: &str| {
@@ -813,10 +797,7 @@ impl Proxy {
     fn drop_cache(&self, ctx: &Ctx, why: &str) {
         let key = format!("{}:{}", ctx.host, self.shared.cfg.bootstrap_port);
         if self.shared.cache.drop_entry(&key) {
-            self.shared
-                .metrics
-                .bootstrap_cache_drops
-                .fetch_add(1, Ordering::Relaxed);
+            self.shared.metrics.bootstrap_cache_drops.inc();
             tracing::info!(%key, why, "dropped the bootstrap cache entry");
         }
     }
@@ -847,10 +828,7 @@ impl Proxy {
     }
 
     fn prefill_failed(&self, ctx: &Ctx, r: Response<Body>, retry: bool) -> Attempt {
-        self.shared
-            .metrics
-            .prefill_failures
-            .fetch_add(1, Ordering::Relaxed);
+        self.shared.metrics.prefill_failures.inc();
         if retry {
             self.drop_cache(ctx, "prefill failed");
             Attempt::Retry(r)
@@ -869,10 +847,7 @@ impl Proxy {
             let (engines, from_cache) = match self.engines(ctx).await {
                 Ok(e) => e,
                 Err(r) => {
-                    self.shared
-                        .metrics
-                        .prefill_failures
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.shared.metrics.prefill_failures.inc();
                     return Attempt::Retry(r);
                 }
             };
@@ -948,10 +923,7 @@ impl Proxy {
                     self.drop_cache(ctx, "decode failed with a cached engine id");
                 }
                 Ok(resp) => {
-                    self.shared
-                        .metrics
-                        .decode_errors
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.shared.metrics.decode_errors.inc();
                     return Attempt::Done(self.relay(resp, None).await);
                 }
                 Err(e) => return Attempt::Done(self.decode_error(e)),

@@ -238,19 +238,19 @@ struct Inflight(Arc<Sim>);
 
 impl Inflight {
     fn new(sim: &Arc<Sim>) -> Inflight {
-        sim.stats.inflight.fetch_add(1, Ordering::Relaxed);
+        sim.stats.inflight.inc();
         Inflight(sim.clone())
     }
 }
 
 impl Drop for Inflight {
     fn drop(&mut self) {
-        self.0.stats.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.0.stats.inflight.dec();
     }
 }
 
 async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) -> Response {
-    sim.stats.requests.fetch_add(1, Ordering::Relaxed);
+    sim.stats.requests.inc();
     let guard = Inflight::new(&sim);
     let req: Value = match serde_json::from_slice(&body) {
         Ok(v @ Value::Object(_)) => v,
@@ -320,9 +320,7 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
         let cached = sim.prefix_hits(&tokens) * shape.block_tokens;
-        sim.stats
-            .remote_prefills_served
-            .fetch_add(1, Ordering::Relaxed);
+        sim.stats.remote_prefills_served.inc();
         match s("transfer_id") {
             // MooncakeConnector: the decoder comes to us with the transfer_id.
             Some(id) => sim.parked.put(&id, kv.clone()),
@@ -386,11 +384,11 @@ async fn generate(sim: Arc<Sim>, kind: Kind, headers: HeaderMap, body: Bytes) ->
                 );
             }
         };
-        sim.stats.remote_decodes.fetch_add(1, Ordering::Relaxed);
+        sim.stats.remote_decodes.inc();
         match pd::pull(&sim, remote, blocks).await {
             Ok(kv) => (kv, tokens.len()),
             Err(e) => {
-                sim.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                sim.stats.transfers_failed.inc();
                 tracing::warn!(error = %e, "remote prefill failed; failing the request (no silent recompute)");
                 return error(
                     StatusCode::INTERNAL_SERVER_ERROR,

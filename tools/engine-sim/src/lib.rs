@@ -43,9 +43,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use lunakv_telemetry::metrics::register;
 use lunakv_transfer::{
     MemoryRegistry, RegionServer, RegionServerConfig, TransferEngine, TransferOptions,
 };
+use prometheus::{IntCounter, IntGauge, Registry};
 use serde_json::json;
 
 pub use args::SimArgs;
@@ -114,20 +116,23 @@ impl ServiceTime {
     }
 }
 
-/// Counters behind `/sim/stats`.
-#[derive(Debug, Default)]
+/// Counters behind `/sim/stats`; those also served at `/metrics` are prometheus metrics in
+/// [`Stats::registry`], the rest plain atomics.
 pub struct Stats {
-    pub requests: AtomicU64,
-    pub remote_prefills_served: AtomicU64,
+    /// The `lunakv_engine_sim_*` families, labelled with this engine's role and id so that a
+    /// prefill and a decode engine scraped under one job stay apart.
+    pub registry: Registry,
+    pub requests: IntCounter,
+    pub remote_prefills_served: IntCounter,
     pub local_prefills: AtomicU64,
-    pub remote_decodes: AtomicU64,
-    pub kv_bytes_sent: AtomicU64,
-    pub kv_bytes_received: AtomicU64,
-    pub transfers_ok: AtomicU64,
-    pub transfers_failed: AtomicU64,
-    pub inflight: AtomicU64,
+    pub remote_decodes: IntCounter,
+    pub kv_bytes_sent: IntCounter,
+    pub kv_bytes_received: IntCounter,
+    pub transfers_ok: IntCounter,
+    pub transfers_failed: IntCounter,
+    pub inflight: IntGauge,
     /// HTTP connections accepted.
-    pub connections: AtomicU64,
+    pub connections: IntCounter,
     /// Connections this engine closed because they sat idle past its keep-alive.
     pub connections_closed_idle: AtomicU64,
     /// Connections the client closed (or that ended in an error other than the idle timeout).
@@ -142,6 +147,65 @@ pub struct Stats {
     pub last_request_id: parking_lot::Mutex<String>,
     /// Requests to paths this simulator does not implement, by path (answered 404).
     pub unrouted: parking_lot::Mutex<std::collections::BTreeMap<String, u64>>,
+}
+
+impl Stats {
+    /// Zeroed counters of the engine `engine_id` serving as `role`.
+    pub fn new(role: Role, engine_id: &str) -> Stats {
+        let r = Registry::new();
+        let labels = std::collections::HashMap::from([
+            ("role".to_owned(), format!("{role:?}").to_lowercase()),
+            ("engine_id".to_owned(), engine_id.to_owned()),
+        ]);
+        let opts = |name: &str, help: &str| {
+            prometheus::Opts::new(format!("lunakv_engine_sim_{name}"), help)
+                .const_labels(labels.clone())
+        };
+        let counter = |name: &str, help: &str| {
+            register(
+                &r,
+                IntCounter::with_opts(opts(name, help)).expect("static metric definition"),
+            )
+        };
+        Stats {
+            requests: counter("requests_total", "Generate requests answered."),
+            remote_prefills_served: counter(
+                "remote_prefills_served_total",
+                "Prefill requests served for a remote decoder.",
+            ),
+            local_prefills: AtomicU64::new(0),
+            remote_decodes: counter(
+                "remote_decodes_total",
+                "Decodes whose KV came from a prefill engine.",
+            ),
+            kv_bytes_sent: counter("kv_sent_bytes_total", "KV bytes written to decoders."),
+            kv_bytes_received: counter(
+                "kv_received_bytes_total",
+                "KV bytes received from prefill engines.",
+            ),
+            transfers_ok: counter("transfers_ok_total", "KV transfers that completed."),
+            transfers_failed: counter("transfers_failed_total", "KV transfers that failed."),
+            inflight: register(
+                &r,
+                IntGauge::with_opts(opts("inflight_requests", "Generate requests in progress."))
+                    .expect("static metric definition"),
+            ),
+            connections: counter("connections_total", "HTTP connections accepted."),
+            connections_closed_idle: AtomicU64::new(0),
+            connections_closed_by_peer: AtomicU64::new(0),
+            prefiller_header_seen: AtomicU64::new(0),
+            prefill_requests_not_minimal: AtomicU64::new(0),
+            last_request_id: parking_lot::Mutex::default(),
+            unrouted: parking_lot::Mutex::default(),
+            registry: r,
+        }
+    }
+}
+
+impl std::fmt::Debug for Stats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stats").finish_non_exhaustive()
+    }
 }
 
 /// The running simulator, shared by all handlers.
@@ -185,83 +249,10 @@ impl Sim {
 }
 
 impl Sim {
-    /// [`Sim::stats_json`]'s counters as Prometheus families (`lunakv_engine_sim_*`), labelled
-    /// with this engine's role and id so that a prefill and a decode engine scraped under one
-    /// job stay apart.
+    /// [`Sim::stats_json`]'s counters as Prometheus families (`lunakv_engine_sim_*`, labelled
+    /// with this engine's role and id).
     pub fn metrics_text(&self) -> String {
-        use std::fmt::Write as _;
-        let s = &self.stats;
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let labels = format!(
-            "role=\"{}\",engine_id=\"{}\"",
-            format!("{:?}", self.cfg.role).to_lowercase(),
-            lunakv_telemetry::escape_label(&self.cfg.engine_id)
-        );
-        let families: [(&str, &str, &str, u64); 9] = [
-            (
-                "requests_total",
-                "counter",
-                "Generate requests answered",
-                g(&s.requests),
-            ),
-            (
-                "remote_prefills_served_total",
-                "counter",
-                "Prefill requests served for a remote decoder",
-                g(&s.remote_prefills_served),
-            ),
-            (
-                "remote_decodes_total",
-                "counter",
-                "Decodes whose KV came from a prefill engine",
-                g(&s.remote_decodes),
-            ),
-            (
-                "kv_sent_bytes_total",
-                "counter",
-                "KV bytes written to decoders",
-                g(&s.kv_bytes_sent),
-            ),
-            (
-                "kv_received_bytes_total",
-                "counter",
-                "KV bytes received from prefill engines",
-                g(&s.kv_bytes_received),
-            ),
-            (
-                "transfers_ok_total",
-                "counter",
-                "KV transfers that completed",
-                g(&s.transfers_ok),
-            ),
-            (
-                "transfers_failed_total",
-                "counter",
-                "KV transfers that failed",
-                g(&s.transfers_failed),
-            ),
-            (
-                "inflight_requests",
-                "gauge",
-                "Generate requests in progress",
-                g(&s.inflight),
-            ),
-            (
-                "connections_total",
-                "counter",
-                "HTTP connections accepted",
-                g(&s.connections),
-            ),
-        ];
-        let mut out = String::new();
-        for (name, kind, help, v) in families {
-            let _ = writeln!(
-                out,
-                "# HELP lunakv_engine_sim_{name} {help}.\n# TYPE lunakv_engine_sim_{name} {kind}\n\
-                 lunakv_engine_sim_{name}{{{labels}}} {v}"
-            );
-        }
-        out
+        lunakv_telemetry::render(&self.stats.registry)
     }
 
     pub fn stats_json(&self) -> serde_json::Value {
@@ -272,17 +263,17 @@ impl Sim {
             "engine_id": self.cfg.engine_id,
             "dp_rank": self.cfg.dp_rank,
             "role": format!("{:?}", self.cfg.role).to_lowercase(),
-            "requests": g(&s.requests),
-            "remote_prefills_served": g(&s.remote_prefills_served),
+            "requests": s.requests.get(),
+            "remote_prefills_served": s.remote_prefills_served.get(),
             "local_prefills": g(&s.local_prefills),
-            "remote_decodes": g(&s.remote_decodes),
-            "kv_bytes_sent": g(&s.kv_bytes_sent),
-            "kv_bytes_received": g(&s.kv_bytes_received),
+            "remote_decodes": s.remote_decodes.get(),
+            "kv_bytes_sent": s.kv_bytes_sent.get(),
+            "kv_bytes_received": s.kv_bytes_received.get(),
             "region_bytes_written": rs.bytes_written,
-            "transfers_ok": g(&s.transfers_ok),
-            "transfers_failed": g(&s.transfers_failed),
-            "inflight": g(&s.inflight),
-            "connections": g(&s.connections),
+            "transfers_ok": s.transfers_ok.get(),
+            "transfers_failed": s.transfers_failed.get(),
+            "inflight": s.inflight.get(),
+            "connections": s.connections.get(),
             "connections_closed_idle": g(&s.connections_closed_idle),
             "connections_closed_by_peer": g(&s.connections_closed_by_peer),
             "parked_transfers": self.parked.len(),
@@ -416,11 +407,41 @@ async fn start_rank(cfg: SimConfig) -> Result<(Arc<Sim>, tokio::net::TcpListener
         transfer: Arc::new(TransferEngine::new(TransferOptions::default())),
         client: client::JsonClient::default(),
         parked: pd::Parked::default(),
-        stats: Stats::default(),
+        stats: Stats::new(cfg.role, &cfg.engine_id),
         registered: AtomicBool::new(false),
         prefix_cache: parking_lot::Mutex::new(std::collections::HashSet::new()),
         dp_peers: std::sync::OnceLock::new(),
         cfg,
     });
     Ok((sim, listener))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Dashboards and the sidecar's tests read these families: names, types, HELP texts and
+    /// labels stay as they were.
+    #[test]
+    fn metrics_keep_their_names_types_help_and_labels() {
+        let s = Stats::new(Role::Prefill, "e\"1");
+        s.kv_bytes_sent.inc_by(7);
+        let text = lunakv_telemetry::render(&s.registry);
+        let labels = "{engine_id=\"e\\\"1\",role=\"prefill\"}";
+        for line in [
+            "# HELP lunakv_engine_sim_requests_total Generate requests answered.".to_owned(),
+            "# TYPE lunakv_engine_sim_requests_total counter".to_owned(),
+            "# HELP lunakv_engine_sim_kv_sent_bytes_total KV bytes written to decoders.".to_owned(),
+            format!("lunakv_engine_sim_kv_sent_bytes_total{labels} 7"),
+            "# TYPE lunakv_engine_sim_inflight_requests gauge".to_owned(),
+            format!("lunakv_engine_sim_inflight_requests{labels} 0"),
+            "# TYPE lunakv_engine_sim_connections_total counter".to_owned(),
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing in\n{text}"
+            );
+        }
+        assert_eq!(text.matches("# TYPE ").count(), 9, "{text}");
+    }
 }

@@ -230,14 +230,12 @@ pub async fn serve_transfer(sim: Arc<Sim>, msg: TransferRequestMsg) -> serde_jso
     match res {
         Ok(None) => {
             sim.parked.remove(&msg.transfer_id);
-            sim.stats
-                .kv_bytes_sent
-                .fetch_add(need as u64, Ordering::Relaxed);
-            sim.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
+            sim.stats.kv_bytes_sent.inc_by(need as u64);
+            sim.stats.transfers_ok.inc();
             json!({ "status": "FINISH" })
         }
         Ok(Some(e)) => {
-            sim.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+            sim.stats.transfers_failed.inc();
             err(format!("writing KV into the decoder failed: {e}"))
         }
         Err(e) => err(format!("transfer task failed: {e}")),
@@ -335,8 +333,6 @@ pub async fn pull(sim: &Arc<Sim>, remote: Remote, blocks: usize) -> Result<Vec<u
     // FINISH orders the peer's writes before this read.
     let mut kv = region.to_vec();
     kv.truncate(blocks * bl);
-    sim.stats
-        .kv_bytes_received
-        .fetch_add(kv.len() as u64, Ordering::Relaxed);
+    sim.stats.kv_bytes_received.inc_by(kv.len() as u64);
     Ok(kv)
 }

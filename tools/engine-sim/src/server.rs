@@ -65,7 +65,7 @@ pub async fn serve(
             },
         };
         let _ = stream.set_nodelay(true);
-        sim.stats.connections.fetch_add(1, Ordering::Relaxed);
+        sim.stats.connections.inc();
         let conn = builder
             .serve_connection_with_upgrades(
                 TokioIo::new(stream),
