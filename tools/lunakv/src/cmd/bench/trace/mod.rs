@@ -310,12 +310,15 @@ fn replay(client: &StoreClient, trace: &[Request], plan: &TracePlan) -> anyhow::
     Ok(out)
 }
 
-/// The master's eviction, offload, disk-drop and promotion counters from its /metrics.
+/// The master's eviction, offload (and declined), disk-hit, disk-drop and promotion counters
+/// from its /metrics.
 fn scrape(admin: &str) -> BTreeMap<String, f64> {
-    const WANTED: [&str; 7] = [
+    const WANTED: [&str; 9] = [
         "master_evicted_keys_total",
         "master_successful_evictions_total",
         "master_offloaded_keys_total",
+        "master_offload_declined_total",
+        "master_disk_hits_total",
         "master_promotions_total",
         "master_put_start_alloc_failures_total",
         "master_eviction_lease_skipped_total",
