@@ -32,12 +32,10 @@ fn failpoints_store() -> PathBuf {
         .join("failpoints")
         .join(profile_dir.file_name().expect("profile"))
         .join("lunakv-store");
-    assert!(
-        p.exists(),
-        "{} is missing: build it with `cargo build -p lunakv-store --features failpoints \
-         --target-dir target/failpoints` (make test does)",
-        p.display()
-    );
+    let fix = "build it with `cargo build -p lunakv-store --features failpoints \
+         --target-dir target/failpoints` (make test does)";
+    assert!(p.exists(), "{} is missing: {fix}", p.display());
+    lunakv_tests::assert_fresh(&p, fix);
     p
 }
 
