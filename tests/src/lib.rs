@@ -493,14 +493,7 @@ fn get_within(addr: SocketAddr, path: &str, timeout: Duration) -> Option<(u16, S
     Some((r.status.as_u16(), r.text()))
 }
 
-/// A port on 127.0.0.1 that nothing listens on (probed and released: another process could
-/// take it in between, rare enough on a test machine).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
+pub use lunakv_meta::testing::free_port;
 
 /// Lines of `output` logged at WARN level (the fmt layer writes the level as ` WARN `, with or
 /// without colour codes around it).
