@@ -180,12 +180,11 @@ fn the_bootstrap_waits_for_etcd_then_serves_the_shared_table() {
         return;
     };
     etcd.kill();
-    let http_port = free_port();
     let mut b = Proc::spawn(
         "lunakv-bootstrap",
         &[
             "--host=127.0.0.1".to_owned(),
-            format!("--port={http_port}"),
+            "--port=0".to_owned(),
             "--grpc-port=0".to_owned(),
             format!("--etcd-endpoints={}", etcd.endpoint()),
             "--cluster-id=startup-test".to_owned(),
