@@ -326,7 +326,14 @@ fn tiny_disk_limit_drops_the_oldest_and_never_serves_wrong_bytes() {
     assert_eq!(put.len(), 64);
     assert!(dir_bytes(odir.path()) <= (4 << 20) + (1 << 20));
     assert!(metric(s.admin, "lunakv_store_disk_evicted_objects_total").unwrap_or(0.0) > 0.0);
-    std::thread::sleep(Duration::from_millis(1500));
+    // The reads below are judged against the master's index: wait until it names exactly the
+    // objects the store's disk tier holds (no drop still on its way to the master).
+    wait_until(Duration::from_secs(10), || {
+        let indexed = m.metric("master_disk_key_count")?;
+        (indexed > 0.0 && metric(s.admin, "lunakv_store_disk_objects") == Some(indexed))
+            .then_some(())
+    })
+    .expect("the master indexes what the disk tier holds");
     let mut served = 0;
     for i in &put {
         match c.get(&format!("k-{i}")) {
@@ -470,6 +477,8 @@ fn without_promotion_on_hit_nothing_is_promoted() {
     let i = spill_for_promotion(&m, &c);
     let key = format!("k-{i}");
     assert!(c.get(&key).expect("get from disk") == pattern(i, OBJ));
+    // The point of the test is an absence: the window in which a promotion, which runs in the
+    // background after the get, would have been seen. No condition marks its end.
     std::thread::sleep(Duration::from_millis(1500));
     let (_, body) = m.http_get(&format!("/query_key?key={key}"));
     assert!(
