@@ -200,8 +200,12 @@ fn kill9_mid_offload_serves_no_torn_object_and_recovers_the_rest() {
         metric(s2.admin, "lunakv_store_disk_objects").filter(|v| *v > 0.0)
     })
     .expect("disk objects recovered");
-    // Wait for the old segment to expire and the new mount to be the only one.
-    std::thread::sleep(Duration::from_secs(3));
+    // The restarted store's mount replaced the crashed one's segment of the same name; wait
+    // until the master indexes exactly what the recovered disk tier holds.
+    wait_until(Duration::from_secs(10), || {
+        (m.metric("master_disk_key_count") == Some(recovered)).then_some(())
+    })
+    .expect("the master indexes the recovered objects");
     let reader = tcp_requester(&m.addr());
     let mut served = 0;
     for i in &put {
