@@ -5,7 +5,8 @@
 //! prints once bound, and drive them through the client library and the CLI. This crate's
 //! library is the harness; the tests live in `tests/tests/e2e/`, one module per area in one binary.
 //!
-//! The binaries must be built first (`make test` does `cargo build --bins`).
+//! The binaries must be built first (`make test` does `cargo build --bins`); [`bin`] refuses
+//! one older than a source it was built from, since `cargo test` does not rebuild them.
 //! Processes start through `lunakv_launch`, as `lunakv up` and `lunakv bench` start them.
 #![forbid(unsafe_code)]
 
@@ -28,38 +29,125 @@ pub fn bin_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// Root of the workspace this harness was compiled in: its sources are what the binaries it
+/// starts must have been built from.
+fn workspace_root() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
 /// Path of one of the workspace's binaries; panics with the fix when it is not built, or when
 /// a source file it was built from changed since: `cargo test` does not rebuild the binaries
-/// these tests start, and a stale one would test old code.
+/// these tests start, and a stale one would test old code. Each binary is judged once per
+/// process.
 pub fn bin(name: &str) -> PathBuf {
     const FIX: &str = "build the binaries first (`cargo build --bins`, or `make test`)";
     let path = lunakv_launch::find_bin(&bin_dir(), name, FIX).unwrap_or_else(|e| panic!("{e}"));
-    static CHECKED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
-    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
-    if !checked.contains(&path) {
-        if let Some(source) = newer_source(&path) {
-            panic!(
-                "{} is older than {}, one of its sources: {FIX}",
-                path.display(),
-                source.display()
-            );
-        }
-        checked.push(path.clone());
-    }
+    assert_fresh(&path, FIX);
     path
 }
 
-/// A source file that cargo's dep-info for `bin` (`<bin>.d` beside it: `<bin>: <file> ...`)
-/// lists and that changed after `bin` was built; `None` when there is none or no dep-info.
-fn newer_source(bin: &Path) -> Option<PathBuf> {
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+/// Panics, naming the binary, the newer source and `fix`, when the binary at `path` (one this
+/// workspace builds, in any target dir) is older than a source it was built from. Each path is
+/// judged once per process.
+pub fn assert_fresh(path: &Path, fix: &str) {
+    static CHECKED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
+    if !checked.iter().any(|p| p == path) {
+        if let Some(stale) = newer_source(path, workspace_root()) {
+            panic!("{} is stale: {stale}; {fix}", path.display());
+        }
+        checked.push(path.to_path_buf());
+    }
+}
+
+/// Why a binary is stale: a source newer than it, and which rule found it.
+#[derive(Debug, PartialEq)]
+struct Stale {
+    source: PathBuf,
+    /// False when the binary's dep-info was missing or listed another checkout, so every
+    /// source of the workspace counted.
+    from_dep_info: bool,
+}
+
+impl std::fmt::Display for Stale {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} is newer than the binary", self.source.display())?;
+        if !self.from_dep_info {
+            write!(
+                f,
+                " (no dep-info of this checkout beside the binary, so the newest source of \
+                 the workspace counts)"
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A source file changed after `bin` was built, if any. The exact list is cargo's dep-info
+/// for `bin` (`<bin>.d` beside it: `<bin>: <file> ...`, every local source and build-script
+/// input it was built from), so editing a file that `bin` does not use never asks for a rebuild
+/// that would not touch it. When that list is missing, or names another checkout (a target dir
+/// copied from one), the rule falls back to every `*.rs`, `Cargo.toml` and `*.proto` under
+/// `libs/`, `services/`, `tools/`, `proto/` and `Cargo.lock`: never a stale binary passes.
+/// Manifests are left out of the exact list on purpose: cargo rebuilds nothing for most
+/// manifest edits, and a binary that `cargo build` leaves alone must not fail forever.
+fn newer_source(bin: &Path, workspace: &Path) -> Option<Stale> {
     let built = modified(bin)?;
+    let newer = |f: &PathBuf| modified(f).is_some_and(|t| t > built);
+    let found = |source, from_dep_info| Stale {
+        source,
+        from_dep_info,
+    };
+    match dep_info_sources(bin, workspace) {
+        Some(files) => files.into_iter().find(newer).map(|f| found(f, true)),
+        None => workspace_sources(workspace)
+            .into_iter()
+            .find(newer)
+            .map(|f| found(f, false)),
+    }
+}
+
+fn modified(p: &Path) -> Option<std::time::SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+/// The files `<bin>.d` lists, when it exists and every file in it lies in `workspace` or in
+/// the target dir `bin` is in (generated code); `None` otherwise.
+fn dep_info_sources(bin: &Path, workspace: &Path) -> Option<Vec<PathBuf>> {
     let deps = std::fs::read_to_string(bin.with_extension("d")).ok()?;
     let (_, files) = deps.split_once(": ")?;
-    files
-        .split_whitespace()
-        .map(PathBuf::from)
-        .find(|f| modified(f).is_some_and(|t| t > built))
+    let canonical = |p: &Path| std::fs::canonicalize(p).ok();
+    let roots = [canonical(workspace)?, canonical(bin.parent()?)?];
+    let files: Vec<PathBuf> = files.split_whitespace().map(PathBuf::from).collect();
+    let ours = |f: &PathBuf| canonical(f).is_some_and(|f| roots.iter().any(|r| f.starts_with(r)));
+    (!files.is_empty() && files.iter().all(ours)).then_some(files)
+}
+
+/// Every file the binaries of `workspace` can be built from: `Cargo.lock`, and each `*.rs`,
+/// `Cargo.toml` and `*.proto` under `libs/`, `services/`, `tools/` and `proto/`.
+fn workspace_sources(workspace: &Path) -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                if !name.starts_with('.') && name != "target" {
+                    walk(&path, out);
+                }
+            } else if name == "Cargo.toml" || name.ends_with(".rs") || name.ends_with(".proto") {
+                out.push(path);
+            }
+        }
+    }
+    let mut out = vec![workspace.join("Cargo.lock")];
+    for dir in ["libs", "services", "tools", "proto"] {
+        walk(&workspace.join(dir), &mut out);
+    }
+    out
 }
 
 /// Runs the `lunakv` CLI against `master` with `args`, `env` added to its environment.
@@ -405,14 +493,7 @@ fn get_within(addr: SocketAddr, path: &str, timeout: Duration) -> Option<(u16, S
     Some((r.status.as_u16(), r.text()))
 }
 
-/// A port on 127.0.0.1 that nothing listens on (probed and released: another process could
-/// take it in between, rare enough on a test machine).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
+pub use lunakv_meta::testing::free_port;
 
 /// Lines of `output` logged at WARN level (the fmt layer writes the level as ` WARN `, with or
 /// without colour codes around it).
@@ -450,7 +531,9 @@ mod stale_binary_tests {
     use super::*;
     use std::time::SystemTime;
 
-    fn touch(path: &Path, at: SystemTime) {
+    fn write_at(path: &Path, at: SystemTime) {
+        std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+        std::fs::write(path, b"x").expect("write");
         std::fs::File::options()
             .write(true)
             .open(path)
@@ -458,34 +541,86 @@ mod stale_binary_tests {
             .expect("set mtime");
     }
 
-    #[test]
-    fn a_binary_older_than_one_of_its_sources_is_found() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (bin, src, other) = (
-            dir.path().join("svc"),
-            dir.path().join("lib.rs"),
-            dir.path().join("main.rs"),
-        );
-        for p in [&bin, &src, &other] {
-            std::fs::write(p, b"x").expect("write");
+    /// A workspace with one crate, a binary built at `t0 + 10 s` from its sources written at
+    /// `t0`, and the binary's path.
+    fn workspace(ws: &Path, t0: SystemTime) -> PathBuf {
+        for f in [
+            "Cargo.lock",
+            "libs/a/Cargo.toml",
+            "libs/a/src/lib.rs",
+            "tools/b/src/main.rs",
+        ] {
+            write_at(&ws.join(f), t0);
         }
-        std::fs::write(
-            bin.with_extension("d"),
-            format!("{}: {} {}\n", bin.display(), other.display(), src.display()),
-        )
-        .expect("dep-info");
+        let bin = ws.join("target/debug/svc");
+        write_at(&bin, t0 + Duration::from_secs(10));
+        bin
+    }
+
+    fn dep_info(bin: &Path, files: &[PathBuf]) {
+        let files: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+        let line = format!("{}: {}\n", bin.display(), files.join(" "));
+        std::fs::write(bin.with_extension("d"), line).expect("dep-info");
+    }
+
+    fn stale(source: PathBuf, from_dep_info: bool) -> Option<Stale> {
+        Some(Stale {
+            source,
+            from_dep_info,
+        })
+    }
+
+    #[test]
+    fn dep_info_names_exactly_the_sources_that_count() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ws = dir.path();
         let t0 = SystemTime::now() - Duration::from_secs(60);
-        touch(&other, t0);
-        touch(&src, t0);
-        touch(&bin, t0 + Duration::from_secs(10));
-        assert_eq!(newer_source(&bin), None, "built after every source");
-        touch(&src, t0 + Duration::from_secs(20));
+        let bin = workspace(ws, t0);
+        let (lib, main) = (ws.join("libs/a/src/lib.rs"), ws.join("tools/b/src/main.rs"));
+        dep_info(&bin, std::slice::from_ref(&lib));
+        assert_eq!(newer_source(&bin, ws), None, "built after every source");
+        write_at(&main, t0 + Duration::from_secs(20));
         assert_eq!(
-            newer_source(&bin),
-            Some(src),
+            newer_source(&bin, ws),
+            None,
+            "a file the binary is not built from"
+        );
+        write_at(&lib, t0 + Duration::from_secs(20));
+        assert_eq!(
+            newer_source(&bin, ws),
+            stale(lib, true),
             "a source changed after the build"
         );
-        std::fs::remove_file(bin.with_extension("d")).expect("rm");
-        assert_eq!(newer_source(&bin), None, "no dep-info: nothing to judge");
+    }
+
+    #[test]
+    fn without_dep_info_of_this_checkout_every_workspace_source_counts() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ws = dir.path();
+        let t0 = SystemTime::now() - Duration::from_secs(60);
+        let bin = workspace(ws, t0);
+        write_at(&ws.join("libs/a/README.md"), t0 + Duration::from_secs(20));
+        write_at(&ws.join("tests/src/lib.rs"), t0 + Duration::from_secs(20));
+        assert_eq!(newer_source(&bin, ws), None, "no source changed");
+        let lock = ws.join("Cargo.lock");
+        write_at(&lock, t0 + Duration::from_secs(20));
+        assert_eq!(
+            newer_source(&bin, ws),
+            stale(lock.clone(), false),
+            "no dep-info"
+        );
+        write_at(&lock, t0);
+
+        let elsewhere = tempfile::tempdir().expect("another checkout");
+        let theirs = elsewhere.path().join("libs/a/src/lib.rs");
+        write_at(&theirs, t0);
+        dep_info(&bin, &[theirs]);
+        let proto = ws.join("proto/x.proto");
+        write_at(&proto, t0 + Duration::from_secs(20));
+        assert_eq!(
+            newer_source(&bin, ws),
+            stale(proto, false),
+            "dep-info of another checkout"
+        );
     }
 }

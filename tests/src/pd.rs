@@ -19,10 +19,7 @@ use crate::{Proc, fields};
 /// process could take one in between; rare enough on a test machine.
 pub fn free_port_run(n: u16) -> u16 {
     loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
+        let p = crate::free_port();
         if p.checked_add(n).is_none() {
             continue;
         }

@@ -189,10 +189,7 @@ impl Process {
             };
             if out.open == 0 || exited {
                 // Its last lines may still be in the pipes: read them before judging.
-                let until = Instant::now() + DRAIN;
-                while out.open > 0 && Instant::now() < until {
-                    out = self.wait_changed(out, until);
-                }
+                out = self.drained(out);
                 if let Some(v) = find(&out) {
                     return Ok(v);
                 }
@@ -222,6 +219,16 @@ impl Process {
         }
     }
 
+    /// `out` once the readers collected what the exited child printed last (its pipes
+    /// closed), or after [`DRAIN`] (a grandchild may hold them open).
+    fn drained<'a>(&'a self, mut out: MutexGuard<'a, Output>) -> MutexGuard<'a, Output> {
+        let until = Instant::now() + DRAIN;
+        while out.open > 0 && Instant::now() < until {
+            out = self.wait_changed(out, until);
+        }
+        out
+    }
+
     fn wait_changed<'a>(
         &'a self,
         out: MutexGuard<'a, Output>,
@@ -248,11 +255,14 @@ impl Process {
         self.try_exit().is_none()
     }
 
-    /// Waits up to `timeout` for the child to exit on its own.
+    /// Waits up to `timeout` for the child to exit on its own. Once it has, what it printed
+    /// last is in [`Process::output`]: a caller that reads the output after the exit would
+    /// otherwise race the reader threads for the child's last lines.
     pub fn exit_within(&self, timeout: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(st) = self.try_exit() {
+                drop(self.drained(self.shared.out()));
                 return Some(st);
             }
             if Instant::now() >= deadline {

@@ -54,6 +54,19 @@ fn a_line_printed_just_before_exit_is_still_found() {
 }
 
 #[test]
+fn after_an_exit_the_output_holds_every_line_the_child_printed() {
+    // A burst larger than the pipe's buffer: the reader is still working through it when the
+    // child is reaped.
+    let p = sh("yes line | head -n 100000; echo 'refused: offload mismatch' >&2; exit 1")
+        .spawn()
+        .unwrap();
+    assert_eq!(p.exit_within(WAIT).map(|s| s.code()), Some(Some(1)));
+    let out = p.output();
+    assert!(out.contains("refused: offload mismatch"), "{}", p.tail());
+    assert_eq!(out.lines().filter(|l| *l == "line").count(), 100_000);
+}
+
+#[test]
 fn a_silent_child_times_out_naming_what_was_awaited() {
     let p = sh("echo starting; exec sleep 30").spawn().unwrap();
     let e = p

@@ -7,15 +7,16 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lunakv_client::{ClientError, ClientOptions, StoreClient};
-use lunakv_tests::{Master, Proc, fields, free_port, http_get, pattern, tcp_requester, wait_until};
+use lunakv_tests::{Master, Proc, fields, http_get, pattern, tcp_requester, wait_until};
 
 const OBJ: usize = 512 << 10;
 
-/// A store-client with the SSD tier in `dir` on a fixed transfer `port` (so a restarted store
-/// has the same segment name).
+/// A store-client with the SSD tier in `dir`. It binds the transfer `port` it is given (0: any),
+/// and `port` is the one it bound, so a store restarted there has the same segment name.
 struct OffloadStore {
     proc: Proc,
     admin: SocketAddr,
+    port: u16,
 }
 
 fn start_store(master: &str, dir: &Path, port: u16, env: &[(&str, &str)]) -> OffloadStore {
@@ -32,12 +33,10 @@ fn failpoints_store() -> PathBuf {
         .join("failpoints")
         .join(profile_dir.file_name().expect("profile"))
         .join("lunakv-store");
-    assert!(
-        p.exists(),
-        "{} is missing: build it with `cargo build -p lunakv-store --features failpoints \
-         --target-dir target/failpoints` (make test does)",
-        p.display()
-    );
+    let fix = "build it with `cargo build -p lunakv-store --features failpoints \
+         --target-dir target/failpoints` (make test does)";
+    assert!(p.exists(), "{} is missing: {fix}", p.display());
+    lunakv_tests::assert_fresh(&p, fix);
     p
 }
 
@@ -79,7 +78,12 @@ fn start_store_bin(
         .get("admin")
         .and_then(|a| a.parse().ok())
         .expect("admin address");
-    OffloadStore { proc, admin }
+    let port = fields(&line)
+        .get("transfer")
+        .and_then(|a| a.parse::<SocketAddr>().ok())
+        .expect("transfer address")
+        .port();
+    OffloadStore { proc, admin, port }
 }
 
 fn metric(admin: SocketAddr, name: &str) -> Option<f64> {
@@ -113,7 +117,7 @@ fn spill_and_reload_every_key_comes_back() {
     let mdir = tempfile::tempdir().expect("tempdir");
     let odir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(mdir.path(), &["--enable_offload=true"]);
-    let s = start_store(&m.addr(), odir.path(), free_port(), &[]);
+    let s = start_store(&m.addr(), odir.path(), 0, &[]);
     let c = tcp_requester(&m.addr());
     // 32 MiB through an 8 MiB pool.
     let put = fill(&c, 64);
@@ -151,7 +155,7 @@ fn the_production_store_ignores_the_crash_failpoint() {
     let mut s = start_store(
         &m.addr(),
         odir.path(),
-        free_port(),
+        0,
         &[("LUNAKV_FAILPOINT_OFFLOAD_CRASH_AFTER_BYTES", "1")],
     );
     let c = tcp_requester(&m.addr());
@@ -172,13 +176,12 @@ fn kill9_mid_offload_serves_no_torn_object_and_recovers_the_rest() {
     let mdir = tempfile::tempdir().expect("tempdir");
     let odir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(mdir.path(), &["--enable_offload=true", "--client_ttl=2"]);
-    let port = free_port();
     // The store aborts in the middle of a bucket write once 6 MiB went to disk.
     let mut s = start_store_bin(
         Some(&failpoints_store()),
         &m.addr(),
         odir.path(),
-        port,
+        0,
         &[(
             "LUNAKV_FAILPOINT_OFFLOAD_CRASH_AFTER_BYTES",
             &(6u64 << 20 | 1234).to_string(),
@@ -192,13 +195,17 @@ fn kill9_mid_offload_serves_no_torn_object_and_recovers_the_rest() {
         "the failpoint should have killed the store"
     );
     // Restart on the same port and directory: the index is recovered, torn tails dropped.
-    let s2 = start_store(&m.addr(), odir.path(), port, &[]);
+    let s2 = start_store(&m.addr(), odir.path(), s.port, &[]);
     let recovered = wait_until(Duration::from_secs(10), || {
         metric(s2.admin, "lunakv_store_disk_objects").filter(|v| *v > 0.0)
     })
     .expect("disk objects recovered");
-    // Wait for the old segment to expire and the new mount to be the only one.
-    std::thread::sleep(Duration::from_secs(3));
+    // The restarted store's mount replaced the crashed one's segment of the same name; wait
+    // until the master indexes exactly what the recovered disk tier holds.
+    wait_until(Duration::from_secs(10), || {
+        (m.metric("master_disk_key_count") == Some(recovered)).then_some(())
+    })
+    .expect("the master indexes the recovered objects");
     let reader = tcp_requester(&m.addr());
     let mut served = 0;
     for i in &put {
@@ -224,8 +231,7 @@ fn a_flipped_byte_is_dropped_and_reported_never_served() {
     let mdir = tempfile::tempdir().expect("tempdir");
     let odir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(mdir.path(), &["--enable_offload=true"]);
-    let port = free_port();
-    let mut s = start_store(&m.addr(), odir.path(), port, &[]);
+    let mut s = start_store(&m.addr(), odir.path(), 0, &[]);
     let c = tcp_requester(&m.addr());
     let put = fill(&c, 48);
     assert_eq!(put.len(), 48);
@@ -242,7 +248,7 @@ fn a_flipped_byte_is_dropped_and_reported_never_served() {
     bytes[1000] ^= 0x5a;
     std::fs::write(&buckets[0], &bytes).expect("write bucket");
 
-    let s2 = start_store(&m.addr(), odir.path(), port, &[]);
+    let s2 = start_store(&m.addr(), odir.path(), s.port, &[]);
     let recovered = wait_until(Duration::from_secs(10), || {
         metric(s2.admin, "lunakv_store_disk_objects").filter(|v| *v > 0.0)
     })
@@ -290,7 +296,7 @@ fn unusable_directory_is_a_clear_error_and_dram_keeps_serving() {
     std::fs::write(&file, b"x").expect("write");
     let m = Master::start(mdir.path(), &["--enable_offload=true"]);
     // A directory below a regular file can never be created.
-    let s = start_store(&m.addr(), &file.join("offload"), free_port(), &[]);
+    let s = start_store(&m.addr(), &file.join("offload"), 0, &[]);
     assert!(
         s.proc
             .output()
@@ -316,7 +322,7 @@ fn tiny_disk_limit_drops_the_oldest_and_never_serves_wrong_bytes() {
     let s = start_store(
         &m.addr(),
         odir.path(),
-        free_port(),
+        0,
         &[("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", "4194304")],
     );
     let c = tcp_requester(&m.addr());
@@ -324,7 +330,14 @@ fn tiny_disk_limit_drops_the_oldest_and_never_serves_wrong_bytes() {
     assert_eq!(put.len(), 64);
     assert!(dir_bytes(odir.path()) <= (4 << 20) + (1 << 20));
     assert!(metric(s.admin, "lunakv_store_disk_evicted_objects_total").unwrap_or(0.0) > 0.0);
-    std::thread::sleep(Duration::from_millis(1500));
+    // The reads below are judged against the master's index: wait until it names exactly the
+    // objects the store's disk tier holds (no drop still on its way to the master).
+    wait_until(Duration::from_secs(10), || {
+        let indexed = m.metric("master_disk_key_count")?;
+        (indexed > 0.0 && metric(s.admin, "lunakv_store_disk_objects") == Some(indexed))
+            .then_some(())
+    })
+    .expect("the master indexes what the disk tier holds");
     let mut served = 0;
     for i in &put {
         match c.get(&format!("k-{i}")) {
@@ -380,13 +393,7 @@ fn mismatched_enable_offload_is_refused_or_reported() {
     // Master with offload, store without: reported (log + metric).
     let mdir2 = tempfile::tempdir().expect("tempdir");
     let m = Master::start(mdir2.path(), &["--enable_offload=true"]);
-    let _s = start_store_with(
-        &m.addr(),
-        odir.path(),
-        free_port(),
-        &[],
-        "--enable_offload=false",
-    );
+    let _s = start_store_with(&m.addr(), odir.path(), 0, &[], "--enable_offload=false");
     assert!(m.metric("master_offload_mismatch_total").unwrap_or(0.0) >= 1.0);
     assert!(m.proc.output().contains("offload mismatch"));
 
@@ -432,7 +439,7 @@ fn promotion_on_hit_brings_a_disk_object_back_to_dram() {
         mdir.path(),
         &["--enable_offload=true", "--promotion_on_hit=true"],
     );
-    let s = start_store(&m.addr(), odir.path(), free_port(), &[]);
+    let s = start_store(&m.addr(), odir.path(), 0, &[]);
     let c = tcp_requester(&m.addr());
     let i = spill_for_promotion(&m, &c);
     let key = format!("k-{i}");
@@ -477,11 +484,13 @@ fn without_promotion_on_hit_nothing_is_promoted() {
     let mdir = tempfile::tempdir().expect("tempdir");
     let odir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(mdir.path(), &["--enable_offload=true"]);
-    let _s = start_store(&m.addr(), odir.path(), free_port(), &[]);
+    let _s = start_store(&m.addr(), odir.path(), 0, &[]);
     let c = tcp_requester(&m.addr());
     let i = spill_for_promotion(&m, &c);
     let key = format!("k-{i}");
     assert!(c.get(&key).expect("get from disk") == pattern(i, OBJ));
+    // The point of the test is an absence: the window in which a promotion, which runs in the
+    // background after the get, would have been seen. No condition marks its end.
     std::thread::sleep(Duration::from_millis(1500));
     let (_, body) = m.http_get(&format!("/query_key?key={key}"));
     assert!(
@@ -506,7 +515,7 @@ fn offload_works_under_an_ha_master() {
         m.http_get("/role").1.contains("leader").then_some(())
     })
     .expect("the only master leads");
-    let _s = start_store(&url, odir.path(), free_port(), &[]);
+    let _s = start_store(&url, odir.path(), 0, &[]);
     let c = StoreClient::connect(ClientOptions {
         master_server_address: url.clone(),
         enable_shm: false,
@@ -581,8 +590,7 @@ fn sigterm_drains_dram_to_disk_and_the_restart_serves_every_object() {
     let mdir = tempfile::tempdir().expect("tempdir");
     let odir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(mdir.path(), &WATERMARK_OFFLOAD);
-    let port = free_port();
-    let mut s = start_store(&m.addr(), odir.path(), port, &[]);
+    let mut s = start_store(&m.addr(), odir.path(), 0, &[]);
     let c = tcp_requester(&m.addr());
     let (put, in_dram) = fill_and_settle(&c, &s);
     assert!(
@@ -594,7 +602,7 @@ fn sigterm_drains_dram_to_disk_and_the_restart_serves_every_object() {
     assert_eq!(code, Some(0), "a graceful stop exits 0");
 
     // A new process on the same directory, and a client that never saw these keys.
-    let s2 = start_store(&m.addr(), odir.path(), port, &[]);
+    let s2 = start_store(&m.addr(), odir.path(), s.port, &[]);
     let reader = tcp_requester(&m.addr());
     let mut lost = Vec::new();
     for i in &put {
@@ -638,11 +646,10 @@ fn a_zero_drain_budget_drops_the_dram_objects_and_reports_them() {
     let mdir = tempfile::tempdir().expect("tempdir");
     let odir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(mdir.path(), &WATERMARK_OFFLOAD);
-    let port = free_port();
     let mut s = start_store(
         &m.addr(),
         odir.path(),
-        port,
+        0,
         &[("LUNAKV_OFFLOAD_DRAIN_TIMEOUT_SEC", "0")],
     );
     let c = tcp_requester(&m.addr());
@@ -655,7 +662,7 @@ fn a_zero_drain_budget_drops_the_dram_objects_and_reports_them() {
     assert_eq!(log_field(&line, "drained"), Some(0), "{line}");
     assert_eq!(log_field(&line, "dropped"), Some(in_dram), "{line}");
 
-    let _s2 = start_store(&m.addr(), odir.path(), port, &[]);
+    let _s2 = start_store(&m.addr(), odir.path(), s.port, &[]);
     let reader = tcp_requester(&m.addr());
     let (mut served, mut missing) = (0, 0);
     for i in &put {
@@ -686,8 +693,7 @@ fn with_the_pool_token_every_dram_and_disk_entry_survives_restarts_with_its_proo
     let mdir = tempfile::tempdir().expect("tempdir");
     let odir = tempfile::tempdir().expect("tempdir");
     let mut m = Master::start(mdir.path(), &["--enable_offload=true"]);
-    let port = free_port();
-    let mut s = start_store(&m.addr(), odir.path(), port, &[]);
+    let mut s = start_store(&m.addr(), odir.path(), 0, &[]);
     for i in 0..N {
         let file = mdir.path().join(format!("v-{i}"));
         std::fs::write(&file, pattern(i, OBJ)).unwrap();
@@ -726,7 +732,7 @@ fn with_the_pool_token_every_dram_and_disk_entry_survives_restarts_with_its_proo
     every_object_is_served(&m, "after a master restart");
 
     assert_eq!(s.proc.terminate(Duration::from_secs(60)), Some(0));
-    let _s2 = start_store(&m.addr(), odir.path(), port, &[]);
+    let _s2 = start_store(&m.addr(), odir.path(), s.port, &[]);
     every_object_is_served(&m, "after a store restart");
 }
 
@@ -743,7 +749,7 @@ fn keys_the_disk_tier_dropped_are_never_present_and_take_a_new_put_at_once() {
     let s = start_store(
         &m.addr(),
         odir.path(),
-        free_port(),
+        0,
         &[
             ("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", "4194304"),
             ("LUNAKV_STORE_PING_INTERVAL_MS", "3600000"),

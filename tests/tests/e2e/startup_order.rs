@@ -11,7 +11,7 @@ use lunakv_client::{ClientOptions, MasterWait, StoreClient};
 use lunakv_meta::testing;
 use lunakv_tests::pd::{Bootstrap, Sidecar, Sim, post, request};
 use lunakv_tests::{
-    Master, Proc, Store, free_port, http_get, pattern, requester, wait_until, warn_lines,
+    Master, Proc, Store, child_env, free_port, http_get, pattern, requester, wait_until, warn_lines,
 };
 use serde_json::json;
 
@@ -180,12 +180,11 @@ fn the_bootstrap_waits_for_etcd_then_serves_the_shared_table() {
         return;
     };
     etcd.kill();
-    let http_port = free_port();
     let mut b = Proc::spawn(
         "lunakv-bootstrap",
         &[
             "--host=127.0.0.1".to_owned(),
-            format!("--port={http_port}"),
+            "--port=0".to_owned(),
             "--grpc-port=0".to_owned(),
             format!("--etcd-endpoints={}", etcd.endpoint()),
             "--cluster-id=startup-test".to_owned(),
@@ -265,6 +264,9 @@ fn the_sidecar_logs_an_absent_decoder_once_not_per_request() {
 fn a_prefill_engine_started_before_its_bootstrap_warns_once_then_registers() {
     let host: std::net::IpAddr = [127, 0, 0, 1].into();
     let port = free_port();
+    // Every failed attempt logs at DEBUG, so the test counts attempts instead of waiting a
+    // fixed time for them.
+    let _debug = child_env(&[("RUST_LOG", "info,lunakv_telemetry::wait=debug")]);
     let sim = Sim::start(
         host,
         0,
@@ -276,12 +278,28 @@ fn a_prefill_engine_started_before_its_bootstrap_warns_once_then_registers() {
     );
     sim.proc
         .wait_for_line("waiting for the bootstrap at", Duration::from_secs(20));
-    std::thread::sleep(Duration::from_secs(4));
+    // Six attempts (the first and five retries, 3 s of backoff) used to be six WARN lines.
+    const RETRIES: usize = 5;
+    let retried = |out: &str| {
+        out.lines()
+            .filter(|l| l.contains("DEBUG") && l.contains("still waiting for the bootstrap"))
+            .count()
+    };
+    wait_until(Duration::from_secs(30), || {
+        (retried(&sim.proc.output()) >= RETRIES).then_some(())
+    })
+    .unwrap_or_else(|| panic!("{RETRIES} retries expected:\n{}", sim.proc.output()));
     let out = sim.proc.output();
     let warns = warn_lines(&out);
-    assert_eq!(warns.len(), 1, "{} WARN lines in 4 s:\n{out}", warns.len());
+    let attempts = 1 + retried(&out);
+    assert_eq!(
+        warns.len(),
+        1,
+        "{} WARN lines in {attempts} attempts:\n{out}",
+        warns.len()
+    );
     println!(
-        "prefill engine: {} WARN line(s) in 4 s without its bootstrap",
+        "prefill engine: {} WARN line(s) in {attempts} attempts without its bootstrap",
         warns.len()
     );
 
