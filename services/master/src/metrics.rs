@@ -1,6 +1,7 @@
 //! The master's Prometheus metrics, under Mooncake's names, in a registry owned by one master
 //! (not global), so several masters can run in one test process.
 
+use lunakv_telemetry::metrics::{counter, gauge};
 use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 /// The RPCs counted as `master_<rpc>_requests_total` / `master_<rpc>_failures_total`.
@@ -170,20 +171,6 @@ impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Metrics").finish_non_exhaustive()
     }
-}
-
-fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
-    let g = IntGauge::with_opts(Opts::new(name, help)).expect("static metric definition");
-    r.register(Box::new(g.clone()))
-        .expect("metric names are unique within a fresh registry");
-    g
-}
-
-fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
-    let c = IntCounter::with_opts(Opts::new(name, help)).expect("static metric definition");
-    r.register(Box::new(c.clone()))
-        .expect("metric names are unique within a fresh registry");
-    c
 }
 
 impl Metrics {

@@ -21,6 +21,7 @@ use std::time::Duration;
 use lunakv_config::StoreConfig;
 use lunakv_master_client::{ClientError, MasterWait};
 use lunakv_segment::{HostDisk, HostOptions, SegmentHost};
+use lunakv_telemetry::metrics;
 use lunakv_transfer::{ProtocolChoice, WireProtocol};
 use prometheus::{IntCounter, IntGauge, IntGaugeVec, Registry};
 
@@ -307,21 +308,9 @@ pub(crate) struct Metrics {
 impl Metrics {
     fn new() -> Metrics {
         let registry = Registry::new();
-        let g = |name: &str, help: &str| {
-            let g = IntGauge::new(name, help).expect("static metric definition");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric name");
-            g
-        };
+        let g = |name: &str, help: &str| metrics::gauge(&registry, name, help);
         // Cumulative values sampled from the server's stats at scrape time, typed as counters.
-        let c = |name: &str, help: &str| {
-            let c = IntCounter::new(name, help).expect("static metric definition");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric name");
-            c
-        };
+        let c = |name: &str, help: &str| metrics::counter(&registry, name, help);
         Metrics {
             capacity: g(
                 "lunakv_store_segment_capacity_bytes",
@@ -447,20 +436,12 @@ impl Metrics {
                 "lunakv_device_copy_2d_split_runs_total",
                 "Runs of device copies copied in parts after their 2D copy was refused",
             ),
-            protocol_info: {
-                let v = IntGaugeVec::new(
-                    prometheus::Opts::new(
-                        "lunakv_store_protocol_info",
-                        "Protocol --protocol asked for, the one served, and why they differ",
-                    ),
-                    &["requested", "effective", "reason"],
-                )
-                .expect("static metric definition");
-                registry
-                    .register(Box::new(v.clone()))
-                    .expect("unique metric name");
-                v
-            },
+            protocol_info: metrics::gauge_vec(
+                &registry,
+                "lunakv_store_protocol_info",
+                "Protocol --protocol asked for, the one served, and why they differ",
+                &["requested", "effective", "reason"],
+            ),
             registry,
         }
     }
