@@ -121,16 +121,21 @@ async fn a_chain_end_never_read_is_dropped_instead_of_written_to_disk() {
 
 #[tokio::test]
 async fn a_disk_object_is_promoted_on_the_request_that_reaches_the_threshold() {
-    let (core, n) = core_of(
-        EvictionPolicy::Cslru,
-        8,
-        |c| {
-            c.promotion_on_hit = true;
-            // A lease as long as upstream's, so the read window decides what one request is.
-            c.lease_ttl = Duration::from_secs(5);
-        },
-        vec![disk_item("d", 1)],
-    );
+    // The read window decides what one request is; each core fixes it so that no stall of a
+    // busy machine between two calls can change the answer.
+    let with_window = |window: Duration| {
+        core_of(
+            EvictionPolicy::Cslru,
+            8,
+            move |c| {
+                c.promotion_on_hit = true;
+                c.lease_ttl = Duration::from_secs(600);
+                c.read_window = window;
+            },
+            vec![disk_item("d", 1)],
+        )
+    };
+    let (core, _) = with_window(Duration::from_secs(300));
     assert_eq!(
         core.cfg.promotion_admission_threshold, 2,
         "upstream's default"
@@ -140,15 +145,20 @@ async fn a_disk_object_is_promoted_on_the_request_that_reaches_the_threshold() {
     core.lookup("", "d", Touch::Look).expect("exists");
     read(&core, "d");
     assert!(read(&core, "d").replicas[0].disk, "served from disk");
+    read(&core, "d");
     assert_eq!(
         core.pending_promotions(),
         0,
         "the calls of one request count once"
     );
-    // The next request, after the read window: admitted.
-    std::thread::sleep(Duration::from_millis(150));
+
+    // Every read its own request (no window): the second admits it.
+    let (core, n) = with_window(Duration::ZERO);
+    core.lookup("", "d", Touch::Look).expect("exists");
     read(&core, "d");
-    assert_eq!(core.pending_promotions(), 1, "the second request does");
+    assert_eq!(core.pending_promotions(), 0, "one request is not enough");
+    read(&core, "d");
+    assert_eq!(core.pending_promotions(), 1, "the second request is");
     assert_eq!(core.run_promotions().await, 1);
     assert_eq!(n.promotes.lock().len(), 1);
     let loc = read(&core, "d");

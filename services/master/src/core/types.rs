@@ -32,6 +32,10 @@ pub struct CoreConfig {
     pub promotion_admission_threshold: u8,
     /// Promotions reserved and not yet confirmed, at most.
     pub promotion_queue_limit: usize,
+    /// A lookup this recent still has its reader copying (eviction passes it over), and a read
+    /// this soon after the last is the same request (promotion's admission). Not a flag:
+    /// 100 ms (`cslru::READ_WINDOW`); tests set it so their timing cannot matter.
+    pub read_window: Duration,
     /// Keys a client must put in a namespace before the unshared-instances rule counts it
     /// (`namespace_min_keys`; see [`crate::namespaces`]).
     pub namespace_min_keys: u64,
@@ -89,6 +93,7 @@ impl CoreConfig {
                 .unwrap_or(u8::MAX)
                 .max(1),
             promotion_queue_limit: usize::try_from(c.promotion_queue_limit).unwrap_or(usize::MAX),
+            read_window: super::cslru::READ_WINDOW,
             namespace_min_keys: c.namespace_min_keys,
             max_keys: c.max_keys,
             put_reservation_limit_ratio: c.put_reservation_limit_ratio,
