@@ -27,6 +27,6 @@ pub mod startup;
 pub use connect::{MasterInject, Rpc, bearer, connect_endpoint, master_tls, rpc_error};
 pub use error::ClientError;
 pub use link::MasterLink;
-pub use location::{Location, LocationError, ReplicaLocation};
+pub use location::{Location, LocationError, ReplicaLocation, segment_table};
 pub use probe::{MasterTls, probe_master_tls};
 pub use startup::MasterWait;

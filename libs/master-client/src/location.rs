@@ -7,8 +7,8 @@ use lunakv_transfer::Target;
 /// range that does not fit. The caller reports it as a master failure.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LocationError {
-    #[error("replica without a segment descriptor")]
-    NoSegment,
+    #[error("replica names segment {index} of an answer that lists {table}")]
+    NoSegment { index: u32, table: usize },
     #[error("segment '{0}' has no transfer endpoint")]
     NoEndpoint(String),
     #[error("replica on '{segment}' holds {replica} bytes, object has {object}")]
@@ -53,12 +53,19 @@ pub struct Location {
     pub replicas: Vec<ReplicaLocation>,
 }
 
-/// A replica of an object of the given size.
-impl TryFrom<(&pb::Replica, u64)> for ReplicaLocation {
+/// A replica of an object of the given size, its segment looked up in the answer's table.
+impl TryFrom<(&pb::Replica, u64, &[pb::SegmentDescriptor])> for ReplicaLocation {
     type Error = LocationError;
 
-    fn try_from((r, object_size): (&pb::Replica, u64)) -> Result<ReplicaLocation, LocationError> {
-        let seg = r.segment.as_ref().ok_or(LocationError::NoSegment)?;
+    fn try_from(
+        (r, object_size, segments): (&pb::Replica, u64, &[pb::SegmentDescriptor]),
+    ) -> Result<ReplicaLocation, LocationError> {
+        let seg = segments
+            .get(r.segment as usize)
+            .ok_or(LocationError::NoSegment {
+                index: r.segment,
+                table: segments.len(),
+            })?;
         if seg.transfer_endpoint.is_empty() {
             return Err(LocationError::NoEndpoint(seg.name.clone()));
         }
@@ -107,12 +114,25 @@ impl TryFrom<(&pb::Replica, u64)> for ReplicaLocation {
     }
 }
 
-/// A put placement (memory replicas only) for an object of the given size.
-impl TryFrom<(&pb::PutStartResponse, u64)> for Location {
+/// The segment table a result's replicas index: its own when it came alone, else the batch's
+/// (a result inside a batch answer leaves its own empty).
+pub fn segment_table<'a>(
+    own: &'a [pb::SegmentDescriptor],
+    batch: &'a [pb::SegmentDescriptor],
+) -> &'a [pb::SegmentDescriptor] {
+    if own.is_empty() { batch } else { own }
+}
+
+/// A put placement (memory replicas only) for an object of the given size; `batch` is the
+/// table of the answer around it (empty for a single PutStart).
+impl TryFrom<(&pb::PutStartResponse, u64, &[pb::SegmentDescriptor])> for Location {
     type Error = LocationError;
 
-    fn try_from((resp, size): (&pb::PutStartResponse, u64)) -> Result<Location, LocationError> {
-        Self::build(resp.generation, size, &resp.replicas)
+    fn try_from(
+        (resp, size, batch): (&pb::PutStartResponse, u64, &[pb::SegmentDescriptor]),
+    ) -> Result<Location, LocationError> {
+        let segments = segment_table(&resp.segments, batch);
+        Self::build(resp.generation, size, &resp.replicas, segments)
     }
 }
 
@@ -132,6 +152,7 @@ impl Location {
         generation: u64,
         size: u64,
         replicas: &[pb::Replica],
+        segments: &[pb::SegmentDescriptor],
     ) -> Result<Location, LocationError> {
         // Memory replicas first (one transfer away), then disk ones (the owner reads its disk).
         let mem = pb::ReplicaKind::Memory as i32;
@@ -140,7 +161,7 @@ impl Location {
             .iter()
             .filter(|r| r.kind == mem)
             .chain(replicas.iter().filter(|r| r.kind == disk))
-            .map(|r| ReplicaLocation::try_from((r, size)))
+            .map(|r| ReplicaLocation::try_from((r, size, segments)))
             .collect::<Result<Vec<_>, _>>()?;
         if replicas.is_empty() {
             return Err(LocationError::NoReplica);
@@ -153,10 +174,15 @@ impl Location {
     }
 }
 
-impl TryFrom<&pb::ObjectLocation> for Location {
+/// An object's location; `batch` is the table of the answer around it (empty for a single
+/// lookup).
+impl TryFrom<(&pb::ObjectLocation, &[pb::SegmentDescriptor])> for Location {
     type Error = LocationError;
 
-    fn try_from(l: &pb::ObjectLocation) -> Result<Location, LocationError> {
-        Location::build(l.generation, l.size, &l.replicas)
+    fn try_from(
+        (l, batch): (&pb::ObjectLocation, &[pb::SegmentDescriptor]),
+    ) -> Result<Location, LocationError> {
+        let segments = segment_table(&l.segments, batch);
+        Location::build(l.generation, l.size, &l.replicas, segments)
     }
 }

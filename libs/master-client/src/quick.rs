@@ -316,7 +316,13 @@ mod tests {
                             ..Default::default()
                         })
                         .collect();
-                    quick::encode_ok(&pb::BatchObjectLocations { results }.encode_to_vec())
+                    quick::encode_ok(
+                        &pb::BatchObjectLocations {
+                            results,
+                            segments: Vec::new(),
+                        }
+                        .encode_to_vec(),
+                    )
                 };
                 s.write_all(&out).unwrap();
             }

@@ -190,7 +190,7 @@ impl ReplicaKind {
 }
 
 /// One replica of an object, as the master lists it (`Replica`). `segment` is `None` when the
-/// master named none.
+/// index the master sent is outside its answer's segment table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaDesc {
     pub segment: Option<Segment>,
@@ -200,8 +200,9 @@ pub struct ReplicaDesc {
     pub kind: Result<ReplicaKind, i32>,
 }
 
-impl From<pb::Replica> for ReplicaDesc {
-    fn from(r: pb::Replica) -> Self {
+/// A replica with the segment table of the answer that carried it.
+impl From<(&pb::Replica, &[pb::SegmentDescriptor])> for ReplicaDesc {
+    fn from((r, segments): (&pb::Replica, &[pb::SegmentDescriptor])) -> Self {
         let kind = match pb::ReplicaKind::try_from(r.kind) {
             Ok(pb::ReplicaKind::Memory) => Ok(ReplicaKind::Memory),
             Ok(pb::ReplicaKind::Disk) => Ok(ReplicaKind::Disk),
@@ -209,7 +210,7 @@ impl From<pb::Replica> for ReplicaDesc {
             Err(_) => Err(r.kind),
         };
         ReplicaDesc {
-            segment: r.segment.map(Segment::from),
+            segment: segments.get(r.segment as usize).cloned().map(Segment::from),
             offset: r.offset,
             size: r.size,
             kind,

@@ -11,9 +11,9 @@ use lunakv_transfer::{SegmentServer, TransferEngine, TransferOptions, TransferRe
 
 use lunakv_master_client::{LocationError, ReplicaLocation};
 
-/// Why one move failed; its text goes back to the master in the result.
-#[derive(Debug, thiserror::Error)]
-enum MoveError {
+/// A move the master sent that cannot be used as it stands.
+#[derive(Debug, Clone, thiserror::Error)]
+enum Unusable {
     #[error("the move names no {0} replica")]
     Missing(&'static str),
     #[error("{which} replica: {source}")]
@@ -21,6 +21,13 @@ enum MoveError {
         which: &'static str,
         source: LocationError,
     },
+}
+
+/// Why one move failed; its text goes back to the master in the result.
+#[derive(Debug, thiserror::Error)]
+enum MoveError {
+    #[error(transparent)]
+    Unusable(#[from] Unusable),
     #[error("the target replica is on disk: a drain writes only into DRAM")]
     DiskTarget,
     #[error("object of {0} bytes does not fit this process's address space")]
@@ -31,6 +38,44 @@ enum MoveError {
     Write(lunakv_transfer::TransferError),
     #[error("the owner did not get to this move")]
     NotRun,
+}
+
+/// One move of a Ping answer, its replicas resolved against that answer's segment table.
+pub(crate) struct Move {
+    job_id: String,
+    key: String,
+    generation: u64,
+    size: u64,
+    /// The source and the target, or why the master's move cannot be used.
+    places: Result<(ReplicaLocation, ReplicaLocation), Unusable>,
+}
+
+impl Move {
+    /// Resolves the moves of one Ping answer, whose segment table is `segments`.
+    pub(crate) fn resolve_all(
+        moves: Vec<pb::DrainMove>,
+        segments: &[pb::SegmentDescriptor],
+    ) -> Vec<Move> {
+        moves
+            .into_iter()
+            .map(|m| {
+                let loc = |r: &Option<pb::Replica>, which: &'static str| {
+                    let r = r.as_ref().ok_or(Unusable::Missing(which))?;
+                    ReplicaLocation::try_from((r, m.size, segments))
+                        .map_err(|source| Unusable::Location { which, source })
+                };
+                let places =
+                    loc(&m.source, "source").and_then(|src| Ok((src, loc(&m.target, "target")?)));
+                Move {
+                    job_id: m.job_id,
+                    key: m.key,
+                    generation: m.generation,
+                    size: m.size,
+                    places,
+                }
+            })
+            .collect()
+    }
 }
 
 /// Bytes of objects one write batch holds in buffers.
@@ -55,7 +100,7 @@ impl Mover {
     /// order. Sources are read one by one (in-process copies, or LOADs from the SSD tier), and
     /// the writes go as one transfer batch per [`BATCH_BYTES`] of objects, pipelined per
     /// target: the owner holds at most that much in buffers whatever the master hands it.
-    pub(crate) fn run(&self, moves: &[pb::DrainMove]) -> Vec<pb::DrainMoveResult> {
+    pub(crate) fn run(&self, moves: &[Move]) -> Vec<pb::DrainMoveResult> {
         let mut results: Vec<Option<Result<(), MoveError>>> =
             (0..moves.len()).map(|_| None).collect();
         let mut start = 0;
@@ -89,7 +134,7 @@ impl Mover {
     }
 
     /// Reads each move's source, then writes every one read as one batch.
-    fn chunk(&self, moves: &[pb::DrainMove], results: &mut [Option<Result<(), MoveError>>]) {
+    fn chunk(&self, moves: &[Move], results: &mut [Option<Result<(), MoveError>>]) {
         let mut read: Vec<(usize, ReplicaLocation, Vec<u8>)> = Vec::with_capacity(moves.len());
         for (i, m) in moves.iter().enumerate() {
             match self.read(m) {
@@ -114,14 +159,11 @@ impl Mover {
     }
 
     /// The move's target, and its bytes read from the source.
-    fn read(&self, m: &pb::DrainMove) -> Result<(ReplicaLocation, Vec<u8>), MoveError> {
-        let loc = |r: &Option<pb::Replica>, which: &'static str| {
-            let r = r.as_ref().ok_or(MoveError::Missing(which))?;
-            ReplicaLocation::try_from((r, m.size))
-                .map_err(|source| MoveError::Location { which, source })
+    fn read(&self, m: &Move) -> Result<(ReplicaLocation, Vec<u8>), MoveError> {
+        let (src, dst) = match &m.places {
+            Ok((src, dst)) => (src, dst.clone()),
+            Err(e) => return Err(e.clone().into()),
         };
-        let src = loc(&m.source, "source")?;
-        let dst = loc(&m.target, "target")?;
         if dst.disk {
             return Err(MoveError::DiskTarget);
         }
@@ -148,7 +190,7 @@ pub(crate) struct DrainWork {
     server: Option<Arc<SegmentServer>>,
     mover: Option<Arc<Mover>>,
     running: Option<tokio::task::JoinHandle<Vec<pb::DrainMoveResult>>>,
-    queued: Vec<pb::DrainMove>,
+    queued: Vec<Move>,
     /// Finished moves not yet reported.
     pub(crate) results: Vec<pb::DrainMoveResult>,
 }
@@ -165,7 +207,7 @@ impl DrainWork {
     }
 
     /// Starts `moves` now, or after the batch in progress.
-    pub(crate) fn start(&mut self, moves: Vec<pb::DrainMove>) {
+    pub(crate) fn start(&mut self, moves: Vec<Move>) {
         if self.running.is_some() {
             self.queued.extend(moves);
             return;

@@ -101,7 +101,10 @@ pub(crate) async fn heartbeat(m: Mounter, every: Duration, mut stop: watch::Rece
                 }
                 let resp = resp.into_inner();
                 if !resp.drain_moves.is_empty() {
-                    drain.start(resp.drain_moves);
+                    drain.start(crate::drain::Move::resolve_all(
+                        resp.drain_moves,
+                        &resp.segments,
+                    ));
                 }
                 if resp.next_ping_ms > 0 {
                     tick.reset_after(Duration::from_millis(u64::from(resp.next_ping_ms)));

@@ -13,7 +13,6 @@
 //!   - [`rpc::convert`]: prost <-> domain conversions, the error -> `Status` mapping.
 //!   - `rpc::quick`, `rpc::lanes`: quick calls on the same port, and the threads that serve
 //!     plaintext quick connections.
-//!   - `rpc::location_wire`: quick answers carrying segment descriptors, written by hand.
 //!   - `rpc::incoming`: sorts the port's connections (TLS, gRPC, quick calls, foreign clients).
 //! - [`admin`]: the admin + Prometheus HTTP port: `/metrics`, `/health`, upstream's listings,
 //!   `/namespaces`, drain jobs, the tenant quota API.

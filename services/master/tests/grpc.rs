@@ -116,7 +116,8 @@ async fn grpc_round_trip_codes_and_admin_routes() {
     let r = put(&mut c, "key-1", 1000).await;
     assert_eq!(r.code, 0, "{}", r.message);
     assert_eq!(r.replicas.len(), 1, "replica_num 0 means 1");
-    let seg = r.replicas[0].segment.clone().expect("segment");
+    assert_eq!(r.segments.len(), 1, "a single answer carries its own table");
+    let seg = r.segments[r.replicas[0].segment as usize].clone();
     assert_eq!(seg.transfer_endpoint, "127.0.0.1:7001");
     let gen1 = r.generation;
     let miss = c
@@ -447,8 +448,8 @@ async fn a_segment_mounted_with_a_secret_gets_capabilities_that_verify_under_it(
     assert_eq!(p.code, 0, "{}", p.message);
     let r = &p.replicas[0];
     assert!(
-        r.segment
-            .as_ref()
+        p.segments
+            .get(r.segment as usize)
             .is_some_and(|s| !format!("{s:?}").contains("secret")),
         "the secret never travels back"
     );
@@ -495,4 +496,87 @@ async fn a_segment_mounted_with_a_secret_gets_capabilities_that_verify_under_it(
         .expect_err("a 5-byte secret");
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
     assert!(err.message().contains("data_secret"), "{}", err.message());
+}
+
+/// A batch answer names each segment once, in one table, and every replica by its index
+/// there: eight objects with two replicas each over two segments send two descriptors, not 16.
+#[tokio::test]
+async fn batch_answers_carry_one_segment_table() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (m, _) = start(config(dir.path())).await;
+    let mut c = client(&m).await;
+    mount(&mut c, "127.0.0.1:7101", vec![]).await;
+    mount(&mut c, "127.0.0.1:7102", vec![]).await;
+    let keys: Vec<String> = (0..8).map(|i| format!("tabled-{i}")).collect();
+    let started = c
+        .batch_put_start(pb::BatchPutStartRequest {
+            client_id: "client-1".into(),
+            items: keys
+                .iter()
+                .map(|k| pb::PutStartItem {
+                    key: k.clone(),
+                    size: 100,
+                    group_id: String::new(),
+                })
+                .collect(),
+            config: Some(pb::ReplicateConfig {
+                replica_num: 2,
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("batch put start")
+        .into_inner();
+    let names = |table: &[pb::SegmentDescriptor], replicas: &[pb::Replica]| -> Vec<String> {
+        let mut n: Vec<String> = replicas
+            .iter()
+            .map(|r| table[r.segment as usize].name.clone())
+            .collect();
+        n.sort();
+        n
+    };
+    let both = vec!["127.0.0.1:7101".to_owned(), "127.0.0.1:7102".to_owned()];
+    assert_eq!(started.segments.len(), 2, "one descriptor per segment");
+    for r in &started.results {
+        assert_eq!(r.code, 0, "{}", r.message);
+        assert!(
+            r.segments.is_empty(),
+            "results in a batch use the batch's table"
+        );
+        assert_eq!(names(&started.segments, &r.replicas), both);
+    }
+    let ended = c
+        .batch_put_end(pb::BatchKeysRequest {
+            client_id: "client-1".into(),
+            keys: keys.clone(),
+        })
+        .await
+        .expect("batch put end")
+        .into_inner();
+    assert!(ended.results.iter().all(|r| r.code == 0), "{ended:?}");
+    let found = c
+        .batch_get_replica_list(pb::BatchGetReplicaListRequest {
+            client_id: "client-1".into(),
+            keys: keys.clone(),
+        })
+        .await
+        .expect("batch lookup")
+        .into_inner();
+    assert_eq!(found.segments.len(), 2, "one descriptor per segment");
+    for l in &found.results {
+        assert_eq!(l.code, 0, "{}", l.message);
+        assert!(l.segments.is_empty());
+        assert_eq!(names(&found.segments, &l.replicas), both);
+    }
+    // A single lookup carries its own table.
+    let one = c
+        .get_replica_list(pb::GetReplicaListRequest {
+            client_id: "client-1".into(),
+            key: keys[0].clone(),
+        })
+        .await
+        .expect("lookup")
+        .into_inner();
+    assert_eq!(names(&one.segments, &one.replicas), both);
+    m.shutdown().await.expect("shutdown");
 }

@@ -73,7 +73,7 @@ fn locate(master: &str, key: &str, token: Option<&str>) -> Leak {
         assert_eq!(l.code, 0, "{}", l.message);
         let r = &l.replicas[0];
         Leak {
-            endpoint: r.segment.as_ref().unwrap().transfer_endpoint.clone(),
+            endpoint: l.segments[r.segment as usize].transfer_endpoint.clone(),
             generation: l.generation,
             offset: r.offset,
             len: r.size,

@@ -147,8 +147,8 @@ fn placement(l: &pb::ObjectLocation) -> Vec<(String, u64, u64, u64)> {
         .iter()
         .map(|r| {
             (
-                r.segment
-                    .as_ref()
+                l.segments
+                    .get(r.segment as usize)
                     .map(|s| s.name.clone())
                     .unwrap_or_default(),
                 r.offset,
@@ -455,12 +455,7 @@ fn with_the_pool_token_a_warm_leaders_capabilities_pass_at_the_owner() {
     );
     a.proc.signal(libc::SIGCONT);
 
-    let endpoint = r
-        .segment
-        .as_ref()
-        .expect("segment")
-        .transfer_endpoint
-        .clone();
+    let endpoint = loc.segments[r.segment as usize].transfer_endpoint.clone();
     let read = |cap: &[u8]| -> (Status, Vec<u8>) {
         let mut s = std::net::TcpStream::connect(&endpoint).unwrap();
         let mut h = Request {

@@ -28,9 +28,9 @@ impl StoreClient {
                     let req = req.clone();
                     async move { m.batch_remove(req).await }
                 })
-                .map(|r| r.results)
+                .map(|r| (r.results, ()))
             },
-            |key, r| match r.code {
+            |key, r, ()| match r.code {
                 0 => Ok(()),
                 code => Err(ClientError::from_item(key, 0, code, &r.message)),
             },

@@ -184,7 +184,7 @@ impl StoreClient {
                     match resp
                         .results
                         .get(n)
-                        .map(|l| self.accept_location(keys[i], l))
+                        .map(|l| self.accept_location(keys[i], l, &resp.segments))
                     {
                         Some(Ok(l)) => locs[i] = Some(l),
                         Some(Err(e)) => results[i] = Some(Err(e)),
@@ -208,19 +208,21 @@ impl StoreClient {
             let req = req.clone();
             async move { m.get_replica_list(req).await }
         })?;
-        self.accept_location(key, &resp)
+        self.accept_location(key, &resp, &[])
     }
 
+    /// `batch` is the segment table of the batch answer `l` came in (empty for a single one).
     pub(super) fn accept_location(
         &self,
         key: &str,
         l: &pb::ObjectLocation,
+        batch: &[pb::SegmentDescriptor],
     ) -> Result<Arc<Location>> {
         if l.code != 0 {
             self.cache.invalidate(key, None);
             return Err(ClientError::from_item(key, l.size, l.code, &l.message));
         }
-        let loc = Location::try_from(l).map_err(|m| ClientError::Rpc {
+        let loc = Location::try_from((l, batch)).map_err(|m| ClientError::Rpc {
             addr: self.opts.master_server_address.clone(),
             message: format!("bad location for '{key}': {m}"),
         })?;
@@ -298,11 +300,11 @@ impl StoreClient {
                     let req = req.clone();
                     async move { m.batch_exist_key(req).await }
                 })
-                .map(|r| r.results)
+                .map(|r| (r.results, r.segments))
             },
-            |key, l| match ErrorCode::from_i32(l.code) {
+            |key, l, segments| match ErrorCode::from_i32(l.code) {
                 ErrorCode::Ok => {
-                    if let Ok(loc) = Location::try_from(l) {
+                    if let Ok(loc) = Location::try_from((l, &segments[..])) {
                         self.cache.insert(key, loc);
                     }
                     Ok(true)
@@ -316,8 +318,11 @@ impl StoreClient {
         )
     }
 
-    /// One BatchGetReplicaList for `keys`.
-    pub(super) fn batch_locations(&self, keys: Vec<String>) -> Result<Vec<pb::ObjectLocation>> {
+    /// One BatchGetReplicaList for `keys`: the locations, and the segment table they index.
+    pub(super) fn batch_locations(
+        &self,
+        keys: Vec<String>,
+    ) -> Result<(Vec<pb::ObjectLocation>, Vec<pb::SegmentDescriptor>)> {
         let req = pb::BatchGetReplicaListRequest {
             client_id: self.client_id.clone(),
             keys,
@@ -326,17 +331,18 @@ impl StoreClient {
             let req = req.clone();
             async move { m.batch_get_replica_list(req).await }
         })
-        .map(|r| r.results)
+        .map(|r| (r.results, r.segments))
     }
 
     /// The shape of every per-key batch call: invalid keys fail alone, the valid ones go to the
-    /// master in one `call`, and each answer is mapped by `each`. A failed call fails every key
-    /// it carried; a short answer fails the keys it left out.
-    pub(super) fn per_key<T, R>(
+    /// master in one `call`, and each answer is mapped by `each`, with what the call answered
+    /// for all of them (`S`: a segment table, or nothing). A failed call fails every key it
+    /// carried; a short answer fails the keys it left out.
+    pub(super) fn per_key<T, R, S>(
         &self,
         keys: &[&str],
-        call: impl FnOnce(Vec<String>) -> Result<Vec<R>>,
-        each: impl Fn(&str, &R) -> Result<T>,
+        call: impl FnOnce(Vec<String>) -> Result<(Vec<R>, S)>,
+        each: impl Fn(&str, &R, &S) -> Result<T>,
     ) -> Vec<Result<T>> {
         if self.check_open().is_err() {
             return keys.iter().map(|_| Err(ClientError::Closed)).collect();
@@ -363,10 +369,10 @@ impl StoreClient {
                         out[i] = Some(Err(rpc_fail(msg.clone())));
                     }
                 }
-                Ok(results) => {
+                Ok((results, shared)) => {
                     for (n, &i) in ask.iter().enumerate() {
                         out[i] = Some(match results.get(n) {
-                            Some(r) => each(keys[i], r),
+                            Some(r) => each(keys[i], r, &shared),
                             None => Err(rpc_fail(SHORT_ANSWER_KEYS.to_owned())),
                         });
                     }
@@ -385,8 +391,14 @@ impl StoreClient {
         self.per_key(
             keys,
             |keys| self.batch_locations(keys),
-            |key, l| match l.code {
-                0 => Ok(l.replicas.iter().cloned().map(ReplicaDesc::from).collect()),
+            |key, l, batch| match l.code {
+                0 => {
+                    let segments = lunakv_master_client::segment_table(&l.segments, batch);
+                    Ok(l.replicas
+                        .iter()
+                        .map(|r| ReplicaDesc::from((r, segments)))
+                        .collect())
+                }
                 code => Err(ClientError::from_item(key, l.size, code, &l.message)),
             },
         )

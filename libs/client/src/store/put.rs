@@ -82,21 +82,23 @@ impl StoreClient {
         &self,
         items: &[(&str, Vec<&[u8]>)],
         started: &[(usize, u64)],
-        placements: Vec<pb::PutStartResponse>,
+        placements: pb::BatchPutStartResponse,
         results: &mut [Option<Result<()>>],
     ) {
         // Per started item: its location, and the index range of its write requests.
         let mut locs: Vec<Option<Location>> = Vec::with_capacity(started.len());
         for (j, (i, size)) in started.iter().enumerate() {
             let key = items[*i].0;
-            let loc = match placements.get(j) {
+            let loc = match placements.results.get(j) {
                 None => Err(self.short_answer(SHORT_ANSWER_ITEMS)),
                 Some(p) if p.code != 0 => {
                     Err(ClientError::from_item(key, *size, p.code, &p.message))
                 }
-                Some(p) => Location::try_from((p, *size)).map_err(|m| ClientError::Rpc {
-                    addr: self.opts.master_server_address.clone(),
-                    message: format!("bad placement for '{key}': {m}"),
+                Some(p) => Location::try_from((p, *size, &placements.segments[..])).map_err(|m| {
+                    ClientError::Rpc {
+                        addr: self.opts.master_server_address.clone(),
+                        message: format!("bad placement for '{key}': {m}"),
+                    }
                 }),
             };
             match loc {
@@ -120,12 +122,13 @@ impl StoreClient {
         }
     }
 
-    /// One BatchPutStart: the master reserves room for each item and answers its placement.
+    /// One BatchPutStart: the master reserves room for each item and answers its placement
+    /// (the results, and the segment table they index).
     pub(super) fn put_start(
         &self,
         items: Vec<pb::PutStartItem>,
         cfg: &ReplicateConfig,
-    ) -> Result<Vec<pb::PutStartResponse>> {
+    ) -> Result<pb::BatchPutStartResponse> {
         let req = pb::BatchPutStartRequest {
             client_id: self.client_id.clone(),
             items,
@@ -135,7 +138,6 @@ impl StoreClient {
             let req = req.clone();
             async move { m.batch_put_start(req).await }
         })
-        .map(|r| r.results)
     }
 
     /// Writes object `j` (`parts[j]`) to every replica of `locs[j]` in one transfer batch,

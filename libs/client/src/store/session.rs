@@ -413,16 +413,19 @@ impl StoreClient {
                         });
                     }
                     Ok(p) => p
+                        .results
                         .get(j)
                         .ok_or_else(|| self.short_answer(SHORT_ANSWER_ITEMS))?,
                 };
+                let segments = placements.as_ref().map_or(&[][..], |p| &p.segments);
                 if p.code != 0 {
                     return Err(ClientError::from_item(key, size, p.code, &p.message));
                 }
-                let loc = Location::try_from((p, size)).map_err(|m| ClientError::Rpc {
-                    addr: self.opts.master_server_address.clone(),
-                    message: format!("bad placement for '{key}': {m}"),
-                })?;
+                let loc =
+                    Location::try_from((p, size, segments)).map_err(|m| ClientError::Rpc {
+                        addr: self.opts.master_server_address.clone(),
+                        message: format!("bad placement for '{key}': {m}"),
+                    })?;
                 Ok(PutState::Open {
                     loc,
                     data: self.sessions.buffer(size),

@@ -3,6 +3,9 @@
 //! domain types (`TryFrom`), the core's results become the wire's messages, and whole-call
 //! failures become a `tonic::Status` in [`to_status`] only.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use lunakv_proto::ErrorCode;
 use lunakv_proto::master as pb;
 use lunakv_proto::status::GrpcError;
@@ -199,54 +202,138 @@ pub(crate) fn key_regex(pattern: &str) -> Result<regex::Regex, ParamError> {
         })
 }
 
-pub(crate) fn replica(r: &ReplicaView) -> pb::Replica {
-    pb::Replica {
-        segment: Some((&*r.segment).into()),
-        offset: r.offset,
-        size: r.size,
-        kind: if r.disk {
-            pb::ReplicaKind::LocalDisk as i32
+/// The segment table of one answer: each segment its replicas name, once, in the order first
+/// named; a replica carries its segment's index. A batch of 32 keys on one segment sends one
+/// descriptor (eleven strings), not 32.
+///
+/// A segment is known by the identity of its `Arc`, which `named` holds so the address cannot
+/// be reused meanwhile; a segment mounted again is a new `Arc`, a new entry.
+#[derive(Default)]
+pub(crate) struct SegmentTable {
+    named: Vec<Arc<SegmentDesc>>,
+    /// Filled once the table outgrows [`SegmentTable::SCAN`]: a batch spread over a large pool.
+    index: HashMap<*const SegmentDesc, u32>,
+}
+
+impl SegmentTable {
+    /// A scan of this many beats hashing (an answer usually names one to a few segments).
+    const SCAN: usize = 16;
+
+    fn index_of(&mut self, seg: &Arc<SegmentDesc>) -> u32 {
+        let at = if self.named.len() <= Self::SCAN {
+            self.named.iter().position(|d| Arc::ptr_eq(d, seg))
         } else {
-            pb::ReplicaKind::Memory as i32
-        },
-        capability: r
-            .capability
-            .map(|c| c.as_bytes().to_vec())
-            .unwrap_or_default(),
+            if self.index.is_empty() {
+                self.index = (0..)
+                    .zip(&self.named)
+                    .map(|(i, d)| (Arc::as_ptr(d), i))
+                    .collect();
+            }
+            self.index.get(&Arc::as_ptr(seg)).map(|&i| i as usize)
+        };
+        match at {
+            Some(i) => i as u32,
+            None => {
+                let i = self.named.len() as u32;
+                self.named.push(seg.clone());
+                if !self.index.is_empty() {
+                    self.index.insert(Arc::as_ptr(seg), i);
+                }
+                i
+            }
+        }
+    }
+
+    pub(crate) fn replica(&mut self, r: &ReplicaView) -> pb::Replica {
+        pb::Replica {
+            segment: self.index_of(&r.segment),
+            offset: r.offset,
+            size: r.size,
+            kind: if r.disk {
+                pb::ReplicaKind::LocalDisk as i32
+            } else {
+                pb::ReplicaKind::Memory as i32
+            },
+            capability: r
+                .capability
+                .map(|c| c.as_bytes().to_vec())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// The table's descriptors, in index order.
+    pub(crate) fn descriptors(&self) -> Vec<pb::SegmentDescriptor> {
+        self.named.iter().map(|d| (&**d).into()).collect()
+    }
+
+    /// One put start's answer, its replicas indexing this table.
+    pub(crate) fn put_start(&mut self, r: Result<Placed, OpError>) -> pb::PutStartResponse {
+        match r {
+            Ok((generation, replicas)) => pb::PutStartResponse {
+                generation,
+                replicas: replicas.iter().map(|r| self.replica(r)).collect(),
+                ..Default::default()
+            },
+            Err(e) => pb::PutStartResponse {
+                code: e.code.as_i32(),
+                message: e.message,
+                ..Default::default()
+            },
+        }
+    }
+
+    /// One lookup's answer, its replicas indexing this table.
+    pub(crate) fn location(&mut self, r: Result<Location, OpError>) -> pb::ObjectLocation {
+        match r {
+            Ok(l) => pb::ObjectLocation {
+                generation: l.generation,
+                size: l.size,
+                replicas: l.replicas.iter().map(|r| self.replica(r)).collect(),
+                lease_ttl_ms: l.lease_ttl.as_millis() as u64,
+                ..Default::default()
+            },
+            Err(e) => pb::ObjectLocation {
+                code: e.code.as_i32(),
+                message: e.message,
+                ..Default::default()
+            },
+        }
     }
 }
 
+/// A single put start's answer, with its own segment table.
 pub(crate) fn put_start(r: Result<Placed, OpError>) -> pb::PutStartResponse {
-    match r {
-        Ok((generation, replicas)) => pb::PutStartResponse {
-            code: 0,
-            message: String::new(),
-            generation,
-            replicas: replicas.iter().map(replica).collect(),
-        },
-        Err(e) => pb::PutStartResponse {
-            code: e.code.as_i32(),
-            message: e.message,
-            ..Default::default()
-        },
+    let mut table = SegmentTable::default();
+    let mut answer = table.put_start(r);
+    answer.segments = table.descriptors();
+    answer
+}
+
+/// A single lookup's answer, with its own segment table.
+pub(crate) fn location(r: Result<Location, OpError>) -> pb::ObjectLocation {
+    let mut table = SegmentTable::default();
+    let mut answer = table.location(r);
+    answer.segments = table.descriptors();
+    answer
+}
+
+/// A batch of put starts' answers, one table for all.
+pub(crate) fn put_starts(results: Vec<Result<Placed, OpError>>) -> pb::BatchPutStartResponse {
+    let mut table = SegmentTable::default();
+    let results = results.into_iter().map(|r| table.put_start(r)).collect();
+    pb::BatchPutStartResponse {
+        results,
+        segments: table.descriptors(),
     }
 }
 
-pub(crate) fn location(r: Result<Location, OpError>) -> pb::ObjectLocation {
-    match r {
-        Ok(l) => pb::ObjectLocation {
-            code: 0,
-            message: String::new(),
-            generation: l.generation,
-            size: l.size,
-            replicas: l.replicas.iter().map(replica).collect(),
-            lease_ttl_ms: l.lease_ttl.as_millis() as u64,
-        },
-        Err(e) => pb::ObjectLocation {
-            code: e.code.as_i32(),
-            message: e.message,
-            ..Default::default()
-        },
+/// A batch of lookups' answers, one table for all.
+pub(crate) fn locations(results: Vec<Result<Location, OpError>>) -> pb::BatchObjectLocations {
+    let mut table = SegmentTable::default();
+    let results = results.into_iter().map(|r| table.location(r)).collect();
+    pb::BatchObjectLocations {
+        results,
+        segments: table.descriptors(),
     }
 }
 
@@ -368,4 +455,104 @@ pub(crate) fn tenant_statuses(core: &crate::core::MasterCore) -> Vec<pb::TenantS
     rows.truncate(MAX_STATUS_TENANTS);
     rows.sort_by(|a, b| a.tenant_id.cmp(&b.tenant_id));
     rows
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn desc(name: &str) -> Arc<SegmentDesc> {
+        Arc::new(SegmentDesc {
+            name: name.into(),
+            transfer_endpoint: format!("{name}:17000"),
+            size: 1 << 30,
+            host_id: "boot-1".into(),
+            shm_socket: String::new(),
+            protocol: "tcp".into(),
+            enable_offload: false,
+            disk_capacity: 0,
+            instance_id: String::new(),
+            requested_protocol: String::new(),
+            protocol_reason: String::new(),
+            data_secret: None,
+        })
+    }
+
+    fn at(seg: &Arc<SegmentDesc>, offset: u64) -> ReplicaView {
+        ReplicaView {
+            segment: seg.clone(),
+            offset,
+            size: 64,
+            disk: false,
+            capability: None,
+        }
+    }
+
+    fn found(replicas: Vec<ReplicaView>) -> Result<Location, OpError> {
+        Ok(Location {
+            generation: 1,
+            size: 64,
+            replicas,
+            lease_ttl: Duration::from_secs(5),
+        })
+    }
+
+    /// Every replica's index names its own segment, whether the table is scanned (few
+    /// segments) or hashed (more than `SCAN`), and each segment is in the table once.
+    #[test]
+    fn each_segment_is_named_once_and_every_index_finds_it() {
+        for n in [1, 3, SegmentTable::SCAN, SegmentTable::SCAN + 1, 3 * SegmentTable::SCAN] {
+            let segs: Vec<_> = (0..n).map(|i| desc(&format!("s{i}"))).collect();
+            // Two passes over the segments, the second in reverse, two replicas per object.
+            let results: Vec<_> = (0..2 * n)
+                .map(|i| {
+                    let a = if i < n { i } else { 2 * n - 1 - i };
+                    found(vec![at(&segs[a], i as u64), at(&segs[(a + 1) % n], 0)])
+                })
+                .collect();
+            let answer = locations(results.clone());
+            assert_eq!(answer.segments.len(), n, "{n} segments, each once");
+            for (r, l) in results.iter().zip(&answer.results) {
+                let want = &r.as_ref().expect("found").replicas;
+                assert_eq!(l.replicas.len(), want.len());
+                for (w, got) in want.iter().zip(&l.replicas) {
+                    assert_eq!(answer.segments[got.segment as usize].name, w.segment.name);
+                    assert_eq!(got.offset, w.offset);
+                }
+            }
+        }
+    }
+
+    /// A segment mounted again is a new descriptor (its endpoint may have moved): an answer
+    /// naming both the old and the new carries both.
+    #[test]
+    fn a_remounted_segment_is_a_new_entry() {
+        let old = desc("a");
+        let mut again = (*old).clone();
+        again.transfer_endpoint = "a:17001".into();
+        let again = Arc::new(again);
+        let answer = locations(vec![found(vec![at(&old, 0)]), found(vec![at(&again, 0)])]);
+        assert_eq!(answer.segments.len(), 2);
+        let endpoint = |i: usize| {
+            let s = answer.results[i].replicas[0].segment as usize;
+            answer.segments[s].transfer_endpoint.clone()
+        };
+        assert_eq!(endpoint(0), "a:17000");
+        assert_eq!(endpoint(1), "a:17001");
+    }
+
+    /// A failed item carries its code and message and names no segment.
+    #[test]
+    fn failures_name_no_segment() {
+        let answer = put_starts(vec![
+            Err(OpError::new(ErrorCode::NoAvailableHandle, "no room")),
+            Ok((7, vec![at(&desc("b"), 64)])),
+        ]);
+        assert_eq!(answer.results[0].code, ErrorCode::NoAvailableHandle.as_i32());
+        assert!(answer.results[0].replicas.is_empty());
+        assert_eq!(answer.results[1].generation, 7);
+        assert_eq!(answer.segments.len(), 1);
+    }
 }

@@ -5,13 +5,10 @@
 //! - [`convert`]: prost <-> domain conversions and the error -> `Status` mapping.
 //! - `quick`: quick calls, the same calls in a smaller frame on the same port.
 //! - `lanes`: the threads that serve plaintext quick connections.
-//! - `location_wire`: quick answers carrying segment descriptors, written without prost's
-//!   per-replica copies.
 //! - `incoming`: sorts the port's connections (TLS, gRPC, quick calls, foreign clients).
 
 pub mod convert;
 pub(crate) mod incoming;
 pub(crate) mod lanes;
-pub(crate) mod location_wire;
 pub(crate) mod quick;
 pub mod service;

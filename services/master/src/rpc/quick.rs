@@ -14,17 +14,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use lunakv_proto::master as pb;
-use lunakv_proto::master::master_server::Master;
 use lunakv_proto::quick::{self, Method};
 use prost::Message;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
 use crate::auth::AuthPolicy;
-use crate::core::{Caller, Location, OpError};
 use crate::metrics::Rpc;
 use crate::rpc::lanes::Lanes;
-use crate::rpc::location_wire;
 use crate::rpc::service::MasterService;
 use lunakv_tls::Peer;
 
@@ -140,7 +137,6 @@ impl QuickServer {
         // Reused for every frame: a fresh answer buffer per frame grew by reallocation each
         // time, onto pages the allocator faulted in again (docs/BENCH.md, "Metadata").
         let (mut frame, mut out) = (Vec::new(), Vec::new());
-        let mut segments = location_wire::Descriptors::default();
         loop {
             let mut prefix = [0u8; 4];
             match tokio::time::timeout(IDLE, stream.read_exact(&mut prefix)).await {
@@ -174,7 +170,7 @@ impl QuickServer {
                 }
             }
             out.clear();
-            self.answer(&frame, peer, &mut segments, &mut out).await;
+            self.answer(&frame, peer, &mut out).await;
             stream.write_all(&out).await?;
             for buf in [&mut frame, &mut out] {
                 if buf.capacity() > KEEP_BUFFER {
@@ -185,13 +181,7 @@ impl QuickServer {
     }
 
     /// Appends one response frame for one request frame to `out`.
-    async fn answer(
-        &self,
-        frame: &[u8],
-        peer: &Peer,
-        segments: &mut location_wire::Descriptors,
-        out: &mut Vec<u8>,
-    ) {
+    async fn answer(&self, frame: &[u8], peer: &Peer, out: &mut Vec<u8>) {
         let req = match quick::decode_request(frame) {
             Ok(r) => r,
             Err(e) => {
@@ -215,67 +205,39 @@ impl QuickServer {
         };
         self.svc.count_quick_call();
         let svc = &self.svc;
+        // The very calls the gRPC handlers make, so both transports answer the same bytes.
         match req.method {
-            // The answers that carry segment descriptors skip prost's structs on the way out
-            // (crate::rpc::location_wire).
             Method::BatchExistKey => match pb::BatchExistKeyRequest::decode(req.body) {
-                Ok(m) => locations(
+                Ok(m) => reply(
                     svc.batch_locations(Rpc::BatchExistKey, &m.client_id, &m.keys)
                         .await,
-                    segments,
                     out,
                 ),
                 Err(e) => undecodable(req.method, &e, out),
             },
             Method::BatchGetReplicaList => match pb::BatchGetReplicaListRequest::decode(req.body) {
-                Ok(m) => locations(
+                Ok(m) => reply(
                     svc.batch_locations(Rpc::BatchGetReplicaList, &m.client_id, &m.keys)
                         .await,
-                    segments,
                     out,
                 ),
                 Err(e) => undecodable(req.method, &e, out),
             },
             Method::BatchPutStart => match pb::BatchPutStartRequest::decode(req.body) {
-                Ok(m) => match svc.batch_put_starts(&caller, m).await {
-                    Ok(results) => quick::encode_ok_into(out, |out| {
-                        location_wire::encode_put_starts(&results, segments, out);
-                    }),
-                    Err(s) => status(&s, out),
-                },
+                Ok(m) => reply(svc.batch_put_starts(&caller, m).await, out),
                 Err(e) => undecodable(req.method, &e, out),
             },
             Method::BatchPutEnd => match pb::BatchKeysRequest::decode(req.body) {
-                Ok(m) => reply(svc.batch_put_end(request(m, &caller)).await, out),
+                Ok(m) => reply(svc.batch_put_ends(&caller, m).await, out),
                 Err(e) => undecodable(req.method, &e, out),
             },
         }
     }
 }
 
-/// A request as the gRPC handlers get it, with the caller the auth check found.
-fn request<T>(m: T, caller: &Caller) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(m);
-    r.extensions_mut().insert(caller.clone());
-    r
-}
-
-fn reply<T: Message>(r: Result<tonic::Response<T>, tonic::Status>, out: &mut Vec<u8>) {
+fn reply<T: Message>(r: Result<T, tonic::Status>, out: &mut Vec<u8>) {
     match r {
-        Ok(resp) => quick::encode_ok_into(out, |out| resp.get_ref().encode_raw(out)),
-        Err(s) => status(&s, out),
-    }
-}
-
-fn locations(
-    r: Result<Vec<Result<Location, OpError>>, tonic::Status>,
-    segments: &mut location_wire::Descriptors,
-    out: &mut Vec<u8>,
-) {
-    match r {
-        Ok(results) => quick::encode_ok_into(out, |out| {
-            location_wire::encode_batch(&results, segments, out);
-        }),
+        Ok(answer) => quick::encode_ok_into(out, |out| answer.encode_raw(out)),
         Err(s) => status(&s, out),
     }
 }

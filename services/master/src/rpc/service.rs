@@ -19,8 +19,9 @@ use crate::ha::recovery::{Access, RecoveryGate};
 use crate::metrics::Rpc;
 use crate::persist;
 use crate::rpc::convert::{
-    Placed, PutItem, ServiceError, check_key, data_secret, key_regex, key_result, location,
-    namespace_report, put_start, replica, tenant_field, tenant_statuses, to_status,
+    Placed, PutItem, SegmentTable, ServiceError, check_key, data_secret, key_regex, key_result,
+    location, locations, namespace_report, put_start, put_starts, tenant_field, tenant_statuses,
+    to_status,
 };
 use crate::slot::CoreSlot;
 
@@ -214,15 +215,13 @@ impl MasterService {
     }
 
     /// `BatchExistKey` (`rpc` names it; a miss is an answer there, not a failure) or
-    /// `BatchGetReplicaList`, as the core's results: the gRPC handlers convert them into
-    /// prost's structs, quick calls write them straight onto the wire
-    /// ([`crate::rpc::location_wire`]).
+    /// `BatchGetReplicaList`: the answer both transports send (gRPC, quick calls).
     pub(crate) async fn batch_locations(
         &self,
         rpc: Rpc,
         client_id: &str,
         keys: &[String],
-    ) -> Result<Vec<Result<Location, OpError>>, Status> {
+    ) -> Result<pb::BatchObjectLocations, Status> {
         let a = self.admit(Access::Read)?;
         let missed = |e: &OpError| e.code == ErrorCode::ObjectNotFound;
         // A prefix reader (vLLM) reads an existence batch's leading run of hits and nothing
@@ -255,16 +254,15 @@ impl MasterService {
             .await?
             .into_inner();
         self.warm_checked(&a, results.iter().any(|r| r.as_ref().is_err_and(missed)))?;
-        Ok(results)
+        Ok(locations(results))
     }
 
-    /// `BatchPutStart` as the core's results: the gRPC handler converts them into prost's
-    /// structs, quick calls write them straight onto the wire ([`crate::rpc::location_wire`]).
+    /// `BatchPutStart` for `caller`: the answer both transports send.
     pub(crate) async fn batch_put_starts(
         &self,
         caller: &Caller,
         req: pb::BatchPutStartRequest,
-    ) -> Result<Vec<Result<Placed, OpError>>, Status> {
+    ) -> Result<pb::BatchPutStartResponse, Status> {
         let a = self.admit(Access::Write)?;
         let opts = PutOptions::from(req.config);
         let client_id = req.client_id;
@@ -282,7 +280,42 @@ impl MasterService {
                 )
             },
             Result::is_err,
-            |results| results,
+            put_starts,
+        )
+        .await
+        .map(Response::into_inner)
+    }
+
+    /// `BatchPutEnd` for `caller`: the answer both transports send.
+    pub(crate) async fn batch_put_ends(
+        &self,
+        caller: &Caller,
+        req: pb::BatchKeysRequest,
+    ) -> Result<pb::BatchKeyResults, Status> {
+        let a = self.admit(Access::Write)?;
+        let keys = req.keys;
+        if let Err(e) = a
+            .core
+            .check_reservations(caller, keys.iter().map(String::as_str))
+        {
+            return self
+                .fail(&a, Rpc::BatchPutEnd, e.into())
+                .map(Response::into_inner);
+        }
+        // The batch is one chain's missing blocks in prefix order (vLLM's save): deeper keys
+        // are stamped older and the last is the chain's end (core::policy).
+        let now = std::time::Instant::now();
+        let n = keys.len();
+        self.batch(
+            &a,
+            Rpc::BatchPutEnd,
+            keys.into_iter().enumerate(),
+            |(i, k)| {
+                let order = (chain_stamp(now, i), ChainEnd::of(i, n));
+                std::future::ready(self.put_end_one(&a.core, caller, &k, order))
+            },
+            key_failed,
+            |results| pb::BatchKeyResults { results },
         )
         .await
         .map(Response::into_inner)
@@ -497,6 +530,7 @@ impl pb::master_server::Master for MasterService {
         } else {
             crate::core::DRAIN_PING_MS
         };
+        let mut segments = SegmentTable::default();
         self.done(
             &a,
             Rpc::Ping,
@@ -511,11 +545,12 @@ impl pb::master_server::Master for MasterService {
                         key: m.key.clone(),
                         generation: m.generation,
                         size: m.size,
-                        source: Some(replica(&m.source)),
-                        target: Some(replica(&m.target)),
+                        source: Some(segments.replica(&m.source)),
+                        target: Some(segments.replica(&m.target)),
                     })
                     .collect(),
                 next_ping_ms,
+                segments: segments.descriptors(),
             },
         )
     }
@@ -545,10 +580,9 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::BatchPutStartRequest>,
     ) -> Result<Response<pb::BatchPutStartResponse>, Status> {
         let caller = caller_of(&request);
-        let results = self.batch_put_starts(&caller, request.into_inner()).await?;
-        Ok(Response::new(pb::BatchPutStartResponse {
-            results: results.into_iter().map(put_start).collect(),
-        }))
+        self.batch_put_starts(&caller, request.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn put_end(
@@ -574,31 +608,10 @@ impl pb::master_server::Master for MasterService {
         &self,
         request: Request<pb::BatchKeysRequest>,
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
-        let a = self.admit(Access::Write)?;
         let caller = caller_of(&request);
-        let keys = request.into_inner().keys;
-        if let Err(e) = a
-            .core
-            .check_reservations(&caller, keys.iter().map(String::as_str))
-        {
-            return self.fail(&a, Rpc::BatchPutEnd, e.into());
-        }
-        // The batch is one chain's missing blocks in prefix order (vLLM's save): deeper keys
-        // are stamped older and the last is the chain's end (core::policy).
-        let now = std::time::Instant::now();
-        let n = keys.len();
-        self.batch(
-            &a,
-            Rpc::BatchPutEnd,
-            keys.into_iter().enumerate(),
-            |(i, k)| {
-                let order = (chain_stamp(now, i), ChainEnd::of(i, n));
-                std::future::ready(self.put_end_one(&a.core, &caller, &k, order))
-            },
-            key_failed,
-            |results| pb::BatchKeyResults { results },
-        )
-        .await
+        self.batch_put_ends(&caller, request.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn put_revoke(
@@ -657,12 +670,9 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::BatchGetReplicaListRequest>,
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
         let req = request.into_inner();
-        let results = self
-            .batch_locations(Rpc::BatchGetReplicaList, &req.client_id, &req.keys)
-            .await?;
-        Ok(Response::new(pb::BatchObjectLocations {
-            results: results.into_iter().map(location).collect(),
-        }))
+        self.batch_locations(Rpc::BatchGetReplicaList, &req.client_id, &req.keys)
+            .await
+            .map(Response::new)
     }
 
     async fn exist_key(
@@ -685,12 +695,9 @@ impl pb::master_server::Master for MasterService {
         request: Request<pb::BatchExistKeyRequest>,
     ) -> Result<Response<pb::BatchObjectLocations>, Status> {
         let req = request.into_inner();
-        let results = self
-            .batch_locations(Rpc::BatchExistKey, &req.client_id, &req.keys)
-            .await?;
-        Ok(Response::new(pb::BatchObjectLocations {
-            results: results.into_iter().map(location).collect(),
-        }))
+        self.batch_locations(Rpc::BatchExistKey, &req.client_id, &req.keys)
+            .await
+            .map(Response::new)
     }
 
     async fn remove(
