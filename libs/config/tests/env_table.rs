@@ -100,7 +100,9 @@ fn every_variable_the_sources_read_is_in_the_table_and_no_other() {
         .filter(|n| !(n.starts_with(ENV_PREFIX) && is_master_key(n)))
         // A prefix the code matches on (`LUNAKV_TLS_`, `LUNAKV_ETCD`), not a variable.
         .filter(|n| {
-            !table.iter().any(|t| t.len() > n.len() && t.starts_with(n.as_str()))
+            !table
+                .iter()
+                .any(|t| t.len() > n.len() && t.starts_with(n.as_str()))
                 && !ENV_PREFIX.starts_with(n.as_str())
         })
         .collect();
