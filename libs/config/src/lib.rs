@@ -37,6 +37,7 @@ pub mod connectors;
 pub mod duration;
 pub mod etcd;
 pub mod gflags;
+pub mod key_table;
 pub mod layered;
 pub mod master;
 pub mod messages;

@@ -6,7 +6,8 @@
 //! Definitions are static, so a bad name or a name registered twice is a programming error:
 //! these functions panic on it (at startup, where a test meets it first).
 
-use prometheus::core::Collector;
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
@@ -79,6 +80,102 @@ pub fn histogram_vec(
     )
 }
 
+/// Series read at scrape time from state the service keeps elsewhere: an info gauge per
+/// mounted segment, or histogram buckets counted in atomics by a library that does not link
+/// prometheus. Labels keep the order given (a gauge vec sorts them by name). Fill one per
+/// scrape and [`register`] it in that scrape's registry.
+#[derive(Clone)]
+pub struct Scraped {
+    desc: Desc,
+    family: MetricFamily,
+}
+
+impl Scraped {
+    /// An empty gauge family `name`.
+    pub fn gauge(name: &str, help: &str) -> Scraped {
+        Scraped::new(name, help, MetricType::GAUGE)
+    }
+
+    /// An empty histogram family `name`.
+    pub fn histogram(name: &str, help: &str) -> Scraped {
+        Scraped::new(name, help, MetricType::HISTOGRAM)
+    }
+
+    fn new(name: &str, help: &str, kind: MetricType) -> Scraped {
+        let desc = Desc::new(
+            name.to_string(),
+            help.to_string(),
+            Vec::new(),
+            Default::default(),
+        )
+        .expect("static metric definition");
+        let mut family = MetricFamily::default();
+        family.set_name(name.to_string());
+        family.set_help(help.to_string());
+        family.set_field_type(kind);
+        Scraped { desc, family }
+    }
+
+    /// One gauge series.
+    pub fn add_gauge(&mut self, labels: &[(&str, &str)], value: f64) {
+        let mut gauge = proto::Gauge::default();
+        gauge.set_value(value);
+        let mut m = proto::Metric::from_label(label_pairs(labels));
+        m.set_gauge(gauge);
+        self.family.mut_metric().push(m);
+    }
+
+    /// One histogram series: `cumulative` holds `(upper bound, observations at or below it)`
+    /// in ascending order; the `+Inf` bucket is `count`.
+    pub fn add_histogram(
+        &mut self,
+        labels: &[(&str, &str)],
+        cumulative: impl IntoIterator<Item = (f64, u64)>,
+        count: u64,
+        sum: f64,
+    ) {
+        let mut h = proto::Histogram::default();
+        h.set_bucket(
+            cumulative
+                .into_iter()
+                .map(|(bound, n)| {
+                    let mut b = proto::Bucket::default();
+                    b.set_upper_bound(bound);
+                    b.set_cumulative_count(n);
+                    b
+                })
+                .collect(),
+        );
+        h.set_sample_count(count);
+        h.set_sample_sum(sum);
+        let mut m = proto::Metric::from_label(label_pairs(labels));
+        m.set_histogram(h);
+        self.family.mut_metric().push(m);
+    }
+}
+
+fn label_pairs(labels: &[(&str, &str)]) -> Vec<LabelPair> {
+    labels
+        .iter()
+        .map(|(name, value)| {
+            let mut pair = LabelPair::default();
+            pair.set_name((*name).to_string());
+            pair.set_value((*value).to_string());
+            pair
+        })
+        .collect()
+}
+
+impl Collector for Scraped {
+    fn desc(&self) -> Vec<&Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        vec![self.family.clone()]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,6 +204,34 @@ mod tests {
             "demo_seconds_bucket{le=\"+Inf\"} 1",
             "demo_seconds_sum 0.5",
             "demo_seconds_count 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing in\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn scraped_series_keep_their_label_order_and_buckets() {
+        let r = Registry::new();
+        let mut info = Scraped::gauge("demo_info", "Demo info.");
+        info.add_gauge(&[("segment", "s\"1"), ("requested", "rdma")], 1.0);
+        register(&r, info);
+        let mut h = Scraped::histogram("demo_op_seconds", "Demo ops.");
+        h.add_histogram(&[("op", "get")], [(0.001, 1), (1.0, 3)], 4, 2.5);
+        register(&r, h);
+        let text = crate::render(&r);
+        for line in [
+            "# HELP demo_info Demo info.",
+            "# TYPE demo_info gauge",
+            "demo_info{segment=\"s\\\"1\",requested=\"rdma\"} 1",
+            "# TYPE demo_op_seconds histogram",
+            "demo_op_seconds_bucket{op=\"get\",le=\"0.001\"} 1",
+            "demo_op_seconds_bucket{op=\"get\",le=\"1\"} 3",
+            "demo_op_seconds_bucket{op=\"get\",le=\"+Inf\"} 4",
+            "demo_op_seconds_sum{op=\"get\"} 2.5",
+            "demo_op_seconds_count{op=\"get\"} 4",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

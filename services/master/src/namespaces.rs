@@ -29,7 +29,6 @@
 //! the object's own record of who put it.
 
 use std::collections::HashMap;
-use std::fmt::Write;
 
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -240,96 +239,69 @@ impl NamespaceTracker {
         }
     }
 
-    /// The Prometheus text of the namespace metrics. Rendered from the tracker at scrape time
-    /// (labels are namespaces, which come and go); the HELP/TYPE lines are always present.
+    /// The Prometheus text of the namespace metrics, registered in a registry of this scrape
+    /// (labels are namespaces, which come and go).
     pub fn render_metrics(&self) -> String {
+        use lunakv_telemetry::metrics;
         let r = self.report();
-        let mut o = String::new();
-        let head = |o: &mut String, name: &str, kind: &str, help: &str| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        };
-        head(
-            &mut o,
+        let registry = prometheus::Registry::new();
+        let ns = &["namespace"];
+        let keys_put = metrics::counter_vec(
+            &registry,
             "lunakv_namespace_keys_put_total",
-            "counter",
             "Keys put per vLLM key namespace (model@tp_rank prefix)",
+            ns,
         );
-        for n in &r.namespaces {
-            let _ = writeln!(
-                o,
-                "lunakv_namespace_keys_put_total{{namespace=\"{}\"}} {}",
-                escape(&n.namespace),
-                n.keys_put
-            );
-        }
-        head(
-            &mut o,
+        let shared = metrics::counter_vec(
+            &registry,
             "lunakv_namespace_shared_keys_total",
-            "counter",
             "Puts or lookups of a key another client of the namespace already held",
+            ns,
         );
-        for n in &r.namespaces {
-            let _ = writeln!(
-                o,
-                "lunakv_namespace_shared_keys_total{{namespace=\"{}\"}} {}",
-                escape(&n.namespace),
-                n.shared_keys
-            );
-        }
-        head(
-            &mut o,
+        let clients = metrics::gauge_vec(
+            &registry,
             "lunakv_namespace_clients",
-            "gauge",
             "Clients that put at least namespace_min_keys keys in the namespace",
+            ns,
         );
-        for n in &r.namespaces {
-            let _ = writeln!(
-                o,
-                "lunakv_namespace_clients{{namespace=\"{}\"}} {}",
-                escape(&n.namespace),
-                n.active_clients
-            );
-        }
-        head(
-            &mut o,
+        let unshared = metrics::gauge_vec(
+            &registry,
             "lunakv_namespace_unshared_instances",
-            "gauge",
             &format!("1 when {UNSHARED_MESSAGE}"),
+            ns,
         );
         for n in &r.namespaces {
-            let _ = writeln!(
-                o,
-                "lunakv_namespace_unshared_instances{{namespace=\"{}\"}} {}",
-                escape(&n.namespace),
-                u8::from(n.unshared)
-            );
+            let label = [label(&n.namespace)];
+            keys_put.with_label_values(&label).inc_by(n.keys_put);
+            shared.with_label_values(&label).inc_by(n.shared_keys);
+            clients
+                .with_label_values(&label)
+                .set(i64::try_from(n.active_clients).unwrap_or(i64::MAX));
+            unshared
+                .with_label_values(&label)
+                .set(i64::from(n.unshared));
         }
-        head(
-            &mut o,
-            "lunakv_namespace_unshared_namespaces",
-            "gauge",
-            "Namespaces whose instances never share a block",
-        );
         let flagged = r.namespaces.iter().filter(|n| n.unshared).count();
-        let _ = writeln!(o, "lunakv_namespace_unshared_namespaces {flagged}");
-        head(
-            &mut o,
+        metrics::gauge(
+            &registry,
+            "lunakv_namespace_unshared_namespaces",
+            "Namespaces whose instances never share a block",
+        )
+        .set(i64::try_from(flagged).unwrap_or(i64::MAX));
+        metrics::counter(
+            &registry,
             "lunakv_namespace_untracked_total",
-            "counter",
             "Operations not tracked because the namespace or client cap was reached",
-        );
-        let _ = writeln!(o, "lunakv_namespace_untracked_total {}", r.untracked);
-        o
+        )
+        .inc_by(r.untracked);
+        lunakv_telemetry::render(&registry)
     }
 }
 
-/// A Prometheus label value: backslash, double quote and newline escaped, and a tenant's
-/// separator (a NUL, docs/TENANTS.md) shown as `/`.
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-        .replace('\0', "/")
+/// A namespace as a label value: a tenant's separator (a NUL, docs/TENANTS.md) shown as `/`
+/// (the encoder escapes the rest).
+fn label(v: &str) -> String {
+    v.replace('\0', "/")
 }
 
 #[cfg(test)]
@@ -454,7 +426,14 @@ mod tests {
 
     #[test]
     fn label_values_are_escaped() {
-        assert_eq!(escape("a\"b\\c"), "a\\\"b\\\\c");
-        assert_eq!(escape("team-a\0m@tp_rank:0"), "team-a/m@tp_rank:0");
+        let t = NamespaceTracker::new(1);
+        t.record_put("a", "team-a\0m\"x\\@tp_rank:0@ab", false);
+        let text = t.render_metrics();
+        assert!(
+            text.contains(
+                "lunakv_namespace_keys_put_total{namespace=\"team-a/m\\\"x\\\\@tp_rank:0\"} 1"
+            ),
+            "{text}"
+        );
     }
 }

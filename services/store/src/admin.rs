@@ -118,23 +118,26 @@ async fn metrics_text(State(s): State<AdminState>) -> impl IntoResponse {
     )
 }
 
-/// `lunakv_store_transfer_op_duration_seconds{op}` in the text format, from the segment
-/// server's fixed buckets (the transfer library keeps atomics, not a prometheus histogram).
+/// `lunakv_store_transfer_op_duration_seconds{op}`, from the segment server's fixed buckets
+/// (the transfer library keeps atomics, not a prometheus histogram), read at scrape time.
 fn render_op_times(ops: &[lunakv_transfer::OpTimesSnapshot]) -> String {
-    use std::fmt::Write;
-    const NAME: &str = "lunakv_store_transfer_op_duration_seconds";
-    let mut out = format!(
-        "# HELP {NAME} Time the segment server spent per op, from its header to its reply (tcp \
-         write/read carry the bytes; shm commit/pin do not)\n# TYPE {NAME} histogram\n"
+    let mut h = lunakv_telemetry::metrics::Scraped::histogram(
+        "lunakv_store_transfer_op_duration_seconds",
+        "Time the segment server spent per op, from its header to its reply (tcp write/read \
+         carry the bytes; shm commit/pin do not)",
     );
     for o in ops {
-        let op = o.op.label();
-        for (bound, n) in lunakv_transfer::OP_TIME_BOUNDS.iter().zip(&o.cumulative) {
-            let _ = writeln!(out, "{NAME}_bucket{{op=\"{op}\",le=\"{bound}\"}} {n}");
-        }
-        let _ = writeln!(out, "{NAME}_bucket{{op=\"{op}\",le=\"+Inf\"}} {}", o.count);
-        let _ = writeln!(out, "{NAME}_sum{{op=\"{op}\"}} {}", o.sum_seconds);
-        let _ = writeln!(out, "{NAME}_count{{op=\"{op}\"}} {}", o.count);
+        h.add_histogram(
+            &[("op", o.op.label())],
+            lunakv_transfer::OP_TIME_BOUNDS
+                .iter()
+                .copied()
+                .zip(o.cumulative.iter().copied()),
+            o.count,
+            o.sum_seconds,
+        );
     }
-    out
+    let registry = prometheus::Registry::new();
+    lunakv_telemetry::metrics::register(&registry, h);
+    lunakv_telemetry::render(&registry)
 }

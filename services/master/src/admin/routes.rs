@@ -93,11 +93,11 @@ async fn metrics(State(s): State<AdminState>) -> Response {
 
 /// `master_segment_protocol_info{segment,requested,effective,reason} 1` per mounted segment:
 /// a store or embedded engine asked for rdma but serving tcp shows up here, not only in its log.
+/// Read from the core at scrape time; the labels keep this order.
 fn render_segment_protocols(core: &MasterCore) -> String {
-    use std::fmt::Write as _;
-    let name = "master_segment_protocol_info";
-    let mut o = format!(
-        "# HELP {name} Protocol each mounted segment was configured with and the one it serves\n# TYPE {name} gauge\n"
+    let mut info = lunakv_telemetry::metrics::Scraped::gauge(
+        "master_segment_protocol_info",
+        "Protocol each mounted segment was configured with and the one it serves",
     );
     for seg in core.segments() {
         let Some(d) = core.segment_desc(&seg.name) else {
@@ -108,16 +108,19 @@ fn render_segment_protocols(core: &MasterCore) -> String {
         } else {
             &d.requested_protocol
         };
-        let _ = writeln!(
-            o,
-            "{name}{{segment=\"{}\",requested=\"{}\",effective=\"{}\",reason=\"{}\"}} 1",
-            lunakv_telemetry::escape_label(&d.name),
-            lunakv_telemetry::escape_label(requested),
-            lunakv_telemetry::escape_label(&d.protocol),
-            lunakv_telemetry::escape_label(&d.protocol_reason)
+        info.add_gauge(
+            &[
+                ("segment", &d.name),
+                ("requested", requested),
+                ("effective", &d.protocol),
+                ("reason", &d.protocol_reason),
+            ],
+            1.0,
         );
     }
-    o
+    let registry = prometheus::Registry::new();
+    lunakv_telemetry::metrics::register(&registry, info);
+    lunakv_telemetry::render(&registry)
 }
 
 /// `OK` for a single master; with HA `OK role=leader|follower term=N leader=host:port`
