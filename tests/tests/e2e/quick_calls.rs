@@ -272,3 +272,57 @@ fn quick_connections_are_served_on_the_lanes() {
         "one lane per core, the master's threads: {lanes:?}"
     );
 }
+
+/// A batch put larger than one placement chunk (issue 34): its BatchPutStarts go 32 items per
+/// call, pipelined on one quick connection, each chunk's copies run while the master places the
+/// next, and one BatchPutEnd publishes all of them, so every object reads back whole.
+#[test]
+fn a_large_batch_put_is_placed_in_pipelined_chunks_and_published_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let master = Master::start(dir.path(), &[]);
+    let _store = Store::start(&master.addr(), "64MiB", &[]);
+    let c = lunakv_tests::requester(&master.addr());
+    let n = 100;
+    let keys: Vec<String> = (0..n).map(|i| format!("chunked-{i}")).collect();
+    let values: Vec<Vec<u8>> = (0..n).map(|i| pattern(i as u64, 4096 + i)).collect();
+    let items: Vec<(&str, Vec<&[u8]>)> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (k.as_str(), vec![&v[..2048], &v[2048..]]))
+        .collect();
+    let starts = master
+        .metric("master_batch_put_start_requests_total")
+        .unwrap_or(0.0);
+    let ends = master
+        .metric("master_batch_put_end_requests_total")
+        .unwrap_or(0.0);
+    let quick = master.metric("master_quick_calls_total").unwrap_or(0.0);
+    for r in c.batch_put(&items, &Default::default()) {
+        r.expect("every object of the batch is put");
+    }
+    assert_eq!(
+        master
+            .metric("master_batch_put_start_requests_total")
+            .unwrap()
+            - starts,
+        4.0,
+        "100 items in chunks of 32"
+    );
+    assert_eq!(
+        master
+            .metric("master_batch_put_end_requests_total")
+            .unwrap()
+            - ends,
+        1.0,
+        "one publish for the whole batch"
+    );
+    assert_eq!(
+        master.metric("master_quick_calls_total").unwrap() - quick,
+        5.0,
+        "all of them as quick calls"
+    );
+    let fresh = lunakv_tests::requester(&master.addr());
+    for (k, v) in keys.iter().zip(&values) {
+        assert_eq!(&fresh.get(k).expect("get"), v, "{k}");
+    }
+}

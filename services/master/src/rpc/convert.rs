@@ -503,7 +503,13 @@ mod tests {
     /// segments) or hashed (more than `SCAN`), and each segment is in the table once.
     #[test]
     fn each_segment_is_named_once_and_every_index_finds_it() {
-        for n in [1, 3, SegmentTable::SCAN, SegmentTable::SCAN + 1, 3 * SegmentTable::SCAN] {
+        for n in [
+            1,
+            3,
+            SegmentTable::SCAN,
+            SegmentTable::SCAN + 1,
+            3 * SegmentTable::SCAN,
+        ] {
             let segs: Vec<_> = (0..n).map(|i| desc(&format!("s{i}"))).collect();
             // Two passes over the segments, the second in reverse, two replicas per object.
             let results: Vec<_> = (0..2 * n)
@@ -550,7 +556,10 @@ mod tests {
             Err(OpError::new(ErrorCode::NoAvailableHandle, "no room")),
             Ok((7, vec![at(&desc("b"), 64)])),
         ]);
-        assert_eq!(answer.results[0].code, ErrorCode::NoAvailableHandle.as_i32());
+        assert_eq!(
+            answer.results[0].code,
+            ErrorCode::NoAvailableHandle.as_i32()
+        );
         assert!(answer.results[0].replicas.is_empty());
         assert_eq!(answer.results[1].generation, 7);
         assert_eq!(answer.segments.len(), 1);
