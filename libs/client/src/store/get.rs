@@ -166,7 +166,8 @@ impl StoreClient {
             client_id: self.client_id.clone(),
             keys: misses.iter().map(|&i| keys[i].to_owned()).collect(),
         };
-        match self.rpc(|mut m| {
+        // A quick call, on this thread: a get that misses the location cache wakes no other.
+        match self.quick_or_rpc(Method::BatchGetReplicaList, &req, |mut m| {
             let req = req.clone();
             async move { m.batch_get_replica_list(req).await }
         }) {
