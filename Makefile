@@ -26,10 +26,12 @@ test: build
 	$(CARGO) test --workspace --no-fail-fast
 	bindings/python/build.sh test
 
-## Formatting, clippy with the hazards of clippy.toml denied, and rustdoc with warnings denied
-## (broken intra-doc links fail the build).
+## Formatting, import circles between a crate's files (tools/check-imports.py), clippy with the
+## hazards of clippy.toml denied, and rustdoc with warnings denied (broken intra-doc links fail
+## the build).
 lint:
 	$(CARGO) fmt --all -- --check
+	python3 tools/check-imports.py
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps
 
