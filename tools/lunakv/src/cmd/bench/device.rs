@@ -16,8 +16,8 @@ use lunakv_client::{ClientOptions, ReplicateConfig, StoreClient};
 use lunakv_transfer::device::fake::{self, FakeKvCache};
 use serde::{Deserialize, Serialize};
 
-use super::Progress;
 use super::paired::{Pair, PairedRatio, loadavg};
+use super::progress::Progress;
 use super::stats::percentile;
 use crate::output::human_bytes;
 use crate::stack::{Stack, StackOptions};
