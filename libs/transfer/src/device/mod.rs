@@ -28,7 +28,7 @@ pub mod cuda;
 pub mod fake;
 pub(crate) mod staging;
 
-use crate::mem::copy_bytes;
+use crate::copy::copy_bytes;
 
 /// Selects the device backend: unset or `auto` (CUDA when libcuda.so.1 loads, else none),
 /// `cuda` (as auto, but a failure to load is logged as a warning), `off`/`none` (host only),
