@@ -28,7 +28,7 @@ enum ShmCheck {
 /// the server, the request.
 type LocalReq<'r, 'a> = (
     usize,
-    std::sync::Arc<server::Shared>,
+    std::sync::Arc<server::state::Shared>,
     &'r mut TransferRequest<'a>,
 );
 
@@ -340,7 +340,8 @@ impl TransferEngine {
         let total = reqs.len();
         // Requests to in-process segments, with the server (looked up once per target).
         let mut locals: Vec<LocalReq<'_, '_>> = Vec::new();
-        let mut local_seen: Vec<(&Target, Option<std::sync::Arc<server::Shared>>)> = Vec::new();
+        let mut local_seen: Vec<(&Target, Option<std::sync::Arc<server::state::Shared>>)> =
+            Vec::new();
         // Group by target (few peers per batch: linear search beats hashing).
         let mut groups: Vec<(&Target, Vec<(usize, &mut TransferRequest<'_>)>)> = Vec::new();
         for (i, r) in reqs.iter_mut().enumerate() {
