@@ -12,6 +12,8 @@
 mod choice;
 mod desc;
 mod gpudirect;
+#[cfg(feature = "rdma")]
+mod requester;
 mod select;
 #[cfg(feature = "rdma")]
 mod verbs;
@@ -89,7 +91,7 @@ pub fn rdma_check() -> Result<RdmaDescriptor, TransferError> {
 }
 
 #[cfg(feature = "rdma")]
-pub use verbs::RdmaTransport;
+pub use requester::RdmaTransport;
 
 /// Stand-in of a build without the `rdma` feature: it has no values, so an engine never holds
 /// one and every use of it is statically dead.

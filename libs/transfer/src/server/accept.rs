@@ -1,16 +1,17 @@
 //! Accepting connections: one std thread per admitted connection (tcp or the shm socket),
 //! admission by peer address, and the eviction of a slow peer's connection for a newcomer.
 
-use super::conn::{End, Stream, serve};
-use super::state::{Live, READ_BUF, SEND_TIMEOUT, Shared, UNVERIFIED_BODY_BUDGET};
-use crate::guard::{AcceptBackoff, Evicted, Paced, Refusal, Slot, peer_name};
-use crate::table::PinId;
-use crate::tune_socket;
 use std::io::BufReader;
 use std::net::{IpAddr, Shutdown, TcpListener};
 use std::os::unix::net::UnixListener;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+
+use super::conn::{End, Stream, serve};
+use super::state::{Live, READ_BUF, SEND_TIMEOUT, Shared, UNVERIFIED_BODY_BUDGET};
+use crate::guard::{AcceptBackoff, Evicted, Paced, Refusal, Slot, peer_name};
+use crate::table::PinId;
+use crate::tune_socket;
 
 pub(super) fn accept_tcp(shared: Arc<Shared>, listener: TcpListener) {
     let mut backoff = AcceptBackoff::new("tcp");

@@ -1,18 +1,19 @@
 //! One connection's requests: the request loop, the capability checks, and the data calls
 //! (WRITE, READ, pins, ATTACH's memfd, RDMA_CONNECT). The owner's calls are in `owner.rs`.
 
-use super::state::{MAX_PINS_PER_CONN, OVERWRITE_PIN_WAIT, REVOKED, Shared};
-use crate::cap::{CAP_LEN, CAP_MAX_LEN, Capability, Grant, RIGHT_READ, RIGHT_WRITE};
-use crate::guard::{Paced, Slot, peer_name};
-use crate::optimes::TimedOp;
-use crate::table::{PinId, PinResult, RevokedGeneration};
-use crate::wire::{self, Op, Request, Response, Status};
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
+
+use super::state::{MAX_PINS_PER_CONN, OVERWRITE_PIN_WAIT, REVOKED, Shared};
+use crate::cap::{CAP_LEN, CAP_MAX_LEN, Capability, Grant, RIGHT_READ, RIGHT_WRITE};
+use crate::guard::{Paced, Slot, peer_name};
+use crate::optimes::TimedOp;
+use crate::table::{PinId, PinResult, RevokedGeneration};
+use crate::wire::{self, Op, Request, Response, Status};
 
 /// A connected stream either listener hands out.
 pub(super) trait Stream: Read + Write + AsFd + Sized {

@@ -1,15 +1,16 @@
 //! The calls only the master's owner tag opens: FREE, OFFLOAD, LOAD and PROMOTE, whose bodies
 //! are read in bounded chunks, and the cold tier's side of them.
 
+use std::io::{self, Read};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
 use super::conn::{Conn, End, Stream, reply_body};
 use super::state::{BODY_STEP, LOAD_BUF_KEEP, OVERWRITE_PIN_WAIT, PAIRS_PER_CHUNK, Shared};
 use crate::cap::RIGHT_READ;
 use crate::table::{Freed, Pinned};
 use crate::wire::{self, Request, Status};
 use crate::{ColdDropped, ColdItem};
-use std::io::{self, Read};
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
 
 impl<S: Stream> Conn<'_, S> {
     pub(super) fn free(&mut self, req: &Request) -> Result<(), End> {

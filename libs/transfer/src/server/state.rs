@@ -1,19 +1,21 @@
 //! What every connection of a segment server shares: the segment, its table, the counters,
 //! the budgets that bound unauthenticated bodies and LOAD buffers, and the knobs set at start.
 
-use crate::cap::MountSecret;
-use crate::guard::{Admission, PeerLog};
-use crate::mem::Mapping;
-use crate::table::Table;
-use crate::wire::{self};
-use crate::{ColdTier, SegmentIdentity};
-use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::cap::MountSecret;
+use crate::guard::{Admission, PeerLog};
+use crate::mem::Mapping;
+use crate::table::Table;
+use crate::wire::{self};
+use crate::{ColdTier, SegmentIdentity};
 
 /// How long a WRITE waits for readers of the entries it overwrites before writing anyway.
 pub(crate) const OVERWRITE_PIN_WAIT: Duration = Duration::from_secs(5);
