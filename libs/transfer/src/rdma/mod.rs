@@ -5,8 +5,8 @@
 //!   compiled, so every build can decode descriptors and tests run without a device.
 //! - With the feature, `verbs.rs` opens the device, registers segments as memory regions, sets
 //!   up reliable-connection queue pairs over the tcp transfer connection (wire op
-//!   `RDMA_CONNECT`), and maps transfers onto one-sided READ/WRITE with many work requests in
-//!   flight. Without it, [`RdmaTransport`] is an uninhabited type and every entry point answers
+//!   `RDMA_CONNECT`); `requester.rs` maps transfers onto one-sided READ/WRITE with many work
+//!   requests in flight. Without it, [`RdmaTransport`] is an uninhabited type and every entry point answers
 //!   one line naming the fix.
 
 mod choice;
