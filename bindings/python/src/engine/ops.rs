@@ -320,13 +320,7 @@ pub(super) fn session_endpoint(target: &str) -> Result<String, PlanError> {
 }
 
 /// Moves the pieces; 0 if every one succeeded, else -1 (the first failure is logged).
-fn run(
-    engine: &RawEngine,
-    endpoint: &str,
-    pieces: &[(Range, u64)],
-    dir: Dir,
-    what: &str,
-) -> i64 {
+fn run(engine: &RawEngine, endpoint: &str, pieces: &[(Range, u64)], dir: Dir, what: &str) -> i64 {
     let mut reqs: Vec<RawRequest<'_>> = pieces
         .iter()
         .map(|&(r, remote_addr)| match dir {

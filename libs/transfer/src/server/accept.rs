@@ -64,7 +64,7 @@ pub(super) fn accept_unix(shared: Arc<Shared>, listener: UnixListener) {
 
 /// A slot for a new connection from `peer` (`None`: the shm socket), or `None` after counting
 /// and (rate-limited) logging the refusal; the caller then drops the stream, closing it.
-pub(super) fn admit(shared: &Shared, peer: Option<IpAddr>) -> Option<Slot> {
+fn admit(shared: &Shared, peer: Option<IpAddr>) -> Option<Slot> {
     let refusal = match shared.admission.admit(peer) {
         Ok((slot, evicted)) => {
             if let Some(ev) = evicted {
@@ -101,7 +101,7 @@ pub(super) fn admit(shared: &Shared, peer: Option<IpAddr>) -> Option<Slot> {
 
 /// Closes connection `ev`, which never completed a valid request, to admit one from
 /// `newcomer` into a full tcp table. Its thread sees the shutdown and ends quietly.
-pub(super) fn evict(shared: &Shared, ev: Evicted, newcomer: Option<IpAddr>) {
+fn evict(shared: &Shared, ev: Evicted, newcomer: Option<IpAddr>) {
     if let Some(Live::Tcp(s)) = shared.conns.lock().get(&ev.id) {
         let _ = s.shutdown(Shutdown::Both);
     }
@@ -118,7 +118,7 @@ pub(super) fn evict(shared: &Shared, ev: Evicted, newcomer: Option<IpAddr>) {
 
 /// Registers the connection (so shutdown can close it) and serves it on its own thread, which
 /// holds its admission `slot` until it ends.
-pub(super) fn spawn_conn<S: Stream + Send + 'static>(
+fn spawn_conn<S: Stream + Send + 'static>(
     shared: &Arc<Shared>,
     stream: S,
     live: Live,
@@ -153,7 +153,7 @@ pub(super) fn spawn_conn<S: Stream + Send + 'static>(
     }
 }
 
-pub(super) fn run_conn<S: Stream>(shared: &Shared, stream: S, unix: bool, slot: Slot) {
+fn run_conn<S: Stream>(shared: &Shared, stream: S, unix: bool, slot: Slot) {
     let mut pins: Vec<(u64, u64, u64, PinId)> = Vec::new();
     let end = match stream.clone_stream() {
         Ok(r) => serve(

@@ -137,7 +137,7 @@ pub(super) fn serve<S: Stream>(
     r
 }
 
-pub(super) fn serve_requests<S: Stream>(c: &mut Conn<'_, S>) -> Result<(), End> {
+fn serve_requests<S: Stream>(c: &mut Conn<'_, S>) -> Result<(), End> {
     let shared = c.shared;
     // How many SO_RCVTIMEO waits (each the request timeout, at most the idle timeout) make
     // the idle timeout. The shm socket has none.
@@ -313,7 +313,7 @@ impl<S: Stream> Conn<'_, S> {
         reply(&mut self.wr, status, value, msg)
     }
 
-    pub(super) fn out_of_bounds(&mut self) -> io::Result<()> {
+    fn out_of_bounds(&mut self) -> io::Result<()> {
         self.reply(Status::OutOfBounds, self.size, "range outside the segment")
     }
 
@@ -504,7 +504,7 @@ impl<S: Stream> Conn<'_, S> {
         }
     }
 
-    pub(super) fn rdma_connect(&mut self, req: &Request) -> Result<(), End> {
+    fn rdma_connect(&mut self, req: &Request) -> Result<(), End> {
         let n = req.key_len as usize;
         if n > crate::rdma::RDMA_DESC_MAX_LEN {
             return Err(End::Garbage(format!(
@@ -538,7 +538,7 @@ impl<S: Stream> Conn<'_, S> {
 
 /// ATTACH: the response header travels with the memfd in SCM_RIGHTS, followed by the
 /// segment's identity when the requester asked for it.
-pub(super) fn send_fd<S: AsFd>(sock: &S, shared: &Shared, identity: bool) -> io::Result<()> {
+fn send_fd<S: AsFd>(sock: &S, shared: &Shared, identity: bool) -> io::Result<()> {
     use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
     let body = if identity {
         wire::encode_identity(&shared.identity.read())

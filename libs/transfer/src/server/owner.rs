@@ -65,7 +65,7 @@ impl<S: Stream> Conn<'_, S> {
     /// header's body is then buffered as it arrives, [`BODY_STEP`] bytes at a time, against
     /// [`UNVERIFIED_BODY_BUDGET`] shared by every such body until its whole tag is checked.
     #[allow(clippy::option_option)]
-    pub(super) fn owner_body(
+    fn owner_body(
         &mut self,
         req: &Request,
         count: usize,
@@ -311,7 +311,7 @@ impl<S: Stream> Conn<'_, S> {
 }
 
 /// Where a FREE/OFFLOAD body is read from (see [`Conn::owner_body`]).
-pub(super) enum Body<'a, R: Read> {
+enum Body<'a, R: Read> {
     Stream(&'a mut R),
     Buffered(std::io::Cursor<Vec<u8>>),
 }
@@ -336,7 +336,7 @@ impl<R: Read> Read for Body<'_, R> {
 
 /// Reads a FREE/OFFLOAD body of `count` pairs [`PAIRS_PER_CHUNK`] at a time into `buf`, and
 /// hands each chunk to `f` as it arrives.
-pub(super) fn for_each_chunk<R: Read>(
+fn for_each_chunk<R: Read>(
     rd: &mut R,
     buf: &mut Vec<u8>,
     count: usize,
@@ -353,7 +353,7 @@ pub(super) fn for_each_chunk<R: Read>(
     Ok(())
 }
 
-pub(super) fn parse_pairs(buf: &[u8]) -> Vec<(u64, u64)> {
+fn parse_pairs(buf: &[u8]) -> Vec<(u64, u64)> {
     buf.chunks_exact(16)
         .map(|c| {
             let (g, o) = c.split_at(8);

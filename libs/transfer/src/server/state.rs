@@ -36,7 +36,7 @@ pub(super) const PAIRS_PER_CHUNK: usize = 4096;
 /// Bytes all LOADs together may hold in buffers (a disk object is read whole, its checksum
 /// verified, then sent). A LOAD over the budget waits for the others; a single larger object
 /// waits until it is alone.
-pub(super) const LOAD_BUDGET: u64 = 1 << 30;
+const LOAD_BUDGET: u64 = 1 << 30;
 /// A connection keeps its LOAD buffer between requests only up to this capacity.
 pub(super) const LOAD_BUF_KEEP: usize = 1 << 20;
 /// Bytes all FREE/OFFLOAD bodies together may hold while their header passed the master's tag
