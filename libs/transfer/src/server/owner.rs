@@ -65,11 +65,7 @@ impl<S: Stream> Conn<'_, S> {
     /// header's body is then buffered as it arrives, [`BODY_STEP`] bytes at a time, against
     /// [`UNVERIFIED_BODY_BUDGET`] shared by every such body until its whole tag is checked.
     #[allow(clippy::option_option)]
-    fn owner_body(
-        &mut self,
-        req: &Request,
-        count: usize,
-    ) -> Result<Option<Option<Vec<u8>>>, End> {
+    fn owner_body(&mut self, req: &Request, count: usize) -> Result<Option<Option<Vec<u8>>>, End> {
         let Some((secret, _)) = self.shared.secret.get() else {
             return Ok(Some(None));
         };
