@@ -1,4 +1,4 @@
-//! Abuse of a segment server's transfer port by strangers (issue 33, items 1 and 2): memory taken
+//! Abuse of a segment server's transfer port by strangers (docs/SECURITY.md): memory taken
 //! before any check, and connections held so that no legitimate requester gets in. Each test
 //! prints its figure as one `abuse: ...` line; `cargo test -p lunakv-transfer --test abuse --
 //! --nocapture` shows them. Real sockets on loopback, port 0; the strangers use source

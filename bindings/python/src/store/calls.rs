@@ -93,7 +93,7 @@ impl MooncakeDistributedStore {
             return INVALID_PARAMS;
         }
         // A batch with an invalid key is refused whole, before anything is stored, so -400
-        // means no key of it was put (issue 33 item 8). Failures met while putting (no space,
+        // means no key of it was put (a caller retrying the batch cannot double-put). Failures met while putting (no space,
         // a key that exists) leave the other keys stored and answer the first error, as
         // upstream's put_batch does; batch_put_from answers per key.
         if let Some((i, e)) = keys

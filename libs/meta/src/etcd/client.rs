@@ -342,7 +342,7 @@ impl EtcdClient {
                 // enforces a minimum ping interval (`--grpc-keepalive-min-time`, 5 s by
                 // default) and, with no stream open, no pings at all: a client that pings more
                 // often gets GOAWAY "too_many_pings" after two strikes, which broke every watch
-                // about every 8 s (issue 33 item 9). So ping at twice that minimum, and only
+                // about every 8 s. So ping at twice that minimum, and only
                 // while a stream is open; calls are bounded by `timeout` anyway.
                 .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
                 .keep_alive_timeout(Duration::from_secs(5))
