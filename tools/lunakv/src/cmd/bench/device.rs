@@ -1,6 +1,6 @@
 //! `lunakv bench --device` (docs/GPU.md, "Everything but the copy"): vLLM's batch shape
-//! (objects x layers x K/V pieces of one block each, the defaults of `make test-gpu`) through the device test double
-//! (`LUNAKV_DEVICE=fake`), embedded, over shm and over tcp. Per batch it separates the whole
+//! (objects x layers x K/V pieces of one block each, the defaults of `make test-gpu`) through
+//! the device test double (`LUNAKV_DEVICE=fake`), embedded, over shm and over tcp. Per batch it separates the whole
 //! call from the time inside the device copies (the double times its copies), so what is left
 //! is everything but the copy: the master's round trips, per-key and per-piece work. On a GPU
 //! the copy is the DMA; this overhead is what a 256 MiB batch pays on top of it (docs/GPU.md).
