@@ -26,10 +26,12 @@ test: build
 	$(CARGO) test --workspace --no-fail-fast
 	bindings/python/build.sh test
 
-## Formatting, clippy with the hazards of clippy.toml denied, and rustdoc with warnings denied
-## (broken intra-doc links fail the build).
+## Formatting, import circles between a crate's files (tools/check-imports.py), clippy with the
+## hazards of clippy.toml denied, and rustdoc with warnings denied (broken intra-doc links fail
+## the build).
 lint:
 	$(CARGO) fmt --all -- --check
+	python3 tools/check-imports.py
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps
 
@@ -82,10 +84,11 @@ bench-trace: release
 bench-trace-python:
 	BENCH_ARGS="--trace $(TRACE) $(BENCH_ARGS)" bindings/python/build.sh bench-trace
 
-## Issue 33's abuse scenarios, bounded and on loopback only, each printing its figure on an
-## `abuse:` line: store memory under a forged-FREE flood, gets during a many-address flood and a
-## trickle, victim puts during zombie reservations, keys surviving a pool-sized put. They also
-## run in `make test`; this target prints the figures (docs/SECURITY.md).
+## The abuse scenarios (docs/SECURITY.md, "One caller cannot take the pool down"), bounded and
+## on loopback only, each printing its figure on an `abuse:` line: store memory under a
+## forged-FREE flood, gets during a many-address flood and a trickle, victim puts during zombie
+## reservations, keys surviving a pool-sized put. They also run in `make test`; this target
+## prints the figures.
 test-abuse: build
 	bash -o pipefail -c "$(CARGO) test -p lunakv-transfer --test abuse -- --nocapture --test-threads=1 2>&1 | grep -oE 'abuse: .*|test result: .*'"
 	bash -o pipefail -c "$(CARGO) test -p lunakv-tests --test e2e -- --nocapture --test-threads=1 abuse_pool:: 2>&1 | grep -oE 'abuse: .*|test result: .*'"

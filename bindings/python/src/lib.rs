@@ -42,7 +42,7 @@
 //! - `mooncake.store` (`python/mooncake/store.py`): [`store::MooncakeDistributedStore`],
 //!   `ReplicateConfig`, `ReplicaDescriptor`.
 //! - `mooncake.engine` (`python/mooncake/engine.py`): [`engine::TransferEngine`], upstream's P/D
-//!   engine over lunakv-transfer's raw registered regions (see `engine.rs`).
+//!   engine over lunakv-transfer's raw registered regions (see `engine/`).
 //!
 //! Both share one process-wide `lunakv_transfer::TransferEngine` ([`shared`]): vLLM's
 //! MultiConnector[MooncakeConnector + MooncakeStoreConnector] runs them in one worker process,

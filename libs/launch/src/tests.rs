@@ -1,3 +1,6 @@
+//! Unit tests of launching a binary: its `listening` line, timeouts, output kept for failure
+//! reports, stopping it.
+
 use std::time::Duration;
 
 use super::*;

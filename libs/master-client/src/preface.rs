@@ -14,7 +14,7 @@ use crate::ClientError;
 /// after the handshake), as a [`ClientError::Tls`] that names the certificate.
 ///
 /// A lunakv-master being killed or restarting also closes or resets a connection it had
-/// accepted (issue 33 item 10: puts during a master kill were told "not a lunakv-master", which
+/// accepted (puts made while a master was killed used to be told "not a lunakv-master", which
 /// is final). So a peer that closes on the preface is looked at once more: a foreign server
 /// closes again, a restarting master by then refuses, stays silent while it starts, or answers
 /// HTTP/2. Only the first is "not a lunakv-master"; the others say the master is unreachable or

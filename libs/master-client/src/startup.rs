@@ -166,7 +166,7 @@ mod tests {
         addr
     }
 
-    /// Issue 33 item 10: a master killed while a client connects resets the connection it had
+    /// A master killed while a client connects resets the connection it had
     /// accepted, then its port refuses. That is a master unreachable or restarting (retried),
     /// not a foreign server (final).
     #[tokio::test]

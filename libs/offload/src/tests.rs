@@ -1,3 +1,6 @@
+//! Unit tests of the SSD tier: writes, reads, recovery after a restart, compaction and eviction
+//! on small buckets in a temporary directory.
+
 use super::*;
 
 fn cfg(dir: &Path, limit: u64) -> OffloadConfig {

@@ -1,4 +1,4 @@
-//! Control characters out of log lines (issue 33 item 7).
+//! Control characters out of log lines.
 //!
 //! Keys, client ids, segment names and error texts reach the logs from peers. In the text
 //! format a value with CR or LF would end the line and let the peer write lines of its own

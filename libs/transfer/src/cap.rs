@@ -23,6 +23,8 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::wire::{FLAG_CAP, FLAG_PROOF, FLAGS_AT, REQ_LEN};
+
 /// Bytes of a capability on the wire and in `Replica.capability`.
 pub const CAP_LEN: usize = 56;
 /// Bytes of a [`PlacementProof`].
@@ -434,6 +436,21 @@ pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Sets [`FLAG_CAP`] on `hdr` when `cap` is given (and [`FLAG_PROOF`] when it carries a
+/// placement proof); returns the bytes to send after the trace context (empty without one).
+pub fn attach_cap<'c>(hdr: &mut [u8; REQ_LEN], cap: Option<&'c Capability>) -> &'c [u8] {
+    match cap {
+        Some(c) => {
+            hdr[FLAGS_AT] |= FLAG_CAP;
+            if c.proof().is_some() {
+                hdr[FLAGS_AT] |= FLAG_PROOF;
+            }
+            c.as_bytes()
+        }
+        None => &[],
+    }
 }
 
 #[cfg(test)]

@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::ColdTier;
-use crate::server::{SegmentServer, Shared};
+use crate::server::SegmentServer;
+use crate::server::state::Shared;
 use crate::table::Pinned;
 
 /// Most bytes per disk batch: one fsync each, and the budget is checked between batches, so a
@@ -185,7 +186,7 @@ impl ColdDrain {
         if pinned.is_empty() {
             return;
         }
-        let batch = crate::server::cold_items(&self.shared, pinned, |_| {});
+        let batch = crate::server::owner::cold_items(&self.shared, pinned, |_| {});
         match self.cold.store(&batch) {
             Ok(done) => {
                 let sizes: HashMap<u64, u64> = batch

@@ -4,47 +4,6 @@
 
 use super::*;
 
-/// A way to move bytes to and from a segment. tcp and shm implement it; an RDMA transport
-/// implements the same three calls.
-pub trait Transport: Send + Sync {
-    /// Short name for logs and metrics ("tcp", "shm").
-    fn name(&self) -> &'static str;
-    /// Stores the concatenation of `src` at `offset` as entry `generation` named `key`.
-    fn write(
-        &self,
-        t: &Target,
-        generation: u64,
-        key: &str,
-        offset: u64,
-        src: &[&[u8]],
-    ) -> Result<(), TransferError>;
-    /// Fills `dst` in order from entry `(generation, offset, total dst len)`.
-    fn read(
-        &self,
-        t: &Target,
-        generation: u64,
-        offset: u64,
-        dst: &mut [&mut [u8]],
-    ) -> Result<(), TransferError>;
-    /// Runs requests that all go to `t`, results in order. The default runs them one by one;
-    /// transports that can pipeline override it.
-    fn submit(
-        &self,
-        t: &Target,
-        reqs: &mut [&mut TransferRequest<'_>],
-    ) -> Vec<Result<(), TransferError>> {
-        reqs.iter_mut().map(|r| self.execute(t, r)).collect()
-    }
-
-    /// One request through [`Transport::write`] or [`Transport::read`].
-    fn execute(&self, t: &Target, req: &mut TransferRequest<'_>) -> Result<(), TransferError> {
-        req.dispatch(
-            |_, generation, key, offset, src| self.write(t, generation, key, offset, src),
-            |_, generation, offset, dst| self.read(t, generation, offset, dst),
-        )
-    }
-}
-
 /// A batch is split into units of at least this many bytes per connection; below that a thread
 /// costs more than it saves on a small box.
 pub(crate) const MIN_UNIT_BYTES: u64 = 512 * 1024;
@@ -69,7 +28,7 @@ enum ShmCheck {
 /// the server, the request.
 type LocalReq<'r, 'a> = (
     usize,
-    std::sync::Arc<server::Shared>,
+    std::sync::Arc<server::state::Shared>,
     &'r mut TransferRequest<'a>,
 );
 
@@ -381,7 +340,8 @@ impl TransferEngine {
         let total = reqs.len();
         // Requests to in-process segments, with the server (looked up once per target).
         let mut locals: Vec<LocalReq<'_, '_>> = Vec::new();
-        let mut local_seen: Vec<(&Target, Option<std::sync::Arc<server::Shared>>)> = Vec::new();
+        let mut local_seen: Vec<(&Target, Option<std::sync::Arc<server::state::Shared>>)> =
+            Vec::new();
         // Group by target (few peers per batch: linear search beats hashing).
         let mut groups: Vec<(&Target, Vec<(usize, &mut TransferRequest<'_>)>)> = Vec::new();
         for (i, r) in reqs.iter_mut().enumerate() {

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 pub mod cap;
+mod copy;
 pub mod device;
 mod drain;
 mod engine;
@@ -49,20 +50,21 @@ mod shm;
 mod table;
 mod tcp;
 mod trace;
+mod transport;
 mod vio;
 pub mod wire;
 
 pub use cap::{CapError, Capability, Grant, InventoryKey, MountSecret, PlacementProof};
 pub use optimes::{OP_TIME_BOUNDS, OpTimesSnapshot, TimedOp};
 
+pub use copy::copy_slice;
 pub use drain::{ColdDrain, DrainProgress, DrainReport};
-use engine::MIN_UNIT_BYTES;
 #[cfg(test)]
 use engine::copy_helpers;
-pub use engine::{LOCAL_SPLIT_MIN_BYTES, TransferEngine, Transport};
+pub use engine::{LOCAL_SPLIT_MIN_BYTES, TransferEngine};
 pub use error::TransferError;
 pub use guard::raise_fd_limit;
-pub use mem::{copy_slice, segment_copy_gbps};
+pub use mem::segment_copy_gbps;
 pub use raw::RawRequest;
 pub use rdma::{
     GPUDIRECT_ENV, GpuDirect, PeerRdma, ProtocolChoice, RDMA_COMPILED, RdmaDescriptor,
@@ -75,6 +77,7 @@ pub use region::{
 pub use server::{ConnStats, SegmentServer};
 pub use shm::ShmTransport;
 pub use tcp::{OffloadAnswer, TcpTransport};
+pub use transport::Transport;
 pub use wire::DISK_OFFSET;
 
 /// One object handed to a [`ColdTier`]: its bytes are borrowed from the segment, pinned.

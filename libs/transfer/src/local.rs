@@ -15,7 +15,7 @@ use parking_lot::RwLock;
 
 use crate::device::Copier;
 use crate::mem::{Mapping, copy_in_any, copy_out_any, queue_in, queue_out};
-use crate::server::{OVERWRITE_PIN_WAIT, Shared};
+use crate::server::state::{OVERWRITE_PIN_WAIT, Shared};
 use crate::table::PinResult;
 use crate::tcp::{check_request, total_len};
 use crate::{PlacementProof, SegmentServer, Target, TransferError, TransferRequest};

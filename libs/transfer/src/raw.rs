@@ -185,7 +185,7 @@ impl TransferEngine {
         for (ep, mut v) in groups {
             let bytes: u64 = v.iter().map(|(_, r)| r.len()).sum();
             let n = (self.tcp.conns_per_peer() as u64)
-                .min(bytes.div_ceil(crate::MIN_UNIT_BYTES))
+                .min(bytes.div_ceil(crate::engine::MIN_UNIT_BYTES))
                 .min(v.len() as u64)
                 .max(1) as usize;
             let per = v.len().div_ceil(n);

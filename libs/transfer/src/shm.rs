@@ -118,7 +118,7 @@ impl ShmTransport {
         s.set_write_timeout(Some(self.io_timeout))
             .map_err(|e| unavailable(path, e))?;
         let mut req = Request::bare(Op::Attach).encode_identity_request();
-        let cb = wire::attach_cap(&mut req, cap);
+        let cb = crate::cap::attach_cap(&mut req, cap);
         write_all_gather(&mut &s, &[&req, cb], &[]).map_err(|e| unavailable(path, e))?;
         let mut hdr = [0u8; wire::RESP_LEN];
         let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
@@ -420,7 +420,7 @@ impl ShmTransport {
                         })
                         .and_then(|(off, _)| {
                             let (mut hdr, tc) = req.encode_with(trace.as_ref());
-                            let cb = wire::attach_cap(&mut hdr, cap.as_ref());
+                            let cb = crate::cap::attach_cap(&mut hdr, cap.as_ref());
                             write_all_gather(&mut s, &[&hdr, tc, cb], &[])
                                 .map_err(|e| io_err(path, e))?;
                             pinning.push((i, req, off));
@@ -495,7 +495,7 @@ impl ShmTransport {
                                 TransferRequest::Read { .. } => ("", None),
                             };
                             let (mut hdr, tc) = req.encode_with(trace.as_ref());
-                            let cb = wire::attach_cap(&mut hdr, cap.as_ref());
+                            let cb = crate::cap::attach_cap(&mut hdr, cap.as_ref());
                             write_all_gather(&mut s, &[&hdr, tc, cb, key.as_bytes()], &[])
                                 .map_err(|e| io_err(path, e))
                                 .map(|()| answers.push((i, req)))
@@ -582,7 +582,7 @@ impl Transport for ShmTransport {
                 aux: 0,
             }
             .encode_with(trace.as_ref());
-            let cb = wire::attach_cap(&mut hdr, t.capability.as_ref());
+            let cb = crate::cap::attach_cap(&mut hdr, t.capability.as_ref());
             write_all_gather(s, &[&hdr, tc, cb, key.as_bytes()], &[])
                 .map_err(|e| io_err(path, e))?;
             recv_status(s, path, generation, offset, len).map(|_| ())
@@ -617,7 +617,7 @@ impl Transport for ShmTransport {
             };
             let trace = a.trace();
             let (mut hdr, tc) = req.encode_with(trace.as_ref());
-            let cb = wire::attach_cap(&mut hdr, t.capability.as_ref());
+            let cb = crate::cap::attach_cap(&mut hdr, t.capability.as_ref());
             write_all_gather(s, &[&hdr, tc, cb], &[]).map_err(|e| io_err(path, e))?;
             recv_status(s, path, generation, offset, len)?;
             let copied = copy_out_any(&a.map, off, dst);

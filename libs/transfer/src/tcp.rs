@@ -210,7 +210,7 @@ impl TcpConn {
             aux: 0,
         }
         .encode_with(trace);
-        let cb = wire::attach_cap(&mut hdr, cap);
+        let cb = crate::cap::attach_cap(&mut hdr, cap);
         write_from(&mut self.stream, &[&hdr, tc, cb, key.as_bytes()], src)
     }
 
@@ -231,7 +231,7 @@ impl TcpConn {
             aux: 0,
         }
         .encode_with(trace);
-        let cb = wire::attach_cap(&mut hdr, cap);
+        let cb = crate::cap::attach_cap(&mut hdr, cap);
         write_all_gather(&mut self.stream, &[&hdr, tc, cb], &[])
     }
 
@@ -430,7 +430,7 @@ impl TcpTransport {
             }
             .encode();
             let tag = key.map(|k| crate::Capability::owner(&k, &hdr, chunk));
-            let tb = wire::attach_cap(&mut hdr, tag.as_ref());
+            let tb = crate::cap::attach_cap(&mut hdr, tag.as_ref());
             self.with_conn(endpoint, |c| {
                 // The owner may legitimately wait `timeout` for pins before answering.
                 let wait = self.io_timeout + timeout;
@@ -498,7 +498,7 @@ impl TcpTransport {
             }
             .encode();
             let tag = key.map(|k| crate::Capability::owner(&k, &hdr, &body));
-            let tb = wire::attach_cap(&mut hdr, tag.as_ref());
+            let tb = crate::cap::attach_cap(&mut hdr, tag.as_ref());
             if report {
                 // After the tag: owners check the header's tag without its flags.
                 hdr[wire::FLAGS_AT] |= wire::FLAG_DROPS;
@@ -588,7 +588,7 @@ impl TcpTransport {
         let tag = self
             .owner_key(endpoint)
             .map(|k| crate::Capability::owner(&k, &hdr, key.as_bytes()));
-        let tb = wire::attach_cap(&mut hdr, tag.as_ref());
+        let tb = crate::cap::attach_cap(&mut hdr, tag.as_ref());
         self.with_conn(endpoint, |c| {
             // A disk read of up to a whole object: allow for it.
             let wait = self.io_timeout * 6;
@@ -626,7 +626,7 @@ impl TcpTransport {
             aux: 0,
         }
         .encode();
-        let cb = wire::attach_cap(&mut hdr, cap);
+        let cb = crate::cap::attach_cap(&mut hdr, cap);
         self.with_conn(endpoint, |c| {
             write_all_gather(&mut c.stream, &[&hdr, cb], &[]).map_err(|e| io_err(endpoint, e))?;
             c.recv_read(endpoint, generation, 0, dst, len)

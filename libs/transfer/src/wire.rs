@@ -393,21 +393,6 @@ impl Response {
     }
 }
 
-/// Sets [`FLAG_CAP`] on `hdr` when `cap` is given (and [`FLAG_PROOF`] when it carries a
-/// placement proof); returns the bytes to send after the trace context (empty without one).
-pub fn attach_cap<'c>(hdr: &mut [u8; REQ_LEN], cap: Option<&'c crate::Capability>) -> &'c [u8] {
-    match cap {
-        Some(c) => {
-            hdr[FLAGS_AT] |= FLAG_CAP;
-            if c.proof().is_some() {
-                hdr[FLAGS_AT] |= FLAG_PROOF;
-            }
-            c.as_bytes()
-        }
-        None => &[],
-    }
-}
-
 /// Whether a request header carries a capability.
 pub fn has_cap(b: &[u8; REQ_LEN]) -> bool {
     b[FLAGS_AT] & FLAG_CAP != 0

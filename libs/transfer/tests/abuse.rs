@@ -1,4 +1,4 @@
-//! Abuse of a segment server's transfer port by strangers (issue 33, items 1 and 2): memory taken
+//! Abuse of a segment server's transfer port by strangers (docs/SECURITY.md): memory taken
 //! before any check, and connections held so that no legitimate requester gets in. Each test
 //! prints its figure as one `abuse: ...` line; `cargo test -p lunakv-transfer --test abuse --
 //! --nocapture` shows them. Real sockets on loopback, port 0; the strangers use source
@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use lunakv_transfer::cap::{READ_TTL, RIGHT_READ, RIGHT_WRITE};
+use lunakv_transfer::cap::{READ_TTL, RIGHT_READ, RIGHT_WRITE, attach_cap};
 use lunakv_transfer::wire::{self, Op, Request, Response, Status};
 use lunakv_transfer::{
     Capability, ConnLimits, Grant, MountSecret, SegmentServer, SegmentServerConfig, Target,
@@ -272,7 +272,7 @@ fn a_free_header_flood_with_security_on_buffers_no_body() {
         .encode();
         // A stranger's tag: a secret of its own.
         let tag = Capability::owner(&MountSecret::generate(), &hdr, &[]);
-        let tb = wire::attach_cap(&mut hdr, Some(&tag)).to_vec();
+        let tb = attach_cap(&mut hdr, Some(&tag)).to_vec();
         let mut s = connect_from(stranger(i % 4), addr).unwrap();
         s.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
         let mut ok = s.write_all(&hdr).is_ok() && s.write_all(&tb).is_ok();
@@ -341,7 +341,7 @@ fn a_tagged_free_is_served_and_a_replayed_header_with_another_body_applies_nothi
     // The master tagged a FREE of harmless pairs; the replay carries the victim's instead.
     let harmless = pairs(&vec![(1 << 61, 0); items.len()]);
     let tag = Capability::owner(&secret, &hdr, &harmless);
-    let tb = wire::attach_cap(&mut hdr, Some(&tag)).to_vec();
+    let tb = attach_cap(&mut hdr, Some(&tag)).to_vec();
     let mut s = TcpStream::connect(server.local_addr()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     s.write_all(&hdr).unwrap();

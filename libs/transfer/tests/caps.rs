@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use lunakv_transfer::cap::{READ_TTL, RIGHT_READ, RIGHT_WRITE, WRITE_TTL};
+use lunakv_transfer::cap::{READ_TTL, RIGHT_READ, RIGHT_WRITE, WRITE_TTL, attach_cap};
 use lunakv_transfer::wire::{self, Op, Request, Response, Status};
 use lunakv_transfer::{
     Capability, Grant, MountSecret, SegmentServer, SegmentServerConfig, Target, TransferEngine,
@@ -236,7 +236,7 @@ fn a_raw_read_of_another_range_with_a_valid_capability_is_refused() {
         aux: 0,
     }
     .encode();
-    let cb = wire::attach_cap(&mut h, Some(&rw)).to_vec();
+    let cb = attach_cap(&mut h, Some(&rw)).to_vec();
     s.write_all(&h).unwrap();
     s.write_all(&cb).unwrap();
     let mut hdr = [0u8; wire::RESP_LEN];

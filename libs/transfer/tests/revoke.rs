@@ -1,4 +1,4 @@
-//! Revoked generations (issue 33 item 3): once the master freed a generation here, a late
+//! Revoked generations: once the master freed a generation here, a late
 //! WRITE or COMMIT of it is refused, and the FREE is acknowledged only after every write of it
 //! already in flight ended, so the master never hands a range to a new put while a zombie's
 //! bytes can still land in it.

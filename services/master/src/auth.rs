@@ -509,7 +509,7 @@ mod tests {
         );
     }
 
-    /// Issue 33 item 5: the index stream carries every store's mount secret; a pool-token
+    /// The index stream carries every store's mount secret; a pool-token
     /// holder gets it in no configuration, while the admin token and admin identities do.
     #[test]
     fn replicate_index_needs_an_admin_credential_in_every_secured_mode() {
@@ -706,7 +706,7 @@ mod tests {
         assert!(check_http(&plain, "/query_key", None, Some("ops")).is_err());
     }
 
-    /// Issue 33 item 6: under (m)TLS without a token, the listings used to answer anyone on
+    /// Under (m)TLS without a token, the listings used to answer anyone on
     /// the plaintext admin port; they need a credential in every secured mode.
     #[test]
     fn with_tls_on_the_rpc_port_the_listings_are_never_open() {

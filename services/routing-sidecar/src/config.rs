@@ -102,12 +102,12 @@ pub struct Cli {
     #[arg(long = "cert-path")]
     pub cert_path: Option<PathBuf>,
     /// Stages reached over TLS: comma list of prefiller, decoder.
-    #[serde(with = "crate::file::list")]
+    #[serde(with = "crate::values::list")]
     #[arg(long = "enable-tls", value_delimiter = ',', num_args = 0..=1, require_equals = true,
           default_missing_value = "prefiller,decoder")]
     pub enable_tls: Vec<String>,
     /// Stages whose certificates are not verified: comma list of prefiller, decoder.
-    #[serde(with = "crate::file::list")]
+    #[serde(with = "crate::values::list")]
     #[arg(long = "tls-insecure-skip-verify", value_delimiter = ',', num_args = 0..=1,
           require_equals = true, default_missing_value = "prefiller,decoder")]
     pub tls_insecure_skip_verify: Vec<String>,
@@ -115,7 +115,7 @@ pub struct Cli {
     #[arg(long = "prefill-max-retries", default_value_t = 0)]
     pub prefill_max_retries: u32,
     /// Wait before each prefill retry (e.g. 200ms, 1s).
-    #[serde(with = "crate::file::go_duration")]
+    #[serde(with = "crate::values::go_duration")]
     #[arg(long = "prefill-retry-backoff", default_value = "200ms", value_parser = parse_duration)]
     pub prefill_retry_backoff: Duration,
     /// Only allow prefill targets on the allowlist (host AND port).
@@ -123,7 +123,7 @@ pub struct Cli {
           num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub enable_ssrf_protection: bool,
     /// Static allowlist: comma list of host:port (host:* allows any port of host).
-    #[serde(with = "crate::file::list")]
+    #[serde(with = "crate::values::list")]
     #[arg(long = "ssrf-allowlist", value_delimiter = ',')]
     pub ssrf_allowlist: Vec<String>,
     /// Allowlist file, one host:port per line (# comments); re-read when it changes.
@@ -137,7 +137,7 @@ pub struct Cli {
     #[arg(long = "max-idle-conns-per-host", default_value_t = 1024)]
     pub max_idle_conns_per_host: usize,
     /// Idle keep-alive to upstreams; keep it below the engine's (vLLM/uvicorn: 5 s).
-    #[serde(with = "crate::file::go_duration")]
+    #[serde(with = "crate::values::go_duration")]
     #[arg(long = "idle-conn-timeout", default_value = "4s", value_parser = parse_duration)]
     pub idle_conn_timeout: Duration,
     /// Largest request body accepted on the disaggregated routes (413 beyond).
@@ -203,31 +203,6 @@ impl Default for Cli {
             configuration: None,
         }
     }
-}
-
-/// Parses `args` (the program name first) and loads the layers: `--configuration-file` (or
-/// `--configuration`) < the environment < the flags given.
-pub fn parse_args<I, T>(args: I) -> Result<Cli, ConfigError>
-where
-    I: IntoIterator<Item = T>,
-    T: Into<std::ffi::OsString> + Clone,
-{
-    parse_args_with(args, &lunakv_config::process_env)
-}
-
-/// [`parse_args`] with the environment read through `env` (tests pass a map).
-pub fn parse_args_with<I, T>(
-    args: I,
-    env: &dyn Fn(&str) -> Option<String>,
-) -> Result<Cli, ConfigError>
-where
-    I: IntoIterator<Item = T>,
-    T: Into<std::ffi::OsString> + Clone,
-{
-    use clap::{CommandFactory, FromArgMatches};
-    let matches = Cli::command().try_get_matches_from(args)?;
-    let cli = Cli::from_arg_matches(&matches)?;
-    crate::file::load(cli, &matches, env)
 }
 
 /// Which stages use TLS / skip verification.

@@ -105,62 +105,36 @@ pub fn load(
     })
 }
 
-/// serde for a list given as a YAML sequence or as one comma-separated string
-/// (`prefiller,decoder`), as llm-d's YAML and flags write lists.
-pub(crate) mod list {
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum List {
-        Seq(Vec<String>),
-        Csv(String),
-    }
-
-    pub fn serialize<S: Serializer>(v: &[String], s: S) -> Result<S::Ok, S::Error> {
-        v.serialize(s)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-        Ok(match List::deserialize(d)? {
-            List::Seq(v) => v,
-            List::Csv(s) => s
-                .split(',')
-                .map(|x| x.trim().to_string())
-                .filter(|x| !x.is_empty())
-                .collect(),
-        })
-    }
+/// Parses `args` (the program name first) and loads the layers: `--configuration-file` (or
+/// `--configuration`) < the environment < the flags given.
+pub fn parse_args<I, T>(args: I) -> Result<Cli, ConfigError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    parse_args_with(args, &lunakv_config::process_env)
 }
 
-/// serde for Go durations (`200ms`, `1m30s`) through the one [`lunakv_config::parse_duration`];
-/// written back in a form it reads.
-pub(crate) mod go_duration {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        let text = if d.subsec_nanos() == 0 {
-            format!("{}s", d.as_secs())
-        } else if d.subsec_nanos().is_multiple_of(1_000_000) {
-            format!("{}ms", d.as_millis())
-        } else {
-            format!("{}ns", d.as_nanos())
-        };
-        s.serialize_str(&text)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        lunakv_config::parse_duration(&text).map_err(serde::de::Error::custom)
-    }
+/// [`parse_args`] with the environment read through `env` (tests pass a map).
+pub fn parse_args_with<I, T>(
+    args: I,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Cli, ConfigError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().try_get_matches_from(args)?;
+    let cli = Cli::from_arg_matches(&matches)?;
+    load(cli, &matches, env)
 }
 
 #[cfg(test)]
 mod tests {
     use crate::ConfigError;
-    use crate::config::{Connector, SidecarConfig, parse_args};
+    use crate::config::{Connector, SidecarConfig};
+    use crate::file::{parse_args, parse_args_with};
     use std::time::Duration;
 
     fn with_file(yaml: &str, flags: &[&str]) -> Result<SidecarConfig, ConfigError> {
@@ -252,7 +226,6 @@ mod tests {
 
     #[test]
     fn file_then_env_then_flags() {
-        use crate::config::parse_args_with;
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("sidecar.yaml");
         std::fs::write(
@@ -306,7 +279,6 @@ mod tests {
 
     #[test]
     fn a_bad_environment_value_names_its_variable() {
-        use crate::config::parse_args_with;
         let e = parse_args_with(
             ["x"],
             &env_of(&[("ENABLE_PREFILLER_SAMPLING", "sometimes")]),

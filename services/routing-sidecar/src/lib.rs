@@ -40,10 +40,12 @@ pub mod proxy;
 pub mod server;
 pub mod ssrf;
 pub mod tls;
+mod values;
 
 use std::net::SocketAddr;
 
-pub use config::{Cli, ConfigError, Connector, SidecarConfig, parse_args};
+pub use config::{Cli, ConfigError, Connector, SidecarConfig};
+pub use file::parse_args;
 pub use server::{Bound, bind, serve};
 
 /// Where the sidecar serves its own Prometheus counters.

@@ -141,8 +141,8 @@ fn without_an_nvidia_driver_cuda_does_not_load_and_says_why() {
     }
 }
 
-fn d2h(dev: usize, host: usize, len: usize) -> super::Pending {
-    super::Pending {
+fn d2h(dev: usize, host: usize, len: usize) -> super::runs::Pending {
+    super::runs::Pending {
         ordinal: 0,
         dir: CopyDir::DeviceToHost,
         dev,
@@ -151,7 +151,7 @@ fn d2h(dev: usize, host: usize, len: usize) -> super::Pending {
     }
 }
 
-fn shape(runs: &[super::Run]) -> Vec<(usize, usize, usize, usize, usize, usize)> {
+fn shape(runs: &[super::runs::Run]) -> Vec<(usize, usize, usize, usize, usize, usize)> {
     runs.iter()
         .map(|r| (r.dev, r.dev_pitch, r.host, r.host_pitch, r.len, r.height))
         .collect()
@@ -176,7 +176,7 @@ fn vllm_blocks_placed_back_to_back_coalesce_into_one_2d_copy_per_piece() {
             }
         }
     }
-    let runs = super::coalesce(pending);
+    let runs = super::runs::coalesce(pending);
     // One run per (layer, K/V): 4 rows, device pitch one block, host pitch one object.
     assert_eq!(runs.len(), 4, "{:?}", shape(&runs));
     for r in &runs {
@@ -186,9 +186,9 @@ fn vllm_blocks_placed_back_to_back_coalesce_into_one_2d_copy_per_piece() {
 
 #[test]
 fn coalescing_merges_contiguous_runs_and_keeps_what_does_not_line_up_apart() {
-    assert!(super::coalesce(Vec::new()).is_empty());
+    assert!(super::runs::coalesce(Vec::new()).is_empty());
     // Contiguous on both sides: one run whose pitches equal the row (issued as one plain copy).
-    let runs = super::coalesce(vec![
+    let runs = super::runs::coalesce(vec![
         d2h(0x2000, 0x10_0000, 0x1000),
         d2h(0x1000, 0x0f_f000, 0x1000),
     ]);
@@ -197,13 +197,13 @@ fn coalescing_merges_contiguous_runs_and_keeps_what_does_not_line_up_apart() {
         vec![(0x1000, 0x1000, 0x0f_f000, 0x1000, 0x1000, 2)]
     );
     // Host side descending while the device side ascends: no positive pitch fits, two copies.
-    let runs = super::coalesce(vec![
+    let runs = super::runs::coalesce(vec![
         d2h(0x1000, 0x20_0000, 0x100),
         d2h(0x2000, 0x10_0000, 0x100),
     ]);
     assert_eq!(runs.len(), 2);
     // Rows overlapping on the host side (pitch under the row size) are not one 2D copy.
-    let runs = super::coalesce(vec![
+    let runs = super::runs::coalesce(vec![
         d2h(0x1000, 0x10_0000, 0x100),
         d2h(0x2000, 0x10_0080, 0x100),
     ]);
@@ -213,7 +213,7 @@ fn coalescing_merges_contiguous_runs_and_keeps_what_does_not_line_up_apart() {
     h2d.dir = CopyDir::HostToDevice;
     let mut other = d2h(0x3000, 0x10_2000, 0x1000);
     other.ordinal = 1;
-    let runs = super::coalesce(vec![
+    let runs = super::runs::coalesce(vec![
         d2h(0x1000, 0x10_0000, 0x1000),
         h2d,
         other,
@@ -221,14 +221,14 @@ fn coalescing_merges_contiguous_runs_and_keeps_what_does_not_line_up_apart() {
     ]);
     assert_eq!(runs.len(), 4);
     // A pitch past what a 2D copy takes (2^31 - 1) is issued row by row.
-    let far = super::MAX_PITCH + 1;
-    let runs = super::coalesce(vec![
+    let far = super::runs::MAX_PITCH + 1;
+    let runs = super::runs::coalesce(vec![
         d2h(0x1000, 0x1000, 0x100),
         d2h(0x1000 + far, 0x2000, 0x100),
     ]);
     assert_eq!(runs.len(), 2);
     // A third row that breaks the pitch starts a new run.
-    let runs = super::coalesce(vec![
+    let runs = super::runs::coalesce(vec![
         d2h(0x1000, 0x10_0000, 0x100),
         d2h(0x2000, 0x20_0000, 0x100),
         d2h(0x3000, 0x30_0000, 0x100),

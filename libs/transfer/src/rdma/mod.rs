@@ -5,13 +5,15 @@
 //!   compiled, so every build can decode descriptors and tests run without a device.
 //! - With the feature, `verbs.rs` opens the device, registers segments as memory regions, sets
 //!   up reliable-connection queue pairs over the tcp transfer connection (wire op
-//!   `RDMA_CONNECT`), and maps transfers onto one-sided READ/WRITE with many work requests in
-//!   flight. Without it, [`RdmaTransport`] is an uninhabited type and every entry point answers
+//!   `RDMA_CONNECT`); `requester.rs` maps transfers onto one-sided READ/WRITE with many work
+//!   requests in flight. Without it, [`RdmaTransport`] is an uninhabited type and every entry point answers
 //!   one line naming the fix.
 
 mod choice;
 mod desc;
 mod gpudirect;
+#[cfg(feature = "rdma")]
+mod requester;
 mod select;
 #[cfg(feature = "rdma")]
 mod verbs;
@@ -89,7 +91,7 @@ pub fn rdma_check() -> Result<RdmaDescriptor, TransferError> {
 }
 
 #[cfg(feature = "rdma")]
-pub use verbs::RdmaTransport;
+pub use requester::RdmaTransport;
 
 /// Stand-in of a build without the `rdma` feature: it has no values, so an engine never holds
 /// one and every use of it is statically dead.

@@ -13,14 +13,6 @@ use super::types::{Object, ObjectState};
 /// the lru order): its members are taken only when nothing else is left.
 const GROUP_SETTLE: Duration = Duration::from_secs(5);
 
-/// How long after the lookup that granted it a lease holds eviction off: the reader copies
-/// right after its lookup, and the owner's pin protects the copy itself. A lease stays whole
-/// against Remove (-706, as upstream's). The trace replays (docs/BENCH.md) measured a 5 s lease
-/// costing 5-8% of the hits at 500-800 requests/s and a 100 ms one nothing. It is also what
-/// makes the calls of one request one read for promotion's admission. Tests set
-/// [`super::CoreConfig::read_window`] so their lookups' timing cannot matter.
-pub(super) const READ_WINDOW: Duration = Duration::from_millis(100);
-
 /// What a pass over the queues may take.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Pass {
@@ -197,7 +189,7 @@ impl MasterCore {
     }
 
     /// Whether a reader may still be about to copy `o`: its lease was granted (or renewed)
-    /// within the read window ([`READ_WINDOW`] unless a test set another).
+    /// within the read window ([`READ_WINDOW`](super::types::READ_WINDOW) unless a test set another).
     pub(super) fn reading(&self, o: &Object, now: Instant) -> bool {
         o.lease_until.is_some_and(|until| {
             until > now

@@ -1,4 +1,5 @@
-//! Reclaiming unfinished puts under pressure (issue 33 item 3, docs/SECURITY.md).
+//! Reclaiming unfinished puts under pressure (docs/SECURITY.md, "One caller cannot take the pool
+//! down").
 //!
 //! The reservation bounds ([`super::reservations`]) stop one holder from pinning the pool, but
 //! zombies at a few addresses still fill `put_reservation_total_ratio` and every other put is

@@ -2,8 +2,8 @@
 //!
 //! A PutStart allocates its ranges at once, and nothing can evict them until the put ends, is
 //! revoked or is discarded, so unfinished puts are the one thing a caller can pin without
-//! limit. Two bounds keep one caller from blocking everyone's puts (issue 33, docs/SECURITY.md
-//! "Reservations"): each holder may hold `put_reservation_limit_ratio` of the pool, its first
+//! limit. Two bounds keep one caller from blocking everyone's puts (docs/SECURITY.md, "One
+//! caller cannot take the pool down"): each holder may hold `put_reservation_limit_ratio` of the pool, its first
 //! put included, and all holders together `put_reservation_total_ratio`. A holder is the
 //! caller's certificate identity or address, never the self-declared client id alone (a fresh
 //! id per put used to reset the per-client limit).

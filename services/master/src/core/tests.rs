@@ -1704,7 +1704,7 @@ async fn a_pool_sized_put_evicts_nothing() {
     assert!(core.key_count() >= 90);
 }
 
-/// Zombie reservations at two addresses fill `put_reservation_total_ratio` (issue 33 item 3).
+/// Zombie reservations at two addresses fill `put_reservation_total_ratio`.
 fn zombie_pool(grace_ms: u64) -> (Arc<MasterCore>, Arc<RecordingNotifier>) {
     let (core, n) = new_core(CoreConfig {
         put_reservation_limit_ratio: 0.5,

@@ -175,7 +175,7 @@ impl MasterCore {
     /// stays in place, its range is reserved in the owner's allocator and it counts as
     /// confirmed. Readers, standbys and KV-event subscribers see no change, so nothing is sent:
     /// removing and re-inserting it cost a KV event and a feed change per key, which made a
-    /// rebuild with the copy slower than one without (issue 20). Returns `false`, touching
+    /// rebuild with the copy slower than one without. Returns `false`, touching
     /// nothing, when the item does not match (or its range cannot be reserved): the general
     /// path then replaces the copy's entry or rejects the item as before. Called with the
     /// key's shard locked.

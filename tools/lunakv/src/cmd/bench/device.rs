@@ -1,6 +1,6 @@
-//! `lunakv bench --device` (issue 34): vLLM's batch shape (objects x layers x K/V pieces of one
-//! block each, the defaults of `make test-gpu`) through the device test double
-//! (`LUNAKV_DEVICE=fake`), embedded, over shm and over tcp. Per batch it separates the whole
+//! `lunakv bench --device` (docs/GPU.md, "Everything but the copy"): vLLM's batch shape
+//! (objects x layers x K/V pieces of one block each, the defaults of `make test-gpu`) through
+//! the device test double (`LUNAKV_DEVICE=fake`), embedded, over shm and over tcp. Per batch it separates the whole
 //! call from the time inside the device copies (the double times its copies), so what is left
 //! is everything but the copy: the master's round trips, per-key and per-piece work. On a GPU
 //! the copy is the DMA; this overhead is what a 256 MiB batch pays on top of it (docs/GPU.md).
@@ -16,8 +16,8 @@ use lunakv_client::{ClientOptions, ReplicateConfig, StoreClient};
 use lunakv_transfer::device::fake::{self, FakeKvCache};
 use serde::{Deserialize, Serialize};
 
-use super::Progress;
 use super::paired::{Pair, PairedRatio, loadavg};
+use super::progress::Progress;
 use super::stats::percentile;
 use crate::output::human_bytes;
 use crate::stack::{Stack, StackOptions};

@@ -11,13 +11,14 @@ mod drain;
 mod events;
 pub mod limits;
 mod offload;
+
 pub mod paired;
+mod progress;
 mod rows;
 mod stats;
 pub mod trace;
 
 use std::fmt::Write as _;
-use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
 use anyhow::bail;
@@ -26,53 +27,13 @@ use serde::Serialize;
 
 use self::limits::Loopback;
 use self::paired::{PairedRatio, interleave, loadavg};
+use self::progress::Progress;
 use self::rows::{GetBench, Plan, Row, Transport};
 use self::stats::Spread;
 use crate::args::BenchArgs;
 use crate::error::Coded;
 use crate::output::{human_bytes, print_json};
 use crate::stack::{MASTER_BIN, STORE_BIN, Stack, StackOptions, bin_dir, service_bin};
-
-/// Progress on stderr: a live status line when stderr is a terminal, and in every case one
-/// line per finished row, so CI logs and `kubectl logs` show where a long run is (stdout stays
-/// the table, or valid JSON with --json).
-pub struct Progress {
-    enabled: bool,
-}
-
-impl Progress {
-    fn new() -> Progress {
-        Progress {
-            enabled: std::io::stderr().is_terminal(),
-        }
-    }
-
-    pub fn show(&self, msg: &str) {
-        if self.enabled {
-            let mut e = std::io::stderr().lock();
-            let _ = write!(e, "\r\x1b[2Kbench: {msg}");
-            let _ = e.flush();
-        }
-    }
-
-    /// A finished row: always printed, as a whole line.
-    pub fn done(&self, msg: &str) {
-        let mut e = std::io::stderr().lock();
-        if self.enabled {
-            let _ = write!(e, "\r\x1b[2K");
-        }
-        let _ = writeln!(e, "bench: done {msg}");
-        let _ = e.flush();
-    }
-
-    fn clear(&self) {
-        if self.enabled {
-            let mut e = std::io::stderr().lock();
-            let _ = write!(e, "\r\x1b[2K");
-            let _ = e.flush();
-        }
-    }
-}
 
 /// One of the targets.
 #[derive(Debug, Serialize)]

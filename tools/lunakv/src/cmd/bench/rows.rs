@@ -10,7 +10,7 @@ use anyhow::{Context, bail};
 use lunakv_client::{ClientOptions, ReplicateConfig, StoreClient};
 use serde::Serialize;
 
-use super::Progress;
+use super::progress::Progress;
 use super::stats::percentile;
 
 /// Objects per batch call (vLLM batches a request's blocks; 32 is the figure).

@@ -1,4 +1,4 @@
-//! `lunakv bench --trace FILE`: hits on real traffic (issue 31, docs/BENCH.md "Hits on real
+//! `lunakv bench --trace FILE`: hits on real traffic (docs/BENCH.md, "Hits on real
 //! traffic"). Replays a Mooncake-format request trace (one JSON object per line: `timestamp`
 //! ms, `input_length`, `hash_ids`, one id per 512-token block) against a real lunakv-master and
 //! lunakv-store on loopback, through the calls vLLM's MooncakeStoreConnector makes per request:

@@ -1,45 +1,23 @@
-//! The etcd backend: a small etcd v3 client ([`EtcdClient`]: KV, transactions, leases, watches)
-//! and the [`EtcdMetaStore`] built on it, which passes the same [`crate::conformance`] suite as
-//! the embedded store. lunakv's masters also use the client directly for leader election, and
-//! clients for following the leader key.
-//!
-//! Every call is bounded by the client's timeout: a tonic channel balanced over several endpoints
-//! waits for a ready endpoint rather than failing, so an unbounded call against a dead etcd would
-//! hang forever.
-//!
-//! A secured etcd ([`EtcdSecurity`]) is reached over TLS (its CA, optionally a client certificate
-//! for `--client-cert-auth`) and/or as an etcd user: the client authenticates before its first
-//! call, sends the token with every call, and authenticates again once when etcd says the token
-//! is no longer valid (simple tokens expire after `--auth-token-ttl` of disuse).
+//! [`EtcdClient`]: a small etcd v3 client (KV, transactions, leases, watches), every call
+//! bounded by its timeout, TLS and an etcd user when etcd is secured ([`EtcdSecurity`]).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use tokio::sync::mpsc;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-use crate::{CasOutcome, MetaError, MetaStore, check_key};
-
-/// Generated code for `proto/etcd_v3.proto` (etcd's `etcdserverpb`, trimmed).
-#[allow(clippy::all, rust_2018_idioms, missing_docs)]
-pub mod pb {
-    tonic::include_proto!("etcdserverpb");
-}
-
-use pb::auth_client::AuthClient;
-use pb::compare::{CompareResult, CompareTarget, TargetUnion};
-use pb::kv_client::KvClient;
-use pb::lease_client::LeaseClient;
-use pb::request_op::Request as Op;
-use pb::response_op::Response as OpResp;
-use pb::watch_client::WatchClient;
-
-pub use pb::KeyValue;
+use super::pb;
+use super::pb::KeyValue;
+use super::pb::auth_client::AuthClient;
+use super::pb::kv_client::KvClient;
+use super::pb::lease_client::LeaseClient;
+use super::pb::watch_client::WatchClient;
+use super::txn::{cmp_version, first_kv, op_get, op_put};
+use crate::MetaError;
 
 /// TLS towards etcd: the CA that signed etcd's certificate and, when etcd runs with
 /// `--client-cert-auth`, this client's certificate and key (all PEM).
@@ -364,7 +342,7 @@ impl EtcdClient {
                 // enforces a minimum ping interval (`--grpc-keepalive-min-time`, 5 s by
                 // default) and, with no stream open, no pings at all: a client that pings more
                 // often gets GOAWAY "too_many_pings" after two strikes, which broke every watch
-                // about every 8 s (issue 33 item 9). So ping at twice that minimum, and only
+                // about every 8 s. So ping at twice that minimum, and only
                 // while a stream is open; calls are bounded by `timeout` anyway.
                 .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
                 .keep_alive_timeout(Duration::from_secs(5))
@@ -447,7 +425,7 @@ impl EtcdClient {
     }
 
     /// One attempt, bounded by the timeout.
-    async fn once<T>(
+    pub(super) async fn once<T>(
         &self,
         op: &'static str,
         fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -472,7 +450,7 @@ impl EtcdClient {
 
     /// A call with the token in place; when etcd rejects the token (expired), authenticate
     /// again and make the call once more. `call` builds the request afresh for the retry.
-    async fn bounded<T, Fut>(
+    pub(super) async fn bounded<T, Fut>(
         &self,
         op: &'static str,
         mut call: impl FnMut() -> Fut,
@@ -694,283 +672,3 @@ impl EtcdClient {
 /// How often an etcd channel pings while a stream (a watch) is open: above etcd's default
 /// `--grpc-keepalive-min-time` (5 s) with room for timer jitter, so etcd never counts a strike.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
-
-fn cmp_version(key: &[u8], version: i64) -> pb::Compare {
-    pb::Compare {
-        result: CompareResult::Equal as i32,
-        target: CompareTarget::Version as i32,
-        key: key.to_vec(),
-        target_union: Some(TargetUnion::Version(version)),
-        range_end: Vec::new(),
-    }
-}
-
-fn cmp_value(key: &[u8], value: &[u8]) -> pb::Compare {
-    pb::Compare {
-        result: CompareResult::Equal as i32,
-        target: CompareTarget::Value as i32,
-        key: key.to_vec(),
-        target_union: Some(TargetUnion::Value(value.to_vec())),
-        range_end: Vec::new(),
-    }
-}
-
-/// `key` is attached to `lease` (the fence: only the holder of the leader key's lease writes).
-pub fn cmp_lease(key: &[u8], lease: i64) -> pb::Compare {
-    pb::Compare {
-        result: CompareResult::Equal as i32,
-        target: CompareTarget::Lease as i32,
-        key: key.to_vec(),
-        target_union: Some(TargetUnion::Lease(lease)),
-        range_end: Vec::new(),
-    }
-}
-
-fn op_put(key: &[u8], value: &[u8], lease: i64) -> pb::RequestOp {
-    pb::RequestOp {
-        request: Some(Op::RequestPut(pb::PutRequest {
-            key: key.to_vec(),
-            value: value.to_vec(),
-            lease,
-            ..Default::default()
-        })),
-    }
-}
-
-fn op_delete(key: &[u8]) -> pb::RequestOp {
-    pb::RequestOp {
-        request: Some(Op::RequestDeleteRange(pb::DeleteRangeRequest {
-            key: key.to_vec(),
-            ..Default::default()
-        })),
-    }
-}
-
-fn op_get(key: &[u8]) -> pb::RequestOp {
-    pb::RequestOp {
-        request: Some(Op::RequestRange(pb::RangeRequest {
-            key: key.to_vec(),
-            ..Default::default()
-        })),
-    }
-}
-
-fn first_kv(responses: Vec<pb::ResponseOp>) -> Option<KeyValue> {
-    responses.into_iter().find_map(|r| match r.response {
-        Some(OpResp::ResponseRange(rr)) => rr.kvs.into_iter().next(),
-        _ => None,
-    })
-}
-
-/// A fence for writes: while set (lease != 0), every write of the store is a transaction that
-/// succeeds only if `key` is still attached to `lease`. The master sets it to its leader key and
-/// lease, so a deposed leader cannot change etcd even if its local lease check raced.
-#[derive(Debug, Default)]
-pub struct WriteFence {
-    key: parking_lot::Mutex<Vec<u8>>,
-    lease: AtomicI64,
-}
-
-impl WriteFence {
-    pub fn new() -> Arc<WriteFence> {
-        Arc::new(WriteFence::default())
-    }
-
-    /// Writes succeed only while `key` is attached to `lease`.
-    pub fn set(&self, key: &[u8], lease: i64) {
-        *self.key.lock() = key.to_vec();
-        self.lease.store(lease, Ordering::SeqCst);
-    }
-
-    /// Every write is refused (a follower writes nothing).
-    pub fn close(&self) {
-        self.lease.store(-1, Ordering::SeqCst);
-    }
-
-    fn compare(&self) -> Result<Option<pb::Compare>, MetaError> {
-        match self.lease.load(Ordering::SeqCst) {
-            0 => Ok(None),
-            l if l < 0 => Err(MetaError::Backend {
-                op: "write",
-                message: "fenced: this master does not hold the leader lease".into(),
-            }),
-            l => Ok(Some(cmp_lease(&self.key.lock(), l))),
-        }
-    }
-}
-
-/// A [`MetaStore`] on etcd. Keys are stored as given (wrap it in [`crate::Prefixed`] for a
-/// namespace). Optionally fenced by a [`WriteFence`].
-#[derive(Debug, Clone)]
-pub struct EtcdMetaStore {
-    client: EtcdClient,
-    fence: Option<Arc<WriteFence>>,
-}
-
-impl EtcdMetaStore {
-    pub fn new(client: EtcdClient) -> EtcdMetaStore {
-        EtcdMetaStore {
-            client,
-            fence: None,
-        }
-    }
-
-    /// Writes go through `fence` (see [`WriteFence`]).
-    pub fn with_fence(mut self, fence: Arc<WriteFence>) -> EtcdMetaStore {
-        self.fence = Some(fence);
-        self
-    }
-
-    pub fn client(&self) -> &EtcdClient {
-        &self.client
-    }
-
-    fn fence(&self) -> Result<Option<pb::Compare>, MetaError> {
-        match &self.fence {
-            Some(f) => f.compare(),
-            None => Ok(None),
-        }
-    }
-
-    fn fenced_out() -> MetaError {
-        MetaError::Backend {
-            op: "write",
-            message: "fenced: the leader lease moved to another master; this write was refused"
-                .into(),
-        }
-    }
-}
-
-#[async_trait]
-impl MetaStore for EtcdMetaStore {
-    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, MetaError> {
-        check_key(key)?;
-        Ok(self
-            .client
-            .get_kv(key.as_bytes())
-            .await?
-            .0
-            .map(|kv| kv.value))
-    }
-
-    async fn put(&self, key: &str, value: &[u8]) -> Result<(), MetaError> {
-        check_key(key)?;
-        match self.fence()? {
-            None => self.client.put_kv(key.as_bytes(), value, 0).await,
-            Some(c) => {
-                let r = self
-                    .client
-                    .txn(pb::TxnRequest {
-                        compare: vec![c],
-                        success: vec![op_put(key.as_bytes(), value, 0)],
-                        failure: vec![],
-                    })
-                    .await?;
-                if r.succeeded {
-                    Ok(())
-                } else {
-                    Err(Self::fenced_out())
-                }
-            }
-        }
-    }
-
-    async fn delete(&self, key: &str) -> Result<bool, MetaError> {
-        check_key(key)?;
-        let fence = self.fence()?;
-        // Deleting reports whether the key existed: read it in the same transaction.
-        let mut compare: Vec<pb::Compare> = fence.into_iter().collect();
-        let fenced = !compare.is_empty();
-        compare.push(pb::Compare {
-            result: CompareResult::Greater as i32,
-            ..cmp_version(key.as_bytes(), 0)
-        });
-        let r = self
-            .client
-            .txn(pb::TxnRequest {
-                compare,
-                success: vec![op_delete(key.as_bytes())],
-                failure: vec![],
-            })
-            .await?;
-        if r.succeeded {
-            return Ok(true);
-        }
-        if fenced && !self.fence_holds().await? {
-            return Err(Self::fenced_out());
-        }
-        Ok(false)
-    }
-
-    async fn list_prefix(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, MetaError> {
-        let kvs = self.client.range_prefix(prefix.as_bytes()).await?;
-        Ok(kvs
-            .into_iter()
-            .filter_map(|kv| String::from_utf8(kv.key).ok().map(|k| (k, kv.value)))
-            .collect())
-    }
-
-    async fn compare_and_swap(
-        &self,
-        key: &str,
-        expected: Option<&[u8]>,
-        new: Option<&[u8]>,
-    ) -> Result<CasOutcome, MetaError> {
-        check_key(key)?;
-        let k = key.as_bytes();
-        let mut compare: Vec<pb::Compare> = self.fence()?.into_iter().collect();
-        let fenced = !compare.is_empty();
-        compare.push(match expected {
-            None => cmp_version(k, 0),
-            // On a missing key etcd's value comparison is false, which is what we want.
-            Some(v) => cmp_value(k, v),
-        });
-        let success = match new {
-            Some(v) => op_put(k, v, 0),
-            None => op_delete(k),
-        };
-        let r = self
-            .client
-            .txn(pb::TxnRequest {
-                compare,
-                success: vec![success],
-                failure: vec![op_get(k)],
-            })
-            .await?;
-        if r.succeeded {
-            return Ok(CasOutcome::Swapped);
-        }
-        let current = first_kv(r.responses).map(|kv| kv.value);
-        if fenced && current.as_deref() == expected && !self.fence_holds().await? {
-            return Err(Self::fenced_out());
-        }
-        Ok(CasOutcome::Conflict { current })
-    }
-}
-
-impl EtcdMetaStore {
-    /// Whether the fence key is still attached to the fence lease (after a failed transaction,
-    /// tells "the value differed" from "we were fenced out").
-    async fn fence_holds(&self) -> Result<bool, MetaError> {
-        let Some(f) = &self.fence else {
-            return Ok(true);
-        };
-        let lease = f.lease.load(Ordering::SeqCst);
-        let key = f.key.lock().clone();
-        let (kv, _) = self.client.get_kv(&key).await?;
-        Ok(kv.is_some_and(|kv| kv.lease == lease))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::prefix_end;
-
-    #[test]
-    fn prefix_end_is_the_next_key() {
-        assert_eq!(prefix_end(b"ab"), b"ac".to_vec());
-        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
-        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
-        assert_eq!(prefix_end(b""), vec![0]);
-    }
-}
