@@ -342,10 +342,10 @@ impl MooncakeConfig {
             &mut self.tenant_id,
             "default",
         );
-        set_string(crate::tls::ENV_TLS_CERT, "tls_cert", &mut self.tls_cert, "");
-        set_string(crate::tls::ENV_TLS_KEY, "tls_key", &mut self.tls_key, "");
+        set_string(crate::ENV_TLS_CERT, "tls_cert", &mut self.tls_cert, "");
+        set_string(crate::ENV_TLS_KEY, "tls_key", &mut self.tls_key, "");
         set_string(
-            crate::tls::ENV_TLS_CACERT,
+            crate::ENV_TLS_CACERT,
             "tls_cacert",
             &mut self.tls_cacert,
             "",

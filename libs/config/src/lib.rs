@@ -52,6 +52,15 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 pub use client::{Mode, MooncakeConfig};
+
+// The TLS files' variables live here, not in tls.rs: the client config reads them over its
+// file's `tls_*` keys, and the TLS settings read that file through the client config.
+/// This process's certificate (PEM).
+pub const ENV_TLS_CERT: &str = "LUNAKV_TLS_CERT";
+/// The key of [`ENV_TLS_CERT`] (PEM).
+pub const ENV_TLS_KEY: &str = "LUNAKV_TLS_KEY";
+/// The CA that signs the peers' certificates (PEM).
+pub const ENV_TLS_CACERT: &str = "LUNAKV_TLS_CACERT";
 pub use duration::{DurationError, parse_duration};
 pub use etcd::{EtcdCredentials, EtcdEndpoints, MasterAddress};
 pub use size::{SizeError, parse_size};

@@ -20,9 +20,7 @@ use std::path::{Path, PathBuf};
 
 use crate::ConfigError;
 
-pub const ENV_TLS_CERT: &str = "LUNAKV_TLS_CERT";
-pub const ENV_TLS_KEY: &str = "LUNAKV_TLS_KEY";
-pub const ENV_TLS_CACERT: &str = "LUNAKV_TLS_CACERT";
+pub use crate::{ENV_TLS_CACERT, ENV_TLS_CERT, ENV_TLS_KEY};
 pub const ENV_TLS_SERVER_NAME: &str = "LUNAKV_TLS_SERVER_NAME";
 pub const ENV_ADMIN_IDENTITIES: &str = "LUNAKV_ADMIN_IDENTITIES";
 /// Master: the client certificate identities that may mount segments (comma list).
