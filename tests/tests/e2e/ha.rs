@@ -367,7 +367,7 @@ fn paused_leader_accepts_no_write_after_waking_and_steps_down() {
     }
     let old = c.leader(None).expect("leader");
     let old_rpc = c.masters[old].rpc;
-    c.masters[old].proc.signal(libc::SIGSTOP);
+    c.masters[old].proc.pause();
     let paused = Instant::now();
     // A write queued at the paused leader: it is handled only after SIGCONT.
     let queued = std::thread::spawn(move || raw_put_start(old_rpc, "written-while-paused"));

@@ -200,7 +200,7 @@ fn a_new_leader_answers_reads_from_its_warm_copy_before_any_owner_remounts() {
     }
     c.wait_copies(2 * N as usize);
 
-    a.proc.signal(libc::SIGSTOP);
+    a.proc.pause();
     c.masters[old].proc.kill9();
     b.proc.kill9();
     let new = c.wait_leader(Some(old)).expect("a standby takes over");
@@ -429,7 +429,7 @@ fn with_the_pool_token_a_warm_leaders_capabilities_pass_at_the_owner() {
     );
     c.wait_copies(1);
 
-    a.proc.signal(libc::SIGSTOP);
+    a.proc.pause();
     let old = c.leader(None).expect("a leader");
     c.masters[old].proc.kill9();
     let new = c.wait_leader(Some(old)).expect("a standby takes over");
