@@ -562,13 +562,6 @@ pub mod otlp;
 pub mod pd;
 pub mod tls;
 
-/// Serialises the heaviest tests of one test binary (three masters, two stores and etcd on two
-/// cores): they assert on failover behaviour, which CPU starvation from a sibling test distorts.
-pub fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 #[cfg(test)]
 mod stale_binary_tests {
     use super::*;
