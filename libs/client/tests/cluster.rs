@@ -6,12 +6,17 @@
 //! request counters. None asserts on time.
 
 use lunakv_client::{ClientError, ClientOptions, MasterWait, ReplicateConfig, StoreClient};
-use lunakv_cluster::{Cluster, ClusterOptions, STEP_DEADLINE, wait_for};
+use lunakv_cluster::{Cluster, ClusterOptions, HaCluster, STEP_DEADLINE, wait_for};
 
 /// A pure requester (standalone-store mode) against `c`, over tcp.
 fn requester(c: &Cluster) -> StoreClient {
+    requester_at(c.master_address())
+}
+
+/// A pure requester against `master` (`host:port` or `etcd://...`), over tcp.
+fn requester_at(master: String) -> StoreClient {
     StoreClient::connect(ClientOptions {
-        master_server_address: c.master_address(),
+        master_server_address: master,
         enable_shm: false,
         master_wait: MasterWait::NoWait,
         ..ClientOptions::default()
@@ -240,4 +245,46 @@ fn after_a_master_restart_calls_wait_out_the_rebuild_instead_of_reporting_misses
         .put("after", b"new term")
         .expect("put after the restart");
     assert_eq!(reader.get("after").expect("get"), b"new term");
+}
+
+#[test]
+fn calls_follow_a_leader_change_to_the_new_leader_which_serves_every_object() {
+    let Some(c) = HaCluster::start(2, ClusterOptions::default()) else {
+        return;
+    };
+    let mut c = c.expect("HA cluster");
+    let (writer, reader) = (
+        requester_at(c.master_address()),
+        requester_at(c.master_address()),
+    );
+    writer
+        .put("before", b"written under the first leader")
+        .expect("put");
+
+    // A graceful stop hands over at once; calls in flight or next find the new leader
+    // through etcd (or a refused connection), and wait out its rebuild from the segment's
+    // inventory instead of reporting a miss.
+    let old = c.leader().expect("one leader");
+    c.stop_master(old).expect("stop the leader");
+    assert!(
+        reader.exists("before").expect("exists, at the new leader"),
+        "the new leader rebuilt the object from the segment's inventory"
+    );
+    assert_eq!(
+        reader.get("before").expect("get"),
+        b"written under the first leader"
+    );
+    writer
+        .put("after", b"written under the second leader")
+        .expect("a put at the new leader");
+    assert_eq!(
+        reader.get("after").expect("get"),
+        b"written under the second leader"
+    );
+    let new = c.wait_leader(Some(old));
+    assert_ne!(new, old);
+    assert!(
+        c.segments_mounted(),
+        "the segment re-mounted with the new leader"
+    );
 }

@@ -14,7 +14,14 @@
 //!
 //! Dev-only: no production crate depends on it, and it depends on no requester crate, so
 //! `lunakv-client`'s tests take it as a dev-dependency without a cycle.
+//!
+//! [`HaCluster`] does the same with several HA masters (`--enable_ha`) on a real etcd (started
+//! on ephemeral ports), for the leader-change paths.
 #![forbid(unsafe_code)]
+
+mod ha;
+
+pub use ha::HaCluster;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -115,27 +122,8 @@ impl Cluster {
     /// Starts and mounts one more segment; returns its index.
     pub fn add_segment(&mut self) -> Result<usize, ClusterError> {
         let i = self.segments.len();
-        let opts = HostOptions {
-            master_server_address: self.master_address(),
-            client_id: format!("cluster-segment-{i}"),
-            cluster_id: MasterConfig::default().cluster_id,
-            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-            advertise_host: None,
-            size: self.opts.segment_size,
-            // tcp only: the client reads through the transfer wire, not a shared mapping.
-            shm_socket: None,
-            protocol: ProtocolChoice::resolve(WireProtocol::Tcp),
-            enable_offload: false,
-            ping_interval: self.opts.ping_interval,
-            rpc_timeout: Duration::from_secs(10),
-            limits: Default::default(),
-            bind_retry: Duration::ZERO,
-        };
-        let host = self.rt.block_on(async {
-            SegmentHost::bind(opts, None)?
-                .mount(MasterWait::NoWait)
-                .await
-        })?;
+        let opts = segment_options(self.master_address(), i, &self.opts);
+        let host = self.rt.block_on(start_segment(opts))?;
         self.segments.push(Some(host));
         Ok(i)
     }
@@ -241,6 +229,33 @@ pub fn wait_for(what: &str, deadline: Duration, mut cond: impl FnMut() -> bool) 
         assert!(Instant::now() < until, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// How segment `i` of a cluster is hosted: loopback, port 0, tcp only (the client reads through
+/// the transfer wire, not a shared mapping).
+fn segment_options(master: String, i: usize, opts: &ClusterOptions) -> HostOptions {
+    HostOptions {
+        master_server_address: master,
+        client_id: format!("cluster-segment-{i}"),
+        cluster_id: MasterConfig::default().cluster_id,
+        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+        advertise_host: None,
+        size: opts.segment_size,
+        shm_socket: None,
+        protocol: ProtocolChoice::resolve(WireProtocol::Tcp),
+        enable_offload: false,
+        ping_interval: opts.ping_interval,
+        rpc_timeout: Duration::from_secs(10),
+        limits: Default::default(),
+        bind_retry: Duration::ZERO,
+    }
+}
+
+/// Binds, serves and mounts a segment, as `lunakv-store` does.
+async fn start_segment(opts: HostOptions) -> Result<SegmentHost, ClusterError> {
+    Ok(SegmentHost::bind(opts, None)?
+        .mount(MasterWait::NoWait)
+        .await?)
 }
 
 fn master_config(dir: &std::path::Path, rpc_port: u16) -> MasterConfig {
