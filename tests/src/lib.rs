@@ -275,10 +275,29 @@ impl Proc {
         self.p.terminate(timeout).ok()?.code()
     }
 
-    /// Sends `sig` (e.g. `libc::SIGSTOP`, `libc::SIGCONT`) to the process.
+    /// Sends `sig` (e.g. `libc::SIGCONT`) to the process. To pause it, use [`Proc::pause`].
     pub fn signal(&self, sig: i32) {
         let sig = Signal::from_named_raw(sig).unwrap_or_else(|| panic!("signal {sig}"));
         self.p.signal(sig);
+    }
+
+    /// SIGSTOP, then waits until every thread of the process has stopped. `kill` returns once
+    /// the signal is queued: the process stops only when one of its threads is scheduled and
+    /// takes the signal, and its other threads keep running until then. On a loaded machine
+    /// that is milliseconds, long enough for a request the test sends "to the paused process"
+    /// to be answered before the pause (a paused HA leader then acknowledges a write with its
+    /// lease still valid).
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+        let pid = self.p.pid();
+        let stopped = wait_until(Duration::from_secs(30), || {
+            all_threads_stopped(pid).then_some(())
+        });
+        assert!(
+            stopped.is_some(),
+            "{} (pid {pid}) did not stop after SIGSTOP",
+            self.name
+        );
     }
 
     /// Waits up to `timeout` for the process to exit on its own; its exit code.
@@ -501,6 +520,30 @@ pub fn warn_lines(output: &str) -> Vec<&str> {
     output.lines().filter(|l| l.contains("WARN")).collect()
 }
 
+/// Whether every thread of process `pid` is in the stopped state (`T` in its
+/// `/proc/<pid>/task/<tid>/stat`); false when the process is gone.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    let mut any = false;
+    for t in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+            // A thread that exited meanwhile.
+            continue;
+        };
+        // `tid (comm) S ...`: comm may hold spaces and parentheses, the state follows the last ')'.
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next());
+        if state != Some('T') {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
 /// Polls `f` until it returns Some or `timeout` passes.
 pub fn wait_until<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + timeout;
@@ -518,13 +561,6 @@ pub fn wait_until<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Opt
 pub mod otlp;
 pub mod pd;
 pub mod tls;
-
-/// Serialises the heaviest tests of one test binary (three masters, two stores and etcd on two
-/// cores): they assert on failover behaviour, which CPU starvation from a sibling test distorts.
-pub fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 #[cfg(test)]
 mod stale_binary_tests {

@@ -410,3 +410,112 @@ async fn follow(
         }
     }
 }
+
+/// The retry loops of [`MasterLink::call`] on tokio's paused clock: their backoff and budgets are
+/// tokio timers, so the 6 s and 30 s budgets pass at once and the attempts are counted exactly.
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A link to `addr` that never dials (the calls below never touch its channel).
+    fn link(ha: bool) -> MasterLink {
+        let client = lazy_client("127.0.0.1:9", Duration::from_secs(1), None).expect("client");
+        let (changed, _) = watch::channel(0);
+        let (stop, _) = watch::channel(());
+        MasterLink(Arc::new(Inner {
+            spec: "127.0.0.1:9".to_owned(),
+            ha,
+            current: RwLock::new(Current {
+                addr: "127.0.0.1:9".to_owned(),
+                term: 1,
+                client,
+            }),
+            changed,
+            timeout: Duration::from_secs(1),
+            tls: None,
+            _stop: stop,
+        }))
+    }
+
+    /// Calls `link` with a call that fails with `fail()` `failures` times, then answers.
+    async fn call_failing(
+        link: &MasterLink,
+        failures: usize,
+        fail: impl Fn() -> tonic::Status,
+    ) -> (Result<u32, ClientError>, usize, Duration) {
+        let attempts = AtomicUsize::new(0);
+        let started = tokio::time::Instant::now();
+        let r = link
+            .call(|_| {
+                let n = attempts.fetch_add(1, Ordering::SeqCst);
+                let out = if n < failures {
+                    Err(fail())
+                } else {
+                    Ok(tonic::Response::new(7u32))
+                };
+                async move { out }
+            })
+            .await;
+        (r, attempts.load(Ordering::SeqCst), started.elapsed())
+    }
+
+    fn rebuilding() -> tonic::Status {
+        lunakv_proto::status::rebuilding("restarted".to_owned())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_single_master_rebuilding_is_waited_out() {
+        let (r, attempts, took) = call_failing(&link(false), 3, rebuilding).await;
+        assert_eq!(r.expect("answered once rebuilt"), 7);
+        assert_eq!(attempts, 4);
+        assert!(
+            took >= Duration::from_millis(300),
+            "backs off between tries"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_single_master_rebuilding_past_the_budget_is_reported() {
+        let (r, attempts, took) = call_failing(&link(false), usize::MAX, rebuilding).await;
+        assert!(matches!(r, Err(ClientError::Rpc { .. })), "{r:?}");
+        assert!(took >= REBUILD_BUDGET, "retried for the whole budget");
+        assert!(
+            attempts as u128 >= REBUILD_BUDGET.as_millis() / 100,
+            "one try per backoff: {attempts}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_single_master_is_asked_once_for_anything_but_a_rebuild() {
+        let (r, attempts, _) =
+            call_failing(&link(false), 1, || tonic::Status::unavailable("down")).await;
+        assert!(r.is_err());
+        assert_eq!(attempts, 1, "no HA: one attempt");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_ha_call_retries_a_failover_and_gives_up_after_its_budget() {
+        let l = link(true);
+        let (r, attempts, _) =
+            call_failing(&l, 5, || tonic::Status::unavailable("no leader")).await;
+        assert_eq!(r.expect("answered after the failover"), 7);
+        assert_eq!(attempts, 6);
+
+        let (r, _, took) =
+            call_failing(&l, usize::MAX, || tonic::Status::unavailable("no leader")).await;
+        assert!(r.is_err());
+        assert!(took >= FAILOVER_BUDGET, "retried for the failover budget");
+
+        let (r, attempts, _) = call_failing(&l, usize::MAX, || {
+            tonic::Status::invalid_argument("bad key")
+        })
+        .await;
+        assert!(r.is_err());
+        assert_eq!(
+            attempts, 1,
+            "an answer that is not a failover is not retried"
+        );
+    }
+}

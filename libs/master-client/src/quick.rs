@@ -84,6 +84,27 @@ struct Conn {
     last_used: Instant,
 }
 
+impl Conn {
+    /// Whether the master closed this idle connection (it restarted, or dropped it): then no
+    /// frame of ours can be on it, and a fresh connection is taken instead of losing the call.
+    /// Pending bytes (a TLS session ticket) leave it open; the read of the answer handles them.
+    fn closed_by_peer(&self) -> bool {
+        let tcp = match &self.stream {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => &s.sock,
+        };
+        if tcp.set_nonblocking(true).is_err() {
+            return true;
+        }
+        let closed = match tcp.peek(&mut [0u8; 1]) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        };
+        closed || tcp.set_nonblocking(false).is_err()
+    }
+}
+
 /// What became of a quick call.
 pub enum Quick<T> {
     Answered(T),
@@ -250,7 +271,14 @@ impl QuickLink {
         // A leader switch leaves connections to the old address: they are dropped here, as are
         // connections idle long enough that the master may be closing them.
         idle.retain(|c| c.addr == addr && c.last_used.elapsed() < MAX_IDLE_AGE);
-        idle.pop()
+        // One the master closed while it sat idle (a restarted master) never saw our frame:
+        // skipping it keeps a mutation from being reported lost when it was never sent.
+        while let Some(c) = idle.pop() {
+            if !c.closed_by_peer() {
+                return Some(c);
+            }
+        }
+        None
     }
 
     fn connect(&self, addr: &str) -> Option<Conn> {
@@ -404,9 +432,43 @@ mod tests {
         };
         assert_eq!(r.results.len(), 1);
         server.join().unwrap();
-        // The master went away mid-conversation: the next frame is sent on the kept connection
-        // and no answer comes. That is lost, not stepped aside: a mutation may have landed.
+        // The master closed the kept connection while it sat idle (it restarted): nothing of
+        // the next call was sent on it, so it is not lost; with no master listening any more,
+        // the call steps aside to gRPC, which reports the refusal.
+        let gone: Quick<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
+        assert!(
+            matches!(gone, Quick::StepAside),
+            "a connection closed while idle is not used"
+        );
+    }
+
+    /// The master reads a frame and dies before answering: that frame is lost, not stepped
+    /// aside, because the master may have applied it.
+    #[test]
+    fn a_frame_sent_without_an_answer_is_lost() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut magic = [0u8; 8];
+            s.read_exact(&mut magic).unwrap();
+            for answered in [true, false] {
+                let mut prefix = [0u8; 4];
+                s.read_exact(&mut prefix).unwrap();
+                let mut body = vec![0u8; quick::frame_len(prefix).unwrap()];
+                s.read_exact(&mut body).unwrap();
+                if answered {
+                    let empty = pb::BatchObjectLocations::default().encode_to_vec();
+                    s.write_all(&quick::encode_ok(&empty)).unwrap();
+                }
+            }
+            // The second frame is dropped unanswered.
+        });
+        let q = QuickLink::new(Duration::from_secs(5), None);
+        let first: Quick<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
+        assert!(matches!(first, Quick::Answered(_)));
         let lost: Quick<pb::BatchObjectLocations> = q.call(&addr, Method::BatchExistKey, &req());
+        server.join().unwrap();
         assert!(
             matches!(lost, Quick::Lost(_)),
             "a sent frame without an answer is lost"

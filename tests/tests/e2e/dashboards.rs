@@ -208,7 +208,6 @@ fn promql_metric_extraction() {
 
 #[test]
 fn every_dashboard_metric_is_exported_by_a_service() {
-    let _serial = lunakv_tests::serial();
     let queries = dashboard_queries();
     let dir = tempfile::tempdir().expect("tempdir");
     let mut exports: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();

@@ -133,7 +133,6 @@ const MULTI_MOONCAKE: &str = r#"{"kv_connector":"MultiConnector","kv_role":"kv_c
 
 #[test]
 fn healthy_stack_passes_every_check() {
-    let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let offload_dir = dir.path().join("offload");
     let m = Master::start(&dir.path().join("m"), &["--enable_offload=true"]);
@@ -206,7 +205,6 @@ fn healthy_stack_passes_every_check() {
 
 #[test]
 fn no_store_registered_fails_the_master_row() {
-    let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(&dir.path().join("m"), &[]);
     let (code, report) = doctor(&m.addr(), &[]);
@@ -221,7 +219,6 @@ fn no_store_registered_fails_the_master_row() {
 
 #[test]
 fn unreachable_master_fails_the_master_row() {
-    let _serial = lunakv_tests::serial();
     let (code, report) = doctor(&format!("127.0.0.1:{}", unused_port()), &[]);
     assert_only_failure(
         code,
@@ -257,7 +254,6 @@ const PD_ONLY: &str = r#"{"kv_connector":"MooncakeConnector","kv_role":"kv_produ
 
 #[test]
 fn a_pd_only_stack_passes_without_a_store_or_a_master() {
-    let _serial = lunakv_tests::serial();
     let bootstrap = Bootstrap::start(fresh_host(), 0, &[]);
     let _prefill = Sim::prefill(fresh_host(), &bootstrap, &[]);
     let args = vec![
@@ -331,7 +327,6 @@ fn a_pd_only_stack_passes_without_a_store_or_a_master() {
 
 #[test]
 fn a_killed_store_fails_the_store_row() {
-    let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
     // A long client_ttl keeps the dead store's segment registered while doctor looks at it.
     let m = Master::start(&dir.path().join("m"), &["--client_ttl=120"]);
@@ -378,7 +373,6 @@ fn a_killed_store_fails_the_store_row() {
 
 #[test]
 fn offload_mismatch_fails_the_offload_config_row() {
-    let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(&dir.path().join("m"), &[]);
     let _store = Store::start(&m.addr(), "16MB", &[]);
@@ -411,7 +405,6 @@ fn offload_mismatch_fails_the_offload_config_row() {
 
 #[test]
 fn a_test_write_that_never_reaches_the_disk_fails_the_offload_write_row() {
-    let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(&dir.path().join("m"), &["--enable_offload=true"]);
 
@@ -471,7 +464,6 @@ fn a_test_write_that_never_reaches_the_disk_fails_the_offload_write_row() {
 
 #[test]
 fn a_bad_engine_config_fails_its_row_naming_the_field() {
-    let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(&dir.path().join("m"), &[]);
     let _store = Store::start(&m.addr(), "16MB", &[]);
@@ -499,7 +491,6 @@ fn a_bad_engine_config_fails_its_row_naming_the_field() {
 
 #[test]
 fn bootstrap_without_engines_or_down_fails_the_bootstrap_row() {
-    let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(&dir.path().join("m"), &[]);
     let _store = Store::start(&m.addr(), "16MB", &[]);
@@ -528,7 +519,6 @@ fn bootstrap_without_engines_or_down_fails_the_bootstrap_row() {
 
 #[test]
 fn connector_mismatch_fails_the_connectors_row() {
-    let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(&dir.path().join("m"), &[]);
     let _store = Store::start(&m.addr(), "16MB", &[]);
@@ -573,7 +563,6 @@ fn connector_mismatch_fails_the_connectors_row() {
 
 #[test]
 fn vllm_stats_on_with_multiconnector_mooncake_is_a_warning() {
-    let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(&dir.path().join("m"), &[]);
     let _store = Store::start(&m.addr(), "16MB", &[]);
@@ -606,7 +595,6 @@ fn vllm_stats_on_with_multiconnector_mooncake_is_a_warning() {
 
 #[test]
 fn instances_that_never_share_a_key_are_flagged_by_doctor_and_the_metric() {
-    let _serial = lunakv_tests::serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let m = Master::start(&dir.path().join("m"), &[]);
     let _store = Store::start(&m.addr(), "16MB", &[]);

@@ -507,7 +507,7 @@ fn a_hung_target_does_not_stall_the_sources_heartbeat() {
     }
     let mut target = Store::start(&master.addr(), "32MB", &[]);
     let tseg = target.segment_name();
-    target.proc.signal(libc::SIGSTOP);
+    target.proc.pause();
     let r = create(
         &master,
         &format!(

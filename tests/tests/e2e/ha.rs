@@ -231,7 +231,6 @@ fn fail_over(c: &mut Cluster, probe: &StoreClient, tag: &str) -> (usize, Duratio
 
 #[test]
 fn kill9_leader_under_load_loses_no_acknowledged_object() {
-    let _serial = lunakv_tests::serial();
     let Some(mut c) = Cluster::start(3, 2) else {
         return;
     };
@@ -355,7 +354,6 @@ fn raw_put_start(addr: std::net::SocketAddr, key: &str) -> Result<(i32, String),
 
 #[test]
 fn paused_leader_accepts_no_write_after_waking_and_steps_down() {
-    let _serial = lunakv_tests::serial();
     let Some(c) = Cluster::start(3, 1) else {
         return;
     };
@@ -367,7 +365,7 @@ fn paused_leader_accepts_no_write_after_waking_and_steps_down() {
     }
     let old = c.leader(None).expect("leader");
     let old_rpc = c.masters[old].rpc;
-    c.masters[old].proc.signal(libc::SIGSTOP);
+    c.masters[old].proc.pause();
     let paused = Instant::now();
     // A write queued at the paused leader: it is handled only after SIGCONT.
     let queued = std::thread::spawn(move || raw_put_start(old_rpc, "written-while-paused"));
@@ -444,7 +442,6 @@ fn paused_leader_accepts_no_write_after_waking_and_steps_down() {
 
 #[test]
 fn etcd_restart_under_load_loses_nothing_and_service_resumes() {
-    let _serial = lunakv_tests::serial();
     let Some(mut c) = Cluster::start(3, 2) else {
         return;
     };
@@ -493,7 +490,6 @@ fn etcd_restart_under_load_loses_nothing_and_service_resumes() {
 /// into a crash loop, leads once etcd is up, and a SIGTERM while it waits exits 0.
 #[test]
 fn a_master_started_before_etcd_waits_for_it() {
-    let _serial = lunakv_tests::serial();
     let Some(mut etcd) = testing::etcd_or_skip() else {
         return;
     };
@@ -547,7 +543,6 @@ fn a_master_started_before_etcd_waits_for_it() {
 /// path a dead host takes): still one leader, no revoke.
 #[test]
 fn without_fast_takeover_a_dead_leaders_lease_expires() {
-    let _serial = lunakv_tests::serial();
     let Some(mut c) = Cluster::start_with(3, 1, &["--ha_fast_takeover=false"], "64MB") else {
         return;
     };
@@ -572,7 +567,6 @@ fn run_to_exit(bin: &str, args: &[String]) -> (Option<i32>, String) {
 
 #[test]
 fn bad_ha_input_is_an_error_that_says_what_to_fix() {
-    let _serial = lunakv_tests::serial();
     if testing::skip_requested() {
         return;
     }
@@ -772,7 +766,6 @@ fn env_or(name: &str, default: u64) -> u64 {
 #[test]
 #[ignore = "benchmark: run explicitly (make bench-failover)"]
 fn ha_bench() {
-    let _serial = lunakv_tests::serial();
     let rounds = env_or("LUNAKV_FAILOVER_ROUNDS", 8) as usize;
     let stress_secs = env_or("LUNAKV_FAILOVER_STRESS_SECS", 30);
     // Room for every object the trials acknowledge, so that no eviction hides or fakes a loss
@@ -889,7 +882,6 @@ fn ha_bench() {
 /// such cycles, no master reports etcd unreachable, and each one's watch (or lease) holds.
 #[test]
 fn followers_next_to_a_healthy_etcd_log_no_false_unreachable() {
-    let _serial = lunakv_tests::serial();
     let Some(c) = Cluster::start(2, 0) else {
         return;
     };
@@ -916,7 +908,6 @@ fn followers_next_to_a_healthy_etcd_log_no_false_unreachable() {
 /// jobs with upstream's 503 (jobs live in the leader's core), while the leader takes them.
 #[test]
 fn admin_writes_on_a_follower_get_upstreams_503_and_the_leader_takes_them() {
-    let _serial = lunakv_tests::serial();
     let Some(c) = Cluster::start(2, 1) else {
         return;
     };

@@ -164,7 +164,6 @@ const N: u64 = 24;
 
 #[test]
 fn a_new_leader_answers_reads_from_its_warm_copy_before_any_owner_remounts() {
-    let _serial = lunakv_tests::serial();
     let Some(mut c) = Cluster::start(3, &["--ha_warm_standby=true"]) else {
         return;
     };
@@ -200,7 +199,7 @@ fn a_new_leader_answers_reads_from_its_warm_copy_before_any_owner_remounts() {
     }
     c.wait_copies(2 * N as usize);
 
-    a.proc.signal(libc::SIGSTOP);
+    a.proc.pause();
     c.masters[old].proc.kill9();
     b.proc.kill9();
     let new = c.wait_leader(Some(old)).expect("a standby takes over");
@@ -327,7 +326,6 @@ fn pct(v: &[Duration], q: f64) -> f64 {
 #[test]
 #[ignore = "benchmark: run explicitly (make bench-failover)"]
 fn ha_warm_bench() {
-    let _serial = lunakv_tests::serial();
     let sizes: Vec<u64> = std::env::var("LUNAKV_WARM_KEYS")
         .unwrap_or_else(|_| "50000,200000".into())
         .split(',')
@@ -393,7 +391,6 @@ fn with_the_pool_token_a_warm_leaders_capabilities_pass_at_the_owner() {
     use lunakv_transfer::wire::{self, Op, Request, Response, Status};
 
     const POOL: &str = "pool-0123456789abcdef0123456789";
-    let _serial = lunakv_tests::serial();
     let _env = lunakv_tests::child_env(&[("LUNAKV_AUTH_TOKEN", POOL)]);
     // The masters only: ReplicateIndex carries the mount secrets, and the pool token never
     // admits it (issue 33 item 5), so standbys follow with the admin token.
@@ -429,7 +426,7 @@ fn with_the_pool_token_a_warm_leaders_capabilities_pass_at_the_owner() {
     );
     c.wait_copies(1);
 
-    a.proc.signal(libc::SIGSTOP);
+    a.proc.pause();
     let old = c.leader(None).expect("a leader");
     c.masters[old].proc.kill9();
     let new = c.wait_leader(Some(old)).expect("a standby takes over");
@@ -491,7 +488,6 @@ fn with_the_pool_token_a_warm_leaders_capabilities_pass_at_the_owner() {
 /// for the removed objects.
 #[test]
 fn remove_all_empties_the_standbys_warm_copies() {
-    let _serial = lunakv_tests::serial();
     let Some(c) = Cluster::start(2, &["--ha_warm_standby=true"]) else {
         return;
     };

@@ -155,7 +155,6 @@ fn a_pool_token_holder_never_gets_the_mount_secrets_from_replicate_index() {
     let Some(etcd) = lunakv_meta::testing::etcd_or_skip() else {
         return;
     };
-    let _serial = lunakv_tests::serial();
     let _env = child_env(&[("LUNAKV_AUTH_TOKEN", POOL)]);
     let dir = tempfile::tempdir().unwrap();
     let master = Master::start_ha(&dir.path().join("m"), &etcd.endpoint(), &[]);

@@ -20,9 +20,21 @@ pub(crate) struct Lanes {
 }
 
 /// Stops the lanes when dropped: each thread leaves its runtime, whose tasks (the quick
-/// connections) are dropped, closing their sockets.
+/// connections) are dropped, closing their sockets. The drop returns once every lane thread
+/// has ended, so a stopped master holds nothing of its state (its meta store's file lock, in
+/// particular, which a master restarted in the same process takes again).
 pub(crate) struct LanesGuard {
-    _stops: Vec<oneshot::Sender<()>>,
+    stops: Vec<oneshot::Sender<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for LanesGuard {
+    fn drop(&mut self) {
+        self.stops.clear();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 impl Lanes {
@@ -30,12 +42,13 @@ impl Lanes {
     pub(crate) fn start(n: usize) -> std::io::Result<(Lanes, LanesGuard)> {
         let n = n.max(1);
         let (mut handles, mut stops) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut threads = Vec::with_capacity(n);
         for i in 0..n {
             let rt = Builder::new_current_thread().enable_all().build()?;
             handles.push(rt.handle().clone());
             let (stop, stopped) = oneshot::channel::<()>();
             stops.push(stop);
-            std::thread::Builder::new()
+            let thread = std::thread::Builder::new()
                 .name(format!("quick-{i}"))
                 .spawn(move || {
                     // Returns when the guard drops its sender; dropping the runtime then drops
@@ -44,13 +57,14 @@ impl Lanes {
                         let _ = stopped.await;
                     });
                 })?;
+            threads.push(thread);
         }
         Ok((
             Lanes {
                 handles,
                 next: AtomicUsize::new(0),
             },
-            LanesGuard { _stops: stops },
+            LanesGuard { stops, threads },
         ))
     }
 
