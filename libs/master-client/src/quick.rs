@@ -37,9 +37,6 @@ const MAX_IDLE: usize = 4;
 /// After a master closed a fresh quick connection unanswered (an older lunakv-master, or one at
 /// its connection limit), quick calls to it rest this long.
 const REST: Duration = Duration::from_secs(30);
-/// Frames [`QuickLink::call_each`] writes ahead of the answer it reads: a few batches' worth,
-/// so neither side's socket buffer fills while the other waits for it.
-pub const PIPELINE: usize = 8;
 /// The longest a connect may take before the call goes over gRPC instead.
 const CONNECT_WAIT: Duration = Duration::from_secs(1);
 /// Idle connections older than this are dropped, not reused: well inside the master's 300 s
@@ -142,128 +139,77 @@ impl QuickLink {
         method: Method,
         req: &Req,
     ) -> Quick<Resp> {
-        let mut out = Quick::StepAside;
-        self.call_each(addr, method, std::slice::from_ref(req), |_, r| out = r);
-        out
-    }
-
-    /// The calls `reqs` of one method, pipelined on one connection: up to [`PIPELINE`] frames
-    /// are written ahead, and each answer is handed to `each` as it is read, in order, so the
-    /// caller works on one answer (a put's copies) while the master computes the next. `each`
-    /// is called exactly once per request, in order; each answer means what [`Self::call`]'s
-    /// would.
-    pub fn call_each<Req: Message, Resp: Message + Default>(
-        &self,
-        addr: &str,
-        method: Method,
-        reqs: &[Req],
-        mut each: impl FnMut(usize, Quick<Resp>),
-    ) {
         // Frames carry no trace context: while this process exports traces, its master calls
         // go over gRPC, so that a traced put or get shows its master calls (docs/TRACING.md).
         if !self.enabled || lunakv_telemetry::enabled() || addr.starts_with("https://") {
-            return step_aside(0..reqs.len(), &mut each);
+            return Quick::StepAside;
         }
         let addr = addr.strip_prefix("http://").unwrap_or(addr);
         if let Some((a, until)) = &*self.rest_until.lock()
             && a == addr
             && Instant::now() < *until
         {
-            return step_aside(0..reqs.len(), &mut each);
+            return Quick::StepAside;
         }
         let (mut conn, fresh) = match self.take_idle(addr) {
             Some(c) => (c, false),
             None => match self.connect(addr) {
                 Some(c) => (c, true),
-                None => return step_aside(0..reqs.len(), &mut each),
+                None => return Quick::StepAside,
             },
         };
-        let mut sent = 0;
-        let mut reusable = true;
-        for i in 0..reqs.len() {
-            let ahead = (i + PIPELINE).min(reqs.len());
-            if sent < ahead {
-                let mut frames = Vec::new();
-                for r in &reqs[sent..ahead] {
-                    frames.extend(quick::encode_request(
-                        method,
-                        &conn.authorization,
-                        &r.encode_to_vec(),
+        let frame = quick::encode_request(method, &conn.authorization, &req.encode_to_vec());
+        if let Err(e) = conn
+            .stream
+            .write_all(&frame)
+            .and_then(|()| conn.stream.flush())
+        {
+            tracing::debug!(addr, error = %e, "quick call not sent; over gRPC instead");
+            return Quick::StepAside;
+        }
+        let answer = match read_frame(&mut conn.stream) {
+            Ok(a) => a,
+            Err(e) => {
+                if fresh {
+                    // An older master closes a connection it cannot classify, unread; a TLS
+                    // master that refused this client's certificate says so in an alert,
+                    // before it read the frame. gRPC then reports either.
+                    *self.rest_until.lock() = Some((addr.to_owned(), Instant::now() + REST));
+                    if e.kind() == std::io::ErrorKind::UnexpectedEof
+                        || e.kind() == std::io::ErrorKind::ConnectionReset
+                        || lunakv_tls::rustls_error(&e).is_some()
+                    {
+                        return Quick::StepAside;
+                    }
+                }
+                return Quick::Lost(format!("no answer to a quick {method:?} from {addr}: {e}"));
+            }
+        };
+        let out = match quick::decode_response(&answer) {
+            Ok(quick::Response::Ok(body)) => match Resp::decode(body) {
+                Ok(r) => Quick::Answered(r),
+                Err(e) => {
+                    return Quick::Lost(format!(
+                        "a quick {method:?} answer from {addr} does not decode: {e}"
                     ));
                 }
-                if let Err(e) = conn
-                    .stream
-                    .write_all(&frames)
-                    .and_then(|()| conn.stream.flush())
-                {
-                    if sent == 0 {
-                        tracing::debug!(addr, error = %e, "quick call not sent; over gRPC instead");
-                        return step_aside(0..reqs.len(), &mut each);
-                    }
-                    // Frames written earlier may have reached the master; these may not have.
-                    let lost = format!("no answer to a quick {method:?} from {addr}: {e}");
-                    for j in i..ahead {
-                        each(j, Quick::Lost(lost.clone()));
-                    }
-                    return step_aside(ahead..reqs.len(), &mut each);
-                }
-                sent = ahead;
+            },
+            Ok(st @ quick::Response::Status { .. }) => {
+                tracing::debug!(addr, answer = %st, "quick call answered a status; over gRPC instead");
+                Quick::StepAside
             }
-            let answer = match read_frame(&mut conn.stream) {
-                Ok(a) => a,
-                Err(e) => {
-                    if fresh && i == 0 {
-                        // An older master closes a connection it cannot classify, unread; a TLS
-                        // master that refused this client's certificate says so in an alert,
-                        // before it read the frame. gRPC then reports either.
-                        *self.rest_until.lock() = Some((addr.to_owned(), Instant::now() + REST));
-                        if e.kind() == std::io::ErrorKind::UnexpectedEof
-                            || e.kind() == std::io::ErrorKind::ConnectionReset
-                            || lunakv_tls::rustls_error(&e).is_some()
-                        {
-                            return step_aside(0..reqs.len(), &mut each);
-                        }
-                    }
-                    let lost = format!("no answer to a quick {method:?} from {addr}: {e}");
-                    for j in i..sent {
-                        each(j, Quick::Lost(lost.clone()));
-                    }
-                    return step_aside(sent..reqs.len(), &mut each);
-                }
-            };
-            // A whole frame was read, so the next answer's frame starts where it ended: an
-            // answer that does not decode loses its own call only.
-            let out = match quick::decode_response(&answer) {
-                Ok(quick::Response::Ok(body)) => match Resp::decode(body) {
-                    Ok(r) => Quick::Answered(r),
-                    Err(e) => {
-                        reusable = false;
-                        Quick::Lost(format!(
-                            "a quick {method:?} answer from {addr} does not decode: {e}"
-                        ))
-                    }
-                },
-                Ok(st @ quick::Response::Status { .. }) => {
-                    tracing::debug!(addr, answer = %st, "quick call answered a status; over gRPC instead");
-                    Quick::StepAside
-                }
-                Err(e) => {
-                    reusable = false;
-                    Quick::Lost(format!(
-                        "a quick {method:?} answer from {addr} is unreadable: {e}"
-                    ))
-                }
-            };
-            each(i, out);
-        }
-        if !reusable {
-            return;
-        }
+            Err(e) => {
+                return Quick::Lost(format!(
+                    "a quick {method:?} answer from {addr} is unreadable: {e}"
+                ));
+            }
+        };
         conn.last_used = Instant::now();
         let mut idle = self.idle.lock();
         if idle.len() < MAX_IDLE {
             idle.push(conn);
         }
+        out
     }
 
     fn take_idle(&self, addr: &str) -> Option<Conn> {
@@ -310,13 +256,6 @@ impl QuickLink {
             authorization,
             last_used: Instant::now(),
         })
-    }
-}
-
-/// Answers "make it over gRPC" to the calls in `range`.
-fn step_aside<Resp>(range: std::ops::Range<usize>, each: &mut impl FnMut(usize, Quick<Resp>)) {
-    for i in range {
-        each(i, Quick::StepAside);
     }
 }
 
@@ -472,135 +411,6 @@ mod tests {
         assert!(
             matches!(lost, Quick::Lost(_)),
             "a sent frame without an answer is lost"
-        );
-    }
-
-    /// Reads one request frame and answers it with `keys` results of size `i` (the frame's
-    /// position), as a master would.
-    fn answer_next(s: &mut std::net::TcpStream) -> Option<Vec<u8>> {
-        let mut prefix = [0u8; 4];
-        s.read_exact(&mut prefix).ok()?;
-        let mut body = vec![0u8; quick::frame_len(prefix).unwrap()];
-        s.read_exact(&mut body).ok()?;
-        let r = quick::decode_request(&body).unwrap();
-        Some(
-            pb::BatchExistKeyRequest::decode(r.body).unwrap().keys[0]
-                .clone()
-                .into_bytes(),
-        )
-    }
-
-    fn ok(key: &[u8]) -> Vec<u8> {
-        let size = String::from_utf8_lossy(key).parse().unwrap();
-        quick::encode_ok(
-            &pb::BatchObjectLocations {
-                results: vec![pb::ObjectLocation {
-                    size,
-                    ..Default::default()
-                }],
-                segments: Vec::new(),
-            }
-            .encode_to_vec(),
-        )
-    }
-
-    fn numbered(n: usize) -> Vec<pb::BatchExistKeyRequest> {
-        (0..n)
-            .map(|i| pb::BatchExistKeyRequest {
-                client_id: "c".into(),
-                keys: vec![i.to_string()],
-            })
-            .collect()
-    }
-
-    /// Calls go out PIPELINE frames ahead of the answers: a master that reads that many
-    /// before it answers any still answers all of them, each to its own call, in order.
-    #[test]
-    fn pipelined_calls_are_written_ahead_and_answered_in_order() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let n = 3 * PIPELINE + 1;
-        let server = std::thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
-            let mut magic = [0u8; 8];
-            s.read_exact(&mut magic).unwrap();
-            let mut waiting = std::collections::VecDeque::new();
-            for _ in 0..PIPELINE {
-                waiting.push_back(answer_next(&mut s).expect("a frame written ahead"));
-            }
-            let mut read = PIPELINE;
-            while let Some(key) = waiting.pop_front() {
-                s.write_all(&ok(&key)).unwrap();
-                if read < n {
-                    waiting.push_back(answer_next(&mut s).expect("the next frame"));
-                    read += 1;
-                }
-            }
-        });
-        let q = QuickLink::new(Duration::from_secs(5), None);
-        let mut got = Vec::new();
-        q.call_each(
-            &addr,
-            Method::BatchExistKey,
-            &numbered(n),
-            |i, r: Quick<pb::BatchObjectLocations>| match r {
-                Quick::Answered(r) => got.push((i, r.results[0].size)),
-                _ => panic!("call {i} was not answered"),
-            },
-        );
-        let want: Vec<(usize, u64)> = (0..n).map(|i| (i, i as u64)).collect();
-        assert_eq!(got, want);
-        drop(q);
-        server.join().unwrap();
-    }
-
-    /// The master answers two of five pipelined calls, then the connection dies: the calls it
-    /// had been sent are lost (they may have been applied), the ones never written step aside.
-    #[test]
-    fn a_connection_lost_mid_pipeline_loses_the_sent_calls_only() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let n = PIPELINE + 3;
-        let server = std::thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
-            let mut magic = [0u8; 8];
-            s.read_exact(&mut magic).unwrap();
-            for _ in 0..2 {
-                let key = answer_next(&mut s).unwrap();
-                s.write_all(&ok(&key)).unwrap();
-            }
-            // Reads what else comes, unanswered, then closes: a close with unread bytes would
-            // reset the connection and could discard the two answers before the client reads
-            // them.
-            s.set_read_timeout(Some(Duration::from_millis(300)))
-                .unwrap();
-            while answer_next(&mut s).is_some() {}
-        });
-        let q = QuickLink::new(Duration::from_secs(5), None);
-        let mut got = Vec::new();
-        q.call_each(
-            &addr,
-            Method::BatchExistKey,
-            &numbered(n),
-            |i, r: Quick<pb::BatchObjectLocations>| {
-                got.push(match r {
-                    Quick::Answered(_) => (i, "answered"),
-                    Quick::Lost(_) => (i, "lost"),
-                    Quick::StepAside => (i, "aside"),
-                })
-            },
-        );
-        server.join().unwrap();
-        assert_eq!(got.len(), n, "one result per call");
-        assert_eq!(got[..2], [(0, "answered"), (1, "answered")]);
-        // Frames 2.. were written ahead with the window (up to PIPELINE + 1 by the third read).
-        let lost = got.iter().filter(|(_, w)| *w == "lost").count();
-        assert!(lost >= PIPELINE - 2, "{got:?}");
-        assert!(got.iter().skip(2).all(|(_, w)| *w != "answered"), "{got:?}");
-        let first_aside = got.iter().position(|(_, w)| *w == "aside").unwrap_or(n);
-        assert!(
-            got[first_aside..].iter().all(|(_, w)| *w == "aside"),
-            "lost calls come before the ones never sent: {got:?}"
         );
     }
 }

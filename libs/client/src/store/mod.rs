@@ -330,52 +330,23 @@ impl StoreClient {
     /// over gRPC.
     fn quick_or_rpc<Req, T, F, Fut>(&self, method: Method, req: &Req, call: F) -> Result<T>
     where
-        Req: prost::Message + Clone,
+        Req: prost::Message,
         T: prost::Message + Default,
         F: Fn(Rpc) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
     {
-        let mut out = Err(ClientError::Closed);
-        self.quick_or_rpc_each(
-            method,
-            std::slice::from_ref(req),
-            |m, _| call(m),
-            |_, r| out = r,
-        );
-        out
-    }
-
-    /// [`Self::quick_or_rpc`] for several calls of one method, pipelined on one quick
-    /// connection ([`QuickLink::call_each`]): `each` gets every call's result in order, as soon
-    /// as it is there. A call that must go over gRPC goes when its turn comes.
-    fn quick_or_rpc_each<Req, T, F, Fut>(
-        &self,
-        method: Method,
-        reqs: &[Req],
-        call: F,
-        mut each: impl FnMut(usize, Result<T>),
-    ) where
-        Req: prost::Message + Clone,
-        T: prost::Message + Default,
-        F: Fn(Rpc, Req) -> Fut,
-        Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
-    {
-        let addr = self.master.current_addr();
-        self.quick.call_each(&addr, method, reqs, |i, answer| {
-            let r = match answer {
-                Quick::Answered(r) => Ok(r),
-                // As a gRPC call whose connection broke: under HA it is made again at the
-                // leader (a deposed one refuses it), otherwise a mutation is reported failed.
-                Quick::Lost(message) if method.mutates() && !self.master.is_ha() => {
-                    Err(ClientError::Rpc {
-                        addr: self.opts.master_server_address.clone(),
-                        message,
-                    })
-                }
-                Quick::Lost(_) | Quick::StepAside => self.rpc(|m| call(m, reqs[i].clone())),
-            };
-            each(i, r);
-        });
+        match self.quick.call(&self.master.current_addr(), method, req) {
+            Quick::Answered(r) => Ok(r),
+            // As a gRPC call whose connection broke: under HA it is made again at the leader
+            // (a deposed one refuses it), otherwise a mutation is reported failed.
+            Quick::Lost(message) if method.mutates() && !self.master.is_ha() => {
+                Err(ClientError::Rpc {
+                    addr: self.opts.master_server_address.clone(),
+                    message,
+                })
+            }
+            Quick::Lost(_) | Quick::StepAside => self.rpc(call),
+        }
     }
 
     /// One master call; with an etcd master address it retries across a leader failover

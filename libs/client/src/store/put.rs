@@ -3,11 +3,6 @@
 
 use super::*;
 
-/// Items per BatchPutStart of a larger batch put: the calls go pipelined on one connection,
-/// and the first chunk's copies run while the master places the rest, so of the master's
-/// placement time only the first chunk's is waited for. 32 is vLLM's usual batch.
-const PUT_START_CHUNK: usize = 32;
-
 impl StoreClient {
     // === puts ===
 
@@ -21,8 +16,7 @@ impl StoreClient {
         out.pop().unwrap_or(Err(ClientError::Closed))
     }
 
-    /// Puts many objects: BatchPutStarts of [`PUT_START_CHUNK`] items pipelined, each chunk's
-    /// bytes in one transfer batch as its placements arrive, then one BatchPutEnd.
+    /// Puts many objects: one BatchPutStart, all bytes in one transfer batch, one BatchPutEnd.
     pub fn batch_put(
         &self,
         items: &[(&str, Vec<&[u8]>)],
@@ -65,7 +59,18 @@ impl StoreClient {
             }
         }
         if !pb_items.is_empty() {
-            self.start_write_publish(&items, &started, pb_items, cfg, &mut results);
+            match self.put_start(pb_items, cfg) {
+                Err(e) => {
+                    let msg = e.to_string();
+                    for (i, _) in &started {
+                        results[*i] = Some(Err(ClientError::Rpc {
+                            addr: self.opts.master_server_address.clone(),
+                            message: msg.clone(),
+                        }));
+                    }
+                }
+                Ok(resp) => self.finish_puts(&items, &started, resp, &mut results),
+            }
         }
         results
             .into_iter()
@@ -73,82 +78,15 @@ impl StoreClient {
             .collect()
     }
 
-    /// The started items' BatchPutStarts, [`PUT_START_CHUNK`] items per call pipelined on one
-    /// connection, each chunk's bytes copied as soon as its placements are in (while the
-    /// master places the next chunk), then one BatchPutEnd for all: the batch stays one chain
-    /// for the master's policy (its last key is the chain's end).
-    fn start_write_publish(
-        &self,
-        items: &[(&str, Vec<&[u8]>)],
-        started: &[(usize, u64)],
-        pb_items: Vec<pb::PutStartItem>,
-        cfg: &ReplicateConfig,
-        results: &mut [Option<Result<()>>],
-    ) {
-        let keys: Vec<&str> = started.iter().map(|(i, _)| items[*i].0).collect();
-        let parts: Vec<Vec<&[u8]>> = started.iter().map(|(i, _)| items[*i].1.clone()).collect();
-        let mut locs: Vec<Option<Location>> = (0..started.len()).map(|_| None).collect();
-        let mut failed: Vec<Option<TransferError>> = (0..started.len()).map(|_| None).collect();
-        let config = Some(self.replicate_config(cfg));
-        let mut chunks = Vec::new();
-        let mut pb_items = pb_items.into_iter().peekable();
-        while pb_items.peek().is_some() {
-            chunks.push(pb::BatchPutStartRequest {
-                client_id: self.client_id.clone(),
-                items: pb_items.by_ref().take(PUT_START_CHUNK).collect(),
-                config: config.clone(),
-            });
-        }
-        self.quick_or_rpc_each(
-            Method::BatchPutStart,
-            &chunks,
-            |mut m, req| async move { m.batch_put_start(req).await },
-            |c, answer| {
-                let range = c * PUT_START_CHUNK..((c + 1) * PUT_START_CHUNK).min(started.len());
-                match answer {
-                    Err(e) => {
-                        let msg = e.to_string();
-                        for (i, _) in &started[range] {
-                            results[*i] = Some(Err(ClientError::Rpc {
-                                addr: self.opts.master_server_address.clone(),
-                                message: msg.clone(),
-                            }));
-                        }
-                    }
-                    Ok(answer) => {
-                        let (lo, hi) = (range.start, range.end);
-                        self.place(items, &started[lo..hi], answer, &mut locs[lo..hi], results);
-                        self.write(
-                            &keys[lo..hi],
-                            &parts[lo..hi],
-                            &locs[lo..hi],
-                            &mut failed[lo..hi],
-                        );
-                    }
-                }
-            },
-        );
-        for (j, r) in self
-            .publish(&keys, &mut locs, failed)
-            .into_iter()
-            .enumerate()
-        {
-            if let Some(r) = r {
-                results[started[j].0] = Some(r);
-            }
-        }
-    }
-
-    /// The placements of `started` items from one BatchPutStart answer into `locs`; an item
-    /// the master refused (or placed unusably) gets its result instead.
-    fn place(
+    pub(super) fn finish_puts(
         &self,
         items: &[(&str, Vec<&[u8]>)],
         started: &[(usize, u64)],
         placements: pb::BatchPutStartResponse,
-        locs: &mut [Option<Location>],
         results: &mut [Option<Result<()>>],
     ) {
+        // Per started item: its location, and the index range of its write requests.
+        let mut locs: Vec<Option<Location>> = Vec::with_capacity(started.len());
         for (j, (i, size)) in started.iter().enumerate() {
             let key = items[*i].0;
             let loc = match placements.results.get(j) {
@@ -164,8 +102,22 @@ impl StoreClient {
                 }),
             };
             match loc {
-                Ok(l) => locs[j] = Some(l),
-                Err(e) => results[*i] = Some(Err(e)),
+                Ok(l) => locs.push(Some(l)),
+                Err(e) => {
+                    results[*i] = Some(Err(e));
+                    locs.push(None);
+                }
+            }
+        }
+        let keys: Vec<&str> = started.iter().map(|(i, _)| items[*i].0).collect();
+        let parts: Vec<Vec<&[u8]>> = started.iter().map(|(i, _)| items[*i].1.clone()).collect();
+        for (j, r) in self
+            .write_and_publish(&keys, &parts, &mut locs)
+            .into_iter()
+            .enumerate()
+        {
+            if let Some(r) = r {
+                results[started[j].0] = Some(r);
             }
         }
     }
@@ -198,20 +150,7 @@ impl StoreClient {
         parts: &[Vec<&[u8]>],
         locs: &mut [Option<Location>],
     ) -> Vec<Option<Result<()>>> {
-        let mut failed: Vec<Option<TransferError>> = (0..keys.len()).map(|_| None).collect();
-        self.write(keys, parts, locs, &mut failed);
-        self.publish(keys, locs, failed)
-    }
-
-    /// Writes object `j` (`parts[j]`) to every replica of `locs[j]` in one transfer batch;
-    /// `failed[j]` gets the first failure of its writes.
-    fn write(
-        &self,
-        keys: &[&str],
-        parts: &[Vec<&[u8]>],
-        locs: &[Option<Location>],
-        failed: &mut [Option<TransferError>],
-    ) {
+        let mut results: Vec<Option<Result<()>>> = (0..keys.len()).map(|_| None).collect();
         let mut reqs = Vec::new();
         let mut owner = Vec::new();
         for (j, key) in keys.iter().enumerate() {
@@ -227,28 +166,18 @@ impl StoreClient {
                 owner.push(j);
             }
         }
-        let outcomes = match reqs.len() {
-            0 => return,
-            1 => vec![self.engine.execute(&mut reqs[0])],
-            _ => self.engine.batch(&mut reqs),
+        let outcomes = if reqs.len() == 1 {
+            vec![self.engine.execute(&mut reqs[0])]
+        } else {
+            self.engine.batch(&mut reqs)
         };
         drop(reqs);
+        let mut failed: Vec<Option<TransferError>> = (0..keys.len()).map(|_| None).collect();
         for (k, r) in outcomes.into_iter().enumerate() {
             if let Err(e) = r {
                 failed[owner[k]].get_or_insert(e);
             }
         }
-    }
-
-    /// Revokes the placed objects whose writes failed and publishes the rest with one
-    /// BatchPutEnd; see [`Self::write_and_publish`].
-    fn publish(
-        &self,
-        keys: &[&str],
-        locs: &mut [Option<Location>],
-        mut failed: Vec<Option<TransferError>>,
-    ) -> Vec<Option<Result<()>>> {
-        let mut results: Vec<Option<Result<()>>> = (0..keys.len()).map(|_| None).collect();
         let mut end_keys = Vec::new();
         let mut end_idx = Vec::new();
         let mut revoke_keys = Vec::new();
