@@ -37,6 +37,8 @@ const MAX_IDLE: usize = 4;
 /// After a master closed a fresh quick connection unanswered (an older lunakv-master, or one at
 /// its connection limit), quick calls to it rest this long.
 const REST: Duration = Duration::from_secs(30);
+/// Bytes of an answer reserved before it is read: a batch of 128 placements is about 2 KiB.
+const ANSWER_AHEAD: usize = 64 << 10;
 /// The longest a connect may take before the call goes over gRPC instead.
 const CONNECT_WAIT: Duration = Duration::from_secs(1);
 /// Idle connections older than this are dropped, not reused: well inside the master's 300 s
@@ -265,8 +267,10 @@ fn read_frame(stream: &mut Stream) -> std::io::Result<Vec<u8>> {
     stream.read_exact(&mut prefix)?;
     let len = quick::answer_len(prefix)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    // Grown as bytes arrive: the prefix alone does not reserve up to 256 MiB.
-    let mut body = Vec::new();
+    // Room for a usual answer up front (an empty Vec grows 32, 64, 128... bytes, one read
+    // each: eight reads for a 2 KiB answer); beyond that it grows as bytes arrive, so the
+    // prefix alone does not reserve up to 256 MiB.
+    let mut body = Vec::with_capacity(len.min(ANSWER_AHEAD));
     let n = stream.take(len as u64).read_to_end(&mut body)?;
     if n < len {
         return Err(std::io::ErrorKind::UnexpectedEof.into());
