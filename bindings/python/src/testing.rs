@@ -56,6 +56,7 @@ pub fn device_stats() -> PyResult<HashMap<&'static str, u64>> {
     Ok(HashMap::from([
         ("d2h_copies", s.d2h_copies),
         ("copies_2d", s.copies_2d),
+        ("copy_calls", s.copy_calls),
         ("refused_2d", s.refused_2d),
         ("copy_ns", s.copy_ns),
         ("h2d_copies", s.h2d_copies),

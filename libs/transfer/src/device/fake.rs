@@ -36,11 +36,29 @@ struct Alloc {
     _fd: OwnedFd,
 }
 
-/// One queued copy: host-visible addresses on both sides.
+/// One queued copy: host-visible addresses on both sides, `rows` rows of `len` bytes (a plain
+/// copy is one row). A 2D copy is one entry, as it is one driver call: queueing it row by row
+/// would put the double's own per-row work into the overhead `lunakv bench --device` measures.
 struct Op {
     dst: usize,
     src: usize,
     len: usize,
+    rows: usize,
+    dst_pitch: usize,
+    src_pitch: usize,
+}
+
+impl Op {
+    fn plain(dst: usize, src: usize, len: usize) -> Op {
+        Op {
+            dst,
+            src,
+            len,
+            rows: 1,
+            dst_pitch: len,
+            src_pitch: len,
+        }
+    }
 }
 
 /// Counters of the double, for tests.
@@ -54,6 +72,9 @@ pub struct FakeStats {
     /// 2D copy calls ([`DeviceLayer::copy_2d_async`]) taken as one; each row also counts in
     /// the copies.
     pub copies_2d: u64,
+    /// Copy calls queued: plain copies and the 2D copies taken, one each whatever their rows
+    /// (what a driver charges per call).
+    pub copy_calls: u64,
     /// 2D copy calls refused ([`DeviceError::Refused2d`]): nothing queued, the caller splits.
     pub refused_2d: u64,
     /// Wall nanoseconds during which at least one stream was running its copies (at
@@ -74,6 +95,7 @@ struct Counters {
     h2d_bytes: AtomicU64,
     syncs: AtomicU64,
     copies_2d: AtomicU64,
+    copy_calls: AtomicU64,
     refused_2d: AtomicU64,
     pins: AtomicU64,
     unpins: AtomicU64,
@@ -225,6 +247,7 @@ impl Fake {
             h2d_bytes: c.h2d_bytes.load(Ordering::Relaxed),
             syncs: c.syncs.load(Ordering::Relaxed),
             copies_2d: c.copies_2d.load(Ordering::Relaxed),
+            copy_calls: c.copy_calls.load(Ordering::Relaxed),
             refused_2d: c.refused_2d.load(Ordering::Relaxed),
             copy_ns: {
                 let k = self.copying.lock();
@@ -304,7 +327,7 @@ impl DeviceLayer for &'static Fake {
                 self.counters
                     .d2h_bytes
                     .fetch_add(len as u64, Ordering::Relaxed);
-                Op { dst, src: s, len }
+                Op::plain(dst, s, len)
             }
             CopyDir::HostToDevice => {
                 let d = self.shadow(dst, len).ok_or_else(|| outside(dst, len))?;
@@ -312,7 +335,7 @@ impl DeviceLayer for &'static Fake {
                 self.counters
                     .h2d_bytes
                     .fetch_add(len as u64, Ordering::Relaxed);
-                Op { dst: d, src, len }
+                Op::plain(d, src, len)
             }
         };
         self.queues
@@ -320,6 +343,7 @@ impl DeviceLayer for &'static Fake {
             .get_mut(&stream)
             .ok_or_else(|| DeviceError::Invalid(format!("unknown fake stream {stream}")))?
             .push(op);
+        self.counters.copy_calls.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -349,23 +373,58 @@ impl DeviceLayer for &'static Fake {
             CopyDir::HostToDevice => ((dst, dst_pitch), (src, src_pitch)),
         };
         let span = |pitch: usize| (height - 1) * pitch + width;
-        let why = if self.shadow(dev, span(dev_pitch)).is_none() {
-            Some("device rows span two allocations")
-        } else if self.pinned_ranges(host, span(host_pitch)) > 1 {
-            Some("host rows span two pinned ranges")
-        } else {
-            None
+        let shadow = match self.shadow(dev, span(dev_pitch)) {
+            Some(s) if self.pinned_ranges(host, span(host_pitch)) <= 1 => s,
+            found => {
+                let why = match found {
+                    None => "device rows span two allocations",
+                    Some(_) => "host rows span two pinned ranges",
+                };
+                self.counters.refused_2d.fetch_add(1, Ordering::Relaxed);
+                return Err(DeviceError::Refused2d {
+                    height,
+                    why: why.into(),
+                });
+            }
         };
-        if let Some(why) = why {
-            self.counters.refused_2d.fetch_add(1, Ordering::Relaxed);
-            return Err(DeviceError::Refused2d {
-                height,
-                why: why.into(),
-            });
-        }
+        // The device span lies inside one allocation, so each row's shadow is one pitch on;
+        // the host side is the caller's (copy_2d_async's contract).
+        let (copies, bytes, op) = match dir {
+            CopyDir::DeviceToHost => (
+                &self.counters.d2h_copies,
+                &self.counters.d2h_bytes,
+                Op {
+                    dst,
+                    src: shadow,
+                    len: width,
+                    rows: height,
+                    dst_pitch,
+                    src_pitch,
+                },
+            ),
+            CopyDir::HostToDevice => (
+                &self.counters.h2d_copies,
+                &self.counters.h2d_bytes,
+                Op {
+                    dst: shadow,
+                    src,
+                    len: width,
+                    rows: height,
+                    dst_pitch,
+                    src_pitch,
+                },
+            ),
+        };
+        self.queues
+            .lock()
+            .get_mut(&stream)
+            .ok_or_else(|| DeviceError::Invalid(format!("unknown fake stream {stream}")))?
+            .push(op);
         self.counters.copies_2d.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: forwarded from the caller; each row is checked as it is queued.
-        unsafe { super::copy_rows(self, stream, dir, rect) }
+        self.counters.copy_calls.fetch_add(1, Ordering::Relaxed);
+        copies.fetch_add(height as u64, Ordering::Relaxed);
+        bytes.fetch_add((height * width) as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     fn synchronize(&self, stream: StreamId) -> Result<(), DeviceError> {
@@ -387,9 +446,12 @@ impl DeviceLayer for &'static Fake {
             k.since.get_or_insert_with(std::time::Instant::now);
         }
         for op in ops {
-            // SAFETY: the device side was checked inside a live allocation when queued; the
-            // host side is valid until this synchronize (copy_async's contract).
-            unsafe { std::ptr::copy(op.src as *const u8, op.dst as *mut u8, op.len) };
+            for r in 0..op.rows {
+                let (src, dst) = (op.src + r * op.src_pitch, op.dst + r * op.dst_pitch);
+                // SAFETY: the device side was checked inside a live allocation when queued;
+                // the host side is valid until this synchronize (copy_async's contract).
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, op.len) };
+            }
         }
         let mut k = self.copying.lock();
         k.active -= 1;

@@ -332,3 +332,85 @@ fn a_run_over_two_allocations_is_split_and_every_row_lands() {
     f.free(a).unwrap();
     f.free(b).unwrap();
 }
+
+/// A 2D copy the double takes is one queued call, as it is one driver call on a GPU, and its
+/// rows still run only at synchronize, each at its own pitch on both sides and in both
+/// directions; the row and byte counters count its rows.
+#[test]
+fn a_2d_copy_lands_each_row_at_its_pitches_at_synchronize() {
+    let f = fake();
+    let l: &dyn DeviceLayer = &f;
+    let (width, rows) = (48usize, 5usize);
+    let (dev_pitch, host_pitch) = (64usize, 80usize);
+    let d = f.alloc(rows * dev_pitch).unwrap();
+    let pattern: Vec<u8> = (0..rows * dev_pitch)
+        .map(|i| (i * 13 % 251) as u8)
+        .collect();
+    f.write(d, &pattern).unwrap();
+    let s = l.stream_create(0).unwrap();
+    let mut host = vec![0u8; rows * host_pitch];
+    let before = f.stats();
+    // SAFETY: `host` is not read before the synchronize; the device rows lie in `d`.
+    unsafe {
+        let rect = super::Rect {
+            dst: host.as_mut_ptr() as usize,
+            dst_pitch: host_pitch,
+            src: d,
+            src_pitch: dev_pitch,
+            width,
+            height: rows,
+        };
+        l.copy_2d_async(s, CopyDir::DeviceToHost, rect).unwrap();
+    }
+    assert!(host.iter().all(|&b| b == 0), "queued, not run");
+    l.synchronize(s).unwrap();
+    for r in 0..rows {
+        let row = &host[r * host_pitch..][..host_pitch];
+        assert_eq!(&row[..width], &pattern[r * dev_pitch..][..width], "row {r}");
+        assert!(
+            row[width..].iter().all(|&b| b == 0),
+            "row {r}: past its width"
+        );
+    }
+    let st = f.stats();
+    assert_eq!(st.copies_2d - before.copies_2d, 1);
+    assert_eq!(
+        st.copy_calls - before.copy_calls,
+        1,
+        "one call, not one per row"
+    );
+    assert_eq!(st.d2h_copies - before.d2h_copies, rows as u64);
+    assert_eq!(st.d2h_bytes - before.d2h_bytes, (rows * width) as u64);
+
+    // And back: host rows at host_pitch into a second allocation at dev_pitch.
+    let e = f.alloc(rows * dev_pitch).unwrap();
+    // SAFETY: `host` stays unmodified until the synchronize; the device rows lie in `e`.
+    unsafe {
+        let rect = super::Rect {
+            dst: e,
+            dst_pitch: dev_pitch,
+            src: host.as_ptr() as usize,
+            src_pitch: host_pitch,
+            width,
+            height: rows,
+        };
+        l.copy_2d_async(s, CopyDir::HostToDevice, rect).unwrap();
+    }
+    assert_eq!(
+        f.read(e, rows * dev_pitch).unwrap(),
+        vec![0u8; rows * dev_pitch]
+    );
+    l.synchronize(s).unwrap();
+    let got = f.read(e, rows * dev_pitch).unwrap();
+    for r in 0..rows {
+        assert_eq!(
+            &got[r * dev_pitch..][..width],
+            &pattern[r * dev_pitch..][..width],
+            "row {r}"
+        );
+    }
+    assert_eq!(f.stats().h2d_copies - st.h2d_copies, rows as u64);
+    l.stream_destroy(s);
+    f.free(d).unwrap();
+    f.free(e).unwrap();
+}

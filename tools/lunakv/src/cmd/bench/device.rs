@@ -52,6 +52,10 @@ pub struct DeviceRow {
     pub copy_ms_p99: f64,
     pub overhead_ms_p50: f64,
     pub overhead_ms_p99: f64,
+    /// Driver copy calls per batch (p50): a 2D copy is one, whatever its rows. Absent from
+    /// the JSON of builds before it was counted.
+    #[serde(default)]
+    pub calls_p50: f64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -174,22 +178,24 @@ fn run_mode(
             .map(String::as_str)
             .zip(src.pieces(0..plan.objects))
             .collect();
-        let copy0 = f.stats().copy_ns;
+        let s0 = f.stats();
         let t = Instant::now();
         let res = c.batch_put(&items, &cfg.clone());
         let call = t.elapsed().as_nanos() as u64;
-        let copy = f.stats().copy_ns - copy0;
+        let s1 = f.stats();
+        let (copy, calls) = (s1.copy_ns - s0.copy_ns, s1.copy_calls - s0.copy_calls);
         if let Some(e) = res.into_iter().find_map(Result::err) {
             bail!("{mode} batch put: {e}");
         }
         drop(items);
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let mut dsts = dst.pieces_mut(0..plan.objects);
-        let copy1 = f.stats().copy_ns;
+        let s0 = f.stats();
         let t = Instant::now();
         let res = c.batch_get_into(&key_refs, &mut dsts);
         let gcall = t.elapsed().as_nanos() as u64;
-        let gcopy = f.stats().copy_ns - copy1;
+        let s1 = f.stats();
+        let (gcopy, gcalls) = (s1.copy_ns - s0.copy_ns, s1.copy_calls - s0.copy_calls);
         drop(dsts);
         if let Some(e) = res.into_iter().find_map(Result::err) {
             bail!("{mode} batch get: {e}");
@@ -203,8 +209,8 @@ fn run_mode(
                 }
             }
         } else {
-            put.push(call, copy);
-            get.push(gcall, gcopy);
+            put.push(call, copy, calls);
+            get.push(gcall, gcopy, gcalls);
         }
         for r in c.batch_remove(&key_refs, true) {
             r.with_context(|| format!("{mode}: removing a benchmark batch"))?;
@@ -218,17 +224,24 @@ struct Samples {
     call: Vec<f64>,
     copy: Vec<f64>,
     overhead: Vec<f64>,
+    calls: Vec<f64>,
 }
 
 impl Samples {
-    fn push(&mut self, call_ns: u64, copy_ns: u64) {
+    fn push(&mut self, call_ns: u64, copy_ns: u64, calls: u64) {
         let ms = |ns: u64| ns as f64 / 1e6;
         self.call.push(ms(call_ns));
         self.copy.push(ms(copy_ns));
         self.overhead.push(ms(call_ns.saturating_sub(copy_ns)));
+        self.calls.push(calls as f64);
     }
     fn row(mut self, mode: &str, op: &str) -> DeviceRow {
-        for v in [&mut self.call, &mut self.copy, &mut self.overhead] {
+        for v in [
+            &mut self.call,
+            &mut self.copy,
+            &mut self.overhead,
+            &mut self.calls,
+        ] {
             v.sort_by(f64::total_cmp);
         }
         DeviceRow {
@@ -240,6 +253,7 @@ impl Samples {
             copy_ms_p99: percentile(&self.copy, 99.0),
             overhead_ms_p50: percentile(&self.overhead, 50.0),
             overhead_ms_p99: percentile(&self.overhead, 99.0),
+            calls_p50: percentile(&self.calls, 50.0),
         }
     }
 }
@@ -250,7 +264,7 @@ pub fn render(r: &DeviceReport) -> String {
     let mut s = format!(
         "lunakv bench --device: {} objects x {} layers x K/V of {} ({} per batch), {} batches per row, \
          test double (LUNAKV_DEVICE=fake), load {} -> {}\n\
-         {:<9} {:<4} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12}\n",
+         {:<9} {:<4} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12} {:>6}\n",
         p.objects,
         p.layers,
         human_bytes(p.block_bytes as u64),
@@ -265,12 +279,13 @@ pub fn render(r: &DeviceReport) -> String {
         "COPY p50",
         "p99",
         "OVERHEAD p50",
-        "p99 (ms)"
+        "p99 (ms)",
+        "CALLS"
     );
     for row in &r.rows {
         let _ = writeln!(
             s,
-            "{:<9} {:<4} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>12.2} {:>12.2}",
+            "{:<9} {:<4} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>12.2} {:>12.2} {:>6.0}",
             row.mode,
             row.op,
             row.call_ms_p50,
@@ -278,12 +293,14 @@ pub fn render(r: &DeviceReport) -> String {
             row.copy_ms_p50,
             row.copy_ms_p99,
             row.overhead_ms_p50,
-            row.overhead_ms_p99
+            row.overhead_ms_p99,
+            row.calls_p50
         );
     }
     let _ = writeln!(
         s,
-        "2D copies refused {}, runs split {} (the double refuses what an H200 refused)",
+        "CALLS: device copy calls per batch (a 2D copy is one); 2D copies refused {}, runs split {} \
+         (the double refuses what an H200 refused)",
         r.refused_2d, r.split_runs
     );
     s
