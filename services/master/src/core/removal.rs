@@ -18,39 +18,61 @@ impl MasterCore {
     /// Removes an object. A leased object (-706) or a put in progress (-703) is kept unless
     /// `force`. Answers after the owners acknowledged the FREE (or timed out).
     pub async fn remove(&self, key: &str, force: bool) -> Result<(), OpError> {
-        let frees = {
-            let mut shard = self.shard(key).lock();
-            let o = shard.get(key).ok_or_else(|| not_found(key, "not found"))?;
-            let now = Instant::now();
-            if !force && o.state == ObjectState::Processing {
-                return Err(OpError::new(
-                    ErrorCode::ReplicaIsNotReady,
-                    format!("key {key:?} is being put; retry after PutEnd or use force"),
-                ));
-            }
-            if !force && o.leased(now) {
-                return Err(OpError::new(
-                    ErrorCode::ObjectHasLease,
-                    format!(
-                        "key {key:?} is leased to a reader for up to {} ms more; retry later or \
-                         use force",
-                        o.lease_until
-                            .map_or(0, |t| t.saturating_duration_since(now).as_millis())
-                    ),
-                ));
-            }
-            let o = shard.remove(key);
-            if let Some(o) = &o
-                && o.state == ObjectState::Complete
-            {
-                self.emit_updated(key, (o.generation, o.size), tiers_of(&o.replicas), &[]);
-            }
-            o.map(|o| self.pending_frees(&o)).unwrap_or_default()
-        };
+        let frees = self.unindex(key, force)?;
         self.release(frees).await;
         // A grouped object takes its group with it.
         self.drop_broken_groups().await;
         Ok(())
+    }
+
+    /// [`Self::remove`] for each key of a batch, one result per key in order. The ranges of
+    /// all of them are released together: one FREE per owner for the whole batch, where a
+    /// loop of removals waited for one FREE round trip per key (128 keys: about 11 ms).
+    pub async fn remove_many<'k>(
+        &self,
+        keys: impl IntoIterator<Item = &'k str>,
+        force: bool,
+    ) -> Vec<Result<(), OpError>> {
+        let mut frees = Vec::new();
+        let results = keys
+            .into_iter()
+            .map(|key| self.unindex(key, force).map(|mut f| frees.append(&mut f)))
+            .collect();
+        self.release(frees).await;
+        self.drop_broken_groups().await;
+        results
+    }
+
+    /// Takes `key` out of the index under its shard lock (the checks of [`Self::remove`]) and
+    /// says which ranges its owners must free.
+    fn unindex(&self, key: &str, force: bool) -> Result<Vec<PendingFree>, OpError> {
+        let mut shard = self.shard(key).lock();
+        let o = shard.get(key).ok_or_else(|| not_found(key, "not found"))?;
+        let now = Instant::now();
+        if !force && o.state == ObjectState::Processing {
+            return Err(OpError::new(
+                ErrorCode::ReplicaIsNotReady,
+                format!("key {key:?} is being put; retry after PutEnd or use force"),
+            ));
+        }
+        if !force && o.leased(now) {
+            return Err(OpError::new(
+                ErrorCode::ObjectHasLease,
+                format!(
+                    "key {key:?} is leased to a reader for up to {} ms more; retry later or \
+                     use force",
+                    o.lease_until
+                        .map_or(0, |t| t.saturating_duration_since(now).as_millis())
+                ),
+            ));
+        }
+        let o = shard.remove(key);
+        if let Some(o) = &o
+            && o.state == ObjectState::Complete
+        {
+            self.emit_updated(key, (o.generation, o.size), tiers_of(&o.replicas), &[]);
+        }
+        Ok(o.map(|o| self.pending_frees(&o)).unwrap_or_default())
     }
 
     /// Removes every complete, unleased object of `tenant` (with `force`: every one of its

@@ -387,6 +387,62 @@ async fn remove_respects_leases_and_frees_through_the_owner() {
         .expect("forced removal of a put in progress");
 }
 
+/// A batch removal answers per key as single removals do, but its owners get one FREE each
+/// for the whole batch: a FREE per key made a 128-key BatchRemove wait 128 round trips.
+#[tokio::test]
+async fn remove_many_frees_the_whole_batch_with_one_free_per_owner() {
+    let (core, notifier) = new_core(cfg());
+    mount(&core, "cl", "a:1", 1 << 20);
+    mount(&core, "cl", "b:1", 1 << 20);
+    let mut want = Vec::new();
+    for i in 0..8 {
+        want.push(put(&core, &format!("k{i}"), 100, &opts(1)).await);
+    }
+    core.get_replica_list("k0").expect("lease");
+    core.put_start("cl", "p", 10, &opts(1)).await.expect("put");
+    let keys = ["k0", "k1", "nope", "p", "k2", "k3", "k4", "k5", "k6", "k7"];
+    let codes: Vec<Option<ErrorCode>> = core
+        .remove_many(keys, false)
+        .await
+        .into_iter()
+        .map(|r| r.err().map(|e| e.code))
+        .collect();
+    assert_eq!(
+        codes,
+        vec![
+            Some(ErrorCode::ObjectHasLease),
+            None,
+            Some(ErrorCode::ObjectNotFound),
+            Some(ErrorCode::ReplicaIsNotReady),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        ]
+    );
+    let calls = notifier.calls.lock().clone();
+    let mut endpoints: Vec<&str> = calls.iter().map(|c| c.endpoint.as_str()).collect();
+    endpoints.sort_unstable();
+    endpoints.dedup();
+    assert_eq!(
+        calls.len(),
+        endpoints.len(),
+        "one FREE per owner: {calls:?}"
+    );
+    let mut freed: Vec<u64> = notifier.freed().into_iter().map(|(g, _)| g).collect();
+    freed.sort_unstable();
+    let mut removed: Vec<u64> = want[1..].to_vec();
+    removed.sort_unstable();
+    assert_eq!(freed, removed, "every removed key's range, and only those");
+    assert_eq!(
+        core.key_count(),
+        2,
+        "the leased k0 and the put in progress p stay"
+    );
+}
+
 #[tokio::test]
 async fn unreachable_owner_is_freed_anyway() {
     let (core, notifier) = new_core(cfg());

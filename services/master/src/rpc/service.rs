@@ -716,15 +716,24 @@ impl pb::master_server::Master for MasterService {
     ) -> Result<Response<pb::BatchKeyResults>, Status> {
         let a = self.admit(Access::Write)?;
         let req = request.into_inner();
-        self.batch(
+        let mut checked: Vec<Result<(), OpError>> = req.keys.iter().map(|k| check_key(k)).collect();
+        let valid: Vec<usize> = (0..checked.len()).filter(|&i| checked[i].is_ok()).collect();
+        // One removal of all valid keys: their owners get one FREE each for the batch.
+        let removed = a
+            .core
+            .remove_many(valid.iter().map(|&i| req.keys[i].as_str()), req.force)
+            .await;
+        for (i, r) in valid.into_iter().zip(removed) {
+            checked[i] = r;
+        }
+        let results: Vec<pb::KeyResult> = checked.into_iter().map(key_result).collect();
+        let failed = results.iter().any(key_failed);
+        self.done(
             &a,
             Rpc::BatchRemove,
-            &req.keys,
-            |k| self.remove_one(&a.core, k, req.force),
-            key_failed,
-            |results| pb::BatchKeyResults { results },
+            failed,
+            pb::BatchKeyResults { results },
         )
-        .await
     }
 
     async fn remove_all(
