@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use lunakv_proto::quick::{self, Method};
 use parking_lot::Mutex;
 use prost::Message;
+use rustix::net::RecvFlags;
 
 /// Set to 0 to send every master call over gRPC.
 pub const QUICK_CALLS_ENV: &str = "LUNAKV_QUICK_CALLS";
@@ -92,15 +93,14 @@ impl Conn {
             Stream::Plain(s) => s,
             Stream::Tls(s) => &s.sock,
         };
-        if tcp.set_nonblocking(true).is_err() {
-            return true;
-        }
-        let closed = match tcp.peek(&mut [0u8; 1]) {
-            Ok(0) => true,
+        // One non-blocking peek on the blocking socket: toggling O_NONBLOCK around a plain
+        // peek cost two more syscalls on every quick call.
+        let mut byte = [0u8; 1];
+        match rustix::net::recv(tcp, &mut byte[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+            Ok((0, _)) => true,
             Ok(_) => false,
-            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
-        };
-        closed || tcp.set_nonblocking(false).is_err()
+            Err(e) => e != rustix::io::Errno::AGAIN && e != rustix::io::Errno::INTR,
+        }
     }
 }
 
