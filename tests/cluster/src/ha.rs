@@ -33,11 +33,7 @@ impl HaCluster {
         masters: usize,
         opts: ClusterOptions,
     ) -> Result<HaCluster, ClusterError> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("lunakv-cluster")
-            .enable_all()
-            .build()?;
+        let rt = crate::runtime()?;
         let dir = tempfile::tempdir()?;
         let mut c = HaCluster {
             masters: Vec::new(),

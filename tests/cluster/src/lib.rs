@@ -88,11 +88,7 @@ impl Cluster {
 
     /// A master and `opts.segments` segments, each mounted before this returns.
     pub fn with(opts: ClusterOptions) -> Result<Cluster, ClusterError> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("lunakv-cluster")
-            .enable_all()
-            .build()?;
+        let rt = runtime()?;
         let dir = tempfile::tempdir()?;
         let master = rt.block_on(lunakv_master::start(master_config(dir.path(), 0)))?;
         let mut c = Cluster {
@@ -256,6 +252,15 @@ async fn start_segment(opts: HostOptions) -> Result<SegmentHost, ClusterError> {
     Ok(SegmentHost::bind(opts, None)?
         .mount(MasterWait::NoWait)
         .await?)
+}
+
+/// The runtime a cluster's master and segments run on, beside the test's own thread.
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("lunakv-cluster")
+        .enable_all()
+        .build()
 }
 
 fn master_config(dir: &std::path::Path, rpc_port: u16) -> MasterConfig {
