@@ -17,22 +17,23 @@
 //! Caller pieces stay `&[u8]` / `&mut [u8]` through the transfer API; a slice over device memory
 //! is only ever handed to the functions here, which never dereference it on the CPU.
 
-use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-use parking_lot::RwLock;
 
 mod copier;
 pub mod cuda;
 pub mod fake;
 mod pins;
+mod ranges;
 mod runs;
 pub(crate) mod staging;
 
 pub use copier::{Copier, read_from, write_to};
 pub(crate) use copier::{gather, scatter};
 pub(crate) use pins::HostPins;
+#[cfg(test)]
+use ranges::classify_with;
+pub use ranges::{kind_of, register_range, unregister_range};
 
 /// Selects the device backend: unset or `auto` (CUDA when libcuda.so.1 loads, else none),
 /// `cuda` (as auto, but a failure to load is logged as a warning), `off`/`none` (host only),
@@ -345,92 +346,6 @@ fn load() -> Option<Box<dyn DeviceLayer>> {
 /// The loaded backend's name, or "none".
 pub fn layer_name() -> &'static str {
     layer().map_or("none", |l| l.name())
-}
-
-// === classification ===
-
-struct Registered {
-    len: usize,
-    kind: MemKind,
-    refs: usize,
-}
-
-/// Buffers registered up front, classified once, by start address.
-static RANGES: RwLock<BTreeMap<usize, Registered>> = RwLock::new(BTreeMap::new());
-
-/// Classifies `[addr, addr+len)` once and remembers it, so later pieces inside it are looked up
-/// instead of asking the driver. Registering the same start again (the store and the P/D engine
-/// both register vLLM's KV cache) counts a reference. Without a backend: `Host`, nothing kept.
-pub fn register_range(addr: usize, len: usize) -> MemKind {
-    let Some(l) = layer() else {
-        return MemKind::Host;
-    };
-    let kind = classify_with(l, addr);
-    let mut r = RANGES.write();
-    match r.get_mut(&addr) {
-        Some(e) => {
-            e.refs += 1;
-            e.len = e.len.max(len);
-            e.kind = kind;
-        }
-        None => {
-            r.insert(addr, Registered { len, kind, refs: 1 });
-        }
-    }
-    kind
-}
-
-/// Drops one reference taken by [`register_range`] at `addr`.
-pub fn unregister_range(addr: usize) {
-    if layer().is_none() {
-        return;
-    }
-    let mut r = RANGES.write();
-    if let Some(e) = r.get_mut(&addr) {
-        e.refs -= 1;
-        if e.refs == 0 {
-            r.remove(&addr);
-        }
-    }
-}
-
-fn classify_with(l: &dyn DeviceLayer, addr: usize) -> MemKind {
-    if l.blind() {
-        return MemKind::Host;
-    }
-    match l.classify(addr) {
-        Ok(k) => k,
-        Err(e) => {
-            // A driver that cannot say is a broken driver; host is what every path did before.
-            static ONCE: std::sync::Once = std::sync::Once::new();
-            ONCE.call_once(|| tracing::warn!("cannot classify {addr:#x}: {e}; treating as host"));
-            MemKind::Host
-        }
-    }
-}
-
-/// Where `[addr, addr+len)` lives: one atomic load without a backend; a lookup in the
-/// registered ranges, else one driver call, with one.
-#[inline]
-pub fn kind_of(addr: usize, len: usize) -> MemKind {
-    match layer() {
-        None => MemKind::Host,
-        Some(l) => kind_slow(l, addr, len),
-    }
-}
-
-#[inline(never)]
-fn kind_slow(l: &dyn DeviceLayer, addr: usize, len: usize) -> MemKind {
-    {
-        let r = RANGES.read();
-        if let Some((&start, e)) = r.range(..=addr).next_back()
-            && addr - start < e.len
-            && len <= e.len - (addr - start)
-        {
-            return if l.blind() { MemKind::Host } else { e.kind };
-        }
-    }
-    classify_with(l, addr)
 }
 
 /// The device ordinal of a piece, if it is device memory.
