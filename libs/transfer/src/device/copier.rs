@@ -4,7 +4,7 @@
 
 use parking_lot::Mutex;
 
-use super::runs::{Pending, Run, coalesce, coalescing};
+use super::runs::{Pending, Run, Shape, coalesce, coalescing};
 use super::*;
 use crate::copy::copy_bytes;
 
@@ -32,6 +32,8 @@ pub struct Copier {
     streams: Vec<(u32, StreamId, bool)>,
     /// Copies queued since the last flush.
     pending: Vec<Pending>,
+    /// How many of them each request queued.
+    shape: Shape,
     /// The ordinal whose context is current on this thread.
     bound: Option<u32>,
     /// What was current on this thread before the first bind; restored on drop.
@@ -47,6 +49,7 @@ impl Copier {
             layer,
             streams: Vec::new(),
             pending: Vec::new(),
+            shape: Shape::default(),
             bound: None,
             saved: None,
             _not_send: std::marker::PhantomData,
@@ -135,13 +138,14 @@ impl Copier {
             return Ok(());
         }
         let pending = std::mem::take(&mut self.pending);
+        let shape = std::mem::take(&mut self.shape);
         if !coalescing() {
             for p in &pending {
                 self.issue(Run::single(p))?;
             }
             return Ok(());
         }
-        for run in coalesce(pending) {
+        for run in coalesce(pending, shape) {
             self.issue(run)?;
         }
         Ok(())
@@ -242,6 +246,7 @@ pub(crate) unsafe fn gather(
 ) -> Result<(), DeviceError> {
     let mut at = 0usize; // offset of the current piece in the concatenation
     let mut out = 0usize; // bytes produced
+    let queued = c.pending.len();
     for p in src {
         if out == len {
             break;
@@ -263,6 +268,7 @@ pub(crate) unsafe fn gather(
         }
         out += n;
     }
+    c.shape.note(c.pending.len() - queued);
     Ok(())
 }
 
@@ -280,6 +286,7 @@ pub(crate) unsafe fn scatter(
 ) -> Result<(), DeviceError> {
     let mut at = 0usize;
     let mut done = 0usize;
+    let queued = c.pending.len();
     for p in dst.iter_mut() {
         if done == len {
             break;
@@ -301,6 +308,7 @@ pub(crate) unsafe fn scatter(
         }
         done += n;
     }
+    c.shape.note(c.pending.len() - queued);
     Ok(())
 }
 

@@ -151,6 +151,106 @@ fn d2h(dev: usize, host: usize, len: usize) -> super::runs::Pending {
     }
 }
 
+/// Runs of `pending` by the sorting path (no request shape known).
+fn sorted(pending: Vec<super::runs::Pending>) -> Vec<super::runs::Run> {
+    super::runs::coalesce(pending, super::runs::Shape::default())
+}
+
+/// vLLM's save, queued object by object: `blocks` objects of `tensors.len()` pieces of `bb`
+/// bytes, object `j` taking block `ids[j]` of every tensor, placed back to back from host
+/// 1 MiB. Returns the queue and its shape (one request per object).
+fn vllm_queue(
+    tensors: &[usize],
+    ids: &[usize],
+    bb: usize,
+) -> (Vec<super::runs::Pending>, super::runs::Shape) {
+    let mut pending = Vec::new();
+    let mut shape = super::runs::Shape::default();
+    for (j, &id) in ids.iter().enumerate() {
+        for (t, base) in tensors.iter().enumerate() {
+            pending.push(d2h(
+                base + id * bb,
+                (1 << 20) + (j * tensors.len() + t) * bb,
+                bb,
+            ));
+        }
+        shape.note(tensors.len());
+    }
+    (pending, shape)
+}
+
+#[test]
+fn a_batch_queued_in_columns_coalesces_without_a_sort_into_the_sorted_runs() {
+    let bb = 4096;
+    // 4 tensors of 64 blocks, not in address order; blocks ascending (a fresh vLLM cache).
+    let tensors = [0x7300_0000usize, 0x7000_0000, 0x7200_0000, 0x7100_0000];
+    let ids: Vec<usize> = (0..64).collect();
+    let (pending, queued) = vllm_queue(&tensors, &ids, bb);
+    let order = super::runs::column_order(&pending, 4).expect("the merge applies");
+    assert_eq!(order, vec![1, 3, 2, 0], "columns in device address order");
+    let merged = super::runs::coalesce(pending.clone(), queued);
+    assert_eq!(shape(&merged), shape(&sorted(pending)));
+    assert_eq!(merged.len(), 4, "one 2D copy per tensor");
+
+    // What the merge must refuse, and the result it then gives (the sort's).
+    let cases: Vec<(&str, Vec<super::runs::Pending>, super::runs::Shape)> = vec![
+        // Blocks in descending order: each column falls.
+        {
+            let ids: Vec<usize> = (0..64).rev().collect();
+            let (p, s) = vllm_queue(&tensors, &ids, bb);
+            ("descending blocks", p, s)
+        },
+        // Two "tensors" whose ranges interleave (the same tensor twice, one block apart).
+        {
+            let (p, s) = vllm_queue(&[0x7000_0000, 0x7000_1000], &ids, 2 * bb);
+            ("interleaved columns", p, s)
+        },
+        // Pieces of two sizes.
+        {
+            let (mut p, s) = vllm_queue(&tensors, &ids, bb);
+            p[5].len = bb / 2;
+            ("mixed sizes", p, s)
+        },
+    ];
+    for (what, pending, queued) in cases {
+        assert!(
+            super::runs::column_order(&pending, 4).is_none(),
+            "{what}: not a merge"
+        );
+        assert_eq!(
+            shape(&super::runs::coalesce(pending.clone(), queued)),
+            shape(&sorted(pending)),
+            "{what}"
+        );
+    }
+}
+
+#[test]
+fn block_ids_in_any_order_coalesce_the_same_with_or_without_the_merge() {
+    // vLLM hands blocks in the order its allocator gave them: random permutations, some
+    // ascending runs. Whatever path coalesce takes, the runs are the sort's.
+    let tensors = [0x9000_0000usize, 0x8000_0000, 0xa000_0000];
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    for trial in 0..200 {
+        let n = 1 + trial % 40;
+        let mut ids: Vec<usize> = (0..n).map(|i| i * 3).collect();
+        if trial % 2 == 1 {
+            for i in (1..n).rev() {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                ids.swap(i, (seed % (i as u64 + 1)) as usize);
+            }
+        }
+        let (pending, queued) = vllm_queue(&tensors, &ids, 2048);
+        assert_eq!(
+            shape(&super::runs::coalesce(pending.clone(), queued)),
+            shape(&sorted(pending)),
+            "trial {trial}: ids {ids:?}"
+        );
+    }
+}
+
 fn shape(runs: &[super::runs::Run]) -> Vec<(usize, usize, usize, usize, usize, usize)> {
     runs.iter()
         .map(|r| (r.dev, r.dev_pitch, r.host, r.host_pitch, r.len, r.height))
@@ -176,7 +276,7 @@ fn vllm_blocks_placed_back_to_back_coalesce_into_one_2d_copy_per_piece() {
             }
         }
     }
-    let runs = super::runs::coalesce(pending);
+    let runs = sorted(pending);
     // One run per (layer, K/V): 4 rows, device pitch one block, host pitch one object.
     assert_eq!(runs.len(), 4, "{:?}", shape(&runs));
     for r in &runs {
@@ -186,9 +286,9 @@ fn vllm_blocks_placed_back_to_back_coalesce_into_one_2d_copy_per_piece() {
 
 #[test]
 fn coalescing_merges_contiguous_runs_and_keeps_what_does_not_line_up_apart() {
-    assert!(super::runs::coalesce(Vec::new()).is_empty());
+    assert!(sorted(Vec::new()).is_empty());
     // Contiguous on both sides: one run whose pitches equal the row (issued as one plain copy).
-    let runs = super::runs::coalesce(vec![
+    let runs = sorted(vec![
         d2h(0x2000, 0x10_0000, 0x1000),
         d2h(0x1000, 0x0f_f000, 0x1000),
     ]);
@@ -197,13 +297,13 @@ fn coalescing_merges_contiguous_runs_and_keeps_what_does_not_line_up_apart() {
         vec![(0x1000, 0x1000, 0x0f_f000, 0x1000, 0x1000, 2)]
     );
     // Host side descending while the device side ascends: no positive pitch fits, two copies.
-    let runs = super::runs::coalesce(vec![
+    let runs = sorted(vec![
         d2h(0x1000, 0x20_0000, 0x100),
         d2h(0x2000, 0x10_0000, 0x100),
     ]);
     assert_eq!(runs.len(), 2);
     // Rows overlapping on the host side (pitch under the row size) are not one 2D copy.
-    let runs = super::runs::coalesce(vec![
+    let runs = sorted(vec![
         d2h(0x1000, 0x10_0000, 0x100),
         d2h(0x2000, 0x10_0080, 0x100),
     ]);
@@ -213,7 +313,7 @@ fn coalescing_merges_contiguous_runs_and_keeps_what_does_not_line_up_apart() {
     h2d.dir = CopyDir::HostToDevice;
     let mut other = d2h(0x3000, 0x10_2000, 0x1000);
     other.ordinal = 1;
-    let runs = super::runs::coalesce(vec![
+    let runs = sorted(vec![
         d2h(0x1000, 0x10_0000, 0x1000),
         h2d,
         other,
@@ -222,13 +322,13 @@ fn coalescing_merges_contiguous_runs_and_keeps_what_does_not_line_up_apart() {
     assert_eq!(runs.len(), 4);
     // A pitch past what a 2D copy takes (2^31 - 1) is issued row by row.
     let far = super::runs::MAX_PITCH + 1;
-    let runs = super::runs::coalesce(vec![
+    let runs = sorted(vec![
         d2h(0x1000, 0x1000, 0x100),
         d2h(0x1000 + far, 0x2000, 0x100),
     ]);
     assert_eq!(runs.len(), 2);
     // A third row that breaks the pitch starts a new run.
-    let runs = super::runs::coalesce(vec![
+    let runs = sorted(vec![
         d2h(0x1000, 0x10_0000, 0x100),
         d2h(0x2000, 0x20_0000, 0x100),
         d2h(0x3000, 0x30_0000, 0x100),
