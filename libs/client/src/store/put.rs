@@ -27,12 +27,11 @@ impl StoreClient {
         if self.check_open().is_err() {
             return items.iter().map(|_| Err(ClientError::Closed)).collect();
         }
+        // What the master and the owners know the keys as (this client's tenant's); the
+        // pieces are borrowed as they are (8192 slices in a vLLM batch: no copy of the list).
         let scoped: Vec<Cow<'_, str>> = items.iter().map(|(k, _)| self.scoped(k)).collect();
-        let items: Vec<(&str, Vec<&[u8]>)> = scoped
-            .iter()
-            .zip(items)
-            .map(|(k, (_, parts))| (k.as_ref(), parts.clone()))
-            .collect();
+        let keys: Vec<&str> = scoped.iter().map(|k| k.as_ref()).collect();
+        let parts: Vec<&[&[u8]]> = items.iter().map(|(_, p)| p.as_slice()).collect();
         if let Some(why) = cfg.group_ids_mismatch(items.len()) {
             return items
                 .iter()
@@ -41,8 +40,8 @@ impl StoreClient {
         }
         let mut started = Vec::new();
         let mut pb_items = Vec::new();
-        for (i, (key, parts)) in items.iter().enumerate() {
-            let size: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        for (i, (key, pieces)) in keys.iter().zip(&parts).enumerate() {
+            let size: u64 = pieces.iter().map(|p| p.len() as u64).sum();
             if let Err(e) = self.check_key(key) {
                 results[i] = Some(Err(e.into()));
             } else if size == 0 {
@@ -69,7 +68,7 @@ impl StoreClient {
                         }));
                     }
                 }
-                Ok(resp) => self.finish_puts(&items, &started, resp, &mut results),
+                Ok(resp) => self.finish_puts(&keys, &parts, &started, resp, &mut results),
             }
         }
         results
@@ -80,7 +79,8 @@ impl StoreClient {
 
     pub(super) fn finish_puts(
         &self,
-        items: &[(&str, Vec<&[u8]>)],
+        all_keys: &[&str],
+        all_parts: &[&[&[u8]]],
         started: &[(usize, u64)],
         placements: pb::BatchPutStartResponse,
         results: &mut [Option<Result<()>>],
@@ -88,7 +88,7 @@ impl StoreClient {
         // Per started item: its location, and the index range of its write requests.
         let mut locs: Vec<Option<Location>> = Vec::with_capacity(started.len());
         for (j, (i, size)) in started.iter().enumerate() {
-            let key = items[*i].0;
+            let key = all_keys[*i];
             let loc = match placements.results.get(j) {
                 None => Err(self.short_answer(SHORT_ANSWER_ITEMS)),
                 Some(p) if p.code != 0 => {
@@ -109,8 +109,8 @@ impl StoreClient {
                 }
             }
         }
-        let keys: Vec<&str> = started.iter().map(|(i, _)| items[*i].0).collect();
-        let parts: Vec<Vec<&[u8]>> = started.iter().map(|(i, _)| items[*i].1.clone()).collect();
+        let keys: Vec<&str> = started.iter().map(|(i, _)| all_keys[*i]).collect();
+        let parts: Vec<&[&[u8]]> = started.iter().map(|(i, _)| all_parts[*i]).collect();
         for (j, r) in self
             .write_and_publish(&keys, &parts, &mut locs)
             .into_iter()
@@ -147,7 +147,7 @@ impl StoreClient {
     pub(super) fn write_and_publish(
         &self,
         keys: &[&str],
-        parts: &[Vec<&[u8]>],
+        parts: &[&[&[u8]]],
         locs: &mut [Option<Location>],
     ) -> Vec<Option<Result<()>>> {
         let mut results: Vec<Option<Result<()>>> = (0..keys.len()).map(|_| None).collect();
@@ -161,7 +161,7 @@ impl StoreClient {
                     generation: loc.generation,
                     key,
                     offset: r.offset,
-                    src: parts[j].clone(),
+                    src: parts[j].to_vec(),
                 });
                 owner.push(j);
             }

@@ -507,10 +507,12 @@ impl StoreClient {
         // What the master and the owners know the keys as (this client's tenant's).
         let scoped: Vec<Cow<'_, str>> = taken.iter().map(|t| self.scoped(keys[t.index])).collect();
         let end_keys: Vec<&str> = scoped.iter().map(|k| k.as_ref()).collect();
-        let parts: Vec<Vec<&[u8]>> = taken.iter().map(|t| vec![t.data.as_slice()]).collect();
+        let pieces: Vec<[&[u8]; 1]> = taken.iter().map(|t| [t.data.as_slice()]).collect();
+        let parts: Vec<&[&[u8]]> = pieces.iter().map(|p| p.as_slice()).collect();
         let mut locs: Vec<Option<Location>> = taken.iter().map(|t| Some(t.loc.clone())).collect();
         let ended = self.write_and_publish(&end_keys, &parts, &mut locs);
         drop(parts);
+        drop(pieces);
         let mut t = self.sessions.table.lock();
         let mut freed = Vec::new();
         for (tk, r) in taken.into_iter().zip(ended) {
