@@ -382,6 +382,62 @@ fn stale_after_free() {
 }
 
 #[test]
+fn pipelined_requests_get_their_answers_in_order_whatever_follows_them() {
+    let f = server();
+    let e = tcp_engine();
+    let (a, b) = (pattern(4096, 3), pattern(4096, 4));
+    e.write(&f.target, 20, "a", 0, &[&a]).unwrap();
+    e.write(&f.target, 21, "b", 8192, &[&b]).unwrap();
+    let mut s = UnixStream::connect(&f.sock).unwrap();
+    // A hang (an answer held back for good) fails here instead of stalling the suite.
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let frames = |reqs: &[[u8; wire::REQ_LEN]]| reqs.concat();
+
+    // Two PINs, a stale PIN, and an UNPIN (no answer) last, in one write: the owner holds
+    // answers while requests are buffered, and must still send them when the last request
+    // it reads answers nothing.
+    s.write_all(&frames(&[
+        raw_req(Op::Pin, 20, 0, 4096, 0, 0),
+        raw_req(Op::Pin, 99, 4096, 4096, 0, 0),
+        raw_req(Op::Pin, 21, 8192, 4096, 0, 0),
+        raw_req(Op::Unpin, 20, 0, 4096, 0, 0),
+    ]))
+    .unwrap();
+    let got: Vec<Status> = (0..3).map(|_| read_resp(&mut s).status).collect();
+    assert_eq!(got, vec![Status::Ok, Status::Stale, Status::Ok]);
+
+    // A held answer goes out before the answer of a request that writes its own (a READ's
+    // bytes): the PIN's header comes first, then the READ's header and body.
+    s.write_all(&frames(&[
+        raw_req(Op::Unpin, 21, 8192, 4096, 0, 0),
+        raw_req(Op::Pin, 20, 0, 4096, 0, 0),
+        raw_req(Op::Read, 21, 8192, 4096, 0, 0),
+        raw_req(Op::Unpin, 20, 0, 4096, 0, 0),
+    ]))
+    .unwrap();
+    let pin = read_resp(&mut s);
+    assert_eq!(
+        (pin.status, pin.len),
+        (Status::Ok, 0),
+        "the PIN's answer first"
+    );
+    let mut hdr = [0u8; wire::RESP_LEN];
+    s.read_exact(&mut hdr).unwrap();
+    let read = Response::decode(&hdr).unwrap();
+    assert_eq!((read.status, read.len), (Status::Ok, 4096));
+    let mut body = vec![0u8; 4096];
+    s.read_exact(&mut body).unwrap();
+    assert_eq!(body, b);
+    // Every pin was released: a FREE of both returns at once.
+    e.free(
+        &f.target.endpoint,
+        &[(20, 0), (21, 8192)],
+        Duration::from_secs(2),
+    )
+    .unwrap();
+}
+
+#[test]
 fn free_waits_for_a_pinned_shm_read_and_dead_connections_release_pins() {
     let f = server();
     let e = tcp_engine();

@@ -104,6 +104,9 @@ pub(super) struct Conn<'a, S: Stream> {
     pub(super) known: bool,
     /// The request being served passed its capability (or owner tag) check.
     pub(super) passed: bool,
+    /// Status answers held back while the requester's next requests are already read
+    /// ([`Conn::reply`]), written together when the read buffer runs dry.
+    pub(super) held: Vec<u8>,
 }
 
 pub(super) fn serve<S: Stream>(
@@ -129,8 +132,12 @@ pub(super) fn serve<S: Stream>(
         slot,
         known: false,
         passed: false,
+        held: Vec::new(),
     };
     let r = serve_requests(&mut c);
+    // Answers of requests already served reach the requester even when the next one ended
+    // the connection.
+    let _ = c.flush_held();
     if c.rd.get_ref().expired {
         return Err(End::TooSlow);
     }
@@ -150,6 +157,10 @@ fn serve_requests<S: Stream>(c: &mut Conn<'_, S>) -> Result<(), End> {
     };
     loop {
         let mut hdr = [0u8; wire::REQ_LEN];
+        if c.rd.buffer().is_empty() {
+            // About to wait for the requester: it may be waiting for these.
+            c.flush_held()?;
+        }
         c.rd.get_mut().disarm();
         // EOF before the first byte of a frame is a clean close; inside a frame it is truncation.
         let mut waited = 0u128;
@@ -211,6 +222,11 @@ fn serve_requests<S: Stream>(c: &mut Conn<'_, S>) -> Result<(), End> {
             )));
         }
         let started = Instant::now();
+        // Only these answer through `Conn::reply` alone; any other answer is written in
+        // order after what is held.
+        if !matches!(req.op, Op::Write | Op::Commit | Op::Pin | Op::Unpin) {
+            c.flush_held()?;
+        }
         match req.op {
             Op::Write | Op::Commit => c.write(&req, started)?,
             Op::Read | Op::Pin => c.read(&req, started)?,
@@ -309,8 +325,25 @@ impl<S: Stream> Conn<'_, S> {
         self.reply(Status::Refused, 0, why)
     }
 
+    /// A status answer. A pipelining requester (shm batches: 32 COMMITs or PINs per window)
+    /// has its next requests in our read buffer already: their answers are held and leave in
+    /// one write when the buffer runs dry, instead of one system call each.
     pub(super) fn reply(&mut self, status: Status, value: u64, msg: &str) -> io::Result<()> {
-        reply(&mut self.wr, status, value, msg)
+        reply(&mut self.held, status, value, msg)?;
+        if self.rd.buffer().is_empty() {
+            self.flush_held()?;
+        }
+        Ok(())
+    }
+
+    /// Writes the answers held by [`Conn::reply`].
+    pub(super) fn flush_held(&mut self) -> io::Result<()> {
+        if self.held.is_empty() {
+            return Ok(());
+        }
+        let r = self.wr.write_all(&self.held);
+        self.held.clear();
+        r
     }
 
     fn out_of_bounds(&mut self) -> io::Result<()> {
