@@ -8,7 +8,7 @@ use super::*;
 /// costs more than it saves on a small box.
 pub(crate) const MIN_UNIT_BYTES: u64 = 512 * 1024;
 /// In-process copies are split across threads only in shares of at least this many bytes: a
-/// scoped thread costs ~30 us, which a 2 MiB copy (~250 us) amortises.
+/// helper costs ~30-90 us to wake or spawn, which a 2 MiB copy (~250 us) amortises.
 pub const LOCAL_SPLIT_MIN_BYTES: u64 = 2 << 20;
 /// How long a failed shm attach sends a target to tcp before trying shm again.
 const SHM_RETRY_AFTER: Duration = Duration::from_secs(10);
@@ -57,6 +57,8 @@ pub struct TransferEngine {
     pub(crate) local: local::LocalSegments,
     /// [`TransferOptions::copy_threads`], at least 1.
     pub(crate) copy_threads: usize,
+    /// The threads beside the caller that share a batch's in-process copies.
+    pub(crate) helpers: crate::helpers::CopyHelpers,
 }
 
 impl TransferEngine {
@@ -70,6 +72,7 @@ impl TransferEngine {
             rdma_peers: Mutex::new(std::collections::HashMap::new()),
             local: local::LocalSegments::default(),
             copy_threads: opts.copy_threads.max(1),
+            helpers: crate::helpers::CopyHelpers::new(opts.copy_threads.max(1)),
         }
     }
 
@@ -514,17 +517,7 @@ impl TransferEngine {
                 }
             }
         };
-        std::thread::scope(|sc| {
-            let handles: Vec<_> = (0..helpers).map(|_| sc.spawn(work)).collect();
-            let mut out = work();
-            for h in handles {
-                match h.join() {
-                    Ok(r) => out.extend(r),
-                    Err(p) => std::panic::resume_unwind(p),
-                }
-            }
-            out
-        })
+        self.helpers.run(helpers, work)
     }
 
     /// [`TransferEngine::run_locals`] for a batch with device pieces: the same work sharing,
@@ -565,20 +558,7 @@ impl TransferEngine {
             }
             out
         };
-        if helpers == 0 {
-            return work();
-        }
-        std::thread::scope(|sc| {
-            let handles: Vec<_> = (0..helpers).map(|_| sc.spawn(work)).collect();
-            let mut out = work();
-            for h in handles {
-                match h.join() {
-                    Ok(r) => out.extend(r),
-                    Err(p) => std::panic::resume_unwind(p),
-                }
-            }
-            out
-        })
+        self.helpers.run(helpers, work)
     }
 
     /// FREE: asks the owner at `endpoint` to drop entries `(generation, offset)`; returns once it

@@ -39,6 +39,7 @@ mod drain;
 mod engine;
 mod error;
 mod guard;
+mod helpers;
 mod local;
 mod mem;
 mod optimes;
