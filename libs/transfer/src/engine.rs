@@ -59,6 +59,8 @@ pub struct TransferEngine {
     pub(crate) copy_threads: usize,
     /// The threads beside the caller that share a batch's in-process copies.
     pub(crate) helpers: crate::helpers::CopyHelpers,
+    /// The threads beside the caller that run a batch's other units (one connection each).
+    pub(crate) unit_helpers: crate::helpers::CopyHelpers,
 }
 
 impl TransferEngine {
@@ -72,7 +74,8 @@ impl TransferEngine {
             rdma_peers: Mutex::new(std::collections::HashMap::new()),
             local: local::LocalSegments::default(),
             copy_threads: opts.copy_threads.max(1),
-            helpers: crate::helpers::CopyHelpers::new(opts.copy_threads.max(1)),
+            helpers: crate::helpers::CopyHelpers::new(opts.copy_threads.max(1), "lunakv-copy"),
+            unit_helpers: crate::helpers::CopyHelpers::new(opts.conns_per_peer, "lunakv-unit"),
         }
     }
 
@@ -436,26 +439,26 @@ impl TransferEngine {
             let (t, mut v) = units.pop().unwrap_or_else(|| unreachable!());
             collected = run_unit(t, &mut v);
         } else if !units.is_empty() {
-            std::thread::scope(|s| {
-                let mut first = None;
-                let mut handles = Vec::new();
-                for (t, mut v) in units {
-                    if first.is_none() {
-                        first = Some((t, v));
-                        continue;
+            // Each thread (the caller's included) claims the next unit until none is left.
+            let helpers = units.len() - 1;
+            let slots: Vec<parking_lot::Mutex<Option<(&Target, Vec<_>)>>> = units
+                .into_iter()
+                .map(|u| parking_lot::Mutex::new(Some(u)))
+                .collect();
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            let work = || {
+                let mut out = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(slot) = slots.get(i) else {
+                        return out;
+                    };
+                    if let Some((t, mut v)) = slot.lock().take() {
+                        out.extend(run_unit(t, &mut v));
                     }
-                    handles.push(s.spawn(move || run_unit(t, &mut v)));
                 }
-                if let Some((t, mut v)) = first {
-                    collected.extend(run_unit(t, &mut v));
-                }
-                for h in handles {
-                    match h.join() {
-                        Ok(r) => collected.extend(r),
-                        Err(p) => std::panic::resume_unwind(p),
-                    }
-                }
-            });
+            };
+            collected = self.unit_helpers.run(helpers, work);
         }
         for (i, r) in collected {
             results[i] = Some(r);

@@ -1,12 +1,14 @@
-//! The threads that share a batch's in-process copies with the caller.
+//! The threads that share a batch with the caller: its in-process copies, or its units (one
+//! connection each) to other processes' segments.
 //!
 //! A scoped thread spawned per batch cost the caller ~0.05 ms before it could start its own
 //! share and the helper ~0.09 ms before it started (clone3 and a wake-up, on the CI VM):
-//! a tenth of what a vLLM batch spends outside its copies. The engine therefore keeps a small
-//! pool (rayon's, `copy_threads - 1` threads named `lunakv-copy`, started at the first batch
-//! that needs one) and lends it to one batch at a time. A batch that finds it lent to another
-//! caller's batch spawns scoped threads as before, so concurrent callers never queue behind
-//! each other's copies.
+//! a tenth of what a vLLM batch spends outside its copies, and a batch over shm spawned three.
+//! The engine therefore keeps two small pools (rayon's, each started at the first batch that
+//! needs it): `copy_threads - 1` threads named `lunakv-copy` for in-process copies, and
+//! `conns_per_peer - 1` named `lunakv-unit` for units; each is lent to one batch at a time. A
+//! batch that finds its pool lent to another caller's batch spawns scoped threads as before,
+//! so concurrent callers never queue behind each other's work.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,8 +16,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::Mutex;
 
 pub(crate) struct CopyHelpers {
-    /// Threads beside the caller: `copy_threads - 1`.
+    /// Threads beside the caller.
     threads: usize,
+    name: &'static str,
     /// `None` once building it failed (then every batch spawns).
     pool: OnceLock<Option<rayon::ThreadPool>>,
     lent: AtomicBool,
@@ -31,9 +34,11 @@ impl Drop for Lent<'_> {
 }
 
 impl CopyHelpers {
-    pub(crate) fn new(copy_threads: usize) -> CopyHelpers {
+    /// Up to `threads - 1` helpers beside the caller, named `name`.
+    pub(crate) fn new(threads: usize, name: &'static str) -> CopyHelpers {
         CopyHelpers {
-            threads: copy_threads.saturating_sub(1),
+            threads: threads.saturating_sub(1),
+            name,
             pool: OnceLock::new(),
             lent: AtomicBool::new(false),
         }
@@ -44,14 +49,23 @@ impl CopyHelpers {
             .get_or_init(|| {
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(self.threads)
-                    .thread_name(|_| "lunakv-copy".into())
+                    .thread_name(|_| self.name.into())
                     .build()
                     .inspect_err(|e| {
-                        tracing::warn!(error = %e, "no copy helper pool; batches spawn their helpers")
+                        tracing::warn!(error = %e, pool = self.name, "no helper pool; batches spawn their helpers")
                     })
                     .ok()
             })
             .as_ref()
+    }
+
+    /// The pool's threads, 0 until a batch first needed them.
+    #[cfg(test)]
+    pub(crate) fn started(&self) -> usize {
+        self.pool
+            .get()
+            .and_then(Option::as_ref)
+            .map_or(0, rayon::ThreadPool::current_num_threads)
     }
 
     /// Runs `work` on the caller's thread and on `n` helpers at once, and returns everything
@@ -97,7 +111,7 @@ mod tests {
 
     #[test]
     fn a_batch_runs_its_shares_on_the_pool_and_a_concurrent_one_on_its_own_threads() {
-        let h = CopyHelpers::new(2);
+        let h = CopyHelpers::new(2, "lunakv-copy");
         let names = |h: &CopyHelpers| {
             let mut v = h.run(1, || vec![std::thread::current().name().map(str::to_owned)]);
             v.sort();
@@ -143,7 +157,7 @@ mod tests {
 
     #[test]
     fn a_share_that_panics_panics_the_batch_and_gives_the_pool_back() {
-        let h = CopyHelpers::new(2);
+        let h = CopyHelpers::new(2, "lunakv-copy");
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             h.run(1, || -> Vec<u8> {
                 if std::thread::current().name() == Some("lunakv-copy") {

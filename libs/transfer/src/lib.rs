@@ -506,6 +506,57 @@ mod tests {
     };
     use super::{copy_helpers, host_id_from, shm_disabled_by_env};
 
+    /// A batch split into units (one connection each) runs them on the engine's kept unit
+    /// threads, the caller's beside them: the first such batch starts `conns_per_peer - 1`,
+    /// later ones reuse them, and every request lands.
+    #[test]
+    fn a_batch_in_units_runs_them_on_kept_threads() {
+        let s = SegmentServer::start(SegmentServerConfig {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            size: 8 << 20,
+            ..Default::default()
+        })
+        .unwrap();
+        let t = Target::from(&s.info());
+        let e = TransferEngine::new(TransferOptions {
+            enable_shm: false,
+            conns_per_peer: 4,
+            ..TransferOptions::default()
+        });
+        assert_eq!(e.unit_helpers.started(), 0);
+        const LEN: usize = 256 << 10;
+        for round in 0..3u8 {
+            let objs: Vec<Vec<u8>> = (0..16u8).map(|i| vec![i ^ round; LEN]).collect();
+            let mut w: Vec<TransferRequest<'_>> = objs
+                .iter()
+                .enumerate()
+                .map(|(i, o)| TransferRequest::Write {
+                    target: &t,
+                    generation: u64::from(round) * 100 + i as u64 + 1,
+                    key: "k",
+                    offset: (i * LEN) as u64,
+                    src: vec![&o[..]],
+                })
+                .collect();
+            assert!(e.batch(&mut w).iter().all(Result::is_ok));
+            assert_eq!(e.unit_helpers.started(), 3, "round {round}");
+            let mut bufs = vec![vec![0u8; LEN]; 16];
+            let mut r: Vec<TransferRequest<'_>> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, b)| TransferRequest::Read {
+                    target: &t,
+                    generation: u64::from(round) * 100 + i as u64 + 1,
+                    offset: (i * LEN) as u64,
+                    dst: vec![&mut b[..]],
+                })
+                .collect();
+            assert!(e.batch(&mut r).iter().all(Result::is_ok));
+            drop(r);
+            assert_eq!(bufs, objs, "round {round}");
+        }
+    }
+
     /// What the rdma transport answers for a device piece the NIC refuses (no GPUDirect): the
     /// engine serves exactly those requests again over tcp and remembers the refusal.
     #[test]
