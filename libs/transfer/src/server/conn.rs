@@ -54,7 +54,7 @@ impl From<io::Error> for End {
     }
 }
 
-pub(super) fn reply<W: Write>(w: &mut W, status: Status, value: u64, msg: &str) -> io::Result<()> {
+fn reply<W: Write>(w: &mut W, status: Status, value: u64, msg: &str) -> io::Result<()> {
     let hdr = Response {
         status,
         value,
@@ -70,7 +70,7 @@ pub(super) fn reply<W: Write>(w: &mut W, status: Status, value: u64, msg: &str) 
 
 /// An `OK` answer carrying `body` (object bytes, failed generations, a descriptor): header and
 /// body in one gathered write.
-pub(super) fn reply_body<W: Write>(w: &mut W, value: u64, body: &[u8]) -> io::Result<()> {
+fn write_body<W: Write>(w: &mut W, value: u64, body: &[u8]) -> io::Result<()> {
     let hdr = Response {
         status: Status::Ok,
         value,
@@ -105,7 +105,8 @@ pub(super) struct Conn<'a, S: Stream> {
     /// The request being served passed its capability (or owner tag) check.
     pub(super) passed: bool,
     /// Status answers held back while the requester's next requests are already read
-    /// ([`Conn::reply`]), written together when the read buffer runs dry.
+    /// ([`Conn::reply`]), written together when the read buffer runs dry or before any other
+    /// answer ([`Conn::reply_body`], [`Conn::send_fd`]).
     pub(super) held: Vec<u8>,
 }
 
@@ -222,11 +223,6 @@ fn serve_requests<S: Stream>(c: &mut Conn<'_, S>) -> Result<(), End> {
             )));
         }
         let started = Instant::now();
-        // Only these answer through `Conn::reply` alone; any other answer is written in
-        // order after what is held.
-        if !matches!(req.op, Op::Write | Op::Commit | Op::Pin | Op::Unpin) {
-            c.flush_held()?;
-        }
         match req.op {
             Op::Write | Op::Commit => c.write(&req, started)?,
             Op::Read | Op::Pin => c.read(&req, started)?,
@@ -239,7 +235,7 @@ fn serve_requests<S: Stream>(c: &mut Conn<'_, S>) -> Result<(), End> {
                 if !c.allowed(&req, 0)? {
                     continue;
                 }
-                send_fd(&c.wr, shared, wire::wants_identity(&hdr))?;
+                c.send_fd(wire::wants_identity(&hdr))?;
                 shared.counters.shm_attaches.fetch_add(1, Ordering::Relaxed);
             }
             Op::RdmaConnect => c.rdma_connect(&req)?,
@@ -334,6 +330,20 @@ impl<S: Stream> Conn<'_, S> {
             self.flush_held()?;
         }
         Ok(())
+    }
+
+    /// An `OK` answer carrying `body`, written after the answers held before it. Every answer
+    /// leaves through [`Conn::reply`], this, or [`Conn::send_fd`], so answers keep the order of
+    /// their requests whatever the requester pipelines.
+    pub(super) fn reply_body(&mut self, value: u64, body: &[u8]) -> io::Result<()> {
+        self.flush_held()?;
+        write_body(&mut self.wr, value, body)
+    }
+
+    /// ATTACH's answer (with the segment's fd), after the answers held before it.
+    fn send_fd(&mut self, identity: bool) -> io::Result<()> {
+        self.flush_held()?;
+        send_fd(&self.wr, self.shared, identity)
     }
 
     /// Writes the answers held by [`Conn::reply`].
@@ -518,7 +528,7 @@ impl<S: Stream> Conn<'_, S> {
         // SAFETY: the range is bounds-checked and the entry is pinned, so no WRITE or
         // FREE reuses it until we unpin; the slice only lives for this writev.
         let body = unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(off), len) };
-        let r = reply_body(&mut self.wr, 0, body);
+        let r = self.reply_body(0, body);
         shared.table.unpin(pin);
         r?;
         let took = started.elapsed();
@@ -561,7 +571,7 @@ impl<S: Stream> Conn<'_, S> {
                 // The queue pair lives as long as this connection, and RDMA reads
                 // leave it quiet: it is not idle.
                 self.wr.clear_read_timeout()?;
-                reply_body(&mut self.wr, 0, &desc)?;
+                self.reply_body(0, &desc)?;
             }
             Err(why) => self.reply(Status::BadRequest, 0, &why.to_string())?,
         }

@@ -5,7 +5,7 @@ use std::io::{self, Read};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::conn::{Conn, End, Stream, reply_body};
+use super::conn::{Conn, End, Stream};
 use super::state::{BODY_STEP, LOAD_BUF_KEEP, OVERWRITE_PIN_WAIT, PAIRS_PER_CHUNK, Shared};
 use crate::cap::RIGHT_READ;
 use crate::table::{Freed, Pinned};
@@ -146,7 +146,7 @@ impl<S: Stream> Conn<'_, S> {
         shared.table.wait_unpinned(&pinned, deadline);
         if !report {
             let body: Vec<u8> = failed.iter().flat_map(|g| g.to_le_bytes()).collect();
-            reply_body(&mut self.wr, stored, &body)?;
+            self.reply_body(stored, &body)?;
             return Ok(());
         }
         // What one answer may carry (the requester's bounds); the rest goes on the Ping.
@@ -173,7 +173,7 @@ impl<S: Stream> Conn<'_, S> {
             })
             .collect();
         let body = wire::encode_offload_answer(&failed, &listed);
-        if let Err(e) = reply_body(&mut self.wr, stored, &body) {
+        if let Err(e) = self.reply_body(stored, &body) {
             report_later(fit);
             return Err(e.into());
         }
@@ -196,7 +196,7 @@ impl<S: Stream> Conn<'_, S> {
                 Some((o, l)) => {
                     // SAFETY: bounds-checked and pinned, as for READ.
                     let body = unsafe { std::slice::from_raw_parts(shared.mem.ptr_at(o), l) };
-                    reply_body(&mut self.wr, 0, body)
+                    self.reply_body(0, body)
                 }
                 None => self.reply(Status::Stale, 0, ""),
             };
@@ -223,7 +223,12 @@ impl<S: Stream> Conn<'_, S> {
                     .counters
                     .bytes_read
                     .fetch_add(req.len, Ordering::Relaxed);
-                reply_body(&mut self.wr, 0, &self.load_buf)
+                {
+                    let buf = std::mem::take(&mut self.load_buf);
+                    let r = self.reply_body(0, &buf);
+                    self.load_buf = buf;
+                    r
+                }
             }
             Ok(false) => self.reply(Status::Stale, 0, ""),
             Err(msg) => {
