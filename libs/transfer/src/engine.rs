@@ -439,26 +439,9 @@ impl TransferEngine {
             let (t, mut v) = units.pop().unwrap_or_else(|| unreachable!());
             collected = run_unit(t, &mut v);
         } else if !units.is_empty() {
-            // Each thread (the caller's included) claims the next unit until none is left.
-            let helpers = units.len() - 1;
-            let slots: Vec<parking_lot::Mutex<Option<(&Target, Vec<_>)>>> = units
-                .into_iter()
-                .map(|u| parking_lot::Mutex::new(Some(u)))
-                .collect();
-            let next = std::sync::atomic::AtomicUsize::new(0);
-            let work = || {
-                let mut out = Vec::new();
-                loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(slot) = slots.get(i) else {
-                        return out;
-                    };
-                    if let Some((t, mut v)) = slot.lock().take() {
-                        out.extend(run_unit(t, &mut v));
-                    }
-                }
-            };
-            collected = self.unit_helpers.run(helpers, work);
+            collected = self
+                .unit_helpers
+                .share(units.len() - 1, units, |(t, mut v)| run_unit(t, &mut v));
         }
         for (i, r) in collected {
             results[i] = Some(r);
@@ -500,27 +483,9 @@ impl TransferEngine {
         if helpers == 0 {
             return locals.into_iter().map(one).collect();
         }
-        // Work sharing, not a fixed split: each thread claims the next request until none is
-        // left, so a helper the scheduler starts late (a busy box) costs nothing: the caller
-        // simply copies more. The lock per slot is uncontended (each index is claimed once).
-        let slots: Vec<parking_lot::Mutex<Option<LocalReq<'_, '_>>>> = locals
-            .into_iter()
-            .map(|l| parking_lot::Mutex::new(Some(l)))
-            .collect();
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let work = || {
-            let mut out = Vec::new();
-            loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(slot) = slots.get(i) else {
-                    return out;
-                };
-                if let Some(req) = slot.lock().take() {
-                    out.push(one(req));
-                }
-            }
-        };
-        self.helpers.run(helpers, work)
+        // Work sharing, not a fixed split (CopyHelpers::share).
+        self.helpers
+            .share(helpers, locals, |req| std::iter::once(one(req)))
     }
 
     /// [`TransferEngine::run_locals`] for a batch with device pieces: the same work sharing,

@@ -11,7 +11,7 @@
 //! so concurrent callers never queue behind each other's work.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -66,6 +66,32 @@ impl CopyHelpers {
             .get()
             .and_then(Option::as_ref)
             .map_or(0, rayon::ThreadPool::current_num_threads)
+    }
+
+    /// Work sharing over `items`: the caller and `n` helpers each claim the next item until
+    /// none is left, so a helper the scheduler starts late (a busy box) costs nothing: the
+    /// caller simply does more. Returns what `each` returned for every item, in no set order.
+    pub(crate) fn share<I: Send, T: Send, R: IntoIterator<Item = T>>(
+        &self,
+        n: usize,
+        items: Vec<I>,
+        each: impl Fn(I) -> R + Sync,
+    ) -> Vec<T> {
+        // The lock per slot is uncontended: each index is claimed once.
+        let slots: Vec<Mutex<Option<I>>> = items.into_iter().map(|i| Mutex::new(Some(i))).collect();
+        let next = AtomicUsize::new(0);
+        self.run(n, || {
+            let mut out = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(slot) = slots.get(i) else {
+                    return out;
+                };
+                if let Some(item) = slot.lock().take() {
+                    out.extend(each(item));
+                }
+            }
+        })
     }
 
     /// Runs `work` on the caller's thread and on `n` helpers at once, and returns everything
@@ -153,6 +179,18 @@ mod tests {
         // More helpers than the pool has: spawned, all shares run.
         assert_eq!(h.run(3, || vec![1]).len(), 4);
         assert_eq!(h.run(0, || vec![1]).len(), 1);
+    }
+
+    #[test]
+    fn shared_items_are_each_done_once_whoever_claims_them() {
+        let h = CopyHelpers::new(3, "lunakv-unit");
+        for n in [0, 1, 2, 5] {
+            let mut got = h.share(n, (0..100u32).collect(), |i| [i, i + 1000]);
+            got.sort_unstable();
+            let mut want: Vec<u32> = (0..100).chain(1000..1100).collect();
+            want.sort_unstable();
+            assert_eq!(got, want, "{n} helpers");
+        }
     }
 
     #[test]

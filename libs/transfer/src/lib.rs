@@ -506,18 +506,24 @@ mod tests {
     };
     use super::{copy_helpers, host_id_from, shm_disabled_by_env};
 
+    /// A segment server of `size` bytes on a loopback port, and its target.
+    fn segment(size: u64) -> (SegmentServer, Target) {
+        let s = SegmentServer::start(SegmentServerConfig {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            size,
+            ..Default::default()
+        })
+        .unwrap();
+        let t = Target::from(&s.info());
+        (s, t)
+    }
+
     /// A batch split into units (one connection each) runs them on the engine's kept unit
     /// threads, the caller's beside them: the first such batch starts `conns_per_peer - 1`,
     /// later ones reuse them, and every request lands.
     #[test]
     fn a_batch_in_units_runs_them_on_kept_threads() {
-        let s = SegmentServer::start(SegmentServerConfig {
-            bind: "127.0.0.1:0".parse().unwrap(),
-            size: 8 << 20,
-            ..Default::default()
-        })
-        .unwrap();
-        let t = Target::from(&s.info());
+        let (_s, t) = segment(8 << 20);
         let e = TransferEngine::new(TransferOptions {
             enable_shm: false,
             conns_per_peer: 4,
@@ -561,13 +567,7 @@ mod tests {
     /// engine serves exactly those requests again over tcp and remembers the refusal.
     #[test]
     fn requests_refused_by_gpudirect_are_served_over_tcp() {
-        let s = SegmentServer::start(SegmentServerConfig {
-            bind: "127.0.0.1:0".parse().unwrap(),
-            size: 1 << 20,
-            ..Default::default()
-        })
-        .unwrap();
-        let t = Target::from(&s.info());
+        let (_s, t) = segment(1 << 20);
         let e = TransferEngine::new(TransferOptions {
             enable_shm: false,
             ..TransferOptions::default()
