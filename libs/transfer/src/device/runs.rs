@@ -103,11 +103,10 @@ pub(super) fn coalesce(mut pending: Vec<Pending>, shape: Shape) -> Vec<Run> {
         let sorted = order
             .into_iter()
             .flat_map(|c| pending[c..].iter().step_by(k).copied());
-        return runs_of(sorted, pending.len());
+        return runs_of(sorted);
     }
     pending.sort_unstable_by_key(|p| (p.ordinal, p.dir == CopyDir::HostToDevice, p.len, p.dev));
-    let n = pending.len();
-    runs_of(pending.into_iter(), n)
+    runs_of(pending.into_iter())
 }
 
 /// The columns of `pending` (copy `c` of every request, `k` per request) in device address
@@ -137,9 +136,10 @@ pub(super) fn column_order(pending: &[Pending], k: usize) -> Option<Vec<usize>> 
     Some(cols)
 }
 
-/// Runs of `sorted` copies, in order.
-fn runs_of(sorted: impl Iterator<Item = Pending>, n: usize) -> Vec<Run> {
-    let mut runs: Vec<Run> = Vec::with_capacity(n);
+/// Runs of `sorted` copies, in order. Not reserved for one run per copy: a vLLM batch's 4096
+/// copies per thread make a run or a few per KV tensor.
+fn runs_of(sorted: impl Iterator<Item = Pending>) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
     for p in sorted {
         if let Some(r) = runs.last_mut()
             && r.ordinal == p.ordinal
